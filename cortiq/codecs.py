@@ -1,0 +1,273 @@
+"""Tensor codecs: how a tensor's values are laid out as bytes in a CMF file.
+
+A codec is named and self-describing: the CMF header records, for every tensor
+not stored as plain f32/f16/bf16, the codec's name and the tensor's logical
+shape, so any reader can decode it. Quantized codecs work on the tensor
+flattened in row-major order, cut into blocks (the last block zero-padded);
+every operation is vectorised over blocks.
+
+| name   | per block                         | bytes / weight |
+| ------ | --------------------------------- | -------------- |
+| f32    | -                                 | 4              |
+| f16    | -                                 | 2              |
+| bf16   | -                                 | 2              |
+| q8     | f16 scale + 32 × int8             | 34/32 = 1.0625 |
+| q4     | f16 scale, f16 min + 32 × uint4   | 20/32 = 0.625  |
+| q4_64  | f16 scale, f16 min + 64 × uint4   | 36/64 = 0.5625 |
+| fp8    | f16 scale + 32 × float8 e4m3      | 34/32 = 1.0625 |
+
+q8 is symmetric (x ≈ scale·q, q in [-127, 127]); q4 is asymmetric
+(x ≈ min + scale·q, q in [0, 15]). The registry takes more: subclass
+:class:`Codec` and call :func:`register`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import CortiqError
+
+__all__ = ["Codec", "CodecError", "get", "names", "register", "PLAIN"]
+
+
+class CodecError(CortiqError, ValueError):
+    """An unknown codec or bytes that do not match a codec's layout."""
+
+
+class Codec:
+    """Encodes f32 tensors into a storage tensor and decodes them back."""
+
+    name: str
+    #: plain codecs are stored as a typed tensor of the logical shape
+    plain: bool = False
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """f32 (any shape) → the storage tensor (typed for plain codecs, uint8 else)."""
+        raise NotImplementedError
+
+    def decode(self, stored: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The storage tensor → f32 of the logical shape."""
+        raise NotImplementedError
+
+    def bound(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-element bound on |decode(encode(x)) − x| (for tests and checks)."""
+        raise NotImplementedError
+
+    def bytes_per_weight(self) -> float:
+        return self.nbytes((1 << 20,)) / float(1 << 20)
+
+
+@dataclass(frozen=True)
+class _Plain(Codec):
+    name: str
+    dtype: torch.dtype
+    #: relative rounding error of the format (half an ulp)
+    rel: float
+    plain: bool = True
+
+    def nbytes(self, shape):
+        return math.prod(shape) * torch.finfo(self.dtype).bits // 8
+
+    def encode(self, x):
+        return x.detach().to(self.dtype).contiguous()
+
+    def decode(self, stored, shape):
+        if stored.dtype != self.dtype:
+            raise CodecError(f"{self.name}: stored as {stored.dtype}, expected {self.dtype}")
+        return stored.reshape(shape).to(torch.float32)
+
+    def bound(self, x):
+        return x.abs() * self.rel + torch.finfo(self.dtype).tiny
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Flatten and zero-pad to whole blocks: [n_blocks, block] f32."""
+    flat = x.detach().reshape(-1).to(torch.float32)
+    pad = (-flat.numel()) % block
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.reshape(-1, block)
+
+
+def _n_blocks(shape, block):
+    return max(1, -(-math.prod(shape) // block)) if math.prod(shape) else 0
+
+
+class _Q8(Codec):
+    """int8 blocks, one f16 scale each: x ≈ scale·q."""
+
+    name = "q8"
+    block = 32
+
+    def nbytes(self, shape):
+        return _n_blocks(shape, self.block) * (2 + self.block)
+
+    def quantize(self, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, block] f32 → (q int8 [n, block], scale f16 [n])."""
+        scale = (b.abs().amax(dim=1) / 127.0).to(torch.float16)
+        s = scale.to(torch.float32)
+        q = torch.where(s[:, None] > 0, b / s.clamp_min(1e-30)[:, None], 0.0)
+        return q.round().clamp(-127, 127).to(torch.int8), scale
+
+    def pack(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        n = q.shape[0]
+        out = torch.empty(n, 2 + self.block, dtype=torch.uint8)
+        out[:, :2] = scale.to(torch.float16).contiguous().view(torch.uint8).reshape(n, 2)
+        out[:, 2:] = q.contiguous().view(torch.uint8)
+        return out.reshape(-1)
+
+    def encode(self, x):
+        return self.pack(*self.quantize(_blocks(x, self.block)))
+
+    def decode(self, stored, shape):
+        n = _n_blocks(shape, self.block)
+        if stored.dtype != torch.uint8 or stored.numel() != n * (2 + self.block):
+            raise CodecError(f"q8: {stored.numel()} bytes do not hold {list(shape)}")
+        raw = stored.reshape(n, 2 + self.block)
+        scale = raw[:, :2].contiguous().view(torch.float16).to(torch.float32)  # [n, 1]
+        q = raw[:, 2:].contiguous().view(torch.int8).to(torch.float32)
+        return (q * scale).reshape(-1)[: math.prod(shape)].reshape(shape)
+
+    def bound(self, x):
+        b = _blocks(x, self.block)
+        amax = b.abs().amax(dim=1, keepdim=True)
+        # half a step, plus the f16 rounding of the scale times the largest code
+        per = amax / 127.0 * 0.5 + amax * 2.0**-11 + 1e-12
+        return per.expand_as(b).reshape(-1)[: x.numel()].reshape(x.shape)
+
+
+class _Q4(Codec):
+    """uint4 blocks with f16 scale and min: x ≈ min + scale·q, q in 0..15."""
+
+    def __init__(self, block: int):
+        self.block = block
+        self.name = "q4" if block == 32 else f"q4_{block}"
+
+    def nbytes(self, shape):
+        return _n_blocks(shape, self.block) * (4 + self.block // 2)
+
+    def quantize(self, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[n, block] f32 → (q uint8 [n, block] in 0..15, scale f16 [n], min f16 [n])."""
+        lo = b.amin(dim=1).to(torch.float16)
+        lo32 = lo.to(torch.float32)
+        scale = ((b.amax(dim=1) - lo32) / 15.0).to(torch.float16)
+        s = scale.to(torch.float32)
+        q = torch.where(s[:, None] > 0, (b - lo32[:, None]) / s.clamp_min(1e-30)[:, None], 0.0)
+        return q.round().clamp(0, 15).to(torch.uint8), scale, lo
+
+    def pack(self, q, scale, lo):
+        n = q.shape[0]
+        out = torch.empty(n, 4 + self.block // 2, dtype=torch.uint8)
+        out[:, :2] = scale.to(torch.float16).contiguous().view(torch.uint8).reshape(n, 2)
+        out[:, 2:4] = lo.to(torch.float16).contiguous().view(torch.uint8).reshape(n, 2)
+        out[:, 4:] = q[:, 0::2] | (q[:, 1::2] << 4)
+        return out.reshape(-1)
+
+    def encode(self, x):
+        return self.pack(*self.quantize(_blocks(x, self.block)))
+
+    def decode(self, stored, shape):
+        n = _n_blocks(shape, self.block)
+        width = 4 + self.block // 2
+        if stored.dtype != torch.uint8 or stored.numel() != n * width:
+            raise CodecError(f"{self.name}: {stored.numel()} bytes do not hold {list(shape)}")
+        raw = stored.reshape(n, width)
+        scale = raw[:, 0:2].contiguous().view(torch.float16).to(torch.float32)
+        lo = raw[:, 2:4].contiguous().view(torch.float16).to(torch.float32)
+        packed = raw[:, 4:]
+        q = torch.stack([packed & 0xF, packed >> 4], dim=2).reshape(n, self.block).to(torch.float32)
+        return (lo + q * scale).reshape(-1)[: math.prod(shape)].reshape(shape)
+
+    def bound(self, x):
+        b = _blocks(x, self.block)
+        lo, hi = b.amin(dim=1, keepdim=True), b.amax(dim=1, keepdim=True)
+        mag = torch.maximum(lo.abs(), hi.abs())
+        # half a step, the f16 rounding of min and of scale·15
+        per = (hi - lo) / 15.0 * 0.5 + mag * 2.0**-10 + (hi - lo) * 2.0**-10 + 1e-12
+        return per.expand_as(b).reshape(-1)[: x.numel()].reshape(x.shape)
+
+
+class _FP8(Codec):
+    """float8 e4m3 blocks of 32 with an f16 scale: x ≈ scale·f8 (amax maps to 448)."""
+
+    name = "fp8"
+    block = 32
+
+    def nbytes(self, shape):
+        return _n_blocks(shape, self.block) * (2 + self.block)
+
+    def encode(self, x):
+        b = _blocks(x, self.block)
+        scale = (b.abs().amax(dim=1) / 448.0).to(torch.float16)
+        s = scale.to(torch.float32).clamp_min(1e-30)
+        f8 = (b / s[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        n = b.shape[0]
+        out = torch.empty(n, 2 + self.block, dtype=torch.uint8)
+        out[:, :2] = scale.contiguous().view(torch.uint8).reshape(n, 2)
+        out[:, 2:] = f8.view(torch.uint8)
+        return out.reshape(-1)
+
+    def decode(self, stored, shape):
+        n = _n_blocks(shape, self.block)
+        if stored.dtype != torch.uint8 or stored.numel() != n * (2 + self.block):
+            raise CodecError(f"fp8: {stored.numel()} bytes do not hold {list(shape)}")
+        raw = stored.reshape(n, 2 + self.block)
+        scale = raw[:, :2].contiguous().view(torch.float16).to(torch.float32)
+        v = raw[:, 2:].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+        return (v * scale).reshape(-1)[: math.prod(shape)].reshape(shape)
+
+    def bound(self, x):
+        b = _blocks(x, self.block)
+        amax = b.abs().amax(dim=1, keepdim=True)
+        # e4m3 keeps 3 mantissa bits: relative 2^-4; subnormals bottom out at 2^-9 of the scale
+        per = b.abs() * 2.0**-4 + amax / 448.0 * 2.0**-9 + amax * 2.0**-10 + 1e-12
+        return per.reshape(-1)[: x.numel()].reshape(x.shape)
+
+
+_REGISTRY: dict[str, Codec] = {}
+
+
+def register(codec: Codec) -> Codec:
+    _REGISTRY[codec.name] = codec
+    return codec
+
+
+for _c in (
+    _Plain("f32", torch.float32, 0.0),
+    _Plain("f16", torch.float16, 2.0**-11),
+    _Plain("bf16", torch.bfloat16, 2.0**-8),
+    _Q8(),
+    _Q4(32),
+    _Q4(64),
+    _FP8(),
+):
+    register(_c)
+
+#: plain codecs by the safetensors dtype name they are stored as
+PLAIN = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get(name: str) -> Codec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise CodecError(f"unknown codec {name!r} (known: {', '.join(_REGISTRY)})") from None
+
+
+def to_numpy_bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous tensor's bytes as a uint8 array (no copy where possible)."""
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy().reshape(-1).view(np.uint8)

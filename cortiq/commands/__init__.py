@@ -1,0 +1,1 @@
+"""One module per CLI command (see cortiq/cli.py for the contract)."""

@@ -1,0 +1,138 @@
+"""Stage outputs: content digests, directories finished by `meta.json`, Arrow files.
+
+Every stage output lives in its own directory named by its digest, a hash of
+the stage's name and version, its settings and the digests of its inputs, so
+the same work is never done twice, with or without Prefect (whose task cache
+key is that digest). A directory is written as `NAME.partial/`, `meta.json`
+goes in last and the directory is renamed: a directory without `meta.json`
+is an interrupted stage and is redone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from .errors import CortiqError
+
+META = "meta.json"
+
+
+def _canon(x: Any) -> Any:
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return _canon(dataclasses.asdict(x))
+    if isinstance(x, dict):
+        return {str(k): _canon(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(x, (list, tuple)):
+        return [_canon(v) for v in x]
+    if isinstance(x, Path):
+        return str(x)
+    if isinstance(x, float) and x == int(x) and abs(x) < 2**53:
+        return x  # json keeps 1.0 as 1.0; stable either way
+    return x
+
+
+def digest(stage: str, version: str | int, settings: Any = None, inputs: list[str] | tuple[str, ...] = ()) -> str:
+    """The digest of a stage output: 32 hex digits."""
+    blob = json.dumps({"stage": stage, "version": str(version), "settings": _canon(settings), "inputs": list(inputs)},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """A content digest of an input file or stage directory.
+
+    A CMF model: the hash of its recorded per-tensor sha256s and its document
+    less provenance (cheap: no tensor is read). A stage directory: its
+    meta.json's `digest`. Any other file: sha256 of its bytes."""
+    p = Path(path)
+    if p.is_dir():
+        meta = read_meta(p)
+        if "digest" not in meta:
+            raise CortiqError(f"{p}: meta.json has no digest")
+        return str(meta["digest"])
+    if p.suffix == ".cmf":
+        from .cmf import open_cmf
+
+        doc = dict(open_cmf(p).doc)
+        doc.pop("provenance", None)
+        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
+    h = hashlib.sha256()
+    try:
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    except FileNotFoundError:
+        raise CortiqError(f"{p}: no such file") from None
+    return h.hexdigest()[:32]
+
+
+def is_complete(d: str | os.PathLike) -> bool:
+    return (Path(d) / META).is_file()
+
+
+def read_meta(d: str | os.PathLike) -> dict:
+    p = Path(d) / META
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise CortiqError(f"{d}: not a finished stage output (no {META}; an interrupted run? delete it and run again)") from None
+    except json.JSONDecodeError:
+        raise CortiqError(f"{p}: not JSON") from None
+
+
+@contextlib.contextmanager
+def stage_dir(final: str | os.PathLike, meta: dict) -> Iterator[Path]:
+    """Write a stage output: yields `FINAL.partial/` to fill; on success
+    writes `meta.json` (with `meta`) last and renames it to `FINAL`. On error
+    the partial directory is removed."""
+    final = Path(final)
+    part = final.with_name(final.name + ".partial")
+    if part.exists():
+        shutil.rmtree(part)
+    part.mkdir(parents=True)
+    try:
+        yield part
+        tmp = part / (META + ".tmp")
+        tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+        os.replace(tmp, part / META)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(part, final)
+    except BaseException:
+        shutil.rmtree(part, ignore_errors=True)
+        raise
+
+
+def write_arrow(path: str | os.PathLike, table: pa.Table) -> None:
+    """An Arrow IPC file (written to `.partial`, then renamed)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    os.replace(tmp, path)
+
+
+def read_arrow(path: str | os.PathLike) -> pa.Table:
+    """An Arrow IPC file, memory-mapped (columns are views of the map)."""
+    try:
+        src = pa.memory_map(str(path), "r")
+        return ipc.open_file(src).read_all()
+    except FileNotFoundError:
+        raise CortiqError(f"{path}: no such file") from None
+    except pa.ArrowInvalid as e:
+        raise CortiqError(f"{path}: not an Arrow file ({e})") from None
+
+
+def home() -> Path:
+    """The cortiq home: outputs, caches and the default MLflow store (CORTIQ_HOME, else ~/.cortiq)."""
+    return Path(os.environ.get("CORTIQ_HOME", Path.home() / ".cortiq"))
