@@ -1,0 +1,80 @@
+"""The logger interface stages report through.
+
+cortiq never imports mlflow: a stage takes a `Logger` and calls it; the flows
+pass one that writes to MLflow (through `MlflowClient` with a run id, see
+flows/tracking.py), tests and plain scripts pass `NullLogger` (the default) or
+`MemoryLogger`. Stages also return everything they measured in their report,
+so a cached task's metrics can be logged from its result.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Logger(Protocol):
+    def log_params(self, params: dict[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None: ...
+
+    def set_tags(self, tags: dict[str, str]) -> None: ...
+
+
+class NullLogger:
+    """Drops everything."""
+
+    def log_params(self, params):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def log_artifact(self, path, artifact_path=None):
+        pass
+
+    def set_tags(self, tags):
+        pass
+
+
+class MemoryLogger:
+    """Keeps everything in lists (tests, and a summary at the end of a run)."""
+
+    def __init__(self):
+        self.params: dict[str, Any] = {}
+        self.metrics: list[tuple[str, float, int | None]] = []
+        self.artifacts: list[tuple[str, str | None]] = []
+        self.tags: dict[str, str] = {}
+
+    def log_params(self, params):
+        self.params.update(params)
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics += [(k, float(v), step) for k, v in metrics.items()]
+
+    def log_artifact(self, path, artifact_path=None):
+        self.artifacts.append((str(path), artifact_path))
+
+    def set_tags(self, tags):
+        self.tags.update(tags)
+
+    def series(self, key: str) -> list[tuple[int | None, float]]:
+        return [(s, v) for k, v, s in self.metrics if k == key]
+
+
+NULL = NullLogger()
+
+
+def flatten(d: dict, prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """Nested settings as flat `a.b.c` params (lists joined as strings)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{sep}{k}" if prefix else str(k)
+        if isinstance(v, dict):
+            out.update(flatten(v, key, sep))
+        elif isinstance(v, (list, tuple)):
+            out[key] = ",".join(str(x) for x in v)
+        else:
+            out[key] = v
+    return out
