@@ -81,6 +81,8 @@ class Arch:
     tie_word_embeddings: bool = False
     #: number of MTP draft layers carried under model.mtp.* (0 or 1)
     mtp_layers: int = 0
+    #: MLP width of the MTP block's layer (0: the last trunk layer's width)
+    mtp_intermediate_size: int = 0
     max_position_embeddings: int = 32768
 
     def __post_init__(self):
@@ -189,5 +191,6 @@ def from_hf_config(cfg: dict) -> Arch:
         linear_proj_layout="qkvz" if name == "qwen3_next" else "split",
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         mtp_layers=mtp,
+        mtp_intermediate_size=int(cfg["intermediate_size"]) if mtp else 0,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
     )

@@ -1,0 +1,109 @@
+"""The model against transformers' own implementations, on tiny random models."""
+
+import pytest
+import torch
+
+from cortiq.convert.hf import convert_hf_dir
+from cortiq.model import export_model, load_model
+from cortiq.cmf import open_cmf
+
+from model_helpers import _perturb_norms, save_hf, tiny_llama, tiny_qwen3, tiny_qwen3_next
+
+
+def _compare(hf, tmp_path, T=37):
+    _perturb_norms(hf)
+    src = save_hf(hf, tmp_path / "hf")
+    cmf = convert_hf_dir(src, tmp_path / "m.cmf")
+    m = load_model(cmf)
+    ids = torch.randint(0, 259, (2, T))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = m(ids)
+    assert got.shape == ref.shape
+    err = (got - ref).abs().max() / ref.abs().max()
+    assert err < 1e-4, float(err)
+    return m, ids, ref
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_llama_matches_transformers(tmp_path, tie):
+    _compare(tiny_llama(tie=tie), tmp_path)
+
+
+def test_qwen3_matches_transformers(tmp_path):
+    m, _, _ = _compare(tiny_qwen3(), tmp_path)
+    assert m.arch.qk_norm and m.lm_head is None
+
+
+def test_qwen3_next_matches_transformers(tmp_path):
+    # T=70 > one 64-token GDN chunk
+    m, _, _ = _compare(tiny_qwen3_next(), tmp_path, T=70)
+    assert m.arch.layer_types == ["linear_attention", "full_attention"] * 2
+
+
+def test_entry_points_agree_with_forward(tmp_path):
+    m, ids, ref = _compare(tiny_llama(), tmp_path, T=20)
+    with torch.no_grad():
+        h, caught = m.forward_hidden(ids, capture=(0, 1))
+        assert torch.allclose(m.logits(h), ref, rtol=1e-4, atol=1e-4)
+        # layers 0..1 then 1..2 from layer 0's output reproduce the whole stack
+        h0 = m.run_layers(m.embed(ids), 0, 1)
+        assert torch.allclose(h0, caught[0], atol=1e-6)
+        assert torch.allclose(m.model.norm(m.run_layers(h0, 1, 2)), h, atol=1e-5)
+        tid, tp = m.topk_next(h, 5, chunk=7)  # a chunk that does not divide B·T
+        lg = m.logits(h)
+        top, idx = lg.topk(5, -1)
+    assert torch.equal(tid, idx)
+    assert torch.allclose(tp, torch.softmax(top, -1), atol=1e-6)
+    assert torch.allclose(tp.sum(-1), torch.ones(2, 20))
+
+
+def test_neuron_gates_and_export_roundtrip(tmp_path):
+    m, ids, ref = _compare(tiny_llama(), tmp_path, T=9)
+    m.set_neuron_gates(True, init=2.0)
+    assert m.layers[0].mlp.neuron_logits.shape == (80,)
+    with torch.no_grad():
+        gated = m(ids)
+        m.set_neuron_gates(True, init=40.0)  # σ(40) = 1: the ungated model
+        assert torch.allclose(m(ids), ref, atol=1e-5)
+    assert not torch.allclose(gated, ref, atol=1e-3)
+    m.set_neuron_gates(False)
+    # fold layer 0 to 50 neurons, export, reload: widths per layer survive
+    with torch.no_grad():
+        mlp = m.layers[0].mlp
+        keep = torch.arange(50)
+        mlp.gate_proj = torch.nn.Linear(48, 50, bias=False)
+        mlp.up_proj = torch.nn.Linear(48, 50, bias=False)
+        mlp.down_proj = torch.nn.Linear(50, 48, bias=False)
+        folded = m(ids)
+    out = export_model(m, open_cmf(tmp_path / "m.cmf"), tmp_path / "f.cmf", provenance_stage="fold", provenance={"keep": 50})
+    f = open_cmf(out)
+    assert f.arch.intermediate_sizes == [50, 80]
+    assert f.provenance["fold"] == {"keep": 50} and "convert" in f.provenance
+    m2 = load_model(out)
+    with torch.no_grad():
+        assert torch.equal(m2(ids), folded)
+    del keep
+
+
+def test_quantized_export_loads_dequantized(tmp_path):
+    m, ids, ref = _compare(tiny_llama(), tmp_path, T=9)
+    out = export_model(m, open_cmf(tmp_path / "m.cmf"), tmp_path / "q.cmf", codec="q8")
+    f = open_cmf(out)
+    assert f.info("model.layers.0.mlp.up_proj.weight").codec == "q8"
+    assert f.info("model.norm.weight").codec == "f32"
+    with torch.no_grad():
+        q = load_model(out)(ids)
+    assert (q - ref).abs().max() / ref.abs().max() < 0.05
+
+
+def test_missing_tensor_is_a_clear_error(tmp_path):
+    from cortiq.cmf import copy_specs, write_cmf
+    from cortiq.errors import CortiqError
+
+    _compare(tiny_llama(), tmp_path, T=4)
+    src = open_cmf(tmp_path / "m.cmf")
+    specs = [s for s in copy_specs(src) if s.name != "model.norm.weight"]
+    write_cmf(tmp_path / "bad.cmf", src.doc, specs)
+    with pytest.raises(CortiqError, match=r"bad.cmf: missing tensors \['model.norm.weight'\]"):
+        load_model(tmp_path / "bad.cmf")
