@@ -1,0 +1,1 @@
+"""Compress (S2): DTG-MA neuron masks, the fold, Gram capture, GPTQ."""
