@@ -1,0 +1,316 @@
+"""Build a tdata directory: read sources, cut plain text, render chats, tokenize, split, write.
+
+Tokenizing goes through the tokenizer's `encode_batch` (Rust, all cores); the
+Python loops here run over paragraphs and records, never over tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .. import store
+from ..errors import CortiqError
+from .sources import Document, Item, read_source
+from .tdata import ARROW, SPLITS, STAGE, VERSION, Record, Tdata, records_table, tokenizer_digest
+
+
+@dataclass
+class BuildSettings:
+    """How records are made from the sources."""
+
+    # ── records from plain text ──
+    #: paragraphs are packed into records of up to this many tokens; a longer
+    #: paragraph is cut at line, then sentence boundaries
+    record_tokens: int = 512
+    #: the longest record accepted (the longest window a stage is asked to
+    #: support): a record still longer after cutting is an error
+    max_tokens: int = 8192
+
+    # ── tokens ──
+    #: append the EOS id to every record (a model learns where answers end;
+    #: records in a stream stay apart)
+    eos: bool = True
+
+    # ── splits ──
+    #: train/val/test fractions for records that name no split: a record goes
+    #: where the sha256 of its rid falls
+    fractions: tuple[float, float, float] = (0.9, 0.05, 0.05)
+
+    # ── labels ──
+    #: category of records that name none (default: the source file's stem or the corpus name)
+    category: str | None = None
+
+    # ── generated answers (self-distillation) ──
+    #: a CMF model that writes the answer of every prompt (greedy)
+    generate_with: str | None = None
+    #: the most tokens a generated answer has
+    max_new: int = 256
+
+    def __post_init__(self):
+        self.fractions = tuple(float(f) for f in self.fractions)
+        if len(self.fractions) != 3 or any(f < 0 for f in self.fractions) or abs(sum(self.fractions) - 1) > 1e-6:
+            raise CortiqError(f"split fractions must be three non-negative numbers summing to 1, not {self.fractions}")
+        if self.fractions[0] == 0:
+            raise CortiqError("the train fraction must be positive")
+        if self.record_tokens < 2:
+            raise CortiqError(f"record_tokens must be at least 2, not {self.record_tokens}")
+        if self.max_tokens < self.record_tokens:
+            raise CortiqError(f"max_tokens ({self.max_tokens}) must be at least record_tokens ({self.record_tokens})")
+        if self.max_new < 1:
+            raise CortiqError(f"max_new must be at least 1, not {self.max_new}")
+
+
+# ── cutting plain text ───────────────────────────────────────────────────
+
+_PARA_END = re.compile(r"\n[ \t]*\n\s*")  # a blank line (and what follows up to the next text)
+_LINE_END = re.compile(r"\n")
+_SENT_END = re.compile(r"(?<=[.!?;:])\s+")
+
+
+def _cut_at(text: str, pattern: re.Pattern) -> list[str]:
+    """`text` cut just after each match of `pattern`: the pieces join back to `text`."""
+    out, at = [], 0
+    for m in pattern.finditer(text):
+        if m.end() > at and m.end() < len(text):
+            out.append(text[at:m.end()])
+            at = m.end()
+    out.append(text[at:])
+    return [p for p in out if p]
+
+
+def _count(tok, texts: list[str]) -> list[int]:
+    return [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)] if texts else []
+
+
+def cut_text(tok, text: str, record_tokens: int) -> list[str]:
+    """Contiguous pieces of `text` (they join back to it exactly), each up to ~record_tokens tokens:
+    whole paragraphs packed together; a paragraph alone over the limit is cut at lines, then sentences."""
+    paras = _cut_at(text, _PARA_END)
+    counts = _count(tok, paras)
+    pieces: list[tuple[str, int]] = []
+    for p, c in zip(paras, counts):
+        if c <= record_tokens:
+            pieces.append((p, c))
+            continue
+        for line, lc in zip(lines := _cut_at(p, _LINE_END), _count(tok, lines)):
+            if lc <= record_tokens:
+                pieces.append((line, lc))
+            else:
+                sents = _cut_at(line, _SENT_END)
+                pieces += list(zip(sents, _count(tok, sents)))
+    out, cur, n = [], [], 0
+    for p, c in pieces:
+        if cur and n + c > record_tokens:
+            out.append("".join(cur))
+            cur, n = [], 0
+        cur.append(p)
+        n += c
+    if cur:
+        out.append("".join(cur))
+    return out
+
+
+# ── chats ────────────────────────────────────────────────────────────────
+
+
+def render_chat(template: str | None, messages: list[dict], add_generation_prompt: bool, bos: str, eos: str,
+                where: str) -> str:
+    """`messages` in the model's chat template (a Jinja string, rendered as transformers does);
+    without one, plain `role: content` paragraphs."""
+    if not template:
+        text = "".join(f"{m['role']}: {m['content']}\n\n" for m in messages)
+        return text + ("assistant: " if add_generation_prompt else "")
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg):
+        raise CortiqError(f"{where}: the chat template refused the messages: {msg}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                bos_token=bos, eos_token=eos, tools=None)
+    except jinja2.TemplateError as e:
+        raise CortiqError(f"{where}: the chat template failed: {e}") from None
+
+
+def chat_parts(item: Item, template: str | None, bos: str, eos: str) -> tuple[str, str]:
+    """(prompt, answer) of a chat: the prompt is everything before the first assistant turn
+    (with the generation prompt), the answer the rest of the rendered chat."""
+    msgs = item.messages
+    k = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
+    if k is None:
+        return render_chat(template, msgs, True, bos, eos, item.where), ""
+    prompt = render_chat(template, msgs[:k], True, bos, eos, item.where)
+    full = render_chat(template, msgs, False, bos, eos, item.where)
+    if not full.startswith(prompt):
+        raise CortiqError(f"{item.where}: the chat template does not render the prompt as the start of the chat")
+    return prompt, full[len(prompt):]
+
+
+# ── splits ───────────────────────────────────────────────────────────────
+
+
+def hash_unit(rid: str) -> float:
+    """Where `rid` falls in [0, 1): the first 8 bytes of its sha256 (apart from the FNV stream order)."""
+    return int.from_bytes(hashlib.sha256(rid.encode("utf-8")).digest()[:8], "big") / 2.0**64
+
+
+def assign_splits(rids: list[str], given: list[str | None], fractions: tuple[float, float, float]) -> list[str]:
+    edges = np.cumsum(fractions)[:-1]  # [2]
+    out = []
+    for rid, g in zip(rids, given):
+        out.append(g if g is not None else SPLITS[int(np.searchsorted(edges, hash_unit(rid), side="right"))])
+    return out
+
+
+# ── the build ────────────────────────────────────────────────────────────
+
+
+def inputs_of(sources: list[str], tokenizer: str | os.PathLike, settings: BuildSettings) -> list[str]:
+    """Digests of everything a build reads (the sources, the tokenizer, the generating model)."""
+    out = []
+    for s in sources:
+        if s.startswith("corpus:"):
+            from .sources import corpus_documents
+
+            h = hashlib.sha256()
+            for d in corpus_documents(s.split(":", 1)[1]):
+                h.update(d.stem.encode() + b"\0" + d.text.encode())
+            out.append(h.hexdigest()[:32])
+        else:
+            from .sources import expand
+
+            out += [store.file_digest(p) for p in expand(s)]
+    out.append(store.file_digest(tokenizer))
+    if settings.generate_with:
+        out.append(store.file_digest(settings.generate_with))
+    return out
+
+
+def build_digest(sources: list[str], tokenizer: str | os.PathLike, settings: BuildSettings) -> str:
+    return store.digest(STAGE, VERSION, asdict(settings), inputs_of(sources, tokenizer, settings))
+
+
+def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLike, settings: BuildSettings | None = None,
+          progress: Callable[[str], None] | None = None) -> Tdata:
+    """Tokenize `sources` (paths, or `corpus:NAME`) with the tokenizer of the CMF file `tokenizer`
+    into the tdata directory `out` (written whole or not at all; meta.json last)."""
+    from ..cmf import open_cmf
+    from ..tokenizer import from_doc
+
+    settings = settings or BuildSettings()
+    if not sources:
+        raise CortiqError("no sources to build data from")
+    cmf = open_cmf(tokenizer)
+    tdoc = cmf.tokenizer or {}
+    tok = from_doc(tdoc, str(tokenizer))
+    eos_id = cmf.eos_id
+    bos_id = tdoc.get("bos_id")
+    vocab = cmf.arch.vocab_size
+
+    items: list[Item] = []
+    docs: list[Document] = []
+    for s in sources:
+        if progress:
+            progress(f"reading {s}")
+        i, d = read_source(s, settings.category)
+        items += i
+        docs += d
+    if not items and not docs:
+        raise CortiqError(f"no records in {', '.join(sources)}")
+
+    if settings.generate_with:
+        from .generate import generate_answers
+
+        if progress:
+            progress(f"generating answers with {settings.generate_with}")
+        generate_answers(items, settings.generate_with, tokenizer, settings.max_new, progress)
+
+    # (prompt, answer, where, bos?) per record; text records are all answer, scored from their second token
+    rids, splits_given, cats, wheres, prompts, answers, use_bos = [], [], [], [], [], [], []
+    for d in docs:
+        for k, piece in enumerate(cut_text(tok, d.text, settings.record_tokens)):
+            rids.append(f"{d.stem}:{k}")
+            splits_given.append(None)
+            cats.append(d.category)
+            wheres.append(f"{d.where} (record {k})")
+            prompts.append("")
+            answers.append(piece)
+            use_bos.append(True)
+    bos_s = tok.id_to_token(bos_id) if bos_id is not None else ""
+    eos_s = tok.id_to_token(eos_id) or ""
+    for it in items:
+        if it.kind == "text":
+            p, a = "", it.text
+        elif it.kind == "pair":
+            if it.answer is None:
+                raise CortiqError(f"{it.where}: a prompt with no 'answer' (give one, or build with --generate-with MODEL.cmf)")
+            p, a = it.prompt, it.answer
+        else:
+            p, a = chat_parts(it, tdoc.get("chat_template"), bos_s or "", eos_s)
+        if not a:
+            raise CortiqError(f"{it.where}: the answer is empty")
+        rids.append(it.rid)
+        splits_given.append(it.split)
+        cats.append(it.category)
+        wheres.append(it.where)
+        prompts.append(p)
+        answers.append(a)
+        use_bos.append(it.kind != "chat")  # a chat template writes its own BOS
+
+    seen: dict[str, str] = {}
+    for rid, w in zip(rids, wheres):
+        if rid in seen:
+            raise CortiqError(f"{w}: record id {rid!r} already used at {seen[rid]}")
+        seen[rid] = w
+
+    if progress:
+        progress(f"tokenizing {len(rids)} records")
+    p_enc = tok.encode_batch(prompts, add_special_tokens=False)
+    a_enc = tok.encode_batch(answers, add_special_tokens=False)
+    records = []
+    head = [bos_id] if bos_id is not None else []
+    tail = [eos_id] if settings.eos else []
+    for i in range(len(rids)):
+        pre = (head if use_bos[i] else []) + p_enc[i].ids
+        ids = np.array(pre + a_enc[i].ids + tail, dtype=np.uint32)
+        if len(ids) > settings.max_tokens:
+            raise CortiqError(f"{wheres[i]}: record {rids[i]!r} has {len(ids)} tokens, more than max_tokens {settings.max_tokens}")
+        records.append(Record(rids[i], "", cats[i], ids, max(1, len(pre))))
+    top = max(int(r.ids.max()) for r in records)
+    if top >= vocab:
+        raise CortiqError(f"{tokenizer}: its tokenizer makes id {top}, outside the model's vocabulary ({vocab} ids)")
+
+    splits = assign_splits(rids, splits_given, settings.fractions)
+    hashed = [g is None for g in splits_given]
+    for r, s in zip(records, splits):
+        r.split = s
+    for s, f in zip(SPLITS, settings.fractions):
+        if s == "train" or (f > 0 and any(hashed)):
+            if not any(x == s for x in splits):
+                raise CortiqError(f"the {s} split is empty: {sum(hashed)} records split {settings.fractions[0]:g}/"
+                                  f"{settings.fractions[1]:g}/{settings.fractions[2]:g} left none there "
+                                  f"(more data, other --fractions, or name splits in the JSONL)")
+
+    table = records_table(records)
+    digest = build_digest(sources, tokenizer, settings)
+    meta = {
+        "stage": STAGE, "version": VERSION, "digest": digest, "settings": asdict(settings),
+        "inputs": {"sources": list(sources), "tokenizer": str(tokenizer)},
+        "tokenizer_digest": tokenizer_digest(tdoc["json"]), "vocab_size": vocab, "eos_id": eos_id, "bos_id": bos_id,
+    }
+    out = Path(out)
+    with store.stage_dir(out, meta) as part:
+        store.write_arrow(part / ARROW, table)
+        td = Tdata(part, meta, table)
+        meta["counts"] = td.counts()  # the dict stage_dir writes last
+    return Tdata.open(out)

