@@ -1,0 +1,76 @@
+"""Per-window rows of an Arrow file, memory-mapped: fixed-size list columns
+read as numpy views of the map, chunk by chunk (a stage writes one record
+batch per pass batch, so a file has many chunks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from .. import store
+
+
+class WindowRows:
+    """`column` of an Arrow file whose rows are windows, each a fixed-size list
+    reshaped to `shape`; `take(idx)` gathers windows [len(idx), *shape]."""
+
+    def __init__(self, table: pa.Table, column: str, shape: tuple[int, ...]):
+        self.shape = tuple(shape)
+        self.parts: list[np.ndarray] = []
+        for ch in table.column(column).chunks:
+            flat = ch.flatten() if ch.offset else ch.values  # sliced chunks carry an offset
+            self.parts.append(flat.to_numpy(zero_copy_only=True).reshape((len(ch), *self.shape)))
+        self.starts = np.cumsum([0] + [len(p) for p in self.parts])
+        self.n = int(self.starts[-1])
+
+    def __len__(self) -> int:
+        return self.n
+
+    def take(self, idx) -> np.ndarray:
+        idx = np.asarray(idx, dtype=np.int64)
+        part = np.searchsorted(self.starts, idx, side="right") - 1
+        if len(self.parts) == 1:
+            return self.parts[0][idx]
+        return np.stack([self.parts[p][i - self.starts[p]] for p, i in zip(part, idx)])  # a batch of windows
+
+
+class RowWriter:
+    """Streams record batches of per-window fixed-size lists into `path` (`.partial`, renamed on close)."""
+
+    def __init__(self, path, fields: dict[str, tuple[pa.DataType, int]], scalars: dict[str, pa.DataType] = {}):
+        import os
+
+        self.path = path
+        self.tmp = path.with_name(path.name + ".partial")
+        self.fields = fields
+        self.scalars = scalars
+        self.schema = pa.schema([pa.field(k, pa.list_(t, n)) for k, (t, n) in fields.items()]
+                                + [pa.field(k, t) for k, t in scalars.items()])
+        self.sink = pa.OSFile(str(self.tmp), "wb")
+        self.writer = pa.ipc.new_file(self.sink, self.schema)
+        self._os = os
+
+    def write(self, **cols: np.ndarray) -> None:
+        arrays = []
+        for k, (t, n) in self.fields.items():
+            a = np.ascontiguousarray(cols[k]).reshape(-1)
+            arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(a, type=t), n))
+        for k, t in self.scalars.items():
+            arrays.append(pa.array(np.asarray(cols[k]), type=t))
+        self.writer.write_batch(pa.record_batch(arrays, schema=self.schema))
+
+    def close(self) -> None:
+        self.writer.close()
+        self.sink.close()
+        self._os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        try:
+            self.writer.close()
+            self.sink.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+
+def open_table(path) -> pa.Table:
+    return store.read_arrow(path)

@@ -1,0 +1,58 @@
+"""Targets: the hard-target slot and the ce mix against a dense reference; the KL of the mix."""
+
+import pytest
+import torch
+
+from cortiq.heal.loss import topk_kl
+from cortiq.heal.targets import mix_targets, mix_targets_reference
+
+
+def _teacher(n=23, v=41, k=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(n)])
+    probs = torch.softmax(torch.randn(n, k, generator=g), -1)
+    nxt = torch.randint(0, v, (n,), generator=g)
+    nxt[::3] = ids[::3, 2]  # some rows: the teacher ranked the data's token
+    weight = (torch.rand(n, generator=g) > 0.25).float()
+    return ids, probs, nxt, weight, v
+
+
+def _dense(ids, probs, v):
+    out = torch.zeros(ids.shape[0], v, dtype=torch.float64)
+    return out.scatter_add_(1, ids.long(), probs.double())
+
+
+@pytest.mark.parametrize("ce", [0.0, 0.3, 0.75, 1.0])
+def test_mix_matches_dense_reference(ce):
+    ids, probs, nxt, weight, v = _teacher()
+    mi, mp = mix_targets(ids, probs, nxt, weight, ce)
+    ref = mix_targets_reference(ids, probs, nxt, weight, ce, v)
+    torch.testing.assert_close(_dense(mi, mp, v), ref, rtol=1e-6, atol=1e-7)
+    # ids stay distinct within a row (the kernel-free loss would double count otherwise)
+    srt = mi.sort(1).values
+    assert torch.all(srt[:, 1:] != srt[:, :-1])
+    # every scored row carries its weight as mass; unscored rows none
+    torch.testing.assert_close(mp.sum(1), weight, rtol=1e-5, atol=1e-6)
+
+
+def test_hard_slot_kl_matches_plain_reference():
+    ids, probs, nxt, weight, v = _teacher()
+    ce = 0.4
+    mi, mp = mix_targets(ids, probs, nxt, weight, ce)
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(len(nxt), 16, generator=g, dtype=torch.float64)
+    w = torch.randn(v, 16, generator=g, dtype=torch.float64)
+    dense = mix_targets_reference(ids, probs, nxt, weight, ce, v)
+    logp = torch.log_softmax(h @ w.t(), -1)
+    ref = (torch.xlogy(dense, dense) - dense * logp).sum()
+    torch.testing.assert_close(topk_kl(h, w, mi, mp, chunk=5), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_ce_one_is_the_nll_of_the_next_token():
+    ids, probs, nxt, weight, v = _teacher()
+    mi, mp = mix_targets(ids, probs, nxt, weight, 1.0)
+    assert mi.shape == (len(nxt), 1) and torch.equal(mi[:, 0], nxt)
+    h = torch.randn(len(nxt), 8, dtype=torch.float64)
+    w = torch.randn(v, 8, dtype=torch.float64)
+    nll = (torch.nn.functional.cross_entropy(h @ w.t(), nxt, reduction="none") * weight.double()).sum()
+    torch.testing.assert_close(topk_kl(h, w, mi, mp), nll)
