@@ -1,0 +1,217 @@
+"""cortiq on the GPU against the plain transformers baseline: one call, one table.
+
+    python bench/run.py [--geoms qwen3-0.6b,qwen3-1.7b,qwen3.5-hybrid] [--parts baseline,cortiq]
+                        [--batch 4] [--seq 2048] [--steps 8] [--out DIR]
+
+The baseline is what a user would write instead: transformers' Qwen3ForCausalLM
+for teacher and student (random init, bf16), the teacher online every step,
+full-vocabulary `kl_div`, AdamW. cortiq's stages run at the same geometry and
+batch: the teacher top-k pass (chunked head, no [rows, vocab] float logits),
+the frozen-prefix pass, the student step (fused head + top-k KL, f32 master
+weights, bf16 autocast), one-epoch heal throughput (teacher pass + steps),
+the MTP trunk pass and draft step. Every figure is tokens per second from CUDA
+events (median of the timed repeats after warm-up), MFU against the measured
+bf16 matrix rate, and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GEOMS = {
+    # Qwen3-0.6B / 1.7B geometry (tied embeddings, vocab 151936)
+    "qwen3-0.6b": dict(hidden=1024, layers=28, heads=16, kv=8, head_dim=128, inter=3072, vocab=151936, tie=True),
+    "qwen3-1.7b": dict(hidden=2048, layers=28, heads=16, kv=8, head_dim=128, inter=6144, vocab=151936, tie=True),
+    # a Qwen3.5-0.8B-like hybrid: 3 Gated DeltaNet layers to 1 gated full-attention layer
+    "qwen3.5-hybrid": dict(hidden=1024, layers=24, heads=8, kv=2, head_dim=256, inter=3584, vocab=248320, tie=True,
+                           hybrid=True, lk=16, lv=16, dk=128, dv=128),
+}
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def timed(fn, warm=2, reps=5):
+    """Median seconds of fn() over reps, CUDA events, after warm-up."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def peak_reset():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib():
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def matmul_rate():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    s = timed(lambda: a @ b, warm=3, reps=10)
+    return 2 * 8192**3 / s
+
+
+def flops_per_token(g, seq, train: bool, layers: int | None = None, head=True):
+    """Matmul FLOPs per token (2 per multiply-add); ×3 for a training step."""
+    h, L = g["hidden"], layers if layers is not None else g["layers"]
+    attn_proj = h * g["heads"] * g["head_dim"] * 2 + h * g["kv"] * g["head_dim"] * 2
+    mlp = 3 * h * g["inter"]
+    per_layer = 2 * (attn_proj + mlp) + 2 * 2 * g["heads"] * g["head_dim"] * seq / 2  # causal attention ≈ T/2 keys
+    f = L * per_layer + (2 * h * g["vocab"] if head else 0)
+    return f * (3 if train else 1)
+
+
+# ── the baseline: transformers, teacher online, full-vocab KL ──────────────
+
+
+def hf_model(g):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=g["vocab"], hidden_size=g["hidden"], intermediate_size=g["inter"],
+                      num_hidden_layers=g["layers"], num_attention_heads=g["heads"], num_key_value_heads=g["kv"],
+                      head_dim=g["head_dim"], tie_word_embeddings=g["tie"], max_position_embeddings=4096)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("cuda"):
+        m = Qwen3ForCausalLM(cfg)
+    return m.to(torch.bfloat16)
+
+
+def bench_baseline(name, g, B, T, steps, rate):
+    row = {"geom": name, "who": "baseline"}
+    ids = torch.randint(0, g["vocab"], (B, T), device="cuda")
+    teacher = hf_model(g).eval()
+
+    @torch.no_grad()
+    def teacher_pass():
+        logits = teacher(ids).logits
+        return torch.topk(logits.float(), 64, dim=-1)
+
+    peak_reset()
+    s = timed(teacher_pass)
+    row["teacher_tok_s"] = B * T / s
+    row["teacher_mfu"] = flops_per_token(g, T, False) * B * T / s / rate
+    row["teacher_peak_gib"] = peak_gib()
+    student = hf_model(g).train()
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
+
+    def kd_step():
+        with torch.no_grad():
+            t = teacher(ids).logits
+        s_ = student(ids).logits
+        loss = F.kl_div(F.log_softmax(s_.float(), -1), F.log_softmax(t.float(), -1), log_target=True,
+                        reduction="batchmean")
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    peak_reset()
+    s = timed(kd_step, warm=2, reps=steps)
+    row["kd_tok_s"] = B * T / s
+    row["kd_mfu"] = (flops_per_token(g, T, True) + flops_per_token(g, T, False)) * B * T / s / rate
+    row["kd_peak_gib"] = peak_gib()
+    del teacher, student, opt
+    torch.cuda.empty_cache()
+    return row
+
+
+# ── cortiq's stages ───────────────────────────────────────────────────────
+
+
+def bench_cortiq(name, g, B, T, steps, rate):
+    from cortiq import bench_stages  # noqa: F401  (filled in by cortiq/bench_stages.py)
+
+    return bench_stages.run(name, g, B, T, steps, rate, timed=timed, peak_reset=peak_reset, peak_gib=peak_gib,
+                            flops_per_token=flops_per_token)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--geoms", default="qwen3-0.6b,qwen3-1.7b,qwen3.5-hybrid")
+    ap.add_argument("--parts", default="baseline,cortiq")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    assert torch.cuda.is_available(), "the benchmark needs a CUDA device"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    dev = torch.cuda.get_device_name()
+    rate = matmul_rate()
+    log(f"{dev}: bf16 8192³ matmul {rate / 1e12:.0f} TFLOP/s; torch {torch.__version__}")
+    rows = []
+    for name in a.geoms.split(","):
+        g = GEOMS[name]
+        for part in a.parts.split(","):
+            if part == "baseline" and g.get("hybrid"):
+                continue  # transformers' hybrid is not the baseline the targets name
+            t0 = time.time()
+            try:
+                r = bench_baseline(name, g, a.batch, a.seq, a.steps, rate) if part == "baseline" else \
+                    bench_cortiq(name, g, a.batch, a.seq, a.steps, rate)
+            except torch.cuda.OutOfMemoryError as e:
+                r = {"geom": name, "who": part, "error": f"OOM: {str(e)[:120]}"}
+            except Exception as e:  # keep the other rows: the table is the point of the call
+                import traceback
+
+                traceback.print_exc()
+                r = {"geom": name, "who": part, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            r["secs"] = time.time() - t0
+            rows.append(r)
+            log(json.dumps(r))
+            torch.cuda.empty_cache()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "matmul_tflops": rate / 1e12,
+                                                "batch": a.batch, "seq": a.seq, "rows": rows}, indent=1))
+    print_table(rows, rate)
+
+
+def print_table(rows, rate):
+    keys = ["teacher_tok_s", "teacher_mfu", "prefix_tok_s", "step_tok_s", "step_mfu", "kd_tok_s", "kd_mfu",
+            "epoch_tok_s", "mtp_trunk_tok_s", "mtp_step_tok_s", "teacher_peak_gib", "kd_peak_gib", "step_peak_gib"]
+    print(f"\nbf16 matmul rate {rate / 1e12:.0f} TFLOP/s")
+    print("| geom | who | " + " | ".join(keys) + " |")
+    print("|" + "---|" * (len(keys) + 2))
+    for r in rows:
+        cells = []
+        for k in keys:
+            v = r.get(k)
+            cells.append("" if v is None else (f"{v:.2f}" if abs(v) < 100 else f"{v / 1e3:.1f}k"))
+        print(f"| {r['geom']} | {r['who']} | " + " | ".join(cells) + " |" + (f" {r['error']}" if "error" in r else ""))
+    base = {r["geom"]: r for r in rows if r["who"] == "baseline" and "error" not in r}
+    for r in rows:
+        b = base.get(r["geom"])
+        if r["who"] == "cortiq" and b and "error" not in r:
+            print(f"{r['geom']}: teacher pass ×{r['teacher_tok_s'] / b['teacher_tok_s']:.2f}, "
+                  f"one-epoch heal ×{r['epoch_tok_s'] / b['kd_tok_s']:.2f} of the baseline KD step, "
+                  f"peak memory {r['step_peak_gib'] / b['kd_peak_gib']:.2f} of the baseline's")
+
+
+if __name__ == "__main__":
+    main()
