@@ -69,7 +69,7 @@ class BuildSettings:
 
 # ── cutting plain text ───────────────────────────────────────────────────
 
-_PARA_END = re.compile(r"\n[ \t]*\n\s*")  # a blank line (and what follows up to the next text)
+_PARA_END = re.compile(r"\n[ \t]*\n(?:[ \t]*\n)*")  # blank lines end a paragraph (the next one keeps its indent)
 _LINE_END = re.compile(r"\n")
 _SENT_END = re.compile(r"(?<=[.!?;:])\s+")
 
