@@ -1,0 +1,162 @@
+"""Decoding with a KV cache (and the GDN layers' conv + recurrent state):
+greedy or temperature sampling, and speculative decoding with the model's
+MTP draft verified greedily (its output is the greedy output, token for token).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..arch import LINEAR
+from ..errors import CortiqError
+
+
+@dataclass
+class GenResult:
+    tokens: list[int]  # the new tokens (prompt excluded)
+    seconds: float  # decoding time after the prompt's forward
+    prefill_seconds: float
+    rounds: int = 0  # speculative: verify rounds
+    accepted: int = 0  # speculative: drafts accepted in all rounds
+    drafted: int = 0
+    per_round: list[int] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def accepted_per_round(self) -> float:
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+
+def _pick(logits: torch.Tensor, temperature: float, gen: torch.Generator | None) -> int:
+    """logits [V] -> a token id: argmax at temperature 0, else a sample of softmax(logits/T)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    p = torch.softmax(logits.float() / temperature, -1)
+    return int(torch.multinomial(p, 1, generator=gen))
+
+
+def _device(model) -> torch.device:
+    return model.model.embed_tokens.weight.device
+
+
+@torch.no_grad()
+def generate(model, prompt: Sequence[int], max_new: int = 64, temperature: float = 0.0,
+             eos_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None,
+             seed: int = 0) -> GenResult:
+    """Plain decoding: one forward over the prompt, then one token at a time."""
+    if not prompt:
+        raise CortiqError("generate: empty prompt")
+    dev = _device(model)
+    gen = torch.Generator(device=dev).manual_seed(seed) if temperature > 0 else None
+    cache = model.new_cache()
+    t0 = time.perf_counter()
+    h, _ = model.forward_hidden(torch.tensor([list(prompt)], device=dev), cache=cache)
+    tok = _pick(model.logits(h[0, -1]), temperature, gen)
+    t1 = time.perf_counter()
+    out = []
+    eos = set(eos_ids)
+    while True:
+        out.append(tok)
+        if on_token:
+            on_token(tok)
+        if tok in eos or len(out) >= max_new:
+            break
+        h, _ = model.forward_hidden(torch.tensor([[tok]], device=dev), cache=cache)
+        tok = _pick(model.logits(h[0, -1]), temperature, gen)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return GenResult(out, time.perf_counter() - t1, t1 - t0)
+
+
+@torch.no_grad()
+def generate_speculative(model, prompt: Sequence[int], max_new: int = 64, draft: int = 1,
+                         eos_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None) -> GenResult:
+    """Greedy decoding with the MTP block drafting `draft` tokens a round (a
+    chain: step j reads step j-1's hidden row) and the trunk verifying them in
+    one forward. Accepted drafts plus the trunk's own next token are emitted
+    each round; the output equals `generate(..., temperature=0)`.
+
+    Invariant at the start of a round: the trunk has seen positions 0..n-1,
+    `h_prev` is its final hidden row n-1 and `tok` (token n) is decided but not
+    yet fed; the MTP block has seen rows 0..n-2 (row p reads h_p and token p+1)."""
+    if model.mtp is None:
+        raise CortiqError("speculative decoding needs an MTP draft block (model.mtp.*); this model has none")
+    if not prompt or draft < 1:
+        raise CortiqError("generate: empty prompt" if not prompt else "speculative decoding drafts at least 1 token")
+    dev = _device(model)
+    has_gdn = LINEAR in model.arch.layer_types
+    cache = model.new_cache()
+    mtp_state = cache.extra[0]
+    t0 = time.perf_counter()
+    ids = torch.tensor([list(prompt)], device=dev)
+    H, _ = model.forward_hidden(ids, cache=cache)  # [1, n, H]
+    n = ids.shape[1]
+    if n > 1:  # MTP rows 0..n-2 of the prompt
+        model.mtp_forward(H[:, :-1], ids[:, 1:], 0, mtp_state)
+    h_prev = H[:, -1:]  # [1, 1, H]
+    tok = int(model.logits(h_prev[0, -1]).argmax())
+    t1 = time.perf_counter()
+    out: list[int] = []
+    eos = set(eos_ids)
+    res = GenResult(out, 0.0, t1 - t0)
+
+    def emit(t: int) -> bool:
+        out.append(t)
+        if on_token:
+            on_token(t)
+        return t in eos or len(out) >= max_new
+
+    while True:
+        # ── draft: the MTP chain from (h_{n-1}, tok) ──
+        mtp_snap = mtp_state.snapshot()
+        drafts: list[int] = []
+        xh, xt = h_prev, tok
+        for j in range(draft):
+            d_h = model.mtp_forward(xh, torch.tensor([[xt]], device=dev), n - 1 + j, mtp_state)
+            xt = int(model.logits(d_h[0, -1]).argmax())
+            drafts.append(xt)
+            xh = d_h
+        # ── verify: the trunk over [tok, d_0, ..., d_{k-1}] at positions n..n+k ──
+        snap = cache.snapshot()
+        block = torch.tensor([[tok] + drafts], device=dev)
+        Hv, _ = model.forward_hidden(block, cache=cache)  # [1, k+1, H]
+        pred = model.logits(Hv[0]).argmax(-1).tolist()  # pred[i]: the trunk's token after block[i]
+        a = 0
+        while a < draft and drafts[a] == pred[a]:
+            a += 1
+        res.rounds += 1
+        res.drafted += draft
+        res.accepted += a
+        res.per_round.append(a)
+        if a < draft:  # roll the trunk back to positions 0..n+a
+            if has_gdn:  # a recurrent state cannot be cut: re-run the accepted tokens from the snapshot
+                cache.restore(snap)
+                Hv, _ = model.forward_hidden(block[:, : a + 1], cache=cache)
+            else:  # attention caches are cut: keep the block's first a+1 keys and values
+                for s in cache.states:
+                    s.restore(n + a + 1)
+                cache.seen = n + a + 1
+        # ── the MTP block's rows n-1..n-1+a from the trunk's own hidden rows ──
+        mtp_state.restore(mtp_snap)
+        model.mtp_forward(torch.cat([h_prev, Hv[:, :a]], 1), block[:, : a + 1], n - 1, mtp_state)
+        stop = False
+        for t in [tok] + drafts[:a]:
+            if emit(t):
+                stop = True
+                break
+        if stop:
+            break
+        n += a + 1
+        h_prev = Hv[:, a : a + 1]
+        tok = pred[a]
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    res.seconds = time.perf_counter() - t1
+    return res
