@@ -1,0 +1,318 @@
+"""Student training (S4): the layers from `train_from` up (all of them, or
+their MLPs only) learn the targets' top-k distribution.
+
+f32 master weights, Adam, compute under autocast (bf16 on CUDA); warm-up then
+cosine to 0.1 of the peak, or the Genesis schedule; gradient clipping; a
+non-finite step is skipped (f16 compute: the loss scale halves), 20 abort.
+The held-out loss is measured every `eval_every` steps and at the end; the
+best checkpoint by it is what the run returns. A checkpoint every
+`checkpoint_every` steps (trained weights, optimizer, step, data order, RNG,
+best so far) lets a killed run continue to the same end.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import tracking
+from ..errors import CortiqError
+from .loss import topk_kl
+from .rows import WindowRows
+from .schedule import genesis_decay, genesis_from, lr_shape
+from .settings import HealSettings
+
+CHECKPOINT = "checkpoint.pt"
+MAX_SKIPPED = 20
+#: the f16 loss scale's start (halved at each non-finite step)
+F16_SCALE = 4096.0
+
+
+# ── the data one step consumes ──────────────────────────────────────────
+
+
+@dataclass
+class SplitData:
+    """One split's windows and targets; `index` [n_batches, batch] names the windows of each batch."""
+
+    ids: np.ndarray  # [N, T] int64
+    tids: WindowRows  # [T, k] per window
+    tprobs: WindowRows  # [T, k] per window
+    total: np.ndarray  # [N] summed row weights
+    index: np.ndarray  # [n_batches, batch]
+    h0: WindowRows | None = None  # [T, H] per window: the frozen prefix's output
+
+    @property
+    def n_batches(self) -> int:
+        return int(self.index.shape[0])
+
+    def batch(self, b: int, device):
+        i = self.index[b]
+        ids = torch.from_numpy(self.ids[i]).to(device)  # [B, T]
+        k = self.tids.shape[-1]
+        tid = torch.from_numpy(self.tids.take(i).astype(np.int64)).reshape(-1, k).to(device)  # [B·T, k]
+        tp = torch.from_numpy(np.ascontiguousarray(self.tprobs.take(i))).reshape(-1, k).to(device)  # [B·T, k]
+        h0 = None if self.h0 is None else torch.from_numpy(self.h0.take(i)).to(device, torch.float32)  # [B, T, H]
+        return ids, h0, tid, tp, float(self.total[i].sum())
+
+
+def train_index(n: int, batch: int) -> np.ndarray:
+    """Train batches: whole batches only (the tail windows are dropped)."""
+    nb = n // batch
+    return np.arange(nb * batch, dtype=np.int64).reshape(nb, batch)
+
+
+def val_index(n: int, batch: int) -> np.ndarray:
+    """Val batches: at least one when any window exists (the tail repeats)."""
+    nb = max(n // batch, int(n > 0))
+    return (np.arange(nb * batch, dtype=np.int64) % max(n, 1)).reshape(nb, batch)
+
+
+# ── the student's trained tail ──────────────────────────────────────────
+
+
+class StudentTail:
+    """The student as the trainer sees it: a frozen start (embedding and layers
+    below `train_from`), the trained layers, the frozen final norm and head.
+
+    Embedding, final norm and head stay frozen: they are shared with the
+    teacher's geometry (a tied head is the embedding) and a fold does not
+    touch them; the seed trains the layers only."""
+
+    def __init__(self, model, train_from: int, ffn_only: bool, drop_prefix: bool):
+        self.model = model
+        self.train_from = train_from
+        self.num_layers = len(model.layers)
+        if drop_prefix:
+            # the cache replaces them: the student holds only the tail
+            for i in range(train_from):
+                model.layers[i] = _Dropped(i)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.params: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
+        for name, p in model.named_parameters():
+            parts = name.split(".")
+            if parts[:2] != ["model", "layers"]:
+                continue
+            layer = int(parts[2])
+            if layer < train_from or (ffn_only and parts[3] != "mlp"):
+                continue
+            self.params.setdefault(layer, []).append((name, p))
+            p.requires_grad_(True)
+        if not self.params:
+            raise CortiqError(f"heal: nothing to train from layer {train_from} (ffn_only={ffn_only})")
+
+    def named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [np_ for l in sorted(self.params) for np_ in self.params[l]]
+
+    @torch.no_grad()
+    def start(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.run_layers(self.model.embed(ids), 0, self.train_from)  # [B, T, H]
+
+    def tail(self, h0: torch.Tensor) -> torch.Tensor:
+        h = self.model.run_layers(h0, self.train_from, self.num_layers)  # [B, T, H]
+        return self.model.model.norm(h)
+
+    def set_active(self, lowest: int) -> None:
+        """Genesis: layers below `lowest` get no gradient this epoch."""
+        for l, ps in self.params.items():
+            for _, p in ps:
+                p.requires_grad_(l >= lowest)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.named()}
+
+    @torch.no_grad()
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        for n, p in self.named():
+            p.copy_(state[n])
+
+
+class _Dropped(torch.nn.Module):
+    """A prefix layer whose output is cached: running it is a bug, said loudly."""
+
+    def __init__(self, i: int):
+        super().__init__()
+        self.i = i
+
+    def forward(self, *a, **k):
+        raise RuntimeError(f"heal: layer {self.i} was dropped (its output is cached) but was run")
+
+
+def batch_loss(tail: StudentTail, ids, h0, tid, tp, chunk: int, device, cdt) -> torch.Tensor:
+    """The summed top-k KL of one batch (divide by the batch's total weight)."""
+    if h0 is None:
+        h0 = tail.start(ids)
+    with torch.autocast(device.type, dtype=cdt, enabled=cdt != torch.float32):
+        hf = tail.tail(h0)  # [B, T, H]
+        return topk_kl(hf.reshape(-1, hf.shape[-1]), tail.model.head_weight, tid, tp, chunk=chunk)
+
+
+# ── data order ──────────────────────────────────────────────────────────
+
+
+class Order:
+    """The seed's shuffle of batch numbers: Fisher–Yates driven by xorshift64,
+    the permutation reshuffled at each epoch from the previous one (its state
+    is checkpointed). A loop over batches once per epoch, not on the hot path."""
+
+    MASK = (1 << 64) - 1
+
+    def __init__(self, n: int, seed: int):
+        self.rng = (0x9E3779B97F4A7C15 ^ (seed * 0x2545F4914F6CDD1D)) & self.MASK or 1
+        self.perm = list(range(n))
+
+    def shuffle(self) -> None:
+        rng, perm = self.rng, self.perm
+        for i in range(len(perm) - 1, 0, -1):
+            rng ^= (rng << 13) & self.MASK
+            rng ^= rng >> 7
+            rng ^= (rng << 17) & self.MASK
+            j = rng % (i + 1)
+            perm[i], perm[j] = perm[j], perm[i]
+        self.rng = rng
+
+
+# ── the loop ────────────────────────────────────────────────────────────
+
+
+def _save(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".partial")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, work_dir, device, cdt,
+        key: str = "", logger: tracking.Logger = tracking.NULL, progress: bool = True) -> dict:
+    """Train `tail` in place; returns the report. On return the tail holds the best weights."""
+    from tqdm import tqdm
+
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = work_dir / CHECKPOINT
+    nb = train.n_batches
+    if nb < 1:
+        raise CortiqError(f"heal: {len(train.ids)} train windows of {s.window} tokens, fewer than one batch of {s.batch}")
+    if val.n_batches < 1:
+        raise CortiqError("heal: the val split has no scored window")
+    total_steps = max(1, math.ceil(s.epochs * nb))
+    layers = sorted(tail.params)
+    groups = [{"params": [p for _, p in tail.params[l]], "lr": s.lr, "layer": l} for l in layers]
+    opt = torch.optim.Adam(groups, lr=s.lr, betas=(0.9, 0.999), eps=1e-8)
+    named = tail.named()
+    trained = sum(p.numel() for _, p in named)
+
+    def heldout() -> float:
+        num, den = 0.0, 0.0
+        with torch.no_grad():
+            for b in range(val.n_batches):
+                ids, h0, tid, tp, tot = val.batch(b, device)
+                num += float(batch_loss(tail, ids, h0, tid, tp, s.head_chunk, device, cdt))
+                den += tot
+        return num / max(den, 1e-9)
+
+    order = Order(nb, s.seed)
+    st = {"done": 0, "cursor": 0, "skipped": 0, "scale": F16_SCALE if cdt == torch.float16 else 1.0,
+          "step_secs": 0.0, "history": [], "evals": []}
+    resumed = False
+    if ckpt_path.exists():
+        ck = torch.load(ckpt_path, weights_only=True, map_location="cpu")
+        if ck.get("key") == key:
+            tail.load(ck["trained"])
+            opt.load_state_dict(ck["optim"])
+            order.rng, order.perm = int(ck["order_rng"]), [int(x) for x in ck["order_perm"]]
+            torch.set_rng_state(ck["rng"])
+            for k_ in st:
+                st[k_] = ck["state"][k_]
+            e0, best_loss, best_step, best_state = ck["e0"], ck["best_loss"], ck["best_step"], ck["best_state"]
+            resumed = True
+    if not resumed:
+        e0 = heldout()
+        best_loss, best_step, best_state = e0, 0, tail.state()
+        st["evals"].append({"step": 0, "heldout": e0})
+        logger.log_metrics({"heal.heldout": e0}, step=0)
+
+    def checkpoint():
+        _save(ckpt_path, {"key": key, "trained": tail.state(), "optim": opt.state_dict(),
+                          "order_rng": order.rng, "order_perm": list(order.perm), "rng": torch.get_rng_state(),
+                          "state": st, "e0": e0, "best_loss": best_loss, "best_step": best_step, "best_state": best_state})
+
+    params = [p for _, p in named]
+    bar = tqdm(total=total_steps, initial=st["done"], desc="heal", unit="step", disable=not progress, file=sys.stderr,
+               dynamic_ncols=True)
+    tokens = train.index.shape[1] * train.ids.shape[1]
+    while st["done"] < total_steps:
+        epoch_pos = st["cursor"] % nb
+        if epoch_pos == 0:
+            # a checkpoint is taken after the cursor moves, so a resumed run
+            # at an epoch boundary shuffles here just as the first run did
+            order.shuffle()
+        b = order.perm[epoch_pos]
+        done = st["done"]
+        epoch = done // nb
+        if s.genesis:
+            lowest = genesis_from(epoch, tail.num_layers, tail.train_from)
+            tail.set_active(lowest)
+        t0 = time.perf_counter()
+        ids, h0, tid, tp, tot = train.batch(b, device)
+        loss_sum = batch_loss(tail, ids, h0, tid, tp, s.head_chunk, device, cdt)
+        loss = loss_sum / max(tot, 1e-9)
+        (loss * st["scale"]).backward()
+        if st["scale"] != 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.div_(st["scale"])
+        gn = float(torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], s.clip))
+        st["cursor"] += 1
+        if not (math.isfinite(float(loss.detach())) and math.isfinite(gn)):
+            opt.zero_grad(set_to_none=True)
+            st["skipped"] += 1
+            if cdt == torch.float16:
+                st["scale"] = max(st["scale"] / 2, 1.0)
+            if st["skipped"] >= MAX_SKIPPED:
+                raise CortiqError(f"heal: {MAX_SKIPPED} non-finite steps (last at step {done + 1}); lower lr or use f32/bf16 compute")
+            continue
+        done += 1
+        st["done"] = done
+        shape = lr_shape(done, total_steps, s.warm, s.genesis)
+        lr = s.lr * shape
+        for g in opt.param_groups:
+            g["lr"] = lr * (genesis_decay(g["layer"], lowest, done // nb) if s.genesis else 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dt = time.perf_counter() - t0
+        st["step_secs"] += dt
+        lv = float(loss.detach())
+        st["history"].append({"step": done, "loss": lv, "lr": lr, "grad_norm": gn})
+        logger.log_metrics({"heal.loss": lv, "heal.lr": lr, "heal.grad_norm": gn, "heal.tokens_per_s": tokens / max(dt, 1e-9)},
+                           step=done)
+        bar.update(1)
+        bar.set_postfix(loss=f"{lv:.4f}", lr=f"{lr:.2e}", s_step=f"{st['step_secs'] / done:.2f}", refresh=False)
+        if done % s.eval_every == 0 or done == total_steps:
+            e = heldout()
+            st["evals"].append({"step": done, "heldout": e})
+            logger.log_metrics({"heal.heldout": e}, step=done)
+            if e < best_loss:
+                best_loss, best_step, best_state = e, done, tail.state()
+            bar.write(f"  step {done}: held-out loss {e:.5f} (best {best_loss:.5f} at step {best_step})", file=sys.stderr)
+        if s.checkpoint_every and (done % s.checkpoint_every == 0 or done == total_steps):
+            checkpoint()
+    bar.close()
+    tail.load(best_state)
+    if s.genesis:
+        tail.set_active(tail.train_from)
+    steps = st["done"]
+    return {
+        "metrics": {"heldout_start": e0, "heldout_best": best_loss, "best_step": best_step, "steps": steps,
+                    "skipped": st["skipped"], "sec_per_step": st["step_secs"] / max(steps, 1),
+                    "trained_weights": trained, "total_steps": total_steps},
+        "history": st["history"], "evals": st["evals"],
+    }
+

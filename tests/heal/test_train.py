@@ -1,0 +1,140 @@
+"""The training loop on a toy decoder: it heals, resumes to identical weights,
+the prefix cache changes nothing, Genesis and ffn_only train what they say."""
+
+import pytest
+import torch
+
+from cortiq.errors import CortiqError
+from cortiq.heal.settings import HealSettings
+from cortiq.heal.train import StudentTail, fit
+
+from heal_toy import ToyLM, toy_split
+
+CPU = torch.device("cpu")
+
+
+def _setup(train_from=0, ffn_only=False, drop=False, n_train=24, n_val=6, seed_student=1, prefix=False):
+    teacher = ToyLM(seed=0)
+    student = ToyLM(seed=seed_student)
+    tail = StudentTail(student, train_from, ffn_only, drop_prefix=False)
+    pre = (tail,) if prefix else None
+    tr = toy_split(teacher, n_train, 8, 4, 5, seed=2, prefix_of=pre)
+    va = toy_split(teacher, n_val, 8, 4, 5, seed=3, train=False, prefix_of=pre)
+    if drop:
+        tail = StudentTail(student, train_from, ffn_only, drop_prefix=True)
+    return tail, tr, va
+
+
+def _settings(**kw):
+    base = dict(epochs=2.0, lr=3e-2, warm=0.1, batch=4, window=8, eval_every=3, checkpoint_every=4, topk=5)
+    base.update(kw)
+    return HealSettings(**base)
+
+
+def test_training_lowers_heldout_kl_and_restores_the_best(tmp_path):
+    tail, tr, va = _setup()
+    rep = fit(tail, tr, va, _settings(), tmp_path, CPU, torch.float32, progress=False)
+    m = rep["metrics"]
+    assert m["steps"] == 12
+    assert m["heldout_best"] < 0.8 * m["heldout_start"]
+    best = min(e["heldout"] for e in rep["evals"])
+    assert m["heldout_best"] == best
+    assert m["best_step"] == next(e["step"] for e in rep["evals"] if e["heldout"] == best)
+
+
+class _Kill(Exception):
+    pass
+
+
+class _KillAt:
+    def __init__(self, step):
+        self.step = step
+
+    def log_metrics(self, metrics, step=None):
+        if step == self.step and "heal.loss" in metrics:
+            raise _Kill()
+
+    def log_params(self, p):
+        pass
+
+    def log_artifact(self, *a, **k):
+        pass
+
+    def set_tags(self, t):
+        pass
+
+
+@pytest.mark.parametrize("genesis", [False, True])
+def test_killed_run_resumes_to_identical_weights(tmp_path, genesis):
+    s = _settings(genesis=genesis, epochs=3.0)
+    tail, tr, va = _setup()
+    ref = fit(tail, tr, va, s, tmp_path / "a", CPU, torch.float32, key="k", progress=False)
+    ref_w = tail.state()
+
+    tail2, tr2, va2 = _setup()
+    with pytest.raises(_Kill):  # killed after step 9, past the checkpoint at step 8 (and an epoch boundary at 6)
+        fit(tail2, tr2, va2, s, tmp_path / "b", CPU, torch.float32, key="k", logger=_KillAt(9), progress=False)
+    tail3, tr3, va3 = _setup()  # a new process: fresh student
+    rep = fit(tail3, tr3, va3, s, tmp_path / "b", CPU, torch.float32, key="k", progress=False)
+    for n, w in ref_w.items():
+        assert torch.equal(w, tail3.state()[n]), n
+    assert rep["metrics"]["best_step"] == ref["metrics"]["best_step"]
+    assert [h["loss"] for h in rep["history"]] == [h["loss"] for h in ref["history"]]
+
+
+def test_stale_checkpoint_of_other_settings_is_ignored(tmp_path):
+    tail, tr, va = _setup()
+    fit(tail, tr, va, _settings(), tmp_path, CPU, torch.float32, key="one", progress=False)
+    tail2, tr2, va2 = _setup()
+    rep = fit(tail2, tr2, va2, _settings(), tmp_path, CPU, torch.float32, key="two", progress=False)
+    assert len(rep["history"]) == 12  # started over
+
+
+def test_prefix_cache_gives_the_same_losses(tmp_path):
+    s = _settings(train_from=1)
+    tail, tr, va = _setup(train_from=1)
+    plain = fit(tail, tr, va, s, tmp_path / "a", CPU, torch.float32, progress=False)
+    tail2, tr2, va2 = _setup(train_from=1, prefix=True, drop=True)
+    assert tr2.h0 is not None
+    cached = fit(tail2, tr2, va2, s, tmp_path / "b", CPU, torch.float32, progress=False)
+    a = torch.tensor([h["loss"] for h in plain["history"]])
+    b = torch.tensor([h["loss"] for h in cached["history"]])
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor([e["heldout"] for e in plain["evals"]]),
+                               torch.tensor([e["heldout"] for e in cached["evals"]]), rtol=1e-5, atol=1e-6)
+
+
+def test_frozen_layers_and_ffn_only(tmp_path):
+    tail, tr, va = _setup(train_from=1, ffn_only=True)
+    before = {n: p.detach().clone() for n, p in tail.model.named_parameters()}
+    fit(tail, tr, va, _settings(train_from=1, ffn_only=True, eval_every=100), tmp_path, CPU, torch.float32, progress=False)
+    for n, p in tail.model.named_parameters():
+        moved = not torch.equal(before[n], p.detach())
+        assert moved == (n.startswith("model.layers.") and int(n.split(".")[2]) >= 1 and ".mlp." in n), n
+
+
+def test_genesis_first_epoch_trains_only_the_top(tmp_path):
+    # 3 layers: epoch 0 trains layer 2 only (ceil(12/64·3) = 1), epoch 1 layers 1..2 (ceil(24/64·3) = 2)
+    tail, tr, va = _setup()
+    before = tail.state()
+    s = _settings(genesis=True, epochs=1.0, eval_every=100)
+    fit(tail, tr, va, s, tmp_path, CPU, torch.float32, progress=False)
+    after = tail.state()
+    for n in before:
+        assert torch.equal(before[n], after[n]) == (not n.startswith("model.layers.2.")), n
+
+
+def test_non_finite_steps_abort_after_twenty(tmp_path):
+    tail, tr, va = _setup()
+    bad = tr.tprobs.parts[0]
+    bad.setflags(write=True) if bad.flags.owndata else None
+    tr.tprobs.parts[0] = bad.copy()
+    tr.tprobs.parts[0][...] = float("nan")
+    with pytest.raises(CortiqError, match="20 non-finite steps"):
+        fit(tail, tr, va, _settings(epochs=10.0), tmp_path, CPU, torch.float32, progress=False)
+
+
+def test_fewer_train_windows_than_a_batch(tmp_path):
+    tail, tr, va = _setup(n_train=3)
+    with pytest.raises(CortiqError, match="fewer than one batch of 4"):
+        fit(tail, tr, va, _settings(), tmp_path, CPU, torch.float32, progress=False)
