@@ -17,8 +17,10 @@ every operation is vectorised over blocks.
 | fp8    | f16 scale + 32 × float8 e4m3      | 34/32 = 1.0625 |
 
 q8 is symmetric (x ≈ scale·q, q in [-127, 127]); q4 is asymmetric
-(x ≈ min + scale·q, q in [0, 15]). The registry takes more: subclass
-:class:`Codec` and call :func:`register`.
+(x ≈ min + scale·q, q in [0, 15]). Scales are rounded *up* to f16 and q4's min
+*down*, so no value ever falls outside the codes and is clipped: the error of
+every value stays within half a step, subnormal f16 scales included. The
+registry takes more: subclass :class:`Codec` and call :func:`register`.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 from .errors import CortiqError
 
-__all__ = ["Codec", "CodecError", "get", "names", "register", "PLAIN"]
+__all__ = ["Codec", "CodecError", "get", "names", "register", "choose", "PLAIN"]
 
 
 class CodecError(CortiqError, ValueError):
@@ -76,7 +78,11 @@ class _Plain(Codec):
         return math.prod(shape) * torch.finfo(self.dtype).bits // 8
 
     def encode(self, x):
-        return x.detach().to(self.dtype).contiguous()
+        x = x.detach()
+        big = torch.finfo(self.dtype).max
+        if self.dtype != torch.float32 and x.numel() and bool((x.abs() > big).any()):
+            raise CodecError(f"{self.name}: values beyond ±{big:g} do not fit")
+        return x.to(self.dtype).contiguous()
 
     def decode(self, stored, shape):
         if stored.dtype != self.dtype:
@@ -84,7 +90,11 @@ class _Plain(Codec):
         return stored.reshape(shape).to(torch.float32)
 
     def bound(self, x):
-        return x.abs() * self.rel + torch.finfo(self.dtype).tiny
+        if not self.rel:
+            return torch.zeros_like(x, dtype=torch.float32)
+        fi = torch.finfo(self.dtype)
+        # half an ulp: relative in the normal range, half the subnormal spacing below it
+        return x.abs().to(torch.float32) * self.rel + fi.tiny * fi.eps / 2
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -97,7 +107,27 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def _n_blocks(shape, block):
-    return max(1, -(-math.prod(shape) // block)) if math.prod(shape) else 0
+    return -(-math.prod(shape) // block)
+
+
+_F16_EPS = 2.0**-10  # f16 spacing relative to a value (10 mantissa bits)
+_F16_TINY = 2.0**-24  # f16 spacing below its normal range (subnormals)
+
+
+def _f16_up(x: torch.Tensor, name: str) -> torch.Tensor:
+    """f32 → the least f16 ≥ x (a scale that never clips its block)."""
+    h = x.to(torch.float16)
+    if not bool(torch.isfinite(h).all()):
+        raise CodecError(f"{name}: values are not finite or too large for an f16 scale")
+    return torch.where(h.to(torch.float32) < x, torch.nextafter(h, h.new_tensor(math.inf)), h)
+
+
+def _f16_down(x: torch.Tensor, name: str) -> torch.Tensor:
+    """f32 → the greatest f16 ≤ x."""
+    h = x.to(torch.float16)
+    if not bool(torch.isfinite(h).all()):
+        raise CodecError(f"{name}: values are not finite or too large for an f16 min")
+    return torch.where(h.to(torch.float32) > x, torch.nextafter(h, h.new_tensor(-math.inf)), h)
 
 
 class _Q8(Codec):
@@ -111,7 +141,7 @@ class _Q8(Codec):
 
     def quantize(self, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[n, block] f32 → (q int8 [n, block], scale f16 [n])."""
-        scale = (b.abs().amax(dim=1) / 127.0).to(torch.float16)
+        scale = _f16_up(b.abs().amax(dim=1) / 127.0, self.name)
         s = scale.to(torch.float32)
         q = torch.where(s[:, None] > 0, b / s.clamp_min(1e-30)[:, None], 0.0)
         return q.round().clamp(-127, 127).to(torch.int8), scale
@@ -138,8 +168,9 @@ class _Q8(Codec):
     def bound(self, x):
         b = _blocks(x, self.block)
         amax = b.abs().amax(dim=1, keepdim=True)
-        # half a step, plus the f16 rounding of the scale times the largest code
-        per = amax / 127.0 * 0.5 + amax * 2.0**-11 + 1e-12
+        # half a step; the step is amax/127 rounded up to f16; f32 arithmetic on top
+        step = amax / 127.0 * (1 + _F16_EPS) + _F16_TINY
+        per = step / 2 + amax * 2.0**-22
         return per.expand_as(b).reshape(-1)[: x.numel()].reshape(x.shape)
 
 
@@ -155,9 +186,9 @@ class _Q4(Codec):
 
     def quantize(self, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[n, block] f32 → (q uint8 [n, block] in 0..15, scale f16 [n], min f16 [n])."""
-        lo = b.amin(dim=1).to(torch.float16)
+        lo = _f16_down(b.amin(dim=1), self.name)
         lo32 = lo.to(torch.float32)
-        scale = ((b.amax(dim=1) - lo32) / 15.0).to(torch.float16)
+        scale = _f16_up((b.amax(dim=1) - lo32) / 15.0, self.name)
         s = scale.to(torch.float32)
         q = torch.where(s[:, None] > 0, (b - lo32[:, None]) / s.clamp_min(1e-30)[:, None], 0.0)
         return q.round().clamp(0, 15).to(torch.uint8), scale, lo
@@ -189,8 +220,10 @@ class _Q4(Codec):
         b = _blocks(x, self.block)
         lo, hi = b.amin(dim=1, keepdim=True), b.amax(dim=1, keepdim=True)
         mag = torch.maximum(lo.abs(), hi.abs())
-        # half a step, the f16 rounding of min and of scale·15
-        per = (hi - lo) / 15.0 * 0.5 + mag * 2.0**-10 + (hi - lo) * 2.0**-10 + 1e-12
+        # half a step; the step spans [min rounded down to f16, max] in 15, rounded up to f16
+        span = hi - lo + lo.abs() * _F16_EPS + _F16_TINY
+        step = span / 15.0 * (1 + _F16_EPS) + _F16_TINY
+        per = step / 2 + mag * 2.0**-21
         return per.expand_as(b).reshape(-1)[: x.numel()].reshape(x.shape)
 
 
@@ -205,7 +238,7 @@ class _FP8(Codec):
 
     def encode(self, x):
         b = _blocks(x, self.block)
-        scale = (b.abs().amax(dim=1) / 448.0).to(torch.float16)
+        scale = _f16_up(b.abs().amax(dim=1) / 448.0, self.name)
         s = scale.to(torch.float32).clamp_min(1e-30)
         f8 = (b / s[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
         n = b.shape[0]
@@ -226,15 +259,25 @@ class _FP8(Codec):
     def bound(self, x):
         b = _blocks(x, self.block)
         amax = b.abs().amax(dim=1, keepdim=True)
-        # e4m3 keeps 3 mantissa bits: relative 2^-4; subnormals bottom out at 2^-9 of the scale
-        per = b.abs() * 2.0**-4 + amax / 448.0 * 2.0**-9 + amax * 2.0**-10 + 1e-12
+        # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 of the value; its subnormals
+        # are spaced 2^-9 of the scale (the scale: amax/448 rounded up to f16)
+        scale = amax / 448.0 * (1 + _F16_EPS) + _F16_TINY
+        per = b.abs() * 2.0**-4 + scale * 2.0**-10 + amax * 2.0**-22
         return per.reshape(-1)[: x.numel()].reshape(x.shape)
 
 
 _REGISTRY: dict[str, Codec] = {}
 
 
-def register(codec: Codec) -> Codec:
+def register(codec: Codec, replace: bool = False) -> Codec:
+    """Add `codec` to the registry under `codec.name` (a name is taken once
+    unless `replace`)."""
+    if not isinstance(codec, Codec):
+        raise TypeError(f"{codec!r} is not a Codec")
+    if codec.name in _REGISTRY and not replace and _REGISTRY[codec.name] is not codec:
+        raise CodecError(f"codec {codec.name!r} is already registered")
+    if codec.name == "keep":
+        raise CodecError("'keep' is not a codec name (it means: leave each tensor's codec as it is)")
     _REGISTRY[codec.name] = codec
     return codec
 
@@ -263,6 +306,19 @@ def get(name: str) -> Codec:
         return _REGISTRY[name]
     except KeyError:
         raise CodecError(f"unknown codec {name!r} (known: {', '.join(_REGISTRY)})") from None
+
+
+def choose(requested: str, shape: tuple[int, ...], current: str = "f32") -> str:
+    """The codec a tensor of `shape`, now in `current`, gets when a whole model
+    is written in `requested`: "keep" keeps `current`; a plain codec applies
+    to every tensor; a quantized one to matrices only (ndim ≥ 2): vectors
+    (norms, biases) stay plain, as they are or f32."""
+    if requested == "keep":
+        return get(current).name
+    c = get(requested)
+    if c.plain or len(shape) >= 2:
+        return c.name
+    return current if get(current).plain else "f32"
 
 
 def to_numpy_bytes(t: torch.Tensor) -> np.ndarray:

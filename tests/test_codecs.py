@@ -1,0 +1,182 @@
+"""Codecs: round-trip error within each codec's bound, bytes per weight, the
+byte layout, the registry."""
+
+import math
+
+import pytest
+import torch
+
+from cortiq import codecs
+from cortiq.codecs import Codec, CodecError
+
+BYTES_PER_WEIGHT = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8": 34 / 32, "q4": 20 / 32, "q4_64": 36 / 64, "fp8": 34 / 32}
+QUANTIZED = ["q8", "q4", "q4_64", "fp8"]
+
+
+def test_registry_has_the_codecs_of_the_design():
+    assert set(BYTES_PER_WEIGHT) <= set(codecs.names())
+
+
+@pytest.mark.parametrize("name", sorted(BYTES_PER_WEIGHT))
+def test_bytes_per_weight(name):
+    c = codecs.get(name)
+    assert c.bytes_per_weight() == pytest.approx(BYTES_PER_WEIGHT[name], rel=1e-12)
+    shape = (37, 45)  # 1665 values: a partial last block
+    stored = c.encode(torch.randn(shape))
+    assert stored.numel() * stored.element_size() == c.nbytes(shape)
+    if not c.plain:
+        block = c.block
+        per_block = round(BYTES_PER_WEIGHT[name] * block)
+        assert c.nbytes(shape) == math.ceil(1665 / block) * per_block
+
+
+@pytest.mark.parametrize("name", sorted(BYTES_PER_WEIGHT))
+@pytest.mark.parametrize("scale", [1.0, 3e-2, 1e-5, 1e-8, 300.0])
+@pytest.mark.parametrize("shape", [(37, 45), (1000,), (3, 5, 7), (64, 32)])
+def test_round_trip_within_bound(name, scale, shape):
+    torch.manual_seed(hash((name, scale, shape)) % 2**31)
+    c = codecs.get(name)
+    x = torch.randn(shape) * scale
+    x.view(-1)[::17] *= 6  # outliers inside blocks
+    y = c.decode(c.encode(x), shape)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    err, bound = (y - x).abs(), c.bound(x)
+    assert bool((err <= bound).all()), float((err / bound).max())
+    if name != "f32":
+        # the bound is a real bound, not a loose one: some value comes near it
+        assert float((err / bound).max()) > 0.25
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_bounds_are_about_half_a_step(name):
+    x = torch.randn(4096)
+    b = codecs.get(name).bound(x)
+    amax = x.reshape(-1, codecs.get(name).block).abs().amax(1)
+    if name == "q8":
+        assert float((b.reshape(amax.shape[0], -1)[:, 0] / (amax / 254)).max()) < 1.01
+    elif name.startswith("q4"):
+        blocks = x.reshape(amax.shape[0], -1)
+        step = (blocks.amax(1) - blocks.amin(1)) / 15
+        assert float((b.reshape(amax.shape[0], -1)[:, 0] / (step / 2)).max()) < 1.01
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_blocks_are_independent(name):
+    c = codecs.get(name)
+    x = torch.randn(8 * 64) * 1e-3
+    x[:64] *= 1e4  # a loud first block (both block sizes) must not coarsen the others
+    y = c.decode(c.encode(x), x.shape)
+    quiet = x[64:]
+    assert bool(((y[64:] - quiet).abs() <= c.bound(quiet)).all())
+
+
+@pytest.mark.parametrize("name", sorted(BYTES_PER_WEIGHT))
+def test_zeros_constants_and_empty(name):
+    c = codecs.get(name)
+    z = torch.zeros(70)
+    assert torch.equal(c.decode(c.encode(z), z.shape), z)
+    for x in (torch.full((64,), 0.5), torch.full((64,), -2.0)):  # whole blocks (no zero padding)
+        y = c.decode(c.encode(x), x.shape)
+        if c.plain or name.startswith("q4"):  # the block's min is the constant: exact
+            assert torch.equal(y, x)
+        assert bool(((y - x).abs() <= c.bound(x)).all())
+    e = torch.zeros(0, 4)
+    assert c.nbytes(e.shape) == 0
+    assert c.decode(c.encode(e), e.shape).shape == (0, 4)
+    s = torch.tensor(1.5)
+    assert c.decode(c.encode(s), ()).shape == ()
+
+
+def test_q8_layout():
+    """Per block: the f16 scale (little endian), then 32 int8 codes."""
+    x = torch.arange(-16, 16, dtype=torch.float32) * 0.25  # amax 4 → scale 4/127
+    raw = codecs.get("q8").encode(x)
+    assert raw.dtype == torch.uint8 and raw.numel() == 34
+    scale = raw[:2].view(torch.float16).float()
+    assert float(scale) == pytest.approx(4 / 127, rel=2**-10)
+    assert float(scale) >= 4 / 127  # rounded up: no code is clipped
+    q = raw[2:].view(torch.int8).float()
+    assert torch.equal(q, torch.round(x / scale))
+
+
+def test_q4_layout():
+    """Per block: f16 scale, f16 min, then 16 bytes: element 2k in the low nibble, 2k+1 in the high one."""
+    x = torch.cat([torch.arange(16.0), torch.arange(15.0, -1, -1)])  # min 0, step 1
+    raw = codecs.get("q4").encode(x)
+    assert raw.numel() == 20
+    assert float(raw[:2].view(torch.float16)) == 1.0 and float(raw[2:4].view(torch.float16)) == 0.0
+    codes = torch.stack([raw[4:] & 0xF, raw[4:] >> 4], 1).reshape(-1)
+    assert torch.equal(codes.float(), x)
+
+
+def test_quantized_scales_never_clip_subnormal_blocks():
+    # amax/127 far below f16's normal range: the scale is a subnormal f16
+    x = torch.linspace(-3e-6, 3e-6, 64)
+    for name in QUANTIZED:
+        c = codecs.get(name)
+        assert bool(((c.decode(c.encode(x), x.shape) - x).abs() <= c.bound(x)).all()), name
+
+
+@pytest.mark.parametrize("name", QUANTIZED + ["f16"])
+def test_non_finite_or_out_of_range_raises(name):
+    c = codecs.get(name)
+    with pytest.raises(CodecError, match=name):
+        c.encode(torch.tensor([1.0, float("inf")] * 16))
+    if name == "f16":
+        with pytest.raises(CodecError, match="65504"):
+            c.encode(torch.tensor([1e6]))
+
+
+def test_decode_rejects_wrong_sizes():
+    stored = codecs.get("q8").encode(torch.randn(64))
+    with pytest.raises(CodecError, match="q8"):
+        codecs.get("q8").decode(stored, (65,))
+    with pytest.raises(CodecError, match="f16"):
+        codecs.get("f16").decode(torch.zeros(4), (4,))
+
+
+def test_unknown_codec_names_the_known_ones():
+    with pytest.raises(CodecError, match=r"unknown codec 'q3' \(known: f32, f16"):
+        codecs.get("q3")
+
+
+class _Half(Codec):
+    """A toy codec: f16 bytes stored as uint8 (a registry test)."""
+
+    name = "test_half"
+
+    def nbytes(self, shape):
+        return 2 * math.prod(shape)
+
+    def encode(self, x):
+        return x.to(torch.float16).contiguous().view(torch.uint8).reshape(-1)
+
+    def decode(self, stored, shape):
+        return stored.view(torch.float16).float().reshape(shape)
+
+    def bound(self, x):
+        return x.abs() * 2**-11 + 2**-25
+
+
+def test_registry_takes_more_and_refuses_a_taken_name():
+    c = codecs.register(_Half())
+    assert codecs.get("test_half") is c
+    assert codecs.register(c) is c  # the same codec again is harmless
+    with pytest.raises(CodecError, match="already registered"):
+        codecs.register(_Half())
+    with pytest.raises(CodecError, match="keep"):
+        h = _Half()
+        h.name = "keep"
+        codecs.register(h)
+    x = torch.randn(5, 7)
+    assert bool(((c.decode(c.encode(x), x.shape) - x).abs() <= c.bound(x)).all())
+
+
+def test_choose():
+    assert codecs.choose("keep", (4, 4), "q8") == "q8"
+    assert codecs.choose("f16", (4,), "f32") == "f16"  # plain codecs: every tensor
+    assert codecs.choose("q8", (4, 4), "f16") == "q8"  # quantized: matrices...
+    assert codecs.choose("q8", (4,), "bf16") == "bf16"  # ...vectors stay plain
+    assert codecs.choose("q4", (4,), "q8") == "f32"
+    with pytest.raises(CodecError):
+        codecs.choose("zz", (4, 4), "f32")
