@@ -4,14 +4,35 @@ tdata: tokenized records (rid, split, category, ids, first scored position) in
 an Arrow file inside a stage directory; windows: a split as one stream cut
 into windows of T with per-row weights; packed windows: the MTP stage's
 training text.
+
+Names load on first use, so `cortiq.data.settings` (the CLI's defaults) stays
+free of numpy and Arrow.
 """
 
-from .build import BuildSettings, build, build_digest, cut_text
-from .tdata import LOSS_ON, SPLITS, Record, Tdata, fnv1a64, tokenizer_digest
-from .windows import Batch, Packed, Windows, cut_windows, held_out, packed_windows, windows
+from __future__ import annotations
 
-__all__ = [
-    "Batch", "BuildSettings", "LOSS_ON", "Packed", "Record", "SPLITS", "Tdata", "Windows",
-    "build", "build_digest", "cut_text", "cut_windows", "fnv1a64", "held_out", "packed_windows",
-    "tokenizer_digest", "windows",
-]
+import importlib
+
+_EXPORTS = {
+    "BuildSettings": "settings",
+    "build": "build", "build_digest": "build", "cut_text": "build",
+    "LOSS_ON": "tdata", "SPLITS": "tdata", "Record": "tdata", "Tdata": "tdata", "fnv1a64": "tdata",
+    "tokenizer_digest": "tdata",
+    "Batch": "windows", "Packed": "windows", "Windows": "windows", "cut_windows": "windows", "held_out": "windows",
+    "packed_windows": "windows", "windows": "windows",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'cortiq.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

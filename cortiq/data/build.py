@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
@@ -17,54 +17,9 @@ import numpy as np
 
 from .. import store
 from ..errors import CortiqError
+from .settings import BuildSettings
 from .sources import Document, Item, read_source
 from .tdata import ARROW, SPLITS, STAGE, VERSION, Record, Tdata, records_table, tokenizer_digest
-
-
-@dataclass
-class BuildSettings:
-    """How records are made from the sources."""
-
-    # ── records from plain text ──
-    #: paragraphs are packed into records of up to this many tokens; a longer
-    #: paragraph is cut at line, then sentence boundaries
-    record_tokens: int = 512
-    #: the longest record accepted (the longest window a stage is asked to
-    #: support): a record still longer after cutting is an error
-    max_tokens: int = 8192
-
-    # ── tokens ──
-    #: append the EOS id to every record (a model learns where answers end;
-    #: records in a stream stay apart)
-    eos: bool = True
-
-    # ── splits ──
-    #: train/val/test fractions for records that name no split: a record goes
-    #: where the sha256 of its rid falls
-    fractions: tuple[float, float, float] = (0.9, 0.05, 0.05)
-
-    # ── labels ──
-    #: category of records that name none (default: the source file's stem or the corpus name)
-    category: str | None = None
-
-    # ── generated answers (self-distillation) ──
-    #: a CMF model that writes the answer of every prompt (greedy)
-    generate_with: str | None = None
-    #: the most tokens a generated answer has
-    max_new: int = 256
-
-    def __post_init__(self):
-        self.fractions = tuple(float(f) for f in self.fractions)
-        if len(self.fractions) != 3 or any(f < 0 for f in self.fractions) or abs(sum(self.fractions) - 1) > 1e-6:
-            raise CortiqError(f"split fractions must be three non-negative numbers summing to 1, not {self.fractions}")
-        if self.fractions[0] == 0:
-            raise CortiqError("the train fraction must be positive")
-        if self.record_tokens < 2:
-            raise CortiqError(f"record_tokens must be at least 2, not {self.record_tokens}")
-        if self.max_tokens < self.record_tokens:
-            raise CortiqError(f"max_tokens ({self.max_tokens}) must be at least record_tokens ({self.record_tokens})")
-        if self.max_new < 1:
-            raise CortiqError(f"max_new must be at least 1, not {self.max_new}")
 
 
 # ── cutting plain text ───────────────────────────────────────────────────
@@ -201,7 +156,7 @@ def build_digest(sources: list[str], tokenizer: str | os.PathLike, settings: Bui
 
 
 def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLike, settings: BuildSettings | None = None,
-          progress: Callable[[str], None] | None = None) -> Tdata:
+          progress: Callable[[str], None] | None = None, device: str | None = None) -> Tdata:
     """Tokenize `sources` (paths, or `corpus:NAME`) with the tokenizer of the CMF file `tokenizer`
     into the tdata directory `out` (written whole or not at all; meta.json last)."""
     from ..cmf import open_cmf
@@ -233,7 +188,7 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
 
         if progress:
             progress(f"generating answers with {settings.generate_with}")
-        generate_answers(items, settings.generate_with, tokenizer, settings.max_new, progress)
+        generate_answers(items, settings.generate_with, cmf, settings.max_new, device, progress)
 
     # (prompt, answer, where, bos?) per record; text records are all answer, scored from their second token
     rids, splits_given, cats, wheres, prompts, answers, use_bos = [], [], [], [], [], [], []

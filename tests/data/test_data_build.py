@@ -11,7 +11,7 @@ from cortiq.data.sources import corpus_documents
 from cortiq.errors import CortiqError
 from cortiq.tokenizer import byte_tokenizer_json, load_tokenizer
 
-from conftest import EOS
+from data_helpers import EOS
 
 TEXT = (
     "The first paragraph is short.\n\n"

