@@ -1,0 +1,85 @@
+"""`cortiq nll MODEL DATA`: teacher-forced NLL per token and perplexity."""
+
+from __future__ import annotations
+
+HELP = "score a model: NLL per token and perplexity on a tdata split or a text file"
+DESCRIPTION = (
+    "Teacher-forced NLL of the scored tokens. DATA is a tdata directory (`cortiq data`), scored on --split "
+    "with --loss-on, or a plain text file, tokenized with the model's tokenizer and cut into --window-token "
+    "windows (every token but each window's first is scored)."
+)
+ORDER = 40
+
+
+def add_arguments(p):
+    p.add_argument("model", metavar="MODEL.cmf")
+    p.add_argument("data", metavar="DATA", help="a tdata directory or a text file")
+    p.add_argument("--split", default="test", choices=["train", "val", "test"], help="tdata split")
+    p.add_argument("--loss-on", default="answer", choices=["answer", "all"], help="tdata: which tokens are scored")
+    p.add_argument("--window", type=int, default=512, help="text: tokens per window")
+    p.add_argument("--batch-tokens", type=int, default=8192, help="tokens per forward")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "f32", "bf16", "f16"], help="compute dtype (auto: bf16 on CUDA, f32 else)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _device_dtype(args):
+    import torch
+
+    dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}.get(args.dtype)
+    if dt is None:
+        dt = torch.bfloat16 if dev.startswith("cuda") else torch.float32
+    return dev, dt
+
+
+def run(args) -> int:
+    import json
+    import math
+    import sys
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from ..cmf import open_cmf
+    from ..errors import CortiqError
+    from ..model import load_model
+    from ..model.nll import score_records, text_windows
+    from ..tokenizer import from_doc
+
+    f = open_cmf(args.model)
+    data = Path(args.data)
+    if data.is_dir():
+        from ..data import Tdata
+
+        td = Tdata.open(data)
+        td.check_tokenizer(f)
+        records = td.records(args.split)
+        if not records:
+            raise CortiqError(f"{data}: the {args.split} split is empty")
+        loss_on, pad = args.loss_on, td.eos_id
+    elif data.is_file():
+        try:
+            text = data.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise CortiqError(f"{data}: not UTF-8 text") from None
+        tok = from_doc(f.tokenizer, str(args.model))
+        records = text_windows(tok.encode(text).ids, args.window)
+        if not records:
+            raise CortiqError(f"{data}: too short to score (fewer than 2 tokens)")
+        loss_on, pad = "all", f.eos_id
+    else:
+        raise CortiqError(f"{data}: no such file or directory")
+    dev, dt = _device_dtype(args)
+    model = load_model(f, dtype=dt, device=dev)
+    with tqdm(total=len(records), desc="nll", unit=" rec", file=sys.stderr, leave=False) as bar:
+        s, n = score_records(model, records, loss_on=loss_on, batch_tokens=args.batch_tokens, pad_id=pad, progress=bar.update)
+    if n == 0:
+        raise CortiqError(f"{data}: no scored tokens")
+    nll = s / n
+    if args.json:
+        print(json.dumps({"model": str(args.model), "data": str(data), "nll": nll, "ppl": math.exp(nll), "tokens": n,
+                          "records": len(records)}))
+    else:
+        print(f"nll/token {nll:.4f}  perplexity {math.exp(nll):.3f}  tokens {n}  ({len(records)} records)")
+    return 0
