@@ -1,0 +1,197 @@
+"""S2, DTG-MA: learned neuron gates σ(m) on every MLP neuron.
+
+The gate logits are the only trainable parameters (the weights are frozen).
+The loss is the caller's (the task's LM loss, or a KL to a teacher) plus an
+L1 pull l1/n_all·Σσ(m); at each evaluation below the target the pressure
+grows l1 ← l1·grow + step (a linear rise stalls; ×1.5 reaches 25 % pruned in
+a few hundred steps on the seed's runs). Every evaluation scores the hard
+mask (σ > τ) on held-out windows; the checkpoint kept is the best one at or
+past the target, and the loop stops `settle` evaluations after first reaching
+it. Failing the target, the most pruned checkpoint ranks the neurons.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..errors import CortiqError
+from .settings import MaskSettings
+
+MAX_NONFINITE = 20
+
+
+@dataclass
+class MaskResult:
+    #: per layer, the gate logits of the selected checkpoint [I_l]
+    logits: list[torch.Tensor]
+    #: held-out loss of the open model (every gate 1) and of the selected hard mask
+    nll_open: float
+    nll_hard: float
+    #: share of neurons the selected hard mask prunes
+    pruned: float
+    #: step of the selected checkpoint, steps run, non-finite steps skipped
+    step: int
+    steps: int
+    skipped: int
+    reached: bool
+    history: list[dict] = field(default_factory=list)
+
+    def report(self) -> dict:
+        return {
+            "metrics": {"mask_nll_open": self.nll_open, "mask_nll_hard": self.nll_hard, "mask_pruned": self.pruned,
+                        "mask_step": float(self.step), "mask_steps": float(self.steps), "mask_skipped": float(self.skipped)},
+            "reached_target": self.reached,
+            "history": self.history,
+        }
+
+
+def _set_hard(params: Sequence[nn.Parameter], tau: float) -> int:
+    """Gates to exactly 0/1 (logits ±inf: σ is then exact); returns the count kept."""
+    alive = 0
+    with torch.no_grad():
+        for p in params:
+            on = torch.sigmoid(p) > tau
+            alive += int(on.sum())
+            p.copy_(torch.where(on, float("inf"), -float("inf")))
+    return alive
+
+
+def train_masks(
+    params: Sequence[nn.Parameter],
+    n_train_batches: int,
+    step_loss: Callable[[int], torch.Tensor],
+    val: Callable[[], float],
+    settings: MaskSettings,
+    on_eval: Callable[[dict], None] | None = None,
+    progress: Callable[[int, dict], None] | None = None,
+) -> MaskResult:
+    """The mask loop on gate logits `params` (one per layer, set to mask_init
+    here): `step_loss(b)` is the caller's loss on train batch b (a scalar with
+    a graph down to the logits), `val()` the held-out loss under the current
+    gates (no grad)."""
+    if n_train_batches < 1:
+        raise CortiqError("DTG-MA: no train batches")
+    s = settings
+    n_all = sum(p.numel() for p in params)
+    target = min(max(1.0 - s.keep_frac, 0.0), 0.95)
+    dev = params[0].device
+    with torch.no_grad():
+        for p in params:
+            p.fill_(1e4)  # the open model: every gate exactly 1
+    nll_open = float(val())
+    with torch.no_grad():
+        for p in params:
+            p.fill_(s.mask_init)
+    opt = torch.optim.Adam(params, lr=s.lr, betas=(0.9, 0.999), eps=1e-8)
+    l1 = s.l1_init
+    best = None  # (nll, logits, pruned, step)
+    most = (nll_open, [p.detach().clone() for p in params], 0.0, 0)
+    first_at_target = None
+    done = skipped = in_a_row = 0
+    history: list[dict] = []
+    gen = torch.Generator().manual_seed(s.seed)
+    stop = False
+    while not stop and done < s.max_steps:
+        for b in torch.randperm(n_train_batches, generator=gen).tolist():
+            if done >= s.max_steps:
+                break
+            opt.zero_grad(set_to_none=True)
+            task = step_loss(b)
+            # the L1 pull per neuron: its gradient is l1/n_all·σ'(m)
+            pull = sum(torch.sigmoid(p).sum() for p in params) * (l1 / n_all)
+            (task + pull).backward()
+            finite = bool(torch.isfinite(task.detach())) and all(
+                p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in params
+            )
+            if not finite:
+                skipped += 1
+                in_a_row += 1
+                if in_a_row >= MAX_NONFINITE:
+                    raise CortiqError(f"DTG-MA: {MAX_NONFINITE} non-finite steps in a row")
+                continue
+            in_a_row = 0
+            opt.step()
+            done += 1
+            if progress:
+                progress(done, {"loss": float(task.detach()), "l1": l1})
+            if done % s.eval_every:
+                continue
+            saved = [p.detach().clone() for p in params]
+            alive = _set_hard(params, s.tau)
+            with torch.no_grad():
+                e = float(val())
+                for p, v in zip(params, saved):
+                    p.copy_(v)
+            pruned = 1.0 - alive / n_all
+            if pruned < target:
+                l1 = l1 * s.l1_grow + s.l1_step
+            if pruned > most[2]:
+                most = (e, saved, pruned, done)
+            if pruned >= target:
+                if first_at_target is None:
+                    first_at_target = done
+                if best is None or e < best[0]:
+                    best = (e, saved, pruned, done)
+            row = {"step": done, "loss": float(task.detach()), "val_hard": e, "pruned": pruned, "l1": l1}
+            history.append(row)
+            if on_eval:
+                on_eval(row)
+            if first_at_target is not None and done >= first_at_target + s.settle * s.eval_every:
+                stop = True
+                break
+    chosen = best if best is not None else most
+    nll_hard, logits, pruned, step = chosen
+    return MaskResult([t.to(dev) for t in logits], nll_open, nll_hard, pruned, step, done, skipped, best is not None, history)
+
+
+# ── on a model ────────────────────────────────────────────────────────────
+
+
+def weighted_ce(model, ids: torch.Tensor, nxt: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ w·NLL, Σ w) of the next tokens: ids/nxt [B, T] int64, weight [B, T]."""
+    logits = model(ids)  # [B, T, V]
+    nll = nn.functional.cross_entropy(logits.float().flatten(0, 1), nxt.flatten(), reduction="none")  # [B·T]
+    w = weight.flatten().to(nll.dtype)
+    return (nll * w).sum(), w.sum()
+
+
+def learn_model_masks(model, train, val, settings: MaskSettings, on_eval=None, progress=None) -> MaskResult:
+    """DTG-MA on `model` (a cortiq CausalLM) with the task's LM loss: `train`,
+    `val` are cortiq.data.Windows. The gates are removed again at the end."""
+    s = settings
+    if len(train) == 0 or len(val) == 0:
+        raise CortiqError(f"DTG-MA: {len(train)} train / {len(val)} val windows of {s.window} tokens")
+    dev = next(model.parameters()).device
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.set_neuron_gates(True, init=s.mask_init)
+    params = [layer.mlp.neuron_logits for layer in model.layers]
+    n_val_b = val.n_batches(s.batch)
+    if s.val_windows:
+        n_val_b = min(n_val_b, max(1, s.val_windows // s.batch))
+
+    def to(x):
+        return torch.from_numpy(x).to(dev)
+
+    def step_loss(b):
+        bt = train.batch(b, s.batch)
+        tot, w = weighted_ce(model, to(bt.ids), to(bt.next), to(bt.weight))
+        return tot / w.clamp_min(1e-9)
+
+    def val_loss():
+        with torch.no_grad():
+            tot = cnt = 0.0
+            for b in range(n_val_b):
+                bt = val.batch(b, s.batch)
+                t, w = weighted_ce(model, to(bt.ids), to(bt.next), to(bt.weight))
+                tot, cnt = tot + float(t), cnt + float(w)
+            return tot / max(cnt, 1e-9)
+
+    try:
+        return train_masks(params, train.n_batches(s.batch), step_loss, val_loss, s, on_eval, progress)
+    finally:
+        model.set_neuron_gates(False)

@@ -1,0 +1,83 @@
+"""The DTG-MA mask loop with injected step/val callables, then on a tiny model."""
+
+import pytest
+import torch
+from torch import nn
+
+from cortiq.compress.masks import train_masks
+from cortiq.compress.settings import MaskSettings
+from cortiq.errors import CortiqError
+
+
+def _toy(widths=(30, 50), seed=0):
+    """Neuron j costs c_j when its gate closes: the loss is Σ c_j (1 − σ(m_j))."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(widths)
+    imp = [torch.rand(w, generator=g) * 10 + 0.1 for w in widths]
+    params = [nn.Parameter(torch.zeros(w)) for w in widths]
+
+    def step_loss(b):
+        return sum(((1 - torch.sigmoid(p)) * c).sum() for p, c in zip(params, imp)) / n
+
+    def val():
+        with torch.no_grad():
+            return float(sum(((1 - torch.sigmoid(p)) * c).sum() for p, c in zip(params, imp)) / n)
+
+    return params, imp, step_loss, val
+
+
+def test_mask_reaches_the_target_pruning_the_least_important():
+    params, imp, step_loss, val = _toy()
+    s = MaskSettings(keep_frac=0.75, lr=0.1, l1_init=0.5, l1_step=0.5, eval_every=5, max_steps=400, settle=2)
+    r = train_masks(params, 7, step_loss, val, s)
+    assert r.reached and r.pruned >= 0.25
+    at = [h for h in r.history if h["pruned"] >= 0.25]
+    # the best checkpoint at the target, and `settle` evaluations after the first one there
+    assert r.nll_hard == min(h["val_hard"] for h in at)
+    assert r.steps == at[0]["step"] + s.settle * s.eval_every
+    assert r.nll_open == 0.0 and r.nll_hard > 0.0
+    # the pressure grew l1·1.5 + step at every evaluation below the target, and not after
+    l1 = s.l1_init
+    for h in r.history:
+        if h["pruned"] < 0.25:
+            l1 = l1 * s.l1_grow + s.l1_step
+        assert h["l1"] == pytest.approx(l1)
+    # what the hard mask pruned is the cheapest: all in the lowest 40 % by importance
+    allimp = torch.cat(imp)
+    pruned = torch.cat([torch.sigmoid(m) <= s.tau for m in r.logits])
+    assert float(pruned.float().mean()) == pytest.approx(r.pruned)
+    assert float(allimp[pruned].max()) <= float(torch.quantile(allimp, 0.4))
+
+
+def test_mask_short_of_the_target_falls_back_to_the_most_pruned():
+    params, imp, step_loss, val = _toy()
+    s = MaskSettings(keep_frac=0.2, lr=0.05, l1_init=0.1, l1_step=0.1, eval_every=5, max_steps=60)
+    r = train_masks(params, 3, step_loss, val, s)
+    assert not r.reached and r.steps == 60
+    most = max(r.history, key=lambda h: h["pruned"])
+    assert r.pruned == most["pruned"] and r.step == most["step"]
+
+
+def test_non_finite_steps_are_skipped_then_abort():
+    params, imp, step_loss, val = _toy()
+    calls = {"n": 0}
+
+    def flaky(b):
+        calls["n"] += 1
+        return step_loss(b) * (float("nan") if calls["n"] % 3 == 0 else 1.0)
+
+    r = train_masks(params, 4, flaky, val, MaskSettings(max_steps=20, eval_every=5))
+    assert r.steps == 20 and r.skipped == 9
+
+    def broken(b):
+        return step_loss(b) * float("inf")
+
+    with pytest.raises(CortiqError, match="^DTG-MA: 20 non-finite steps in a row$"):
+        train_masks(params, 4, broken, val, MaskSettings(max_steps=50))
+
+
+def test_mask_settings_are_checked():
+    with pytest.raises(CortiqError, match="mask keep_frac"):
+        MaskSettings(keep_frac=0.0)
+    with pytest.raises(CortiqError, match="loss_on"):
+        MaskSettings(loss_on="some")
