@@ -79,7 +79,7 @@ def _build(args) -> int:
     settings = BuildSettings(record_tokens=args.record_tokens, max_tokens=args.max_tokens, eos=not args.no_eos,
                              fractions=args.fractions if isinstance(args.fractions, tuple) else _fractions(args.fractions),
                              category=args.category, generate_with=args.generate_with, max_new=args.max_new)
-    bar = tqdm(desc="data build", unit="step", file=sys.stderr, leave=False)
+    bar = tqdm(desc="data build", unit="step", file=sys.stderr, leave=False, disable=None)  # None: off when not a terminal
 
     def progress(msg: str):
         bar.set_postfix_str(msg[:60])
