@@ -101,6 +101,8 @@ def _read_header(path: Path) -> tuple[dict, int]:
         raise CmfError(f"{path}: no such file") from None
     except IsADirectoryError:
         raise CmfError(f"{path}: is a directory, not a CMF file") from None
+    except OSError as e:
+        raise CmfError(f"{path}: cannot read ({e.strerror or e})") from None
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -120,19 +122,19 @@ class CmfFile:
         self.path = Path(path)
         header, data0 = _read_header(self.path)
         meta = header.pop("__metadata__", None) or {}
-        if "cmf" not in meta:
+        if not isinstance(meta, dict) or not isinstance(meta.get("cmf"), str):
             raise CmfError(f"{self.path}: not a CMF file (a safetensors file without the cmf document)")
         try:
             self.doc: dict = json.loads(meta["cmf"])
         except json.JSONDecodeError:
             raise CmfError(f"{self.path}: the cmf document is not JSON") from None
-        if self.doc.get("format") != "cmf":
+        if not isinstance(self.doc, dict) or self.doc.get("format") != "cmf":
             raise CmfError(f"{self.path}: not a CMF file (format {self.doc.get('format')!r})")
         if int(self.doc.get("version", 0)) > FORMAT_VERSION:
             raise CmfError(f"{self.path}: CMF version {self.doc['version']} is newer than this cortiq reads ({FORMAT_VERSION})")
         try:
             self.arch = Arch.from_dict(self.doc["arch"])
-        except (KeyError, TypeError) as e:
+        except (KeyError, TypeError, ValueError, CortiqError) as e:
             raise CmfError(f"{self.path}: the arch is missing or malformed ({e})") from None
         self.paths = [self.path] + [self.path.with_name(s) for s in self.doc.get("shards", [])]
         self.infos: dict[str, TensorInfo] = {}
@@ -142,12 +144,19 @@ class CmfFile:
             if si == 0:
                 h, d0 = header, data0
             else:
-                if not p.exists():
+                if not p.is_file():
                     raise CmfError(f"{self.path}: shard {p.name} is missing")
                 h, d0 = _read_header(p)
-                h.pop("__metadata__", None)
+                smeta = h.pop("__metadata__", None) or {}
+                try:
+                    sdoc = json.loads(smeta["cmf_shard"])
+                    ok = sdoc["index"] == si and sdoc["of"] == len(self.paths)
+                except (KeyError, TypeError, json.JSONDecodeError):
+                    ok = False
+                if not ok:
+                    raise CmfError(f"{p}: not shard {si + 1} of {len(self.paths)} of {self.path.name}")
             size = p.stat().st_size
-            end_max = 0
+            ranges = []
             for name, e in h.items():
                 try:
                     b, en = (int(x) for x in e["data_offsets"])
@@ -156,19 +165,43 @@ class CmfFile:
                     raise CmfError(f"{p}: not a CMF file (malformed entry {name!r})") from None
                 if st_dtype not in _ST_DTYPES:
                     raise CmfError(f"{p}: tensor {name!r} has unsupported dtype {st_dtype}")
-                if en - b != math.prod(st_shape) * _ST_DTYPES[st_dtype][2] or b > en:
+                if en - b != math.prod(st_shape) * _ST_DTYPES[st_dtype][2] or b > en or b < 0:
                     raise CmfError(f"{p}: tensor {name!r}: its byte range does not match its shape")
-                end_max = max(end_max, en)
+                if name in self.infos:
+                    raise CmfError(f"{p}: tensor {name!r} appears twice")
+                ranges.append((b, en, name))
                 if name in cdoc:
-                    codec, shape = cdoc[name]["codec"], tuple(cdoc[name]["shape"])
-                    codecs.get(codec)  # unknown codec: a clear error now, not at first use
+                    codec, shape = self._coded(p, name, cdoc[name], st_dtype, st_shape)
                 else:
                     if st_dtype not in codecs.PLAIN:
                         raise CmfError(f"{p}: tensor {name!r} is {st_dtype} with no codec recorded")
                     codec, shape = codecs.PLAIN[st_dtype], st_shape
                 self.infos[name] = TensorInfo(name, codec, shape, st_dtype, st_shape, si, d0 + b, d0 + en)
-            if d0 + end_max > size:
-                raise CmfError(f"{p}: truncated ({size} bytes, the header needs {d0 + end_max})")
+            # as safetensors requires: the tensors tile the data, in order, without gaps or overlaps
+            end = 0
+            for b, en, name in sorted(ranges):
+                if b != end:
+                    raise CmfError(f"{p}: tensor {name!r} does not start where the previous one ends")
+                end = en
+            if d0 + end > size:
+                raise CmfError(f"{p}: truncated ({size} bytes, the header needs {d0 + end})")
+
+    @staticmethod
+    def _coded(p: Path, name: str, entry, st_dtype: str, st_shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+        """(codec, logical shape) of a tensor the document says is encoded, checked against its storage."""
+        try:
+            codec, shape = entry["codec"], tuple(int(x) for x in entry["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise CmfError(f"{p}: tensor {name!r}: malformed codec entry") from None
+        try:
+            c = codecs.get(codec)  # unknown codec: a clear error now, not at first use
+        except codecs.CodecError as e:
+            raise CmfError(f"{p}: tensor {name!r}: {e}") from None
+        want = (_TORCH_TO_ST[c.dtype], shape) if c.plain else ("U8", (c.nbytes(shape),))
+        if (st_dtype, st_shape) != want:
+            raise CmfError(f"{p}: tensor {name!r}: stored as {st_dtype}{list(st_shape)}, codec {codec} of "
+                           f"{list(shape)} needs {want[0]}{list(want[1])}")
+        return codec, shape
 
     # ── metadata ──
     @property
@@ -225,8 +258,9 @@ class CmfFile:
     def tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """`name` decoded to its logical shape in `dtype` (a fresh tensor)."""
         i = self.info(name)
-        out = codecs.get(i.codec).decode(self.stored(name), i.shape)
-        if out.dtype != dtype or out.data_ptr() == self.stored(name).data_ptr():
+        st = self.stored(name)
+        out = codecs.get(i.codec).decode(st, i.shape)
+        if out.dtype != dtype or (out.numel() and out.data_ptr() == st.data_ptr()):
             out = out.to(dtype, copy=True)
         return out
 
@@ -285,7 +319,7 @@ class Spec:
         self.shape = tuple(int(x) for x in self.shape)
         c = codecs.get(self.codec)
         if c.plain:
-            self.st = ({"f32": "F32", "f16": "F16", "bf16": "BF16"}[self.codec], self.shape)
+            self.st = (_TORCH_TO_ST[c.dtype], self.shape)
         else:
             self.st = ("U8", (c.nbytes(self.shape),))
 
@@ -305,9 +339,16 @@ def new_doc(arch: Arch, tokenizer: dict | None, provenance: dict | None = None) 
 
 
 def with_provenance(doc: dict, stage: str, block: dict) -> dict:
-    """A copy of `doc` whose provenance gains `stage` (what was there stays)."""
+    """A copy of `doc` whose provenance gains `stage`; what was there stays.
+    A stage already recorded (a second recode, say) is added as `stage#2`,
+    `stage#3`...: the keys keep the order the stages ran in."""
     out = copy.deepcopy(doc)
-    out.setdefault("provenance", {})[stage] = block
+    prov = out.setdefault("provenance", {})
+    key, k = stage, 1
+    while key in prov:
+        k += 1
+        key = f"{stage}#{k}"
+    prov[key] = copy.deepcopy(block)
     return out
 
 
@@ -315,7 +356,7 @@ def _header_bytes(entries: dict, meta_doc: dict | None, extra_meta: dict | None 
     h = dict(entries)
     meta = dict(extra_meta or {})
     if meta_doc is not None:
-        meta["cmf"] = json.dumps(meta_doc, sort_keys=True)
+        meta["cmf"] = json.dumps(meta_doc)  # insertion order: provenance reads in the order stages ran
     if meta:
         h["__metadata__"] = meta
     raw = json.dumps(h).encode("utf-8")
@@ -374,7 +415,10 @@ def write_cmf(
                 f.write(struct.pack("<Q", len(head)))
                 f.write(head)
                 for s in group:
-                    data = _encode(s)
+                    try:
+                        data = _encode(s)
+                    except CortiqError as e:
+                        raise CortiqError(f"{path}: {e}") from None
                     buf = codecs.to_numpy_bytes(data)
                     if buf.nbytes != s.nbytes:
                         raise CortiqError(f"{path}: tensor {s.name!r}: {buf.nbytes} bytes encoded, {s.nbytes} expected")
@@ -391,9 +435,11 @@ def write_cmf(
             f.write(head)
         for p, part in list(zip(paths, partials))[::-1]:  # shards first, the first file last
             os.replace(part, p)
-    except BaseException:
+    except BaseException as e:
         for part in partials:
             part.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise CortiqError(f"{path}: cannot write ({e.strerror or e})") from None
         raise
     return path
 
@@ -406,7 +452,10 @@ def _encode(s: Spec) -> torch.Tensor:
     else:
         if tuple(v.shape) != s.shape:
             raise CortiqError(f"tensor {s.name!r}: shape {list(v.shape)} is not the planned {list(s.shape)}")
-        data = c.encode(v.detach().to("cpu"))
+        try:
+            data = c.encode(v.detach().to("cpu"))
+        except codecs.CodecError as e:
+            raise CortiqError(f"tensor {s.name!r}: {e}") from None
     want_dt = _ST_DTYPES[s.st[0]][1]
     if data.dtype != want_dt:
         raise CortiqError(f"tensor {s.name!r}: stored as {data.dtype}, codec {s.codec} stores {want_dt}")
