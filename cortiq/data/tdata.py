@@ -47,6 +47,22 @@ def fnv1a64(s: str) -> int:
     return h
 
 
+def fnv1a64_many(strings: list[str]) -> np.ndarray:
+    """[R] uint64 FNV-1a 64 of each string: one pass per byte position over all strings at once."""
+    raw = [x.encode("utf-8") for x in strings]
+    if not raw:
+        return np.zeros(0, dtype=np.uint64)
+    lens = np.fromiter((len(b) for b in raw), dtype=np.int64, count=len(raw))
+    width = int(lens.max())
+    buf = np.frombuffer(b"".join(b.ljust(width, b"\0") for b in raw), dtype=np.uint8).reshape(len(raw), width)
+    h = np.full(len(raw), _FNV_OFFSET, dtype=np.uint64)
+    prime = np.uint64(_FNV_PRIME)
+    for j in range(width):  # uint64 arithmetic wraps, as the seed's wrapping_mul
+        live = lens > j
+        h[live] = (h[live] ^ buf[live, j].astype(np.uint64)) * prime
+    return h
+
+
 def tokenizer_digest(tokenizer_json: str) -> str:
     """sha256 of the tokenizer.json text: what ties a tdata to the models that may read it."""
     return hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
@@ -164,7 +180,7 @@ class Tdata:
     def hash_order(self, split: str) -> np.ndarray:
         """[R'] row numbers of `split` sorted by the FNV-1a 64 hash of the rid (the seed's fixed shuffle)."""
         idx = self.indices(split)
-        keys = np.array([fnv1a64(self._rid[i]) for i in idx], dtype=np.uint64)
+        keys = fnv1a64_many([self._rid[i] for i in idx])
         return idx[np.argsort(keys, kind="stable")]
 
     def lengths(self, rows: np.ndarray) -> np.ndarray:

@@ -138,3 +138,14 @@ def test_parse_spec():
     assert parse_spec("dir@x") == [("dir@x", None)]
     with pytest.raises(CortiqError):
         parse_spec(" , ")
+
+
+def test_fnv1a64_known_values_and_the_vectorised_form():
+    from cortiq.data.tdata import fnv1a64_many
+
+    # published FNV-1a 64 test vectors
+    assert fnv1a64("") == 0xCBF29CE484222325
+    assert fnv1a64("a") == 0xAF63DC4C8601EC8C
+    assert fnv1a64("foobar") == 0x85944171F73967E8
+    rids = ["", "a", "foobar", "book:12", "pydoc/assert:0", "ünï:3", "x" * 70]
+    np.testing.assert_array_equal(fnv1a64_many(rids), np.array([fnv1a64(r) for r in rids], dtype=np.uint64))
