@@ -34,6 +34,10 @@ GEOMS = {
     "qwen3-0.6b": dict(hidden=1024, layers=28, heads=16, kv=8, head_dim=128, inter=3072, vocab=151936, tie=True),
     "qwen3-1.7b": dict(hidden=2048, layers=28, heads=16, kv=8, head_dim=128, inter=6144, vocab=151936, tie=True),
     # a Qwen3.5-0.8B-like hybrid: 3 Gated DeltaNet layers to 1 gated full-attention layer
+    # a smoke-test size for `--cpu` (checks the code paths, measures nothing)
+    "tiny": dict(hidden=64, layers=2, heads=4, kv=2, head_dim=16, inter=96, vocab=259, tie=True),
+    "tiny-hybrid": dict(hidden=64, layers=4, heads=4, kv=2, head_dim=16, inter=96, vocab=259, tie=True,
+                        hybrid=True, lk=2, lv=4, dk=16, dv=16),
     "qwen3.5-hybrid": dict(hidden=1024, layers=24, heads=8, kv=2, head_dim=256, inter=3584, vocab=248320, tie=True,
                            hybrid=True, lk=16, lv=16, dk=128, dv=128),
 }
@@ -143,11 +147,22 @@ def bench_baseline(name, g, B, T, steps, rate):
 # ── cortiq's stages ───────────────────────────────────────────────────────
 
 
-def bench_cortiq(name, g, B, T, steps, rate):
-    from cortiq import bench_stages  # noqa: F401  (filled in by cortiq/bench_stages.py)
+def bench_cortiq(name, g, B, T, steps, rate, device="cuda"):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import stages
 
-    return bench_stages.run(name, g, B, T, steps, rate, timed=timed, peak_reset=peak_reset, peak_gib=peak_gib,
-                            flops_per_token=flops_per_token)
+    t, r, p = (timed, peak_reset, peak_gib) if device == "cuda" else (cpu_timed, lambda: None, lambda: 0.0)
+    return stages.run(name, g, B, T, steps, rate, timed=t, peak_reset=r, peak_gib=p,
+                      flops_per_token=flops_per_token, device=device)
+
+
+def cpu_timed(fn, warm=1, reps=1):
+    for _ in range(warm):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
 
 
 def main():
@@ -158,7 +173,13 @@ def main():
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--cpu", action="store_true", help="smoke-test cortiq's stage code on the CPU (tiny geometries)")
     a = ap.parse_args()
+    if a.cpu:
+        for name in a.geoms.split(","):
+            r = bench_cortiq(name, GEOMS[name], a.batch, a.seq, 1, 1e12, device="cpu")
+            print(json.dumps(r))
+        return
     assert torch.cuda.is_available(), "the benchmark needs a CUDA device"
     torch.backends.cuda.matmul.allow_tf32 = True
     dev = torch.cuda.get_device_name()

@@ -1,0 +1,141 @@
+"""cortiq's own stages at a benchmark geometry (called by bench/run.py).
+
+What runs is what `cortiq heal` / `cortiq mtp heal` run: the model of
+cortiq/model, the teacher's top-k through `topk_next` (row chunks, no
+[rows, V] float logits), the student step with f32 master weights under bf16
+autocast and the fused head + top-k KL of cortiq/heal/loss.py, fused Adam.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cortiq.arch import FULL, LINEAR, Arch
+from cortiq.heal.loss import topk_kl
+from cortiq.model import CausalLM
+
+K = 64  # the teacher's top-k, as the baseline's top-64
+
+
+def arch_of(g: dict) -> Arch:
+    L = g["layers"]
+    hybrid = g.get("hybrid", False)
+    types = [LINEAR if hybrid and (i + 1) % 4 else FULL for i in range(L)]
+    return Arch(
+        arch_name="qwen3_5" if hybrid else "qwen3", vocab_size=g["vocab"], hidden_size=g["hidden"], num_layers=L,
+        intermediate_sizes=[g["inter"]] * L, num_heads=g["heads"], num_kv_heads=g["kv"], head_dim=g["head_dim"],
+        rope_theta=1e6, partial_rotary_factor=0.25 if hybrid else 1.0, qk_norm=True, attn_output_gate=hybrid,
+        norm_style="offset" if hybrid else "weight", layer_types=types, tie_word_embeddings=g["tie"],
+        linear_num_key_heads=g.get("lk", 0), linear_num_value_heads=g.get("lv", 0),
+        linear_key_head_dim=g.get("dk", 0), linear_value_head_dim=g.get("dv", 0), mtp_layers=1,
+    )
+
+
+def build(arch: Arch, dtype, device="cuda") -> CausalLM:
+    with torch.device(device):
+        m = CausalLM(arch)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+    return m.to(dtype)
+
+
+def run(name, g, B, T, steps, rate, *, timed, peak_reset, peak_gib, flops_per_token, device="cuda"):
+    arch = arch_of(g)
+    row = {"geom": name, "who": "cortiq"}
+    ids = torch.randint(0, g["vocab"], (B, T), device=device)
+    H, L = g["hidden"], g["layers"]
+    head_f = 2 * H * g["vocab"]
+    layer_f = (flops_per_token(g, T, False) - head_f) / L  # forward matmul FLOPs per token per layer
+
+    # ── teacher: bf16 weights, top-k of the next token in row chunks ──
+    teacher = build(arch, torch.bfloat16, device).eval()
+
+    @torch.no_grad()
+    def teacher_pass():
+        h, _ = teacher.forward_hidden(ids)
+        return teacher.topk_next(h, K, chunk=8192)
+
+    peak_reset()
+    s = timed(teacher_pass)
+    row["teacher_tok_s"] = B * T / s
+    row["teacher_mfu"] = (L * layer_f + head_f) * B * T / s / rate
+    row["teacher_peak_gib"] = peak_gib()
+    tids, tps = teacher_pass()
+    tids, tps = tids.reshape(B * T, K), tps.reshape(B * T, K)
+
+    # ── frozen prefix (half the layers) on the bf16 weights ──
+    cut = L // 2
+
+    @torch.no_grad()
+    def prefix_pass():
+        return teacher.run_layers(teacher.embed(ids), 0, cut)
+
+    s = timed(prefix_pass)
+    row["prefix_tok_s"] = B * T / s
+    h_prefix = prefix_pass().float()
+
+    # ── MTP trunk pass: hidden rows + top-k (the trunk is the teacher here) ──
+    row["mtp_trunk_tok_s"] = row["teacher_tok_s"]  # the same pass: forward_hidden + topk_next, hidden kept
+    del teacher
+    torch.cuda.empty_cache() if device == "cuda" else None
+
+    # ── the student step: all layers trained (as the baseline), f32 master weights, bf16 compute ──
+    student = build(arch, torch.float32, device).train()
+    student.model.embed_tokens.weight.requires_grad_(False)  # embedding and tied head stay frozen (heal's choice)
+    params = [p for p in student.parameters() if p.requires_grad and p is not student.model.embed_tokens.weight
+              and not any(p is q for q in student.mtp.parameters())]
+    opt = torch.optim.Adam(params, lr=1e-5, fused=device == "cuda")
+    total = float(B * T)
+
+    def step(start=0, h0=None):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            h = student.embed(ids) if h0 is None else h0
+            h = student.run_layers(h, start, L)
+            h = student.model.norm(h)
+            loss = topk_kl(h.reshape(B * T, H), student.head_weight, tids, tps, chunk=8192) / total
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    peak_reset()
+    s = timed(step, warm=2, reps=steps)
+    row["step_tok_s"] = B * T / s
+    # useful FLOPs: layers fwd+bwd (3×), head fwd + grad w.r.t. hidden (2×; the head is frozen)
+    row["step_mfu"] = (3 * L * layer_f + 2 * head_f) * B * T / s / rate
+    row["step_peak_gib"] = peak_gib()
+    # one epoch of heal = the teacher pass once + the steps over the same tokens
+    row["epoch_tok_s"] = 1.0 / (1.0 / row["teacher_tok_s"] + 1.0 / row["step_tok_s"])
+
+    # tail only (train_from = L/2) from the cached prefix
+    for p in student.model.layers[:cut].parameters():
+        p.requires_grad_(False)
+    params[:] = [p for p in params if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=1e-5, fused=device == "cuda")
+    s = timed(lambda: step(cut, h_prefix), warm=2, reps=steps)
+    row["tail_step_tok_s"] = B * T / s
+
+    # ── the MTP draft step: the block on the trunk's rows, KL to the trunk one further ──
+    for p in student.parameters():
+        p.requires_grad_(False)
+    mparams = list(student.mtp.parameters())
+    for p in mparams:
+        p.requires_grad_(True)
+    mopt = torch.optim.Adam(mparams, lr=2e-5, fused=device == "cuda")
+    hrows = torch.randn(B, T, H, device=device)
+    n = B * (T - 1)
+
+    def mtp_step():
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+            d = student.mtp_forward(hrows[:, :-1], ids[:, 1:])  # row p reads h_p and token p+1
+            loss = topk_kl(d.reshape(n, H), student.head_weight, tids.view(B, T, K)[:, 1:].reshape(n, K),
+                           tps.view(B, T, K)[:, 1:].reshape(n, K), chunk=8192) / n
+        loss.backward()
+        mopt.step()
+        mopt.zero_grad(set_to_none=True)
+
+    s = timed(mtp_step, warm=2, reps=steps)
+    row["mtp_step_tok_s"] = n / s
+    del student, opt, mopt
+    return row
