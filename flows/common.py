@@ -1,0 +1,195 @@
+"""What the flows share: running a stage task through its cache, logging its report, the plots.
+
+`Stages.run` asks the task's plan whether its output is still there: when it
+is not (never made, or deleted), the task is called with `refresh_cache=True`
+so Prefect recomputes it instead of handing back a dead path. Every stage's
+metrics are logged from the task's result, so a cached stage still shows up in
+the MLflow run; per-step history is logged from the report only when the stage
+did not log it live (it was cached or reused).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from cortiq import store
+from cortiq.settings import PipelineSettings
+
+from .tracking import MlflowLogger, log_json, log_model_file
+
+
+def result_storage() -> Path:
+    """Where Prefect persists task results (the cache records): under the cortiq home."""
+    p = store.home() / "prefect" / "results"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+class Stages:
+    """Runs stage tasks for one flow run and keeps their results."""
+
+    def __init__(self, settings: PipelineSettings, log: MlflowLogger):
+        self.settings = settings
+        self.log = log
+        self.out_root = str(settings.run.out_dir())
+        Path(self.out_root).mkdir(parents=True, exist_ok=True)
+        self.results: dict[str, dict] = {}
+        self.states: dict[str, str] = {}
+
+    def run(self, key: str, task, planner: Callable, **params) -> dict:
+        """Call `task(**params)` as stage `key` (the name its metrics are logged under)."""
+        params.setdefault("out_root", self.out_root)
+        ready = planner(**params).ready()
+        t = task.with_options(
+            refresh_cache=not ready,
+            retries=self.settings.run.retries,
+            retry_delay_seconds=self.settings.run.retry_delay_s,
+            result_storage=result_storage(),
+            task_run_name=key,
+        )
+        state = t(**params, logger=self.log.child(f"{key}."), return_state=True)
+        result = state.result()  # raises the stage's error when it failed
+        self.results[key] = result
+        self.states[key] = state.name
+        live = state.name != "Cached" and not result.get("reused")
+        self._log_report(key, result, history=not live)
+        return result
+
+    def _log_report(self, key: str, result: dict, history: bool) -> None:
+        rep = result.get("report") or {}
+        metrics = {k: v for k, v in (rep.get("metrics") or {}).items() if isinstance(v, (int, float))}
+        if metrics:
+            self.log.child(f"{key}.").log_metrics(metrics)
+        if history:
+            for i, row in enumerate(rep.get("history") or []):
+                step = int(row.get("step", i))
+                vals = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+                if vals:
+                    self.log.child(f"{key}.").log_metrics(vals, step=step)
+        self.log.set_tags({f"digest.{key}": result["digest"], f"state.{key}": self.states.get(key, "")})
+
+    def artifacts(self, models: dict[str, str]) -> None:
+        """The output models (or references), the provenance of each, and the plots."""
+        from cortiq.cmf import open_cmf
+
+        limit = self.settings.run.artifact_limit_mb
+        for label, path in models.items():
+            log_model_file(self.log, path, limit)
+            log_json(self.log, f"{label}.provenance.json", open_cmf(path).provenance, "provenance")
+        log_json(self.log, "settings.json", self.settings.to_dict())
+        log_json(self.log, "stages.json", {k: {"digest": r["digest"], "path": r["path"], "state": self.states.get(k)}
+                                           for k, r in self.results.items()})
+        with tempfile.TemporaryDirectory() as d:
+            for p in plots(self.results, Path(d)):
+                self.log.log_artifact(str(p), "plots")
+
+
+# ── plots ────────────────────────────────────────────────────────────────
+
+def _history(result: dict | None) -> list[dict]:
+    return list(((result or {}).get("report") or {}).get("history") or [])
+
+
+def plots(results: dict[str, dict], out: Path) -> list[Path]:
+    """PNG plots of what a person would rather look at than read: held-out loss
+    curves, NLL per model, hold rate per chain step before/after, bytes and NLL per codec."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+
+    curves = []
+    for key, r in results.items():
+        for row_key in ("val_loss", "heldout_loss", "held_out_loss", "val"):
+            pts = [(row.get("step", i), row[row_key]) for i, row in enumerate(_history(r)) if row_key in row]
+            if pts:
+                curves.append((f"{key} {row_key}", pts))
+    if curves:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for label, pts in curves:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label)
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out loss")
+        ax.legend()
+        ax.set_title("held-out loss")
+        made.append(_save(fig, out / "heldout_loss.png"))
+
+    nll = {k.removeprefix("score."): r["report"]["metrics"]["nll"] for k, r in results.items()
+           if k.startswith("score.") and "nll" in r["report"].get("metrics", {})}
+    if nll:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.bar(list(nll), list(nll.values()), color="tab:blue")
+        ax.set_ylabel("test NLL (nats / token)")
+        ax.set_title("NLL per model")
+        for i, v in enumerate(nll.values()):
+            ax.text(i, v, f"{v:.3f}", ha="center", va="bottom")
+        made.append(_save(fig, out / "nll_per_model.png"))
+
+    mrep = (results.get("mtp") or {}).get("report") or {}
+    before, after = mrep.get("hold_before"), mrep.get("hold_after")
+    if before or after:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for label, rates in (("before", before), ("after", after)):
+            if rates:
+                ax.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
+        ax.set_xlabel("chain step")
+        ax.set_ylabel("hold rate")
+        ax.set_ylim(0, 1)
+        ax.legend()
+        ax.set_title("MTP draft hold rate per chain step")
+        made.append(_save(fig, out / "hold_rate.png"))
+
+    codecs = {}
+    for k, r in results.items():
+        if k.startswith("codec."):
+            c = k.removeprefix("codec.")
+            codecs.setdefault(c, {})["bytes"] = r["report"]["metrics"]["bytes"]
+        if k.startswith("score.codec."):
+            c = k.removeprefix("score.codec.")
+            codecs.setdefault(c, {})["nll"] = r["report"]["metrics"]["nll"]
+    if codecs:
+        fig, ax1 = plt.subplots(figsize=(7, 4))
+        names = list(codecs)
+        ax1.bar(names, [codecs[c].get("bytes", 0) / 1e6 for c in names], color="tab:gray")
+        ax1.set_ylabel("size (MB)")
+        ax2 = ax1.twinx()
+        ax2.plot(names, [codecs[c].get("nll", float("nan")) for c in names], color="tab:red", marker="o")
+        ax2.set_ylabel("test NLL", color="tab:red")
+        ax1.set_title("bytes and NLL per codec")
+        made.append(_save(fig, out / "codecs.png"))
+    return made
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+@contextlib.contextmanager
+def quiet_prefect() -> Any:
+    """Flow runs without the per-run heartbeat thread (~1 s each, STACK.md)."""
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield
+
+
+def flow_run_id() -> str:
+    from prefect.runtime import flow_run
+
+    return str(flow_run.id or "")
+
+
+def flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    return str(flow_run.name or "")

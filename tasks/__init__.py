@@ -1,0 +1,17 @@
+"""Prefect tasks: thin adapters around cortiq's stage functions.
+
+Each task takes paths and settings, computes its output's digest (the stage's
+name and version, its settings, its inputs' digests), reuses the output when
+it is complete, else makes one cortiq call; it returns the digest, the output
+path and the stage's report. Prefect's cache key for the task is that digest,
+and the flows refresh the cache when the output was deleted (tasks.common).
+"""
+
+import os as _os
+
+from cortiq.store import home as _home
+
+# offline and quiet before prefect is first imported (its settings are read then); STACK.md
+for _k, _v in (("DO_NOT_TRACK", "true"), ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
+               ("MLFLOW_DISABLE_TELEMETRY", "true"), ("PREFECT_HOME", str(_home() / "prefect"))):
+    _os.environ.setdefault(_k, _v)

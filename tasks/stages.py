@@ -1,0 +1,163 @@
+"""The stage tasks of the pipeline: source, data, compress, heal, score, mtp heal, re-encode.
+
+Each is a planner (parameters -> Plan: digest and output path) and a Prefect
+task keyed on that digest that makes one cortiq call. `logger` (a
+cortiq.tracking.Logger) is for live metrics only: it never enters the key,
+and the flows log every stage's metrics from the returned report, because a
+cached task does not run (STACK.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+from prefect import task
+
+from cortiq import store, tracking
+from cortiq.errors import CortiqError
+
+from .common import Plan, cache_key, execute, plan
+
+# a task's persisted result is its small dict (paths, digest, report); the files live under out_root
+_TASK = dict(persist_result=True, cache_expiration=None)
+
+
+def _asdict(s):
+    return dataclasses.asdict(s) if dataclasses.is_dataclass(s) else s
+
+
+def _version(module: str, default: str = "1") -> str:
+    """A stage's version (its module's VERSION): TASK_SOURCE would hash only the adapter, not the stage."""
+    import importlib
+
+    try:
+        return str(getattr(importlib.import_module(module), "VERSION", default))
+    except ImportError:
+        return default
+
+
+# ── source: the model as one CMF file ───────────────────────────────────
+
+def source_kind(source: str) -> str:
+    p = Path(source)
+    if source == "smollm2":
+        return "smollm2"
+    if p.suffix == ".cmf":
+        return "cmf"
+    if p.suffix == ".gguf":
+        return "gguf"
+    if p.is_dir():
+        return "hf"
+    raise CortiqError(f"{source}: not a model (a .cmf or .gguf file, a Hugging Face directory, or 'smollm2')")
+
+
+def _source_path(source: str) -> Path:
+    if source == "smollm2":
+        from cortiq.convert.bundled import smollm2_gguf
+
+        return Path(smollm2_gguf())
+    return Path(source)
+
+
+def plan_source(source: str, out_root: str, **_) -> Plan:
+    kind = source_kind(source)
+    return plan("source", _version("cortiq.convert"), {"kind": kind}, {"source": _source_path(source)}, out_root, "cmf")
+
+
+@task(name="source", cache_key_fn=cache_key(plan_source), **_TASK)
+def source_task(source: str, out_root: str, logger=None) -> dict:
+    """The source model converted to CMF once (a .cmf source needs no task: the flows use it where it is)."""
+    kind = source_kind(source)
+    if kind == "cmf":
+        raise CortiqError(f"{source}: already a CMF file; nothing to convert")
+    p = plan_source(source, out_root)
+
+    def call(out: Path) -> dict:
+        src = _source_path(source)
+        if kind == "hf":
+            from cortiq.convert.hf import convert_hf_dir
+
+            convert_hf_dir(src, out)
+        else:
+            from cortiq.convert.gguf import convert_gguf
+
+            convert_gguf(src, out)
+        from cortiq.cmf import open_cmf
+
+        return {"metrics": {"bytes": float(open_cmf(out).nbytes())}, "source": str(src)}
+
+    return execute(p, call)
+
+
+# ── data: corpus → tdata (tokenized with the source's tokenizer) ────────
+
+def plan_data(sources: list, model: str, settings: dict, out_root: str, **_) -> Plan:
+    from cortiq.data.build import BuildSettings, build_digest
+
+    s = BuildSettings(**settings)
+    # the data stage names its own digest (sources by content, the tokenizer by its text)
+    d = build_digest(list(sources), model, s)
+    return plan("tdata", _version("cortiq.data.tdata"), None, {"build": {"digest": d}}, out_root)
+
+
+@task(name="data", cache_key_fn=cache_key(plan_data), **_TASK)
+def data_task(sources: list, model: str, settings: dict, out_root: str, logger=None) -> dict:
+    from cortiq.data.build import BuildSettings, build
+
+    p = plan_data(sources, model, settings, out_root)
+
+    def call(out: Path) -> dict:
+        td = build(list(sources), model, out, BuildSettings(**settings))
+        counts = {f"records_{sp}": float(len(td.indices(sp))) for sp in ("train", "val", "test")}
+        counts["tokens"] = float(td._offsets[-1]) if len(td) else 0.0
+        return {"metrics": counts}
+
+    return execute(p, call)
+
+
+# ── compress, heal, mtp heal: the stages' own entry points ──────────────
+
+def plan_compress(model: str, tdata: str, settings: dict, out_root: str, **_) -> Plan:
+    return plan("compress", _version("cortiq.compress"), settings, {"model": model, "tdata": tdata}, out_root, "cmf")
+
+
+@task(name="compress", cache_key_fn=cache_key(plan_compress), **_TASK)
+def compress_task(model: str, tdata: str, settings: dict, out_root: str, logger=None) -> dict:
+    from cortiq.compress import compress
+    from cortiq.compress.settings import CompressSettings
+
+    p = plan_compress(model, tdata, settings, out_root)
+    return execute(p, lambda out: compress(Path(model), Path(tdata), CompressSettings(**settings), out,
+                                           logger=logger or tracking.NULL))
+
+
+def plan_heal(teacher: str, student: str, tdata: str, settings: dict, out_root: str, **_) -> Plan:
+    return plan("heal", _version("cortiq.heal"), settings, {"teacher": teacher, "student": student, "tdata": tdata},
+                out_root, "cmf")
+
+
+@task(name="heal", cache_key_fn=cache_key(plan_heal), **_TASK)
+def heal_task(teacher: str, student: str, tdata: str, settings: dict, out_root: str, logger=None) -> dict:
+    from cortiq.heal import heal
+    from cortiq.heal.settings import HealSettings
+
+    p = plan_heal(teacher, student, tdata, settings, out_root)
+    return execute(p, lambda out: heal(Path(teacher), Path(student), Path(tdata), HealSettings(**settings), out,
+                                       logger=logger or tracking.NULL))
+
+
+def plan_mtp(model: str, teacher: str, tdata: str, settings: dict, out_root: str, **_) -> Plan:
+    return plan("mtp", _version("cortiq.mtp"), settings, {"model": model, "teacher": teacher, "tdata": tdata},
+                out_root, "cmf")
+
+
+@task(name="mtp_heal", cache_key_fn=cache_key(plan_mtp), **_TASK)
+def mtp_task(model: str, teacher: str, tdata: str, settings: dict, out_root: str, logger=None) -> dict:
+    from cortiq.mtp import mtp_heal
+    from cortiq.mtp.settings import MtpSettings
+
+    p = plan_mtp(model, teacher, tdata, settings, out_root)
+    return execute(p, lambda out: mtp_heal(Path(model), Path(teacher), Path(tdata), MtpSettings(**settings), out,
+                                           logger=logger or tracking.NULL))

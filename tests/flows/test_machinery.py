@@ -1,0 +1,128 @@
+"""The flow machinery on real stages that exist without training: data, re-encode, score.
+
+A flow of the same shape as compress_and_heal (flows.common.Stages, the same
+tasks): caching on content digests, a deleted output recomputed, a failure
+injected into a middle stage then a re-run that executes only that stage
+onward, MLflow runs with params, metrics and plots.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from prefect import flow
+
+from cortiq.settings import load_settings
+from flows.compress_and_heal import run_tracked, score, summary
+from tasks.common import FAIL_ENV
+from tasks.measure import plan_reencode, reencode_task, model_nll
+from tasks.stages import data_task, plan_data
+
+
+@flow(name="machinery")
+def machinery(params: dict) -> dict:
+    s = load_settings(params)
+    with run_tracked(s, "machinery") as st:
+        tdata = st.run("data", data_task, plan_data, sources=s.extra("data", "sources"), model=s.source,
+                       settings={k: v for k, v in s.data.items() if k != "sources"})["path"]
+        score(st, s, "source", s.source, tdata)
+        for codec in s.codecs:
+            enc = st.run(f"codec.{codec}", reencode_task, plan_reencode, model=s.source, codec=codec)["path"]
+            score(st, s, f"codec.{codec}", enc, tdata)
+        st.artifacts({"source": s.source})
+        return summary(st)
+
+
+def _params(tiny, **kw):
+    return {"name": "tiny", "source": tiny["model"],
+            "data": {"sources": [tiny["corpus"]], "record_tokens": 64, "fractions": [0.6, 0.2, 0.2]},
+            "codecs": ["q8"], "score_window": 32, **kw}
+
+
+def _runs(uri):
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=uri)
+    exp = c.get_experiment_by_name("cortiq")
+    return c, c.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def test_runs_then_reuses_every_stage_from_cache(tiny):
+    first = machinery(_params(tiny))
+    assert set(first["states"].values()) == {"Completed"}
+    # the score is the model's test NLL, as computed directly
+    s, n = model_nll(tiny["model"], first["outputs"]["data"], 32)
+    assert first["nll"]["source"] == pytest.approx(s / n, rel=1e-6)
+    assert math.isfinite(first["codecs"]["q8"]["nll"])
+    assert first["codecs"]["q8"]["bytes"] < first["bytes"]["source"]
+
+    second = machinery(_params(tiny))
+    assert set(second["states"].values()) == {"Cached"}
+    assert second["outputs"] == first["outputs"]
+    assert second["nll"] == first["nll"]
+
+    client, runs = _runs(first["tracking_uri"])
+    assert [r.info.run_id for r in runs] == [first["mlflow_run_id"], second["mlflow_run_id"]]
+    for r in runs:
+        assert r.info.status == "FINISHED"
+        assert r.data.tags["cortiq.params"] == "tiny"
+        assert r.data.tags["prefect.flow_run_id"]
+        assert r.data.params["source"] == tiny["model"]
+        assert r.data.params["data.record_tokens"] == "64"
+        # a cached stage's metrics are logged from its result
+        assert r.data.metrics["score.source.nll"] == pytest.approx(first["nll"]["source"])
+    assert runs[0].data.tags["prefect.flow_run_id"] != runs[1].data.tags["prefect.flow_run_id"]
+    arts = {a.path for a in client.list_artifacts(first["mlflow_run_id"], "plots")}
+    assert arts == {"plots/nll_per_model.png", "plots/codecs.png"}
+    assert {a.path for a in client.list_artifacts(first["mlflow_run_id"], "models")} == {"models/tiny.cmf"}
+
+
+def test_deleted_output_is_recomputed_not_a_dead_path(tiny):
+    first = machinery(_params(tiny))
+    enc = Path(first["outputs"]["codec.q8"])
+    enc.unlink()
+    again = machinery(_params(tiny))
+    assert again["states"]["codec.q8"] == "Completed"
+    assert again["states"]["data"] == "Cached"
+    assert again["states"]["score.codec.q8"] == "Cached"  # same content, same digest
+    assert enc.is_file() and again["outputs"]["codec.q8"] == str(enc)
+    shutil.rmtree(first["outputs"]["data"])
+    third = machinery(_params(tiny))
+    assert third["states"]["data"] == "Completed"
+    assert Path(third["outputs"]["data"], "meta.json").is_file()
+
+
+def test_failure_in_a_middle_stage_then_rerun_resumes_there(tiny, monkeypatch):
+    from tasks.common import InjectedFailure
+
+    monkeypatch.setenv(FAIL_ENV, "reencode")
+    with pytest.raises(InjectedFailure):
+        machinery(_params(tiny))
+    client, runs = _runs(load_settings(_params(tiny)).run.tracking())
+    assert [r.info.status for r in runs] == ["FAILED"]
+    monkeypatch.delenv(FAIL_ENV)
+    again = machinery(_params(tiny))
+    assert again["states"] == {"data": "Cached", "score.source": "Cached", "codec.q8": "Completed",
+                               "score.codec.q8": "Completed"}
+
+
+def test_retries_rerun_a_failing_stage(tiny, monkeypatch):
+    # a stage that keeps failing is tried 1 + retries times, then the flow fails
+    calls = []
+    import tasks.measure as m
+
+    real = m.execute
+
+    def counting(p, call):
+        if p.stage == "reencode":
+            calls.append(p.digest)
+            raise RuntimeError("flaky")
+        return real(p, call)
+
+    monkeypatch.setattr(m, "execute", counting)
+    with pytest.raises(RuntimeError, match="flaky"):
+        machinery(_params(tiny, run={"retries": 2, "retry_delay_s": 0}))
+    assert len(calls) == 3
