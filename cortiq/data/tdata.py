@@ -221,7 +221,8 @@ class Tdata:
         scored = np.maximum(lens - self._first, 0)
         out: dict = {"splits": {}, "categories": {}}
         for key, col in (("splits", self._split), ("categories", np.asarray(self._category, dtype=object))):
-            for v in sorted(set(col.tolist())):
+            present = set(col.tolist())
+            for v in ([s for s in SPLITS if s in present] if key == "splits" else sorted(present)):
                 m = col == v
                 out[key][v] = {"records": int(m.sum()), "tokens": int(lens[m].sum()), "scored": int(scored[m].sum())}
         out["records"], out["tokens"], out["scored"] = len(self), int(lens.sum()), int(scored.sum())
