@@ -1,0 +1,327 @@
+"""The compress stage functions (re-exported by cortiq.compress)."""
+
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from .. import store, tracking
+from ..errors import CortiqError
+from .settings import CompressSettings, FoldSettings, GptqSettings, GramSettings, MaskSettings
+
+
+VERSIONS = {"masks": "1", "grams": "1", "fold": "1", "gptq": "1"}
+MASKS_FILE = "masks.safetensors"
+GRAMS_FILE = "grams.safetensors"
+
+
+def stage_digest(stage: str, settings, inputs: list) -> str:
+    return store.digest(stage, VERSIONS[stage], settings, [store.file_digest(p) if p else "-" for p in inputs])
+
+
+def stage_path(root, stage: str, settings, inputs: list) -> Path:
+    """Where `stage`'s output for these settings and inputs lives under `root`."""
+    return Path(root) / f"{stage}-{stage_digest(stage, settings, inputs)}"
+
+
+def _meta(stage, settings, inputs, extra=None) -> dict:
+    m = {"stage": stage, "version": VERSIONS[stage], "digest": stage_digest(stage, settings, inputs),
+         "settings": dataclasses.asdict(settings) if dataclasses.is_dataclass(settings) else settings,
+         "inputs": [str(p) if p else None for p in inputs]}
+    m.update(extra or {})
+    return m
+
+
+def _bar(total, desc, unit):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def _open_data(source_cmf, tdata_dir):
+    from ..data import Tdata
+
+    td = Tdata.open(tdata_dir)
+    td.check_tokenizer(source_cmf)
+    return td
+
+
+# ── masks ─────────────────────────────────────────────────────────────────
+
+
+def learn_masks(source_cmf, tdata_dir, settings: MaskSettings, out_dir, logger: tracking.Logger = tracking.NULL) -> dict:
+    """DTG-MA gate logits for every MLP neuron of `source_cmf`, trained on the
+    tdata's train split with the LM loss, scored on its val split. Writes
+    `masks.safetensors` (`layer.{i}`: logits [I_i]) in the stage dir `out_dir`."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ..data import windows
+    from ..model import load_model
+    from .masks import learn_model_masks
+
+    s = settings
+    td = _open_data(source_cmf, tdata_dir)
+    train = windows(td, "train", s.window, loss_on=s.loss_on)
+    val = windows(td, "val", s.window, loss_on=s.loss_on)
+    model = load_model(source_cmf)
+    t0 = time.time()
+    bar = _bar(s.max_steps, "DTG-MA masks", "step")
+
+    def progress(step, row):
+        bar.update(1)
+        bar.set_postfix(loss=f"{row['loss']:.4f}", l1=f"{row['l1']:.2f}", refresh=False)
+
+    def on_eval(row):
+        logger.log_metrics({"mask_loss": row["loss"], "mask_val_hard": row["val_hard"], "mask_pruned": row["pruned"],
+                            "mask_l1": row["l1"]}, step=row["step"])
+
+    try:
+        r = learn_model_masks(model, train, val, s, on_eval, progress)
+    finally:
+        bar.close()
+    rep = r.report()
+    rep["metrics"]["mask_sec_per_step"] = (time.time() - t0) / max(r.steps, 1)
+    rep["windows"] = {"train": len(train), "val": len(val)}
+    with store.stage_dir(out_dir, _meta("masks", s, [source_cmf, tdata_dir], {"report": rep})) as d:
+        save_file({f"layer.{i}": t.detach().float().cpu().contiguous() for i, t in enumerate(r.logits)}, str(d / MASKS_FILE))
+    logger.log_metrics({k: v for k, v in rep["metrics"].items()})
+    return rep
+
+
+def read_masks(masks_dir) -> tuple[list, dict]:
+    """(per-layer logits, the masks stage's report) of a finished masks stage."""
+    from safetensors.torch import load_file
+
+    meta = store.read_meta(masks_dir)
+    t = load_file(str(Path(masks_dir) / MASKS_FILE))
+    return [t[f"layer.{i}"] for i in range(len(t))], meta.get("report", {})
+
+
+# ── grams ─────────────────────────────────────────────────────────────────
+
+
+def capture_grams(source_cmf, tdata_dir, layers, settings: GramSettings, out_dir,
+                  logger: tracking.Logger = tracking.NULL) -> dict:
+    """Grams of the MLP activations (down_proj inputs) of `layers` (None: all)
+    over the train windows. Writes `grams.safetensors` (`gram.{i}` f64 [I, I])."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ..data import windows
+    from ..model import load_model
+    from .grams import capture_model_grams, room_bytes
+
+    s = settings
+    td = _open_data(source_cmf, tdata_dir)
+    w = windows(td, "train", s.window, loss_on="all")
+    n = len(w) if not s.max_windows else min(len(w), s.max_windows)
+    if n == 0:
+        raise CortiqError(f"{tdata_dir}: no train windows of {s.window} tokens for the Gram capture")
+    ids = torch.from_numpy(w.ids[:n])
+    # real tokens: a row is padding when it is the pad id past the stream's end (weight 0 and pad)
+    rows = torch.from_numpy((w.weight[:n] > 0) | (w.ids[:n] != w.pad_id))
+    key = {"settings": dataclasses.asdict(s), "layers": None if layers is None else sorted(int(l) for l in layers)}
+    model = load_model(source_cmf)
+    layers = list(range(len(model.layers))) if layers is None else key["layers"]
+    bar = _bar(int(rows.sum()) * 1, "Gram capture", "tok")
+    t0 = time.time()
+    try:
+        grams, count, passes = capture_model_grams(model, ids, rows, layers, room_bytes(s.room_mb), s.batch,
+                                                   lambda k: bar.update(k))
+    finally:
+        bar.close()
+    rep = {"metrics": {"gram_rows": float(count), "gram_passes": float(passes), "gram_sec": time.time() - t0},
+           "layers": layers, "count": count}
+    with store.stage_dir(out_dir, _meta("grams", key, [source_cmf, tdata_dir], {"report": rep})) as d:
+        save_file({f"gram.{l}": g.contiguous() for l, g in grams.items()}, str(d / GRAMS_FILE))
+    logger.log_metrics(rep["metrics"])
+    return rep
+
+
+def read_grams(grams_dir) -> tuple[dict, int]:
+    """({layer: G f64 [I, I]}, rows counted) of a finished grams stage."""
+    from safetensors.torch import load_file
+
+    meta = store.read_meta(grams_dir)
+    t = load_file(str(Path(grams_dir) / GRAMS_FILE))
+    return {int(k.split(".")[1]): v for k, v in t.items()}, int(meta["report"]["count"])
+
+
+# ── fold ──────────────────────────────────────────────────────────────────
+
+
+def fold(source_cmf, masks_dir, grams_dir, settings: FoldSettings, out_cmf, logger: tracking.Logger = tracking.NULL) -> dict:
+    """Keep the top `keep_frac` MLP neurons (by mask logit from `masks_dir`,
+    else by activation score from `grams_dir`), optionally repair down_proj
+    from the Grams; write the student CMF `out_cmf`."""
+    import torch
+
+    from ..cmf import open_cmf
+    from .fold import activation_scores, fold_cmf, mlp_names, repair_down, select_kept
+
+    s = settings
+    src = open_cmf(source_cmf)
+    widths = src.arch.intermediate_sizes
+    grams, count = read_grams(grams_dir) if grams_dir else ({}, 0)
+    mask_rep = None
+    if masks_dir:
+        scores, mask_rep = read_masks(masks_dir)
+        if [len(x) for x in scores] != list(widths):
+            raise CortiqError(f"{masks_dir}: mask widths {[len(x) for x in scores]} do not match {source_cmf} {widths}")
+        ranked_by = "mask"
+    else:
+        missing = [i for i in range(len(widths)) if i not in grams]
+        if missing:
+            raise CortiqError(f"fold: no mask and no Grams for layers {missing[:4]}: give --masks or Grams of every layer")
+        scores = [activation_scores(grams[i], count, src.tensor(mlp_names(i)[2])) for i in range(len(widths))]
+        ranked_by = "activation"
+    kept = select_kept(scores, s.keep_frac, s.scope, s.floor)
+    down = {}
+    if s.repair:
+        missing = [i for i in range(len(widths)) if i not in grams]
+        if missing:
+            raise CortiqError(f"fold --repair: no Grams for layers {missing[:4]}")
+        for i, k in enumerate(kept):
+            down[i] = repair_down(src.tensor(mlp_names(i)[2]), grams[i], k, s.damp)
+    # the activation energy the fold drops (Gram diagonal), where Grams exist
+    dropped = {}
+    for i, k in enumerate(kept):
+        if i in grams:
+            d = torch.diagonal(grams[i])
+            dropped[i] = float(1.0 - d[k].sum() / d.sum().clamp_min(1e-30))
+    n_src, n_kept = sum(widths), sum(len(k) for k in kept)
+    block = {"settings": dataclasses.asdict(s), "ranked_by": ranked_by, "source_neurons": n_src, "kept_neurons": n_kept,
+             "repaired": bool(s.repair)}
+    if mask_rep:
+        block["mask"] = {"steps": mask_rep["metrics"]["mask_steps"], "step": mask_rep["metrics"]["mask_step"],
+                         "pruned": mask_rep["metrics"]["mask_pruned"], "nll_open": mask_rep["metrics"]["mask_nll_open"],
+                         "nll_hard": mask_rep["metrics"]["mask_nll_hard"], "reached_target": mask_rep.get("reached_target")}
+    fold_cmf(src, kept, out_cmf, down, block)
+    rep = {"metrics": {"fold_kept_share": n_kept / n_src, "fold_kept_neurons": float(n_kept)},
+           "widths": [len(k) for k in kept], "ranked_by": ranked_by}
+    if dropped:
+        rep["metrics"]["fold_dropped_energy"] = sum(dropped.values()) / len(dropped)
+    logger.log_metrics(rep["metrics"])
+    return rep
+
+
+# ── gptq ──────────────────────────────────────────────────────────────────
+
+
+def gptq(student_cmf, grams_dir, settings: GptqSettings, out_cmf, logger: tracking.Logger = tracking.NULL) -> dict:
+    """Quantize `student_cmf` into `settings.codec`: every MLP down_proj by
+    GPTQ from the Grams (restricted to the neurons the fold kept), the other
+    linear weights of the layers by round-to-nearest; embeddings, head and
+    norms keep their codec. Per layer, the output error ‖(W − Ŵ) X‖ under the
+    Gram is reported for GPTQ and for RTN."""
+    import torch
+
+    from .. import codecs
+    from ..cmf import Stored, copy_specs, open_cmf, with_provenance, write_cmf
+    from .fold import kept_from_b64, mlp_names
+    from .gptq import gptq_quantize
+
+    s = settings
+    src = open_cmf(student_cmf)
+    grams, count = read_grams(grams_dir)
+    widths = src.arch.intermediate_sizes
+    fold_prov = src.provenance.get("fold", {})
+    codec = codecs.get(s.codec)
+    replace, rows = {}, []
+    bar = _bar(len(grams), "GPTQ", "layer")
+    try:
+        for i, G in sorted(grams.items()):
+            if i >= len(widths):
+                raise CortiqError(f"{grams_dir}: Gram of layer {i}, but {student_cmf} has {len(widths)} layers")
+            name = mlp_names(i)[2]
+            W = src.tensor(name)  # [H, I_i]
+            if G.shape[0] != W.shape[1]:
+                src_w = fold_prov.get("source_widths")
+                if not fold_prov.get("kept") or not src_w or src_w[i] != G.shape[0]:
+                    raise CortiqError(f"{grams_dir}: layer {i} Gram is {G.shape[0]} wide, {student_cmf} has {W.shape[1]} "
+                                      "neurons and no fold record maps them")
+                k = kept_from_b64(fold_prov["kept"][i], src_w[i])
+                G = G[k][:, k]
+            r = gptq_quantize(W, G, s.codec, s.block, s.damp, s.act_order)
+            rtn = codec.decode(codec.encode(W), tuple(W.shape))
+
+            def err(Wq, G=G, W=W):
+                D = (W - Wq).double()
+                return float(torch.einsum("oi,ij,oj->", D, G.double(), D).clamp_min(0).sqrt())
+
+            rows.append({"layer": i, "method": r.method, "err_gptq": err(r.weight), "err_rtn": err(rtn)})
+            replace[name] = (tuple(W.shape), lambda st=r.stored: Stored(st))
+            bar.update(1)
+    finally:
+        bar.close()
+
+    def codec_for(n, info):
+        if n in replace:
+            return s.codec
+        if n.startswith("model.layers.") and n.endswith("_proj.weight") and len(info.shape) == 2 \
+                and info.shape[1] % codec.block == 0:
+            return s.codec
+        return info.codec
+
+    doc = with_provenance(src.doc, "gptq", {"settings": dataclasses.asdict(s), "layers": rows, "gram_rows": count})
+    for k in ("codecs", "hashes", "shards"):
+        doc.pop(k, None)
+    write_cmf(Path(out_cmf), doc, copy_specs(src, codec_for, replace))
+    g = [r["err_gptq"] for r in rows]
+    t = [r["err_rtn"] for r in rows]
+    rep = {"metrics": {"gptq_err": sum(g), "rtn_err": sum(t), "gptq_over_rtn": sum(g) / max(sum(t), 1e-30)}, "layers": rows}
+    logger.log_metrics(rep["metrics"])
+    return rep
+
+
+# ── the chain ─────────────────────────────────────────────────────────────
+
+
+def compress(source_cmf, tdata_dir, settings: CompressSettings, out_cmf, logger: tracking.Logger = tracking.NULL,
+             work=None, log=None) -> dict:
+    """masks → grams (when the fold repairs, ranks without masks, or GPTQ
+    needs them) → fold → gptq, each stage reused when its output under the
+    cortiq home (or `work`) is complete. Returns every stage's report."""
+    s = settings
+    say = log or (lambda m: print(m, file=sys.stderr))
+    root = Path(work) if work else store.home() / "stages"
+    root.mkdir(parents=True, exist_ok=True)
+    out_cmf = Path(out_cmf)
+    rep: dict = {"stages": {}}
+    masks_dir = grams_dir = None
+    if s.learn_masks:
+        masks_dir = stage_path(root, "masks", s.masks, [source_cmf, tdata_dir])
+        if store.is_complete(masks_dir):
+            rep["stages"]["masks"] = store.read_meta(masks_dir)["report"]
+            say(f"masks: reusing {masks_dir}")
+        else:
+            rep["stages"]["masks"] = learn_masks(source_cmf, tdata_dir, s.masks, masks_dir, logger)
+        m = rep["stages"]["masks"]["metrics"]
+        say(f"masks: {m['mask_pruned'] * 100:.1f} % pruned at step {m['mask_step']:.0f} of {m['mask_steps']:.0f}; "
+            f"val NLL open {m['mask_nll_open']:.4f}, hard {m['mask_nll_hard']:.4f}")
+    if s.needs_grams:
+        gkey = {"settings": dataclasses.asdict(s.grams), "layers": None}
+        grams_dir = stage_path(root, "grams", gkey, [source_cmf, tdata_dir])
+        if store.is_complete(grams_dir):
+            rep["stages"]["grams"] = store.read_meta(grams_dir)["report"]
+            say(f"grams: reusing {grams_dir}")
+        else:
+            rep["stages"]["grams"] = capture_grams(source_cmf, tdata_dir, None, s.grams, grams_dir, logger)
+    folded = out_cmf if not s.use_gptq else out_cmf.with_name(out_cmf.name + ".fold.cmf")
+    rep["stages"]["fold"] = fold(source_cmf, masks_dir, grams_dir, s.fold, folded, logger)
+    say(f"fold: kept {rep['stages']['fold']['metrics']['fold_kept_share'] * 100:.1f} % of the MLP neurons"
+        f"{' (repaired)' if s.fold.repair else ''} -> {folded}")
+    if s.use_gptq:
+        try:
+            rep["stages"]["gptq"] = gptq(folded, grams_dir, s.gptq, out_cmf, logger)
+        finally:
+            folded.unlink(missing_ok=True)
+        m = rep["stages"]["gptq"]["metrics"]
+        say(f"gptq: {s.gptq.codec}, output error {m['gptq_over_rtn']:.3f}× round-to-nearest's -> {out_cmf}")
+    rep["metrics"] = {k: v for st in rep["stages"].values() for k, v in st.get("metrics", {}).items()}
+    return rep
