@@ -147,6 +147,11 @@ class Tdata:
     def __len__(self) -> int:
         return len(self._rid)
 
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in all records."""
+        return int(self._offsets[-1]) if len(self._offsets) else 0
+
     def check_tokenizer(self, model) -> None:
         """Raise unless `model` (a CMF path or CmfFile) has the tokenizer these ids were made with."""
         from ..cmf import CmfFile, open_cmf

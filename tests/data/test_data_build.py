@@ -88,7 +88,7 @@ def test_counts_and_meta(tmp_path, tok_cmf):
     assert c["splits"]["train"] == {"records": 1, "tokens": 6, "scored": 4}
     assert c["splits"]["val"] == {"records": 1, "tokens": 6, "scored": 5}
     assert set(c["categories"]) == {"k", "d"}
-    assert td.meta["vocab_size"] == 259 and td.eos_id == EOS and len(td.meta["tokenizer_digest"]) == 64
+    assert td.n_tokens == 12 and td.meta["vocab_size"] == 259 and td.eos_id == EOS and len(td.meta["tokenizer_digest"]) == 64
     assert Tdata.open(tmp_path / "td").counts() == c
 
 
