@@ -1,0 +1,290 @@
+"""MTP heal (issue 7): retrain the draft head on the compressed trunk's own predictions.
+
+Stage entry points (docs/internals.md, "Stages"):
+
+- `trunk_pass(model_cmf, data_spec, settings, cache_dir)`: the trunk's hidden rows and top-k per window, cached;
+- `mtp_heal(model_cmf, data_spec, settings, out_cmf, logger)`: hold rates and drafts per round before,
+  training, after; the trained draft written into `model.mtp.*` (and in every `also` codec, each re-measured);
+- `recode_draft(out_cmf, codec, path, data_spec, settings)`: the draft in another codec, re-measured;
+- `mtp_init(model_cmf, out_cmf)`: a fresh MTP block for a model without one.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from .. import tracking
+from ..errors import CortiqError
+from .init import has_draft, mtp_init
+from .settings import MtpSettings
+
+__all__ = ["MtpSettings", "trunk_pass", "mtp_heal", "recode_draft", "mtp_init"]
+
+STAGE = "mtp_heal"
+VERSION = 1
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _open(model_cmf):
+    from ..cmf import open_cmf
+
+    f = open_cmf(model_cmf)
+    if not has_draft(f):
+        raise CortiqError(f"{f.path}: carries no MTP draft (model.mtp.*): give it one with "
+                          f"`cortiq mtp init {f.path} --out OUT.cmf`")
+    return f
+
+
+def _load(f, s: MtpSettings):
+    from ..model import load_model
+    from .trunk import resolve_device
+
+    return load_model(f, device=resolve_device(s.device))
+
+
+def _windows(f, data_spec: str, s: MtpSettings) -> list:
+    import numpy as np
+
+    from ..data.windows import packed_windows
+
+    packed = packed_windows(data_spec, s.window, s.tokens, min_len=16 + s.chain, pad_id=f.eos_id, hold_all=s.hold_all)
+    for p in packed:
+        if len(p) and int(np.max(p.ids)) >= f.arch.vocab_size:
+            raise CortiqError(f"{data_spec}: data set {p.name} has id {int(np.max(p.ids))}, outside {f.path}'s vocabulary")
+    n = sum(len(p) for p in packed)
+    need = 1 if s.hold_all else 10 * s.batch
+    if n < need:
+        raise CortiqError(f"mtp heal: {n} windows of {s.window} tokens in {data_spec}, need {need} "
+                          f"(every tenth is held out; lower --window or --batch, or give more data)")
+    return packed
+
+
+def _chain(model, f, data_spec: str, s: MtpSettings, cache=None):
+    from .draft import Chain
+    from .trunk import trunk_sets
+
+    packed = _windows(f, data_spec, s)
+    sets, info = trunk_sets(model, f, packed, s.window, s.topk, cache if cache is not None else s.trunk_cache,
+                            s.trunk_batch, s.head_chunk)
+    for i in info:
+        src = f"read back from {i['cache']}" if i["read_back"] else "trunk pass"
+        _say(f"mtp heal: {i['set']}: {i['windows']} windows ({src})")
+    return Chain(model, sets, s.chain, s.stride, f.eos_id, s.hold_all, s.batch, s.head_chunk), info
+
+
+def trunk_pass(model_cmf, data_spec: str, settings: MtpSettings, cache_dir) -> dict:
+    """The trunk pass per data set into `cache_dir` (read back when its key matches)."""
+    from ..cmf import open_cmf
+    from .trunk import trunk_sets
+
+    f = open_cmf(model_cmf)
+    model = _load(f, settings)
+    packed = _windows(f, data_spec, settings)
+    _, info = trunk_sets(model, f, packed, settings.window, settings.topk, cache_dir, settings.trunk_batch, settings.head_chunk)
+    return {"sets": info, "metrics": {"windows": float(sum(i["windows"] for i in info))}}
+
+
+def _measure(ch, tag: str, say=_say) -> dict:
+    """Hold rates per step and drafts per round on the held-out windows (and per set, and the ordered walk)."""
+    from . import measures as M
+
+    c = ch.hold()
+    r = M.rates(c)
+    out = {"hold": r, "counted": c[:, 0].tolist(), "drafts_per_round": M.drafts_per_round(c)}
+    say(f"mtp heal: {tag}: hold per chain step {' / '.join(f'{x:.3f}' for x in r)} "
+        f"(of {' / '.join(str(int(x)) for x in c[:, 0])} rows), {out['drafts_per_round']:.3f} drafts a round")
+    if len(ch.names) > 1:
+        per = ch.per_set(ch.hold)
+        out["per_set"] = {n: {"hold": M.rates(v), "drafts_per_round": M.drafts_per_round(v)} for n, v in per.items()}
+        for n, v in out["per_set"].items():
+            say(f"    {n}: {' / '.join(f'{x:.3f}' for x in v['hold'])}, {v['drafts_per_round']:.3f} drafts a round")
+    if ch.stride > ch.chain:
+        o = ch.order_counts(ch.held.nonzero().flatten())
+        out["ordered"] = {"hold": M.rates(o), "drafts_per_round": M.drafts_per_round(o)}
+        say(f"    rounds in order: {' / '.join(f'{x:.3f}' for x in out['ordered']['hold'])}, "
+            f"{out['ordered']['drafts_per_round']:.3f} drafts a round")
+    return out
+
+
+def _draft_tensors(model) -> dict:
+    return {f"model.mtp.{n}": p.detach().float().cpu() for n, p in model.mtp.named_parameters()}
+
+
+def write_draft(f, tensors: dict, codec: str, path, stage_block: dict | None = None):
+    """`f`'s tensors as stored, with model.mtp.* replaced by `tensors` in `codec`
+    ("keep": each draft tensor's codec in `f`; a quantized codec only for 2-D weights)."""
+    from ..cmf import copy_specs, with_provenance, write_cmf
+    from ..codecs import get as get_codec
+
+    def codec_for(name, info):
+        if not name.startswith("model.mtp.") or codec == "keep":
+            return info.codec
+        if not get_codec(codec).plain and len(info.shape) != 2:
+            return "f32"
+        return codec
+
+    specs = copy_specs(f, codec_for, replace=tensors)
+    doc = {k: v for k, v in f.doc.items() if k not in ("codecs", "hashes", "shards")}
+    if stage_block is not None:
+        doc = with_provenance(doc, STAGE, stage_block)
+    return write_cmf(Path(path), doc, specs)
+
+
+def _draft_bytes(path) -> int:
+    from ..cmf import open_cmf
+
+    g = open_cmf(path)
+    return sum(i.nbytes for n, i in g.infos.items() if n.startswith("model.mtp."))
+
+
+def _remeasure(ch, path, s: MtpSettings, codec: str) -> dict:
+    """Re-open `path` as a model and measure its draft on the same windows."""
+    from ..cmf import open_cmf
+
+    m = _load(open_cmf(path), s)
+    ch2 = copy.copy(ch)
+    ch2.model = m
+    r = _measure(ch2, f"{path} (draft as {codec})")
+    r["bytes"] = _draft_bytes(path)
+    r["path"] = str(path)
+    return r
+
+
+def write_dump(ch, f, d, model) -> None:
+    """The seed's file set a draft built elsewhere reads (raw little-endian arrays; meta.json last)."""
+    import numpy as np
+
+    d = Path(d)
+    d.mkdir(parents=True, exist_ok=True)
+    if (d / "meta.json").exists():
+        return
+    ch.lens.numpy().astype("<u4").tofile(d / "len.u32")
+    ch.ids.numpy().astype("<u4").tofile(d / "ids.u32")
+    ch.ti.numpy().astype("<u4").tofile(d / "ti.u32")
+    ch.tp.numpy().astype("<f4").tofile(d / "tp.f32")
+    f16 = lambda name, t: t.detach().float().cpu().numpy().astype("<f2").tofile(d / name)
+    f32 = lambda name, t: t.detach().float().cpu().numpy().astype("<f4").tofile(d / name)
+    f16("embed.f16", model.model.embed_tokens.weight)
+    f16("eh_proj.f16", model.mtp.eh_proj.weight)
+    f16("head.f16", model.head_weight)
+    f32("enorm.f32", model.mtp.enorm.weight)
+    f32("hnorm.f32", model.mtp.hnorm.weight)
+    f32("mtp_norm.f32", model.mtp.norm.weight)
+    f32("norm.f32", model.model.norm.weight)
+    a = model.arch
+    meta = {"windows": len(ch), "window": int(ch.ids.shape[1]), "topk": int(ch.ti.shape[-1]), "draft_topk": 4,
+            "chain": ch.chain, "hidden": a.hidden_size, "vocab": a.vocab_size, "norm_eps": a.rms_norm_eps,
+            "gemma_norm": a.norm_style == "offset", "heldout": "window index % 10 == 9" if not bool(ch.held.all()) else "all",
+            "trunk": ch.names, "model": str(f.path)}
+    tmp = d / "meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, d / "meta.json")
+
+
+def dump_chain(ch, d) -> None:
+    """Every window's chain, step by step: x{j}.f16 output rows, d{j}.u32 / dp{j}.f32 its top-4 (meta.json last)."""
+    import torch
+
+    d = Path(d)
+    part = d.with_name(d.name + ".partial")
+    if part.exists():
+        shutil.rmtree(part)
+    part.mkdir(parents=True)
+    files = {}
+    try:
+        def put(j, o, di, dp):
+            if j not in files:
+                files[j] = [open(part / f"x{j}.f16", "wb"), open(part / f"d{j}.u32", "wb"), open(part / f"dp{j}.f32", "wb")]
+            fx, fd, fp = files[j]
+            fx.write(o.to(torch.float16).cpu().numpy().astype("<f2").tobytes())
+            fd.write(di.numpy().astype("<u4").tobytes())
+            fp.write(dp.numpy().astype("<f4").tobytes())
+
+        ch.chain_counts(torch.arange(len(ch)), dump=put)
+    finally:
+        for fs in files.values():
+            for x in fs:
+                x.close()
+    (part / "meta.json").write_text(json.dumps({"windows": len(ch), "chain": ch.chain, "topk": 4}))
+    if d.exists():
+        shutil.rmtree(d)
+    os.replace(part, d)
+
+
+def mtp_heal(model_cmf, data_spec: str, settings: MtpSettings, out_cmf, logger: tracking.Logger = tracking.NULL) -> dict:
+    """Train `model_cmf`'s draft on its own trunk; write it to `out_cmf` (and every `also` path)."""
+    from . import measures as M
+    from .draft import train
+    from .trunk import write_taps
+
+    s = settings
+    f = _open(model_cmf)
+    model = _load(f, s)
+    logger.log_params(tracking.flatten({"mtp": s.key()}))
+    ch, info = _chain(model, f, data_spec, s)
+    if s.taps:
+        write_taps(model, ch.ids, ch.lens, ch.t1, ch.held, Path(s.taps[0]), list(s.taps[1]))
+    if s.dump:
+        write_dump(ch, f, s.dump, model)
+        dump_chain(ch, Path(s.dump) / "before")
+    before = _measure(ch, "before training")
+    logger.log_metrics({"drafts_per_round_before": before["drafts_per_round"],
+                        **{f"hold_before_{j + 1}": r for j, r in enumerate(before["hold"])}})
+    run = {"steps": 0, "best_step": 0, "history": [], "kl_start": float("nan"), "kl_best": float("nan")}
+    if s.epochs > 0:
+        run = train(ch, s, logger, _say)
+    after = _measure(ch, "after training") if run["steps"] else before
+    if s.dump and run["steps"]:
+        dump_chain(ch, Path(s.dump) / "after")
+    block = {"model": str(f.path), "data": data_spec, "settings": s.key(), "windows": len(ch),
+             "tokens": int(ch.lens.sum()), "steps": run["steps"], "best_step": run["best_step"],
+             "hold_before": before["hold"], "hold_after": after["hold"],
+             "drafts_per_round_before": before["drafts_per_round"], "drafts_per_round_after": after["drafts_per_round"]}
+    tensors = _draft_tensors(model)
+    codecs = {}
+    for codec, path in [(s.codec, out_cmf)] + list(s.also):
+        write_draft(f, tensors, codec, path, block)
+        codecs[codec if path != out_cmf else f"out:{codec}"] = _remeasure(ch, path, s, codec)
+    metrics = {"drafts_per_round_before": before["drafts_per_round"], "drafts_per_round_after": after["drafts_per_round"],
+               "steps": float(run["steps"]), "best_step": float(run["best_step"]),
+               "heldout_kl_start": run["kl_start"], "heldout_kl_best": run["kl_best"]}
+    for j, (a, b) in enumerate(zip(before["hold"], after["hold"])):
+        metrics[f"hold_before_{j + 1}"], metrics[f"hold_after_{j + 1}"] = a, b
+    for name, r in codecs.items():
+        tag = name.replace(":", "_")
+        metrics[f"{tag}.drafts_per_round"] = r["drafts_per_round"]
+        metrics[f"{tag}.draft_bytes"] = float(r["bytes"])
+        for j, x in enumerate(r["hold"]):
+            metrics[f"{tag}.hold_{j + 1}"] = x
+    logger.log_metrics({k: v for k, v in metrics.items() if v == v})
+    return {"metrics": metrics, "history": run["history"], "before": before, "after": after, "codecs": codecs,
+            "trunk": info, "out": str(out_cmf)}
+
+
+def recode_draft(out_cmf, codec: str, path, data_spec: str | None = None, settings: MtpSettings | None = None,
+                 logger: tracking.Logger = tracking.NULL) -> dict:
+    """`out_cmf` with its draft in `codec` at `path`; re-measured on `data_spec` when given."""
+    from ..cmf import open_cmf
+
+    f = _open(out_cmf)
+    s = settings or MtpSettings(epochs=0)
+    m = _load(f, s)
+    write_draft(f, _draft_tensors(m), codec, path, None)
+    rep = {"path": str(path), "codec": codec, "bytes": _draft_bytes(path), "metrics": {}}
+    if data_spec:
+        g = open_cmf(path)
+        ch, _ = _chain(_load(g, s), g, data_spec, s)
+        r = _measure(ch, f"{path} (draft as {codec})")
+        rep.update(r)
+        rep["metrics"] = {"drafts_per_round": r["drafts_per_round"], **{f"hold_{j + 1}": x for j, x in enumerate(r["hold"])}}
+    rep["metrics"]["draft_bytes"] = float(rep["bytes"])
+    logger.log_metrics({f"{codec}.{k}": v for k, v in rep["metrics"].items()})
+    return rep

@@ -1,0 +1,311 @@
+"""The draft as a one-layer model trained on its own trunk (seed mtp_heal.rs).
+
+The draft is the model's MTP block: row p reads token p+j (its embedding,
+through enorm) and a source row (through hnorm), `eh_proj` mixes them, one
+full-attention layer and the block's norm follow, the shared head reads out.
+At chain step 1 the source row is the trunk's final hidden row h_p; at step
+j > 1 it is the draft's own output at step j−1 (what a speculative round
+feeds it). Row p of step j predicts token p+j+1 and learns the trunk's top-k
+distribution at row p+j (self-distillation; `hard` moves mass onto the
+trunk's own token).
+
+Step 2..chain sources are rebuilt from the current weights every `refresh`
+steps. With `stride` > 0 the later steps are laid out as decode rounds see
+them (measures.splice): one spliced source per window, trained with shift 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from ..heal.loss import topk_kl
+from . import measures as M
+from .trunk import TrunkSet
+
+#: top-k kept per row of a dumped chain step
+KK = 4
+
+
+def shifted(ids: torch.Tensor, j: int, pad: int) -> torch.Tensor:
+    """ids[:, p + j] at column p; `pad` past the end. [B, T]"""
+    out = torch.full_like(ids, pad)
+    if j < ids.shape[1]:
+        out[:, : ids.shape[1] - j] = ids[:, j:]
+    return out
+
+
+class Chain:
+    """Every window of every data set, the trunk's rows and the chain's sources.
+
+    ids [N, T], lens [N], ti/tp [N, T, k], h [N, T, H] (CPU); `held` [N]:
+    every tenth window (global index % 10 == 9), or all of them."""
+
+    def __init__(self, model, sets: list[TrunkSet], chain: int, stride: int, pad: int, hold_all: bool = False,
+                 batch: int = 4, chunk: int = 1024):
+        self.model, self.chain, self.stride, self.pad = model, chain, stride, pad
+        self.batch, self.chunk = batch, chunk
+        self.names = [s.name for s in sets]
+        self.bounds = torch.tensor([0] + [len(s) for s in sets]).cumsum(0)
+        self.ids = torch.cat([s.ids for s in sets])
+        self.lens = torch.cat([s.lens for s in sets])
+        self.ti = torch.cat([s.ti for s in sets])
+        self.tp = torch.cat([s.tp for s in sets])
+        self.h = torch.cat([s.h for s in sets])
+        self.t1 = self.ti[..., 0]  # [N, T] the trunk's own next token
+        n = len(self.ids)
+        self.held = torch.ones(n, dtype=torch.bool) if hold_all else (torch.arange(n) % 10 == 9)
+        self.dev = next(model.parameters()).device
+        # sources per training kind; kind 0 is always the trunk's rows with shift 1
+        self.kinds: list[tuple[int, int]] = [(0, 1), (1, 1)] if stride > 0 and chain > 1 else [(j - 1, j) for j in range(1, chain + 1)]
+        self.src: list[torch.Tensor] = [self.h]
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    # ── the draft ──
+    def draft(self, src: torch.Tensor, ids: torch.Tensor, j: int) -> torch.Tensor:
+        """The block on source rows src [B, T, H] reading tokens p+j -> normed output [B, T, H]."""
+        return self.model.mtp_forward(src.to(self.dev), shifted(ids.to(self.dev), j, self.pad))
+
+    def _batches(self, idx: torch.Tensor):
+        for a in range(0, len(idx), self.batch):
+            yield idx[a : a + self.batch]
+
+    @torch.no_grad()
+    def spliced(self, idx: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        """Source rows laid out as rounds (chains every `stride` rows from `off`) for windows idx. [n, T, H]"""
+        out = []
+        for a in range(0, len(idx), self.batch):
+            b = idx[a : a + self.batch]
+            x = self.h[b].to(self.dev)
+            ids, lens, o = self.ids[b].to(self.dev), self.lens[b].to(self.dev), off[a : a + self.batch].to(self.dev)
+            for j in range(2, self.chain + 1):
+                y = self.model.mtp_forward(x, shifted(ids, 1, self.pad))
+                x = M.splice(x, y, lens, o, self.stride, j)
+            out.append(x.cpu())
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def refresh(self, round_: int = 0) -> None:
+        """Rebuild the chain's later sources from the current weights."""
+        if self.chain == 1:
+            return
+        all_ = torch.arange(len(self))
+        if self.stride > 0:
+            off = (all_ * 5 + round_ * 3) % self.stride
+            self.src = [self.h, self.spliced(all_, off)]
+            return
+        srcs = [self.h]
+        for j in range(1, self.chain):
+            outs = [self.draft(srcs[-1][b], self.ids[b], j).cpu() for b in self._batches(all_)]
+            srcs.append(torch.cat(outs))
+        self.src = srcs
+
+    # ── one training batch ──
+    def rows(self, b: torch.Tensor, kind: int, hard: float, grad: bool = True):
+        """(hidden rows [n, H], target ids [n, k], probs [n, k]) for windows b at `kind`."""
+        s, j = self.kinds[kind]
+        src = self.src[s][b]
+        ids = self.ids[b]
+        out = self.draft(src, ids, j)  # [B, T, H]
+        T = ids.shape[1]
+        valid = torch.arange(T)[None, :] < (self.lens[b][:, None] - j)  # [B, T] rows whose target exists
+        ti = torch.roll(self.ti[b], -j, 1)[valid]  # [n, k] the trunk's top-k at p+j
+        tp = torch.roll(self.tp[b], -j, 1)[valid]
+        if hard > 0:
+            mass = tp.sum(1)  # [n]
+            tp = tp * (1 - hard)
+            tp[:, 0] += hard * mass
+        return out[valid.to(out.device)], ti.to(out.device), tp.to(out.device)
+
+    def loss(self, b, kind, hard: float):
+        x, ti, tp = self.rows(b, kind, hard)
+        n = max(int(x.shape[0]), 1)
+        return topk_kl(x, self.model.head_weight, ti, tp, self.chunk) / n, n
+
+    @torch.no_grad()
+    def val_kl(self, idx: torch.Tensor) -> list[float]:
+        """Held-out KL to the trunk per kind (mean per row)."""
+        out = []
+        for kind in range(len(self.kinds)):
+            s = n = 0.0
+            for b in self._batches(idx):
+                x, ti, tp = self.rows(b, kind, 0.0)
+                s += float(topk_kl(x, self.model.head_weight, ti, tp, self.chunk))
+                n += x.shape[0]
+            out.append(s / max(n, 1))
+        return out
+
+    # ── measures ──
+    def _top1(self, out: torch.Tensor, k: int = 1):
+        ti, tp = self.model.topk_next(out, k, self.chunk)
+        return ti.cpu(), tp.cpu()
+
+    @torch.no_grad()
+    def chain_counts(self, idx: torch.Tensor, dump=None) -> torch.Tensor:
+        """Seed `chain_pass` on windows idx: each step from the one before, the draft's top-1 per row."""
+        tops = []
+        for b in self._batches(idx):
+            x = self.h[b]
+            steps = []
+            for j in range(1, self.chain + 1):
+                o = self.draft(x, self.ids[b], j)
+                di, dp = self._top1(o, KK if dump is not None else 1)
+                steps.append(di[..., 0])
+                if dump is not None:
+                    dump(j, o, di, dp)
+                x = o
+            tops.append(torch.stack(steps))
+        d = torch.cat(tops, 1)  # [chain, n, T]
+        return M.chain_counts(self.ids[idx], self.lens[idx], self.t1[idx], d)
+
+    @torch.no_grad()
+    def _layout_top1(self, idx: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        x = self.spliced(idx, off)
+        outs = [self._top1(self.draft(x[a : a + self.batch], self.ids[idx[a : a + self.batch]], 1))[0][..., 0]
+                for a in range(0, len(idx), self.batch)]
+        return torch.cat(outs)  # [n, T]
+
+    @torch.no_grad()
+    def round_counts(self, idx: torch.Tensor) -> torch.Tensor:
+        """Seed `round_pass`: chains laid out as rounds, two offsets a window."""
+        total = torch.zeros(self.chain, 2, dtype=torch.int64)
+        for o in sorted({0, self.stride // 2}):
+            off = torch.full((len(idx),), o, dtype=torch.int64)
+            d = self._layout_top1(idx, off)
+            total += M.round_counts(self.ids[idx], self.lens[idx], self.t1[idx], d, off, self.stride, self.chain)
+        return total
+
+    @torch.no_grad()
+    def order_counts(self, idx: torch.Tensor) -> torch.Tensor:
+        """Seed `order_pass`: the walk where each round starts after what the one before kept."""
+        tops = torch.stack([self._layout_top1(idx, torch.full((len(idx),), o, dtype=torch.int64)) for o in range(self.stride)])
+        return M.order_counts(self.ids[idx], self.lens[idx], self.t1[idx], tops, self.stride, self.chain)
+
+    def hold(self, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """The hold counts as the layout trained has them, on held-out windows (or idx)."""
+        idx = self.held.nonzero().flatten() if idx is None else idx
+        if len(idx) == 0:
+            return torch.zeros(self.chain, 2, dtype=torch.int64)
+        return self.round_counts(idx) if self.stride > 0 else self.chain_counts(idx)
+
+    def per_set(self, fn) -> dict[str, torch.Tensor]:
+        """fn(held-out windows of a set) per data set."""
+        out = {}
+        for i, name in enumerate(self.names):
+            a, b = int(self.bounds[i]), int(self.bounds[i + 1])
+            idx = torch.arange(a, b)[self.held[a:b]]
+            if len(idx):
+                out[name] = fn(idx)
+        return out
+
+
+def trained_params(model, train_input: bool) -> list[tuple[str, torch.nn.Parameter]]:
+    """The draft's trained weights: its layer and norm (and its input side when asked)."""
+    mtp = model.mtp
+    keep = ["layers.", "norm."] + (["eh_proj.", "enorm.", "hnorm."] if train_input else [])
+    return [(n, p) for n, p in mtp.named_parameters() if any(n.startswith(k) for k in keep)]
+
+
+def lr_shape(step: int, total: int) -> float:
+    """The seed's schedule: linear warm-up over a tenth, cosine down to a tenth of the peak."""
+    warm = max(total // 10, 1)
+    if step <= warm:
+        return step / warm
+    pr = min((step - warm) / max(total - warm, 1), 1.0)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * pr))
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.mtp.named_parameters()}
+
+
+def restore(model, snap: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, p in model.mtp.named_parameters():
+            p.copy_(snap[n])
+
+
+def train(ch: Chain, s, logger=None, say=print) -> dict:
+    """Train the draft of `ch.model` by the settings `s` (MtpSettings); keep
+    the checkpoint whose chain keeps the most drafts a round on held-out rows.
+    -> {"steps", "best_step", "history", "kl_start", "kl_best", "best_dpr"}."""
+    from tqdm import tqdm
+
+    model = ch.model
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = trained_params(model, s.train_input)
+    for _, p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam([p for _, p in params], lr=s.lr, betas=(0.9, 0.999), eps=1e-8)
+    g = torch.Generator().manual_seed(s.seed)
+    val = ch.held.nonzero().flatten()
+    train_idx = (~ch.held).nonzero().flatten()
+    nb = len(train_idx) // s.batch
+    batches = [train_idx[i * s.batch : (i + 1) * s.batch] for i in range(nb)]
+    jobs = [(b, k) for b in range(nb) for k in range(len(ch.kinds))]
+    total = max(math.ceil(s.epochs * len(jobs)), 1)
+    ch.refresh(0)
+    kl0 = ch.val_kl(val)
+    h0 = ch.hold(val)
+    best = {"dpr": M.drafts_per_round(h0), "snap": snapshot(model), "step": 0, "kl": sum(kl0) / len(kl0)}
+    say(f"mtp heal: held-out KL per kind before training {', '.join(f'{x:.4f}' for x in kl0)}; "
+        f"drafts a round {best['dpr']:.4f}")
+    history = []
+    done, stop = 0, False
+    bar = tqdm(total=total, desc="mtp heal", unit="step", disable=None)
+    model.train()
+    while done < total and not stop:
+        order = torch.randperm(len(jobs), generator=g).tolist()
+        for oi in order:
+            if done >= total:
+                break
+            bi, kind = jobs[oi]
+            loss, n = ch.loss(batches[bi], kind, s.hard)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = float(torch.nn.utils.clip_grad_norm_([p for _, p in params], s.clip))
+            lv = float(loss.detach())
+            if not (math.isfinite(lv) and math.isfinite(gn)):
+                opt.zero_grad(set_to_none=True)
+                say(f"mtp heal: step {done + 1}: non-finite loss or gradient, skipped")
+                continue
+            done += 1
+            lr = s.lr * lr_shape(done, total)
+            for grp in opt.param_groups:
+                grp["lr"] = lr
+            opt.step()
+            bar.update(1)
+            bar.set_postfix(loss=f"{lv:.4f}")
+            rec = {"step": done, "loss": lv, "lr": lr, "grad_norm": gn, "kind": kind}
+            if ch.chain > 1 and s.refresh > 0 and done % s.refresh == 0 and done < total:
+                ch.refresh(done // s.refresh)
+            if done % s.eval_every == 0 or done == total:
+                model.eval()
+                v = ch.val_kl(val)
+                hh = ch.hold(val)
+                dpr = M.drafts_per_round(hh)
+                rec.update({"heldout_kl": sum(v) / len(v), "drafts_per_round": dpr,
+                            **{f"hold_{j + 1}": r for j, r in enumerate(M.rates(hh))}})
+                if dpr > best["dpr"]:
+                    best = {"dpr": dpr, "snap": snapshot(model), "step": done, "kl": sum(v) / len(v)}
+                elif s.patience > 0 and done - best["step"] >= s.patience * s.eval_every and done < total:
+                    say(f"mtp heal: no new best in {s.patience} evaluations: stopping at step {done} of {total}")
+                    stop = True
+                model.train()
+            history.append(rec)
+            if logger is not None:
+                logger.log_metrics({k: v for k, v in rec.items() if k not in ("step", "kind")}, step=done)
+            if stop:
+                break
+    bar.close()
+    model.eval()
+    restore(model, best["snap"])
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return {"steps": done, "total_steps": total, "best_step": best["step"], "history": history,
+            "kl_start": sum(kl0) / len(kl0), "kl_best": best["kl"], "best_dpr": best["dpr"]}
