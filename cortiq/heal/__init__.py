@@ -1,0 +1,39 @@
+"""Heal (S4): distil the source model back into a smaller student.
+
+Stages (docs/internals.md, "Stages"), each a plain function of paths and
+`HealSettings`: `teacher_targets` (the teacher's top-k per row, ce-mixed,
+weight-scaled), `prefix_cache` (the frozen layers' output once per window),
+`train` (resumable, best held-out checkpoint), `export` (the healed CMF in
+the student's codecs, provenance `heal`), `score` (test NLL per model), and
+`heal`, which chains them for the CLI.
+
+Names load on first use, so `cortiq.heal.settings` (the CLI's defaults)
+stays free of torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "HealSettings": "settings",
+    "topk_kl": "loss", "topk_kl_reference": "loss",
+    "teacher_targets": "targets", "mix_targets": "targets",
+    "prefix_cache": "prefix",
+    "check_inputs": "stages", "train": "stages", "export": "stages", "score": "stages", "heal": "stages",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'cortiq.heal' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

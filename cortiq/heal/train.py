@@ -301,7 +301,9 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
             logger.log_metrics({"heal.heldout": e}, step=done)
             if e < best_loss:
                 best_loss, best_step, best_state = e, done, tail.state()
-            bar.write(f"  step {done}: held-out loss {e:.5f} (best {best_loss:.5f} at step {best_step})", file=sys.stderr)
+            if progress:
+                bar.write(f"  step {done}: held-out loss {e:.5f} (best {best_loss:.5f} at step {best_step})",
+                          file=sys.stderr)
         if s.checkpoint_every and (done % s.checkpoint_every == 0 or done == total_steps):
             checkpoint()
     bar.close()

@@ -1,0 +1,211 @@
+"""The heal stages' entry points beyond targets and prefix: train, export,
+score, and `heal` chaining them all."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import store, tracking
+from ..errors import CortiqError
+from . import prefix as prefix_mod
+from . import targets as targets_mod
+from .settings import HealSettings, resolve_compute, resolve_device
+
+TRAIN_STAGE = "heal-train"
+TRAIN_VERSION = 1
+TRAINED = "trained.safetensors"
+
+
+def _tok_digest(f) -> str:
+    from ..data import tokenizer_digest
+
+    tok = f.tokenizer or {}
+    if not tok.get("json"):
+        raise CortiqError(f"{f.path}: carries no tokenizer")
+    return tokenizer_digest(tok["json"])
+
+
+def check_inputs(student_cmf, teacher_cmf, tdata_dir, s: HealSettings):
+    """Every bad input the issue names, before any work: (tdata, {split: windows})."""
+    from ..cmf import open_cmf
+
+    st = open_cmf(student_cmf)
+    if s.train_from >= st.arch.num_layers:
+        raise CortiqError(f"{student_cmf}: train_from {s.train_from} is beyond its {st.arch.num_layers} layers")
+    if teacher_cmf is not None:
+        te = open_cmf(teacher_cmf)
+        if te.arch.vocab_size != st.arch.vocab_size:
+            raise CortiqError(f"{teacher_cmf}: vocabulary of {te.arch.vocab_size} ids, the student {student_cmf} has {st.arch.vocab_size}")
+        if _tok_digest(te) != _tok_digest(st):
+            raise CortiqError(f"{teacher_cmf}: its tokenizer differs from the student's ({student_cmf})")
+        if s.ce < 1.0 and te.arch.vocab_size < s.slots:
+            raise CortiqError(f"{teacher_cmf}: vocabulary of {te.arch.vocab_size} ids is smaller than topk {s.slots}")
+    elif s.ce < 1.0:
+        raise CortiqError("heal: a teacher is needed unless ce = 1")
+    td, wins = targets_mod.window_sets(tdata_dir, s)
+    td.check_tokenizer(st)
+    if len(wins["train"]) < s.batch:
+        raise CortiqError(f"{tdata_dir}: {len(wins['train'])} train windows of {s.window} tokens, fewer than one batch of {s.batch}")
+    if len(wins["val"]) == 0:
+        raise CortiqError(f"{tdata_dir}: the val split has no scored window of {s.window} tokens")
+    return td, wins
+
+
+def _train_key(s: HealSettings) -> dict:
+    d = s.to_dict()
+    for k in ("device", "compute_dtype", "mem_budget_gb", "head_chunk", "checkpoint_every"):
+        d.pop(k)  # how, not what: a resumed run may change them
+    return d
+
+
+def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSettings, work_dir,
+          logger: tracking.Logger = tracking.NULL, progress: bool = True) -> dict:
+    """Train the student's tail on the targets; the best weights (by held-out
+    loss) go to `work_dir/trained.safetensors`, checkpoints to `work_dir`."""
+    from safetensors.torch import save_file
+
+    from ..model import load_model
+    from .train import SplitData, StudentTail, fit, train_index, val_index
+
+    s = settings
+    work_dir = Path(work_dir)
+    dev = resolve_device(s.device)
+    cdt = resolve_compute(s.compute_dtype, dev)
+    tg = targets_mod.Targets(targets_dir)
+    if tg.T != s.window:
+        raise CortiqError(f"{targets_dir}: targets of windows of {tg.T} tokens, the settings say {s.window}")
+    pre = prefix_mod.Prefix(prefix_dir) if prefix_dir is not None else None
+    if pre is not None and pre.cached and pre.train_from != s.train_from:
+        raise CortiqError(f"{prefix_dir}: a prefix of layers 0..{pre.train_from}, the settings train from {s.train_from}")
+    _, wins = targets_mod.window_sets(tdata_dir, s)
+    splits = {}
+    for split, w in wins.items():
+        if len(tg.ids[split]) != len(w):
+            raise CortiqError(f"{targets_dir}: {len(tg.ids[split])} {split} windows, the data has {len(w)}: targets of other data")
+        index = train_index(len(w), s.batch) if split == "train" else val_index(len(w), s.batch)
+        h0 = pre.h[split] if pre is not None and pre.cached else None
+        splits[split] = SplitData(w.ids, tg.ids[split], tg.probs[split], tg.total[split], index, h0)
+    cached = splits["train"].h0 is not None
+    model = load_model(student_cmf, dtype=torch.float32, device="cpu")
+    tail = StudentTail(model, s.train_from, s.ffn_only, drop_prefix=cached)
+    model.to(dev)
+    key = store.digest(TRAIN_STAGE, TRAIN_VERSION, _train_key(s),
+                       [store.file_digest(student_cmf), store.file_digest(targets_dir)]
+                       + ([store.file_digest(prefix_dir)] if cached else []))
+    logger.log_params({f"heal.{k}": v for k, v in s.to_dict().items()})
+    rep = fit(tail, splits["train"], splits["val"], s, work_dir, dev, cdt, key=key, logger=logger, progress=progress)
+    out = work_dir / TRAINED
+    tmp = out.with_name(out.name + ".partial")
+    save_file({n: t.contiguous() for n, t in tail.state().items()}, str(tmp), metadata={"key": key})
+    os.replace(tmp, out)
+    rep.update({"device": str(dev), "compute_dtype": str(cdt).removeprefix("torch."), "prefix_cached": cached,
+                "trained": str(out), "slots": tg.k})
+    return rep
+
+
+def export(student_cmf, trained, out, provenance: dict, codec: str = "keep") -> Path:
+    """The healed CMF: the student with the trained tensors, in the student's codecs, provenance `heal`."""
+    from safetensors.torch import load_file
+
+    from ..model import export_model, load_model
+
+    model = load_model(student_cmf, dtype=torch.float32, device="cpu")
+    params = dict(model.named_parameters())
+    got = load_file(str(trained))
+    unknown = sorted(set(got) - set(params))
+    if unknown:
+        raise CortiqError(f"{trained}: tensors the student {student_cmf} has no place for: {unknown[:3]}")
+    with torch.no_grad():
+        for n, t in got.items():
+            if tuple(t.shape) != tuple(params[n].shape):
+                raise CortiqError(f"{trained}: {n} has shape {list(t.shape)}, the student's is {list(params[n].shape)}")
+            params[n].copy_(t)
+    return export_model(model, student_cmf, out, codec=codec, provenance_stage="heal", provenance=provenance)
+
+
+def score(models: dict, tdata_dir, split: str = "test", loss_on: str = "answer", device: str = "auto",
+          progress: bool = True) -> dict:
+    """Teacher-forced NLL per scored token of each model on `split`: {name: nll}."""
+    from tqdm import tqdm
+
+    from ..data import Tdata
+    from ..model import load_model
+    from ..model.nll import score_records
+
+    td = Tdata.open(tdata_dir)
+    recs = td.records(split)
+    if not recs:
+        raise CortiqError(f"{tdata_dir}: the {split} split is empty")
+    dev = resolve_device(device)
+    out = {}
+    for name, path in models.items():
+        model = load_model(path, dtype=torch.float32, device=dev)
+        bar = tqdm(total=len(recs), desc=f"{split} NLL ({name})", unit="rec", disable=not progress,
+                   file=__import__("sys").stderr)
+        s, n = score_records(model, recs, loss_on=loss_on, pad_id=td.eos_id, progress=bar.update)
+        bar.close()
+        if n == 0:
+            raise CortiqError(f"{tdata_dir}: the {split} split has no scored token")
+        out[name] = s / n
+        del model
+    return out
+
+
+def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,
+         work_dir=None, progress: bool = True, score_split: str | None = "test") -> dict:
+    """Targets, prefix, training, export and scoring in one call (the CLI's);
+    every step's output under `work_dir` is reused when complete, and training
+    resumes from its last checkpoint."""
+    s = settings
+    out = Path(out)
+    teacher = None if s.ce >= 1.0 and teacher_cmf is None else teacher_cmf
+    check_inputs(student_cmf, teacher, tdata_dir, s)
+    work = Path(work_dir) if work_dir is not None else out.with_name(out.name + ".work")
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+
+    tdir = work / f"targets-{targets_mod.digest_of(teacher, tdata_dir, s)}"
+    trep = {"metrics": {}, "reused": True}
+    if not store.is_complete(tdir):
+        trep = targets_mod.teacher_targets(teacher, tdata_dir, s, tdir, logger, progress=progress)
+    pdir = None
+    prep = {"metrics": {}, "dtype": "none"}
+    if s.train_from > 0:
+        pdir = work / f"prefix-{prefix_mod.digest_of(student_cmf, tdata_dir, s)}"
+        if not store.is_complete(pdir):
+            prep = prefix_mod.prefix_cache(student_cmf, tdata_dir, s, pdir, logger, progress=progress)
+        else:
+            prep = {"metrics": {}, "dtype": store.read_meta(pdir)["dtype"], "reused": True}
+    rep = train(student_cmf, tdir, pdir, tdata_dir, s, work / "train", logger, progress=progress)
+    m = rep["metrics"]
+    block = {
+        "device": rep["device"], "compute_dtype": rep["compute_dtype"], "settings": s.to_dict(),
+        "teacher": None if teacher is None else str(teacher),
+        "teacher_digest": None if teacher is None else store.file_digest(teacher),
+        "steps": m["steps"], "best_step": m["best_step"], "heldout_start": m["heldout_start"],
+        "heldout_best": m["heldout_best"], "ce": s.ce, "genesis": s.genesis, "topk": rep["slots"],
+        "prefix": prep["dtype"],
+    }
+    export(student_cmf, rep["trained"], out, block)
+    logger.log_artifact(str(out))
+    report = {"metrics": {**m, **{f"teacher.{k}": v for k, v in trep["metrics"].items()},
+                          **{f"prefix.{k}": v for k, v in prep["metrics"].items()}},
+              "history": rep["history"], "evals": rep["evals"], "out": str(out), "work": str(work)}
+    if score_split:
+        models = {"student": student_cmf, "healed": out}
+        if teacher is not None:
+            models = {"source": teacher, **models}
+        nll = score(models, tdata_dir, score_split, s.loss_on, s.device, progress=progress)
+        report["nll"] = nll
+        for k, v in nll.items():
+            report["metrics"][f"nll.{k}"] = v
+        if "source" in nll and nll["student"] != nll["source"]:
+            report["metrics"]["gap_recovered"] = (nll["student"] - nll["healed"]) / (nll["student"] - nll["source"])
+        logger.log_metrics({f"heal.nll.{k}": v for k, v in nll.items()})
+    report["metrics"]["secs"] = time.perf_counter() - t0
+    return report
