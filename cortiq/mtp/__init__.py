@@ -20,7 +20,6 @@ from pathlib import Path
 
 from .. import tracking
 from ..errors import CortiqError
-from .init import has_draft, mtp_init
 from .settings import MtpSettings
 
 __all__ = ["MtpSettings", "trunk_pass", "mtp_heal", "recode_draft", "mtp_init"]
@@ -29,12 +28,20 @@ STAGE = "mtp_heal"
 VERSION = 1
 
 
+def mtp_init(model_cmf, out_cmf) -> dict:
+    """A fresh MTP block for a model without one (cortiq.mtp.init)."""
+    from .init import mtp_init as _init
+
+    return _init(model_cmf, out_cmf)
+
+
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
 def _open(model_cmf):
     from ..cmf import open_cmf
+    from .init import has_draft
 
     f = open_cmf(model_cmf)
     if not has_draft(f):

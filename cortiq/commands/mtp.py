@@ -1,0 +1,67 @@
+"""`cortiq mtp heal|init`: retrain a model's MTP draft on its own trunk; give a model a fresh draft."""
+
+from __future__ import annotations
+
+NAME = "mtp"
+HELP = "retrain the MTP draft head on the (compressed) trunk; give a model a fresh draft"
+DESCRIPTION = (
+    "mtp heal: the trunk runs once over the data (hidden rows + top-k, cacheable), then the draft is trained by "
+    "KL to the trunk's distribution one position further, every chain step from its own previous output; the "
+    "checkpoint keeping the most drafts a round on held-out windows is written into model.mtp.*. "
+    "mtp init: a fresh MTP block for a model without one (layer copied from the trunk's last full-attention "
+    "layer, eh_proj passing the hidden row through)."
+)
+ORDER = 35
+
+
+def _heal_args(p):
+    from dataclasses import fields
+
+    p.add_argument("model", metavar="MODEL.cmf")
+    p.add_argument("--data", required=True, metavar="SPEC", help="PATH.tdata[@TOKENS], comma-separated")
+    p.add_argument("--out", required=True, metavar="OUT.cmf")
+    # every MtpSettings field as an option, with the seed's defaults (imported lazily: no torch here)
+    from ..mtp.settings import MtpSettings
+
+    special = {"also", "taps", "trunk_cache", "dump"}
+    for fl in fields(MtpSettings):
+        if fl.name in special:
+            continue
+        opt = "--" + fl.name.replace("_", "-")
+        default = fl.default
+        if isinstance(default, bool):
+            p.add_argument(opt, action="store_true", default=default)
+        else:
+            p.add_argument(opt, type=type(default), default=default)
+    p.add_argument("--trunk-cache", metavar="DIR", default=None, help="keep the trunk pass per data set here")
+    p.add_argument("--also", action="append", default=[], metavar="CODEC:PATH", help="the result with the draft in another codec (repeatable)")
+    p.add_argument("--dump", metavar="DIR", default=None, help="the rows and tensors a draft built elsewhere reads")
+    p.add_argument("--taps", metavar="DIR:LAYERS", default=None, help="trunk layers' output rows for held-out windows")
+
+
+def add_arguments(p):
+    sub = p.add_subparsers(dest="mtp_command", metavar="SUBCOMMAND", required=True)
+    h = sub.add_parser("heal", help="retrain the draft on the model's own trunk")
+    _heal_args(h)
+    i = sub.add_parser("init", help="give a model without a draft a fresh MTP block")
+    i.add_argument("model", metavar="MODEL.cmf")
+    i.add_argument("--out", required=True, metavar="OUT.cmf")
+
+
+def run(args) -> int:
+    import sys
+    from dataclasses import fields
+
+    from ..mtp import MtpSettings, mtp_heal, mtp_init
+
+    if args.mtp_command == "init":
+        rep = mtp_init(args.model, args.out)
+        print(f"{rep['out']}: fresh MTP block from layer {rep['layer']}", file=sys.stderr)
+        return 0
+    kw = {fl.name: getattr(args, fl.name) for fl in fields(MtpSettings)}
+    s = MtpSettings(**kw)
+    rep = mtp_heal(args.model, args.data, s, args.out)
+    m = rep["metrics"]
+    print(f"{args.out}: drafts a round {m['drafts_per_round_before']:.3f} -> {m['drafts_per_round_after']:.3f} "
+          f"({int(m['steps'])} steps, best at {int(m['best_step'])})", file=sys.stderr)
+    return 0

@@ -1,0 +1,40 @@
+"""`cortiq mtp init|heal` through the CLI: outputs, and bad input as one line, exit 1."""
+
+from cortiq.cli import main
+from cortiq.cmf import open_cmf
+
+from mtp_helpers import write_model
+
+
+def test_cli_init_then_heal(tiny, tmp_path, capsys):
+    _, data = tiny
+    bare = write_model(tmp_path / "bare.cmf", mtp=False)
+    # a model without a draft: pointed at `mtp init`
+    rc = main(["mtp", "heal", str(bare), "--data", str(data), "--out", str(tmp_path / "x.cmf"), "--window", "32", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "cortiq: " in err and "mtp init" in err and "Traceback" not in err
+    assert main(["mtp", "init", str(bare), "--out", str(tmp_path / "i.cmf")]) == 0
+    assert open_cmf(tmp_path / "i.cmf").arch.mtp_layers == 1
+    out = tmp_path / "h.cmf"
+    rc = main(["mtp", "heal", str(tmp_path / "i.cmf"), "--data", str(data), "--out", str(out), "--window", "32",
+               "--topk", "8", "--epochs", "0.5", "--eval-every", "5", "--lr", "1e-3", "--train-input", "--device", "cpu",
+               "--trunk-cache", str(tmp_path / "cache"), "--dump", str(tmp_path / "dump")])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "drafts a round" in err
+    assert open_cmf(out).provenance["mtp_heal"]["settings"]["train_input"] is True
+    d = tmp_path / "dump"
+    n, T, k = 40, 32, 8
+    for name, size in [("len.u32", n * 4), ("ids.u32", n * T * 4), ("ti.u32", n * T * k * 4), ("tp.f32", n * T * k * 4),
+                       ("embed.f16", 259 * 32 * 2), ("eh_proj.f16", 32 * 64 * 2), ("meta.json", None),
+                       ("before/x1.f16", n * T * 32 * 2), ("before/d3.u32", n * T * 4 * 4), ("after/dp1.f32", n * T * 4 * 4)]:
+        assert (d / name).exists(), name
+        if size is not None:
+            assert (d / name).stat().st_size == size, name
+
+
+def test_cli_stride_shorter_than_chain(tiny, tmp_path, capsys):
+    model, data = tiny
+    rc = main(["mtp", "heal", str(model), "--data", str(data), "--out", str(tmp_path / "x.cmf"), "--stride", "2"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.strip() == "cortiq: mtp settings: stride 2 is shorter than the chain (3): chains laid out as rounds would overlap"
