@@ -143,8 +143,9 @@ class _Q8(Codec):
         """[n, block] f32 → (q int8 [n, block], scale f16 [n])."""
         scale = _f16_up(b.abs().amax(dim=1) / 127.0, self.name)
         s = scale.to(torch.float32)
-        q = torch.where(s[:, None] > 0, b / s.clamp_min(1e-30)[:, None], 0.0)
-        return q.round().clamp(-127, 127).to(torch.int8), scale
+        inv = torch.where(s > 0, 1.0 / s, 0.0)  # [n]; an all-zero block codes as zeros
+        q = (b * inv[:, None]).round_().clamp_(-127, 127)
+        return q.to(torch.int8), scale
 
     def pack(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         n = q.shape[0]
@@ -190,8 +191,9 @@ class _Q4(Codec):
         lo32 = lo.to(torch.float32)
         scale = _f16_up((b.amax(dim=1) - lo32) / 15.0, self.name)
         s = scale.to(torch.float32)
-        q = torch.where(s[:, None] > 0, (b - lo32[:, None]) / s.clamp_min(1e-30)[:, None], 0.0)
-        return q.round().clamp(0, 15).to(torch.uint8), scale, lo
+        inv = torch.where(s > 0, 1.0 / s, 0.0)  # [n]; a constant block codes as zeros
+        q = ((b - lo32[:, None]) * inv[:, None]).round_().clamp_(0, 15)
+        return q.to(torch.uint8), scale, lo
 
     def pack(self, q, scale, lo):
         n = q.shape[0]
