@@ -321,11 +321,23 @@ class CausalLM(nn.Module):
         ids = torch.empty(B * T, k, dtype=torch.long, device=rows.device)
         probs = torch.empty(B * T, k, dtype=torch.float32, device=rows.device)
         for s in range(0, B * T, chunk):
-            lg = self.logits(rows[s : s + chunk]).float()  # [chunk, V]
-            top, idx = lg.topk(k, -1)
-            probs[s : s + chunk] = torch.softmax(top, -1)  # renormalised over the k kept
+            # top-k in the logits' own dtype: a bf16 head's logits are bf16
+            # already, and a float copy of [chunk, V] costs more than the head
+            top, idx = self.logits(rows[s : s + chunk]).topk(k, -1)  # [chunk, k]
+            probs[s : s + chunk] = torch.softmax(top.float(), -1)  # renormalised over the k kept
             ids[s : s + chunk] = idx
         return ids.view(B, T, k), probs.view(B, T, k)
+
+    def compile_layers(self, **kw) -> "CausalLM":
+        """torch.compile each decoder layer on its own (regional compilation:
+        one graph per layer kind, reused by every layer of that kind). On the
+        H200 this fuses the norms, RoPE, SwiGLU and residual adds: the trunk
+        forward of a Qwen3-1.7B geometry went from 80.8 to 44.3 ms per 8192
+        tokens (bench/variants.py). CUDA runs use it; the CPU path stays eager."""
+        kw.setdefault("dynamic", False)
+        for layer in list(self.layers) + ([] if self.mtp is None else list(self.mtp.layers)):
+            layer.compile(**kw)
+        return self
 
     def new_cache(self) -> Cache:
         return Cache(self.layers, [] if self.mtp is None else self.mtp.layers)

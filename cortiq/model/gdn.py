@@ -116,11 +116,26 @@ def gated_delta_rule_chunked(q, k, v, g, beta, chunk: int = 64, initial_state=No
     return o.transpose(1, 2).to(dt), S
 
 
+def _fla_backward_broken(device) -> bool:
+    """fla refuses its backward on Hopper under Triton 3.4 ≤ v < 3.7.1 (wrong
+    results there, fla issue #640): training takes the torch path instead."""
+    try:
+        import triton
+
+        ver = tuple(int(x) for x in triton.__version__.split(".")[:3] if x.isdigit())
+    except Exception:
+        return True
+    return torch.cuda.get_device_capability(device)[0] == 9 and (3, 4, 0) <= ver < (3, 7, 1)
+
+
 def gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk: int = 64):
     """Dispatch: one token → the recurrence; CUDA with fla → its kernel; else chunked torch."""
     if q.shape[1] == 1:
         return gated_delta_rule_ref(q, k, v, g, beta, initial_state)
     kern = _fla_kernel() if q.is_cuda else None
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta))
+    if kern is not None and needs_grad and _fla_backward_broken(q.device):
+        kern = None
     if kern is not None:
         o, S = kern(q, k, v, g.float(), beta, scale=q.shape[-1] ** -0.5,
                     initial_state=None if initial_state is None else initial_state.float(),

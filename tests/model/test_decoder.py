@@ -107,3 +107,18 @@ def test_missing_tensor_is_a_clear_error(tmp_path):
     write_cmf(tmp_path / "bad.cmf", src.doc, specs)
     with pytest.raises(CortiqError, match=r"bad.cmf: missing tensors \['model.norm.weight'\]"):
         load_model(tmp_path / "bad.cmf")
+
+
+@pytest.mark.slow
+def test_compiled_layers_match_eager_values_and_gradients(tmp_path):
+    """compile_layers is the GPU fast path; eager is its reference (here on the CPU)."""
+    m, ids, _ = _compare(tiny_qwen3(), tmp_path, T=13)
+    eager = load_model(m.source)
+    m.compile_layers()
+    h_e, _ = eager.forward_hidden(ids)
+    h_c, _ = m.forward_hidden(ids)
+    assert torch.allclose(h_c, h_e, atol=1e-5, rtol=1e-5)
+    h_e.square().sum().backward()
+    h_c.square().sum().backward()
+    for (n, pe), (_, pc) in zip(eager.named_parameters(), m.named_parameters()):
+        assert torch.allclose(pc.grad, pe.grad, atol=1e-4, rtol=1e-4), n
