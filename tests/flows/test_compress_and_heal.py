@@ -1,0 +1,62 @@
+"""The whole compress-and-heal flow on a tiny model: every stage runs, a failure
+in a middle stage (heal) resumes there, MLflow holds the run and its plots."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from flows.compress_and_heal import compress_and_heal
+from tasks.common import FAIL_ENV
+
+STAGES = ["data", "compress", "heal", "score.source", "score.pruned", "score.healed", "mtp_init", "mtp",
+          "codec.q8", "score.codec.q8"]
+
+
+def tiny_params(tiny) -> dict:
+    return {
+        "name": "tiny",
+        "source": tiny["model"],
+        "data": {"sources": [tiny["corpus"]], "record_tokens": 64, "fractions": [0.6, 0.2, 0.2]},
+        "compress": {"masks": {"max_steps": 4, "window": 32, "batch": 2, "val_windows": 2, "eval_every": 2,
+                               "keep_frac": 0.5},
+                     "fold": {"keep_frac": 0.5}},
+        "heal": {"epochs": 1.0, "window": 32, "batch": 2, "eval_every": 2, "checkpoint_every": 2, "topk": 8,
+                 "lr": 1e-3},
+        "mtp": {"window": 32, "tokens": 4096, "topk": 4, "epochs": 1.0, "batch": 2, "eval_every": 2, "refresh": 4,
+                "chain": 2},
+        "codecs": ["q8"],
+        "score_window": 32,
+    }
+
+
+def test_whole_flow_then_failure_in_heal_resumes_at_heal(tiny, monkeypatch):
+    monkeypatch.setenv(FAIL_ENV, "heal")
+    with pytest.raises(Exception, match="failure injected"):
+        compress_and_heal(tiny_params(tiny))
+    monkeypatch.delenv(FAIL_ENV)
+    out = compress_and_heal(tiny_params(tiny))
+    assert list(out["states"]) == STAGES
+    # data and compress finished in the failed run: taken from the cache; heal onward executed
+    assert out["states"]["data"] == "Cached" and out["states"]["compress"] == "Cached"
+    assert out["states"]["score.source"] == "Completed"  # scoring comes after heal in the flow
+    assert {out["states"][k] for k in STAGES[2:]} == {"Completed"}
+    for k in ("source", "pruned", "healed"):
+        assert math.isfinite(out["nll"][k])
+    assert out["bytes"]["pruned"] < out["bytes"]["source"]  # the fold made the MLPs narrower
+    assert set(out["drafts_per_round"]) == {"before", "after"}
+    assert out["codecs"]["q8"]["bytes"] < out["bytes"]["healed"]
+
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(tracking_uri=out["tracking_uri"])
+    run = c.get_run(out["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["score.healed.nll"] == pytest.approx(out["nll"]["healed"])
+    plots = {a.path for a in c.list_artifacts(out["mlflow_run_id"], "plots")}
+    assert {"plots/nll_per_model.png", "plots/codecs.png", "plots/hold_rate.png"} <= plots
+
+    again = compress_and_heal(tiny_params(tiny))
+    assert set(again["states"].values()) == {"Cached"}
+    assert again["nll"] == out["nll"]
