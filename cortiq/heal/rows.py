@@ -37,15 +37,15 @@ class WindowRows:
 class RowWriter:
     """Streams record batches of per-window fixed-size lists into `path` (`.partial`, renamed on close)."""
 
-    def __init__(self, path, fields: dict[str, tuple[pa.DataType, int]], scalars: dict[str, pa.DataType] = {}):
+    def __init__(self, path, fields: dict[str, tuple[pa.DataType, int]], scalars: dict[str, pa.DataType] | None = None):
         import os
 
         self.path = path
         self.tmp = path.with_name(path.name + ".partial")
         self.fields = fields
-        self.scalars = scalars
+        self.scalars = scalars or {}
         self.schema = pa.schema([pa.field(k, pa.list_(t, n)) for k, (t, n) in fields.items()]
-                                + [pa.field(k, t) for k, t in scalars.items()])
+                                + [pa.field(k, t) for k, t in self.scalars.items()])
         self.sink = pa.OSFile(str(self.tmp), "wb")
         self.writer = pa.ipc.new_file(self.sink, self.schema)
         self._os = os

@@ -18,6 +18,8 @@ from .settings import HealSettings, resolve_compute, resolve_device
 
 TRAIN_STAGE = "heal-train"
 TRAIN_VERSION = 1
+#: the heal chain's version (tasks key their cache on it)
+VERSION = "1"
 TRAINED = "trained.safetensors"
 
 
