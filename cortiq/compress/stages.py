@@ -206,6 +206,9 @@ def fold(source_cmf, masks_dir, grams_dir, settings: FoldSettings, out_cmf, logg
            "widths": [len(k) for k in kept], "ranked_by": ranked_by}
     if dropped:
         rep["metrics"]["fold_dropped_energy"] = sum(dropped.values()) / len(dropped)
+    if s.repair:
+        # the least squares overfits when the Gram saw fewer rows than there are neurons (SmolLM2, 1k rows: worse than no repair)
+        rep["metrics"]["repair_rows_per_neuron"] = count / max(widths)
     logger.log_metrics(rep["metrics"])
     return rep
 
