@@ -313,12 +313,12 @@ def get(name: str) -> Codec:
 def choose(requested: str, shape: tuple[int, ...], current: str = "f32") -> str:
     """The codec a tensor of `shape`, now in `current`, gets when a whole model
     is written in `requested`: "keep" keeps `current`; a plain codec applies
-    to every tensor; a quantized one to matrices only (ndim ≥ 2): vectors
-    (norms, biases) stay plain, as they are or f32."""
+    to every tensor; a quantized one to matrices only (ndim = 2): vectors
+    (norms, biases) and conv kernels stay plain, as they are or f32."""
     if requested == "keep":
         return get(current).name
     c = get(requested)
-    if c.plain or len(shape) >= 2:
+    if c.plain or len(shape) == 2:
         return c.name
     return current if get(current).plain else "f32"
 

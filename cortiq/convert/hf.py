@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..arch import from_hf_config
 from ..cmf import Spec, new_doc, write_cmf
+from ..codecs import choose as choose_codec
 from ..codecs import get as get_codec
 from ..errors import CortiqError
 from ..tokenizer import tokenizer_doc
@@ -231,10 +232,6 @@ def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, code
     specs = []
     for n in want:  # the model's order: embeddings, layers, norm, head
         shape, dt, get = plan[n]
-        plain = _ST_CODEC.get(dt, "f32")
-        c = plain if codec == "keep" else codec
-        if not get_codec(c).plain and len(shape) != 2:
-            c = plain
-        specs.append(Spec(n, c, shape, get))
+        specs.append(Spec(n, choose_codec(codec, shape, _ST_CODEC.get(dt, "f32")), shape, get))
     doc = new_doc(arch, tok, {"convert": {"source": str(src.resolve()), "format": "hf", "codec": codec}})
     return write_cmf(Path(out_path), doc, specs)

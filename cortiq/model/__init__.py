@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..cmf import CmfFile, Spec, new_doc, open_cmf, with_provenance, write_cmf
+from ..codecs import choose as choose_codec
 from ..codecs import get as get_codec
 from ..errors import CortiqError
 from .decoder import CausalLM, rope_inv_freq
@@ -89,11 +90,7 @@ def export_model(model: CausalLM, src, out_path, codec: str = "keep", provenance
     for name, p in model.named_parameters():
         if name.endswith("neuron_logits"):
             continue
-        if codec == "keep":
-            c = src.info(name).codec if name in src and tuple(src.info(name).shape) == tuple(p.shape) else "f32"
-        else:
-            c = codec
-        if not get_codec(c).plain and p.dim() != 2:
-            c = "f32"
+        same = name in src and tuple(src.info(name).shape) == tuple(p.shape)
+        c = choose_codec(codec, tuple(p.shape), src.info(name).codec if same else "f32")
         specs.append(Spec(name, c, tuple(p.shape), lambda p=p: p.detach().float().cpu()))
     return write_cmf(Path(out_path), doc, specs)
