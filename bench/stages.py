@@ -49,6 +49,8 @@ def run(name, g, B, T, steps, rate, *, timed, peak_reset, peak_gib, flops_per_to
 
     # ── teacher: bf16 weights, top-k of the next token in row chunks ──
     teacher = build(arch, torch.bfloat16, device).eval()
+    if device == "cuda":
+        teacher.compile_layers()
 
     @torch.no_grad()
     def teacher_pass():
@@ -79,42 +81,51 @@ def run(name, g, B, T, steps, rate, *, timed, peak_reset, peak_gib, flops_per_to
     del teacher
     torch.cuda.empty_cache() if device == "cuda" else None
 
-    # ── the student step: all layers trained (as the baseline), f32 master weights, bf16 compute ──
-    student = build(arch, torch.float32, device).train()
-    student.model.embed_tokens.weight.requires_grad_(False)  # embedding and tied head stay frozen (heal's choice)
-    params = [p for p in student.parameters() if p.requires_grad and p is not student.model.embed_tokens.weight
-              and not any(p is q for q in student.mtp.parameters())]
-    opt = torch.optim.Adam(params, lr=1e-5, fused=device == "cuda")
-    total = float(B * T)
+    # ── the student step: heal's own (StudentTail + batch_loss), all layers trained as
+    #    the baseline's, f32 master weights, bf16 autocast, compiled layers, fused Adam ──
+    from cortiq.heal.train import StudentTail, batch_loss
 
-    def step(start=0, h0=None):
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            h = student.embed(ids) if h0 is None else h0
-            h = student.run_layers(h, start, L)
-            h = student.model.norm(h)
-            loss = topk_kl(h.reshape(B * T, H), student.head_weight, tids, tps, chunk=8192) / total
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    def student_step(train_from, h0):
+        student = build(arch, torch.float32, device)
+        tail = StudentTail(student, train_from, ffn_only=False, drop_prefix=h0 is not None)
+        if device == "cuda":
+            student.compile_layers()
+        params = [p for _, p in tail.named()]
+        opt = torch.optim.Adam(params, lr=1e-5, fused=device == "cuda")
+        dev = torch.device(device)
 
+        def step():
+            loss = batch_loss(tail, ids, h0, tids, tps, 8192, dev, torch.bfloat16 if device == "cuda" else torch.float32)
+            (loss / float(B * T)).backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return student, step
+
+    student, step = student_step(0, None)
     peak_reset()
-    s = timed(step, warm=2, reps=steps)
+    s = timed(step, warm=3, reps=steps)
     row["step_tok_s"] = B * T / s
     # useful FLOPs: layers fwd+bwd (3×), head fwd + grad w.r.t. hidden (2×; the head is frozen)
     row["step_mfu"] = (3 * L * layer_f + 2 * head_f) * B * T / s / rate
     row["step_peak_gib"] = peak_gib()
     # one epoch of heal = the teacher pass once + the steps over the same tokens
     row["epoch_tok_s"] = 1.0 / (1.0 / row["teacher_tok_s"] + 1.0 / row["step_tok_s"])
+    del student, step
+    torch.cuda.empty_cache() if device == "cuda" else None
 
-    # tail only (train_from = L/2) from the cached prefix
-    for p in student.model.layers[:cut].parameters():
-        p.requires_grad_(False)
-    params[:] = [p for p in params if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=1e-5, fused=device == "cuda")
-    s = timed(lambda: step(cut, h_prefix), warm=2, reps=steps)
+    # the seed's shape: the tail (train_from = L/2) on the cached prefix
+    student, step = student_step(cut, h_prefix)
+    peak_reset()
+    s = timed(step, warm=3, reps=steps)
     row["tail_step_tok_s"] = B * T / s
+    row["tail_step_peak_gib"] = peak_gib()
+    row["tail_epoch_tok_s"] = 1.0 / (1.0 / row["teacher_tok_s"] + 1.0 / row["prefix_tok_s"] + 1.0 / row["tail_step_tok_s"])
+    del student, step
+    student = build(arch, torch.float32, device)
+    if device == "cuda":
+        student.compile_layers()
 
     # ── the MTP draft step: the block on the trunk's rows, KL to the trunk one further ──
     for p in student.parameters():
@@ -137,5 +148,5 @@ def run(name, g, B, T, steps, rate, *, timed, peak_reset, peak_gib, flops_per_to
 
     s = timed(mtp_step, warm=2, reps=steps)
     row["mtp_step_tok_s"] = n / s
-    del student, opt, mopt
+    del student, mopt
     return row

@@ -60,6 +60,8 @@ class HealSettings:
     mem_budget_gb: float = 0.0
     #: rows per chunk of the fused head + loss
     head_chunk: int = 1024
+    #: torch.compile each decoder layer on CUDA (teacher and student; the CPU stays eager)
+    compile: bool = True
 
     def __post_init__(self):
         def bad(msg):

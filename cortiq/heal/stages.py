@@ -60,7 +60,7 @@ def check_inputs(student_cmf, teacher_cmf, tdata_dir, s: HealSettings):
 
 def _train_key(s: HealSettings) -> dict:
     d = s.to_dict()
-    for k in ("device", "compute_dtype", "mem_budget_gb", "head_chunk", "checkpoint_every"):
+    for k in ("device", "compute_dtype", "mem_budget_gb", "head_chunk", "checkpoint_every", "compile"):
         d.pop(k)  # how, not what: a resumed run may change them
     return d
 
@@ -96,6 +96,8 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
     model = load_model(student_cmf, dtype=torch.float32, device="cpu")
     tail = StudentTail(model, s.train_from, s.ffn_only, drop_prefix=cached)
     model.to(dev)
+    if s.compile and dev.type == "cuda":
+        model.compile_layers()
     key = store.digest(TRAIN_STAGE, TRAIN_VERSION, _train_key(s),
                        [store.file_digest(student_cmf), store.file_digest(targets_dir)]
                        + ([store.file_digest(prefix_dir)] if cached else []))

@@ -105,6 +105,8 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
         from ..model import load_model
 
         teacher = load_model(teacher_cmf, dtype=torch.float32, device=dev).eval()
+        if s.compile and dev.type == "cuda":
+            teacher.compile_layers()
         if teacher.arch.vocab_size < k:
             raise CortiqError(f"{teacher_cmf}: vocabulary of {teacher.arch.vocab_size} is smaller than topk {k}")
     cdt = resolve_compute(s.compute_dtype, dev)
