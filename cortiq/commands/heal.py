@@ -33,10 +33,12 @@ _HELP = {
     "compute_dtype": "auto (bf16 on CUDA, f32 on CPU), f32, bf16, f16",
     "mem_budget_gb": "host memory the prefix cache plans with, GB (0: half of this machine's)",
     "head_chunk": "rows per chunk of the fused head + loss",
+    "compile": "torch.compile each decoder layer on CUDA (--no-compile: eager)",
 }
 
 
 def add_arguments(p):
+    import argparse
     import dataclasses
 
     from ..heal.settings import COMPUTE, HealSettings
@@ -52,7 +54,7 @@ def add_arguments(p):
     for f in dataclasses.fields(HealSettings):
         opt = "--" + f.name.replace("_", "-")
         if f.type in ("bool", bool):
-            g.add_argument(opt, action="store_true", help=_HELP[f.name])
+            g.add_argument(opt, action=argparse.BooleanOptionalAction, default=f.default, help=_HELP[f.name])
             continue
         typ = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
         choices = {"compute_dtype": COMPUTE, "loss_on": ("answer", "all")}.get(f.name)
