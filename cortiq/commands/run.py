@@ -21,14 +21,14 @@ def add_arguments(p):
 def load_flow(name: str):
     """The flow function, or a clear error when the orchestrator is not installed."""
     import importlib
+    import importlib.util
 
     from ..errors import CortiqError
 
-    try:
-        import mlflow  # noqa: F401
-        import prefect  # noqa: F401
-    except ImportError:
-        raise CortiqError(f"the {name} flow needs prefect and mlflow: pip install 'cortiq[flows]'") from None
+    missing = [m for m in ("prefect", "mlflow", "tasks", "flows") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CortiqError(f"the {name} flow needs {' and '.join(missing)}: pip install 'cortiq[flows]'")
+    importlib.import_module("tasks")  # the offline environment, set before prefect's settings are read
     mod, fn = FLOWS[name]
     return getattr(importlib.import_module(mod), fn)
 

@@ -65,3 +65,26 @@ def tiny(tmp_path) -> dict:
     model = tiny_cmf(tmp_path / "tiny.cmf")
     corpus = tiny_corpus(tmp_path / "corpus.txt")
     return {"model": str(model), "corpus": str(corpus), "dir": tmp_path}
+
+
+@pytest.fixture
+def tiny_params():
+    """Parameters that keep every stage of compress-and-heal to seconds on the tiny model."""
+
+    def make(tiny) -> dict:
+        return {
+            "name": "tiny",
+            "source": tiny["model"],
+            "data": {"sources": [tiny["corpus"]], "record_tokens": 64, "fractions": [0.6, 0.2, 0.2]},
+            "compress": {"masks": {"max_steps": 4, "window": 32, "batch": 2, "val_windows": 2, "eval_every": 2,
+                                   "keep_frac": 0.5},
+                         "fold": {"keep_frac": 0.5}},
+            "heal": {"epochs": 1.0, "window": 32, "batch": 2, "eval_every": 2, "checkpoint_every": 2, "topk": 8,
+                     "lr": 1e-3},
+            "mtp": {"window": 32, "tokens": 4096, "topk": 4, "epochs": 1.0, "batch": 2, "eval_every": 2, "refresh": 4,
+                    "chain": 2},
+            "codecs": ["q8"],
+            "score_window": 32,
+        }
+
+    return make

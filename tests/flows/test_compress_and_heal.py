@@ -14,24 +14,7 @@ STAGES = ["data", "compress", "heal", "score.source", "score.pruned", "score.hea
           "codec.q8", "score.codec.q8"]
 
 
-def tiny_params(tiny) -> dict:
-    return {
-        "name": "tiny",
-        "source": tiny["model"],
-        "data": {"sources": [tiny["corpus"]], "record_tokens": 64, "fractions": [0.6, 0.2, 0.2]},
-        "compress": {"masks": {"max_steps": 4, "window": 32, "batch": 2, "val_windows": 2, "eval_every": 2,
-                               "keep_frac": 0.5},
-                     "fold": {"keep_frac": 0.5}},
-        "heal": {"epochs": 1.0, "window": 32, "batch": 2, "eval_every": 2, "checkpoint_every": 2, "topk": 8,
-                 "lr": 1e-3},
-        "mtp": {"window": 32, "tokens": 4096, "topk": 4, "epochs": 1.0, "batch": 2, "eval_every": 2, "refresh": 4,
-                "chain": 2},
-        "codecs": ["q8"],
-        "score_window": 32,
-    }
-
-
-def test_whole_flow_then_failure_in_heal_resumes_at_heal(tiny, monkeypatch):
+def test_whole_flow_then_failure_in_heal_resumes_at_heal(tiny, tiny_params, monkeypatch):
     monkeypatch.setenv(FAIL_ENV, "heal")
     with pytest.raises(Exception, match="failure injected"):
         compress_and_heal(tiny_params(tiny))
