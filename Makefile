@@ -32,3 +32,7 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# a local Prefect server on 127.0.0.1, the `cortiq` process pool, the deployments and a worker
+serve: $(STAMP)
+	BIN=$(BIN) deployments/serve.sh
