@@ -48,6 +48,8 @@ def add_arguments(p):
                    help="pack paragraphs into records of up to this many tokens")
     g.add_argument("--max-tokens", type=int, default=d["max_tokens"].default,
                    help="the longest record accepted (an error above it)")
+    g.add_argument("--max-total-tokens", type=int, default=0, metavar="N",
+                   help="keep at most N tokens in all, records sampled by rid hash (0: everything)")
     g = b.add_argument_group("splits and labels")
     g.add_argument("--fractions", type=_fractions, default="0.9,0.05,0.05", metavar="TRAIN,VAL,TEST",
                    help="split fractions for records that name no split (by a hash of the record id)")
@@ -77,6 +79,7 @@ def _build(args) -> int:
     if not sources:
         raise CortiqError("data build: no sources (give SRC files or --corpus NAME)")
     settings = BuildSettings(record_tokens=args.record_tokens, max_tokens=args.max_tokens, eos=not args.no_eos,
+                             max_total_tokens=args.max_total_tokens,
                              fractions=args.fractions if isinstance(args.fractions, tuple) else _fractions(args.fractions),
                              category=args.category, generate_with=args.generate_with, max_new=args.max_new)
     bar = tqdm(desc="data build", unit="step", file=sys.stderr, leave=False, disable=None)  # None: off when not a terminal

@@ -129,7 +129,9 @@ def train_masks(
             pruned = 1.0 - alive / n_all
             if pruned < target:
                 l1 = l1 * s.l1_grow + s.l1_step
-            if pruned > most[2]:
+            # ties go to the later checkpoint: short of any pruning, the most
+            # trained logits still rank the neurons (the first ones do not)
+            if pruned >= most[2]:
                 most = (e, saved, pruned, done)
             if pruned >= target:
                 if first_at_target is None:

@@ -155,6 +155,18 @@ def build_digest(sources: list[str], tokenizer: str | os.PathLike, settings: Bui
     return store.digest(STAGE, VERSION, asdict(settings), inputs_of(sources, tokenizer, settings))
 
 
+def _sample(rids: list[str], lengths: list[int], cap: int) -> list[int]:
+    """Indices (in their own order) of the records kept under a total-token cap:
+    taken by a hash of their rid until the cap is reached (salted: the splits
+    hash the rid too, and an unsalted order would fill the train split first)."""
+    import hashlib
+
+    order = sorted(range(len(rids)), key=lambda i: hashlib.sha256(b"sample:" + rids[i].encode()).digest())
+    total = np.cumsum(np.asarray(lengths, dtype=np.int64)[order])
+    n = max(1, int(np.searchsorted(total, cap, side="right")))
+    return sorted(order[:n])
+
+
 def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLike, settings: BuildSettings | None = None,
           progress: Callable[[str], None] | None = None, device: str | None = None) -> Tdata:
     """Tokenize `sources` (paths, or `corpus:NAME`) with the tokenizer of the CMF file `tokenizer`
@@ -245,6 +257,11 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
     if top >= vocab:
         raise CortiqError(f"{tokenizer}: its tokenizer makes id {top}, outside the model's vocabulary ({vocab} ids)")
 
+    if settings.max_total_tokens:
+        keep = _sample(rids, [len(r.ids) for r in records], settings.max_total_tokens)
+        records = [records[i] for i in keep]
+        rids = [rids[i] for i in keep]
+        splits_given = [splits_given[i] for i in keep]
     splits = assign_splits(rids, splits_given, settings.fractions)
     hashed = [g is None for g in splits_given]
     for r, s in zip(records, splits):

