@@ -30,8 +30,7 @@ def compress_and_heal(params: str | dict = "deployments/params/demo.yaml") -> di
         # source: the model as one CMF file (HF directory, GGUF or the bundled SmolLM2 converted once)
         source = model_source(st, s)
         # data: the corpus tokenized with the source's tokenizer, split train / val / test
-        tdata = st.run("data", data_task, plan_data, sources=s.extra("data", "sources"), model=source,
-                       settings=_plain(s.stage("data")))["path"]
+        tdata = data(st, s, source)
         # compress: learn neuron masks, fold the MLPs down to the kept neurons → the student
         student = st.run("compress", compress_task, plan_compress, model=source, tdata=tdata,
                          settings=s.compress)["path"]
@@ -60,6 +59,12 @@ def model_source(st: Stages, s: PipelineSettings) -> str:
     if source_kind(s.source) == "cmf":
         return s.source
     return st.run("source", source_task, plan_source, source=s.source)["path"]
+
+
+def data(st: Stages, s: PipelineSettings, model: str) -> str:
+    """The tdata directory of the parameter set's sources, tokenized with `model`'s tokenizer."""
+    return st.run("data", data_task, plan_data, sources=s.extra("data", "sources"), model=model,
+                  settings=_plain(s.stage("data")))["path"]
 
 
 def score(st: Stages, s: PipelineSettings, label: str, model: str, tdata: str) -> dict:

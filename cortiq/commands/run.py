@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import sys
 
-HELP = "run a pipeline flow (compress-and-heal) on a parameter set, cached and tracked"
+HELP = "run a pipeline flow (compress-and-heal, compress, heal, mtp-heal) on a parameter set, cached and tracked"
 DESCRIPTION = ("Run a Prefect flow on a named parameter set (a YAML file, see deployments/params/). Every stage is "
                "cached on the digest of its inputs and settings: a failed run, run again, resumes at the stage that "
                "failed. One MLflow run per flow run (default store: sqlite under the cortiq home).")
 ORDER = 10
 
-FLOWS = {"compress-and-heal": ("flows.compress_and_heal", "compress_and_heal")}
+FLOWS = {
+    "compress-and-heal": ("flows.compress_and_heal", "compress_and_heal"),
+    "compress": ("flows.compress", "compress"),
+    "heal": ("flows.heal", "heal"),
+    "mtp-heal": ("flows.mtp_heal", "mtp_heal"),
+}
 
 
 def add_arguments(p):
