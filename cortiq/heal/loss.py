@@ -36,10 +36,18 @@ class _TopkKL(torch.autograd.Function):
         n = hidden.shape[0]
         ids = ids.long()
         acc = torch.promote_types(hidden.dtype, torch.float32)  # f32 for bf16/f16 rows; f64 stays f64
+        # the head's matmuls run in the autocast dtype when autocast is on; the
+        # backward (which autocast does not reach) uses the same, or its two
+        # recomputed [rows, V] products would run in f32 (measured on the H200:
+        # 206 of a 393 ms Qwen3-1.7B step)
+        dev = hidden.device.type
+        cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+        ctx.in_dtype = hidden.dtype
+        hidden = hidden.to(cdt)
         p = probs.to(acc)
         lse = hidden.new_empty(n, dtype=acc)  # [N]
         total = hidden.new_zeros((), dtype=acc)
-        w = head_weight.to(hidden.dtype)  # under autocast the hidden rows may be bf16
+        w = head_weight.to(cdt)
         for a in range(0, n, chunk):
             z = (hidden[a : a + chunk] @ w.t()).to(acc)  # [c, V]
             lse[a : a + chunk] = torch.logsumexp(z, dim=-1)
@@ -59,7 +67,7 @@ class _TopkKL(torch.autograd.Function):
         gh = torch.empty_like(hidden) if need_h else None
         gw = torch.zeros(head_weight.shape, dtype=p.dtype, device=head_weight.device) if need_w else None
         mass = p.sum(1)  # [N] the row's target mass (its weight)
-        w = head_weight.to(hidden.dtype)
+        w = head_weight.to(hidden.dtype)  # hidden was saved in the compute dtype
         for a in range(0, hidden.shape[0], chunk):
             hc = hidden[a : a + chunk]  # [c, H]
             z = (hc @ w.t()).to(p.dtype)  # [c, V]
@@ -74,6 +82,8 @@ class _TopkKL(torch.autograd.Function):
                 gw += (dz.t() @ hc).to(gw.dtype)
         if need_w:
             gw = gw.to(head_weight.dtype)
+        if need_h:
+            gh = gh.to(ctx.in_dtype)
         return gh, gw, None, None, None
 
 

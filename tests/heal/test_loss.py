@@ -70,3 +70,37 @@ def test_shape_mismatch_is_an_error():
     hidden, w, ids, probs = _case()
     with pytest.raises(ValueError):
         topk_kl(hidden, w, ids[:-1], probs[:-1])
+
+
+def test_under_autocast_every_head_product_runs_in_the_autocast_dtype():
+    """Backward runs outside autocast: the fused loss must keep the forward's
+    compute dtype there too (f32 master rows and head, bf16 products)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.dtypes.append(args[-2].dtype)
+            return func(*args, **(kwargs or {}))
+
+    hidden, w, ids, probs = _case()
+    hidden, w, probs = hidden.float().requires_grad_(), w.float().requires_grad_(), probs.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = topk_kl(hidden, w, ids, probs, chunk=8)
+    rec = Products()
+    with rec:
+        loss.backward()
+    assert rec.dtypes and set(rec.dtypes) == {torch.bfloat16}
+    assert hidden.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    # the same loss and gradients as the reference on bf16-rounded inputs, to bf16 precision
+    h2 = hidden.detach().bfloat16().float().requires_grad_()
+    w2 = w.detach().bfloat16().float().requires_grad_()
+    ref = topk_kl_reference(h2, w2, ids, probs)
+    ref.backward()
+    torch.testing.assert_close(loss.float(), ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(hidden.grad, h2.grad, rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=5e-2, atol=5e-2)
