@@ -11,7 +11,7 @@ free of numpy and Arrow.
 
 from __future__ import annotations
 
-import importlib
+from .._lazy import exports
 
 _EXPORTS = {
     "BuildSettings": "settings",
@@ -22,17 +22,4 @@ _EXPORTS = {
     "packed_windows": "windows", "windows": "windows",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'cortiq.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)

@@ -13,7 +13,7 @@ stays free of torch.
 
 from __future__ import annotations
 
-import importlib
+from .._lazy import exports
 
 _EXPORTS = {
     "HealSettings": "settings",
@@ -23,17 +23,4 @@ _EXPORTS = {
     "check_inputs": "stages", "train": "stages", "export": "stages", "score": "stages", "heal": "stages",
 }
 
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    mod = _EXPORTS.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'cortiq.heal' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)

@@ -11,6 +11,8 @@ import pytest
 # before tasks/ or flows/ are imported (they default PREFECT_HOME to the cortiq home)
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="cortiq-prefect-home-"))
 
+from tiny import V, llama_arch, write_corpus, write_random  # noqa: E402,F401
+
 
 @pytest.fixture(scope="session", autouse=True)
 def prefect_harness(tmp_path_factory):
@@ -23,40 +25,13 @@ def prefect_harness(tmp_path_factory):
         yield
 
 
-V = 259
-
-
 def tiny_cmf(path: Path, seed: int = 0, hidden: int = 32, width: int = 64, layers: int = 2) -> Path:
     """A random Llama-style CMF model with the byte tokenizer (EOS 256)."""
-    import torch
-
-    from cortiq.arch import Arch
-    from cortiq.cmf import new_doc, specs_from_tensors, write_cmf
-    from cortiq.model import CausalLM
-    from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
-
-    torch.manual_seed(seed)
-    arch = Arch(arch_name="llama", vocab_size=V, hidden_size=hidden, num_layers=layers,
-                intermediate_sizes=[width] * layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
-                rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=512)
-    model = CausalLM(arch)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if p.dim() == 1:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(torch.randn_like(p) * (0.5 / p.shape[-1] ** 0.5 if "embed" not in n else 1.0))
-    doc = new_doc(arch, tokenizer_doc(byte_tokenizer_json(), [256]))
-    return write_cmf(path, doc, specs_from_tensors([(n, p.detach().clone()) for n, p in model.named_parameters()]))
-
-
-TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
-        "How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow. ")
+    return write_random(path, llama_arch(hidden, width, layers), seed)
 
 
 def tiny_corpus(path: Path, n_docs: int = 24) -> Path:
-    path.write_text("\n\n".join(f"{i}: " + TEXT * (1 + i % 3) for i in range(n_docs)))
-    return path
+    return write_corpus(path, n_docs)
 
 
 @pytest.fixture

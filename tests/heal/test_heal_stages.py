@@ -29,7 +29,7 @@ def models(tmp_path):
 
 
 def _s(**kw):
-    base = dict(window=32, batch=4, topk=8, epochs=2.0, lr=3e-3, warm=0.05, eval_every=10, checkpoint_every=20,
+    base = dict(window=32, batch=4, topk=8, ce=0.0, epochs=2.0, lr=3e-3, warm=0.05, eval_every=10, checkpoint_every=20,
                 device="cpu")
     base.update(kw)
     return HealSettings(**base)
