@@ -136,3 +136,13 @@ def read_arrow(path: str | os.PathLike) -> pa.Table:
 def home() -> Path:
     """The cortiq home: outputs, caches and the default MLflow store (CORTIQ_HOME, else ~/.cortiq)."""
     return Path(os.environ.get("CORTIQ_HOME", Path.home() / ".cortiq"))
+
+
+def finish_dir(d: str | os.PathLike, meta: dict) -> None:
+    """Mark a directory filled in place (a resumable stage's work directory,
+    whose checkpoints must outlive a failed run) as finished: `meta.json`,
+    written atomically, last."""
+    d = Path(d)
+    tmp = d / (META + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, d / META)

@@ -64,7 +64,7 @@ class Stages:
         if metrics:
             self.log.child(f"{key}.").log_metrics(metrics)
         if history:
-            for i, row in enumerate(rep.get("history") or []):
+            for i, row in enumerate(list(rep.get("history") or []) + list(rep.get("evals") or [])):
                 step = int(row.get("step", i))
                 vals = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
                 if vals:
@@ -105,8 +105,11 @@ def plots(results: dict[str, dict], out: Path) -> list[Path]:
 
     curves = []
     for key, r in results.items():
-        for row_key in ("val_loss", "heldout_loss", "held_out_loss", "val"):
-            pts = [(row.get("step", i), row[row_key]) for i, row in enumerate(_history(r)) if row_key in row]
+        rep = (r or {}).get("report") or {}
+        # heal's evaluations, the mask run's hard-mask evaluations, the draft's held-out KL
+        rows = list(rep.get("evals") or []) + _history(r)
+        for row_key in ("heldout", "val_hard", "heldout_kl"):
+            pts = [(row.get("step", i), row[row_key]) for i, row in enumerate(rows) if row_key in row]
             if pts:
                 curves.append((f"{key} {row_key}", pts))
     if curves:

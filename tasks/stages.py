@@ -1,4 +1,4 @@
-"""The stage tasks of the pipeline: source, data, compress, heal, score, mtp heal, re-encode.
+"""The stage tasks of the pipeline: source, data, mtp (tasks/compress.py and tasks/heal.py hold those stages').
 
 Each is a planner (parameters -> Plan: digest and output path) and a Prefect
 task keyed on that digest that makes one cortiq call. `logger` (a
@@ -119,38 +119,7 @@ def data_task(sources: list, model: str, settings: dict, out_root: str, logger=N
     return execute(p, call)
 
 
-# ── compress, heal, mtp heal: the stages' own entry points ──────────────
-
-def plan_compress(model: str, tdata: str, settings: dict, out_root: str, **_) -> Plan:
-    return plan("compress", _version("cortiq.compress.stages"), settings, {"model": model, "tdata": tdata}, out_root, "cmf")
-
-
-@task(name="compress", cache_key_fn=cache_key(plan_compress), **_TASK)
-def compress_task(model: str, tdata: str, settings: dict, out_root: str, logger=None) -> dict:
-    from cortiq.compress.settings import CompressSettings
-    from cortiq.compress.stages import compress
-
-    p = plan_compress(model, tdata, settings, out_root)
-    # the chain's own steps (masks, grams) are reused from beside the output when a retry comes back
-    return execute(p, lambda out: compress(Path(model), Path(tdata), CompressSettings(**settings), out,
-                                           logger=logger or tracking.NULL, work=out.with_name(out.name + ".work")))
-
-
-def plan_heal(teacher: str, student: str, tdata: str, settings: dict, out_root: str, **_) -> Plan:
-    return plan("heal", _version("cortiq.heal.stages"), settings, {"teacher": teacher, "student": student, "tdata": tdata},
-                out_root, "cmf")
-
-
-@task(name="heal", cache_key_fn=cache_key(plan_heal), **_TASK)
-def heal_task(teacher: str, student: str, tdata: str, settings: dict, out_root: str, logger=None) -> dict:
-    from cortiq.heal.settings import HealSettings
-    from cortiq.heal.stages import heal
-
-    p = plan_heal(teacher, student, tdata, settings, out_root)
-    # work_dir beside the output (named by the digest): a re-run resumes training from its last checkpoint
-    return execute(p, lambda out: heal(Path(student), Path(teacher), Path(tdata), HealSettings(**settings), out,
-                                       logger=logger or tracking.NULL, work_dir=out.with_name(out.name + ".work")))
-
+# ── mtp: a draft for a model without one, the trunk pass, the draft's training ──
 
 def plan_mtp_init(model: str, out_root: str, **_) -> Plan:
     return plan("mtp_init", "1", None, {"model": model}, out_root, "cmf")
@@ -170,16 +139,43 @@ def has_draft(model: str) -> bool:
     return "model.mtp.eh_proj.weight" in open_cmf(model)
 
 
-def plan_mtp(model: str, tdata: str, settings: dict, out_root: str, **_) -> Plan:
-    return plan("mtp", _version("cortiq.mtp"), settings, {"model": model, "tdata": tdata}, out_root, "cmf")
+def plan_trunk(model: str, tdata: str, settings: dict, out_root: str, **_) -> Plan:
+    from cortiq.mtp.settings import MtpSettings
+
+    s = MtpSettings(**settings)
+    # what the trunk pass depends on: the trunk, the data and the window / top-k / token cap
+    key = {"window": s.window, "topk": s.topk, "tokens": s.tokens}
+    return plan("trunk", _version("cortiq.mtp.trunk"), key, {"model": model, "tdata": tdata}, out_root)
+
+
+@task(name="trunk", cache_key_fn=cache_key(plan_trunk), **_TASK)
+def trunk_task(model: str, tdata: str, settings: dict, out_root: str, logger=None) -> dict:
+    """The trunk's last hidden rows and next-token top-k per window (the trunk cache the draft trains on)."""
+    from cortiq.mtp import trunk_pass
+    from cortiq.mtp.settings import MtpSettings
+
+    p = plan_trunk(model, tdata, settings, out_root)
+
+    def call(out: Path) -> dict:
+        out.mkdir(parents=True, exist_ok=True)
+        rep = trunk_pass(Path(model), str(tdata), MtpSettings(**settings), out)
+        store.finish_dir(out, {"stage": "trunk", "digest": p.digest, "report": rep})
+        return rep
+
+    return execute(p, call)
+
+
+def plan_mtp(model: str, tdata: str, trunk: str, settings: dict, out_root: str, **_) -> Plan:
+    return plan("mtp", _version("cortiq.mtp"), settings, {"model": model, "tdata": tdata, "trunk": trunk}, out_root, "cmf")
 
 
 @task(name="mtp_heal", cache_key_fn=cache_key(plan_mtp), **_TASK)
-def mtp_task(model: str, tdata: str, settings: dict, out_root: str, logger=None) -> dict:
+def mtp_task(model: str, tdata: str, trunk: str, settings: dict, out_root: str, logger=None) -> dict:
+    """The draft trained on the trunk's own predictions (read back from the trunk cache)."""
     from cortiq.mtp import mtp_heal
     from cortiq.mtp.settings import MtpSettings
 
-    p = plan_mtp(model, tdata, settings, out_root)
+    p = plan_mtp(model, tdata, trunk, settings, out_root)
+    s = MtpSettings(**{**settings, "trunk_cache": str(trunk)})
     # the data spec is the tdata directory (cortiq.data.windows.parse_spec: PATH[@TOKENS])
-    return execute(p, lambda out: mtp_heal(Path(model), str(tdata), MtpSettings(**settings), out,
-                                           logger=logger or tracking.NULL))
+    return execute(p, lambda out: mtp_heal(Path(model), str(tdata), s, out, logger=logger or tracking.NULL))

@@ -112,6 +112,19 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
     return rep
 
 
+def provenance_block(train_report: dict, s: HealSettings, teacher, prefix_dtype: str) -> dict:
+    """The healed model's provenance `heal` block, from the train stage's report."""
+    m = train_report["metrics"]
+    return {
+        "device": train_report["device"], "compute_dtype": train_report["compute_dtype"], "settings": s.to_dict(),
+        "teacher": None if teacher is None else str(teacher),
+        "teacher_digest": None if teacher is None else store.file_digest(teacher),
+        "steps": m["steps"], "best_step": m["best_step"], "heldout_start": m["heldout_start"],
+        "heldout_best": m["heldout_best"], "ce": s.ce, "genesis": s.genesis, "topk": train_report["slots"],
+        "prefix": prefix_dtype,
+    }
+
+
 def export(student_cmf, trained, out, provenance: dict, codec: str = "keep") -> Path:
     """The healed CMF: the student with the trained tensors, in the student's codecs, provenance `heal`."""
     from safetensors.torch import load_file
@@ -187,15 +200,7 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
             prep = {"metrics": {}, "dtype": store.read_meta(pdir)["dtype"], "reused": True}
     rep = train(student_cmf, tdir, pdir, tdata_dir, s, work / "train", logger, progress=progress)
     m = rep["metrics"]
-    block = {
-        "device": rep["device"], "compute_dtype": rep["compute_dtype"], "settings": s.to_dict(),
-        "teacher": None if teacher is None else str(teacher),
-        "teacher_digest": None if teacher is None else store.file_digest(teacher),
-        "steps": m["steps"], "best_step": m["best_step"], "heldout_start": m["heldout_start"],
-        "heldout_best": m["heldout_best"], "ce": s.ce, "genesis": s.genesis, "topk": rep["slots"],
-        "prefix": prep["dtype"],
-    }
-    export(student_cmf, rep["trained"], out, block)
+    export(student_cmf, rep["trained"], out, provenance_block(rep, s, teacher, prep["dtype"]))
     logger.log_artifact(str(out))
     report = {"metrics": {**m, **{f"teacher.{k}": v for k, v in trep["metrics"].items()},
                           **{f"prefix.{k}": v for k, v in prep["metrics"].items()}},

@@ -10,21 +10,29 @@ import pytest
 from flows.compress_and_heal import compress_and_heal
 from tasks.common import FAIL_ENV
 
-STAGES = ["data", "compress", "heal", "score.source", "score.pruned", "score.healed", "mtp_init", "mtp",
-          "codec.q8", "score.codec.q8"]
+
+def out_train_history(out):
+    import json
+    from pathlib import Path
+
+    return json.loads(Path(out["outputs"]["train"] + ".report.json").read_text())["history"]
+
+STAGES = ["data", "masks", "fold", "targets", "train", "heal", "score.source", "score.pruned", "score.healed",
+          "mtp_init", "trunk", "mtp", "codec.q8", "score.codec.q8"]
 
 
-def test_whole_flow_then_failure_in_heal_resumes_at_heal(tiny, tiny_params, monkeypatch):
-    monkeypatch.setenv(FAIL_ENV, "heal")
+def test_whole_flow_then_failure_in_training_resumes_there(tiny, tiny_params, monkeypatch):
+    monkeypatch.setenv(FAIL_ENV, "train")
     with pytest.raises(Exception, match="failure injected"):
         compress_and_heal(tiny_params(tiny))
     monkeypatch.delenv(FAIL_ENV)
     out = compress_and_heal(tiny_params(tiny))
     assert list(out["states"]) == STAGES
-    # data and compress finished in the failed run: taken from the cache; heal onward executed
-    assert out["states"]["data"] == "Cached" and out["states"]["compress"] == "Cached"
+    # data, the compress stages and the teacher targets finished in the failed run: taken from the
+    # cache; training onward executed
+    assert {out["states"][k] for k in STAGES[:4]} == {"Cached"}
     assert out["states"]["score.source"] == "Completed"  # scoring comes after heal in the flow
-    assert {out["states"][k] for k in STAGES[2:]} == {"Completed"}
+    assert {out["states"][k] for k in STAGES[4:]} == {"Completed"}
     for k in ("source", "pruned", "healed"):
         assert math.isfinite(out["nll"][k])
     assert out["bytes"]["pruned"] < out["bytes"]["source"]  # the fold made the MLPs narrower
@@ -38,7 +46,10 @@ def test_whole_flow_then_failure_in_heal_resumes_at_heal(tiny, tiny_params, monk
     assert run.info.status == "FINISHED"
     assert run.data.metrics["score.healed.nll"] == pytest.approx(out["nll"]["healed"])
     plots = {a.path for a in c.list_artifacts(out["mlflow_run_id"], "plots")}
-    assert {"plots/nll_per_model.png", "plots/codecs.png", "plots/hold_rate.png"} <= plots
+    assert {"plots/nll_per_model.png", "plots/codecs.png", "plots/hold_rate.png", "plots/heldout_loss.png"} <= plots
+    # per-step metrics, logged live as training ran: the loss every step, the held-out loss at every evaluation
+    assert len(c.get_metric_history(out["mlflow_run_id"], "train.heal.loss")) == len(out_train_history(out))
+    assert len(c.get_metric_history(out["mlflow_run_id"], "train.heal.heldout")) >= 2
 
     again = compress_and_heal(tiny_params(tiny))
     assert set(again["states"].values()) == {"Cached"}

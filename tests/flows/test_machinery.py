@@ -16,7 +16,7 @@ import pytest
 from prefect import flow
 
 from cortiq.settings import load_settings
-from flows.compress_and_heal import run_tracked, score, summary
+from flows.pipeline import run_tracked, score, summary
 from tasks.common import FAIL_ENV
 from tasks.measure import plan_reencode, reencode_task, model_nll
 from tasks.stages import data_task, plan_data

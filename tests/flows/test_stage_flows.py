@@ -14,21 +14,21 @@ from flows.mtp_heal import mtp_heal
 def test_compress_then_heal_then_the_whole_pipeline_share_the_cache(tiny, tiny_params):
     p = tiny_params(tiny)
     a = compress(p)
-    assert list(a["states"]) == ["data", "compress", "score.source", "score.pruned"]
+    assert list(a["states"]) == ["data", "masks", "fold", "score.source", "score.pruned"]
     assert set(a["states"].values()) == {"Completed"}
     assert a["bytes"]["pruned"] < a["bytes"]["source"] and math.isfinite(a["nll"]["pruned"])
 
     b = heal(p)
-    assert b["states"]["compress"] == "Cached" and b["states"]["heal"] == "Completed"
+    assert b["states"]["fold"] == "Cached" and b["states"]["train"] == b["states"]["heal"] == "Completed"
     assert b["nll"]["pruned"] == a["nll"]["pruned"] and math.isfinite(b["nll"]["healed"])
 
     c = compress_and_heal(p)
-    assert {c["states"][k] for k in ("data", "compress", "heal", "score.healed")} == {"Cached"}
+    assert {c["states"][k] for k in ("data", "masks", "fold", "targets", "train", "heal", "score.healed")} == {"Cached"}
     assert c["states"]["mtp"] == "Completed"
 
 
 def test_mtp_heal_drafts_any_model(tiny, tiny_params):
     out = mtp_heal(tiny_params(tiny))
-    assert list(out["states"]) == ["data", "mtp_init", "mtp", "codec.q8", "score.codec.q8"]
+    assert list(out["states"]) == ["data", "mtp_init", "trunk", "mtp", "codec.q8", "score.codec.q8"]
     assert set(out["drafts_per_round"]) == {"before", "after"}
     assert math.isfinite(out["codecs"]["q8"]["nll"])
