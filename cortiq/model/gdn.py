@@ -136,6 +136,8 @@ def gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk: int = 64):
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta))
     if kern is not None and needs_grad and _fla_backward_broken(q.device):
         kern = None
+    if kern is not None and (q.shape[-1] % 16 or v.shape[-1] % 16):
+        kern = None  # fla's Triton tiles need head dims in multiples of 16
     if kern is not None:
         o, S = kern(q, k, v, g.float(), beta, scale=q.shape[-1] ** -0.5,
                     initial_state=None if initial_state is None else initial_state.float(),

@@ -122,3 +122,15 @@ def test_compiled_layers_match_eager_values_and_gradients(tmp_path):
     h_c.square().sum().backward()
     for (n, pe), (_, pc) in zip(eager.named_parameters(), m.named_parameters()):
         assert torch.allclose(pc.grad, pe.grad, atol=1e-4, rtol=1e-4), n
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_bf16_on_cuda_matches_f32_on_the_cpu(tmp_path):
+    """The GPU path (compiled layers under bf16 autocast) against the f32 CPU model, to bf16 precision."""
+    m, ids, ref = _compare(tiny_qwen3_next(), tmp_path, T=70)
+    g = load_model(m.source, device="cuda").compile_layers()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        got = g(ids.cuda()).float().cpu()
+    err = (got - ref).norm() / ref.norm()
+    assert err < 2e-2, float(err)

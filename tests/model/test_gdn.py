@@ -60,3 +60,20 @@ def test_fla_kernel_matches_recurrence():
     o, s = gated_delta_rule(q, k, v, g, beta, initial_state=s0)
     assert torch.allclose(o, o_ref, atol=2e-3, rtol=2e-3)
     assert torch.allclose(s, s_ref, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_torch_chunked_path_on_cuda_matches_the_reference_with_gradients():
+    """Training on Hopper takes the torch chunked path (fla's backward is refused there): values and gradients."""
+    torch.backends.cuda.matmul.allow_tf32 = False  # the check is of the algorithm, in f32
+    ins = [x.detach().float().cuda().requires_grad_() for x in _inputs(2, 77, 3, 32, 48, seed=11)]
+    ref = [x.detach().clone().requires_grad_() for x in ins]
+    o, s = gated_delta_rule_chunked(*ins[:5], chunk=32, initial_state=ins[5])
+    o_r, s_r = gated_delta_rule_ref(*ref[:5], initial_state=ref[5])
+    torch.testing.assert_close(o, o_r, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(s, s_r, rtol=1e-4, atol=1e-4)
+    (o.square().sum() + s.sum()).backward()
+    (o_r.square().sum() + s_r.sum()).backward()
+    for a, b in zip(ins, ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-3)
