@@ -17,3 +17,6 @@ for _k, _v in (("DO_NOT_TRACK", "true"), ("PREFECT_SERVER_ANALYTICS_ENABLED", "f
                # the embedded server starts in ~6-9 s alone, far slower on 2 busy cores
                ("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")):
     _os.environ.setdefault(_k, _v)
+
+# prefect creates its home without parents: a fresh machine has no cortiq home yet
+_os.makedirs(_os.environ["PREFECT_HOME"], exist_ok=True)
