@@ -55,12 +55,48 @@ class SplitData:
 
     def batch(self, b: int, device):
         i = self.index[b]
-        ids = torch.from_numpy(self.ids[i]).to(device)  # [B, T]
+        # pinned host copies go to a CUDA device without blocking the host (see Ahead)
+        cuda = torch.device(device).type == "cuda"
+
+        def put(a: np.ndarray, dtype=None) -> torch.Tensor:
+            t = torch.from_numpy(np.ascontiguousarray(a))
+            return (t.pin_memory() if cuda else t).to(device, dtype, non_blocking=cuda)
+
+        ids = put(self.ids[i])  # [B, T]
         k = self.tids.shape[-1]
-        tid = torch.from_numpy(self.tids.take(i).astype(np.int64)).reshape(-1, k).to(device)  # [B·T, k]
-        tp = torch.from_numpy(np.ascontiguousarray(self.tprobs.take(i))).reshape(-1, k).to(device)  # [B·T, k]
-        h0 = None if self.h0 is None else torch.from_numpy(self.h0.take(i)).to(device, torch.float32)  # [B, T, H]
+        tid = put(self.tids.take(i).astype(np.int64)).reshape(-1, k)  # [B·T, k]
+        tp = put(self.tprobs.take(i)).reshape(-1, k)  # [B·T, k]
+        h0 = None if self.h0 is None else put(self.h0.take(i), torch.float32)  # [B, T, H]
         return ids, h0, tid, tp, float(self.total[i].sum())
+
+
+class Ahead:
+    """The next batch on its way to the device while this step computes: on
+    CUDA its host gather and copy are issued on a side stream right after the
+    step's backward is launched; elsewhere a batch is simply read when asked."""
+
+    def __init__(self, data: SplitData, device):
+        self.data, self.device = data, torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.pending: tuple[int, tuple] | None = None
+
+    def prefetch(self, b: int) -> None:
+        if self.stream is None:
+            return
+        with torch.cuda.stream(self.stream):
+            self.pending = (b, self.data.batch(b, self.device))
+
+    def get(self, b: int) -> tuple:
+        if self.pending is None or self.pending[0] != b:
+            self.pending = None
+            return self.data.batch(b, self.device)
+        out, self.pending = self.pending[1], None
+        cur = torch.cuda.current_stream(self.device)
+        cur.wait_stream(self.stream)
+        for t in out:
+            if isinstance(t, torch.Tensor):
+                t.record_stream(cur)  # allocated on the side stream, used on this one
+        return out
 
 
 def train_index(n: int, batch: int) -> np.ndarray:
@@ -249,6 +285,7 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
     bar = tqdm(total=total_steps, initial=st["done"], desc="heal", unit="step", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
     tokens = train.index.shape[1] * train.ids.shape[1]
+    ahead = Ahead(train, device)
     while st["done"] < total_steps:
         epoch_pos = st["cursor"] % nb
         if epoch_pos == 0:
@@ -262,10 +299,12 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
             lowest = genesis_from(epoch, tail.num_layers, tail.train_from)
             tail.set_active(lowest)
         t0 = time.perf_counter()
-        ids, h0, tid, tp, tot = train.batch(b, device)
+        ids, h0, tid, tp, tot = ahead.get(b)
         loss_sum = batch_loss(tail, ids, h0, tid, tp, s.head_chunk, device, cdt)
         loss = loss_sum / max(tot, 1e-9)
         (loss * st["scale"]).backward()
+        if epoch_pos + 1 < nb:  # the next batch of this epoch's order, while the GPU works
+            ahead.prefetch(order.perm[epoch_pos + 1])
         if st["scale"] != 1.0:
             for p in params:
                 if p.grad is not None:

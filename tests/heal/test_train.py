@@ -138,3 +138,21 @@ def test_fewer_train_windows_than_a_batch(tmp_path):
     tail, tr, va = _setup(n_train=3)
     with pytest.raises(CortiqError, match="fewer than one batch of 4"):
         fit(tail, tr, va, _settings(), tmp_path, CPU, torch.float32, progress=False)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_a_batch_fetched_ahead_equals_one_read_when_asked(device):
+    from cortiq.heal.train import Ahead
+
+    teacher = ToyLM(seed=0)
+    tail = StudentTail(ToyLM(seed=1), 1, ffn_only=False, drop_prefix=False)
+    data = toy_split(teacher, 12, 8, 4, 5, seed=2, prefix_of=(tail,))
+    ahead = Ahead(data, device)
+    for b in (2, 0, 1):  # prefetched, then asked for; then one asked for without a prefetch
+        ahead.prefetch(b)
+        got = ahead.get(b)
+        want = data.batch(b, device)
+        for x, y in zip(got, want):
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+    ahead.prefetch(2)
+    assert len(ahead.get(1)) == 5 and ahead.pending is None  # a stale prefetch is dropped, not handed out
