@@ -77,20 +77,14 @@ def prefix_cache(student_cmf, tdata_dir, settings: HealSettings, out, logger: tr
             model.to(dev)
             pa_t, np_t = (pa.float32(), np.float32) if dtype == "f32" else (pa.float16(), np.float16)
             for split, w in wins.items():
-                wr = RowWriter(part / f"{split}.arrow", {"h": (pa_t, s.window * arch.hidden_size)})
-                try:
-                    bar = tqdm(total=len(w), desc=f"prefix 0..{s.train_from} ({split})", unit="win",
-                               disable=not progress, file=sys.stderr)
+                with RowWriter(part / f"{split}.arrow", {"h": (pa_t, s.window * arch.hidden_size)}) as wr, \
+                        tqdm(total=len(w), desc=f"prefix 0..{s.train_from} ({split})", unit="win",
+                             disable=not progress, file=sys.stderr) as bar:
                     for a in range(0, len(w), s.batch):
                         # f32 compute: the cached rows are the trainer's exact inputs
                         h = run_prefix(model, torch.from_numpy(w.ids[a : a + s.batch]).to(dev), s.train_from)  # [B, T, H]
                         wr.write(h=h.float().cpu().numpy().astype(np_t).reshape(h.shape[0], -1))
                         bar.update(h.shape[0])
-                    bar.close()
-                    wr.close()
-                except BaseException:
-                    wr.abort()
-                    raise
     secs = time.perf_counter() - t0
     gb = n * s.window * arch.hidden_size * {"f32": 4, "f16": 2, "none": 0}[dtype] / 1e9
     logger.log_metrics({"heal.prefix_secs": secs, "heal.prefix_gb": gb})

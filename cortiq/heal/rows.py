@@ -71,6 +71,13 @@ class RowWriter:
         finally:
             self.tmp.unlink(missing_ok=True)
 
+    def __enter__(self) -> "RowWriter":
+        return self
+
+    def __exit__(self, exc_type, *_):
+        # finished: renamed into place; failed: nothing left behind
+        self.abort() if exc_type is not None else self.close()
+
 
 def open_table(path) -> pa.Table:
     return store.read_arrow(path)

@@ -89,6 +89,7 @@ def digest_of(teacher_cmf, tdata_dir, s: HealSettings) -> str:
 def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,
                     progress: bool = True) -> dict:
     """Run the teacher over the train and val windows (unless ce = 1) and write the targets to `out`."""
+    import sys
     import time
 
     from tqdm import tqdm
@@ -118,11 +119,10 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
     T = s.window
     with store.stage_dir(out, meta) as part:
         for split, w in wins.items():
-            wr = RowWriter(part / f"{split}.arrow", {"ids": (pa.uint32(), T * k), "probs": (pa.float32(), T * k)},
-                           {"total": pa.float64()})
-            try:
-                bar = tqdm(total=len(w), desc=f"teacher top-{k} ({split})", unit="win", disable=not progress or teacher is None,
-                           file=__import__("sys").stderr)
+            with RowWriter(part / f"{split}.arrow", {"ids": (pa.uint32(), T * k), "probs": (pa.float32(), T * k)},
+                           {"total": pa.float64()}) as wr, \
+                    tqdm(total=len(w), desc=f"teacher top-{k} ({split})", unit="win",
+                         disable=not progress or teacher is None, file=sys.stderr) as bar:
                 for a in range(0, len(w), s.batch):
                     ids = torch.from_numpy(w.ids[a : a + s.batch]).to(dev)  # [B, T]
                     nxt = torch.from_numpy(w.next[a : a + s.batch]).reshape(-1).to(dev)  # [B·T]
@@ -140,11 +140,6 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
                              probs=tp.float().cpu().numpy().reshape(B, -1),
                              total=w.weight[a : a + s.batch].astype(np.float64).sum(1))
                     bar.update(B)
-                bar.close()
-                wr.close()
-            except BaseException:
-                wr.abort()
-                raise
     secs = time.perf_counter() - t0
     report = {"metrics": {"teacher_secs": secs, "train_windows": len(wins["train"]), "val_windows": len(wins["val"])},
               "slots": k, "teacher": teacher is not None}

@@ -56,3 +56,19 @@ def test_ce_one_is_the_nll_of_the_next_token():
     w = torch.randn(v, 8, dtype=torch.float64)
     nll = (torch.nn.functional.cross_entropy(h @ w.t(), nxt, reduction="none") * weight.double()).sum()
     torch.testing.assert_close(topk_kl(h, w, mi, mp), nll)
+
+
+def test_row_writer_renames_when_done_and_leaves_nothing_when_it_fails(tmp_path):
+    import numpy as np
+    import pyarrow as pa
+
+    from cortiq.heal.rows import RowWriter, open_table
+
+    with RowWriter(tmp_path / "ok.arrow", {"x": (pa.float32(), 3)}) as wr:
+        wr.write(x=np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert open_table(tmp_path / "ok.arrow").column("x").to_pylist() == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(RuntimeError, match="boom"):
+        with RowWriter(tmp_path / "bad.arrow", {"x": (pa.float32(), 3)}) as wr:
+            wr.write(x=np.zeros((1, 3), dtype=np.float32))
+            raise RuntimeError("boom")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.arrow"]
