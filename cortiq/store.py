@@ -36,8 +36,6 @@ def _canon(x: Any) -> Any:
         return [_canon(v) for v in x]
     if isinstance(x, Path):
         return str(x)
-    if isinstance(x, float) and x == int(x) and abs(x) < 2**53:
-        return x  # json keeps 1.0 as 1.0; stable either way
     return x
 
 

@@ -113,7 +113,7 @@ def data_task(sources: list, model: str, settings: dict, out_root: str, logger=N
     def call(out: Path) -> dict:
         td = build(list(sources), model, out, BuildSettings(**settings))
         counts = {f"records_{sp}": float(len(td.indices(sp))) for sp in ("train", "val", "test")}
-        counts["tokens"] = float(td._offsets[-1]) if len(td) else 0.0
+        counts["tokens"] = float(td.n_tokens)
         return {"metrics": counts}
 
     return execute(p, call)
