@@ -1,0 +1,94 @@
+"""Tiny in-memory models and a small decode driver the serve tests share."""
+
+from __future__ import annotations
+
+import torch
+
+from cortiq.arch import FULL, LINEAR, Arch
+
+V = 259  # the byte tokenizer's vocabulary (256 bytes + 3 specials)
+
+
+def arch(kind: str = "llama", mtp: bool = True, tie: bool = False) -> Arch:
+    common = dict(vocab_size=V, hidden_size=32, num_layers=2, intermediate_sizes=[40, 56], num_heads=4,
+                  num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+                  mtp_layers=1 if mtp else 0, max_position_embeddings=256)
+    if kind == "llama":
+        return Arch(arch_name="llama", **common)
+    if kind == "qwen3":  # q/k norms, q/k/v bias, partial rotary, output gate, offset norms
+        return Arch(arch_name="qwen3", qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
+                    attn_output_gate=True, norm_style="offset", **common)
+    if kind == "hybrid":  # a Gated DeltaNet layer then a full-attention one
+        common["num_layers"] = 2
+        return Arch(arch_name="qwen3_5", layer_types=[LINEAR, FULL], linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, qk_norm=True,
+                    norm_style="offset", **common)
+    raise ValueError(kind)
+
+
+def random_model(a: Arch, seed: int = 0, mix: float = 0.0):
+    """A CausalLM with random weights that keep activations O(1). mix > 0: a
+    model whose drafts are right in some rounds and wrong in others — the trunk
+    is near a bigram map (its layers add mix times their usual output to the
+    embedding), the MTP block passes the next token's embedding through plus
+    noise, so it guesses the trunk's next-next token often but not always."""
+    from cortiq.model import CausalLM
+
+    torch.manual_seed(seed)
+    m = CausalLM(a)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.dim() == 1:
+                p.copy_((0.0 if a.norm_style == "offset" else 1.0) + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (0.5 / p.shape[-1] ** 0.5 if "embed" not in n else 1.0))
+        if mix:
+            for n, p in m.named_parameters():
+                if n.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+                    p.mul_(mix)
+            if m.mtp is not None:
+                H = a.hidden_size
+                m.mtp.eh_proj.weight.mul_(0.3)
+                m.mtp.eh_proj.weight[:, :H] += torch.eye(H)
+    return m.eval()
+
+
+def drive(engine, prompts, max_new: int, speculative: bool = False, joins=None):
+    """Decode every prompt greedily through `engine`, prompt i joining at step
+    joins[i] (default: all at once), or once a slot is free, into the lowest free slot and leaving when
+    it has max_new tokens -> (tokens per prompt, tokens decided per round per prompt)."""
+    joins = joins or [0] * len(prompts)
+    out = [[] for _ in prompts]
+    rounds = [[] for _ in prompts]
+    slot_of, nxt, free = {}, {}, list(range(engine.max_batch))
+    done, t = set(), 0
+    while len(done) < len(prompts):
+        for i, p in enumerate(prompts):
+            if joins[i] <= t and i not in slot_of and free:
+                s = free.pop(0)
+                slot_of[i] = s
+                nxt[i] = int(engine.prefill(s, p, draft=speculative).argmax())
+                out[i].append(nxt[i])
+        live = [i for i in slot_of if i not in done and len(out[i]) < max_new]
+        for i in list(slot_of):
+            if i not in done and len(out[i]) >= max_new:
+                done.add(i)
+                engine.release(slot_of[i])
+                free.append(slot_of[i])
+                free.sort()
+        if live:
+            slots = [slot_of[i] for i in live]
+            toks = [nxt[i] for i in live]
+            if speculative:
+                for i, new in zip(live, engine.speculate(slots, toks)):
+                    rounds[i].append(len(new))
+                    out[i].extend(new)
+                    nxt[i] = new[-1]
+            else:
+                for i, row in zip(live, engine.step(slots, toks)):
+                    nxt[i] = int(row.argmax())
+                    out[i].append(nxt[i])
+        t += 1
+        if t > 10 * max_new + max(joins) + 10:
+            raise RuntimeError("drive: no progress")
+    return [o[:max_new] for o in out], rounds
