@@ -1,0 +1,116 @@
+"""`cortiq serve MODEL.cmf`: an OpenAI-compatible HTTP endpoint."""
+
+from __future__ import annotations
+
+HELP = "serve a model over an OpenAI-compatible HTTP API (batched, streaming, speculative)"
+DESCRIPTION = (
+    "An OpenAI-compatible endpoint for a CMF model: GET /v1/models, POST /v1/completions and "
+    "/v1/chat/completions (the model's chat template), `stream: true` as server-sent events, max_tokens, "
+    "temperature, top_p, stop and seed. Concurrent requests share one batched forward: they join free slots "
+    "and leave between steps. --speculative drafts with the model's MTP block for greedy requests "
+    "(temperature 0; same tokens as plain decoding). Listens on 127.0.0.1 unless --host says otherwise; "
+    "SIGTERM (or Ctrl-C) stops it after the running requests get --shutdown-timeout seconds. "
+    "Needs the serve extra: pip install 'cortiq[serve]'."
+)
+ORDER = 42
+
+MISSING = "cortiq serve needs FastAPI and uvicorn: pip install 'cortiq[serve]'"
+
+
+def add_arguments(p):
+    import argparse
+    import dataclasses
+
+    from ..serve.settings import ServeSettings
+
+    p.add_argument("model", metavar="MODEL.cmf")
+    for f in dataclasses.fields(ServeSettings):
+        opt = "--" + f.name.replace("_", "-")
+        meta = f.metadata
+        if isinstance(f.default, bool):
+            p.add_argument(opt, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
+        else:
+            p.add_argument(opt, type=type(f.default), default=f.default, choices=meta.get("choices"), help=meta["help"])
+
+
+def load(model_path: str, s):
+    """(Served, Scheduler) for a model file: the engine, scheduler and text side, not yet listening."""
+    from pathlib import Path
+
+    import torch
+
+    from ..cmf import open_cmf
+    from ..errors import CortiqError
+    from ..model import load_model
+    from ..serve.app import Served
+    from ..serve.engine import make_engine
+    from ..serve.scheduler import Scheduler
+    from ..tokenizer import from_doc
+
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if s.device == "auto" else s.device
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}.get(s.dtype)
+    if dt is None:
+        dt = torch.bfloat16 if dev.startswith("cuda") else torch.float32
+    f = open_cmf(model_path)
+    tok = from_doc(f.tokenizer, str(model_path))
+    model = load_model(f, dtype=dt, device=dev)
+    if s.speculative and model.mtp is None:
+        raise CortiqError(f"{model_path}: has no MTP draft block (model.mtp.*): --speculative needs one "
+                          "(cortiq mtp init / mtp heal give it one)")
+    max_len = s.max_len or min(int(model.arch.max_position_embeddings), 4096)
+    engine = make_engine(model, s.max_batch, max_len, draft=s.draft if s.speculative else 0, kind=s.engine)
+    doc = f.tokenizer or {}
+    eos_ids = [int(i) for i in doc.get("eos_ids") or []]
+    bos_id = doc.get("bos_id")
+    bos = tok.id_to_token(bos_id) if bos_id is not None else ""
+    eos = tok.id_to_token(eos_ids[0]) if eos_ids else ""
+    sched = Scheduler(engine, tok, eos_ids, speculative=s.speculative, max_waiting=s.max_waiting)
+    name = s.model_name or Path(model_path).name.removesuffix(".cmf")
+    served = Served(sched, tok, name, max_len, doc.get("chat_template"), bos or "", eos or "", s.max_body_kb * 1024)
+    return served, dev, dt
+
+
+def run(args) -> int:
+    import dataclasses
+    import signal
+    import socket
+    import sys
+
+    from ..errors import CortiqError
+    from ..serve.settings import ServeSettings
+
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise CortiqError(MISSING) from None
+    s = ServeSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeSettings)})
+    served, dev, dt = load(args.model, s)
+    from ..serve.app import build_app
+
+    app = build_app(served)
+    # the socket is bound here so that --port 0 can print the port it got
+    family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((s.host, s.port))
+        sock.listen(2048)  # connections made once the address is printed queue until uvicorn accepts them
+    except OSError as e:
+        raise CortiqError(f"serve: cannot listen on {s.host}:{s.port}: {e.strerror}") from None
+    host, port = sock.getsockname()[:2]
+    eng = served.scheduler.engine
+    print(f"cortiq serve: {served.model_id} on {dev} ({str(dt).removeprefix('torch.')}), "
+          f"{type(eng).__name__} x{eng.max_batch}, context {served.max_len}"
+          f"{f', speculative (draft {eng.draft})' if eng.draft else ''}", file=sys.stderr)
+    print(f"cortiq serve: listening on http://{host if ':' not in host else f'[{host}]'}:{port}/v1", file=sys.stderr,
+          flush=True)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=s.shutdown_timeout,
+                            lifespan="on", access_log=False)
+    server = uvicorn.Server(config)
+    # uvicorn handles SIGTERM and SIGINT while it runs (graceful shutdown), then raises the signal
+    # again under the handler it found: for SIGTERM that is this no-op, so the command ends normally
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run(sockets=[sock])
+    print("cortiq serve: stopped", file=sys.stderr)
+    return 0

@@ -1,0 +1,333 @@
+"""The HTTP side: an OpenAI-compatible FastAPI application over a `Scheduler`.
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
+(`stream: true` answers as server-sent events, ending with `data: [DONE]`).
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
+400 for a request the server cannot serve as asked, 404 for another model
+name, 413 for a body over the limit, 429 when the waiting queue is full.
+This module imports fastapi: only the serve command imports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from .chat import ChatError, render_chat
+from .scheduler import Busy, Event, Request as GenRequest, Scheduler
+
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_STOP_CHARS = 256
+
+
+@dataclass
+class Served:
+    """What the application serves: the scheduler and the model's text side."""
+
+    scheduler: Scheduler
+    tokenizer: object
+    model_id: str
+    max_len: int
+    chat_template: str | None = None
+    bos: str = ""
+    eos: str = ""
+    max_body: int = 1 << 20
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+
+def _error_body(message: str, kind: str = "invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# ── request bodies (unknown fields are refused rather than silently ignored) ──
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stream_options: dict | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+
+
+class CompletionBody(_Common):
+    prompt: str | list[str] | list[int]
+    echo: bool = Field(default=False)
+    logprobs: None = None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatBody(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = Field(default=False)
+
+
+def _stops(stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP:
+        raise ApiError(400, f"stop: at most {MAX_STOP} strings, got {len(stops)}", "stop")
+    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"stop: each string must have 1..{MAX_STOP_CHARS} characters", "stop")
+    return stops
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets a 413 before the
+    application reads it (the body is read here, at most limit + 1 bytes, and
+    handed on unchanged; later receives, such as a disconnect, pass through)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        too_big = declared is not None and declared.isdigit() and int(declared) > self.limit
+        chunks, size, more = [], 0, not too_big
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                chunks.append(msg)
+                break
+            chunks.append(msg)
+            size += len(msg.get("body", b""))
+            more = msg.get("more_body", False)
+            if size > self.limit:
+                too_big = True
+                break
+        if too_big:
+            resp = JSONResponse(_error_body(f"the request body is over the limit of {self.limit} bytes", param=None,
+                                            code="request_too_large"), status_code=413)
+            return await resp(scope, receive, send)
+        body = b"".join(m.get("body", b"") for m in chunks if m["type"] == "http.request")
+        disconnect = [m for m in chunks if m["type"] != "http.request"]
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            if disconnect:
+                return disconnect[0]
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def build_app(served: Served) -> FastAPI:
+    sched = served.scheduler
+
+    @asynccontextmanager
+    async def lifespan(app):
+        sched.start()
+        try:
+            yield
+        finally:
+            sched.stop()
+
+    app = FastAPI(title="cortiq", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, e: ApiError):
+        return JSONResponse(_error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        msg = first.get("msg", "invalid request")
+        return JSONResponse(_error_body(f"{param + ': ' if param else ''}{msg}", param=param), status_code=400)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.model_id, "object": "model", "created": 0,
+                                            "owned_by": "cortiq", "max_model_len": served.max_len}]}
+
+    def _check_model(name: str):
+        if name != served.model_id:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {served.model_id!r}",
+                           "model", "model_not_found")
+
+    def _request(body: _Common, ids: list[int], max_tokens: int | None) -> GenRequest:
+        if not ids:
+            raise ApiError(400, "the prompt encodes to no tokens", "prompt")
+        room = served.max_len - len(ids)
+        if room < 1:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens; this server's context is {served.max_len}",
+                           "messages" if isinstance(body, ChatBody) else "prompt", "context_length_exceeded")
+        if body.stream_options and set(body.stream_options) - {"include_usage"}:
+            raise ApiError(400, "stream_options: only include_usage is supported", "stream_options")
+        return GenRequest(ids=ids, max_tokens=min(max_tokens or room, room), temperature=body.temperature,
+                          top_p=body.top_p, seed=body.seed, stop=_stops(body.stop))
+
+    def _usage(req: GenRequest, ev: Event) -> dict:
+        return {"prompt_tokens": len(req.ids), "completion_tokens": ev.tokens,
+                "total_tokens": len(req.ids) + ev.tokens}
+
+    async def _events(req: GenRequest):
+        """Submit `req` and yield its events; a consumer that goes away cancels it."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[Event] = asyncio.Queue()
+        req.sink = lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)
+        try:
+            sched.submit(req)
+        except Busy as e:
+            raise ApiError(429 if "waiting" in str(e) else 503, str(e), code="server_busy",
+                           kind="server_error") from None
+        try:
+            while True:
+                ev = await q.get()
+                yield ev
+                if ev.finish:
+                    return
+        finally:
+            req.cancel()
+
+    async def _first(gen):
+        """The first event now (so a refusal is an HTTP error, not a broken stream)."""
+        try:
+            return await gen.__anext__()
+        except StopAsyncIteration:
+            return Event(finish="error", error="no answer")
+
+    def _sse(obj) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def _serve(req: GenRequest, stream: bool, include_usage: bool, kind: str):
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        gen = _events(req)
+        first = await _first(gen)
+        if first.finish == "error":
+            await gen.aclose()
+            raise ApiError(500, first.error, kind="server_error")
+
+        def choice(text: str | None, finish: str | None, final: bool):
+            if kind == "chat":
+                if not stream:
+                    return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                            "logprobs": None}
+                delta = {} if text is None else {"content": text}
+                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+        head = {"id": rid, "created": created, "model": served.model_id}
+        if not stream:
+            parts, ev = [first.text], first
+            while not ev.finish:
+                ev = await gen.__anext__()
+                parts.append(ev.text)
+            if ev.finish == "error":
+                raise ApiError(500, ev.error, kind="server_error")
+            return {**head, "object": obj, "choices": [choice("".join(parts), ev.finish, True)],
+                    "usage": _usage(req, ev)}
+
+        async def body():
+            chunk = "chat.completion.chunk" if kind == "chat" else "text_completion"
+            try:
+                if kind == "chat":
+                    yield _sse({**head, "object": chunk, "choices": [
+                        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                         "logprobs": None}]})
+                ev = first
+                while True:
+                    if ev.finish == "error":
+                        yield _sse(_error_body(ev.error, "server_error"))
+                        break
+                    if ev.text:
+                        yield _sse({**head, "object": chunk, "choices": [choice(ev.text, None, False)]})
+                    if ev.finish:
+                        yield _sse({**head, "object": chunk, "choices": [choice(None, ev.finish, True)]})
+                        if include_usage:
+                            yield _sse({**head, "object": chunk, "choices": [], "usage": _usage(req, ev)})
+                        break
+                    ev = await gen.__anext__()
+                yield "data: [DONE]\n\n"
+            finally:
+                await gen.aclose()
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody):
+        _check_model(body.model)
+        if body.echo:
+            raise ApiError(400, "echo is not supported", "echo")
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            if len(p) != 1:
+                raise ApiError(400, "one prompt per request (a list of several prompts is not supported)", "prompt")
+            p = p[0]
+        if isinstance(p, str):
+            ids = served.tokenizer.encode(p).ids
+        else:
+            bad = [t for t in p if not 0 <= t < sched.engine.vocab_size]
+            if bad:
+                raise ApiError(400, f"token ids {bad[:4]} are outside the vocabulary (0..{sched.engine.vocab_size - 1})",
+                               "prompt")
+            ids = list(p)
+        req = _request(body, ids, body.max_tokens if body.max_tokens is not None else 16)
+        return await _serve(req, body.stream, bool((body.stream_options or {}).get("include_usage")), "text")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody):
+        _check_model(body.model)
+        if body.logprobs:
+            raise ApiError(400, "logprobs are not supported", "logprobs")
+        msgs = []
+        for m in body.messages:
+            c = m.content
+            text = c if isinstance(c, str) or c is None else "".join(part.text for part in c)
+            msgs.append({"role": m.role, "content": text or ""})
+        try:
+            prompt = render_chat(served.chat_template, msgs, served.bos, served.eos)
+        except ChatError as e:
+            raise ApiError(400, str(e), "messages") from None
+        ids = served.tokenizer.encode(prompt, add_special_tokens=False).ids
+        req = _request(body, ids, body.max_completion_tokens or body.max_tokens)
+        return await _serve(req, body.stream, bool((body.stream_options or {}).get("include_usage")), "chat")
+
+    return BodyLimit(app, served.max_body)

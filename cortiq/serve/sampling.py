@@ -1,0 +1,66 @@
+"""Batched next-token choice for the server: greedy rows, temperature and
+nucleus (top-p) sampling rows, in one pass over the batch.
+
+Each request draws its own uniform number per token from its own seeded
+generator (on the host), and the row is sampled by inverting its CDF with
+that number: a request's tokens depend on its seed and its logits only, not
+on which other requests share the batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def choose(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[float],
+           u: Sequence[float]) -> torch.Tensor:
+    """logits [B, V]; per row a temperature (<= 0: argmax), a top-p in (0, 1]
+    and a uniform u in [0, 1) -> token ids int64 [B] (on the logits' device).
+
+    Sampling row b: p = softmax(logits_b / T_b); tokens sorted by p, the
+    smallest head whose mass reaches top_p kept (the first token always),
+    renormalised; the token whose cumulative mass first exceeds u_b·mass."""
+    dev = logits.device
+    B = logits.shape[0]
+    t = torch.tensor(list(temperature), dtype=torch.float32, device=dev)  # [B]
+    greedy = logits.argmax(-1)  # [B]
+    if bool((t <= 0).all()):
+        return greedy
+    tp = torch.tensor(list(top_p), dtype=torch.float32, device=dev)[:, None]  # [B, 1]
+    uu = torch.tensor(list(u), dtype=torch.float32, device=dev)[:, None]
+    p = torch.softmax(logits.float() / t.clamp_min(1e-6)[:, None], -1)  # [B, V]
+    ps, order = p.sort(-1, descending=True)  # [B, V]
+    cum = ps.cumsum(-1)
+    keep = (cum - ps) < tp  # the mass before a token is still short of top_p
+    ps = ps * keep
+    cum = ps.cumsum(-1)  # [B, V], last column = kept mass
+    target = uu * cum[:, -1:]
+    idx = torch.searchsorted(cum, target, right=True).clamp_max(keep.sum(-1, keepdim=True) - 1)  # [B, 1]
+    sampled = order.gather(1, idx)[:, 0]
+    return torch.where(t <= 0, greedy, sampled)
+
+
+def choose_ref(logits: torch.Tensor, temperature, top_p, u) -> list[int]:
+    """The plain per-row reference of `choose` (tests compare the two)."""
+    out = []
+    for row, T, P, uu in zip(logits.float().cpu(), temperature, top_p, u):
+        if T <= 0:
+            out.append(int(row.argmax()))
+            continue
+        p = torch.softmax(row / T, -1).tolist()
+        ranked = sorted(range(len(p)), key=lambda i: (-p[i], i))
+        kept, mass = [], 0.0
+        for i in ranked:
+            if mass >= P:
+                break
+            kept.append(i)
+            mass += p[i]
+        acc, pick = 0.0, kept[-1]
+        for i in kept:
+            acc += p[i]
+            if acc > uu * mass:
+                pick = i
+                break
+        out.append(pick)
+    return out
