@@ -160,3 +160,85 @@ def generate_speculative(model, prompt: Sequence[int], max_new: int = 64, draft:
         torch.cuda.synchronize()
     res.seconds = time.perf_counter() - t1
     return res
+
+
+def _room(prompts, max_new: int, draft: int) -> int:
+    return max(len(p) for p in prompts) + max_new + 2 * draft + 2
+
+
+@torch.no_grad()
+def decode(model, prompts: Sequence[Sequence[int]], max_new: int = 64, draft: int = 0, temperature: float = 0.0,
+           eos_ids: Sequence[int] = (), on_token: Callable[[int, int], None] | None = None, seed: int = 0,
+           graphs: bool | None = None, engine=None) -> list[GenResult]:
+    """Decode every prompt at once on the static-cache engine (cortiq.model.decode),
+    one slot each: plain steps, or speculative rounds with `draft` ≥ 1 (greedy).
+    A slot stops at an EOS id or after `max_new` tokens and is released while
+    the others go on. `on_token(slot, token)` streams. Greedy output equals
+    `generate`'s for each prompt alone (exactly in f32), speculative or not.
+    `engine`: reuse a built one (its slots ≥ len(prompts), its draft = `draft`)."""
+    from .decode import DecodeEngine
+
+    if not prompts or any(not p for p in prompts):
+        raise CortiqError("generate: empty prompt")
+    if draft and temperature > 0:
+        raise CortiqError("speculative decoding verifies greedily: use temperature 0")
+    if max_new < 1:
+        raise CortiqError(f"generate: max_new {max_new}, need at least 1")
+    eng = engine or DecodeEngine(model, slots=len(prompts), max_len=_room(prompts, max_new, draft), draft=draft,
+                                 sampling=temperature > 0, graphs=graphs, seed=seed)
+    if eng.S < len(prompts) or eng.k != draft:
+        raise CortiqError(f"decode: the engine has {eng.S} slots and draft {eng.k}; asked {len(prompts)} and {draft}")
+    eos = set(eos_ids)
+    res = [GenResult([], 0.0, 0.0) for _ in prompts]
+    live = set()
+    t0 = time.perf_counter()
+    for s, p in enumerate(prompts):
+        first = eng.prefill(s, p, temperature)
+        res[s].tokens.append(first)
+        if on_token:
+            on_token(s, first)
+        if first in eos or max_new <= 1:
+            eng.release(s)
+        else:
+            live.add(s)
+    t1 = time.perf_counter()
+    for r in res:
+        r.prefill_seconds = t1 - t0
+    while live:
+        if draft:
+            pred, n = eng.spec_step()
+            rows = torch.cat([pred, n[:, None]], 1).tolist()  # the one host sync of the round
+        else:
+            rows = [[t, 1] for t in eng.step().tolist()]
+        for s in sorted(live):
+            r, row = res[s], rows[s]
+            if draft:
+                r.rounds += 1
+                r.drafted += draft
+                r.accepted += row[-1] - 1
+                r.per_round.append(row[-1] - 1)
+            for t in row[: row[-1]]:
+                r.tokens.append(t)
+                if on_token:
+                    on_token(s, t)
+                if t in eos or len(r.tokens) >= max_new:
+                    eng.release(s)
+                    live.discard(s)
+                    break
+    if eng.dev.type == "cuda":
+        torch.cuda.synchronize(eng.dev)
+    t2 = time.perf_counter()
+    for r in res:
+        r.seconds = t2 - t1
+    if engine is not None:
+        for s in range(len(prompts)):
+            eng.release(s)
+    return res
+
+
+def generate_fast(model, prompt: Sequence[int], max_new: int = 64, temperature: float = 0.0, draft: int = 0,
+                  eos_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None, seed: int = 0,
+                  graphs: bool | None = None, engine=None) -> GenResult:
+    """`generate` / `generate_speculative` on the static-cache engine (one slot)."""
+    cb = (lambda s, t: on_token(t)) if on_token else None
+    return decode(model, [prompt], max_new, draft, temperature, eos_ids, cb, seed, graphs, engine)[0]

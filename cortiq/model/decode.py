@@ -1,0 +1,509 @@
+"""A static-cache decoding engine: every buffer preallocated, one step a
+fixed-shape function, captured as a CUDA graph on CUDA (eager elsewhere).
+
+The reference loop (`cortiq.model.generate.generate`) grows its caches with
+`torch.cat` and launches every kernel from Python: on an H200 a 135M model ran
+at 30 tokens/s there, bound by ~1000 kernel launches a token. Here a token is
+one `CUDAGraph.replay()` over static buffers, and nothing waits for the host
+except reading the new tokens to stream them.
+
+API (the contract a server builds on; slots are independent requests)
+---------------------------------------------------------------------
+
+    eng = DecodeEngine(model, slots=8, max_len=2048, draft=0, sampling=False, graphs=None)
+
+    first = eng.prefill(slot, ids, temperature=0.0)   # -> int, the slot's first new token
+        Runs the prompt `ids` (a list of ints) through the model (the reference
+        forward) and writes that slot's caches; the slot becomes active. Other
+        slots keep their state: prefill between steps (continuous batching).
+        The returned token is "pending": decided, not yet fed to the model.
+    toks = eng.step()                # -> LongTensor [slots] on the model's device
+        Feeds every active slot's pending token and decides the next one (one
+        token per active slot). -1 for inactive slots. The tensor is the
+        engine's output buffer: `.tolist()` (the one host sync) or clone it
+        before the next step.
+    pred, n = eng.spec_step()        # -> LongTensor [slots, draft+1], LongTensor [slots]
+        One speculative round (engine built with draft=k ≥ 1, greedy): the MTP
+        block drafts k tokens as a chain, the trunk verifies pending + drafts in
+        one forward, and slot s emits the n[s] tokens pred[s, :n[s]]
+        (1 ≤ n ≤ k+1; 0 for inactive slots): the accepted drafts and the
+        trunk's own next token, which becomes the new pending token. Greedy
+        speculative output equals `step()`'s greedy output token for token
+        (exactly in f32; in bf16 see below). Same buffer rule as `step`.
+    eng.release(slot)                # the slot stops advancing; prefill reuses it
+    eng.free_slots() -> list[int];  eng.lengths() -> list[int] (tokens each slot's trunk has seen; syncs)
+
+  `step()` and `spec_step()` may be mixed on a draft engine (`step` also
+  keeps the draft's cache). Slots share one temperature rule: 0 is greedy;
+  > 0 samples softmax(logits / T) (engine built with sampling=True; Gumbel-max
+  on device). `spec_step` always verifies greedily, whatever the slot's
+  temperature. A slot needs room for its prompt plus the tokens it will
+  decode plus draft+1 (`max_len`); a step that would overrun raises
+  CortiqError naming the slot. Inactive slots compute masked garbage in their
+  own rows only (static shapes); prefill overwrites everything of a slot that
+  is read.
+
+Layout
+------
+- Attention KV: K, V [attn_layers, slots, kv_heads, max_len, head_dim] in the
+  compute dtype; a slot's entries past its length are stale and masked.
+- Gated DeltaNet: conv inputs [lin_layers, slots, C, K-1] and recurrent
+  state [lin_layers, slots, Hv, Dk, Dv] f32.
+- MTP draft layer: its own K, V [slots, kv_heads, max_len, head_dim].
+- Per slot on the device: pending token, trunk length (= position of the
+  pending token), the trunk's last final hidden row, active flag, temperature.
+
+Rollback in a speculative round: attention entries of rejected drafts are
+simply left beyond the slot's new length (the next round overwrites them
+before any query can see them); each GDN layer keeps the state after every
+token of the verify block and the state after the accepted prefix is
+selected on the device; the MTP layer's rows for the accepted tokens are
+recomputed from the trunk's own hidden rows (the draft chain wrote rows
+from its own guesses). The accept count is computed on the device, so a
+round is one graph and one sync.
+
+Why bf16 can differ: the verify forward multiplies k+1 rows at once where
+`step` multiplies one; in bf16 the matrix kernels round those products
+differently, and where the top two logits are within a rounding step of each
+other the argmax can flip. From that token on both outputs are valid greedy
+continuations of slightly different numbers. In f32 the rounding is far below
+any real logit gap, and the outputs agree.
+
+Speed: q/k/v and gate/up projections run as one matrix product each. The
+engine re-points those parameters of the model into one fused tensor per
+layer (views: the model computes the same, no copy is kept).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..arch import FULL, LINEAR
+from ..errors import CortiqError
+from .decoder import KVState
+
+
+def _fuse(mods: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One [sum(out), in] weight (and bias) whose row blocks are the modules'
+    parameters again (as views), so the fused product and the modules agree."""
+    ws = [m.weight for m in mods]
+    base = ws[0]
+    off, contiguous = 0, True
+    for w in ws:  # already fused by an earlier engine: reuse the storage
+        if w.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() or \
+                w.storage_offset() != base.storage_offset() + off * w.shape[1]:
+            contiguous = False
+        off += w.shape[0]
+    if contiguous and len(ws) > 1:
+        fused = base.as_strided((off, base.shape[1]), (base.shape[1], 1), base.storage_offset())
+    else:
+        fused = torch.cat([w.detach() for w in ws], 0)
+        off = 0
+        for m, w in zip(mods, ws):
+            m.weight = nn.Parameter(fused[off: off + w.shape[0]], requires_grad=w.requires_grad)
+            off += w.shape[0]
+    bias = None
+    if any(m.bias is not None for m in mods):
+        bias = torch.cat([m.bias.detach() if m.bias is not None else fused.new_zeros(m.weight.shape[0]) for m in mods])
+    return fused, bias
+
+
+class _Norm:
+    """An RMSNorm as one fused call: the effective f32 weight (1+w for the
+    offset style) taken at construction."""
+
+    __slots__ = ("w", "eps")
+
+    def __init__(self, mod):
+        self.w = (1.0 + mod.weight.detach().float()) if mod.offset else mod.weight.detach().float()
+        self.eps = mod.eps
+
+    def __call__(self, x):
+        return F.rms_norm(x.float(), (x.shape[-1],), self.w, self.eps).to(x.dtype)
+
+
+class _Attn:
+    """One full-attention decoder layer's weights, fused for the step."""
+
+    def __init__(self, layer):
+        a = layer.self_attn
+        self.a = a
+        self.ln1, self.ln2 = _Norm(layer.input_layernorm), _Norm(layer.post_attention_layernorm)
+        self.qn = _Norm(a.q_norm) if a.q_norm is not None else None
+        self.kn = _Norm(a.k_norm) if a.k_norm is not None else None
+        self.w_qkv, self.b_qkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
+        self.split = [a.q_proj.weight.shape[0], a.k_proj.weight.shape[0], a.v_proj.weight.shape[0]]
+        self.mlp = _Mlp(layer.mlp)
+
+
+class _Mlp:
+    def __init__(self, mlp):
+        self.mlp = mlp
+        self.w_gu, _ = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.width = mlp.gate_proj.weight.shape[0]
+
+    def __call__(self, x):
+        g, u = F.linear(x, self.w_gu).split(self.width, -1)
+        a = F.silu(g) * u  # [S, T, I]
+        if self.mlp.neuron_logits is not None:
+            a = a * torch.sigmoid(self.mlp.neuron_logits).to(a.dtype)
+        return F.linear(a, self.mlp.down_proj.weight)
+
+
+def _rope(x, cos, sin, rdim: int):
+    """x [S, T, h, D]; cos/sin [S, T, 1, rdim] in x's dtype (half-split pairing, partial rotary)."""
+    D = x.shape[-1]
+    xr = x[..., :rdim] if rdim < D else x
+    x1, x2 = xr[..., : rdim // 2], xr[..., rdim // 2:]
+    out = xr * cos + torch.cat([-x2, x1], -1) * sin
+    return out if rdim == D else torch.cat([out, x[..., rdim:]], -1)
+
+
+class DecodeEngine:
+    """Static-cache decoding over `slots` independent sequences (module docstring: the API)."""
+
+    def __init__(self, model, slots: int = 1, max_len: int = 1024, draft: int = 0, sampling: bool = False,
+                 graphs: bool | None = None, seed: int = 0):
+        arch = model.arch
+        if slots < 1:
+            raise CortiqError(f"decode engine: {slots} slots, need at least 1")
+        if draft < 0:
+            raise CortiqError(f"decode engine: draft {draft}, need 0 (plain) or more")
+        if draft and model.mtp is None:
+            raise CortiqError("speculative decoding needs an MTP draft block (model.mtp.*); this model has none")
+        if max_len < draft + 2:
+            raise CortiqError(f"decode engine: max_len {max_len} leaves no room to decode")
+        self.model, self.arch = model, arch
+        w = model.model.embed_tokens.weight
+        self.dev, self.dt = w.device, w.dtype
+        self.S, self.k = slots, draft
+        self.M = M = -(-max_len // 16) * 16  # attention masks want a 16-aligned key length
+        self.max_len = max_len
+        self.sampling = sampling
+        self.graphs = (self.dev.type == "cuda") if graphs is None else graphs
+        if self.graphs and self.dev.type != "cuda":
+            raise CortiqError("decode engine: CUDA graphs need a CUDA device")
+        dev, dt = self.dev, self.dt
+        layers = list(model.layers)
+        self.kinds = list(arch.layer_types)
+        self.attn_idx = [i for i, t in enumerate(self.kinds) if t == FULL]
+        self.lin_idx = [i for i, t in enumerate(self.kinds) if t == LINEAR]
+        self.slot_of = {}  # layer index -> its index among layers of its kind
+        for j, i in enumerate(self.attn_idx):
+            self.slot_of[i] = j
+        for j, i in enumerate(self.lin_idx):
+            self.slot_of[i] = j
+        with torch.no_grad():
+            self.att = {i: _Attn(layers[i]) for i in self.attn_idx}
+            self.lin = {i: (_Norm(layers[i].input_layernorm), _Norm(layers[i].post_attention_layernorm), _Mlp(layers[i].mlp))
+                        for i in self.lin_idx}
+            self.final = _Norm(model.model.norm)
+            hkv, D = arch.num_kv_heads, arch.head_dim
+            self.hkv, self.hq, self.D = hkv, arch.num_heads, D
+            self.G = self.hq // hkv
+            z = lambda *s, dtype=dt: torch.zeros(*s, dtype=dtype, device=dev)  # noqa: E731
+            self.K = z(len(self.attn_idx), slots, hkv, M, D)
+            self.V = z(len(self.attn_idx), slots, hkv, M, D)
+            if self.lin_idx:
+                g0 = layers[self.lin_idx[0]].linear_attn
+                C = 2 * g0.key_dim + g0.value_dim
+                self.conv = z(len(self.lin_idx), slots, C, g0.K - 1)
+                self.rec = z(len(self.lin_idx), slots, g0.hv, g0.dk, g0.dv, dtype=torch.float32)
+            if draft:
+                mtp = model.mtp
+                self.mtp_att = _Attn(mtp.layers[0])
+                self.mtp_e, self.mtp_h, self.mtp_out = _Norm(mtp.enorm), _Norm(mtp.hnorm), _Norm(mtp.norm)
+                self.MK, self.MV = z(slots, hkv, M, D), z(slots, hkv, M, D)
+            # per-slot state
+            self.pend = z(slots, dtype=torch.long)
+            self.pos = z(slots, dtype=torch.long)  # tokens the trunk has seen = position of the pending token
+            self.hprev = z(slots, arch.hidden_size)  # trunk final hidden row at pos-1
+            self.active = z(slots, dtype=torch.bool)
+            self.temp = z(slots, dtype=torch.float32)
+            self.out_tok = z(slots, dtype=torch.long)
+            self.out_pred = z(slots, draft + 1, dtype=torch.long)
+            self.out_n = z(slots, dtype=torch.long)
+            self.ar = torch.arange(M + draft + 1, device=dev)
+            self.slot_ar = torch.arange(slots, device=dev)
+            cos, sin = model.rope(torch.arange(M, device=dev))  # same values as the reference's per-call rope
+            self.cos, self.sin = cos.to(dt), sin.to(dt)
+        self.head = model.head_weight
+        self.gen = torch.Generator(device=dev).manual_seed(seed) if (sampling and not self.graphs) else None
+        if sampling and self.graphs:
+            torch.cuda.manual_seed(seed)  # captured RNG draws from the default CUDA generator
+        self._hi = [0] * slots  # host-side upper bound of each slot's length
+        self._on = [False] * slots
+        self._g_step = self._g_spec = None
+        if self.graphs:
+            self._g_step = self._capture(self._plain)
+            if draft:
+                self._g_spec = self._capture(self._spec)
+
+    # ── public API ──
+    @torch.no_grad()
+    def prefill(self, slot: int, ids, temperature: float = 0.0) -> int:
+        ids = [int(t) for t in ids]
+        if not 0 <= slot < self.S:
+            raise CortiqError(f"decode engine: slot {slot} outside 0..{self.S - 1}")
+        if not ids:
+            raise CortiqError("generate: empty prompt")
+        n = len(ids)
+        if n + self.k + 1 > self.max_len:
+            raise CortiqError(f"decode engine: a prompt of {n} tokens leaves no room in max_len {self.max_len}")
+        if temperature > 0 and not self.sampling:
+            raise CortiqError("decode engine: temperature > 0 needs an engine built with sampling=True")
+        if temperature < 0:
+            raise CortiqError(f"temperature {temperature}: must be ≥ 0")
+        m = self.model
+        cache = m.new_cache()
+        t = torch.tensor([ids], device=self.dev)
+        H, _ = m.forward_hidden(t, cache=cache)  # [1, n, H]
+        for i in self.attn_idx:
+            st, j = cache.states[i], self.slot_of[i]
+            self.K[j, slot, :, :n] = st.k[0]
+            self.V[j, slot, :, :n] = st.v[0]
+        for i in self.lin_idx:
+            st, j = cache.states[i], self.slot_of[i]
+            self.conv[j, slot] = st.conv[0]
+            self.rec[j, slot] = st.rec[0]
+        if self.k and n > 1:  # the draft's rows 0..n-2 of the prompt
+            ms = KVState()
+            m.mtp_forward(H[:, :-1], t[:, 1:], 0, ms)
+            self.MK[slot, :, : n - 1] = ms.k[0]
+            self.MV[slot, :, : n - 1] = ms.v[0]
+        self.hprev[slot] = H[0, -1]
+        self.temp[slot] = temperature
+        first = self._pick(H[:, -1:], self.temp[slot: slot + 1])[0, 0]
+        self.pend[slot] = first
+        self.pos[slot] = n
+        self.active[slot] = True
+        self._hi[slot], self._on[slot] = n, True
+        return int(first)
+
+    def release(self, slot: int) -> None:
+        if not 0 <= slot < self.S:
+            raise CortiqError(f"decode engine: slot {slot} outside 0..{self.S - 1}")
+        self.active[slot] = False
+        self._on[slot] = False
+
+    def free_slots(self) -> list[int]:
+        return [s for s in range(self.S) if not self._on[s]]
+
+    def lengths(self) -> list[int]:
+        return self.pos.tolist()
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor:
+        self._room(1)
+        if self._g_step is not None:
+            self._g_step.replay()
+        else:
+            self._plain()
+        for s in range(self.S):
+            self._hi[s] += self._on[s]
+        return self.out_tok
+
+    @torch.no_grad()
+    def spec_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.k:
+            raise CortiqError("decode engine: spec_step needs an engine built with draft ≥ 1")
+        self._room(self.k + 1)
+        if self._g_spec is not None:
+            self._g_spec.replay()
+        else:
+            self._spec()
+        for s in range(self.S):
+            self._hi[s] += (self.k + 1) * self._on[s]
+        return self.out_pred, self.out_n
+
+    # ── internals ──
+    def _room(self, need: int) -> None:
+        """Every active slot must fit `need` more positions (and the verify block) in max_len."""
+        if not any(self._on[s] and self._hi[s] + need + self.k > self.max_len for s in range(self.S)):
+            return
+        self._hi = self.pos.tolist()  # the bound was loose (rejected drafts): read the exact lengths
+        for s in range(self.S):
+            if self._on[s] and self._hi[s] + need + self.k > self.max_len:
+                raise CortiqError(f"decode engine: slot {s} is full ({self._hi[s]} of max_len {self.max_len} positions)")
+
+    def _capture(self, fn):
+        """Warm up on a side stream (lazy cuBLAS/attention workspaces), then record one call.
+        Done at construction, while every slot is inactive: the warm-up only writes masked rows."""
+        s = torch.cuda.Stream(self.dev)
+        s.wait_stream(torch.cuda.current_stream(self.dev))
+        with torch.cuda.stream(s), torch.no_grad():
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(self.dev).wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g), torch.no_grad():
+            fn()
+        torch.cuda.synchronize(self.dev)
+        return g
+
+    def _pick(self, h, temp=None):
+        """h [S, T, H] -> next tokens [S, T]: argmax, or a Gumbel-max sample where temp [S] > 0."""
+        logits = F.linear(h, self.head.to(h.dtype))  # [S, T, V]
+        if not self.sampling or temp is None:
+            return logits.argmax(-1)
+        lf = logits.float()
+        e = torch.empty_like(lf).exponential_(generator=self.gen)
+        t = temp[:, None, None]
+        scores = torch.where(t > 0, lf / t.clamp_min(1e-6) - e.log(), lf)
+        return scores.argmax(-1)
+
+    def _ctx(self, pos, T):
+        """Positions [S, T] from first positions pos [S] (clamped: inactive
+        slots may point anywhere), with RoPE [S, T, 1, rdim], the KV write
+        index [S, Hkv, T, D] and the additive mask [S, 1, G·T, M] (query row
+        g·T + t of a KV head sees keys ≤ its position)."""
+        S, M = self.S, self.M
+        p = (pos[:, None] + self.ar[:T]).clamp(0, M - 1)  # [S, T]
+        cos, sin = self.cos[p][:, :, None], self.sin[p][:, :, None]
+        idx = p[:, None, :, None].expand(S, self.hkv, T, self.D)
+        ok = self.ar[:M][None, None, :] <= p[:, :, None]  # [S, T, M]
+        mask = torch.zeros(S, T, M, dtype=self.dt, device=self.dev).masked_fill(~ok, float("-inf"))
+        mask = mask[:, None].expand(S, self.G, T, M).reshape(S, 1, self.G * T, M)
+        return cos, sin, idx, mask
+
+    def _attn(self, L: _Attn, h, ctx, K, V):
+        """A full-attention decoder layer on h [S, T, H], writing its keys and values to K, V [S, Hkv, M, D]."""
+        cos, sin, idx, mask = ctx
+        a = L.a
+        S, T, _ = h.shape
+        x = L.ln1(h)
+        q, k, v = F.linear(x, L.w_qkv, L.b_qkv).split(L.split, -1)
+        gate = None
+        if a.gated:
+            q, gate = q.view(S, T, a.hq, 2 * a.d).chunk(2, -1)
+            gate = gate.reshape(S, T, a.hq * a.d)
+        q = q.reshape(S, T, a.hq, a.d)
+        k = k.view(S, T, a.hkv, a.d)
+        v = v.view(S, T, a.hkv, a.d)
+        if L.qn is not None:
+            q, k = L.qn(q), L.kn(k)
+        q, k = _rope(q, cos, sin, a.rdim), _rope(k, cos, sin, a.rdim)
+        K.scatter_(2, idx, k.transpose(1, 2))
+        V.scatter_(2, idx, v.transpose(1, 2))
+        # query heads of one KV head as extra rows: no copy of the cache per group
+        qg = q.view(S, T, a.hkv, self.G, a.d).permute(0, 2, 3, 1, 4).reshape(S, a.hkv, self.G * T, a.d)
+        o = F.scaled_dot_product_attention(qg, K, V, attn_mask=mask)  # [S, Hkv, G·T, D]
+        o = o.view(S, a.hkv, self.G, T, a.d).permute(0, 3, 1, 2, 4).reshape(S, T, a.hq * a.d)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        h = h + F.linear(o, a.o_proj.weight)
+        return h + L.mlp(L.ln2(h))
+
+    def _gdn(self, i, h):
+        """A GDN decoder layer on h [S, T, H] from the slot states; -> (h, conv
+        window [S, C, K-1+T], state after each token [S, T, Hv, Dk, Dv]). The
+        state is not written: the caller commits the accepted prefix's."""
+        ln1, ln2, mlp = self.lin[i]
+        j = self.slot_of[i]
+        g = self.model.layers[i].linear_attn
+        S, T, _ = h.shape
+        x = ln1(h)
+        qkv = g.in_proj_qkv(x).transpose(1, 2)  # [S, C, T]
+        full = torch.cat([self.conv[j].to(qkv.dtype), qkv], -1)  # [S, C, K-1+T]
+        # the causal depthwise conv as windows × taps (a CPU conv1d call on a few columns costs ~80 ms)
+        y = F.silu((full.unfold(2, g.K, 1) * g.conv1d.weight[:, 0, None, :]).sum(-1)).transpose(1, 2)  # [S, T, C]
+        q, k, v = y.split([g.key_dim, g.key_dim, g.value_dim], -1)
+        from .gdn import l2norm
+
+        q = l2norm(q.reshape(S, T, g.hk, g.dk).float())
+        k = l2norm(k.reshape(S, T, g.hk, g.dk).float())
+        v = v.reshape(S, T, g.hv, g.dv)
+        if g.hv != g.hk:
+            q = q.repeat_interleave(g.hv // g.hk, 2)
+            k = k.repeat_interleave(g.hv // g.hk, 2)
+        beta = g.in_proj_b(x).float().sigmoid()  # [S, T, Hv]
+        gl = -g.A_log.float().exp() * F.softplus(g.in_proj_a(x).float() + g.dt_bias.float())  # [S, T, Hv]
+        # the reference recurrence (gated_delta_rule_ref), keeping the state after every token
+        q, k = q.to(v.dtype).float() * g.dk ** -0.5, k.to(v.dtype).float()
+        vf = v.float()
+        St = self.rec[j]
+        outs, states = [], []
+        for t in range(T):  # T ≤ draft+1: a fixed unroll inside the captured step
+            St = St * gl[:, t].exp()[..., None, None]
+            kv = torch.einsum("bhkv,bhk->bhv", St, k[:, t])
+            delta = (vf[:, t] - kv) * beta[:, t, :, None]
+            St = St + k[:, t, :, :, None] * delta[:, :, None, :]
+            outs.append(torch.einsum("bhkv,bhk->bhv", St, q[:, t]))
+            states.append(St)
+        o = torch.stack(outs, 1).to(v.dtype)  # [S, T, Hv, Dv]
+        z = g.in_proj_z(x).reshape(S, T, g.hv, g.dv)
+        o = g.norm(o, z).reshape(S, T, g.value_dim)
+        h = h + g.out_proj(o)
+        return h + mlp(ln2(h)), full, torch.stack(states, 1)
+
+    def _trunk(self, tok, pos):
+        """The trunk on tokens [S, T] at positions pos.. -> (final hidden [S, T, H], GDN pending states)."""
+        T = tok.shape[1]
+        ctx = self._ctx(pos, T)
+        h = self.model.embed(tok)
+        pending = []
+        for i in range(len(self.kinds)):
+            if i in self.att:
+                j = self.slot_of[i]
+                h = self._attn(self.att[i], h, ctx, self.K[j], self.V[j])
+            else:
+                h, full, states = self._gdn(i, h)
+                pending.append((self.slot_of[i], full, states))
+        return self.final(h), pending
+
+    def _commit(self, pending, a):
+        """GDN states after the first a[s]+1 tokens of the block (a [S])."""
+        for j, full, states in pending:
+            K1 = self.conv.shape[-1]
+            idx = (a + 1)[:, None, None] + torch.arange(K1, device=self.dev)  # [S, 1, K-1]
+            self.conv[j].copy_(full.gather(2, idx.expand(-1, full.shape[1], -1)))
+            self.rec[j].copy_(states[self.slot_ar, a])
+
+    def _mtp(self, hrows, toks, pos0):
+        """The MTP block on trunk rows hrows [S, T, H] and the tokens after them [S, T] at positions pos0.."""
+        ctx = self._ctx(pos0, toks.shape[1])
+        x = torch.cat([self.mtp_e(self.model.embed(toks)), self.mtp_h(hrows)], -1)
+        x = F.linear(x, self.model.mtp.eh_proj.weight)
+        return self.mtp_out(self._attn(self.mtp_att, x, ctx, self.MK, self.MV))
+
+    def _draft_pick(self, xh, j: int):
+        """Draft token of chain step j from the draft's row xh [S, 1, H] -> [S, 1] (greedy;
+        the tests override it to steer which drafts are right)."""
+        return self._pick(xh)
+
+    def _plain(self):
+        act = self.active
+        tok = self.pend[:, None]  # [S, 1]
+        H, pending = self._trunk(tok, self.pos)
+        nxt = self._pick(H, self.temp)[:, 0]
+        self._commit(pending, torch.zeros_like(self.pos))
+        if self.k:  # keep the draft's row for the token just fed
+            self._mtp(self.hprev[:, None], tok, self.pos - 1)
+        self.hprev.copy_(torch.where(act[:, None], H[:, 0], self.hprev))
+        self.pend.copy_(torch.where(act, nxt, self.pend))
+        self.pos.add_(act.long())
+        self.out_tok.copy_(torch.where(act, nxt, -1))
+
+    def _spec(self):
+        act, pos, k = self.active, self.pos, self.k
+        xh, xt = self.hprev[:, None], self.pend[:, None]
+        drafts = []
+        for j in range(k):  # the chain: step j reads step j-1's output row and token
+            xh = self._mtp(xh, xt, pos - 1 + j)
+            xt = self._draft_pick(xh, j)  # [S, 1]
+            drafts.append(xt)
+        block = torch.cat([self.pend[:, None]] + drafts, 1)  # [S, k+1]
+        Hv, pending = self._trunk(block, pos)
+        pred = self._pick(Hv)  # [S, k+1]: the trunk's token after each block token
+        a = (block[:, 1:] == pred[:, :-1]).long().cumprod(1).sum(1)  # [S] drafts accepted
+        self._commit(pending, a)
+        # the draft's rows n-1..n-1+a again, from the trunk's own hidden rows (rows past a are overwritten later)
+        self._mtp(torch.cat([self.hprev[:, None], Hv[:, :k]], 1), block, pos - 1)
+        self.hprev.copy_(torch.where(act[:, None], Hv[self.slot_ar, a], self.hprev))
+        self.pend.copy_(torch.where(act, pred[self.slot_ar, a], self.pend))
+        n = (a + 1) * act.long()
+        self.pos.add_(n)
+        self.out_pred.copy_(pred)
+        self.out_n.copy_(n)

@@ -1,0 +1,207 @@
+"""The static-cache decoding engine against the reference loop: plain greedy,
+speculative greedy (with drafts steered to be right or wrong at chosen places,
+so rounds accept 0, some or all drafts and the GDN state is rolled back),
+batches of different prompt lengths, slots joining and leaving mid-decode."""
+
+import pytest
+import torch
+
+from cortiq.convert.hf import convert_hf_dir
+from cortiq.errors import CortiqError
+from cortiq.model import load_model
+from cortiq.model.decode import DecodeEngine
+from cortiq.model.generate import decode, generate, generate_fast
+
+from model_helpers import V, _perturb_norms, save_hf, tiny_llama, tiny_qwen3_next
+
+PROMPTS = [[5, 17, 200, 3, 99, 41, 7], [1, 2], [9, 250, 9, 31, 8, 8, 120, 64, 3, 77, 12, 6, 40]]
+
+
+def _with_mtp(model, seed=1):
+    from cortiq.model.mtp import MTPBlock
+
+    torch.manual_seed(seed)
+    model.arch.mtp_layers = 1
+    model.model.mtp = MTPBlock(model.arch).eval()
+    return model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_next"])
+def model(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    hf = {"llama": tiny_llama, "qwen3_next": tiny_qwen3_next}[request.param]()
+    _perturb_norms(hf)
+    return _with_mtp(load_model(convert_hf_dir(save_hf(hf, tmp / "hf"), tmp / "m.cmf")))
+
+
+_REF: dict = {}
+
+
+def greedy(model, prompt, n):
+    """The reference loop's greedy tokens (computed once per model and prompt, 24 long: greedy prefixes agree)."""
+    key = (id(model), tuple(prompt))
+    if key not in _REF:
+        _REF[key] = generate(model, prompt, max_new=24).tokens
+    assert n <= 24
+    return _REF[key][:n]
+
+
+class Steered(DecodeEngine):
+    """Drafts the reference's own greedy tokens, except where a fixed pattern of
+    (position, chain step) makes it guess wrong: rounds then accept 0, some or
+    all of their drafts, deterministically."""
+
+    def __init__(self, model, truth, **kw):
+        self.truth = truth  # [S, L] prompt + greedy continuation per slot
+        super().__init__(model, **kw)
+
+    def _draft_pick(self, xh, j):
+        L = self.truth.shape[1]
+        p = (self.pos + 1 + j).clamp(max=L - 1)  # draft j guesses the token at pos+1+j
+        right = self.truth.to(self.pos.device)[self.slot_ar, p]
+        bad = (p * p * 3 + j * 2) % 5 < 2
+        return torch.where(bad, (right + 1) % V, right)[:, None]
+
+
+def _truth(model, prompts, n):
+    seqs = [p + greedy(model, p, n) for p in prompts]
+    L = max(len(s) for s in seqs)
+    return torch.tensor([s + [0] * (L - len(s)) for s in seqs]), [s[len(p):] for s, p in zip(seqs, prompts)]
+
+
+def test_plain_equals_reference_loop(model):
+    for p in PROMPTS:
+        assert generate_fast(model, p, max_new=17, graphs=False).tokens == greedy(model, p, 17)
+
+
+@pytest.mark.parametrize("draft", [1, 2, 3])
+def test_speculative_equals_greedy_with_rollback(model, draft):
+    truth, greedy = _truth(model, PROMPTS[:1], 24)
+    eng = Steered(model, truth, slots=1, max_len=64, draft=draft, graphs=False)
+    r = decode(model, PROMPTS[:1], max_new=24, draft=draft, engine=eng)[0]
+    assert r.tokens == greedy[0]
+    seen = set(r.per_round)
+    assert 0 in seen and draft in seen  # rounds that rejected the first draft, rounds that kept every one
+    if draft >= 2:
+        assert seen & set(range(1, draft))  # a draft rejected after accepted ones: a mid-block rollback
+    assert r.accepted == sum(r.per_round) and r.drafted == draft * r.rounds
+
+
+@pytest.mark.parametrize("draft", [1, 3])
+def test_speculative_with_the_models_own_draft(model, draft):
+    # a random draft block: nearly every draft is wrong, and the output is still greedy's
+    for p in PROMPTS[:2]:
+        r = generate_fast(model, p, max_new=20, draft=draft, graphs=False)
+        assert r.tokens == greedy(model, p, 20)
+        assert r.drafted == draft * r.rounds
+
+
+@pytest.mark.parametrize("draft", [0, 2])
+def test_batch_equals_each_prompt_alone(model, draft):
+    out = decode(model, PROMPTS, max_new=15, draft=draft, graphs=False)
+    for r, p in zip(out, PROMPTS):
+        assert r.tokens == greedy(model, p, 15)
+
+
+def test_batched_steered_speculation(model):
+    truth, greedy = _truth(model, PROMPTS, 18)
+    eng = Steered(model, truth, slots=len(PROMPTS), max_len=64, draft=3, graphs=False)
+    out = decode(model, PROMPTS, max_new=18, draft=3, engine=eng)
+    assert [r.tokens for r in out] == greedy
+    assert len({a for r in out for a in r.per_round}) >= 3
+
+
+def test_slots_join_and_leave(model):
+    # slot 1 joins after slot 0 has run 5 steps; slot 0 then leaves and is reused for a new prompt
+    eng = DecodeEngine(model, slots=2, max_len=64, graphs=False)
+    a, b, c = PROMPTS[0], PROMPTS[2], PROMPTS[1]
+    got = {0: [eng.prefill(0, a)], 1: []}
+    for _ in range(5):
+        got[0].append(eng.step().tolist()[0])
+    got[1].append(eng.prefill(1, b))
+    for _ in range(6):
+        t = eng.step().tolist()
+        got[0].append(t[0])
+        got[1].append(t[1])
+    eng.release(0)
+    assert eng.free_slots() == [0]
+    got[2] = [eng.prefill(0, c)]
+    for _ in range(4):
+        t = eng.step().tolist()
+        got[2].append(t[0])
+        got[1].append(t[1])
+    assert got[0] == greedy(model, a, 12)
+    assert got[1] == greedy(model, b, 11)
+    assert got[2] == greedy(model, c, 5)
+    assert eng.lengths() == [len(c) + 4, len(b) + 10]
+    eng.release(0)
+    eng.release(1)
+    assert eng.step().tolist() == [-1, -1]  # nothing active: nothing advances
+    assert eng.lengths() == [len(c) + 4, len(b) + 10]
+
+
+def test_engine_leaves_the_model_unchanged(model):
+    ids = torch.tensor([PROMPTS[2]])
+    with torch.no_grad():
+        before = model(ids)
+        DecodeEngine(model, slots=1, max_len=32, draft=1, graphs=False)
+        DecodeEngine(model, slots=1, max_len=32, graphs=False)  # fusing twice reuses the fused storage
+        assert torch.equal(model(ids), before)
+
+
+def test_eos_and_sampling(model):
+    g = greedy(model, PROMPTS[0], 10)
+    stop = generate_fast(model, PROMPTS[0], max_new=10, eos_ids=[g[3]], graphs=False).tokens
+    assert stop == g[: g.index(g[3]) + 1]
+    s1 = generate_fast(model, PROMPTS[0], max_new=10, temperature=1.0, seed=3, graphs=False).tokens
+    s2 = generate_fast(model, PROMPTS[0], max_new=10, temperature=1.0, seed=3, graphs=False).tokens
+    assert s1 == s2 and len(s1) == 10 and all(0 <= t < V for t in s1)
+    cold = generate_fast(model, PROMPTS[0], max_new=10, temperature=1e-6, seed=3, graphs=False).tokens
+    assert cold == g  # a vanishing temperature is greedy
+
+
+def test_bad_use_is_a_clear_error(model):
+    eng = DecodeEngine(model, slots=1, max_len=20, graphs=False)
+    with pytest.raises(CortiqError, match="no room"):
+        eng.prefill(0, list(range(25)))
+    with pytest.raises(CortiqError, match="draft"):
+        eng.spec_step()
+    with pytest.raises(CortiqError, match="sampling=True"):
+        eng.prefill(0, [1, 2], temperature=0.5)
+    with pytest.raises(CortiqError, match="slot 3"):
+        eng.prefill(3, [1, 2])
+    eng.prefill(0, list(range(10)))
+    with pytest.raises(CortiqError, match="slot 0 is full"):
+        for _ in range(20):
+            eng.step()
+    with pytest.raises(CortiqError, match="verifies greedily"):
+        decode(model, [[1, 2]], max_new=4, draft=1, temperature=0.7)
+
+
+def test_without_a_draft_block_speculation_is_refused(tmp_path):
+    m = load_model(convert_hf_dir(save_hf(tiny_llama(), tmp_path / "hf"), tmp_path / "m.cmf"))
+    with pytest.raises(CortiqError, match="MTP"):
+        DecodeEngine(m, slots=1, max_len=16, draft=1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_equal_eager_and_reference(model):
+    m = model.to("cuda")
+    try:
+        for p in PROMPTS[:2]:
+            ref = generate(m, p, max_new=16).tokens
+            assert generate_fast(m, p, max_new=16, graphs=True).tokens == ref
+            assert generate_fast(m, p, max_new=16, graphs=True, draft=2).tokens == ref
+        seqs = [p + generate(m, p, max_new=16).tokens for p in PROMPTS]
+        L = max(len(x) for x in seqs)
+        truth = torch.tensor([x + [0] * (L - len(x)) for x in seqs], device="cuda")
+        greedy = [x[len(p):] for x, p in zip(seqs, PROMPTS)]
+        eng = Steered(m, truth, slots=len(PROMPTS), max_len=64, draft=3, graphs=True)
+        out = decode(m, PROMPTS, max_new=16, draft=3, engine=eng)
+        assert [r.tokens for r in out] == greedy
+        assert len({a for r in out for a in r.per_round}) >= 3
+        plain = decode(m, PROMPTS, max_new=16, graphs=True)
+        assert [r.tokens for r in plain] == greedy
+    finally:
+        model.to("cpu")
