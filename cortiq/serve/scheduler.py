@@ -138,19 +138,21 @@ class Scheduler:
             r.slot = self.free.pop(0)
             self.active[r.slot] = r
             r.spec = self.speculative and r.temperature <= 0
-            logits = eng.prefill(r.slot, r.ids, draft=r.spec)
+            logits = eng.prefill(r.slot, r.ids)
             tok = int(choose(logits[None], [r.temperature], [r.top_p], [r.rng.random()])[0])
             self.stats["requests"] += 1
             self._take(r, [tok])
         for r in [r for r in self.active.values() if r.cancelled]:
             self._end(r, None)
-        plain, spec = [], []
-        for r in self.active.values():
-            room = eng.max_len - eng.length(r.slot)
-            if r.spec and room >= eng.draft + 1:
-                spec.append(r)
-            else:
-                plain.append(r)  # a greedy request near the end of its context steps plainly: same tokens
+        # a speculative round when every running request is greedy and has room for one, else a
+        # plain step for all (a sampling request needs its own distribution each token; a greedy
+        # request's plain step decides the same tokens)
+        running = list(self.active.values())
+        room = eng.max_len - eng.draft - 1
+        if running and all(r.spec and eng.length(r.slot) <= room for r in running):
+            plain, spec = [], running
+        else:
+            plain, spec = running, []
         if plain:
             logits = eng.step([r.slot for r in plain], [r.next_tok for r in plain])  # [B, V]
             toks = choose(logits, [r.temperature for r in plain], [r.top_p for r in plain],

@@ -26,8 +26,10 @@ class ServeSettings:
     speculative: bool = field(default=False, metadata={"help": "speculative decoding with the model's MTP draft (greedy requests)"})
     #: tokens the MTP chain drafts per round
     draft: int = field(default=1, metadata={"help": "--speculative: tokens drafted per round"})
-    #: "static": one batched forward over slots (attention-only models); "loop": one forward per slot (any model)
-    engine: str = field(default="auto", metadata={"help": "decoding engine", "choices": ("auto", "static", "loop")})
+    #: "decode" (= auto): static buffers, one batched forward, CUDA graphs on CUDA; "loop": the
+    #: model's own cache and one forward per slot (the plain reference)
+    engine: str = field(default="auto", metadata={"help": "decoding engine (auto: decode)",
+                                                  "choices": ("auto", "decode", "loop")})
     #: cpu, cuda, cuda:1, ... ("auto": CUDA when present)
     device: str = field(default="auto", metadata={"help": "device (auto: cuda when available)"})
     #: compute dtype; auto = bf16 on CUDA, f32 on CPU
@@ -50,8 +52,8 @@ class ServeSettings:
                 raise CortiqError(f"serve: {name} must be >= 1, not {getattr(self, name)}")
         if self.max_len != 0 and self.max_len < 2:
             raise CortiqError(f"serve: max_len {self.max_len} (0 or >= 2)")
-        if self.engine not in ("auto", "static", "loop"):
-            raise CortiqError(f"serve: engine {self.engine!r} (auto, static or loop)")
+        if self.engine not in ("auto", "decode", "loop"):
+            raise CortiqError(f"serve: engine {self.engine!r} (auto, decode or loop)")
         if self.dtype not in ("auto", "f32", "bf16", "f16"):
             raise CortiqError(f"serve: dtype {self.dtype!r} (auto, f32, bf16 or f16)")
         if self.shutdown_timeout < 0:

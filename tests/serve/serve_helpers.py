@@ -56,7 +56,8 @@ def random_model(a: Arch, seed: int = 0, mix: float = 0.0):
 def drive(engine, prompts, max_new: int, speculative: bool = False, joins=None):
     """Decode every prompt greedily through `engine`, prompt i joining at step
     joins[i] (default: all at once), or once a slot is free, into the lowest free slot and leaving when
-    it has max_new tokens -> (tokens per prompt, tokens decided per round per prompt)."""
+    it has max_new tokens -> (tokens per prompt, tokens decided per round per prompt).
+    speculative="alternate": speculative rounds and plain steps take turns."""
     joins = joins or [0] * len(prompts)
     out = [[] for _ in prompts]
     rounds = [[] for _ in prompts]
@@ -67,7 +68,7 @@ def drive(engine, prompts, max_new: int, speculative: bool = False, joins=None):
             if joins[i] <= t and i not in slot_of and free:
                 s = free.pop(0)
                 slot_of[i] = s
-                nxt[i] = int(engine.prefill(s, p, draft=speculative).argmax())
+                nxt[i] = int(engine.prefill(s, p).argmax())
                 out[i].append(nxt[i])
         live = [i for i in slot_of if i not in done and len(out[i]) < max_new]
         for i in list(slot_of):
@@ -79,7 +80,7 @@ def drive(engine, prompts, max_new: int, speculative: bool = False, joins=None):
         if live:
             slots = [slot_of[i] for i in live]
             toks = [nxt[i] for i in live]
-            if speculative:
+            if speculative and (speculative != "alternate" or t % 2 == 0):
                 for i, new in zip(live, engine.speculate(slots, toks)):
                     rounds[i].append(len(new))
                     out[i].extend(new)
