@@ -112,5 +112,8 @@ def run(args) -> int:
     # again under the handler it found: for SIGTERM that is this no-op, so the command ends normally
     signal.signal(signal.SIGTERM, lambda *_: None)
     server.run(sockets=[sock])
-    print("cortiq serve: stopped", file=sys.stderr)
+    st = served.scheduler.stats
+    spec = (f", {st['rounds']} speculative rounds ({st['round_tokens'] / st['rounds']:.2f} tokens a round)"
+            if st["rounds"] else "")
+    print(f"cortiq serve: stopped after {st['requests']} requests, {st['tokens']} tokens{spec}", file=sys.stderr)
     return 0

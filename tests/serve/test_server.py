@@ -29,7 +29,8 @@ def server(request, served_model, tmp_path_factory):
     rc = srv.stop()
     log = srv.log.read_text()
     assert rc == 0, log  # SIGTERM is a clean shutdown
-    assert "cortiq serve: stopped" in log and "Traceback" not in log
+    assert "cortiq serve: stopped after" in log and "Traceback" not in log
+    assert ("speculative rounds" in log) == (request.param == "speculative")
 
 
 @pytest.fixture(scope="module")
