@@ -66,7 +66,9 @@ def load(model_path: str, s):
     eos = tok.id_to_token(eos_ids[0]) if eos_ids else ""
     sched = Scheduler(engine, tok, eos_ids, speculative=s.speculative, max_waiting=s.max_waiting)
     name = s.model_name or Path(model_path).name.removesuffix(".cmf")
-    served = Served(sched, tok, name, max_len, doc.get("chat_template"), bos or "", eos or "", s.max_body_kb * 1024)
+    # the engine's own limit: a speculative engine keeps room for a verify block past every slot
+    served = Served(sched, tok, name, engine.max_len, doc.get("chat_template"), bos or "", eos or "",
+                    s.max_body_kb * 1024)
     return served, dev, dt
 
 

@@ -133,6 +133,17 @@ def _error(e) -> dict:
     return body["error"]
 
 
+def test_a_prompt_that_fills_the_context(server):
+    ctx = httpx.get(server.url + "/models").json()["data"][0]["max_model_len"]
+    assert ctx <= 200
+    c = server.client()
+    r = c.completions.create(model=MODEL, prompt="x" * (ctx - 1), max_tokens=50, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop") and r.usage.completion_tokens == 1
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="x" * ctx, max_tokens=50, temperature=0)
+    assert _error(e.value)["code"] == "context_length_exceeded"
+
+
 def test_bad_requests_get_json_errors(server):
     c = server.client()
     with pytest.raises(openai.BadRequestError) as e:

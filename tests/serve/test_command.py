@@ -1,0 +1,41 @@
+"""`cortiq serve` refuses bad input in one line, before it listens."""
+
+import sys
+
+import pytest
+
+from cortiq.cli import main
+
+from serve_helpers import arch, random_model
+
+
+def test_missing_fastapi_names_the_extra(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # `import fastapi` now raises ImportError
+    assert main(["serve", str(tmp_path / "m.cmf")]) == 1
+    assert capsys.readouterr().err == "cortiq: cortiq serve needs FastAPI and uvicorn: pip install 'cortiq[serve]'\n"
+
+
+def test_bad_model_and_settings_are_one_line(tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "nope.cmf")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("cortiq: ") and "nope.cmf" in err and err.count("\n") == 1
+    assert main(["serve", str(tmp_path / "nope.cmf"), "--max-batch", "0"]) == 1
+    assert capsys.readouterr().err == "cortiq: serve: max_batch must be >= 1, not 0\n"
+
+
+def test_speculative_needs_a_draft(tmp_path, capsys):
+    from cortiq.cmf import new_doc, specs_from_tensors, write_cmf
+    from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
+
+    m = random_model(arch("llama", mtp=False))
+    path = write_cmf(tmp_path / "nodraft.cmf", new_doc(m.arch, tokenizer_doc(byte_tokenizer_json(), [256])),
+                     specs_from_tensors([(n, p.detach().clone()) for n, p in m.named_parameters()], "f32"))
+    assert main(["serve", str(path), "--speculative", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "has no MTP draft block" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("port", ["-1", "70000"])
+def test_port_range(tmp_path, capsys, port):
+    assert main(["serve", str(tmp_path / "m.cmf"), "--port", port]) == 1
+    assert "outside 0..65535" in capsys.readouterr().err
