@@ -205,3 +205,29 @@ def test_cuda_graphs_equal_eager_and_reference(model):
         assert [r.tokens for r in plain] == greedy
     finally:
         model.to("cpu")
+
+
+def test_cli_generate_fast_reference_and_speculative(tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    from tiny import llama_arch, write_random
+
+    from cortiq.cli import main
+    from cortiq.commands.generate import _differ
+
+    arch = llama_arch()
+    arch.mtp_layers = 1
+    path = write_random(tmp_path / "m.cmf", arch)
+    args = [str(path), "The quick", "--max-new", "12", "--device", "cpu"]
+    assert main(["generate", *args]) == 0
+    fast = capsys.readouterr().out
+    assert main(["generate", *args, "--reference"]) == 0
+    assert capsys.readouterr().out == fast
+    assert main(["generate", *args, "--speculative", "--draft", "2"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == fast
+    assert "output identical to plain greedy" in cap.err
+    assert _differ([1, 2, 3, 4], [1, 2, 5, 4]) == (1, 2)
+    assert _differ([1, 2], [1, 2, 3]) == (1, 2)
+    assert _differ([7], [7]) == (0, None)
