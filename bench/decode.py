@@ -173,6 +173,13 @@ def diff_count(a: list[int], b: list[int]) -> int:
     return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
 
 
+def first_diff(pairs) -> int | None:
+    """The earliest position where any pair of token lists differs (None: all equal)."""
+    firsts = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in pairs]
+    firsts = [f for f in firsts if f is not None]
+    return min(firsts) if firsts else None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="MODEL.cmf (plain rows)")
@@ -238,13 +245,15 @@ def main():
             acc = sum(r.accepted for r in sp) / max(sum(r.rounds for r in sp), 1)
             diff = sum(diff_count(r.tokens, t) for r, t in zip(sp, plain_tokens[B]))
             row(who=f"spec k{k}", batch=B, tok_s=B * a.new / sp[0].seconds, x_plain=B * a.new / sp[0].seconds / tps,
-                accepted=acc, differ=diff, differ_of=B * a.new)
+                accepted=acc, differ=diff, differ_of=B * a.new,
+                first=first_diff([(r.tokens, t) for r, t in zip(sp, plain_tokens[B])]))
             del eng
         if not a.no_hf:
             hf = hf_twin(model)
             toks, secs = hf_generate(hf, ps, a.new)
             diff = sum(diff_count(t, p) for t, p in zip(toks, plain_tokens[B]))
-            row(who="transformers", batch=B, tok_s=B * a.new / secs, differ=diff, differ_of=B * a.new)
+            row(who="transformers", batch=B, tok_s=B * a.new / secs, differ=diff, differ_of=B * a.new,
+                first=first_diff(list(zip(toks, plain_tokens[B]))))
             del hf
         torch.cuda.empty_cache()
     # acceptance on chat prompts, batch 1 each, and the offline estimate on the same text
@@ -268,7 +277,7 @@ def main():
         x = r["tok_s"] / base[r["batch"]] if r["batch"] in base else None
         acc = f"{r['accepted']:.2f}" if "accepted" in r else ""
         if "differ" in r:
-            d = f"{r['differ']} of {r['differ_of']}"
+            d = f"{r['differ']} of {r['differ_of']}" + (f" (from token {r['first']})" if r.get("first") is not None else "")
         elif r.get("differ_vs_reference") is not None:
             d = f"{r['differ_vs_reference']} of {a.reference_new} vs the reference loop"
         else:

@@ -33,8 +33,8 @@ API (the contract a server builds on; slots are independent requests)
     eng.release(slot)                # the slot stops advancing; prefill reuses it
     eng.free_slots() -> list[int];  eng.lengths() -> list[int] (tokens each slot's trunk has seen; syncs)
 
-  `step()` and `spec_step()` may be mixed on a draft engine (`step` also
-  keeps the draft's cache). Slots share one temperature rule: 0 is greedy;
+  `step()` and `spec_step()` may be mixed on a draft engine (its `step` also
+  chains the next round's drafts: k draft-layer passes). Slots share one temperature rule: 0 is greedy;
   > 0 samples softmax(logits / T) (engine built with sampling=True; Gumbel-max
   on device). `spec_step` always verifies greedily, whatever the slot's
   temperature. A slot needs room for its prompt plus the tokens it will
@@ -51,16 +51,19 @@ Layout
   state [lin_layers, slots, Hv, Dk, Dv] f32.
 - MTP draft layer: its own K, V [slots, kv_heads, max_len, head_dim].
 - Per slot on the device: pending token, trunk length (= position of the
-  pending token), the trunk's last final hidden row, active flag, temperature.
+  pending token), the next round's drafts, active flag, temperature.
 
-Rollback in a speculative round: attention entries of rejected drafts are
-simply left beyond the slot's new length (the next round overwrites them
-before any query can see them); each GDN layer keeps the state after every
-token of the verify block and the state after the accepted prefix is
-selected on the device; the MTP layer's rows for the accepted tokens are
-recomputed from the trunk's own hidden rows (the draft chain wrote rows
-from its own guesses). The accept count is computed on the device, so a
-round is one graph and one sync.
+A speculative round: the trunk verifies [pending, d_1..d_k] (drafted at the
+end of the previous round, or by prefill) in one forward; a = the drafts
+that equal the trunk's own choices; then one draft-layer pass over the k+1
+verified rows (the trunk's hidden rows and tokens) writes the draft's rows
+for the accepted positions and is, at row a, the next round's chain step 0;
+chain steps 1..k-1 follow. So a round costs one trunk pass and k draft-layer
+passes, and the accept count never leaves the device: one graph, one sync.
+Rollback: attention entries of rejected drafts are left beyond the slot's new
+length (the next round overwrites them before any query can see them); each
+GDN layer keeps the state after every token of the verify block and the
+state after the accepted prefix is selected on the device.
 
 Why bf16 can differ: the verify forward multiplies k+1 rows at once where
 `step` multiplies one; in bf16 the matrix kernels round those products
@@ -111,17 +114,22 @@ def _fuse(mods: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 class _Norm:
-    """An RMSNorm as one fused call: the effective f32 weight (1+w for the
-    offset style) taken at construction."""
+    """An RMSNorm as one fused call. The weight style (w·x̂) runs in the compute
+    dtype: torch's rms_norm normalises in f32 inside and equals the module's
+    f32-then-cast result; the offset style ((1+w)·x̂) keeps the f32 path, since
+    1+w rounded to bf16 would not. Weights are taken at construction."""
 
-    __slots__ = ("w", "eps")
+    __slots__ = ("w", "eps", "f32")
 
     def __init__(self, mod):
-        self.w = (1.0 + mod.weight.detach().float()) if mod.offset else mod.weight.detach().float()
+        self.f32 = mod.offset
+        self.w = (1.0 + mod.weight.detach().float()) if mod.offset else mod.weight.detach()
         self.eps = mod.eps
 
     def __call__(self, x):
-        return F.rms_norm(x.float(), (x.shape[-1],), self.w, self.eps).to(x.dtype)
+        if self.f32 or x.dtype != self.w.dtype:
+            return F.rms_norm(x.float(), (x.shape[-1],), self.w.float(), self.eps).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.w, self.eps)
 
 
 class _Attn:
@@ -144,20 +152,28 @@ class _Mlp:
         self.w_gu, _ = _fuse([mlp.gate_proj, mlp.up_proj])
         self.width = mlp.gate_proj.weight.shape[0]
 
-    def __call__(self, x):
+    def add_to(self, h, x):
+        """h += mlp(x), in place (the residual add rides on the down product). h, x [S, T, H]."""
         g, u = F.linear(x, self.w_gu).split(self.width, -1)
         a = F.silu(g) * u  # [S, T, I]
         if self.mlp.neuron_logits is not None:
             a = a * torch.sigmoid(self.mlp.neuron_logits).to(a.dtype)
-        return F.linear(a, self.mlp.down_proj.weight)
+        return _add_linear(h, a, self.mlp.down_proj.weight)
+
+
+def _add_linear(h, x, w):
+    """h + x·wᵀ written into h (one matrix product with β = 1, no separate add). h [S, T, H], x [S, T, K]."""
+    h.view(-1, h.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), w.t())
+    return h
 
 
 def _rope(x, cos, sin, rdim: int):
-    """x [S, T, h, D]; cos/sin [S, T, 1, rdim] in x's dtype (half-split pairing, partial rotary)."""
+    """x [S, T, h, D]; cos [S, T, 1, rdim] and sin [S, T, 1, rdim] with its first
+    half negated, in x's dtype (half-split pairing, partial rotary):
+    x·cos + rotate_half(x)·sin as x·cos + [x2, x1]·[-sin, sin] (sign flips are exact)."""
     D = x.shape[-1]
     xr = x[..., :rdim] if rdim < D else x
-    x1, x2 = xr[..., : rdim // 2], xr[..., rdim // 2:]
-    out = xr * cos + torch.cat([-x2, x1], -1) * sin
+    out = torch.addcmul(xr * cos, torch.cat([xr[..., rdim // 2:], xr[..., : rdim // 2]], -1), sin)
     return out if rdim == D else torch.cat([out, x[..., rdim:]], -1)
 
 
@@ -219,7 +235,7 @@ class DecodeEngine:
             # per-slot state
             self.pend = z(slots, dtype=torch.long)
             self.pos = z(slots, dtype=torch.long)  # tokens the trunk has seen = position of the pending token
-            self.hprev = z(slots, arch.hidden_size)  # trunk final hidden row at pos-1
+            self.drafts = z(slots, max(draft, 1), dtype=torch.long)  # the next round's drafts, chained ahead
             self.active = z(slots, dtype=torch.bool)
             self.temp = z(slots, dtype=torch.float32)
             self.out_tok = z(slots, dtype=torch.long)
@@ -228,7 +244,8 @@ class DecodeEngine:
             self.ar = torch.arange(M + draft + 1, device=dev)
             self.slot_ar = torch.arange(slots, device=dev)
             cos, sin = model.rope(torch.arange(M, device=dev))  # same values as the reference's per-call rope
-            self.cos, self.sin = cos.to(dt), sin.to(dt)
+            half = sin.shape[-1] // 2
+            self.cos, self.sin = cos.to(dt), torch.cat([-sin[:, :half], sin[:, half:]], -1).to(dt)
         self.head = model.head_weight
         self.gen = torch.Generator(device=dev).manual_seed(seed) if (sampling and not self.graphs) else None
         if sampling and self.graphs:
@@ -268,14 +285,20 @@ class DecodeEngine:
             st, j = cache.states[i], self.slot_of[i]
             self.conv[j, slot] = st.conv[0]
             self.rec[j, slot] = st.rec[0]
-        if self.k and n > 1:  # the draft's rows 0..n-2 of the prompt
-            ms = KVState()
-            m.mtp_forward(H[:, :-1], t[:, 1:], 0, ms)
-            self.MK[slot, :, : n - 1] = ms.k[0]
-            self.MV[slot, :, : n - 1] = ms.v[0]
-        self.hprev[slot] = H[0, -1]
         self.temp[slot] = temperature
         first = self._pick(H[:, -1:], self.temp[slot: slot + 1])[0, 0]
+        if self.k:  # the draft's rows 0..n-2 of the prompt, then the first round's chain from row n-1
+            ms = KVState()
+            if n > 1:
+                m.mtp_forward(H[:, :-1], t[:, 1:], 0, ms)
+            xh, xt = H[:, -1:], first.view(1, 1)
+            base, which = torch.tensor([n], device=self.dev), torch.tensor([slot], device=self.dev)
+            for j in range(self.k):
+                xh = m.mtp_forward(xh, xt, n - 1 + j, ms)
+                xt = self._draft_pick(xh, j, base, which)  # [1, 1]
+                self.drafts[slot, j] = xt[0, 0]
+            self.MK[slot, :, : n - 1 + self.k] = ms.k[0]
+            self.MV[slot, :, : n - 1 + self.k] = ms.v[0]
         self.pend[slot] = first
         self.pos[slot] = n
         self.active[slot] = True
@@ -369,22 +392,28 @@ class DecodeEngine:
         return cos, sin, idx, mask
 
     def _attn(self, L: _Attn, h, ctx, K, V):
-        """A full-attention decoder layer on h [S, T, H], writing its keys and values to K, V [S, Hkv, M, D]."""
+        """A full-attention decoder layer on h [S, T, H] (updated in place: the residual
+        adds ride on the o and down products), writing its keys and values to K, V [S, Hkv, M, D]."""
         cos, sin, idx, mask = ctx
         a = L.a
         S, T, _ = h.shape
         x = L.ln1(h)
-        q, k, v = F.linear(x, L.w_qkv, L.b_qkv).split(L.split, -1)
-        gate = None
-        if a.gated:
-            q, gate = q.view(S, T, a.hq, 2 * a.d).chunk(2, -1)
-            gate = gate.reshape(S, T, a.hq * a.d)
-        q = q.reshape(S, T, a.hq, a.d)
-        k = k.view(S, T, a.hkv, a.d)
+        qkv = F.linear(x, L.w_qkv, L.b_qkv)  # [S, T, (Hq(·2) + 2·Hkv)·D]
+        q, k, v = qkv.split(L.split, -1)
         v = v.view(S, T, a.hkv, a.d)
-        if L.qn is not None:
-            q, k = L.qn(q), L.kn(k)
-        q, k = _rope(q, cos, sin, a.rdim), _rope(k, cos, sin, a.rdim)
+        gate = None
+        if L.qn is None and not a.gated:  # q and k side by side in the product: one rotation for both
+            qk = _rope(qkv[..., : L.split[0] + L.split[1]].view(S, T, a.hq + a.hkv, a.d), cos, sin, a.rdim)
+            q, k = qk[:, :, : a.hq], qk[:, :, a.hq:]
+        else:
+            if a.gated:
+                q, gate = q.view(S, T, a.hq, 2 * a.d).chunk(2, -1)
+                gate = gate.reshape(S, T, a.hq * a.d)
+            q = q.reshape(S, T, a.hq, a.d)
+            k = k.view(S, T, a.hkv, a.d)
+            if L.qn is not None:
+                q, k = L.qn(q), L.kn(k)
+            q, k = _rope(q, cos, sin, a.rdim), _rope(k, cos, sin, a.rdim)
         K.scatter_(2, idx, k.transpose(1, 2))
         V.scatter_(2, idx, v.transpose(1, 2))
         # query heads of one KV head as extra rows: no copy of the cache per group
@@ -393,8 +422,8 @@ class DecodeEngine:
         o = o.view(S, a.hkv, self.G, T, a.d).permute(0, 3, 1, 2, 4).reshape(S, T, a.hq * a.d)
         if gate is not None:
             o = o * torch.sigmoid(gate)
-        h = h + F.linear(o, a.o_proj.weight)
-        return h + L.mlp(L.ln2(h))
+        h = _add_linear(h, o, a.o_proj.weight)
+        return L.mlp.add_to(h, L.ln2(h))
 
     def _gdn(self, i, h):
         """A GDN decoder layer on h [S, T, H] from the slot states; -> (h, conv
@@ -435,8 +464,8 @@ class DecodeEngine:
         o = torch.stack(outs, 1).to(v.dtype)  # [S, T, Hv, Dv]
         z = g.in_proj_z(x).reshape(S, T, g.hv, g.dv)
         o = g.norm(o, z).reshape(S, T, g.value_dim)
-        h = h + g.out_proj(o)
-        return h + mlp(ln2(h)), full, torch.stack(states, 1)
+        h = _add_linear(h, o, g.out_proj.weight)
+        return mlp.add_to(h, ln2(h)), full, torch.stack(states, 1)
 
     def _trunk(self, tok, pos):
         """The trunk on tokens [S, T] at positions pos.. -> (final hidden [S, T, H], GDN pending states)."""
@@ -468,40 +497,49 @@ class DecodeEngine:
         x = F.linear(x, self.model.mtp.eh_proj.weight)
         return self.mtp_out(self._attn(self.mtp_att, x, ctx, self.MK, self.MV))
 
-    def _draft_pick(self, xh, j: int):
-        """Draft token of chain step j from the draft's row xh [S, 1, H] -> [S, 1] (greedy;
-        the tests override it to steer which drafts are right)."""
+    def _draft_pick(self, xh, j: int, base, slots):
+        """Draft token of chain step j from the draft's row xh [S', 1, H] -> [S', 1]: greedy.
+        (base [S']: position of the round's pending token, so step j guesses token base+1+j;
+        slots [S']: whose rows. The tests override this to steer which drafts are right.)"""
         return self._pick(xh)
+
+    def _chain(self, out0, base):
+        """The next round's drafts from the draft's row out0 [S, 1, H] at position base-1
+        (chain step 0): steps 1..k-1 each read the previous step's row and token."""
+        xh, d = out0, self._draft_pick(out0, 0, base, self.slot_ar)
+        drafts = [d]
+        for j in range(1, self.k):
+            xh = self._mtp(xh, d, base - 1 + j)
+            d = self._draft_pick(xh, j, base, self.slot_ar)
+            drafts.append(d)
+        self.drafts.copy_(torch.where(self.active[:, None], torch.cat(drafts, 1), self.drafts))
 
     def _plain(self):
         act = self.active
         tok = self.pend[:, None]  # [S, 1]
         H, pending = self._trunk(tok, self.pos)
-        nxt = self._pick(H, self.temp)[:, 0]
+        nxt = self._pick(H, self.temp)  # [S, 1]
         self._commit(pending, torch.zeros_like(self.pos))
-        if self.k:  # keep the draft's row for the token just fed
-            self._mtp(self.hprev[:, None], tok, self.pos - 1)
-        self.hprev.copy_(torch.where(act[:, None], H[:, 0], self.hprev))
-        self.pend.copy_(torch.where(act, nxt, self.pend))
+        if self.k:  # keep the draft ready: its row for the token just decided, then the chain
+            self._chain(self._mtp(H, nxt, self.pos), self.pos + 1)
+        self.pend.copy_(torch.where(act, nxt[:, 0], self.pend))
         self.pos.add_(act.long())
-        self.out_tok.copy_(torch.where(act, nxt, -1))
+        self.out_tok.copy_(torch.where(act, nxt[:, 0], -1))
 
     def _spec(self):
-        act, pos, k = self.active, self.pos, self.k
-        xh, xt = self.hprev[:, None], self.pend[:, None]
-        drafts = []
-        for j in range(k):  # the chain: step j reads step j-1's output row and token
-            xh = self._mtp(xh, xt, pos - 1 + j)
-            xt = self._draft_pick(xh, j)  # [S, 1]
-            drafts.append(xt)
-        block = torch.cat([self.pend[:, None]] + drafts, 1)  # [S, k+1]
+        """One round. At its start a slot's trunk has seen positions 0..n-1 (n = pos), its
+        pending token n and the k drafts after it are decided, and the draft's rows up to
+        n-1 read the trunk's own rows (rows past them, the chain's guesses)."""
+        act, pos = self.active, self.pos
+        block = torch.cat([self.pend[:, None], self.drafts], 1)  # [S, k+1] at positions n..n+k
         Hv, pending = self._trunk(block, pos)
         pred = self._pick(Hv)  # [S, k+1]: the trunk's token after each block token
         a = (block[:, 1:] == pred[:, :-1]).long().cumprod(1).sum(1)  # [S] drafts accepted
         self._commit(pending, a)
-        # the draft's rows n-1..n-1+a again, from the trunk's own hidden rows (rows past a are overwritten later)
-        self._mtp(torch.cat([self.hprev[:, None], Hv[:, :k]], 1), block, pos - 1)
-        self.hprev.copy_(torch.where(act[:, None], Hv[self.slot_ar, a], self.hprev))
+        # the draft's rows n..n+k from the trunk's rows and tokens: rows ≤ n+a are the accepted
+        # ones, row n+a is the next round's chain step 0 (rows past it are overwritten before use)
+        out = self._mtp(Hv, pred, pos)
+        self._chain(out[self.slot_ar, a][:, None], pos + a + 1)
         self.pend.copy_(torch.where(act, pred[self.slot_ar, a], self.pend))
         n = (a + 1) * act.long()
         self.pos.add_(n)

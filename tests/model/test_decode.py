@@ -55,10 +55,10 @@ class Steered(DecodeEngine):
         self.truth = truth  # [S, L] prompt + greedy continuation per slot
         super().__init__(model, **kw)
 
-    def _draft_pick(self, xh, j):
+    def _draft_pick(self, xh, j, base, slots):
         L = self.truth.shape[1]
-        p = (self.pos + 1 + j).clamp(max=L - 1)  # draft j guesses the token at pos+1+j
-        right = self.truth.to(self.pos.device)[self.slot_ar, p]
+        p = (base + 1 + j).clamp(max=L - 1)  # draft j guesses the token at base+1+j
+        right = self.truth[slots, p]
         bad = (p * p * 3 + j * 2) % 5 < 2
         return torch.where(bad, (right + 1) % V, right)[:, None]
 
@@ -94,6 +94,44 @@ def test_speculative_with_the_models_own_draft(model, draft):
         r = generate_fast(model, p, max_new=20, draft=draft, graphs=False)
         assert r.tokens == greedy(model, p, 20)
         assert r.drafted == draft * r.rounds
+
+
+def _reference_drafts(model, seq, k):
+    """The draft chain the reference loop would run next: the trunk has seen seq[:-1],
+    seq[-1] is the pending token; the draft's rows come from the trunk's own rows."""
+    from cortiq.model.decoder import KVState
+
+    with torch.no_grad():
+        t = torch.tensor([seq[:-1]])
+        n = t.shape[1]
+        H, _ = model.forward_hidden(t)
+        ms = KVState()
+        if n > 1:
+            model.mtp_forward(H[:, :-1], t[:, 1:], 0, ms)
+        xh, xt, out = H[:, -1:], seq[-1], []
+        for j in range(k):
+            xh = model.mtp_forward(xh, torch.tensor([[xt]]), n - 1 + j, ms)
+            xt = int(model.logits(xh[0, -1]).argmax())
+            out.append(xt)
+    return out
+
+
+@pytest.mark.parametrize("draft", [1, 3])
+def test_drafts_held_between_rounds_are_the_reference_chain(model, draft):
+    # after prefill, after each speculative round and after plain steps mixed in, the drafts the
+    # engine holds for its next round are the chain the reference loop would draft from that state
+    p = PROMPTS[0]
+    eng = DecodeEngine(model, slots=2, max_len=64, draft=draft, graphs=False)
+    seq = p + [eng.prefill(1, p)]
+    assert eng.drafts[1].tolist() == _reference_drafts(model, seq, draft)
+    for r in range(6):
+        if r % 3 == 2:
+            seq.append(eng.step().tolist()[1])
+        else:
+            pred, n = eng.spec_step()
+            seq += pred[1, : n[1]].tolist()
+        assert eng.drafts[1].tolist() == _reference_drafts(model, seq, draft)
+    assert seq[len(p):] == greedy(model, p, len(seq) - len(p))
 
 
 @pytest.mark.parametrize("draft", [0, 2])
@@ -205,3 +243,29 @@ def test_cuda_graphs_equal_eager_and_reference(model):
         assert [r.tokens for r in plain] == greedy
     finally:
         model.to("cpu")
+
+
+def test_cli_generate_fast_reference_and_speculative(tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    from tiny import llama_arch, write_random
+
+    from cortiq.cli import main
+    from cortiq.commands.generate import _differ
+
+    arch = llama_arch()
+    arch.mtp_layers = 1
+    path = write_random(tmp_path / "m.cmf", arch)
+    args = [str(path), "The quick", "--max-new", "12", "--device", "cpu"]
+    assert main(["generate", *args]) == 0
+    fast = capsys.readouterr().out
+    assert main(["generate", *args, "--reference"]) == 0
+    assert capsys.readouterr().out == fast
+    assert main(["generate", *args, "--speculative", "--draft", "2"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == fast
+    assert "output identical to plain greedy" in cap.err
+    assert _differ([1, 2, 3, 4], [1, 2, 5, 4]) == (1, 2)
+    assert _differ([1, 2], [1, 2, 3]) == (1, 2)
+    assert _differ([7], [7]) == (0, None)
