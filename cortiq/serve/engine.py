@@ -38,6 +38,8 @@ class Engine(ABC):
     """Slots 0..max_batch-1, each up to max_len positions."""
 
     steps_all = False
+    #: the engine's own greedy tokens for the rows of the last prefill or step, or None
+    picked = None
 
     def __init__(self, model, max_batch: int, max_len: int, draft: int = 0):
         if max_batch < 1 or max_len < 2:
@@ -80,27 +82,61 @@ def make_engine(model, max_batch: int, max_len: int, draft: int = 0, kind: str =
     raise CortiqError(f"engine kind {kind!r} (choose auto, decode or loop)")
 
 
+def _row_keeping_engine():
+    """DecodeEngine, keeping the trunk's last final hidden row per slot: the
+    row its own next-token choice reads (prefill's last prompt row, each plain
+    step's row), copied into a buffer made before the engine captures its
+    step, so the captured graph refreshes it at every replay."""
+    from ..model.decode import DecodeEngine
+
+    class RowKeeping(DecodeEngine):
+        def __init__(self, model, slots: int, **kw):
+            w = model.model.embed_tokens.weight
+            self.serve_rows = torch.zeros(slots, model.arch.hidden_size, dtype=w.dtype, device=w.device)  # [S, H]
+            self._prefill_slot = None
+            super().__init__(model, slots=slots, **kw)
+
+        def prefill(self, slot, ids, temperature=0.0):
+            self._prefill_slot = slot
+            try:
+                return super().prefill(slot, ids, temperature)
+            finally:
+                self._prefill_slot = None
+
+        def _pick(self, h, temp=None):
+            if temp is not None:  # the trunk's next-token choice: h [S, 1, H], or [1, 1, H] in prefill
+                if self._prefill_slot is not None:
+                    self.serve_rows[self._prefill_slot] = h[0, -1]
+                else:
+                    self.serve_rows.copy_(h[:, -1])
+            return super()._pick(h, temp)
+
+    return RowKeeping
+
+
 class DecodeAdapter(Engine):
     """cortiq.model.decode.DecodeEngine behind this interface. That engine
     keeps each slot's pending token and advances every active slot at once;
     the server decides tokens itself (top-p, a seed per request), so each call
     first sets the pending tokens to the scheduler's, and the logits come from
-    the engine's last final hidden row per slot (its `hprev`) through the head."""
+    the trunk's last hidden row per slot through the head. `picked` holds the
+    engine's own greedy tokens of the last call, which the scheduler takes
+    for greedy requests (the same argmax, from the engine's own product)."""
 
     steps_all = True
 
     def __init__(self, model, max_batch: int, max_len: int, draft: int = 0, graphs: bool | None = None):
-        from ..model.decode import DecodeEngine
-
         super().__init__(model, max_batch, max_len, draft)
-        self.eng = DecodeEngine(model, slots=max_batch, max_len=max_len, draft=draft, sampling=False, graphs=graphs)
+        self.eng = _row_keeping_engine()(model, slots=max_batch, max_len=max_len, draft=draft, sampling=False,
+                                         graphs=graphs)
         # the engine keeps room for a verify block of draft+1 past every slot's next step
         self.max_len = max_len - draft
         self.lens = [0] * max_batch
         self.on: set[int] = set()
+        self.picked: torch.Tensor | None = None
 
     def _logits(self, slots_t):
-        return self.model.logits(self.eng.hprev[slots_t]).float()  # [B, V]
+        return self.model.logits(self.eng.serve_rows[slots_t]).float()  # [B, V]
 
     def _feed(self, slots, tokens):
         if set(slots) != self.on:
@@ -112,15 +148,16 @@ class DecodeAdapter(Engine):
     @torch.no_grad()
     def prefill(self, slot, ids):
         self._check_prompt(slot, ids)
-        self.eng.prefill(slot, list(ids), 0.0)
+        first = self.eng.prefill(slot, list(ids), 0.0)
         self.lens[slot] = len(ids)
         self.on.add(slot)
+        self.picked = torch.tensor([first], device=self.device)
         return self._logits(torch.tensor([slot], device=self.device))[0]
 
     @torch.no_grad()
     def step(self, slots, tokens):
         slots_t = self._feed(slots, tokens)
-        self.eng.step()
+        self.picked = self.eng.step()[slots_t]
         for s in slots:
             self.lens[s] += 1
         return self._logits(slots_t)

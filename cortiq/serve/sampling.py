@@ -14,9 +14,10 @@ import torch
 
 
 def choose(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[float],
-           u: Sequence[float]) -> torch.Tensor:
+           u: Sequence[float], greedy: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V]; per row a temperature (<= 0: argmax), a top-p in (0, 1]
     and a uniform u in [0, 1) -> token ids int64 [B] (on the logits' device).
+    `greedy` [B]: the argmax rows' tokens where the caller has them already.
 
     Sampling row b: p = softmax(logits_b / T_b); tokens sorted by p, the
     smallest head whose mass reaches top_p kept (the first token always),
@@ -24,7 +25,7 @@ def choose(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[f
     dev = logits.device
     B = logits.shape[0]
     t = torch.tensor(list(temperature), dtype=torch.float32, device=dev)  # [B]
-    greedy = logits.argmax(-1)  # [B]
+    greedy = logits.argmax(-1) if greedy is None else greedy.to(dev)  # [B]
     if bool((t <= 0).all()):
         return greedy
     tp = torch.tensor(list(top_p), dtype=torch.float32, device=dev)[:, None]  # [B, 1]

@@ -139,7 +139,7 @@ class Scheduler:
             self.active[r.slot] = r
             r.spec = self.speculative and r.temperature <= 0
             logits = eng.prefill(r.slot, r.ids)
-            tok = int(choose(logits[None], [r.temperature], [r.top_p], [r.rng.random()])[0])
+            tok = int(choose(logits[None], [r.temperature], [r.top_p], [r.rng.random()], eng.picked)[0])
             self.stats["requests"] += 1
             self._take(r, [tok])
         for r in [r for r in self.active.values() if r.cancelled]:
@@ -156,7 +156,7 @@ class Scheduler:
         if plain:
             logits = eng.step([r.slot for r in plain], [r.next_tok for r in plain])  # [B, V]
             toks = choose(logits, [r.temperature for r in plain], [r.top_p for r in plain],
-                          [r.rng.random() for r in plain]).tolist()
+                          [r.rng.random() for r in plain], eng.picked).tolist()
             self.stats["steps"] += 1
             for r, t in zip(plain, toks):
                 self._take(r, [t])

@@ -29,6 +29,7 @@ def test_prefill_and_step_logits_equal_the_full_forward(kind):
         slots = sorted(seqs)
         toks = torch.randint(0, 259, (len(slots),), generator=g).tolist()
         got = eng.step(slots, toks)
+        assert eng.picked.tolist() == got.argmax(-1).tolist()  # the engine's own choice agrees
         for s, t, row in zip(slots, toks, got):
             seqs[s].append(t)
             torch.testing.assert_close(row, m(torch.tensor([seqs[s]]))[0, -1], rtol=1e-4, atol=1e-4)
@@ -90,3 +91,16 @@ def test_bad_use_is_a_clear_error():
             eng.prefill(0, list(range(8)))
         with pytest.raises(CortiqError, match="slot 2"):
             eng.prefill(2, [1])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_graphs_refresh_the_rows_the_server_reads():
+    m = random_model(arch("llama"), mix=0.5).to("cuda")
+    prompts = [[1, 2, 3], [0, 3, 1, 2, 2, 1], [3], [2, 0]]
+    want = [generate(m, p, max_new=12).tokens for p in prompts]
+    plain = DecodeAdapter(m, 3, 64)
+    assert plain.eng.graphs  # the step is a replayed graph: logits come from the rows it refreshed
+    assert drive(plain, prompts, max_new=12, joins=[0, 1, 1, 4])[0] == want
+    spec = DecodeAdapter(m, 3, 64, draft=2)
+    assert drive(spec, prompts, max_new=12, speculative="alternate", joins=[0, 1, 1, 4])[0] == want
