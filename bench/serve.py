@@ -185,8 +185,9 @@ def main() -> int:
         extra = ["--speculative", "--draft", str(args.draft)] if mode == "speculative" else []
         srv = Server(model, tmp / f"{mode}.log", ["--max-batch", str(max(clients)), "--max-len", str(args.max_len),
                                                   *dev, *extra])
-        banner = srv.log.read_text().splitlines()[0].removeprefix("cortiq serve: ")
-        print(f"[{mode}] {banner}", file=sys.stderr, flush=True)
+        line = srv.log.read_text().splitlines()[0].removeprefix("cortiq serve: ")
+        banner = banner or line.split(", speculative")[0]
+        print(f"[{mode}] {line}", file=sys.stderr, flush=True)
         try:
             asyncio.run(level(srv.url, name, 2, 1, 8, 0))  # warm-up: first calls, allocator, kernels
             for c in clients:
