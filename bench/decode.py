@@ -2,7 +2,7 @@
 and speculative, against transformers' `generate` on the same weights, in one
 call, with drafts accepted per round next to the offline estimate.
 
-    python bench/decode.py --model MODEL.cmf [--draft DRAFTED.cmf] [--new 200]
+    python bench/decode.py [--model MODEL.cmf] --draft DRAFTED.cmf [--draft OTHER.cmf] [--new 200]
                            [--batches 1,8] [--depths 1,2,3] [--out DIR]
     python bench/decode.py --random          # SmolLM2-135M geometry, random weights + random draft (speed only)
 
@@ -182,8 +182,10 @@ def first_diff(pairs) -> int | None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="MODEL.cmf (plain rows)")
-    ap.add_argument("--draft", help="a model file with model.mtp.* (speculative rows; its trunk also runs the plain rows)")
+    ap.add_argument("--model", help="MODEL.cmf (plain rows; default: the first --draft's trunk)")
+    ap.add_argument("--draft", action="append", default=[],
+                    help="a model file with model.mtp.* (speculative rows; repeat to compare drafts, e.g. the "
+                         "`mtp init` output and the `mtp heal` output: same trunk, other draft)")
     ap.add_argument("--random", action="store_true", help="SmolLM2-135M geometry with random weights (speed only)")
     ap.add_argument("--tiny", action="store_true", help="a tiny random model: a CPU smoke test of this script")
     ap.add_argument("--new", type=int, default=200)
@@ -201,21 +203,31 @@ def main():
     from cortiq.model.generate import decode, generate
     from cortiq.tokenizer import from_doc
 
-    f = None
+    drafts = []  # (name, model with a draft, its file or None)
     if a.random or a.tiny:
         model, tok = random_smollm2(True, a.tiny)
         doc = None
+        drafts.append(("random", model, None))
     else:
-        f = open_cmf(a.draft or a.model)
+        if not (a.model or a.draft):
+            raise SystemExit("give --model and/or --draft (or --random)")
+        f = open_cmf(a.model or a.draft[0])
         tok, doc = from_doc(f.tokenizer, str(f.path)), f.tokenizer
         model = load_model(f, dtype=torch.bfloat16, device=DEV)
-    has_draft = model.mtp is not None
-    depths = [int(x) for x in a.depths.split(",") if x] if has_draft else []
+        for d in a.draft:
+            fd = open_cmf(d)
+            md = model if fd.path == f.path else load_model(fd, dtype=torch.bfloat16, device=DEV)
+            if md.mtp is None:
+                raise SystemExit(f"{d}: carries no draft (model.mtp.*)")
+            drafts.append((Path(d).stem, md, fd))
+    depths = [int(x) for x in a.depths.split(",") if x]
     batches = [int(x) for x in a.batches.split(",")]
     data, chat = prompts_for(tok, max(batches), a.prompt_tokens, doc)
     dev = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
-    log(f"{dev}; torch {torch.__version__}; model {a.draft or a.model or 'random SmolLM2 geometry'}; draft: {has_draft}")
+    log(f"{dev}; torch {torch.__version__}; model {a.model or (a.draft or ['random SmolLM2 geometry'])[0]}; "
+        f"drafts: {[n for n, _, _ in drafts]}")
     rows = []
+    label = (lambda n: "") if len(drafts) < 2 else (lambda n: f" [{n}]")
 
     def row(**r):
         rows.append(r)
@@ -238,16 +250,17 @@ def main():
         d_ref = diff_count(out[0].tokens[: a.reference_new], ref.tokens) if B == 1 else None
         row(who="engine", batch=B, tok_s=tps, build_s=build, differ_vs_reference=d_ref)
         del eng
-        for k in depths:
-            eng = DecodeEngine(model, slots=B, max_len=room + 2 * k, draft=k)
-            decode(model, ps, max_new=16, draft=k, engine=eng)
-            sp = decode(model, ps, max_new=a.new, draft=k, engine=eng)
-            acc = sum(r.accepted for r in sp) / max(sum(r.rounds for r in sp), 1)
-            diff = sum(diff_count(r.tokens, t) for r, t in zip(sp, plain_tokens[B]))
-            row(who=f"spec k{k}", batch=B, tok_s=B * a.new / sp[0].seconds, x_plain=B * a.new / sp[0].seconds / tps,
-                accepted=acc, differ=diff, differ_of=B * a.new,
-                first=first_diff([(r.tokens, t) for r, t in zip(sp, plain_tokens[B])]))
-            del eng
+        for name, md, _ in drafts:
+            for k in depths:
+                eng = DecodeEngine(md, slots=B, max_len=room + 2 * k, draft=k)
+                decode(md, ps, max_new=16, draft=k, engine=eng)
+                sp = decode(md, ps, max_new=a.new, draft=k, engine=eng)
+                acc = sum(r.accepted for r in sp) / max(sum(r.rounds for r in sp), 1)
+                diff = sum(diff_count(r.tokens, t) for r, t in zip(sp, plain_tokens[B]))
+                row(who=f"spec k{k}{label(name)}", batch=B, tok_s=B * a.new / sp[0].seconds,
+                    x_plain=B * a.new / sp[0].seconds / tps, accepted=acc, differ=diff, differ_of=B * a.new,
+                    first=first_diff([(r.tokens, t) for r, t in zip(sp, plain_tokens[B])]))
+                del eng
         if not a.no_hf:
             hf = hf_twin(model)
             toks, secs = hf_generate(hf, ps, a.new)
@@ -255,21 +268,23 @@ def main():
             row(who="transformers", batch=B, tok_s=B * a.new / secs, differ=diff, differ_of=B * a.new,
                 first=first_diff(list(zip(toks, plain_tokens[B]))))
             del hf
-        torch.cuda.empty_cache()
-    # acceptance on chat prompts, batch 1 each, and the offline estimate on the same text
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+    # drafts accepted per round on data and chat prompts, and the offline estimate on the same text
     accept = {}
-    if has_draft and not a.random:
-        for name, ps in (("data", data[: max(batches)]), ("chat", chat)):
+    if not a.random:
+        for pname, ps in (("data", data[: max(batches)]), ("chat", chat)):
             if not ps:
                 continue
             plain = decode(model, ps, max_new=a.new)
             seqs = [p + r.tokens for p, r in zip(ps, plain)]
-            for k in depths:
-                sp = decode(model, ps, max_new=a.new, draft=k)
-                real = sum(r.accepted for r in sp) / max(sum(r.rounds for r in sp), 1)
-                accept[(name, k)] = (real, offline_dpr(model, seqs, [len(p) for p in ps], k))
-    prov = provenance_dpr(f) if f is not None else None
-    print(f"\n{dev}, torch {torch.__version__}, {str(model.model.embed_tokens.weight.dtype)[6:]}, greedy, {a.new} new tokens after a {a.prompt_tokens}-token prompt")
+            for name, md, _ in drafts:
+                for k in depths:
+                    sp = decode(md, ps, max_new=a.new, draft=k)
+                    real = sum(r.accepted for r in sp) / max(sum(r.rounds for r in sp), 1)
+                    accept[(pname + label(name), k)] = (real, offline_dpr(md, seqs, [len(p) for p in ps], k))
+    print(f"\n{dev}, torch {torch.__version__}, {str(model.model.embed_tokens.weight.dtype)[6:]}, greedy, "
+          f"{a.new} new tokens after a {a.prompt_tokens}-token prompt")
     print("| decoder | batch | tokens/s | × engine plain | drafts accepted / round | tokens differing from plain |")
     print("|---|---|---|---|---|---|")
     base = {r["batch"]: r["tok_s"] for r in rows if r["who"] == "engine"}
@@ -286,10 +301,12 @@ def main():
     if accept:
         print("\n| prompts | depth | accepted / round (real) | offline estimate (same text) |")
         print("|---|---|---|---|")
-        for (name, k), (real, off) in accept.items():
-            print(f"| {name} | {k} | {real:.3f} | {off:.3f} |")
-        if prov is not None:
-            print(f"\nthe draft file's provenance: {prov:.3f} drafts per round (held-out windows of its training data)")
+        for (pname, k), (real, off) in accept.items():
+            print(f"| {pname} | {k} | {real:.3f} | {off:.3f} |")
+        for name, _, fd in drafts:
+            prov = provenance_dpr(fd) if fd is not None else None
+            if prov is not None:
+                print(f"\n{name}: its file's provenance says {prov:.3f} drafts per round (held-out windows of its training data)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "rows": rows,

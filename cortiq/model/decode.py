@@ -213,8 +213,12 @@ class DecodeEngine:
             self.slot_of[i] = j
         with torch.no_grad():
             self.att = {i: _Attn(layers[i]) for i in self.attn_idx}
-            self.lin = {i: (_Norm(layers[i].input_layernorm), _Norm(layers[i].post_attention_layernorm), _Mlp(layers[i].mlp))
-                        for i in self.lin_idx}
+            self.lin = {}
+            for i in self.lin_idx:
+                g = layers[i].linear_attn
+                mods = [g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a]  # one product for the four
+                self.lin[i] = (_Norm(layers[i].input_layernorm), _Norm(layers[i].post_attention_layernorm),
+                               _Mlp(layers[i].mlp), _fuse(mods)[0], [m.weight.shape[0] for m in mods])
             self.final = _Norm(model.model.norm)
             hkv, D = arch.num_kv_heads, arch.head_dim
             self.hkv, self.hq, self.D = hkv, arch.num_heads, D
@@ -429,12 +433,13 @@ class DecodeEngine:
         """A GDN decoder layer on h [S, T, H] from the slot states; -> (h, conv
         window [S, C, K-1+T], state after each token [S, T, Hv, Dk, Dv]). The
         state is not written: the caller commits the accepted prefix's."""
-        ln1, ln2, mlp = self.lin[i]
+        ln1, ln2, mlp, w_in, split = self.lin[i]
         j = self.slot_of[i]
         g = self.model.layers[i].linear_attn
         S, T, _ = h.shape
         x = ln1(h)
-        qkv = g.in_proj_qkv(x).transpose(1, 2)  # [S, C, T]
+        qkv, z, b, a = F.linear(x, w_in).split(split, -1)
+        qkv = qkv.transpose(1, 2)  # [S, C, T]
         full = torch.cat([self.conv[j].to(qkv.dtype), qkv], -1)  # [S, C, K-1+T]
         # the causal depthwise conv as windows × taps (a CPU conv1d call on a few columns costs ~80 ms)
         y = F.silu((full.unfold(2, g.K, 1) * g.conv1d.weight[:, 0, None, :]).sum(-1)).transpose(1, 2)  # [S, T, C]
@@ -447,8 +452,8 @@ class DecodeEngine:
         if g.hv != g.hk:
             q = q.repeat_interleave(g.hv // g.hk, 2)
             k = k.repeat_interleave(g.hv // g.hk, 2)
-        beta = g.in_proj_b(x).float().sigmoid()  # [S, T, Hv]
-        gl = -g.A_log.float().exp() * F.softplus(g.in_proj_a(x).float() + g.dt_bias.float())  # [S, T, Hv]
+        beta = b.float().sigmoid()  # [S, T, Hv]
+        gl = -g.A_log.float().exp() * F.softplus(a.float() + g.dt_bias.float())  # [S, T, Hv]
         # the reference recurrence (gated_delta_rule_ref), keeping the state after every token
         q, k = q.to(v.dtype).float() * g.dk ** -0.5, k.to(v.dtype).float()
         vf = v.float()
@@ -462,7 +467,7 @@ class DecodeEngine:
             outs.append(torch.einsum("bhkv,bhk->bhv", St, q[:, t]))
             states.append(St)
         o = torch.stack(outs, 1).to(v.dtype)  # [S, T, Hv, Dv]
-        z = g.in_proj_z(x).reshape(S, T, g.hv, g.dv)
+        z = z.reshape(S, T, g.hv, g.dv)
         o = g.norm(o, z).reshape(S, T, g.value_dim)
         h = _add_linear(h, o, g.out_proj.weight)
         return mlp.add_to(h, ln2(h)), full, torch.stack(states, 1)

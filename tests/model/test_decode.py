@@ -241,6 +241,10 @@ def test_cuda_graphs_equal_eager_and_reference(model):
         assert len({a for r in out for a in r.per_round}) >= 3
         plain = decode(m, PROMPTS, max_new=16, graphs=True)
         assert [r.tokens for r in plain] == greedy
+        # sampling draws inside the captured graph from the seeded CUDA generator
+        s1 = generate_fast(m, PROMPTS[0], max_new=8, temperature=0.8, seed=1, graphs=True).tokens
+        s2 = generate_fast(m, PROMPTS[0], max_new=8, temperature=0.8, seed=1, graphs=True).tokens
+        assert s1 == s2 and len(s1) == 8 and all(0 <= t < V for t in s1)
     finally:
         model.to("cpu")
 
