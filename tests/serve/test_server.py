@@ -15,7 +15,7 @@ from cortiq.model import load_model
 from cortiq.model.generate import generate
 from cortiq.tokenizer import load_tokenizer
 
-from conftest import CHATML, EOS, Server
+from serve_helpers import CHATML, EOS, Server
 
 MODEL = "tiny"
 
