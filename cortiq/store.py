@@ -98,26 +98,45 @@ def locked(path: str | os.PathLike, wait: bool = True) -> Iterator[None]:
     """Hold the exclusive lock of `path` (on the file `PATH.lock`) across processes.
 
     An flock: the kernel releases it when its holder exits, however it dies
-    (kill -9 included), so a lock is never left stale. A second holder waits,
+    (kill -9 included), so a lock is never stale. A second holder waits,
     saying once on stderr what it waits for; with `wait=False` it raises
-    CortiqError instead. The lock file stays (removing it would let a waiter
-    lock a file no one else sees). Not re-entrant: a process that holds a path
-    must not lock it again."""
+    CortiqError instead. The holder removes the lock file as it lets go; a
+    waiter that then gets the lock of the removed file sees that the name no
+    longer leads to it and locks the name afresh. Not re-entrant: a process
+    that holds a path must not lock it again."""
     path = Path(path)
     lock = path.with_name(path.name + ".lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    said = False
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if not wait:
-                raise CortiqError(f"{path}: another cortiq process is writing it (lock {lock})") from None
-            print(f"cortiq: {path}: another process is writing it; waiting", file=sys.stderr, flush=True)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not wait:
+                    raise CortiqError(f"{path}: another cortiq process is writing it (lock {lock})") from None
+                if not said:
+                    print(f"cortiq: {path}: another process is writing it; waiting", file=sys.stderr, flush=True)
+                    said = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if same:
+            break
+        os.close(fd)  # the previous holder removed this file: lock the name again
+    try:
         yield
     finally:
-        os.close(fd)
+        try:
+            os.unlink(lock)
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager
