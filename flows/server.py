@@ -54,8 +54,10 @@ def _spawn(port: int) -> subprocess.Popen:
     args = ["-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
             "--log-level", "error", "--lifespan", "on"]
+    # a session of its own: a Ctrl-C of the run reaches the run, which still reports its end to
+    # the server before stopping it (a kill of the run reaches the server by the parent-death signal)
     return subprocess.Popen([sys.executable, "-c", _GUARD, str(os.getpid()), *args], env=env,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def _healthy(url: str) -> bool:
