@@ -70,7 +70,7 @@ PLAN_BOUNDS = {
 }
 
 #: torch device strings a stage may name ("auto" picks CUDA when present)
-DEVICE_RE = re.compile(r"auto|cpu|mps|meta|(cuda|xpu)(:\d{1,3})?")
+DEVICE_RE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d{1,3})?")
 
 
 def stage_settings_class(group: str):

@@ -27,8 +27,10 @@ from cortiq.errors import CortiqError
 #: runs in the child before the server: parent-death signal, then exec (the setting survives exec)
 _GUARD = """
 import ctypes, os, signal, sys
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-if os.getppid() != int(sys.argv[1]):  # the parent died before the line above took effect
+prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)  # Linux only; elsewhere no guard
+if prctl is not None:
+    prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):  # the parent died before the guard took effect
     sys.exit(0)
 os.execv(sys.executable, [sys.executable] + sys.argv[2:])
 """
