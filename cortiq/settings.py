@@ -18,7 +18,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import math
 import os
+import re
+import stat
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,34 @@ EXTRA_KEYS = {"data": {"sources": ["corpus:pydoc"]}}
 
 #: codecs a re-encode may write (cortiq.codecs names)
 DEFAULT_CODECS = ["f16", "q8", "q4"]
+
+# ── limits on a parameter file, checked before its values are built ──
+#: a parameter set is a few hundred bytes; a file past this is not one
+MAX_PARAM_BYTES = 1 << 20
+#: values a file may hold with every YAML alias expanded (a shipped set holds ~80): aliases
+#: referring to aliases grow exponentially, and the settings are copied, flattened and
+#: hashed in full later (a 1 KB "billion laughs" file would hold 10**9)
+MAX_PARAM_VALUES = 20_000
+#: nesting depth of a parameter file (a shipped set nests 3 deep)
+MAX_PARAM_DEPTH = 32
+
+#: the largest whole number a setting takes: beyond it a float loses integers, and no count of
+#: steps, tokens or bytes a run plans comes near it
+MAX_INT = 1 << 53
+
+#: values that plan absurd work, refused by field name in any group: (lowest, highest, why)
+PLAN_BOUNDS = {
+    "window": (8, 1 << 20, "a window is one model pass: under 8 tokens a run spends its time on per-pass overhead "
+                           "(a window of 1 planned a 40-minute run of nothing), over 1M no attention fits"),
+    "score_window": (8, 1 << 20, "a window is one model pass: under 8 tokens scoring spends its time on per-pass "
+                                 "overhead and scores almost no context"),
+    "epochs": (0, 1000, "more than 1000 passes over the same windows only memorises them"),
+    "batch": (1, 1 << 16, "a step of more than 65536 windows fits no memory"),
+    "topk": (1, 1 << 16, "more than 65536 teacher entries per row is a full vocabulary, not a top-k"),
+}
+
+#: torch device strings a stage may name ("auto" picks CUDA when present)
+DEVICE_RE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d{1,3})?")
 
 
 def stage_settings_class(group: str):
@@ -116,7 +149,7 @@ class PipelineSettings:
     #: window length (tokens) the test NLL is scored in
     score_window: int = 256
     #: codecs the final model is re-encoded in and re-measured (cortiq.codecs names)
-    codecs: list = field(default_factory=lambda: list(DEFAULT_CODECS))
+    codecs: list[str] = field(default_factory=lambda: list(DEFAULT_CODECS))
     # ── outputs, tracking, retries ──
     run: RunSettings = field(default_factory=RunSettings)
 
@@ -181,12 +214,137 @@ def _check_keys(cls, values: dict, group: str, where: str, extra: tuple = ()) ->
             _check_keys(sub, v, f"{group}.{k}", where)
 
 
+def _short(v: Any) -> str:
+    """A value as an error message shows it: its repr, cut to a line."""
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+class _Mismatch(Exception):
+    """A value of the wrong kind for its field; the message says what was expected."""
+
+
+def _kind(tp: Any, v: Any, key: str) -> Any:
+    """`v` checked against the annotation `tp` (and normalised: an int where a float is
+    expected becomes a float, a nested dataclass's mapping is checked field by field)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return v
+    if origin in (typing.Union, types.UnionType):
+        if v is None and type(None) in args:
+            return None
+        wanted = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _kind(a, v, key)
+            except _Mismatch as e:
+                wanted.append(str(e))
+        raise _Mismatch(" or ".join(wanted) + (" or null" if type(None) in args else ""))
+    if tp is bool:
+        # YAML reads `no` as false but 'no' (quoted) as a string; a string is never a boolean here
+        if not isinstance(v, bool):
+            raise _Mismatch("true or false")
+        return v
+    if tp is int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _Mismatch("a whole number")
+        if abs(v) > MAX_INT:
+            raise _Mismatch(f"a whole number of at most {MAX_INT}")
+        return v
+    if tp is float:
+        if isinstance(v, str) and re.fullmatch(r"[-+]?\d+[eE][-+]?\d+", v.strip()):
+            raise _Mismatch(f"a number (YAML reads {v} as text: write it with a point, {v.replace('e', '.0e', 1)})")
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _Mismatch("a number")
+        if not math.isfinite(v):
+            raise _Mismatch("a finite number")
+        return float(v)
+    if tp is str:
+        if not isinstance(v, str):
+            raise _Mismatch("a string")
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in v):
+            raise _Mismatch("a string without control characters")
+        return v
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if isinstance(v, tp):
+            return v
+        if not isinstance(v, dict):
+            raise _Mismatch("a mapping of settings")
+        return check_types(tp, v, key, None)
+    if tp is dict or origin is dict:
+        if not isinstance(v, dict):
+            raise _Mismatch("a mapping of settings")
+        return v
+    if tp in (list, tuple) or origin in (list, tuple):
+        if not isinstance(v, (list, tuple)):
+            raise _Mismatch("a list")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(v) != len(args):
+                raise _Mismatch(f"a list of {len(args)}")
+            return [_item(a, x, f"{key}[{i}]") for i, (a, x) in enumerate(zip(args, v))]
+        if args:
+            return [_item(args[0], x, f"{key}[{i}]") for i, x in enumerate(v)]
+        return list(v)
+    return v  # an annotation this check does not know: the dataclass's own __post_init__ checks it
+
+
+def _item(tp: Any, v: Any, key: str) -> Any:
+    """One item of a list setting, named by its index when it is of the wrong kind."""
+    try:
+        return _kind(tp, v, key)
+    except _Mismatch as e:
+        raise CortiqError(f"{key} must be {e}, not {_short(v)}") from None
+
+
+def _field_check(name: str, v: Any, key: str) -> None:
+    """Checks by field name, the same in every group: device strings, and values that plan absurd work."""
+    if name == "device" and isinstance(v, str) and not DEVICE_RE.fullmatch(v):
+        raise CortiqError(f"{key} {v!r} is not a device (auto, cpu, cuda, cuda:N, mps, xpu, xpu:N)")
+    if name == "name" and isinstance(v, str) and not (0 < len(v) <= 200):
+        raise CortiqError(f"{key} must be 1 to 200 characters, not {len(v)}")
+    bounds = PLAN_BOUNDS.get(name)
+    if bounds and isinstance(v, (int, float)) and not isinstance(v, bool):
+        lo, hi, why = bounds
+        if v < lo or v > hi:
+            raise CortiqError(f"{key} {v} is outside [{lo}, {hi}]: {why}")
+
+
+def check_types(cls, values: dict, group: str, where: str | None) -> dict:
+    """`values` (a group of settings from a parameter file) checked against `cls`'s field
+    annotations: whole numbers are ints, numbers finite, booleans true/false, strings strings,
+    a mapping where a group is expected; devices parsed and absurd plans refused. Returns the
+    values normalised (ints where floats are expected become floats). Raises CortiqError
+    naming `where` and the key; unknown keys are left to `_check_keys`."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # an annotation that does not resolve: the dataclass's own checks stand
+        hints = {}
+    out = dict(values)
+    for k, v in values.items():
+        tp = hints.get(k)
+        if tp is None:
+            continue
+        key = f"{group}.{k}" if group else str(k)
+        try:
+            out[k] = _kind(tp, v, key)
+            _field_check(str(k), v, key)
+        except _Mismatch as e:
+            msg = f"{key} must be {e}, not {_short(v)}"
+            raise CortiqError(f"{where}: {msg}" if where else msg) from None
+        except CortiqError as e:
+            raise CortiqError(f"{where}: {e}" if where and not str(e).startswith(f"{where}: ") else str(e)) from None
+    return out
+
+
 def _build(cls, values: Any, group: str, where: str):
     if dataclasses.is_dataclass(values):
         return values
     if not isinstance(values, dict):
-        raise CortiqError(f"{where}: {group} must be a mapping, not {values!r}")
+        raise CortiqError(f"{where}: {group} must be a mapping, not {_short(values)}")
     _check_keys(cls, values, group, where)
+    values = check_types(cls, values, group, where)
     try:
         return cls(**values)
     except CortiqError as e:
@@ -219,7 +377,8 @@ def settings_from_dict(doc: Any, where: str = "settings") -> PipelineSettings:
         if v is None:
             values[g] = {}
         elif not isinstance(v, dict):
-            raise CortiqError(f"{where}: {g} must be a mapping, not {v!r}")
+            raise CortiqError(f"{where}: {g} must be a mapping, not {_short(v)}")
+    values = check_types(PipelineSettings, {k: v for k, v in values.items() if k != "run"}, "", where)
     try:
         s = PipelineSettings(**{**values, "run": _build(RunSettings, run, "run", where)})
     except CortiqError as e:
@@ -247,21 +406,89 @@ def load_settings(params: str | os.PathLike | dict | PipelineSettings | None) ->
         return params
     if params is None or isinstance(params, dict):
         return settings_from_dict(params or {}, "settings")
-    import yaml
-
     path = Path(params)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CortiqError(f"{path}: no such parameter file") from None
-    except IsADirectoryError:
-        raise CortiqError(f"{path}: is a directory, not a parameter file") from None
-    try:
-        doc = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        line = getattr(getattr(e, "problem_mark", None), "line", None)
-        raise CortiqError(f"{path}: not YAML{f' (line {line + 1})' if line is not None else ''}") from None
+    doc = read_yaml(path)
     doc = {} if doc is None else doc
     if isinstance(doc, dict):
         doc.setdefault("name", path.stem)
     return settings_from_dict(doc, str(path))
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML parameter file read within limits: a regular file, at most MAX_PARAM_BYTES, UTF-8
+    text, at most MAX_PARAM_VALUES values with its aliases expanded and MAX_PARAM_DEPTH deep;
+    only plain YAML types (yaml.safe_load's). Every failure is one CortiqError naming the file."""
+    import yaml
+
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise CortiqError(f"{path}: no such parameter file") from None
+    except OSError as e:
+        raise CortiqError(f"{path}: cannot read it ({e.strerror})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise CortiqError(f"{path}: is a directory, not a parameter file")
+    if not stat.S_ISREG(st.st_mode):
+        raise CortiqError(f"{path}: not a regular file (a parameter file is a YAML file)")
+    if st.st_size > MAX_PARAM_BYTES:
+        raise CortiqError(f"{path}: {st.st_size} bytes; a parameter file is at most {MAX_PARAM_BYTES} bytes")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PARAM_BYTES + 1)
+    except OSError as e:
+        raise CortiqError(f"{path}: cannot read it ({e.strerror})") from None
+    if len(data) > MAX_PARAM_BYTES:
+        raise CortiqError(f"{path}: over {MAX_PARAM_BYTES} bytes; a parameter file is at most that")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CortiqError(f"{path}: not a text file (not UTF-8): a parameter file is YAML") from None
+    if "\x00" in text:
+        raise CortiqError(f"{path}: not a text file (NUL bytes): a parameter file is YAML")
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _bound_yaml(node, path)
+        return loader.construct_document(node)
+    except yaml.YAMLError as e:
+        line = getattr(getattr(e, "problem_mark", None), "line", None)
+        problem = getattr(e, "problem", None)
+        detail = f" (line {line + 1}{': ' + problem if problem else ''})" if line is not None else ""
+        raise CortiqError(f"{path}: not YAML{detail}") from None
+    except RecursionError:
+        raise CortiqError(f"{path}: nested deeper than {MAX_PARAM_DEPTH} levels") from None
+    finally:
+        loader.dispose()
+
+
+def _bound_yaml(root, path: Path) -> None:
+    """Refuse a composed YAML document that would expand past MAX_PARAM_VALUES values or nest
+    past MAX_PARAM_DEPTH, or whose aliases refer to themselves: counted on the node graph, where
+    an alias is one shared node, in time linear in the file."""
+    import yaml
+
+    sizes: dict[int, int | None] = {}  # node id -> expanded values (None while being counted)
+
+    def size(node, depth: int) -> int:
+        if depth > MAX_PARAM_DEPTH:
+            raise CortiqError(f"{path}: nested deeper than {MAX_PARAM_DEPTH} levels")
+        k = id(node)
+        if k in sizes:
+            if sizes[k] is None:
+                raise CortiqError(f"{path}: an alias refers to itself (line {node.start_mark.line + 1})")
+            return sizes[k]
+        sizes[k] = None
+        n = 1
+        if isinstance(node, yaml.SequenceNode):
+            n += sum(size(c, depth + 1) for c in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            n += sum(size(a, depth + 1) + size(b, depth + 1) for a, b in node.value)
+        if n > MAX_PARAM_VALUES:
+            raise CortiqError(f"{path}: expands to more than {MAX_PARAM_VALUES} values with its aliases resolved "
+                              f"(nested YAML aliases); a parameter set is a few dozen")
+        sizes[k] = n
+        return n
+
+    size(root, 0)

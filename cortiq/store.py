@@ -6,16 +6,21 @@ the same work is never done twice, with or without Prefect (whose task cache
 key is that digest). A directory is written as `NAME.partial/`, `meta.json`
 goes in last and the directory is renamed: a directory without `meta.json`
 is an interrupted stage and is redone.
+
+Two processes may share a cortiq home: `locked` serialises the writers of one
+output (the second waits, then finds the output complete and reuses it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -89,26 +94,74 @@ def read_meta(d: str | os.PathLike) -> dict:
 
 
 @contextlib.contextmanager
+def locked(path: str | os.PathLike, wait: bool = True) -> Iterator[None]:
+    """Hold the exclusive lock of `path` (on the file `PATH.lock`) across processes.
+
+    An flock: the kernel releases it when its holder exits, however it dies
+    (kill -9 included), so a lock is never stale. A second holder waits,
+    saying once on stderr what it waits for; with `wait=False` it raises
+    CortiqError instead. The holder removes the lock file as it lets go; a
+    waiter that then gets the lock of the removed file sees that the name no
+    longer leads to it and locks the name afresh. Not re-entrant: a process
+    that holds a path must not lock it again."""
+    path = Path(path)
+    lock = path.with_name(path.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    said = False
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not wait:
+                    raise CortiqError(f"{path}: another cortiq process is writing it (lock {lock})") from None
+                if not said:
+                    print(f"cortiq: {path}: another process is writing it; waiting", file=sys.stderr, flush=True)
+                    said = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            os.close(fd)
+            raise
+        if same:
+            break
+        os.close(fd)  # the previous holder removed this file: lock the name again
+    try:
+        yield
+    finally:
+        try:
+            os.unlink(lock)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
 def stage_dir(final: str | os.PathLike, meta: dict) -> Iterator[Path]:
     """Write a stage output: yields `FINAL.partial/` to fill; on success
     writes `meta.json` (with `meta`) last and renames it to `FINAL`. On error
-    the partial directory is removed."""
+    the partial directory is removed. Another process writing the same output
+    waits (the partial directory is one writer's alone)."""
     final = Path(final)
     part = final.with_name(final.name + ".partial")
-    if part.exists():
-        shutil.rmtree(part)
-    part.mkdir(parents=True)
-    try:
-        yield part
-        tmp = part / (META + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
-        os.replace(tmp, part / META)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(part, final)
-    except BaseException:
-        shutil.rmtree(part, ignore_errors=True)
-        raise
+    with locked(part):
+        if part.exists():
+            shutil.rmtree(part)
+        part.mkdir(parents=True)
+        try:
+            yield part
+            tmp = part / (META + ".tmp")
+            tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+            os.replace(tmp, part / META)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(part, final)
+        except BaseException:
+            shutil.rmtree(part, ignore_errors=True)
+            raise
 
 
 def write_arrow(path: str | os.PathLike, table: pa.Table) -> None:

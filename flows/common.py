@@ -1,8 +1,8 @@
 """What the flows share: running a stage task through its cache, logging its report, the plots.
 
-`Stages.run` asks the task's plan whether its output is still there: when it
-is not (never made, or deleted), the task is called with `refresh_cache=True`
-so Prefect recomputes it instead of handing back a dead path. Every stage's
+`Stages.run` calls a stage's task, which reuses the stage's finished output
+(the run is Cached) or makes it; nothing is read back from Prefect's result
+store, so a deleted output is recomputed, never a dead path. Every stage's
 metrics are logged from the task's result, so a cached stage still shows up in
 the MLflow run; per-step history is logged from the report only when the stage
 did not log it live (it was cached or reused).
@@ -15,17 +15,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from cortiq import store
 from cortiq.settings import PipelineSettings
 
 from .tracking import MlflowLogger, log_json, log_model_file
-
-
-def result_storage() -> Path:
-    """Where Prefect persists task results (the cache records): under the cortiq home."""
-    p = store.home() / "prefect" / "results"
-    p.mkdir(parents=True, exist_ok=True)
-    return p
 
 
 class Stages:
@@ -42,12 +34,11 @@ class Stages:
     def run(self, key: str, task, planner: Callable, **params) -> dict:
         """Call `task(**params)` as stage `key` (the name its metrics are logged under)."""
         params.setdefault("out_root", self.out_root)
-        ready = planner(**params).ready()
+        # a plan that cannot be made (a missing input) fails here once, not through the task's retries
+        planner(**params)
         t = task.with_options(
-            refresh_cache=not ready,
             retries=self.settings.run.retries,
             retry_delay_seconds=self.settings.run.retry_delay_s,
-            result_storage=result_storage(),
             task_run_name=key,
         )
         state = t(**params, logger=self.log.child(f"{key}."), return_state=True)

@@ -4,13 +4,22 @@ Everything goes through `MlflowClient` with an explicit run id, never the
 fluent active-run API: the active run is per thread, and a Prefect task in
 another thread would silently open a stray run (STACK.md). mlflow is imported
 lazily (it takes ~1.5 s).
+
+A flow run keeps a record under the cortiq home (`runs/<flow run id>.json`)
+locked for as long as its process lives: a record whose lock can be taken
+belongs to a process that died without ending its runs (kill -9, power), and
+the next flow run to start marks those runs crashed in Prefect and failed in
+MLflow instead of leaving them RUNNING forever.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
+import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -77,19 +86,123 @@ def experiment_id(client, name: str, uri: str) -> str:
     return client.create_experiment(name, artifact_location=location)
 
 
+def _db_lock(uri: str):
+    """The lock of a SQLite tracking store (two runs creating its tables or the same
+    experiment at once fail); other stores need none."""
+    if uri.startswith("sqlite:///"):
+        return store.locked(Path(uri[len("sqlite:///"):]))
+    return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def tracked_run(uri: str, experiment: str, run_name: str, tags: dict[str, str]) -> Iterator[MlflowLogger]:
-    """An MLflow run for the body: FINISHED when it returns, FAILED when it raises."""
-    client = client_for(uri)
-    exp = experiment_id(client, experiment, uri)
-    run = client.create_run(exp, run_name=run_name, tags=tags)
+    """An MLflow run for the body: FINISHED when it returns, FAILED when it raises. Runs
+    that a killed process left RUNNING are ended first (`recover_crashed`)."""
+    recover_crashed()
+    with _db_lock(uri):
+        client = client_for(uri)
+        exp = experiment_id(client, experiment, uri)
+        run = client.create_run(exp, run_name=run_name, tags=tags)
     log = MlflowLogger(client, run.info.run_id)
+    with run_record(tags.get("prefect.flow_run_id", ""), run.info.run_id, uri):
+        try:
+            yield log
+        except BaseException:
+            client.set_terminated(run.info.run_id, "FAILED")
+            raise
+        client.set_terminated(run.info.run_id, "FINISHED")
+
+
+def runs_dir() -> Path:
+    return store.home() / "runs"
+
+
+@contextlib.contextmanager
+def run_record(flow_run_id: str, mlflow_run_id: str, uri: str) -> Iterator[Path]:
+    """The record of a live flow run, locked by this process until the body ends (the
+    kernel drops the lock when the process dies, however it dies)."""
+    d = runs_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{flow_run_id or mlflow_run_id}.json"
+    tmp = d / f".{path.name}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        yield log
-    except BaseException:
-        client.set_terminated(run.info.run_id, "FAILED")
-        raise
-    client.set_terminated(run.info.run_id, "FINISHED")
+        # locked before it is visible under its name: a scan never takes a live run's record
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, json.dumps({"flow_run_id": flow_run_id, "mlflow_run_id": mlflow_run_id, "tracking_uri": uri,
+                                 "pid": os.getpid(), "started": time.time()}).encode())
+        os.replace(tmp, path)
+        try:
+            yield path
+        finally:
+            path.unlink(missing_ok=True)
+    finally:
+        tmp.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def recover_crashed() -> list[dict]:
+    """Mark the runs of dead processes (records under runs_dir() whose lock is free) Crashed
+    in Prefect and FAILED in MLflow, then drop their records. Returns the records handled."""
+    d = runs_dir()
+    done = []
+    for path in sorted(d.glob("*.json")) if d.is_dir() else []:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:  # another process handled it
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its process is alive
+            if not path.exists():  # handled and removed while this one waited
+                continue
+            try:
+                rec = json.loads(path.read_text())
+            except (OSError, ValueError):
+                rec = {}
+            why = f"cortiq: the process running it (pid {rec.get('pid', '?')}) died without ending it"
+            try:
+                if rec.get("flow_run_id"):
+                    _crash_flow_run(rec["flow_run_id"], why)
+                if rec.get("mlflow_run_id") and rec.get("tracking_uri"):
+                    _fail_mlflow_run(rec["tracking_uri"], rec["mlflow_run_id"], why)
+            except Exception as e:  # a store that is gone must not stop the new run
+                print(f"cortiq: {path}: could not end the crashed run ({type(e).__name__}: {e})", file=sys.stderr)
+                continue
+            path.unlink(missing_ok=True)
+            done.append(rec)
+        finally:
+            os.close(fd)
+    return done
+
+
+def _crash_flow_run(flow_run_id: str, why: str) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.states import Crashed
+
+    with get_client(sync_client=True) as client:
+        try:
+            fr = client.read_flow_run(flow_run_id)
+        except ObjectNotFound:  # a run of another Prefect server's database
+            return
+        if fr.state is None or not fr.state.is_final():
+            client.set_flow_run_state(flow_run_id, Crashed(message=why), force=True)
+
+
+def _fail_mlflow_run(uri: str, run_id: str, why: str) -> None:
+    from mlflow.exceptions import MlflowException
+
+    client = client_for(uri)
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        return
+    if run.info.status == "RUNNING":
+        client.set_tag(run_id, "cortiq.crashed", why)
+        client.set_terminated(run_id, "FAILED")
 
 
 def log_model_file(log: MlflowLogger, path: str | Path, limit_mb: float, artifact_path: str = "models") -> None:

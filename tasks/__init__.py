@@ -2,9 +2,9 @@
 
 Each task takes paths and settings, computes its output's digest (the stage's
 name and version, its settings, its inputs' digests), reuses the output when
-it is complete, else makes one cortiq call; it returns the digest, the output
-path and the stage's report. Prefect's cache key for the task is that digest,
-and the flows refresh the cache when the output was deleted (tasks.common).
+it is complete (the task run is then Cached), else makes one cortiq call; it
+returns the digest, the output path and the stage's report. No task result is
+persisted by Prefect: the outputs are the cache (tasks.common).
 """
 
 import os as _os

@@ -1,11 +1,13 @@
-"""What every stage task shares: the plan (digest and output path), the cache
-key, and running a stage at most once per digest.
+"""What every stage task shares: the plan (digest and output path) and running
+a stage at most once per digest.
 
-Prefect caches a task's returned value, not its files: a cache entry whose
-output was deleted would hand back a dead path. So the cache key is the
-output's content digest and the flows ask `Plan.ready()` before each call;
-when the output is gone they call the task with `refresh_cache=True`, which
-recomputes it and overwrites the entry (flows.common.Stages).
+The cache is the stage outputs themselves, not Prefect's result store: a task
+reuses an output whose `meta.json` and JSON report are complete and reports
+itself Cached, else runs the stage. Prefect's persisted results are records
+whose own header names their serializer, pickle included, so a file replaced
+under the cortiq home would run code when read back: no task persists a
+result, and nothing under the cortiq home is unpickled. A deleted output is
+simply not complete any more, so it is recomputed, never a dead path.
 """
 
 from __future__ import annotations
@@ -74,40 +76,55 @@ def plan(stage: str, version: Any, settings: Any, inputs: dict[str, Any], out_ro
     return Plan(stage, d, out, root / f"{stage}-{d}.report.json")
 
 
-def cache_key(planner: Callable[..., Plan]):
-    """A Prefect cache_key_fn: the digest of the plan the task's parameters make.
-    Parameters the planner does not take (the logger) never enter the key."""
+def stage_task(name: str):
+    """A Prefect task around a stage function that returns `execute`'s dict: no
+    result persisted, no Prefect cache (the stage output is the cache); a reused
+    output puts the task run in the Cached state."""
+    import functools
 
-    def key(context, parameters: dict) -> str:
-        return planner(**parameters).digest
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+    from prefect.states import Completed
 
-    return key
+    def wrap(fn):
+        @functools.wraps(fn)
+        def body(*args, **kwargs):
+            r = fn(*args, **kwargs)
+            return Completed(name="Cached", data=r) if isinstance(r, dict) and r.get("reused") else r
+
+        return task(name=name, persist_result=False, cache_policy=NO_CACHE)(body)
+
+    return wrap
 
 
 def execute(p: Plan, call: Callable[[Path], dict]) -> dict:
     """Run a stage once per digest: reuse a complete output, else `call(out)`
     (which writes the output atomically and returns the stage's report), then
-    write the report beside it. Returns {stage, digest, path, report, reused}."""
-    if p.ready():
-        report = json.loads(p.report.read_text())
-        return {"stage": p.stage, "digest": p.digest, "path": str(p.out), "report": report, "reused": True}
-    if os.environ.get(FAIL_ENV) == p.stage:
-        raise InjectedFailure(f"{p.stage}: failure injected by ${FAIL_ENV}")
+    write the report beside it. Returns {stage, digest, path, report, reused}.
+
+    The output is locked while it is checked and made: a second run on the
+    same cortiq home waits for the first to finish it, then reuses it."""
     p.out.parent.mkdir(parents=True, exist_ok=True)
-    report = call(p.out)
-    if report is None:
-        report = {}
-    if not isinstance(report, dict):
-        raise CortiqError(f"{p.stage}: the stage returned {type(report).__name__}, not a report dict")
-    if p.out.suffix != ".cmf" and not store.is_complete(p.out):
-        raise CortiqError(f"{p.out}: the {p.stage} stage returned without finishing its output (no meta.json)")
-    if p.out.suffix == ".cmf" and not p.out.is_file():
-        raise CortiqError(f"{p.out}: the {p.stage} stage returned without writing its model")
-    tmp = p.report.with_name(p.report.name + ".partial")
-    tmp.write_text(json.dumps(report, indent=1, sort_keys=True, default=_jsonable))
-    os.replace(tmp, p.report)
-    return {"stage": p.stage, "digest": p.digest, "path": str(p.out), "report": json.loads(p.report.read_text()),
-            "reused": False}
+    with store.locked(p.out):
+        if p.ready():
+            report = json.loads(p.report.read_text())
+            return {"stage": p.stage, "digest": p.digest, "path": str(p.out), "report": report, "reused": True}
+        if os.environ.get(FAIL_ENV) == p.stage:
+            raise InjectedFailure(f"{p.stage}: failure injected by ${FAIL_ENV}")
+        report = call(p.out)
+        if report is None:
+            report = {}
+        if not isinstance(report, dict):
+            raise CortiqError(f"{p.stage}: the stage returned {type(report).__name__}, not a report dict")
+        if p.out.suffix != ".cmf" and not store.is_complete(p.out):
+            raise CortiqError(f"{p.out}: the {p.stage} stage returned without finishing its output (no meta.json)")
+        if p.out.suffix == ".cmf" and not p.out.is_file():
+            raise CortiqError(f"{p.out}: the {p.stage} stage returned without writing its model")
+        tmp = p.report.with_name(p.report.name + ".partial")
+        tmp.write_text(json.dumps(report, indent=1, sort_keys=True, default=_jsonable))
+        os.replace(tmp, p.report)
+        return {"stage": p.stage, "digest": p.digest, "path": str(p.out), "report": json.loads(p.report.read_text()),
+                "reused": False}
 
 
 def _jsonable(x):

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
-
 from cortiq import tracking
 
-from .common import Plan, cache_key, execute, plan
-from .stages import _TASK
+from .common import Plan, execute, plan, stage_task
 
 
 def _versions() -> dict:
@@ -27,7 +24,7 @@ def plan_masks(model: str, tdata: str, settings: dict, out_root: str, **_) -> Pl
     return plan("masks", _versions()["masks"], settings, {"model": model, "tdata": tdata}, out_root)
 
 
-@task(name="masks", cache_key_fn=cache_key(plan_masks), **_TASK)
+@stage_task("masks")
 def masks_task(model: str, tdata: str, settings: dict, out_root: str, logger=None) -> dict:
     """DTG-MA: gate logits of every MLP neuron learned under a rising L1 pull."""
     from cortiq.compress.settings import MaskSettings
@@ -41,7 +38,7 @@ def plan_grams(model: str, tdata: str, settings: dict, out_root: str, **_) -> Pl
     return plan("grams", _versions()["grams"], settings, {"model": model, "tdata": tdata}, out_root)
 
 
-@task(name="grams", cache_key_fn=cache_key(plan_grams), **_TASK)
+@stage_task("grams")
 def grams_task(model: str, tdata: str, settings: dict, out_root: str, logger=None) -> dict:
     """Grams of every MLP's down_proj input over the train windows (repair, activation ranking, GPTQ)."""
     from cortiq.compress.settings import GramSettings
@@ -57,7 +54,7 @@ def plan_fold(model: str, masks: str | None, grams: str | None, settings: dict, 
     return plan("fold", _versions()["fold"], settings, inputs, out_root, "cmf")
 
 
-@task(name="fold", cache_key_fn=cache_key(plan_fold), **_TASK)
+@stage_task("fold")
 def fold_task(model: str, masks: str | None, grams: str | None, settings: dict, out_root: str, logger=None) -> dict:
     """The student: the MLPs sliced to the kept neurons (down_proj repaired when asked)."""
     from cortiq.compress.settings import FoldSettings
@@ -72,7 +69,7 @@ def plan_gptq(model: str, grams: str, settings: dict, out_root: str, **_) -> Pla
     return plan("gptq", _versions()["gptq"], settings, {"model": model, "grams": grams}, out_root, "cmf")
 
 
-@task(name="gptq", cache_key_fn=cache_key(plan_gptq), **_TASK)
+@stage_task("gptq")
 def gptq_task(model: str, grams: str, settings: dict, out_root: str, logger=None) -> dict:
     """The student quantized into the q4/q8 codecs by GPTQ from the same Grams."""
     from cortiq.compress.settings import GptqSettings

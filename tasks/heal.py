@@ -9,12 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
-
 from cortiq import store, tracking
 
-from .common import Plan, cache_key, execute, plan
-from .stages import _TASK
+from .common import Plan, execute, plan, stage_task
 
 
 def _s(settings: dict):
@@ -32,7 +29,7 @@ def plan_targets(teacher: str, tdata: str, settings: dict, out_root: str, **_) -
     return plan("targets", targets.VERSION, s.targets_key(), inputs, out_root)
 
 
-@task(name="targets", cache_key_fn=cache_key(plan_targets), **_TASK)
+@stage_task("targets")
 def targets_task(teacher: str, tdata: str, settings: dict, out_root: str, logger=None) -> dict:
     """The teacher's top-k next-token distribution per row (ce-mixed, weight-scaled), train and val windows."""
     from cortiq.heal.targets import teacher_targets
@@ -49,7 +46,7 @@ def plan_prefix(student: str, tdata: str, settings: dict, out_root: str, **_) ->
     return plan("prefix", prefix.VERSION, _s(settings).prefix_key(), {"student": student, "tdata": tdata}, out_root)
 
 
-@task(name="prefix", cache_key_fn=cache_key(plan_prefix), **_TASK)
+@stage_task("prefix")
 def prefix_task(student: str, tdata: str, settings: dict, out_root: str, logger=None) -> dict:
     """The frozen layers' output, once per window (f32, f16 or not cached, by the memory budget)."""
     from cortiq.heal.prefix import prefix_cache
@@ -65,7 +62,7 @@ def plan_train(student: str, targets: str, prefix: str | None, tdata: str, setti
     return plan("train", TRAIN_VERSION, _train_key(_s(settings)), inputs, out_root)
 
 
-@task(name="train", cache_key_fn=cache_key(plan_train), **_TASK)
+@stage_task("train")
 def train_task(student: str, targets: str, prefix: str | None, tdata: str, settings: dict, out_root: str,
                logger=None) -> dict:
     """The student's tail trained on the targets; the best held-out weights kept. Resumes from its checkpoint."""
@@ -89,7 +86,7 @@ def plan_export(student: str, teacher: str, train: str, prefix: str | None, sett
     return plan("heal", VERSION, {"codec": "keep"}, {"student": student, "train": train}, out_root, "cmf")
 
 
-@task(name="export", cache_key_fn=cache_key(plan_export), **_TASK)
+@stage_task("export")
 def export_task(student: str, teacher: str, train: str, prefix: str | None, settings: dict, out_root: str,
                 logger=None) -> dict:
     """The healed CMF: the student with the trained weights, in the student's codecs, provenance `heal`."""

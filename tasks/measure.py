@@ -10,15 +10,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from prefect import task
-
 from cortiq import store
 
-from .common import Plan, cache_key, execute, plan
+from .common import Plan, execute, plan, stage_task
 
 SCORE_VERSION = 1
 REENCODE_VERSION = 1
-_TASK = dict(persist_result=True, cache_expiration=None)
 
 
 def model_nll(model_path: str | Path, tdata: str | Path, window: int, max_tokens: int = 0, batch: int = 4,
@@ -58,7 +55,7 @@ def plan_score(model: str, tdata: str, window: int, max_tokens: int, out_root: s
                 out_root)
 
 
-@task(name="score", cache_key_fn=cache_key(plan_score), **_TASK)
+@stage_task("score")
 def score_task(model: str, tdata: str, window: int, max_tokens: int, out_root: str, label: str = "", logger=None) -> dict:
     """Test NLL per scored token of `model` (label: what the flow calls it, for the report)."""
     p = plan_score(model, tdata, window, max_tokens, out_root)
@@ -84,7 +81,7 @@ def plan_reencode(model: str, codec: str, out_root: str, **_) -> Plan:
     return plan("reencode", REENCODE_VERSION, {"codec": codec}, {"model": model}, out_root, "cmf")
 
 
-@task(name="reencode", cache_key_fn=cache_key(plan_reencode), **_TASK)
+@stage_task("reencode")
 def reencode_task(model: str, codec: str, out_root: str, logger=None) -> dict:
     """`model` with its 2-D weights in `codec` (norms, biases and vectors stay as stored)."""
     from cortiq import codecs

@@ -1,7 +1,7 @@
 """The stage tasks of the pipeline: source, data, mtp (tasks/compress.py and tasks/heal.py hold those stages').
 
 Each is a planner (parameters -> Plan: digest and output path) and a Prefect
-task keyed on that digest that makes one cortiq call. `logger` (a
+task that reuses the output named by that digest or makes one cortiq call. `logger` (a
 cortiq.tracking.Logger) is for live metrics only: it never enters the key,
 and the flows log every stage's metrics from the returned report, because a
 cached task does not run (STACK.md).
@@ -13,16 +13,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-from prefect import task
-
 from cortiq import store, tracking
 from cortiq.errors import CortiqError
 
-from .common import Plan, cache_key, execute, plan
-
-# a task's persisted result is its small dict (paths, digest, report); the files live under out_root
-_TASK = dict(persist_result=True, cache_expiration=None)
-
+from .common import Plan, execute, plan, stage_task
 
 def _asdict(s):
     return dataclasses.asdict(s) if dataclasses.is_dataclass(s) else s
@@ -68,7 +62,7 @@ def plan_source(source: str, out_root: str, **_) -> Plan:
     return plan("source", _version("cortiq.convert"), {"kind": kind}, {"source": _source_path(source)}, out_root, "cmf")
 
 
-@task(name="source", cache_key_fn=cache_key(plan_source), **_TASK)
+@stage_task("source")
 def source_task(source: str, out_root: str, logger=None) -> dict:
     """The source model converted to CMF once (a .cmf source needs no task: the flows use it where it is)."""
     kind = source_kind(source)
@@ -104,7 +98,7 @@ def plan_data(sources: list, model: str, settings: dict, out_root: str, **_) -> 
     return plan("tdata", _version("cortiq.data.tdata"), None, {"build": {"digest": d}}, out_root)
 
 
-@task(name="data", cache_key_fn=cache_key(plan_data), **_TASK)
+@stage_task("data")
 def data_task(sources: list, model: str, settings: dict, out_root: str, logger=None) -> dict:
     from cortiq.data.build import BuildSettings, build
 
@@ -125,7 +119,7 @@ def plan_mtp_init(model: str, out_root: str, **_) -> Plan:
     return plan("mtp_init", "1", None, {"model": model}, out_root, "cmf")
 
 
-@task(name="mtp_init", cache_key_fn=cache_key(plan_mtp_init), **_TASK)
+@stage_task("mtp_init")
 def mtp_init_task(model: str, out_root: str, logger=None) -> dict:
     """The model plus a fresh draft block (for a source that has none, like SmolLM2)."""
     from cortiq.mtp.init import mtp_init
@@ -148,7 +142,7 @@ def plan_trunk(model: str, tdata: str, settings: dict, out_root: str, **_) -> Pl
     return plan("trunk", _version("cortiq.mtp.trunk"), key, {"model": model, "tdata": tdata}, out_root)
 
 
-@task(name="trunk", cache_key_fn=cache_key(plan_trunk), **_TASK)
+@stage_task("trunk")
 def trunk_task(model: str, tdata: str, settings: dict, out_root: str, logger=None) -> dict:
     """The trunk's last hidden rows and next-token top-k per window (the trunk cache the draft trains on)."""
     from cortiq.mtp import trunk_pass
@@ -169,7 +163,7 @@ def plan_mtp(model: str, tdata: str, trunk: str, settings: dict, out_root: str, 
     return plan("mtp", _version("cortiq.mtp"), settings, {"model": model, "tdata": tdata, "trunk": trunk}, out_root, "cmf")
 
 
-@task(name="mtp_heal", cache_key_fn=cache_key(plan_mtp), **_TASK)
+@stage_task("mtp_heal")
 def mtp_task(model: str, tdata: str, trunk: str, settings: dict, out_root: str, logger=None) -> dict:
     """The draft trained on the trunk's own predictions (read back from the trunk cache)."""
     from cortiq.mtp import mtp_heal

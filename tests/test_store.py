@@ -1,12 +1,19 @@
-"""Stage outputs: digests, directories finished by meta.json, Arrow files."""
+"""Stage outputs: digests, directories finished by meta.json, Arrow files; locks for two writers."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
 from cortiq import store
 from cortiq.errors import CortiqError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_digest_depends_on_what_not_how_it_is_written():
@@ -44,3 +51,54 @@ def test_an_unfinished_directory_is_named_as_such(tmp_path):
     with pytest.raises(CortiqError, match="not an Arrow file"):
         (tmp_path / "x.arrow").write_bytes(b"nope")
         store.read_arrow(tmp_path / "x.arrow")
+
+
+# ── two writers ──────────────────────────────────────────────────────────
+
+def _py(code: str, *args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_a_lock_excludes_another_process_and_dies_with_its_holder(tmp_path):
+    target = tmp_path / "out"
+    holder = _py("import sys; from cortiq import store\n"
+                 "with store.locked(sys.argv[1]):\n    print('held', flush=True); sys.stdin.read()",
+                 str(target), stdin=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(CortiqError, match="another cortiq process is writing it"):
+            with store.locked(target, wait=False):
+                pass
+        holder.send_signal(signal.SIGKILL)  # no clean-up runs: the kernel drops the lock
+        holder.wait()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+    with store.locked(target, wait=False):
+        pass
+
+
+def test_two_recodes_to_one_output_take_turns(tmp_path):
+    from tiny import llama_arch, write_random
+
+    from cortiq.cmf import open_cmf
+
+    src = write_random(tmp_path / "src.cmf", llama_arch(64, 128, 2), 0)
+    out = tmp_path / "out.cmf"
+    code = "import sys; from cortiq.cli import main; sys.exit(main(sys.argv[1:]))"
+    # both start while a third writer holds OUT: each must wait for it, and then for the other
+    with store.locked(out):
+        procs = [_py(code, "recode", str(src), str(out), "--codec", c) for c in ("q8", "f16")]
+        for p in procs:
+            said = next((line for line in p.stderr if "another process is writing it; waiting" in line), None)
+            assert said == f"cortiq: {out}: another process is writing it; waiting\n"
+        assert [p.poll() for p in procs] == [None, None]
+        assert not out.exists()
+    results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    assert [r[2] for r in results] == [0, 0], results
+    f = open_cmf(out)
+    assert f.verify() == []  # every tensor matches its sha256: one writer's file, whole
+    assert {i.codec for i in f.infos.values() if len(i.shape) == 2} in ({"q8"}, {"f16"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.cmf", "src.cmf"]  # no lock file left

@@ -6,7 +6,8 @@ HELP = "re-encode a CMF file's tensors in another codec (streaming)"
 DESCRIPTION = (
     "Write IN.cmf's tensors in --codec to OUT.cmf, one tensor at a time. Plain codecs (f32, f16, bf16) apply to "
     "every tensor; quantized codecs (q8, q4, q4_64, fp8) to matrices, while vectors (norms, biases) stay plain. "
-    "Tensors already in the target codec are copied byte for byte. The provenance gains a 'recode' entry."
+    "Tensors already in the target codec are copied byte for byte. The provenance gains a 'recode' entry. "
+    "Another cortiq process writing the same OUT.cmf is waited for (OUT.cmf.lock)."
 )
 ORDER = 40
 
@@ -22,7 +23,7 @@ def run(args) -> int:
 
     from tqdm import tqdm
 
-    from .. import cmf, codecs
+    from .. import cmf, codecs, store
 
     codecs.get(args.codec)  # an unknown codec fails before any work
     src = cmf.open_cmf(args.src)
@@ -31,7 +32,9 @@ def run(args) -> int:
         before[i.codec] = before.get(i.codec, 0) + 1
     specs = cmf.copy_specs(src, lambda name, info: codecs.choose(args.codec, info.shape, info.codec))
     doc = cmf.with_provenance(src.doc, "recode", {"source": str(args.src), "codec": args.codec, "from": before})
-    with tqdm(total=len(specs), desc=f"recode → {args.codec}", unit=" tensors", file=sys.stderr, leave=False, disable=None) as bar:
+    # one writer of OUT at a time: two would remove each other's .partial files
+    with store.locked(args.out), tqdm(total=len(specs), desc=f"recode → {args.codec}", unit=" tensors",
+                                      file=sys.stderr, leave=False, disable=None) as bar:
         path = cmf.write_cmf(args.out, doc, specs, progress=lambda _n: bar.update(1))
     print(f"wrote {path}")
     return 0

@@ -39,14 +39,16 @@ def load_flow(name: str):
 
 
 def run_flow(name: str, params) -> dict:
-    """Run a flow without the per-run heartbeat (STACK.md) and return its summary."""
+    """Run a flow without the per-run heartbeat and return its summary, on a Prefect server
+    that dies with this process (flows.server) unless one is configured."""
     from ..settings import load_settings
 
     settings = load_settings(params)  # a bad key fails here, before prefect starts
     flow = load_flow(name)
     from flows.common import quiet_prefect
+    from flows.server import embedded_server
 
-    with quiet_prefect():
+    with embedded_server(), quiet_prefect():
         return flow(settings.to_dict() if not isinstance(params, str) else str(params))
 
 

@@ -9,6 +9,7 @@ onward, MLflow runs with params, metrics and plots.
 from __future__ import annotations
 
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -126,3 +127,39 @@ def test_retries_rerun_a_failing_stage(tiny, monkeypatch):
     with pytest.raises(RuntimeError, match="flaky"):
         machinery(_params(tiny, run={"retries": 2, "retry_delay_s": 0}))
     assert len(calls) == 3
+
+
+class _Plant:
+    """Unpickling this creates `marker`: proof that a pickle under the cortiq home was loaded."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickle_planted_under_the_cortiq_home_is_never_loaded(tiny):
+    from prefect.results import ResultRecord, ResultRecordMetadata
+    from prefect.serializers import PickleSerializer
+
+    from cortiq import store
+
+    first = machinery(_params(tiny))
+    marker = tiny["dir"] / "unpickled"
+    # where a task's result record would be read from: a file per stage digest under the
+    # Prefect home, in the default local storage, and any record already there
+    digests = [Path(p).name.split("-", 1)[1].removesuffix(".cmf") for p in first["outputs"].values()]
+    roots = [store.home() / "prefect" / "results", Path(os.environ["PREFECT_LOCAL_STORAGE_PATH"])]
+    targets = {r / d for r in roots for d in digests}
+    targets |= {p for p in store.home().rglob("*") if p.is_file() and "results" in p.parts}
+    for t in targets:
+        t.parent.mkdir(parents=True, exist_ok=True)
+        rec = ResultRecord(metadata=ResultRecordMetadata(storage_key=str(t), serializer=PickleSerializer()),
+                           result=_Plant(str(marker)))
+        t.write_bytes(rec.serialize())
+    again = machinery(_params(tiny))
+    assert not marker.exists()
+    # every stage still comes from its finished output (meta.json and the JSON report beside it)
+    assert set(again["states"].values()) == {"Cached"}
+    assert again["nll"] == first["nll"]
