@@ -50,14 +50,15 @@ class MaskResult:
 
 
 def _set_hard(params: Sequence[nn.Parameter], tau: float) -> int:
-    """Gates to exactly 0/1 (logits ±inf: σ is then exact); returns the count kept."""
-    alive = 0
+    """Gates to exactly 0/1 (logits ±inf: σ is then exact); returns the count kept
+    (counted on the gates' device: one host sync, not one per layer)."""
     with torch.no_grad():
+        alive = torch.zeros((), dtype=torch.long, device=params[0].device)
         for p in params:
             on = torch.sigmoid(p) > tau
-            alive += int(on.sum())
+            alive += on.sum()
             p.copy_(torch.where(on, float("inf"), -float("inf")))
-    return alive
+    return int(alive)
 
 
 def train_masks(
@@ -86,7 +87,8 @@ def train_masks(
     with torch.no_grad():
         for p in params:
             p.fill_(s.mask_init)
-    opt = torch.optim.Adam(params, lr=s.lr, betas=(0.9, 0.999), eps=1e-8)
+    # fused on CUDA: one kernel for every layer's logits instead of a launch train per tensor
+    opt = torch.optim.Adam(params, lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=dev.type == "cuda")
     l1 = s.l1_init
     best = None  # (nll, logits, pruned, step)
     most = (nll_open, [p.detach().clone() for p in params], 0.0, 0)
@@ -101,12 +103,18 @@ def train_masks(
                 break
             opt.zero_grad(set_to_none=True)
             task = step_loss(b)
-            # the L1 pull per neuron: its gradient is l1/n_all·σ'(m)
-            pull = sum(torch.sigmoid(p).sum() for p in params) * (l1 / n_all)
+            # the L1 pull per neuron: its gradient is l1/n_all·σ'(m); one sum over
+            # every layer's logits (one kernel, not one per layer)
+            pull = torch.sigmoid(torch.cat([p.reshape(-1) for p in params])).sum() * (l1 / n_all)
             (task + pull).backward()
-            finite = bool(torch.isfinite(task.detach())) and all(
-                p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in params
-            )
+            # one host sync per step: the loss and whether it and every gradient are finite
+            t = task.detach().float().reshape(1)
+            if any(p.grad is None for p in params):
+                loss, finite = float(t), False
+            else:
+                ok = torch.isfinite(torch.cat([t] + [p.grad.reshape(-1).float() for p in params])).all()
+                loss, ok = torch.cat([t, ok.float().reshape(1)]).tolist()
+                finite = ok == 1.0
             if not finite:
                 skipped += 1
                 in_a_row += 1
@@ -117,7 +125,7 @@ def train_masks(
             opt.step()
             done += 1
             if progress:
-                progress(done, {"loss": float(task.detach()), "l1": l1})
+                progress(done, {"loss": loss, "l1": l1})
             if done % s.eval_every:
                 continue
             saved = [p.detach().clone() for p in params]
@@ -138,7 +146,7 @@ def train_masks(
                     first_at_target = done
                 if best is None or e < best[0]:
                     best = (e, saved, pruned, done)
-            row = {"step": done, "loss": float(task.detach()), "val_hard": e, "pruned": pruned, "l1": l1}
+            row = {"step": done, "loss": loss, "val_hard": e, "pruned": pruned, "l1": l1}
             history.append(row)
             if on_eval:
                 on_eval(row)
@@ -161,9 +169,14 @@ def weighted_ce(model, ids: torch.Tensor, nxt: torch.Tensor, weight: torch.Tenso
     return (nll * w).sum(), w.sum()
 
 
-def learn_model_masks(model, train, val, settings: MaskSettings, on_eval=None, progress=None) -> MaskResult:
-    """DTG-MA on `model` (a cortiq CausalLM) with the task's LM loss: `train`,
-    `val` are cortiq.data.Windows. The gates are removed again at the end."""
+def learn_model_masks(model, train, val, settings: MaskSettings, on_eval=None, progress=None,
+                      compute: torch.dtype = torch.float32) -> MaskResult:
+    """DTG-MA on `model` (a cortiq CausalLM, on the device it should run on)
+    with the task's LM loss: `train`, `val` are cortiq.data.Windows. The
+    weights stay as loaded (frozen); the forward runs under autocast to
+    `compute` when that is not f32 (bf16 on CUDA: the gates' gradients are
+    f32, cross-entropy is taken on f32 logits). The gates are removed again
+    at the end."""
     s = settings
     if len(train) == 0 or len(val) == 0:
         raise CortiqError(f"DTG-MA: {len(train)} train / {len(val)} val windows of {s.window} tokens")
@@ -176,22 +189,31 @@ def learn_model_masks(model, train, val, settings: MaskSettings, on_eval=None, p
     if s.val_windows:
         n_val_b = min(n_val_b, max(1, s.val_windows // s.batch))
 
+    def autocast():
+        return torch.autocast(dev.type, dtype=compute, enabled=compute != torch.float32)
+
     def to(x):
-        return torch.from_numpy(x).to(dev)
+        return torch.from_numpy(x).to(dev, non_blocking=True)
 
     def step_loss(b):
         bt = train.batch(b, s.batch)
-        tot, w = weighted_ce(model, to(bt.ids), to(bt.next), to(bt.weight))
+        with autocast():
+            tot, w = weighted_ce(model, to(bt.ids), to(bt.next), to(bt.weight))
         return tot / w.clamp_min(1e-9)
 
+    # the few held-out batches every evaluation scores live on the device for the whole run
+    val_batches = [tuple(to(x) for x in val.batch(b, s.batch)) for b in range(n_val_b)]
+
     def val_loss():
-        with torch.no_grad():
-            tot = cnt = 0.0
-            for b in range(n_val_b):
-                bt = val.batch(b, s.batch)
-                t, w = weighted_ce(model, to(bt.ids), to(bt.next), to(bt.weight))
-                tot, cnt = tot + float(t), cnt + float(w)
-            return tot / max(cnt, 1e-9)
+        # summed on the device, read once: no host sync per batch
+        with torch.no_grad(), autocast():
+            tot = torch.zeros((), dtype=torch.float64, device=dev)
+            cnt = torch.zeros((), dtype=torch.float64, device=dev)
+            for ids, nxt, weight in val_batches:
+                t, w = weighted_ce(model, ids, nxt, weight)
+                tot += t.double()
+                cnt += w.double()
+            return float(tot / cnt.clamp_min(1e-9))
 
     try:
         return train_masks(params, train.n_batches(s.batch), step_loss, val_loss, s, on_eval, progress)
