@@ -61,6 +61,13 @@ def _set_hard(params: Sequence[nn.Parameter], tau: float) -> int:
     return int(alive)
 
 
+def l1_pull(params: Sequence[torch.Tensor], l1, n_all: int) -> torch.Tensor:
+    """The L1 pull l1/n_all·Σσ(m) (its gradient per neuron l1/n_all·σ'(m)): one
+    sum over every layer's logits, one kernel rather than one per layer; `l1`
+    a float or a 0-d tensor (a CUDA graph's input)."""
+    return torch.sigmoid(torch.cat([p.reshape(-1) for p in params])).sum() * (l1 / n_all)
+
+
 def train_masks(
     params: Sequence[nn.Parameter],
     n_train_batches: int,
@@ -69,11 +76,16 @@ def train_masks(
     settings: MaskSettings,
     on_eval: Callable[[dict], None] | None = None,
     progress: Callable[[int, dict], None] | None = None,
+    step: Callable[[int, float], torch.Tensor] | None = None,
 ) -> MaskResult:
     """The mask loop on gate logits `params` (one per layer, set to mask_init
     here): `step_loss(b)` is the caller's loss on train batch b (a scalar with
     a graph down to the logits), `val()` the held-out loss under the current
-    gates (no grad)."""
+    gates (no grad). `step(b, l1)`, when given, replaces the plain step built
+    from `step_loss`: it runs batch b's loss plus the L1 pull at pressure l1
+    forward and backward, leaves this step's gradients (not accumulated) in
+    the logits' .grad, and returns the detached task loss (a replayed CUDA
+    graph does this; see learn_model_masks)."""
     if n_train_batches < 1:
         raise CortiqError("DTG-MA: no train batches")
     s = settings
@@ -96,19 +108,22 @@ def train_masks(
     done = skipped = in_a_row = 0
     history: list[dict] = []
     gen = torch.Generator().manual_seed(s.seed)
+
+    def plain_step(b, l1):
+        opt.zero_grad(set_to_none=True)
+        task = step_loss(b)
+        (task + l1_pull(params, l1, n_all)).backward()
+        return task.detach()
+
+    step = step or plain_step
     stop = False
     while not stop and done < s.max_steps:
         for b in torch.randperm(n_train_batches, generator=gen).tolist():
             if done >= s.max_steps:
                 break
-            opt.zero_grad(set_to_none=True)
-            task = step_loss(b)
-            # the L1 pull per neuron: its gradient is l1/n_all·σ'(m); one sum over
-            # every layer's logits (one kernel, not one per layer)
-            pull = torch.sigmoid(torch.cat([p.reshape(-1) for p in params])).sum() * (l1 / n_all)
-            (task + pull).backward()
+            task = step(b, l1)
             # one host sync per step: the loss and whether it and every gradient are finite
-            t = task.detach().float().reshape(1)
+            t = task.float().reshape(1)
             if any(p.grad is None for p in params):
                 loss, finite = float(t), False
             else:
@@ -169,14 +184,97 @@ def weighted_ce(model, ids: torch.Tensor, nxt: torch.Tensor, weight: torch.Tenso
     return (nll * w).sum(), w.sum()
 
 
+class _Graphed:
+    """The mask step (forward, loss, L1 pull, backward) and the held-out pass,
+    each captured once as a CUDA graph and replayed: the step is a few
+    thousand small kernels whose launches, not their arithmetic, bound it
+    eagerly (SmolLM2-135M on an H200: 84 ms eager for ~1 ms of matrix work).
+
+    Inputs are static device buffers the caller's batches are copied into,
+    the pressure l1 a 0-d tensor; the gradients live in the graph's pool
+    (captured from .grad = None, so each replay writes them afresh). The
+    logits are read in place, so the loop's in-place edits (hard gates for an
+    evaluation, restored after) are seen by the next replay. Autocast's weight
+    cache is off: a graph may not keep a cast made at capture time."""
+
+    def __init__(self, model, params, n_all, compute, train, batch, window, val_batches):
+        dev = params[0].device
+        self.model, self.params, self.n_all, self.compute = model, params, n_all, compute
+        self.train, self.batch = train, batch
+        self.ids = torch.zeros(batch, window, dtype=torch.long, device=dev)
+        self.nxt = torch.zeros_like(self.ids)
+        self.weight = torch.zeros(batch, window, dtype=torch.float32, device=dev)
+        self.l1 = torch.zeros((), dtype=torch.float32, device=dev)
+        self.val_batches = val_batches
+        self.step_graph = self.val_graph = None
+
+    def _autocast(self):
+        return torch.autocast("cuda", dtype=self.compute, enabled=self.compute != torch.float32, cache_enabled=False)
+
+    def _step_body(self):
+        with self._autocast():
+            tot, w = weighted_ce(self.model, self.ids, self.nxt, self.weight)
+        task = tot / w.clamp_min(1e-9)
+        (task + l1_pull(self.params, self.l1, self.n_all)).backward()
+        return task.detach()
+
+    def _val_body(self):
+        with torch.no_grad(), self._autocast():
+            tot = torch.zeros((), dtype=torch.float64, device=self.l1.device)
+            cnt = torch.zeros((), dtype=torch.float64, device=self.l1.device)
+            for ids, nxt, weight in self.val_batches:
+                t, w = weighted_ce(self.model, ids, nxt, weight)
+                tot += t.double()
+                cnt += w.double()
+            return tot / cnt.clamp_min(1e-9)
+
+    def _capture(self, body, fresh_grads: bool):
+        # warm-up on a side stream first (lazy inits, cuBLAS workspaces), as graph capture asks
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                if fresh_grads:
+                    for p in self.params:
+                        p.grad = None
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        if fresh_grads:
+            for p in self.params:
+                p.grad = None
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = body()
+        return g, out
+
+    def step(self, b: int, l1: float) -> torch.Tensor:
+        bt = self.train.batch(b, self.batch)
+        self.ids.copy_(torch.from_numpy(bt.ids))
+        self.nxt.copy_(torch.from_numpy(bt.next))
+        self.weight.copy_(torch.from_numpy(bt.weight))
+        self.l1.fill_(l1)
+        if self.step_graph is None:
+            self.step_graph, self.step_out = self._capture(self._step_body, fresh_grads=True)
+        self.step_graph.replay()
+        return self.step_out
+
+    def val(self) -> float:
+        if self.val_graph is None:
+            self.val_graph, self.val_out = self._capture(self._val_body, fresh_grads=False)
+        self.val_graph.replay()
+        return float(self.val_out)
+
+
 def learn_model_masks(model, train, val, settings: MaskSettings, on_eval=None, progress=None,
-                      compute: torch.dtype = torch.float32) -> MaskResult:
+                      compute: torch.dtype = torch.float32, graph: bool = False) -> MaskResult:
     """DTG-MA on `model` (a cortiq CausalLM, on the device it should run on)
     with the task's LM loss: `train`, `val` are cortiq.data.Windows. The
     weights stay as loaded (frozen); the forward runs under autocast to
     `compute` when that is not f32 (bf16 on CUDA: the gates' gradients are
-    f32, cross-entropy is taken on f32 logits). The gates are removed again
-    at the end."""
+    f32, cross-entropy is taken on f32 logits). With `graph` on CUDA the step
+    and the held-out pass replay CUDA graphs (opt-in until measured on a GPU;
+    the plain eager step is the reference they are tested against, and the
+    CPU's path). The gates are removed again at the end."""
     s = settings
     if len(train) == 0 or len(val) == 0:
         raise CortiqError(f"DTG-MA: {len(train)} train / {len(val)} val windows of {s.window} tokens")
@@ -215,7 +313,13 @@ def learn_model_masks(model, train, val, settings: MaskSettings, on_eval=None, p
                 cnt += w.double()
             return float(tot / cnt.clamp_min(1e-9))
 
+    step = None
+    if graph and dev.type == "cuda":
+        g = _Graphed(model, params, sum(p.numel() for p in params), compute, train, s.batch, s.window, val_batches)
+        step, val_loss = g.step, g.val
     try:
-        return train_masks(params, train.n_batches(s.batch), step_loss, val_loss, s, on_eval, progress)
+        return train_masks(params, train.n_batches(s.batch), step_loss, val_loss, s, on_eval, progress, step)
     finally:
+        for p in params:
+            p.grad = None
         model.set_neuron_gates(False)

@@ -84,3 +84,29 @@ def test_grams_repair_and_gptq_on_cuda_match_the_cpu(tiny):
         assert rb["err_gptq"] == pytest.approx(ra["err_gptq"], rel=1e-2)
         assert rb["err_rtn"] == pytest.approx(ra["err_rtn"], rel=1e-9)
         assert rb["err_gptq"] < rb["err_rtn"]
+
+
+def test_graphed_mask_step_equals_the_eager_step(tiny):
+    from cortiq.compress.masks import learn_model_masks
+    from cortiq.data import Tdata, windows
+    from cortiq.model import load_model
+
+    m, td, _ = tiny
+    s = MaskSettings(**{**MASK, "max_steps": 40})
+    t = Tdata.open(td)
+    train, val = windows(t, "train", s.window, loss_on=s.loss_on), windows(t, "val", s.window, loss_on=s.loss_on)
+    for cdt in (torch.float32, torch.bfloat16):
+        runs = {}
+        for graph in (False, True):
+            model = load_model(m, device="cuda")
+            runs[graph] = learn_model_masks(model, train, val, s, compute=cdt, graph=graph)
+            assert all(l.mlp.neuron_logits is None for l in model.layers)
+        eager, graphed = runs[False], runs[True]
+        assert graphed.nll_open == pytest.approx(eager.nll_open, rel=1e-5)
+        assert [h["step"] for h in graphed.history] == [h["step"] for h in eager.history]
+        for h, g in zip(eager.history, graphed.history):
+            assert g["loss"] == pytest.approx(h["loss"], rel=1e-3)
+        if cdt == torch.float32:
+            for a, b in zip(eager.logits, graphed.logits):
+                assert torch.allclose(a, b, atol=1e-3), float((a - b).abs().max())
+        assert _kept_overlap([x.cpu() for x in eager.logits], [x.cpu() for x in graphed.logits]) >= 0.97
