@@ -1,6 +1,7 @@
 """Compress on CUDA against the CPU: one call, one table.
 
-    python bench/compress.py --data TDATA [--model smollm2|random|M.cmf] [--reference REF] [--out DIR]
+    python bench/compress.py --data TDATA [--model smollm2|random|M.cmf] [--parts masks,overlap,stages]
+                             [--reference REF] [--out DIR]
     python bench/compress.py --data TDATA --model M.cmf --write-reference REF     # the CPU side of the overlap
 
 Every stage is the library's own code at the stage's default settings:
@@ -8,7 +9,9 @@ DTG-MA masks (`learn_model_masks`: window 256, batch 4, ≤ 200 steps), the
 Grams (`capture_model_grams`: 64 windows of 256), the fold's least-squares
 repair (`repair_down`, keep 0.75) and GPTQ (`gptq_quantize_layers`, q4, of
 the repaired down projections under G[S, S]). On CUDA the forwards run under
-bf16 autocast (the stage default); the CPU runs f32, on all its cores.
+bf16 autocast (the stage default); the CPU runs f32, on all its cores. The
+masks run twice on CUDA: eager (the stage default) and with the step and the
+held-out pass replayed as CUDA graphs (opt-in), their kept neurons compared.
 
 The CPU side of each stage runs only long enough to get its rate (a few mask
 steps, a few Gram windows, a few GPTQ layers); the agreement columns compare
