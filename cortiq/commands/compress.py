@@ -40,6 +40,12 @@ def add_arguments(p):
     g.add_argument("--codec", choices=("q4", "q4_64", "q8"), default="q4", help="GPTQ codec")
     g.add_argument("--act-order", action="store_true", help="GPTQ columns by decreasing Hessian diagonal")
     g.add_argument("--work", default=None, help="stage cache directory (default: the cortiq home's stages/)")
+    g = p.add_argument_group("resources")
+    g.add_argument("--device", default="auto",
+                   help="where masks, Grams, the repair and GPTQ compute: auto (CUDA when present), cpu, cuda, cuda:1, ...")
+    g.add_argument("--compute-dtype", choices=("auto", "f32", "bf16"), default="auto",
+                   help="forward passes under autocast: auto = bf16 on CUDA, f32 on the CPU "
+                        "(Gram accumulators and the solves stay f64)")
 
 
 def run(args) -> int:
@@ -59,6 +65,8 @@ def run(args) -> int:
         gptq=GptqSettings(codec=args.codec, act_order=args.act_order),
         learn_masks=not args.no_masks,
         use_gptq=args.gptq,
+        device=args.device,
+        compute_dtype=args.compute_dtype,
     )
     rep = compress(args.source, args.data, s, args.out, work=args.work)
     print(json.dumps(rep["metrics"], indent=1, sort_keys=True), file=sys.stdout)

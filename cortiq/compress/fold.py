@@ -75,21 +75,24 @@ def activation_scores(gram: torch.Tensor, count: int, down: torch.Tensor) -> tor
 
 def repair_down(down: torch.Tensor, gram: torch.Tensor, kept: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     """The least-squares down projection over the kept neurons:
-    W [H, I], G [I, I], S [k] → W G[:, S] (G[S, S] + λI)⁻¹ [H, k]."""
+    W [H, I], G [I, I], S [k] → W G[:, S] (G[S, S] + λI)⁻¹ [H, k], in f64 on
+    the Gram's device (a CUDA Gram: cuSOLVER's Cholesky), in down's dtype."""
     G = gram.double()
-    W = down.double()
+    W = down.to(G.device, torch.float64)
+    kept = kept.to(G.device)
     Gss = G[kept][:, kept]  # [k, k]
     d = torch.diagonal(Gss)
-    if not bool((d > 0).any()):
+    mean = float(d.mean())
+    if not mean > 0:
         raise CortiqError("fold repair: the kept neurons never fired in the captured Gram")
-    lam = damp * float(d.mean())
-    eye = torch.eye(len(kept), dtype=torch.float64)
+    lam = damp * mean
+    eye = torch.eye(len(kept), dtype=torch.float64, device=G.device)
     rhs = G[kept] @ W.T  # [k, H] = G[S, :] Wᵀ
     for _ in range(6):
-        L, info = torch.linalg.cholesky_ex(Gss + max(lam, 1e-12 * float(d.mean())) * eye)
+        L, info = torch.linalg.cholesky_ex(Gss + max(lam, 1e-12 * mean) * eye)
         if int(info) == 0:
             return torch.cholesky_solve(rhs, L).T.to(down.dtype).contiguous()  # [H, k]
-        lam = max(lam, 1e-8 * float(d.mean())) * 10.0
+        lam = max(lam, 1e-8 * mean) * 10.0
     raise CortiqError("fold repair: G[S, S] is singular even with heavy damping (raise --damp)")
 
 

@@ -11,10 +11,15 @@ groups", since a group's columns are then visited out of order).
 The result is the codec's exact byte layout, so `codec.decode` of the stored
 bytes gives GPTQ's dequantized weights.
 
-`gptq_quantize` is the blocked algorithm with lazy batch updates;
-`gptq_reference` the plain column-by-column one it is tested against. The
-loop over columns is inherent to GPTQ (each column's rounding depends on the
-errors of the ones before); every step is vectorised over the rows.
+`gptq_quantize_layers` is the blocked algorithm with lazy batch updates on
+a stack of same-shape layers at once; `gptq_quantize` the one-layer call of
+it; `gptq_reference` the plain column-by-column one they are tested against.
+The loop over columns is inherent to GPTQ (each column's rounding depends on
+the errors of the ones before); every step is vectorised over the rows and
+over the stacked layers, so a model's MLPs (one width per fold) take one
+column loop, not one per layer: on a GPU each column is a handful of kernel
+launches, and launches, not arithmetic, bound the loop. The Cholesky factors
+and the error feedback run in f64 (`dtype`) on whatever device W is on.
 """
 
 from __future__ import annotations
@@ -80,27 +85,29 @@ def _pack(codec_name: str, codes: torch.Tensor, scale: torch.Tensor, lo: torch.T
 
 def _prepare(W: torch.Tensor, H: torch.Tensor, damp: float, dtype: torch.dtype):
     """Dead inputs (H_jj = 0) get H_jj = 1 so the inverse exists (their error
-    propagates nowhere); then the upper Cholesky factor of (H + λI)⁻¹."""
-    if W.ndim != 2 or H.shape != (W.shape[1], W.shape[1]):
-        raise CortiqError(f"GPTQ: Hessian {list(H.shape)} does not match weight {list(W.shape)}")
+    propagates nowhere); then the upper Cholesky factor of (H + λI)⁻¹, for a
+    stack W [L, R, C], H [L, C, C] → (U [L, C, C], λ [L]); each layer's λ
+    grows ×10 until its factor exists."""
+    if W.ndim != 3 or H.shape != (W.shape[0], W.shape[2], W.shape[2]):
+        raise CortiqError(f"GPTQ: Hessian {list(H.shape[1:])} does not match weight {list(W.shape[1:])}")
     H = H.to(dtype).clone()
     if not torch.isfinite(H).all():
         raise CortiqError("GPTQ: the Hessian has non-finite entries")
-    d = torch.diagonal(H)
+    d = torch.diagonal(H, dim1=-2, dim2=-1)  # [L, C], a view: writes reach H
     dead = d <= 0
     d[dead] = 1.0
-    if bool(dead.all()):
+    live = (~dead).sum(-1)  # [L]
+    if bool((live == 0).any()):
         raise CortiqError("GPTQ: the Hessian is all zero (no activations were captured)")
-    lam = damp * float(d[~dead].mean())
-    eye = torch.eye(H.shape[0], dtype=dtype, device=H.device)
+    lam = damp * torch.where(dead, 0.0, d).sum(-1) / live  # [L]
+    eye = torch.eye(H.shape[-1], dtype=dtype, device=H.device)
     for _ in range(6):
-        L, info = torch.linalg.cholesky_ex(H + lam * eye)
-        if int(info) == 0:
-            Hinv = torch.cholesky_inverse(L)
-            U, info2 = torch.linalg.cholesky_ex(Hinv, upper=True)
-            if int(info2) == 0:
-                return U, lam
-        lam *= 10.0
+        L, info = torch.linalg.cholesky_ex(H + lam[:, None, None] * eye)
+        U, info2 = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+        bad = (info != 0) | (info2 != 0)  # [L]
+        if not bool(bad.any()):
+            return U, lam
+        lam = torch.where(bad, lam * 10.0, lam)
     raise CortiqError("GPTQ: the Hessian is not positive definite even with heavy damping")
 
 
@@ -114,57 +121,86 @@ def gptq_quantize(
     dtype: torch.dtype = torch.float64,
 ) -> GptqResult:
     """Quantize W [out, in] with the Hessian H = Σ x xᵀ [in, in] of its inputs."""
+    if W.ndim != 2 or H.shape != (W.shape[1], W.shape[1]):
+        raise CortiqError(f"GPTQ: Hessian {list(H.shape)} does not match weight {list(W.shape)}")
+    return gptq_quantize_layers(W[None], H[None], codec_name, block, damp, act_order, dtype)[0]
+
+
+def gptq_quantize_layers(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    codec_name: str = "q4",
+    block: int = 128,
+    damp: float = 0.01,
+    act_order: bool = False,
+    dtype: torch.dtype = torch.float64,
+) -> list[GptqResult]:
+    """Quantize a stack of layers W [L, out, in], each with its Hessian
+    H [L, in, in], in one column loop; results per layer, on W's device
+    (the stored bytes on the CPU)."""
     g = _group(codec_name)
-    R, C = W.shape
+    if W.ndim != 3 or H.shape != (W.shape[0], W.shape[2], W.shape[2]):
+        raise CortiqError(f"GPTQ: Hessian {list(H.shape[1:])} does not match weight {list(W.shape[1:])}")
+    n, R, C = W.shape
     if C % g:
         # the codec's blocks straddle rows: no per-row grid to optimise against
         c = codecs.get(codec_name)
-        st = c.encode(W)
-        return GptqResult(st, c.decode(st, tuple(W.shape)), "rtn", 0.0)
+        out = []
+        for w in W:
+            st = c.encode(w.cpu())
+            out.append(GptqResult(st, c.decode(st, tuple(w.shape)).to(W.device), "rtn", 0.0))
+        return out
     B = max(g, (block // g) * g)  # whole groups per lazy block
-    Wd = W.detach().to(dtype).clone()
+    dev = W.device
+    H = H.to(dev)
+    Wd = W.detach().to(dtype).clone()  # [L, R, C]
     perm = None
     n_groups = C // g
-    scale = torch.zeros(R, n_groups, dtype=torch.float32, device=W.device)
+    scale = torch.zeros(n, R, n_groups, dtype=torch.float32, device=dev)
     lo = torch.zeros_like(scale)
+    layer = torch.arange(n, device=dev)
     if act_order:
         # static groups: the grids of the original weights, in original column order
-        s0, l0 = _grid(codec_name, Wd.reshape(R * n_groups, g))
-        scale, lo = s0.reshape(R, n_groups), l0.reshape(R, n_groups)
-        perm = torch.argsort(torch.diagonal(H).to(dtype), descending=True, stable=True)
-        Wd = Wd[:, perm]
-        H = H[perm][:, perm]
-        col_group = perm // g  # [C]: group of each permuted column
+        s0, l0 = _grid(codec_name, Wd.reshape(n * R * n_groups, g))
+        scale, lo = s0.reshape(n, R, n_groups), l0.reshape(n, R, n_groups)
+        perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1).to(dtype), dim=-1, descending=True, stable=True)  # [L, C]
+        Wd = torch.take_along_dim(Wd, perm[:, None, :], 2)
+        H = torch.take_along_dim(torch.take_along_dim(H, perm[:, :, None], 1), perm[:, None, :], 2)
+        col_group = perm // g  # [L, C]: group of each permuted column, per layer
     U, lam = _prepare(Wd, H, damp, dtype)
-    codes = torch.zeros(R, C, dtype=torch.float32, device=W.device)
+    codes = torch.zeros(n, R, C, dtype=torch.float32, device=dev)
     Q = torch.zeros_like(Wd)
     for i1 in range(0, C, B):
         i2 = min(i1 + B, C)
-        W1 = Wd[:, i1:i2].clone()  # [R, b]
+        W1 = Wd[:, :, i1:i2].clone()  # [L, R, b]
         E1 = torch.zeros_like(W1)
-        U1 = U[i1:i2, i1:i2]
+        U1 = U[:, i1:i2, i1:i2]  # [L, b, b]
         for i in range(i2 - i1):
             col = i1 + i
             if act_order:
-                gi = int(col_group[col])
+                gi = col_group[:, col]  # [L]
+                s_col, lo_col = scale[layer, :, gi], lo[layer, :, gi]  # [L, R]
             else:
                 gi = col // g
                 if col % g == 0:
-                    scale[:, gi], lo[:, gi] = _grid(codec_name, W1[:, i : i + g])
-            w = W1[:, i]
-            q, wq = _qdq(codec_name, w, scale[:, gi], lo[:, gi])
-            codes[:, col] = q
-            Q[:, col] = wq
-            err = (w - wq) / U1[i, i]  # [R]
-            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
-            E1[:, i] = err
+                    sg, lg = _grid(codec_name, W1[:, :, i : i + g].reshape(n * R, g))
+                    scale[:, :, gi], lo[:, :, gi] = sg.reshape(n, R), lg.reshape(n, R)
+                s_col, lo_col = scale[:, :, gi], lo[:, :, gi]
+            w = W1[:, :, i]  # [L, R]
+            q, wq = _qdq(codec_name, w, s_col, lo_col)
+            codes[:, :, col] = q
+            Q[:, :, col] = wq
+            err = (w - wq) / U1[:, i, i, None]  # [L, R]
+            W1[:, :, i:] -= err[:, :, None] * U1[:, None, i, i:]
+            E1[:, :, i] = err
         # the lazy update: later blocks see this block's errors at once
-        Wd[:, i2:] -= E1 @ U[i1:i2, i2:]
+        Wd[:, :, i2:] -= E1 @ U[:, i1:i2, i2:]
     if perm is not None:
-        inv = torch.argsort(perm)
-        codes, Q = codes[:, inv], Q[:, inv]
-    stored = _pack(codec_name, codes, scale, lo, g)
-    return GptqResult(stored, Q.to(torch.float32), "gptq", lam)
+        inv = torch.argsort(perm, dim=-1)[:, None, :]
+        codes, Q = torch.take_along_dim(codes, inv, 2), torch.take_along_dim(Q, inv, 2)
+    codes, scale, lo, lams = codes.cpu(), scale.cpu(), lo.cpu(), lam.tolist()
+    return [GptqResult(_pack(codec_name, codes[l], scale[l], lo[l], g), Q[l].to(torch.float32), "gptq", lams[l])
+            for l in range(n)]
 
 
 def gptq_reference(
@@ -174,7 +210,7 @@ def gptq_reference(
     error spread at once over all later columns. Returns the dequantized W."""
     g = _group(codec_name)
     R, C = W.shape
-    U, _ = _prepare(W, H, damp, dtype)
+    U = _prepare(W[None], H[None], damp, dtype)[0][0]
     Wd = W.detach().to(dtype).clone()
     Q = torch.zeros_like(Wd)
     s = lo = None

@@ -1,11 +1,18 @@
 """Illumination: Grams G = Σ a aᵀ of chosen layers' down_proj inputs (the
 MLP activations a [I]) over a set of windows.
 
-Accumulators are f64 [I, I]. When those of every chosen layer do not fit the
-memory room, the layers are split into parts run one pass each; a pass saves
-the residual stream where it stops (the input of the layer after its last),
-per batch, and the next pass starts from it, so every layer runs once per
-window set. CORTIQ_GRAM_ROOM_MB caps the room (tests use it to force passes).
+Accumulators are f64 [I, I], on the model's device. When those of every
+chosen layer do not fit the memory room, the layers are split into parts run
+one pass each; a pass saves the residual stream where it stops (the input of
+the layer after its last), per batch, and the next pass starts from it, so
+every layer runs once per window set. The room is half the free device memory
+on CUDA (the forward's activations need the rest), a quarter of the RAM on the
+CPU; CORTIQ_GRAM_ROOM_MB caps it (tests use it to force passes).
+
+On CUDA the forward may run under bf16 autocast; each batch's product AᵀA is
+then taken in f64 (Hopper's f64 tensor cores run it at about the f32 rate,
+and no f32 rounding enters the sum). Padding rows are zeroed, not dropped, so
+no step waits on the host.
 """
 
 from __future__ import annotations
@@ -20,11 +27,15 @@ from ..errors import CortiqError
 ACC_BYTES = 8  # f64 accumulators
 
 
-def room_bytes(room_mb: float = 0) -> int:
-    """The memory room for the accumulators: `room_mb`, else a quarter of the
-    RAM; CORTIQ_GRAM_ROOM_MB (a float, MB) caps either."""
+def room_bytes(room_mb: float = 0, device=None) -> int:
+    """The memory room for the accumulators: `room_mb`, else half the free
+    memory of a CUDA `device`, else a quarter of the RAM; CORTIQ_GRAM_ROOM_MB
+    (a float, MB) caps any of them."""
     if room_mb > 0:
         room = int(room_mb * (1 << 20))
+    elif device is not None and torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        room = free // 2
     else:
         try:
             room = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
@@ -54,6 +65,17 @@ def plan_parts(widths: dict[int, int], layers: Sequence[int], room: int) -> list
     return parts if parts[0] else []
 
 
+def _add_gram(acc: torch.Tensor, a: torch.Tensor, keep: torch.Tensor) -> None:
+    """acc [I, I] f64 += Σ aᵢ aᵢᵀ over the rows of a [b, T, I] where keep [b, T] is set."""
+    with torch.autocast(acc.device.type, enabled=False):  # the product must not drop to bf16
+        if acc.is_cuda:
+            x = (a * keep[..., None].to(a.dtype)).reshape(-1, a.shape[-1]).double()  # [b·T, I], padding rows 0
+            acc.addmm_(x.T, x)
+        else:
+            sel = a[keep].float()  # [n, I]: real tokens only
+            acc.add_((sel.T @ sel).double())
+
+
 @torch.no_grad()
 def capture_model_grams(
     model,
@@ -63,10 +85,13 @@ def capture_model_grams(
     room: int,
     batch: int = 4,
     progress: Callable[[int], None] | None = None,
+    compute: torch.dtype = torch.float32,
 ) -> tuple[dict[int, torch.Tensor], int, int]:
     """Grams of `layers`' down_proj inputs over windows ids [N, T] (int64),
     counting the rows where `rows` [N, T] (bool) is set (real tokens, not
-    padding). Returns ({layer: G f64 [I, I]}, rows counted, passes)."""
+    padding), on the device the model is on, the forward under autocast to
+    `compute` when that is not f32. Returns ({layer: G f64 [I, I] on the CPU},
+    rows counted, passes)."""
     n_layers = len(model.layers)
     bad = [l for l in layers if not 0 <= l < n_layers]
     if bad:
@@ -78,6 +103,8 @@ def capture_model_grams(
     dev = next(model.parameters()).device
     starts = list(range(0, ids.shape[0], batch))
     count = int(rows.sum())
+    per_batch = [int(rows[s : s + batch].sum()) for s in starts]  # counted on the host, once
+    ids_d, rows_d = ids.to(dev), rows.to(dev)  # a few MB at most: no copy per batch
     out: dict[int, torch.Tensor] = {}
     resume: list[torch.Tensor] | None = None  # per batch: hidden input [b, T, H] of layer `at`
     at = 0
@@ -87,9 +114,7 @@ def capture_model_grams(
 
         def hook(layer):
             def fn(mod, inp):
-                a = inp[0]  # [b, T, I]
-                sel = a[cur["mask"]].float()  # [n, I]: real tokens only
-                accs[layer].add_((sel.T @ sel).double())
+                _add_gram(accs[layer], inp[0], cur["mask"])  # inp[0]: the activations [b, T, I]
             return fn
 
         handles = [model.layers[l].mlp.down_proj.register_forward_pre_hook(hook(l)) for l in part]
@@ -97,13 +122,14 @@ def capture_model_grams(
         nxt: list[torch.Tensor] = []
         try:
             for k, s in enumerate(starts):
-                cur["mask"] = rows[s : s + batch].to(dev)
-                h = model.embed(ids[s : s + batch].to(dev)) if resume is None else resume[k].to(dev)
-                h = model.run_layers(h, at, stop)  # [b, T, H]
+                cur["mask"] = rows_d[s : s + batch]
+                with torch.autocast(dev.type, dtype=compute, enabled=compute != torch.float32):
+                    h = model.embed(ids_d[s : s + batch]) if resume is None else resume[k].to(dev)
+                    h = model.run_layers(h, at, stop)  # [b, T, H]
                 if part is not parts[-1]:
                     nxt.append(h.to("cpu"))
                 if progress:
-                    progress(int(cur["mask"].sum()))
+                    progress(per_batch[k])
         finally:
             for hd in handles:
                 hd.remove()
@@ -112,4 +138,5 @@ def capture_model_grams(
             if not bool((torch.diagonal(accs[l]) > 0).any()):
                 raise CortiqError(f"Gram capture: layer {l}: the captured activations are all zero")
             out[l] = accs[l].cpu()
+        del accs
     return out, count, len(parts)

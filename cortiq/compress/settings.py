@@ -14,6 +14,8 @@ from ..errors import CortiqError
 LOSS_ON = ("answer", "all")
 SCOPES = ("per_layer", "global")
 GPTQ_CODECS = ("q4", "q4_64", "q8")
+#: compute dtypes of the compress forward passes (f16 would need a loss scale for the gates' gradients)
+COMPUTE = ("auto", "f32", "bf16")
 
 
 def _frac(name: str, v: float, lo: float = 0.0, hi: float = 1.0, lo_open: bool = True) -> None:
@@ -149,8 +151,17 @@ class CompressSettings:
     learn_masks: bool = True
     #: quantize the student with GPTQ into gptq.codec
     use_gptq: bool = False
+    # ── resources (how, not what: outside every stage's digest) ──
+    #: where masks, Grams, the repair and GPTQ compute: "auto" (CUDA when
+    #: present), "cpu", "cuda", "cuda:1", ...
+    device: str = "auto"
+    #: forward passes under autocast: "auto" (bf16 on CUDA, f32 on the CPU),
+    #: "f32", "bf16"; Gram accumulators, the repair's and GPTQ's solves stay f64
+    compute_dtype: str = "auto"
 
     def __post_init__(self):
+        if self.compute_dtype not in COMPUTE:
+            raise CortiqError(f"compress compute_dtype must be one of {', '.join(COMPUTE)}, got {self.compute_dtype!r}")
         for k, cls in (("masks", MaskSettings), ("fold", FoldSettings), ("grams", GramSettings), ("gptq", GptqSettings)):
             v = getattr(self, k)
             if isinstance(v, dict):

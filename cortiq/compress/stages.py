@@ -42,6 +42,17 @@ def _bar(total, desc, unit):
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False)
 
 
+def _resources(device: str, compute_dtype: str):
+    """(torch.device, autocast dtype) of a stage's `device` / `compute_dtype` names."""
+    from ..devices import resolve_compute, resolve_device
+    from .settings import COMPUTE
+
+    if compute_dtype not in COMPUTE:
+        raise CortiqError(f"compress: compute dtype {compute_dtype!r} is not one of {', '.join(COMPUTE)}")
+    dev = resolve_device(device, "compress")
+    return dev, resolve_compute(compute_dtype, dev)
+
+
 def _open_data(source_cmf, tdata_dir):
     from ..data import Tdata
 
@@ -53,10 +64,13 @@ def _open_data(source_cmf, tdata_dir):
 # ── masks ─────────────────────────────────────────────────────────────────
 
 
-def learn_masks(source_cmf, tdata_dir, settings: MaskSettings, out_dir, logger: tracking.Logger = tracking.NULL) -> dict:
+def learn_masks(source_cmf, tdata_dir, settings: MaskSettings, out_dir, logger: tracking.Logger = tracking.NULL,
+                device: str = "auto", compute_dtype: str = "auto") -> dict:
     """DTG-MA gate logits for every MLP neuron of `source_cmf`, trained on the
-    tdata's train split with the LM loss, scored on its val split. Writes
-    `masks.safetensors` (`layer.{i}`: logits [I_i]) in the stage dir `out_dir`."""
+    tdata's train split with the LM loss, scored on its val split, on `device`
+    ("auto": CUDA when present) under `compute_dtype` autocast ("auto": bf16
+    on CUDA). Writes `masks.safetensors` (`layer.{i}`: logits [I_i]) in the
+    stage dir `out_dir`."""
     import torch
     from safetensors.torch import save_file
 
@@ -68,7 +82,8 @@ def learn_masks(source_cmf, tdata_dir, settings: MaskSettings, out_dir, logger: 
     td = _open_data(source_cmf, tdata_dir)
     train = windows(td, "train", s.window, loss_on=s.loss_on)
     val = windows(td, "val", s.window, loss_on=s.loss_on)
-    model = load_model(source_cmf)
+    dev, cdt = _resources(device, compute_dtype)
+    model = load_model(source_cmf, device=dev)
     t0 = time.time()
     bar = _bar(s.max_steps, "DTG-MA masks", "step")
 
@@ -81,12 +96,13 @@ def learn_masks(source_cmf, tdata_dir, settings: MaskSettings, out_dir, logger: 
                             "mask_l1": row["l1"]}, step=row["step"])
 
     try:
-        r = learn_model_masks(model, train, val, s, on_eval, progress)
+        r = learn_model_masks(model, train, val, s, on_eval, progress, compute=cdt)
     finally:
         bar.close()
     rep = r.report()
     rep["metrics"]["mask_sec_per_step"] = (time.time() - t0) / max(r.steps, 1)
     rep["windows"] = {"train": len(train), "val": len(val)}
+    rep["device"], rep["compute_dtype"] = str(dev), str(cdt).removeprefix("torch.")
     with store.stage_dir(out_dir, _meta("masks", s, [source_cmf, tdata_dir], {"report": rep})) as d:
         save_file({f"layer.{i}": t.detach().float().cpu().contiguous() for i, t in enumerate(r.logits)}, str(d / MASKS_FILE))
     logger.log_metrics({k: v for k, v in rep["metrics"].items()})
@@ -106,9 +122,11 @@ def read_masks(masks_dir) -> tuple[list, dict]:
 
 
 def capture_grams(source_cmf, tdata_dir, layers, settings: GramSettings, out_dir,
-                  logger: tracking.Logger = tracking.NULL) -> dict:
+                  logger: tracking.Logger = tracking.NULL, device: str = "auto", compute_dtype: str = "auto") -> dict:
     """Grams of the MLP activations (down_proj inputs) of `layers` (None: all)
-    over the train windows. Writes `grams.safetensors` (`gram.{i}` f64 [I, I])."""
+    over the train windows, on `device` (accumulators f64 there, the forward
+    under `compute_dtype` autocast). Writes `grams.safetensors` (`gram.{i}`
+    f64 [I, I])."""
     import torch
     from safetensors.torch import save_file
 
@@ -126,17 +144,18 @@ def capture_grams(source_cmf, tdata_dir, layers, settings: GramSettings, out_dir
     # real tokens: a row is padding when it is the pad id past the stream's end (weight 0 and pad)
     rows = torch.from_numpy((w.weight[:n] > 0) | (w.ids[:n] != w.pad_id))
     key = {"settings": dataclasses.asdict(s), "layers": None if layers is None else sorted(int(l) for l in layers)}
-    model = load_model(source_cmf)
+    dev, cdt = _resources(device, compute_dtype)
+    model = load_model(source_cmf, device=dev)
     layers = list(range(len(model.layers))) if layers is None else key["layers"]
     bar = _bar(int(rows.sum()) * 1, "Gram capture", "tok")
     t0 = time.time()
     try:
-        grams, count, passes = capture_model_grams(model, ids, rows, layers, room_bytes(s.room_mb), s.batch,
-                                                   lambda k: bar.update(k))
+        grams, count, passes = capture_model_grams(model, ids, rows, layers, room_bytes(s.room_mb, dev), s.batch,
+                                                   lambda k: bar.update(k), compute=cdt)
     finally:
         bar.close()
     rep = {"metrics": {"gram_rows": float(count), "gram_passes": float(passes), "gram_sec": time.time() - t0},
-           "layers": layers, "count": count}
+           "layers": layers, "count": count, "device": str(dev), "compute_dtype": str(cdt).removeprefix("torch.")}
     with store.stage_dir(out_dir, _meta("grams", key, [source_cmf, tdata_dir], {"report": rep})) as d:
         save_file({f"gram.{l}": g.contiguous() for l, g in grams.items()}, str(d / GRAMS_FILE))
     logger.log_metrics(rep["metrics"])
@@ -155,10 +174,12 @@ def read_grams(grams_dir) -> tuple[dict, int]:
 # ── fold ──────────────────────────────────────────────────────────────────
 
 
-def fold(source_cmf, masks_dir, grams_dir, settings: FoldSettings, out_cmf, logger: tracking.Logger = tracking.NULL) -> dict:
+def fold(source_cmf, masks_dir, grams_dir, settings: FoldSettings, out_cmf, logger: tracking.Logger = tracking.NULL,
+         device: str = "auto") -> dict:
     """Keep the top `keep_frac` MLP neurons (by mask logit from `masks_dir`,
     else by activation score from `grams_dir`), optionally repair down_proj
-    from the Grams; write the student CMF `out_cmf`."""
+    from the Grams (the least squares in f64 on `device`); write the student
+    CMF `out_cmf`."""
     import torch
 
     from ..cmf import open_cmf
@@ -186,8 +207,9 @@ def fold(source_cmf, masks_dir, grams_dir, settings: FoldSettings, out_cmf, logg
         missing = [i for i in range(len(widths)) if i not in grams]
         if missing:
             raise CortiqError(f"fold --repair: no Grams for layers {missing[:4]}")
+        dev = _resources(device, "auto")[0]
         for i, k in enumerate(kept):
-            down[i] = repair_down(src.tensor(mlp_names(i)[2]), grams[i], k, s.damp)
+            down[i] = repair_down(src.tensor(mlp_names(i)[2]), grams[i].to(dev), k, s.damp).cpu()
     # the activation energy the fold drops (Gram diagonal), where Grams exist
     dropped = {}
     for i, k in enumerate(kept):
@@ -216,52 +238,74 @@ def fold(source_cmf, masks_dir, grams_dir, settings: FoldSettings, out_cmf, logg
 # ── gptq ──────────────────────────────────────────────────────────────────
 
 
-def gptq(student_cmf, grams_dir, settings: GptqSettings, out_cmf, logger: tracking.Logger = tracking.NULL) -> dict:
+def gptq(student_cmf, grams_dir, settings: GptqSettings, out_cmf, logger: tracking.Logger = tracking.NULL,
+         device: str = "auto") -> dict:
     """Quantize `student_cmf` into `settings.codec`: every MLP down_proj by
-    GPTQ from the Grams (restricted to the neurons the fold kept), the other
-    linear weights of the layers by round-to-nearest; embeddings, head and
-    norms keep their codec. Per layer, the output error ‖(W − Ŵ) X‖ under the
-    Gram is reported for GPTQ and for RTN."""
+    GPTQ from the Grams (restricted to the neurons the fold kept), on
+    `device`, the other linear weights of the layers by round-to-nearest;
+    embeddings, head and norms keep their codec. Per layer, the output error
+    ‖(W − Ŵ) X‖ under the Gram is reported for GPTQ and for RTN."""
     import torch
 
     from .. import codecs
     from ..cmf import Stored, copy_specs, open_cmf, with_provenance, write_cmf
     from .fold import kept_from_b64, mlp_names
-    from .gptq import gptq_quantize
+    from .gptq import gptq_quantize_layers
+    from .grams import room_bytes
 
     s = settings
+    dev = _resources(device, "auto")[0]
     src = open_cmf(student_cmf)
     grams, count = read_grams(grams_dir)
     widths = src.arch.intermediate_sizes
     fold_prov = src.provenance.get("fold", {})
     codec = codecs.get(s.codec)
-    replace, rows = {}, []
-    bar = _bar(len(grams), "GPTQ", "layer")
+    todo = {}  # layer -> (name, W [H, I_i], G [I_i, I_i]) on the CPU
+    for i, G in sorted(grams.items()):
+        if i >= len(widths):
+            raise CortiqError(f"{grams_dir}: Gram of layer {i}, but {student_cmf} has {len(widths)} layers")
+        name = mlp_names(i)[2]
+        W = src.tensor(name)  # [H, I_i]
+        if G.shape[0] != W.shape[1]:
+            src_w = fold_prov.get("source_widths")
+            if not fold_prov.get("kept") or not src_w or src_w[i] != G.shape[0]:
+                raise CortiqError(f"{grams_dir}: layer {i} Gram is {G.shape[0]} wide, {student_cmf} has {W.shape[1]} "
+                                  "neurons and no fold record maps them")
+            k = kept_from_b64(fold_prov["kept"][i], src_w[i])
+            G = G[k][:, k]
+        todo[i] = (name, W, G)
+    # layers of one shape (all of them after a per-layer fold) share one column
+    # loop, in stacks sized to the memory room (U, H and their temporaries, f64)
+    shapes: dict = {}
+    for i, (_, W, _) in todo.items():
+        shapes.setdefault(tuple(W.shape), []).append(i)
+    room = room_bytes(0, dev)
+    replace, rows = {}, {}
+    bar = _bar(len(todo), "GPTQ", "layer")
     try:
-        for i, G in sorted(grams.items()):
-            if i >= len(widths):
-                raise CortiqError(f"{grams_dir}: Gram of layer {i}, but {student_cmf} has {len(widths)} layers")
-            name = mlp_names(i)[2]
-            W = src.tensor(name)  # [H, I_i]
-            if G.shape[0] != W.shape[1]:
-                src_w = fold_prov.get("source_widths")
-                if not fold_prov.get("kept") or not src_w or src_w[i] != G.shape[0]:
-                    raise CortiqError(f"{grams_dir}: layer {i} Gram is {G.shape[0]} wide, {student_cmf} has {W.shape[1]} "
-                                      "neurons and no fold record maps them")
-                k = kept_from_b64(fold_prov["kept"][i], src_w[i])
-                G = G[k][:, k]
-            r = gptq_quantize(W, G, s.codec, s.block, s.damp, s.act_order)
-            rtn = codec.decode(codec.encode(W), tuple(W.shape))
+        for (R, C), layers in shapes.items():
+            per = 8 * (4 * C * C + 4 * R * C)
+            for a in range(0, len(layers), max(1, room // per)):
+                part = layers[a : a + max(1, room // per)]
+                Ws = torch.stack([todo[i][1] for i in part]).to(dev)  # [n, H, I]
+                Gs = torch.stack([todo[i][2] for i in part]).to(dev)  # [n, I, I] f64
+                results = gptq_quantize_layers(Ws, Gs, s.codec, s.block, s.damp, s.act_order)
+                rtn = torch.stack([codec.decode(codec.encode(todo[i][1]), (R, C)) for i in part]).to(dev)
 
-            def err(Wq, G=G, W=W):
-                D = (W - Wq).double()
-                return float(torch.einsum("oi,ij,oj->", D, G.double(), D).clamp_min(0).sqrt())
+                def err(Wq):
+                    # ‖(W − Ŵ) X‖ under the Gram, per layer: √ Σ_oij D_oi G_ij D_oj
+                    D = (Ws - Wq).double()  # [n, H, I]
+                    return torch.einsum("noi,nij,noj->n", D, Gs, D).clamp_min(0).sqrt().tolist()
 
-            rows.append({"layer": i, "method": r.method, "err_gptq": err(r.weight), "err_rtn": err(rtn)})
-            replace[name] = (tuple(W.shape), lambda st=r.stored: Stored(st))
-            bar.update(1)
+                e_gptq, e_rtn = err(torch.stack([r.weight for r in results])), err(rtn)
+                for j, (i, r) in enumerate(zip(part, results)):
+                    rows[i] = {"layer": i, "method": r.method, "err_gptq": e_gptq[j], "err_rtn": e_rtn[j]}
+                    replace[todo[i][0]] = ((R, C), lambda st=r.stored: Stored(st))
+                bar.update(len(part))
+                del Ws, Gs, results, rtn
     finally:
         bar.close()
+    rows = [rows[i] for i in sorted(rows)]
 
     def codec_for(n, info):
         if n in replace:
@@ -291,6 +335,7 @@ def compress(source_cmf, tdata_dir, settings: CompressSettings, out_cmf, logger:
     needs them) → fold → gptq, each stage reused when its output under the
     cortiq home (or `work`) is complete. Returns every stage's report."""
     s = settings
+    _resources(s.device, s.compute_dtype)  # a bad device fails here, before any stage runs
     say = log or (lambda m: print(m, file=sys.stderr))
     root = Path(work) if work else store.home() / "stages"
     root.mkdir(parents=True, exist_ok=True)
@@ -303,7 +348,7 @@ def compress(source_cmf, tdata_dir, settings: CompressSettings, out_cmf, logger:
             rep["stages"]["masks"] = store.read_meta(masks_dir)["report"]
             say(f"masks: reusing {masks_dir}")
         else:
-            rep["stages"]["masks"] = learn_masks(source_cmf, tdata_dir, s.masks, masks_dir, logger)
+            rep["stages"]["masks"] = learn_masks(source_cmf, tdata_dir, s.masks, masks_dir, logger, s.device, s.compute_dtype)
         m = rep["stages"]["masks"]["metrics"]
         say(f"masks: {m['mask_pruned'] * 100:.1f} % pruned at step {m['mask_step']:.0f} of {m['mask_steps']:.0f}; "
             f"val NLL open {m['mask_nll_open']:.4f}, hard {m['mask_nll_hard']:.4f}")
@@ -314,14 +359,15 @@ def compress(source_cmf, tdata_dir, settings: CompressSettings, out_cmf, logger:
             rep["stages"]["grams"] = store.read_meta(grams_dir)["report"]
             say(f"grams: reusing {grams_dir}")
         else:
-            rep["stages"]["grams"] = capture_grams(source_cmf, tdata_dir, None, s.grams, grams_dir, logger)
+            rep["stages"]["grams"] = capture_grams(source_cmf, tdata_dir, None, s.grams, grams_dir, logger, s.device,
+                                                   s.compute_dtype)
     folded = out_cmf if not s.use_gptq else out_cmf.with_name(out_cmf.name + ".fold.cmf")
-    rep["stages"]["fold"] = fold(source_cmf, masks_dir, grams_dir, s.fold, folded, logger)
+    rep["stages"]["fold"] = fold(source_cmf, masks_dir, grams_dir, s.fold, folded, logger, s.device)
     say(f"fold: kept {rep['stages']['fold']['metrics']['fold_kept_share'] * 100:.1f} % of the MLP neurons"
         f"{' (repaired)' if s.fold.repair else ''} -> {folded}")
     if s.use_gptq:
         try:
-            rep["stages"]["gptq"] = gptq(folded, grams_dir, s.gptq, out_cmf, logger)
+            rep["stages"]["gptq"] = gptq(folded, grams_dir, s.gptq, out_cmf, logger, s.device)
         finally:
             folded.unlink(missing_ok=True)
         m = rep["stages"]["gptq"]["metrics"]

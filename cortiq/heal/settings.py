@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..devices import COMPUTE, resolve_compute  # noqa: F401  (heal's names for them)
+from ..devices import resolve_device as _resolve_device
 from ..errors import CortiqError
-
-COMPUTE = ("auto", "f32", "bf16", "f16")
 
 
 @dataclass
@@ -117,25 +117,7 @@ class HealSettings:
 
 
 def resolve_device(name: str):
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise CortiqError(f"heal settings: device {name!r} is not a torch device") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise CortiqError(f"heal settings: device {name!r} asked for but CUDA is not available")
-    return dev
-
-
-def resolve_compute(name: str, device):
-    import torch
-
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[name]
+    return _resolve_device(name, "heal settings")
 
 
 def mem_budget_bytes(gb: float) -> int:

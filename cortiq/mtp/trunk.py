@@ -29,6 +29,7 @@ import torch
 
 from .. import store
 from ..cmf import CmfFile, open_cmf
+from ..devices import resolve_device as _resolve_device
 from ..errors import CortiqError
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,7 @@ def set_key(tkey: str, ids: np.ndarray, lens: np.ndarray, window: int, k: int) -
 
 
 def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    return _resolve_device(device, "mtp settings")
 
 
 @torch.no_grad()

@@ -87,3 +87,6 @@ def test_cli_compress_and_its_errors(tiny, tmp_path, capsys):
     rc = main(["compress", str(m), "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "x.cmf")])
     assert rc == 1 and "nope" in capsys.readouterr().err
     assert not (tmp_path / "x.cmf").exists()
+    rc = main(["compress", str(m), "--data", str(td), "--out", str(tmp_path / "x.cmf"), "--device", "gpu0"])
+    assert rc == 1 and "compress: device 'gpu0' is not a torch device" in capsys.readouterr().err
+    assert not (tmp_path / "x.cmf").exists()

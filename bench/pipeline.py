@@ -1,0 +1,202 @@
+"""The whole pipeline on one GPU, stage by stage: wall time and throughput.
+
+    python bench/pipeline.py [--geoms qwen3-0.6b,qwen3-1.7b] [--tokens 200000] [--out DIR]
+    python bench/pipeline.py --cpu --geoms tiny --tokens 6000     # the code paths on a CPU, no numbers
+
+compress (DTG-MA masks → Grams → fold with repair) → heal (teacher top-k,
+frozen prefix, one epoch, export) → score (test NLL of source, student and
+healed) → MTP heal (trunk pass, draft training) → re-encode (q8 and q4, each
+re-scored), on a random-init model of the named geometry (bench/run.py's) and
+a byte-tokenized text. Each stage is the library's own stage function, the one
+`cortiq compress` / `cortiq heal` / `cortiq mtp heal` and the Prefect tasks
+call (the orchestrator itself is not on the GPU machine); the re-encode is
+the re-encode task's body (copy_specs into a codec, then score). Random
+weights measure time, not quality: the NLLs are printed only as a check that
+every stage ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from run import GEOMS  # noqa: E402
+from stages import arch_of  # noqa: E402
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Clock:
+    """Wall seconds of each stage, the device drained at both ends."""
+
+    def __init__(self):
+        self.rows = []
+
+    def __call__(self, stage, fn, tokens=None, **notes):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        s = time.perf_counter() - t0
+        row = {"stage": stage, "secs": s, **notes}
+        if tokens:
+            row["tokens"], row["tok_s"] = tokens, tokens / s
+        self.rows.append(row)
+        log(json.dumps(row))
+        return out
+
+
+def source_model(g: dict, path: Path) -> Path:
+    """A random-init CMF of geometry `g` (bf16, std 0.02, norms 1) with the byte tokenizer."""
+    from cortiq.cmf import new_doc, specs_from_tensors, write_cmf
+    from cortiq.model import CausalLM
+    from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
+
+    arch = arch_of(g)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        m = CausalLM(arch)
+    with torch.no_grad():
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+    tensors = [(n, p.detach().to(torch.bfloat16).cpu()) for n, p in m.named_parameters()]
+    del m
+    return write_cmf(path, new_doc(arch, tokenizer_doc(byte_tokenizer_json(), [256])), specs_from_tensors(tensors, "bf16"))
+
+
+def text_data(model: Path, out: Path, tokens: int) -> Path:
+    from cortiq.data import BuildSettings, build
+
+    if not (out / "meta.json").exists():
+        build(["corpus:pydoc"], model, out, BuildSettings(record_tokens=512, max_total_tokens=tokens,
+                                                          fractions=(0.9, 0.05, 0.05)))
+    return out
+
+
+def run_geom(name: str, g: dict, a, work: Path) -> list[dict]:
+    from cortiq.cmf import copy_specs, open_cmf, with_provenance, write_cmf
+    from cortiq.compress import compress
+    from cortiq.compress.settings import CompressSettings, FoldSettings, GramSettings, MaskSettings
+    from cortiq.data import Tdata
+    from cortiq.heal.settings import HealSettings
+    from cortiq.heal.stages import heal, score
+    from cortiq.mtp import MtpSettings, mtp_heal
+
+    d = work / name
+    d.mkdir(parents=True, exist_ok=True)
+    clock = Clock()
+    W, B = a.window, a.batch
+    src = clock("source (random init, write)", lambda: source_model(g, d / "source.cmf"))
+    td = clock("data (tokenize)", lambda: text_data(src, d / "td", a.tokens))
+    n_train = sum(len(r.ids) for r in Tdata.open(td).records("train"))
+
+    # ── compress ──
+    ms = MaskSettings(max_steps=a.mask_steps, window=W, batch=B, loss_on="all")
+    cs = CompressSettings(masks=ms, fold=FoldSettings(keep_frac=0.75, repair=True),
+                          grams=GramSettings(window=W, batch=B, max_windows=a.gram_windows))
+    rep = clock("compress (masks, Grams, fold + repair)",
+                lambda: compress(src, td, cs, d / "student.cmf", work=d / "stages", log=log))
+    st = rep["stages"]
+    masks_tok = st["masks"]["metrics"]["mask_steps"] * W * B
+    clock.rows[-1].update({"mask_steps": st["masks"]["metrics"]["mask_steps"],
+                           "mask_s_per_step": st["masks"]["metrics"]["mask_sec_per_step"],
+                           "mask_tok_s": masks_tok / (st["masks"]["metrics"]["mask_sec_per_step"] * st["masks"]["metrics"]["mask_steps"]),
+                           "gram_sec": st["grams"]["metrics"]["gram_sec"]})
+
+    # ── heal (targets, prefix, one epoch, export) and score ──
+    hs = HealSettings(window=W, batch=B, epochs=1.0, train_from=g["layers"] // 2, topk=32, eval_every=10**6,
+                      checkpoint_every=0, compile=not a.cpu)
+    hrep = clock("heal (teacher top-k, prefix, 1 epoch, export)",
+                 lambda: heal(d / "student.cmf", src, td, hs, d / "healed.cmf", work_dir=d / "heal", progress=False,
+                              score_split=None), tokens=n_train)
+    clock.rows[-1]["steps"] = hrep["metrics"].get("steps")
+    n_test = sum(len(r.ids) for r in Tdata.open(td).records("test"))
+    nll = clock("score (test NLL: source, student, healed)",
+                lambda: score({"source": src, "student": d / "student.cmf", "healed": d / "healed.cmf"}, td,
+                              progress=False), tokens=3 * n_test)
+    clock.rows[-1]["nll"] = nll
+
+    # ── MTP heal ──
+    mt = MtpSettings(window=W, tokens=a.mtp_tokens, batch=B, epochs=1.0, eval_every=10**6, patience=0, topk=32)
+    mrep = clock("MTP heal (trunk pass, draft, 3 chain steps)",
+                 lambda: mtp_heal(d / "healed.cmf", str(td), mt, d / "final.cmf"), tokens=a.mtp_tokens)
+    clock.rows[-1]["drafts_per_round"] = mrep["metrics"]["drafts_per_round_after"]
+
+    # ── re-encode into each codec, re-scored ──
+    for codec in ("q8", "q4"):
+        def reencode(codec=codec):
+            f = open_cmf(d / "final.cmf")
+            doc = with_provenance({k: v for k, v in f.doc.items() if k not in ("codecs", "hashes", "shards")},
+                                  "reencode", {"codec": codec})
+            out = write_cmf(d / f"final.{codec}.cmf", doc,
+                            copy_specs(f, lambda n, info: codec if len(info.shape) == 2 else info.codec))
+            return score({codec: out}, td, progress=False)
+
+        r = clock(f"re-encode {codec} + score", reencode, tokens=n_test)
+        clock.rows[-1]["nll"] = r
+    for row in clock.rows:
+        row["geom"] = name
+    return clock.rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--geoms", default="qwen3-0.6b,qwen3-1.7b")
+    ap.add_argument("--tokens", type=int, default=200_000, help="tokens of text (train 90 %)")
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--mask-steps", type=int, default=200)
+    ap.add_argument("--gram-windows", type=int, default=64)
+    ap.add_argument("--mtp-tokens", type=int, default=65536)
+    ap.add_argument("--work", default="/tmp/cortiq-pipeline")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--cpu", action="store_true", help="smoke-test the code paths on the CPU (tiny geometry)")
+    a = ap.parse_args()
+    if not a.cpu:
+        assert torch.cuda.is_available(), "the benchmark needs a CUDA device"
+        torch.backends.cuda.matmul.allow_tf32 = True
+    rows = []
+    for name in a.geoms.split(","):
+        t0 = time.time()
+        try:
+            rows += run_geom(name, GEOMS[name], a, Path(a.work))
+        except Exception as e:  # keep the other geometry's rows
+            import traceback
+
+            traceback.print_exc()
+            rows.append({"geom": name, "stage": "error", "error": f"{type(e).__name__}: {str(e)[:200]}"})
+        log(f"{name}: {time.time() - t0:.0f} s")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = "CPU" if a.cpu else torch.cuda.get_device_name()
+    (out / "pipeline.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "rows": rows}, indent=1))
+    print(f"\n{dev}, torch {torch.__version__}; window {a.window}, batch {a.batch}")
+    print("| geometry | stage | wall s | tokens/s | notes |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        notes = {k: v for k, v in r.items() if k not in ("geom", "stage", "secs", "tokens", "tok_s")}
+        tok = f"{r['tok_s'] / 1e3:.1f}k" if "tok_s" in r else ""
+        print(f"| {r['geom']} | {r['stage']} | {r.get('secs', 0):.1f} | {tok} | {json.dumps(notes, default=str)[:160]} |")
+
+
+if __name__ == "__main__":
+    main()

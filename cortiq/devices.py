@@ -1,0 +1,40 @@
+"""Where a stage computes: the one resolver of device names and compute dtypes
+every stage (compress, heal, mtp) uses, so "auto" means the same everywhere."""
+
+from __future__ import annotations
+
+from .errors import CortiqError
+
+#: compute dtypes a stage may name: "auto" is bf16 on CUDA, f32 on the CPU
+COMPUTE = ("auto", "f32", "bf16", "f16")
+
+
+def resolve_device(name: str, what: str = "settings"):
+    """A torch.device for "auto" (CUDA when present, else the CPU), "cpu",
+    "cuda", "cuda:1", ...; CortiqError (prefixed `what`) for a name torch
+    does not know or CUDA asked for where there is none."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise CortiqError(f"{what}: device {name!r} is not a torch device") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CortiqError(f"{what}: device {name!r} asked for but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise CortiqError(f"{what}: device {name!r} asked for but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return dev
+
+
+def resolve_compute(name: str, device):
+    """The autocast dtype for `name` on `device` ("auto": bf16 on CUDA, f32 on the CPU)."""
+    import torch
+
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[name]
+    except KeyError:
+        raise CortiqError(f"compute dtype {name!r} is not one of {', '.join(COMPUTE)}") from None
