@@ -210,12 +210,12 @@ def trained_params(model, train_input: bool) -> list[tuple[str, torch.nn.Paramet
     return [(n, p) for n, p in mtp.named_parameters() if any(n.startswith(k) for k in keep)]
 
 
-def lr_shape(step: int, total: int) -> float:
-    """The seed's schedule: linear warm-up over a tenth, cosine down to a tenth of the peak."""
-    warm = max(total // 10, 1)
-    if step <= warm:
-        return step / warm
-    pr = min((step - warm) / max(total - warm, 1), 1.0)
+def lr_shape(step: int, total: int, warm: float = 0.1) -> float:
+    """Linear warm-up over a share `warm` of the steps, cosine down to a tenth of the peak."""
+    w = max(int(total * warm), 1)
+    if step <= w:
+        return step / w
+    pr = min((step - w) / max(total - w, 1), 1.0)
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * pr))
 
 
@@ -230,10 +230,20 @@ def restore(model, snap: dict[str, torch.Tensor]) -> None:
 
 
 def train(ch: Chain, s, logger=None, say=print) -> dict:
-    """Train the draft of `ch.model` by the settings `s` (MtpSettings); keep
+    """Train the draft of `ch.model` by the settings `s` (MtpSettings, resolved); keep
     the checkpoint whose chain keeps the most drafts a round on held-out rows.
-    -> {"steps", "best_step", "history", "kl_start", "kl_best", "best_dpr"}."""
+
+    A step whose loss or gradient is not finite is skipped and counted (heal's
+    policy); at MAX_SKIPPED of them training stops with one line. A bar on
+    stderr shows steps, ETA, the loss and the last held-out hold rates.
+    -> {"steps", "best_step", "history", "kl_start", "kl_best", "best_dpr", "skipped", "seconds"}."""
+    import sys
+    import time
+
     from tqdm import tqdm
+
+    from ..errors import CortiqError
+    from ..heal.train import MAX_SKIPPED
 
     model = ch.model
     for p in model.parameters():
@@ -249,17 +259,24 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
     batches = [train_idx[i * s.batch : (i + 1) * s.batch] for i in range(nb)]
     jobs = [(b, k) for b in range(nb) for k in range(len(ch.kinds))]
     total = max(math.ceil(s.epochs * len(jobs)), 1)
+    bar = tqdm(total=total, desc="mtp heal", unit="step", file=sys.stderr, dynamic_ncols=True, disable=False)
+    bar.write(f"mtp heal: {total} steps ({len(batches)} batches of {s.batch} windows x {len(ch.kinds)} chain kinds "
+              f"x {s.epochs:g} epochs); measuring the draft before training", file=sys.stderr)
     ch.refresh(0)
     kl0 = ch.val_kl(val)
     h0 = ch.hold(val)
     best = {"dpr": M.drafts_per_round(h0), "snap": snapshot(model), "step": 0, "kl": sum(kl0) / len(kl0)}
     say(f"mtp heal: held-out KL per kind before training {', '.join(f'{x:.4f}' for x in kl0)}; "
         f"drafts a round {best['dpr']:.4f}")
+    shown = "/".join(f"{x:.2f}" for x in M.rates(h0))  # the last held-out hold rates per chain step
+    bar.set_postfix(hold=shown, dpr=f"{best['dpr']:.3f}", refresh=False)
     history = []
-    done, stop = 0, False
-    bar = tqdm(total=total, desc="mtp heal", unit="step", disable=None)
+    done, skipped, stop = 0, 0, False
+    t0 = time.perf_counter()
     model.train()
     while done < total and not stop:
+        if not jobs:
+            break
         order = torch.randperm(len(jobs), generator=g).tolist()
         for oi in order:
             if done >= total:
@@ -272,29 +289,42 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
             lv = float(loss.detach())
             if not (math.isfinite(lv) and math.isfinite(gn)):
                 opt.zero_grad(set_to_none=True)
-                say(f"mtp heal: step {done + 1}: non-finite loss or gradient, skipped")
+                skipped += 1
+                if skipped >= MAX_SKIPPED:
+                    bar.close()
+                    raise CortiqError(f"mtp heal: {MAX_SKIPPED} non-finite steps (last at step {done + 1}); "
+                                      f"lower lr (now {s.lr:g}) or check the model for inf/nan weights")
                 continue
             done += 1
-            lr = s.lr * lr_shape(done, total)
+            lr = s.lr * lr_shape(done, total, s.warm)
             for grp in opt.param_groups:
                 grp["lr"] = lr
             opt.step()
             bar.update(1)
-            bar.set_postfix(loss=f"{lv:.4f}")
+            bar.set_postfix(loss=f"{lv:.4f}", hold=shown, dpr=f"{best['dpr']:.3f}", refresh=False)
             rec = {"step": done, "loss": lv, "lr": lr, "grad_norm": gn, "kind": kind}
             if ch.chain > 1 and s.refresh > 0 and done % s.refresh == 0 and done < total:
                 ch.refresh(done // s.refresh)
-            if done % s.eval_every == 0 or done == total:
+            out_of_time = s.time_limit > 0 and time.perf_counter() - t0 >= s.time_limit
+            if done % s.eval_every == 0 or done == total or out_of_time:
                 model.eval()
                 v = ch.val_kl(val)
                 hh = ch.hold(val)
                 dpr = M.drafts_per_round(hh)
+                rr = M.rates(hh)
                 rec.update({"heldout_kl": sum(v) / len(v), "drafts_per_round": dpr,
-                            **{f"hold_{j + 1}": r for j, r in enumerate(M.rates(hh))}})
+                            **{f"hold_{j + 1}": r for j, r in enumerate(rr)}})
                 if dpr > best["dpr"]:
                     best = {"dpr": dpr, "snap": snapshot(model), "step": done, "kl": sum(v) / len(v)}
-                elif s.patience > 0 and done - best["step"] >= s.patience * s.eval_every and done < total:
+                shown = "/".join(f"{x:.2f}" for x in rr)
+                bar.set_postfix(loss=f"{lv:.4f}", hold=shown, dpr=f"{best['dpr']:.3f}", refresh=True)
+                bar.write(f"  step {done}: held-out hold {shown}, {dpr:.3f} drafts a round "
+                          f"(best {best['dpr']:.3f} at step {best['step']})", file=sys.stderr)
+                if s.patience > 0 and done - best["step"] >= s.patience * s.eval_every and done < total:
                     say(f"mtp heal: no new best in {s.patience} evaluations: stopping at step {done} of {total}")
+                    stop = True
+                if out_of_time and done < total:
+                    say(f"mtp heal: time limit of {s.time_limit:g} s reached: stopping at step {done} of {total}")
                     stop = True
                 model.train()
             history.append(rec)
@@ -302,10 +332,12 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
                 logger.log_metrics({k: v for k, v in rec.items() if k not in ("step", "kind")}, step=done)
             if stop:
                 break
+    seconds = time.perf_counter() - t0
     bar.close()
     model.eval()
     restore(model, best["snap"])
     for p in model.parameters():
         p.requires_grad_(False)
     return {"steps": done, "total_steps": total, "best_step": best["step"], "history": history,
-            "kl_start": sum(kl0) / len(kl0), "kl_best": best["kl"], "best_dpr": best["dpr"]}
+            "kl_start": sum(kl0) / len(kl0), "kl_best": best["kl"], "best_dpr": best["dpr"], "skipped": skipped,
+            "seconds": seconds}

@@ -18,7 +18,7 @@ from mtp_helpers import EOS, write_model
 
 def small(**kw):
     base = dict(window=32, tokens=100000, topk=8, batch=2, chain=2, refresh=10, eval_every=10, patience=0,
-                lr=3e-3, epochs=3.0, device="cpu", head_chunk=64)
+                lr=3e-3, epochs=3.0, device="cpu", head_chunk=64, gen_prompt=8)
     base.update(kw)
     return MtpSettings(**base)
 
