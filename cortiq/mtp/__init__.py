@@ -160,17 +160,31 @@ def _draft_tensors(model) -> dict:
     return {f"model.mtp.{n}": p.detach().float().cpu() for n, p in model.mtp.named_parameters()}
 
 
-def write_draft(f, tensors: dict, codec: str, path, stage_block: dict | None = None):
+#: Draft tensors kept at q8 when the draft goes to a codec of fewer than 8 bits. eh_proj
+#: carries the hidden row into the block (it starts as [0 | I]): a q4 block of 32 with
+#: one weight near 1 and the rest near 0 spends its 16 levels on the 1 and rounds the
+#: small weights, which hold the token's mix, to 0 or 1/15. It is 1/7 of a SmolLM2 draft's
+#: weights. (Measured on an H200 with SmolLM2-135M: bench/MTP.md.)
+SENSITIVE = ("eh_proj.",)
+
+
+def write_draft(f, tensors: dict, codec: str, path, stage_block: dict | None = None, sensitive=SENSITIVE,
+                sensitive_codec: str = "q8"):
     """`f`'s tensors as stored, with model.mtp.* replaced by `tensors` in `codec`
-    ("keep": each draft tensor's codec in `f`; a quantized codec only for 2-D weights)."""
+    ("keep": each draft tensor's codec in `f`; a quantized codec only for 2-D weights;
+    below 8 bits a weight named in `sensitive` goes to `sensitive_codec`)."""
     from ..cmf import copy_specs, with_provenance, write_cmf
     from ..codecs import get as get_codec
+
+    low = codec != "keep" and get_codec(codec).bytes_per_weight() < 1.0
 
     def codec_for(name, info):
         if not name.startswith("model.mtp.") or codec == "keep":
             return info.codec
         if not get_codec(codec).plain and len(info.shape) != 2:
             return "f32"
+        if low and any(k in name for k in sensitive):
+            return sensitive_codec
         return codec
 
     specs = copy_specs(f, codec_for, replace=tensors)

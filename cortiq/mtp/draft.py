@@ -9,9 +9,14 @@ feeds it). Row p of step j predicts token p+j+1 and learns the trunk's top-k
 distribution at row p+j (self-distillation; `hard` moves mass onto the
 trunk's own token).
 
-Step 2..chain sources are rebuilt from the current weights every `refresh`
-steps. With `stride` > 0 the later steps are laid out as decode rounds see
-them (measures.splice): one spliced source per window, trained with shift 1.
+With `stride` 0 (every row starts a chain) the chain is computed as a decode
+round computes it (cortiq.mtp.rounds): step j of the chain starting at row r
+attends to the block's rows 0..r from the trunk and to its own chain's rows,
+not to other chains' draft rows; the steps before the trained one run from
+the current weights without a graph. With `stride` > 0 the later steps are
+laid out as rounds every `stride` rows (measures.splice): one spliced source
+per window, rebuilt from the current weights every `refresh` steps, trained
+with shift 1.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 
 from ..heal.loss import topk_kl
 from . import measures as M
+from .rounds import decode_steps
 from .trunk import TrunkSet
 
 #: top-k kept per row of a dumped chain step
@@ -88,10 +94,14 @@ class Chain:
             out.append(x.cpu())
         return torch.cat(out)
 
+    def steps(self, b: torch.Tensor, upto: int, train_step: int | None = None) -> list[torch.Tensor]:
+        """Steps 1..upto of every row's chain in windows b, as decode rounds compute them. [B, T, H] each"""
+        return decode_steps(self.model, self.h[b].to(self.dev), self.ids[b].to(self.dev), upto, self.pad, train_step)
+
     @torch.no_grad()
     def refresh(self, round_: int = 0) -> None:
-        """Rebuild the chain's later sources from the current weights."""
-        if self.chain == 1:
+        """Rebuild the spliced sources (stride > 0) from the current weights; stride 0 computes them per batch."""
+        if self.chain == 1 or self.stride == 0:
             return
         all_ = torch.arange(len(self))
         if self.stride > 0:
@@ -108,9 +118,11 @@ class Chain:
     def rows(self, b: torch.Tensor, kind: int, hard: float, grad: bool = True):
         """(hidden rows [n, H], target ids [n, k], probs [n, k]) for windows b at `kind`."""
         s, j = self.kinds[kind]
-        src = self.src[s][b]
         ids = self.ids[b]
-        out = self.draft(src, ids, j)  # [B, T, H]
+        if self.stride == 0:
+            out = self.steps(b, j, j if torch.is_grad_enabled() else None)[-1]  # [B, T, H] step j
+        else:
+            out = self.draft(self.src[s][b], ids, j)  # [B, T, H]
         T = ids.shape[1]
         valid = torch.arange(T)[None, :] < (self.lens[b][:, None] - j)  # [B, T] rows whose target exists
         ti = torch.roll(self.ti[b], -j, 1)[valid]  # [n, k] the trunk's top-k at p+j
@@ -146,18 +158,15 @@ class Chain:
 
     @torch.no_grad()
     def chain_counts(self, idx: torch.Tensor, dump=None) -> torch.Tensor:
-        """Seed `chain_pass` on windows idx: each step from the one before, the draft's top-1 per row."""
+        """Hold counts on windows idx, every row starting a chain computed as a decode round does."""
         tops = []
         for b in self._batches(idx):
-            x = self.h[b]
             steps = []
-            for j in range(1, self.chain + 1):
-                o = self.draft(x, self.ids[b], j)
+            for j, o in enumerate(self.steps(b, self.chain), 1):
                 di, dp = self._top1(o, KK if dump is not None else 1)
                 steps.append(di[..., 0])
                 if dump is not None:
                     dump(j, o, di, dp)
-                x = o
             tops.append(torch.stack(steps))
         d = torch.cat(tops, 1)  # [chain, n, T]
         return M.chain_counts(self.ids[idx], self.lens[idx], self.t1[idx], d)

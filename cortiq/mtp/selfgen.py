@@ -9,7 +9,9 @@ decoding). Draft-training practice (EAGLE-3, HASS, FastMTP) trains on the
 target model's own generations instead; this module makes them.
 
 Each data window's first `gen_prompt` tokens are a prompt; the model continues
-it to a full window. All prompts have one length, so B rows decode at once
+it to a full window. A share of the prompts (`gen_chat`) is put in the model's
+chat template as a user turn, so the draft also sees the model answering a
+chat (what a chat user decodes). All prompts have one length, so B rows decode at once
 through the model's KV cache with no padding: one forward over the [B, P]
 prompts, then one [B, 1] step per new token (the loop over new tokens is the
 decode itself; every step is one batched forward). Greedy by default (what a
@@ -88,6 +90,48 @@ def end_at_eos(ids: torch.Tensor, start: int, eos: list[int], pad: int) -> tuple
     return out, lens
 
 
+def chat_wrapper(f) -> tuple[list[int], list[int]]:
+    """The token ids before and after a user turn's text in `f`'s chat template (with the
+    generation prompt): a data prompt put between them is a chat question."""
+    from ..data.build import render_chat
+    from ..tokenizer import from_doc
+
+    doc = f.tokenizer or {}
+    tok = from_doc(doc, str(f.path))
+    mark = "\u2063cortiq\u2063"  # text no template writes
+    bos_id = doc.get("bos_id")
+    eos_ids = doc.get("eos_ids") or []
+    text = render_chat(doc.get("chat_template"), [{"role": "user", "content": mark}], True,
+                       tok.id_to_token(bos_id) if bos_id is not None else "",
+                       tok.id_to_token(eos_ids[0]) if eos_ids else "", str(f.path))
+    before, sep, after = text.partition(mark)
+    if not sep:
+        return [], []
+    enc = lambda t: tok.encode(t, add_special_tokens=False).ids if t else []
+    return enc(before), enc(after)
+
+
+def chat_rows(n: int, share: float) -> np.ndarray:
+    """[n] bool: an even spread of round(n · share) rows (row i when ⌊(i+1)·share⌋ > ⌊i·share⌋)."""
+    i = np.arange(n)
+    return np.floor((i + 1) * share + 1e-9) > np.floor(i * share + 1e-9)
+
+
+def make_prompts(windows: np.ndarray, P: int, share: float, wrap: tuple[list[int], list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """[n, P] prompts from windows [n, ≥P]: the first P tokens, or (a `share` of rows, when the
+    chat wrapper leaves at least half of P) the first tokens put in a user turn. -> (prompts, chat [n])."""
+    n = len(windows)
+    out = np.ascontiguousarray(windows[:, :P], dtype=np.int64)
+    a, b = wrap
+    m = P - len(a) - len(b)
+    if share <= 0 or (not a and not b) or m < P // 2:
+        return out, np.zeros(n, dtype=bool)
+    chat = chat_rows(n, share)
+    out[chat] = np.concatenate([np.broadcast_to(np.asarray(a, np.int64), (int(chat.sum()), len(a))), windows[chat, :m],
+                                np.broadcast_to(np.asarray(b, np.int64), (int(chat.sum()), len(b)))], 1)
+    return out, chat
+
+
 def gen_digest(tkey: str, prompts: np.ndarray, window: int, temperature: float, seed: int, eos: list[int]) -> str:
     h = hashlib.sha256(np.ascontiguousarray(prompts, dtype=np.int64).tobytes()).hexdigest()[:32]
     settings = {"window": int(window), "temperature": float(temperature), "seed": int(seed) if temperature > 0 else None,
@@ -139,11 +183,12 @@ def generated_sets(model, f, packed: list, s, cache: str | os.PathLike | None = 
     eos = sorted({int(e) for e in ((f.tokenizer or {}).get("eos_ids") or [f.eos_id])})
     root = Path(cache) if cache is not None else default_cache(s)
     tkey = trunk_key(f)
+    wrap = chat_wrapper(f) if s.gen_chat > 0 else ([], [])
     dev = model.model.embed_tokens.weight.device
     out, info = [], []
     for p in packed:
         keep = np.asarray(p.lengths) > P  # windows long enough to cut a prompt from
-        prompts = np.asarray(p.ids)[keep, :P]
+        prompts, chat = make_prompts(np.asarray(p.ids)[keep], P, s.gen_chat, wrap)
         held = np.asarray(p.held)[keep]
         if len(prompts) == 0:
             raise CortiqError(f"mtp generate: no window of data set {p.name} is longer than gen_prompt {P}")
@@ -166,12 +211,12 @@ def generated_sets(model, f, packed: list, s, cache: str | os.PathLike | None = 
         bar.close()
         ids, lens = end_at_eos(torch.cat(rows), P, eos, f.eos_id)
         meta = {"stage": STAGE, "version": VERSION, "digest": dg, "set": p.name, "windows": len(ids), "window": T,
-                "prompt": P, "temperature": s.gen_temperature, "seed": s.seed, "eos": eos, "trunk": tkey,
+                "prompt": P, "chat_prompts": int(chat.sum()), "temperature": s.gen_temperature, "seed": s.seed, "eos": eos, "trunk": tkey,
                 "tokens": int(lens.sum()), "model": str(f.path)}
         _write(d, ids, lens, held, meta)
         if say is not None:
-            say(f"mtp heal: generated {len(ids)} windows of {T} from {p.name} ({int(lens.sum())} tokens, "
-                f"{int((lens < T).sum())} ended early) into {d}")
+            say(f"mtp heal: generated {len(ids)} windows of {T} from {p.name} ({int(chat.sum())} of them answers to "
+                f"chat questions; {int(lens.sum())} tokens, {int((lens < T).sum())} ended early) into {d}")
         out.append(Packed(name, ids.numpy(), lens.numpy(), held))
         info.append({"set": name, "windows": len(ids), "cache": str(d), "read_back": False})
     return out, info

@@ -97,10 +97,12 @@ class MtpSettings:
     generate: bool | None = None
     #: prompt tokens cut from the start of each data window
     gen_prompt: int = 64
+    #: share of the prompts put in the model's chat template as a user turn (the model answers them)
+    gen_chat: float = 0.25
     #: 0: greedy continuations (what greedy speculative decoding verifies against); > 0: sampled
     gen_temperature: float = 0.0
     #: rows decoded at once
-    gen_batch: int = 128
+    gen_batch: int = 256
     #: directory that keeps the generated windows (default: the trunk cache, else <cortiq home>/cache/mtp-gen)
     gen_cache: str | None = None
 
@@ -192,6 +194,8 @@ class MtpSettings:
             bad(f"gen_prompt {self.gen_prompt} must be at least 1")
         if self.generate and self.window is not None and self.gen_prompt >= self.window:
             bad(f"gen_prompt {self.gen_prompt} leaves nothing to generate in a window of {self.window}")
+        if not 0.0 <= self.gen_chat <= 1.0:
+            bad(f"gen_chat {self.gen_chat} is not between 0 and 1")
         if self.gen_temperature < 0:
             bad(f"gen_temperature {self.gen_temperature} is negative")
         if self.head_chunk < 1 or self.trunk_batch < 1 or self.gen_batch < 1:
