@@ -105,6 +105,22 @@ def predicted(hold: list[float], depth: int) -> float:
     return float(np.cumprod(hold[:depth]).sum())
 
 
+def span_counts(ch, P: int, N: int) -> torch.Tensor:
+    """Hold counts on the held-out windows over only the rows a real decode of N tokens after a
+    P-token prompt drafts from (rows P-1 .. P+N-2), not the whole window."""
+    from cortiq.mtp import measures as M
+
+    idx = ch.held.nonzero().flatten()
+    tops = []
+    for b in ch._batches(idx):
+        tops.append(torch.stack([ch._top1(o)[0][..., 0] for o in ch.steps(b, ch.chain)]))
+    d = torch.cat(tops, 1)  # [chain, n, T]
+    a = P - 1
+    e = min(a + N + ch.chain + 1, ch.ids.shape[1])
+    lens = (ch.lens[idx] - a).clamp(min=0, max=N + 1)
+    return M.chain_counts(ch.ids[idx, a:e], lens, ch.t1[idx, a:e], d[:, :, a:e])
+
+
 def data_prompts(spec: str, s, n: int, P: int) -> list[list[int]]:
     """n prompts of P tokens: the first tokens of held-out windows (global index % 10 == 9), spread over the sets."""
     from cortiq.data.windows import packed_windows
@@ -130,11 +146,17 @@ def chat_prompts(f, n: int) -> list[list[int]]:
     return out
 
 
+_MODELS: dict = {}
+
+
 def real(path, prompts: list[list[int]], depth: int, max_new: int, device, stop_at: float) -> dict:
-    """Speculative greedy decoding of every prompt (until `stop_at` on the bench clock)."""
-    f = open_cmf(path)
-    m = load_model(f, device=device)
-    eos = (f.tokenizer or {}).get("eos_ids") or []
+    """Speculative greedy decoding of every prompt (until `stop_at` on the bench clock), f32."""
+    key = str(path)
+    if key not in _MODELS:
+        _MODELS.clear()
+        f = open_cmf(path)
+        _MODELS[key] = (load_model(f, device=device), (f.tokenizer or {}).get("eos_ids") or [])
+    m, eos = _MODELS[key]
     acc = rounds = toks = done = 0
     t = time.perf_counter()
     for p in prompts:
@@ -142,7 +164,6 @@ def real(path, prompts: list[list[int]], depth: int, max_new: int, device, stop_
             break
         r = generate_speculative(m, p, max_new=max_new, draft=depth, eos_ids=eos)
         acc, rounds, toks, done = acc + r.accepted, rounds + r.rounds, toks + len(r.tokens), done + 1
-    del m
     return {"accepted_per_round": acc / max(rounds, 1), "rounds": rounds, "tokens": toks, "prompts": done,
             "seconds": time.perf_counter() - t}
 
@@ -152,7 +173,7 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2", help="'smollm2' or a model without a draft (.cmf)")
     ap.add_argument("--data", default=None, help="a data spec PATH.tdata[@TOKENS],...; default: pydoc and shakespeare")
     ap.add_argument("--pydoc-tokens", type=int, default=120000, help="tokens of the pydoc text (all of it: ~113k)")
-    ap.add_argument("--shakespeare-tokens", type=int, default=200000, help="tokens of the shakespeare text")
+    ap.add_argument("--shakespeare-tokens", type=int, default=60000, help="tokens of the shakespeare text")
     ap.add_argument("--work", default=str(Path.home() / "cache" / "mtp-bench"), help="cached inputs and outputs")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where mtp.json goes")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds for the whole bench (prompts trimmed to fit)")
@@ -201,6 +222,14 @@ def main() -> int:
     m = load_model(f, device=dev)
     ch, _ = _chain(m, f, spec, sr)
     tensors = _draft_tensors(m)
+    from cortiq.mtp import measures as M
+
+    c = span_counts(ch, sr.gen_prompt, args.max_new)
+    res["offline_span"] = {"rows": f"{sr.gen_prompt - 1}..{sr.gen_prompt + args.max_new - 2}", "hold": M.rates(c),
+                           "drafts_per_round": M.drafts_per_round(c), "counted": c[:, 0].tolist()}
+    say(f"offline over the first {args.max_new} generated rows only: hold {' / '.join(f'{x:.3f}' for x in M.rates(c))}, "
+        f"{M.drafts_per_round(c):.3f} drafts a round")
+    save()
     for tag, sens, keep in (("q4 all", (), "q8"), ("q4 eh_proj f16", None, "f16")):
         pth = run_dir / f"healed.{tag.replace(' ', '_')}.cmf"
         if sens is None:
@@ -217,14 +246,17 @@ def main() -> int:
     dp = data_prompts(spec, sr, args.prompts, P)
     cp = chat_prompts(f, args.prompts)
     res["real"] = []
-    plan = [("f16", d, kind) for d in (1, 2, 3) for kind in ("data", "chat")] + \
+    plan = [("f16", d, kind) for d in (1, 2, 3) for kind in ("data", "chat")] + [("f16", 3, "data-long")] + \
            [(c, 3, kind) for c in ("q8", "q4") for kind in ("data", "chat")]
-    reserve = 60.0 if args.compare_raw else 5.0
+    reserve = 35.0 if args.compare_raw else 5.0
     for i, (codec, depth, kind) in enumerate(plan):
         share = max(left(args.budget) - reserve, 0.0) / (len(plan) - i)
-        r = real(paths[codec], dp if kind == "data" else cp, depth, args.max_new, dev, time.perf_counter() - T0 + share)
-        r.update({"codec": codec, "depth": depth, "prompts_from": kind,
-                  "offline_predicted": predicted(res["offline"][codec]["hold"], depth)})
+        # data-long: a whole window's worth of tokens (what the offline measure's rows span)
+        new = sr.window - P if kind == "data-long" else args.max_new
+        r = real(paths[codec], cp if kind == "chat" else dp, depth, new, dev, time.perf_counter() - T0 + share)
+        r.update({"codec": codec, "depth": depth, "prompts_from": kind, "max_new": new,
+                  "offline_predicted": predicted(res["offline"][codec]["hold"], depth),
+                  "span_predicted": predicted(res["offline_span"]["hold"], depth)})
         r["ratio"] = r["accepted_per_round"] / max(r["offline_predicted"], 1e-9)
         res["real"].append(r)
         say(f"real {codec} depth {depth} {kind}: {r['accepted_per_round']:.3f} a round "
@@ -232,8 +264,8 @@ def main() -> int:
         save()
 
     # ── the same on the data's own text ──
-    if args.compare_raw and left(args.budget) > 40:
-        tl = max(min(res["heal"]["metrics"]["train_seconds"], left(args.budget) - 35), 5.0)
+    if args.compare_raw and left(args.budget) > 30:
+        tl = max(min(res["heal"]["metrics"]["train_seconds"], left(args.budget) - 25), 5.0)
         raw = run_dir / "raw.f16.cmf"
         s2 = MtpSettings(codec="f16", generate=False, trunk_cache=str(work / "trunk"), time_limit=tl, device=args.device,
                          **extra)
@@ -259,10 +291,12 @@ def main() -> int:
     print(f"{'draft':<16}{'hold per chain step':<24}{'drafts/round':>13}{'draft MB':>10}")
     for k, v in res["offline"].items():
         print(f"{k:<16}{' / '.join(f'{x:.3f}' for x in v['hold']):<24}{v['drafts_per_round']:>13.3f}{v['bytes'] / 1e6:>10.2f}")
-    print(f"\n{'draft':<6}{'depth':>6}  {'prompts':<8}{'real':>8}{'offline':>9}{'ratio':>7}{'rounds':>8}")
+    sp = res["offline_span"]
+    print(f"{'f16 rows ' + sp['rows']:<16}{' / '.join(f'{x:.3f}' for x in sp['hold']):<24}{sp['drafts_per_round']:>13.3f}")
+    print(f"\n{'draft':<6}{'depth':>6}  {'prompts':<10}{'new':>5}{'real':>8}{'offline':>9}{'ratio':>7}{'span':>7}{'rounds':>8}")
     for r in res["real"]:
-        print(f"{r['codec']:<6}{r['depth']:>6}  {r['prompts_from']:<8}{r['accepted_per_round']:>8.3f}"
-              f"{r['offline_predicted']:>9.3f}{r['ratio']:>7.2f}{r['rounds']:>8}")
+        print(f"{r['codec']:<6}{r['depth']:>6}  {r['prompts_from']:<10}{r['max_new']:>5}{r['accepted_per_round']:>8.3f}"
+              f"{r['offline_predicted']:>9.3f}{r['ratio']:>7.2f}{r['span_predicted']:>7.3f}{r['rounds']:>8}")
     if "raw" in res:
         rw = res["raw"]
         print(f"\ntrained on the data's own text ({rw['metrics']['steps']:.0f} steps): hold "

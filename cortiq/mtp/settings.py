@@ -1,7 +1,11 @@
 """Settings of MTP heal: the seed's `Cfg` (mtp_heal.rs, `Cfg::stage`) with its
 defaults, plus what a torch run needs (device, head chunk, seed).
 
-The defaults are the seed's, tuned for a GPU and a 0.8B–27B model. A CPU demo
+The fields a preset controls (PRESETS: learning rate, warm-up, epochs, window,
+batch, input side, self-generated data) default to None and take the values of
+the preset `mtp heal` picks: "fresh" for a draft just made by `mtp init`,
+"retrain" (the seed's values, tuned for a GPU and a 0.8B–27B model) for any
+other. The other defaults are the seed's. A CPU demo
 passes smaller values as parameters (e.g. window 128, tokens 16384, topk 16,
 refresh 20, eval_every 5) rather than changing these."""
 
@@ -52,11 +56,14 @@ def parse_taps(spec) -> tuple[str, list[int]] | None:
 #: input side trained and 4 epochs 0.861 offline, but only 0.30 a round at
 #: depth 1 in real decoding (the draft learned the book, the model writes its
 #: own text). Windows of 512 keep the generation short; 8 of them a step keep
-#: the rows a step at the seed's 4096.
+#: 4096 rows a step, as the retrain values do. 12 epochs: on the H200 with
+#: SmolLM2 and 334 generated windows, 6 epochs (666 steps, 32 s) reached 0.90
+#: drafts a round and were still climbing; a data set of 393216 tokens takes
+#: about 3100 steps (~3 minutes there), inside the 10 minutes a stage may take.
 PRESETS = {
     "retrain": {"lr": 2e-5, "warm": 0.1, "epochs": 1.0, "train_input": False, "patience": 6, "eval_every": 25,
                 "window": 2048, "batch": 2, "generate": False},
-    "fresh": {"lr": 1e-3, "warm": 0.05, "epochs": 6.0, "train_input": True, "patience": 8, "eval_every": 50,
+    "fresh": {"lr": 1e-3, "warm": 0.05, "epochs": 12.0, "train_input": True, "patience": 8, "eval_every": 50,
               "window": 512, "batch": 8, "generate": True},
 }
 
@@ -95,8 +102,8 @@ class MtpSettings:
     #: train on the model's own continuations of prompts cut from the data (each window's first
     #: gen_prompt tokens, continued to a full window), not on the data's text; preset: fresh on
     generate: bool | None = None
-    #: prompt tokens cut from the start of each data window
-    gen_prompt: int = 64
+    #: prompt tokens cut from the start of each data window (default: a quarter of the window, at most 64)
+    gen_prompt: int | None = None
     #: share of the prompts put in the model's chat template as a user turn (the model answers them)
     gen_chat: float = 0.25
     #: 0: greedy continuations (what greedy speculative decoding verifies against); > 0: sampled
@@ -107,7 +114,7 @@ class MtpSettings:
     gen_cache: str | None = None
 
     # ── training ──
-    #: passes over the train windows per chain step; 0 = measure only (and re-encode); preset: retrain 1, fresh 6
+    #: passes over the train windows per chain step; 0 = measure only (and re-encode); preset: retrain 1, fresh 12
     epochs: float | None = None
     #: peak learning rate (Adam; warm-up, then cosine down to a tenth of it); preset: retrain 2e-5, fresh 1e-3
     lr: float | None = None
@@ -190,9 +197,9 @@ class MtpSettings:
             bad(f"time_limit {self.time_limit} is negative")
         if not 0.0 <= self.hard <= 1.0:
             bad(f"hard {self.hard} is not between 0 and 1")
-        if self.gen_prompt < 1:
+        if self.gen_prompt is not None and self.gen_prompt < 1:
             bad(f"gen_prompt {self.gen_prompt} must be at least 1")
-        if self.generate and self.window is not None and self.gen_prompt >= self.window:
+        if self.generate and self.window is not None and self.gen_prompt is not None and self.gen_prompt >= self.window:
             bad(f"gen_prompt {self.gen_prompt} leaves nothing to generate in a window of {self.window}")
         if not 0.0 <= self.gen_chat <= 1.0:
             bad(f"gen_chat {self.gen_chat} is not between 0 and 1")
@@ -218,6 +225,8 @@ class MtpSettings:
         if preset not in PRESETS:
             raise CortiqError(f"mtp settings: no preset {preset!r} (fresh, retrain)")
         vals = {k: v for k, v in PRESETS[preset].items() if getattr(self, k) is None}
+        if self.gen_prompt is None:
+            vals["gen_prompt"] = min(64, max(1, vals.get("window", self.window) // 4))
         return replace(self, preset=preset, **vals)
 
     def to_dict(self) -> dict:
@@ -255,5 +264,7 @@ def field_type(name: str):
 
     if name in PRESETS["fresh"]:
         return type(PRESETS["fresh"][name])
+    if name == "gen_prompt":
+        return int
     default = {fl.name: fl.default for fl in fields(MtpSettings)}[name]
     return str if default is None else type(default)
