@@ -100,6 +100,28 @@ def prepare(args, work: Path) -> tuple[Path, str]:
     return init, spec
 
 
+WORK = Path.home() / "cache" / "mtp-bench"
+
+
+def healed_draft(work: str | os.PathLike = WORK, model: str = "smollm2", pydoc_tokens: int = 120000,
+                 shakespeare_tokens: int = 60000, device: str = "auto") -> Path:
+    """SmolLM2 with a draft from `mtp init` + `mtp heal` at the defaults (f16 draft), built once under
+    `work` and reused: what a decode benchmark measures speculative decoding with.
+    From another script: importlib.util.spec_from_file_location("mtp_bench", "bench/mtp.py")."""
+    from cortiq.mtp import MtpSettings, mtp_heal
+
+    work = Path(work)
+    out = work / "run" / "healed.f16.cmf"
+    if out.exists():
+        return out
+    work.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args = argparse.Namespace(model=model, data=None, pydoc_tokens=pydoc_tokens, shakespeare_tokens=shakespeare_tokens)
+    init, spec = prepare(args, work)
+    mtp_heal(init, spec, MtpSettings(codec="f16", trunk_cache=str(work / "trunk"), device=device), out)
+    return out
+
+
 def predicted(hold: list[float], depth: int) -> float:
     """Drafts a round of depth d by the offline hold rates: Σ_{j≤d} Π_{i≤j} hold_i."""
     return float(np.cumprod(hold[:depth]).sum())
@@ -174,7 +196,9 @@ def main() -> int:
     ap.add_argument("--data", default=None, help="a data spec PATH.tdata[@TOKENS],...; default: pydoc and shakespeare")
     ap.add_argument("--pydoc-tokens", type=int, default=120000, help="tokens of the pydoc text (all of it: ~113k)")
     ap.add_argument("--shakespeare-tokens", type=int, default=60000, help="tokens of the shakespeare text")
-    ap.add_argument("--work", default=str(Path.home() / "cache" / "mtp-bench"), help="cached inputs and outputs")
+    ap.add_argument("--work", default=str(WORK), help="cached inputs and outputs")
+    ap.add_argument("--only-draft", action="store_true",
+                    help="only build (or find) the healed draft under --work and print its path")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where mtp.json goes")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds for the whole bench (prompts trimmed to fit)")
     ap.add_argument("--time-limit", type=float, default=0.0, help="mtp heal's time_limit (0: the defaults' own steps)")
@@ -189,6 +213,9 @@ def main() -> int:
     from cortiq.mtp import MtpSettings, _chain, _remeasure, mtp_heal, resolve, write_draft, _draft_tensors
     from cortiq.mtp.trunk import resolve_device
 
+    if args.only_draft:
+        print(healed_draft(args.work, args.model, args.pydoc_tokens, args.shakespeare_tokens, args.device))
+        return 0
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     out_dir = Path(args.out)

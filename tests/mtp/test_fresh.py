@@ -63,10 +63,11 @@ def test_fresh_draft_learns_the_trunks_language_and_decoding_accepts_it(fresh, t
     rep = mtp_heal(init, str(data), tiny_settings(epochs=1.5, gen_cache=str(tmp_path / "gen")), out)
     err = capsys.readouterr().err
     m = rep["metrics"]
-    print("LEARN", rep["before"]["hold"], rep["after"]["hold"], m)
     assert rep["preset"] == "fresh" and m["steps"] > 0
-    assert m["drafts_per_round_before"] < 0.3
-    assert rep["after"]["hold"][0] > 0.7 and m["drafts_per_round_after"] > 1.5
+    # the fresh block (a copy of the trunk's last layer reading h_p) guesses token p+1, not p+2:
+    # right only where the text repeats; trained, it holds most drafts at every chain step
+    assert min(rep["after"]["hold"]) > 0.8
+    assert m["drafts_per_round_after"] > max(2.0, m["drafts_per_round_before"] + 1.0)
     g = open_cmf(out)
     assert not draft_is_fresh(g) and resolve(g, MtpSettings()).preset == "retrain"
     # the progress: the preset first, then the generation and training bars with the held-out hold rate
