@@ -4,8 +4,8 @@ defaults, plus what a torch run needs (device, head chunk, seed).
 The fields a preset controls (PRESETS: learning rate, warm-up, epochs, window,
 batch, input side, self-generated data) default to None and take the values of
 the preset `mtp heal` picks: "fresh" for a draft just made by `mtp init`,
-"retrain" (the seed's values, tuned for a GPU and a 0.8B–27B model) for any
-other. The other defaults are the seed's. A CPU demo
+"retrain" (values tuned for retraining a working draft of a 0.8B–27B model on
+a GPU) for any other. The other defaults are those of the original tool. A CPU demo
 passes smaller values as parameters (e.g. window 128, tokens 16384, topk 16,
 refresh 20, eval_every 5) rather than changing these."""
 
