@@ -137,8 +137,9 @@ def plan_trunk(model: str, tdata: str, settings: dict, out_root: str, **_) -> Pl
     from cortiq.mtp.settings import MtpSettings
 
     s = MtpSettings(**settings)
-    # what the trunk pass depends on: the trunk, the data and the window / top-k / token cap
-    key = {"window": s.window, "topk": s.topk, "tokens": s.tokens}
+    # what the trunk pass depends on: the trunk, the data, the window / top-k / token cap and the generated data
+    key = {"window": s.window, "topk": s.topk, "tokens": s.tokens, "preset": s.preset, "generate": s.generate,
+           "gen": [s.gen_prompt, s.gen_chat, s.gen_temperature, s.seed]}
     return plan("trunk", _version("cortiq.mtp.trunk"), key, {"model": model, "tdata": tdata}, out_root)
 
 

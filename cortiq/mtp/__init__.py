@@ -20,9 +20,9 @@ from pathlib import Path
 
 from .. import tracking
 from ..errors import CortiqError
-from .settings import MtpSettings
+from .settings import PRESETS, MtpSettings
 
-__all__ = ["MtpSettings", "trunk_pass", "mtp_heal", "recode_draft", "mtp_init"]
+__all__ = ["MtpSettings", "trunk_pass", "mtp_heal", "recode_draft", "mtp_init", "resolve"]
 
 STAGE = "mtp_heal"
 VERSION = 1
@@ -50,6 +50,25 @@ def _open(model_cmf):
     return f
 
 
+def resolve(f, s: MtpSettings, say=None) -> MtpSettings:
+    """`s` with its preset chosen (auto: "fresh" for a draft fresh from `mtp init`, by `f`'s
+    provenance; else "retrain") and that preset's values in every field left unset."""
+    from .init import draft_is_fresh
+
+    preset = s.preset
+    if preset == "auto":
+        preset = "fresh" if draft_is_fresh(f) else "retrain"
+    out = s.resolved(preset)
+    if say is not None:
+        why = "" if s.preset != "auto" else (" (the draft is fresh from mtp init)" if preset == "fresh" else "")
+        given = [k for k in PRESETS[preset] if getattr(s, k) is not None]
+        text = "the model's own continuations" if out.generate else "the data's text"
+        say(f"mtp heal: preset {preset}{why}: lr {out.lr:g}, warm-up {out.warm:g}, {out.epochs:g} epochs, "
+            f"window {out.window}, batch {out.batch}, input side {'trained' if out.train_input else 'kept'}, on {text}"
+            + (f" (given: {', '.join(given)})" if given else ""))
+    return out
+
+
 def _load(f, s: MtpSettings):
     from ..model import load_model
     from .trunk import resolve_device
@@ -74,11 +93,25 @@ def _windows(f, data_spec: str, s: MtpSettings) -> list:
     return packed
 
 
+def _sets(model, f, data_spec: str, s: MtpSettings, cache=None) -> tuple[list, list[dict]]:
+    """The packed windows training reads: the data's, or (generate) the model's continuations of them."""
+    packed = _windows(f, data_spec, s)
+    if not s.generate:
+        return packed, []
+    from .selfgen import generated_sets
+
+    root = s.gen_cache or cache or s.trunk_cache
+    return generated_sets(model, f, packed, s, root, _say)
+
+
 def _chain(model, f, data_spec: str, s: MtpSettings, cache=None):
     from .draft import Chain
     from .trunk import trunk_sets
 
-    packed = _windows(f, data_spec, s)
+    packed, gen = _sets(model, f, data_spec, s, cache)
+    for i in gen:
+        if i["read_back"]:
+            _say(f"mtp heal: {i['set']}: {i['windows']} generated windows read back from {i['cache']}")
     sets, info = trunk_sets(model, f, packed, s.window, s.topk, cache if cache is not None else s.trunk_cache,
                             s.trunk_batch, s.head_chunk)
     for i in info:
@@ -93,10 +126,12 @@ def trunk_pass(model_cmf, data_spec: str, settings: MtpSettings, cache_dir) -> d
     from .trunk import trunk_sets
 
     f = open_cmf(model_cmf)
+    settings = resolve(f, settings)
     model = _load(f, settings)
-    packed = _windows(f, data_spec, settings)
+    packed, gen = _sets(model, f, data_spec, settings, cache_dir)
     _, info = trunk_sets(model, f, packed, settings.window, settings.topk, cache_dir, settings.trunk_batch, settings.head_chunk)
-    return {"sets": info, "metrics": {"windows": float(sum(i["windows"] for i in info))}}
+    return {"sets": info, "generated": gen, "preset": settings.preset,
+            "metrics": {"windows": float(sum(i["windows"] for i in info))}}
 
 
 def _measure(ch, tag: str, say=_say) -> dict:
@@ -125,17 +160,34 @@ def _draft_tensors(model) -> dict:
     return {f"model.mtp.{n}": p.detach().float().cpu() for n, p in model.mtp.named_parameters()}
 
 
-def write_draft(f, tensors: dict, codec: str, path, stage_block: dict | None = None):
+#: Draft tensors kept at q8 when the draft goes to a codec of fewer than 8 bits. eh_proj
+#: carries the hidden row into the block (it starts as [0 | I]): a q4 block of 32 with
+#: one weight near 1 and the rest near 0 spends its 16 levels on the 1 and rounds the
+#: small weights, which hold the token's mix, to 0 or 1/15. It is about a sixth of a SmolLM2
+#: draft's weights (0.3 MB more at q8). Measured on an H200 with SmolLM2-135M after 666
+#: steps (bench/MTP.md): f16 0.904 drafts a round, q4 with eh_proj at q8 0.886, all q4
+#: 0.897 — no difference beyond noise once eh_proj has moved far from [0 | I]; kept for
+#: drafts trained less.
+SENSITIVE = ("eh_proj.",)
+
+
+def write_draft(f, tensors: dict, codec: str, path, stage_block: dict | None = None, sensitive=SENSITIVE,
+                sensitive_codec: str = "q8"):
     """`f`'s tensors as stored, with model.mtp.* replaced by `tensors` in `codec`
-    ("keep": each draft tensor's codec in `f`; a quantized codec only for 2-D weights)."""
+    ("keep": each draft tensor's codec in `f`; a quantized codec only for 2-D weights;
+    below 8 bits a weight named in `sensitive` goes to `sensitive_codec`)."""
     from ..cmf import copy_specs, with_provenance, write_cmf
     from ..codecs import get as get_codec
+
+    low = codec != "keep" and get_codec(codec).bytes_per_weight() < 1.0
 
     def codec_for(name, info):
         if not name.startswith("model.mtp.") or codec == "keep":
             return info.codec
         if not get_codec(codec).plain and len(info.shape) != 2:
             return "f32"
+        if low and any(k in name for k in sensitive):
+            return sensitive_codec
         return codec
 
     specs = copy_specs(f, codec_for, replace=tensors)
@@ -232,8 +284,8 @@ def mtp_heal(model_cmf, data_spec: str, settings: MtpSettings, out_cmf, logger: 
     from .draft import train
     from .trunk import write_taps
 
-    s = settings
     f = _open(model_cmf)
+    s = resolve(f, settings, _say)
     model = _load(f, s)
     logger.log_params(tracking.flatten({"mtp": s.key()}))
     ch, info = _chain(model, f, data_spec, s)
@@ -251,7 +303,7 @@ def mtp_heal(model_cmf, data_spec: str, settings: MtpSettings, out_cmf, logger: 
     after = _measure(ch, "after training") if run["steps"] else before
     if s.dump and run["steps"]:
         dump_chain(ch, Path(s.dump) / "after")
-    block = {"model": str(f.path), "data": data_spec, "settings": s.key(), "windows": len(ch),
+    block = {"model": str(f.path), "data": data_spec, "preset": s.preset, "settings": s.key(), "windows": len(ch),
              "tokens": int(ch.lens.sum()), "steps": run["steps"], "best_step": run["best_step"],
              "hold_before": before["hold"], "hold_after": after["hold"],
              "drafts_per_round_before": before["drafts_per_round"], "drafts_per_round_after": after["drafts_per_round"]}
@@ -261,7 +313,8 @@ def mtp_heal(model_cmf, data_spec: str, settings: MtpSettings, out_cmf, logger: 
         write_draft(f, tensors, codec, path, block)
         codecs[codec if path != out_cmf else f"out:{codec}"] = _remeasure(ch, path, s, codec)
     metrics = {"drafts_per_round_before": before["drafts_per_round"], "drafts_per_round_after": after["drafts_per_round"],
-               "steps": float(run["steps"]), "best_step": float(run["best_step"]),
+               "steps": float(run["steps"]), "best_step": float(run["best_step"]), "skipped": float(run.get("skipped", 0)),
+               "train_seconds": float(run.get("seconds", 0.0)),
                "heldout_kl_start": run["kl_start"], "heldout_kl_best": run["kl_best"]}
     for j, (a, b) in enumerate(zip(before["hold"], after["hold"])):
         metrics[f"hold_before_{j + 1}"], metrics[f"hold_after_{j + 1}"] = a, b
@@ -273,7 +326,7 @@ def mtp_heal(model_cmf, data_spec: str, settings: MtpSettings, out_cmf, logger: 
             metrics[f"{tag}.hold_{j + 1}"] = x
     logger.log_metrics({k: v for k, v in metrics.items() if v == v})
     return {"metrics": metrics, "history": run["history"], "before": before, "after": after, "codecs": codecs,
-            "trunk": info, "out": str(out_cmf)}
+            "trunk": info, "preset": s.preset, "settings": s.key(), "out": str(out_cmf)}
 
 
 def recode_draft(out_cmf, codec: str, path, data_spec: str | None = None, settings: MtpSettings | None = None,
@@ -282,13 +335,13 @@ def recode_draft(out_cmf, codec: str, path, data_spec: str | None = None, settin
     from ..cmf import open_cmf
 
     f = _open(out_cmf)
-    s = settings or MtpSettings(epochs=0)
+    s = resolve(f, settings or MtpSettings(epochs=0))
     m = _load(f, s)
     write_draft(f, _draft_tensors(m), codec, path, None)
     rep = {"path": str(path), "codec": codec, "bytes": _draft_bytes(path), "metrics": {}}
     if data_spec:
         g = open_cmf(path)
-        ch, _ = _chain(_load(g, s), g, data_spec, s)
+        ch, _ = _chain(_load(g, s), g, data_spec, s.resolved(s.preset))
         r = _measure(ch, f"{path} (draft as {codec})")
         rep.update(r)
         rep["metrics"] = {"drafts_per_round": r["drafts_per_round"], **{f"hold_{j + 1}": x for j, x in enumerate(r["hold"])}}

@@ -9,9 +9,14 @@ feeds it). Row p of step j predicts token p+j+1 and learns the trunk's top-k
 distribution at row p+j (self-distillation; `hard` moves mass onto the
 trunk's own token).
 
-Step 2..chain sources are rebuilt from the current weights every `refresh`
-steps. With `stride` > 0 the later steps are laid out as decode rounds see
-them (measures.splice): one spliced source per window, trained with shift 1.
+With `stride` 0 (every row starts a chain) the chain is computed as a decode
+round computes it (cortiq.mtp.rounds): step j of the chain starting at row r
+attends to the block's rows 0..r from the trunk and to its own chain's rows,
+not to other chains' draft rows; the steps before the trained one run from
+the current weights without a graph. With `stride` > 0 the later steps are
+laid out as rounds every `stride` rows (measures.splice): one spliced source
+per window, rebuilt from the current weights every `refresh` steps, trained
+with shift 1.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 
 from ..heal.loss import topk_kl
 from . import measures as M
+from .rounds import decode_steps
 from .trunk import TrunkSet
 
 #: top-k kept per row of a dumped chain step
@@ -88,10 +94,14 @@ class Chain:
             out.append(x.cpu())
         return torch.cat(out)
 
+    def steps(self, b: torch.Tensor, upto: int, train_step: int | None = None) -> list[torch.Tensor]:
+        """Steps 1..upto of every row's chain in windows b, as decode rounds compute them. [B, T, H] each"""
+        return decode_steps(self.model, self.h[b].to(self.dev), self.ids[b].to(self.dev), upto, self.pad, train_step)
+
     @torch.no_grad()
     def refresh(self, round_: int = 0) -> None:
-        """Rebuild the chain's later sources from the current weights."""
-        if self.chain == 1:
+        """Rebuild the spliced sources (stride > 0) from the current weights; stride 0 computes them per batch."""
+        if self.chain == 1 or self.stride == 0:
             return
         all_ = torch.arange(len(self))
         if self.stride > 0:
@@ -108,9 +118,11 @@ class Chain:
     def rows(self, b: torch.Tensor, kind: int, hard: float, grad: bool = True):
         """(hidden rows [n, H], target ids [n, k], probs [n, k]) for windows b at `kind`."""
         s, j = self.kinds[kind]
-        src = self.src[s][b]
         ids = self.ids[b]
-        out = self.draft(src, ids, j)  # [B, T, H]
+        if self.stride == 0:
+            out = self.steps(b, j, j if torch.is_grad_enabled() else None)[-1]  # [B, T, H] step j
+        else:
+            out = self.draft(self.src[s][b], ids, j)  # [B, T, H]
         T = ids.shape[1]
         valid = torch.arange(T)[None, :] < (self.lens[b][:, None] - j)  # [B, T] rows whose target exists
         ti = torch.roll(self.ti[b], -j, 1)[valid]  # [n, k] the trunk's top-k at p+j
@@ -146,18 +158,15 @@ class Chain:
 
     @torch.no_grad()
     def chain_counts(self, idx: torch.Tensor, dump=None) -> torch.Tensor:
-        """Seed `chain_pass` on windows idx: each step from the one before, the draft's top-1 per row."""
+        """Hold counts on windows idx, every row starting a chain computed as a decode round does."""
         tops = []
         for b in self._batches(idx):
-            x = self.h[b]
             steps = []
-            for j in range(1, self.chain + 1):
-                o = self.draft(x, self.ids[b], j)
+            for j, o in enumerate(self.steps(b, self.chain), 1):
                 di, dp = self._top1(o, KK if dump is not None else 1)
                 steps.append(di[..., 0])
                 if dump is not None:
                     dump(j, o, di, dp)
-                x = o
             tops.append(torch.stack(steps))
         d = torch.cat(tops, 1)  # [chain, n, T]
         return M.chain_counts(self.ids[idx], self.lens[idx], self.t1[idx], d)
@@ -210,12 +219,12 @@ def trained_params(model, train_input: bool) -> list[tuple[str, torch.nn.Paramet
     return [(n, p) for n, p in mtp.named_parameters() if any(n.startswith(k) for k in keep)]
 
 
-def lr_shape(step: int, total: int) -> float:
-    """The seed's schedule: linear warm-up over a tenth, cosine down to a tenth of the peak."""
-    warm = max(total // 10, 1)
-    if step <= warm:
-        return step / warm
-    pr = min((step - warm) / max(total - warm, 1), 1.0)
+def lr_shape(step: int, total: int, warm: float = 0.1) -> float:
+    """Linear warm-up over a share `warm` of the steps, cosine down to a tenth of the peak."""
+    w = max(int(total * warm), 1)
+    if step <= w:
+        return step / w
+    pr = min((step - w) / max(total - w, 1), 1.0)
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * pr))
 
 
@@ -230,10 +239,20 @@ def restore(model, snap: dict[str, torch.Tensor]) -> None:
 
 
 def train(ch: Chain, s, logger=None, say=print) -> dict:
-    """Train the draft of `ch.model` by the settings `s` (MtpSettings); keep
+    """Train the draft of `ch.model` by the settings `s` (MtpSettings, resolved); keep
     the checkpoint whose chain keeps the most drafts a round on held-out rows.
-    -> {"steps", "best_step", "history", "kl_start", "kl_best", "best_dpr"}."""
+
+    A step whose loss or gradient is not finite is skipped and counted (heal's
+    policy); at MAX_SKIPPED of them training stops with one line. A bar on
+    stderr shows steps, ETA, the loss and the last held-out hold rates.
+    -> {"steps", "best_step", "history", "kl_start", "kl_best", "best_dpr", "skipped", "seconds"}."""
+    import sys
+    import time
+
     from tqdm import tqdm
+
+    from ..errors import CortiqError
+    from ..heal.train import MAX_SKIPPED
 
     model = ch.model
     for p in model.parameters():
@@ -249,17 +268,24 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
     batches = [train_idx[i * s.batch : (i + 1) * s.batch] for i in range(nb)]
     jobs = [(b, k) for b in range(nb) for k in range(len(ch.kinds))]
     total = max(math.ceil(s.epochs * len(jobs)), 1)
+    bar = tqdm(total=total, desc="mtp heal", unit="step", file=sys.stderr, dynamic_ncols=True, disable=False)
+    bar.write(f"mtp heal: {total} steps ({len(batches)} batches of {s.batch} windows x {len(ch.kinds)} chain kinds "
+              f"x {s.epochs:g} epochs); measuring the draft before training", file=sys.stderr)
     ch.refresh(0)
     kl0 = ch.val_kl(val)
     h0 = ch.hold(val)
     best = {"dpr": M.drafts_per_round(h0), "snap": snapshot(model), "step": 0, "kl": sum(kl0) / len(kl0)}
     say(f"mtp heal: held-out KL per kind before training {', '.join(f'{x:.4f}' for x in kl0)}; "
         f"drafts a round {best['dpr']:.4f}")
+    shown = "/".join(f"{x:.2f}" for x in M.rates(h0))  # the last held-out hold rates per chain step
+    bar.set_postfix(hold=shown, dpr=f"{best['dpr']:.3f}", refresh=False)
     history = []
-    done, stop = 0, False
-    bar = tqdm(total=total, desc="mtp heal", unit="step", disable=None)
+    done, skipped, stop = 0, 0, False
+    t0 = time.perf_counter()
     model.train()
     while done < total and not stop:
+        if not jobs:
+            break
         order = torch.randperm(len(jobs), generator=g).tolist()
         for oi in order:
             if done >= total:
@@ -272,29 +298,42 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
             lv = float(loss.detach())
             if not (math.isfinite(lv) and math.isfinite(gn)):
                 opt.zero_grad(set_to_none=True)
-                say(f"mtp heal: step {done + 1}: non-finite loss or gradient, skipped")
+                skipped += 1
+                if skipped >= MAX_SKIPPED:
+                    bar.close()
+                    raise CortiqError(f"mtp heal: {MAX_SKIPPED} non-finite steps (last at step {done + 1}); "
+                                      f"lower lr (now {s.lr:g}) or check the model for inf/nan weights")
                 continue
             done += 1
-            lr = s.lr * lr_shape(done, total)
+            lr = s.lr * lr_shape(done, total, s.warm)
             for grp in opt.param_groups:
                 grp["lr"] = lr
             opt.step()
             bar.update(1)
-            bar.set_postfix(loss=f"{lv:.4f}")
+            bar.set_postfix(loss=f"{lv:.4f}", hold=shown, dpr=f"{best['dpr']:.3f}", refresh=False)
             rec = {"step": done, "loss": lv, "lr": lr, "grad_norm": gn, "kind": kind}
             if ch.chain > 1 and s.refresh > 0 and done % s.refresh == 0 and done < total:
                 ch.refresh(done // s.refresh)
-            if done % s.eval_every == 0 or done == total:
+            out_of_time = s.time_limit > 0 and time.perf_counter() - t0 >= s.time_limit
+            if done % s.eval_every == 0 or done == total or out_of_time:
                 model.eval()
                 v = ch.val_kl(val)
                 hh = ch.hold(val)
                 dpr = M.drafts_per_round(hh)
+                rr = M.rates(hh)
                 rec.update({"heldout_kl": sum(v) / len(v), "drafts_per_round": dpr,
-                            **{f"hold_{j + 1}": r for j, r in enumerate(M.rates(hh))}})
+                            **{f"hold_{j + 1}": r for j, r in enumerate(rr)}})
                 if dpr > best["dpr"]:
                     best = {"dpr": dpr, "snap": snapshot(model), "step": done, "kl": sum(v) / len(v)}
-                elif s.patience > 0 and done - best["step"] >= s.patience * s.eval_every and done < total:
+                shown = "/".join(f"{x:.2f}" for x in rr)
+                bar.set_postfix(loss=f"{lv:.4f}", hold=shown, dpr=f"{best['dpr']:.3f}", refresh=True)
+                bar.write(f"  step {done}: held-out hold {shown}, {dpr:.3f} drafts a round "
+                          f"(best {best['dpr']:.3f} at step {best['step']})", file=sys.stderr)
+                if s.patience > 0 and done - best["step"] >= s.patience * s.eval_every and done < total:
                     say(f"mtp heal: no new best in {s.patience} evaluations: stopping at step {done} of {total}")
+                    stop = True
+                if out_of_time and done < total:
+                    say(f"mtp heal: time limit of {s.time_limit:g} s reached: stopping at step {done} of {total}")
                     stop = True
                 model.train()
             history.append(rec)
@@ -302,10 +341,12 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
                 logger.log_metrics({k: v for k, v in rec.items() if k not in ("step", "kind")}, step=done)
             if stop:
                 break
+    seconds = time.perf_counter() - t0
     bar.close()
     model.eval()
     restore(model, best["snap"])
     for p in model.parameters():
         p.requires_grad_(False)
     return {"steps": done, "total_steps": total, "best_step": best["step"], "history": history,
-            "kl_start": sum(kl0) / len(kl0), "kl_best": best["kl"], "best_dpr": best["dpr"]}
+            "kl_start": sum(kl0) / len(kl0), "kl_best": best["kl"], "best_dpr": best["dpr"], "skipped": skipped,
+            "seconds": seconds}

@@ -28,6 +28,20 @@ def has_draft(f: CmfFile) -> bool:
     return f"{PREFIX}eh_proj.weight" in f
 
 
+def draft_is_fresh(f: CmfFile) -> bool:
+    """Whether `f`'s draft is as `mtp init` made it: the provenance, in the order the stages
+    ran, records an `mtp init` and no `mtp heal` that trained a step since (a measure-only
+    heal, or a compress / heal of the trunk, leaves the draft fresh)."""
+    fresh = False
+    for key, block in f.provenance.items():
+        stage = key.split("#", 1)[0]
+        if stage == "mtp_init":
+            fresh = bool((block or {}).get("fresh", False))
+        elif stage == "mtp_heal" and int((block or {}).get("steps", 0)) > 0:
+            fresh = False
+    return fresh
+
+
 def mtp_init(model_cmf: str | os.PathLike, out_cmf: str | os.PathLike) -> dict:
     """Write `out_cmf`: the model of `model_cmf` (tensors copied as stored) plus a fresh model.mtp.* block."""
     f = open_cmf(model_cmf)
@@ -57,6 +71,7 @@ def mtp_init(model_cmf: str | os.PathLike, out_cmf: str | os.PathLike) -> dict:
     arch.mtp_intermediate_size = int(arch.intermediate_sizes[L])
     doc = {k: v for k, v in f.doc.items() if k not in ("codecs", "hashes", "shards")}
     doc["arch"] = arch.to_dict()
-    doc = with_provenance(doc, "mtp_init", {"source": str(f.path), "layer": L})
+    # "fresh": `mtp heal` reads it to pick its "fresh" preset (cortiq.mtp.settings.PRESETS)
+    doc = with_provenance(doc, "mtp_init", {"source": str(f.path), "layer": L, "fresh": True})
     out = write_cmf(Path(out_cmf), doc, specs)
     return {"out": str(out), "layer": L, "metrics": {}}

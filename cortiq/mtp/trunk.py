@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,7 +154,7 @@ def trunk_sets(model, f: CmfFile, packed: list, window: int, k: int, cache: str 
                 continue
             log.warning("mtp: trunk cache %s was made from another trunk or data (key %s, now %s): rebuilding", d, str(old)[:12], key[:12])
             shutil.rmtree(d)
-        bar = tqdm(total=len(ids), desc=f"trunk {p.name}", unit="win", leave=False, disable=None)
+        bar = tqdm(total=len(ids), desc=f"mtp trunk {p.name}", unit="win", file=sys.stderr, dynamic_ncols=True, disable=False)
         ti, tp, h = run_trunk(model, ids, k, batch, chunk, bar.update)
         bar.close()
         s = TrunkSet(p.name, ids, lens, ti, tp, h)

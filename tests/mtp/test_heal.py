@@ -18,7 +18,7 @@ from mtp_helpers import EOS, write_model
 
 def small(**kw):
     base = dict(window=32, tokens=100000, topk=8, batch=2, chain=2, refresh=10, eval_every=10, patience=0,
-                lr=3e-3, epochs=3.0, device="cpu", head_chunk=64)
+                lr=3e-3, epochs=3.0, device="cpu", head_chunk=64, gen_prompt=8)
     base.update(kw)
     return MtpSettings(**base)
 
@@ -75,21 +75,38 @@ def _chain(model, data, s):
     return m, Chain(m, sets, s.chain, s.stride, EOS, batch=s.batch, chunk=s.head_chunk)
 
 
-def test_chain_refresh_uses_current_weights(tiny):
+def test_chain_steps_use_current_weights(tiny):
+    """Stride 0: every step is computed from the weights now, as a decode round runs it (row by row through the KV cache)."""
+    from cortiq.mtp.rounds import decode_steps_reference
+
     model, data = tiny
     s = small(chain=3)
     m, ch = _chain(model, data, s)
-    ch.refresh(0)
-    # step 2's source is the draft's own step-1 output, from the weights now
-    ref = m.mtp_forward(ch.h[:3], torch.cat([ch.ids[:3, 1:], torch.full((3, 1), EOS)], 1))
-    assert torch.allclose(ch.src[1][:3], ref, atol=1e-6)
-    old = ch.src[2].clone()
+    b = torch.tensor([0, 5, 7])
+    ref = decode_steps_reference(m, ch.h[b], ch.ids[b], 3, EOS)
+    for o, r in zip(ch.steps(b, 3), ref):
+        assert torch.allclose(o, r, atol=1e-5)
     with torch.no_grad():
         m.mtp.layers[0].mlp.down_proj.weight.mul_(1.5)
-    ch.refresh(1)
-    assert not torch.allclose(ch.src[2], old)
-    ref1 = m.mtp_forward(ch.h[:3], torch.cat([ch.ids[:3, 1:], torch.full((3, 1), EOS)], 1))
-    assert torch.allclose(ch.src[1][:3], ref1, atol=1e-6)
+    ref2 = decode_steps_reference(m, ch.h[b], ch.ids[b], 3, EOS)
+    assert not torch.allclose(ref2[2], ref[2])
+    assert torch.allclose(ch.steps(b, 3)[2], ref2[2], atol=1e-5)
+
+
+def test_chain_refresh_uses_current_weights(tiny):
+    """Stride > 0: the spliced sources are rebuilt from the weights at each refresh."""
+    model, data = tiny
+    s = small(chain=3, stride=4)
+    m, ch = _chain(model, data, s)
+    ch.refresh(0)
+    old = ch.src[1].clone()
+    off = (torch.arange(len(ch)) * 5) % 4
+    assert torch.allclose(old, ch.spliced(torch.arange(len(ch)), off), atol=1e-6)
+    with torch.no_grad():
+        m.mtp.layers[0].mlp.down_proj.weight.mul_(1.5)
+    ch.refresh(0)
+    assert not torch.allclose(ch.src[1], old)
+    assert torch.allclose(ch.src[1], ch.spliced(torch.arange(len(ch)), off), atol=1e-6)
 
 
 def test_chain_counts_agree_with_a_plain_decode_view(tiny):

@@ -1,0 +1,176 @@
+"""A fresh draft: the preset picked from provenance, training on the model's own continuations
+(cached, deterministic), the progress bar, heal's non-finite policy, and a draft that learns."""
+
+import numpy as np
+import pytest
+import torch
+
+from cortiq.cmf import open_cmf
+from cortiq.errors import CortiqError
+from cortiq.model import load_model
+from cortiq.mtp import MtpSettings, mtp_heal, mtp_init, resolve
+from cortiq.mtp.init import draft_is_fresh
+from cortiq.mtp.selfgen import continue_batch, continue_reference, end_at_eos, generated_sets, make_prompts
+
+from mtp_helpers import EOS, greedy_records, write_model, write_tdata
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    """(a model with a draft fresh from mtp init, tdata of 60 windows of 48 the trunk wrote greedily)."""
+    root = tmp_path_factory.mktemp("fresh")
+    bare = write_model(root / "bare.cmf", mtp=False, seed=1)
+    data = write_tdata(root / "g.tdata", greedy_records(bare, 60, 48, seed=1))
+    init = root / "init.cmf"
+    mtp_init(bare, init)
+    return init, data
+
+
+def tiny_settings(**kw):
+    base = dict(window=48, tokens=100000, topk=8, chain=3, gen_prompt=8, head_chunk=64, device="cpu", batch=2,
+                eval_every=20)
+    base.update(kw)
+    return MtpSettings(**base)
+
+
+def test_preset_follows_provenance_and_explicit_values_win(fresh, tmp_path):
+    init, data = fresh
+    f = open_cmf(init)
+    assert f.provenance["mtp_init"]["fresh"] is True and draft_is_fresh(f)
+    s = resolve(f, MtpSettings())
+    assert (s.preset, s.lr, s.train_input, s.generate, s.window, s.batch) == ("fresh", 1e-3, True, True, 512, 8)
+    s = resolve(f, MtpSettings(lr=5e-4, generate=False))
+    assert (s.preset, s.lr, s.generate, s.epochs) == ("fresh", 5e-4, False, 12.0)
+    assert resolve(f, MtpSettings(preset="retrain")).lr == 2e-5
+    # a draft that came with the model (no mtp init in its provenance): retrain
+    native = write_model(tmp_path / "native.cmf")
+    assert resolve(open_cmf(native), MtpSettings()).preset == "retrain"
+    # a measure-only heal leaves the draft fresh
+    out = tmp_path / "measured.cmf"
+    mtp_heal(init, str(data), tiny_settings(epochs=0), out)
+    g = open_cmf(out)
+    assert draft_is_fresh(g) and g.provenance["mtp_heal"]["preset"] == "fresh"
+
+
+def test_fresh_draft_learns_the_trunks_language_and_decoding_accepts_it(fresh, tmp_path, capsys):
+    """Defaults of the fresh preset (lr, warm-up, input side, self-generated data) on a low-entropy
+    language: the trunk's own greedy text. The held-out hold rate climbs high, and real speculative
+    decoding accepts what the offline measure predicts."""
+    from cortiq.model.generate import generate, generate_speculative
+
+    init, data = fresh
+    out = tmp_path / "healed.cmf"
+    rep = mtp_heal(init, str(data), tiny_settings(epochs=1.5, gen_cache=str(tmp_path / "gen")), out)
+    err = capsys.readouterr().err
+    m = rep["metrics"]
+    assert rep["preset"] == "fresh" and m["steps"] > 0
+    # the fresh block (a copy of the trunk's last layer reading h_p) guesses token p+1, not p+2:
+    # right only where the text repeats; trained, it holds most drafts at every chain step
+    assert min(rep["after"]["hold"]) > 0.8
+    assert m["drafts_per_round_after"] > max(2.0, m["drafts_per_round_before"] + 1.0)
+    g = open_cmf(out)
+    assert not draft_is_fresh(g) and resolve(g, MtpSettings()).preset == "retrain"
+    # the progress: the preset first, then the generation and training bars with the held-out hold rate
+    assert err.index("mtp heal: preset fresh (the draft is fresh from mtp init)") < err.index("mtp generate")
+    assert "mtp heal:" in err and "hold=" in err and "step 20: held-out hold" in err
+    # real decoding on held-out prompts (the generated windows' first tokens)
+    model = load_model(out)
+    ids = np.asarray(greedy_records(init, 60, 48, seed=1))[9::10, :8]
+    acc = rounds = 0
+    for p in ids.tolist():
+        r = generate_speculative(model, p, max_new=24, draft=2)
+        assert r.tokens == generate(model, p, max_new=24).tokens
+        acc, rounds = acc + r.accepted, rounds + r.rounds
+    h = rep["after"]["hold"]
+    predicted = h[0] + h[0] * h[1]
+    assert acc / rounds >= 0.8 * predicted
+
+
+def test_batched_continuations_equal_the_plain_decoder(fresh):
+    init, _ = fresh
+    m = load_model(init)
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 256, (3, 5), generator=g)
+    out = continue_batch(m, prompts, 7)
+    assert out.shape == (3, 12) and torch.equal(out[:, :5], prompts)
+    assert torch.equal(out, continue_reference(m, prompts, 7))
+    # sampled: the same seed gives the same rows
+    a = continue_batch(m, prompts, 7, 1.0, torch.Generator().manual_seed(3))
+    b = continue_batch(m, prompts, 7, 1.0, torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+
+
+def test_end_at_eos_against_a_loop():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 6, (17, 11), generator=g)
+    out, lens = end_at_eos(ids, 3, [4, 5], 99)
+    for i in range(17):
+        L = 11
+        for p in range(3, 11):
+            if int(ids[i, p]) in (4, 5):
+                L = p + 1
+                break
+        assert int(lens[i]) == L
+        assert out[i, :L].tolist() == ids[i, :L].tolist() and all(x == 99 for x in out[i, L:].tolist())
+
+
+def test_chat_prompts_are_wrapped_evenly():
+    w = np.arange(100, dtype=np.int64).reshape(10, 10)
+    p, chat = make_prompts(w, 8, 0.25, ([900, 901], [902]))
+    assert chat.tolist() == [False, False, False, True, False, False, False, True, False, False]
+    assert p[3].tolist() == [900, 901, 30, 31, 32, 33, 34, 902]
+    assert p[0].tolist() == list(range(8))
+    # a wrapper that would leave less than half the prompt: no chat rows
+    p2, chat2 = make_prompts(w, 4, 0.5, ([900, 901], [902]))
+    assert not chat2.any() and np.array_equal(p2, w[:, :4])
+
+
+def test_generated_windows_are_cached_and_deterministic(fresh, tmp_path):
+    from cortiq.data.windows import packed_windows
+
+    init, data = fresh
+    f = open_cmf(init)
+    m = load_model(f)
+    packed = packed_windows(str(data), 48, 100000, min_len=19, pad_id=EOS)
+    s = resolve(f, tiny_settings(gen_temperature=0.9, seed=3))
+    a, ia = generated_sets(m, f, packed, s, tmp_path / "a")
+    again, ib = generated_sets(m, f, packed, s, tmp_path / "a")
+    other, _ = generated_sets(m, f, packed, s, tmp_path / "b")
+    assert not ia[0]["read_back"] and ib[0]["read_back"]
+    assert np.array_equal(a[0].ids, again[0].ids) and np.array_equal(a[0].ids, other[0].ids)
+    assert np.array_equal(a[0].lengths, other[0].lengths)
+    assert a[0].name == "g.gen" and a[0].ids.shape == packed[0].ids.shape
+    assert np.array_equal(a[0].ids[:, :8], packed[0].ids[:, :8])  # byte tokenizer, no template: no chat rows fit
+    d = list((tmp_path / "a").iterdir())
+    assert len(d) == 1 and (d[0] / "meta.json").exists() and (d[0] / "gen.arrow").exists()
+    s4 = resolve(f, tiny_settings(gen_temperature=0.9, seed=4))
+    c, _ = generated_sets(m, f, packed, s4, tmp_path / "a")
+    assert not np.array_equal(c[0].ids, a[0].ids)
+    assert len(list((tmp_path / "a").iterdir())) == 2
+
+
+def test_non_finite_steps_are_skipped_then_abort(fresh, tmp_path, monkeypatch):
+    from cortiq.mtp import draft as D
+
+    init, data = fresh
+    real_loss = D.Chain.loss
+    calls = {"n": 0}
+
+    def some_nan(self, b, kind, hard):
+        calls["n"] += 1
+        loss, n = real_loss(self, b, kind, hard)
+        return (loss * float("nan") if calls["n"] % 4 == 0 else loss), n
+
+    monkeypatch.setattr(D.Chain, "loss", some_nan)
+    rep = mtp_heal(init, str(data), tiny_settings(epochs=0.5, generate=False), tmp_path / "a.cmf")
+    assert rep["metrics"]["skipped"] == calls["n"] // 4 > 0
+    assert rep["metrics"]["steps"] == calls["n"] - calls["n"] // 4
+
+    def all_nan(self, b, kind, hard):
+        loss, n = real_loss(self, b, kind, hard)
+        return loss * float("inf"), n
+
+    monkeypatch.setattr(D.Chain, "loss", all_nan)
+    with pytest.raises(CortiqError, match=r"^mtp heal: 20 non-finite steps \(last at step 1\); lower lr"):
+        mtp_heal(init, str(data), tiny_settings(epochs=0.5, generate=False), tmp_path / "b.cmf")
+    assert not (tmp_path / "b.cmf").exists()
