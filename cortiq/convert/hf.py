@@ -132,6 +132,42 @@ def _split_ba(arch, w):
     return b.reshape(hv, -1), a.reshape(hv, -1)
 
 
+def _trim_padding(cfg: dict, arch, plan: dict, cfg_path: Path) -> None:
+    """Undo the zero-neuron padding of a `cortiq export`: config.json's
+    `cortiq_intermediate_sizes` (and `cortiq_mtp_intermediate_size`) give the
+    true MLP widths; the padded neurons are cut off again, after checking
+    that they are zero (nothing is lost)."""
+    widths = cfg.get("cortiq_intermediate_sizes")
+    layers = {}
+    if widths is not None:
+        if not isinstance(widths, list) or len(widths) != arch.num_layers:
+            raise CortiqError(f"{cfg_path}: cortiq_intermediate_sizes must list {arch.num_layers} widths")
+        arch.intermediate_sizes = [int(w) for w in widths]
+        layers = {f"model.layers.{i}.mlp.": int(w) for i, w in enumerate(widths)}
+    if arch.mtp_layers and cfg.get("cortiq_mtp_intermediate_size"):
+        arch.mtp_intermediate_size = int(cfg["cortiq_mtp_intermediate_size"])
+        layers["model.mtp.layers.0.mlp."] = arch.mtp_intermediate_size
+
+    def cut(get, name, w, dim):
+        def trimmed():
+            t = get()
+            if bool(t.narrow(dim, w, t.shape[dim] - w).any()):
+                raise CortiqError(f"{cfg_path}: {name} has non-zero neurons past the width {w} that config.json records")
+            return t.narrow(dim, 0, w)
+        return trimmed
+
+    for base, w in layers.items():
+        for proj, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+            name = f"{base}{proj}.weight"
+            if name not in plan or plan[name][0][dim] == w:
+                continue
+            shape, dt, get = plan[name]
+            if shape[dim] < w:
+                raise CortiqError(f"{cfg_path}: {name} is {shape[dim]} wide, narrower than the recorded width {w}")
+            shape = tuple(w if d == dim else s for d, s in enumerate(shape))
+            plan[name] = (shape, dt, cut(get, name, w, dim))
+
+
 def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, codec: str = "keep") -> Path:
     """Convert a HF model directory to a CMF file at `out_path`.
 
@@ -210,6 +246,7 @@ def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, code
             arch.mtp_intermediate_size = g[0][0]
     else:
         arch.mtp_layers, arch.mtp_intermediate_size = 0, 0
+    _trim_padding(cfg, arch, plan, cfg_path)
 
     # every tensor the model needs, and nothing it has no place for
     from ..model.decoder import CausalLM
