@@ -39,7 +39,9 @@ def sha256_of(paths: list[Path]) -> str:
 
 
 def _fmt(v) -> str:
-    return "" if v is None else f"{float(v):.6g}"
+    # repr: the shortest text that reads back as the same float, so a later
+    # comparison against the tag is a comparison against the value itself
+    return "" if v is None else repr(float(v))
 
 
 def ensure_model(client, name: str) -> None:

@@ -116,5 +116,13 @@ def test_compare_lists_the_registered_versions(store, tmp_path, capsys):
     out = capsys.readouterr().out
     lines = out.split("registered model versions:\n", 1)[1].splitlines()
     assert lines[0].split()[:4] == ["model", "version", "aliases", "test"]
-    assert lines[1].split()[:4] == ["cmp", "v1", "champion", "3"]
+    assert lines[1].split()[:4] == ["cmp", "v1", "champion", "3.0"]
     assert lines[2].split()[:4] == ["cmp", "v2", "-", "3.3"]
+
+
+def test_an_equal_nll_does_not_take_champion(store):
+    nll = 13.751904296875123  # the tag must hold every digit, or a rerun would "beat" its own rounding
+    r1, r2 = _run(store, store.models[0], nll).run_id, _run(store, store.models[0], nll).run_id
+    assert register(store.client, "tiny-eq", r1, store.models[0], 200, nll, "digest-A")["champion"]
+    again = register(store.client, "tiny-eq", r2, store.models[0], 200, nll, "digest-A")
+    assert not again["champion"] and again["reason"].startswith("test NLL 13.7519 >= champion v1's")
