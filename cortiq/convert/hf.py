@@ -11,7 +11,8 @@ the canonical CMF names (docs/internals.md):
   layout in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (un-interleaved per
   key-head group, as transformers' `fix_query_key_value_ordering` reads them);
 - the MTP draft `mtp.*` → `model.mtp.*` (fc → eh_proj, pre_fc_norm_embedding →
-  enorm, pre_fc_norm_hidden → hnorm);
+  enorm, pre_fc_norm_hidden → hnorm), also read from `mtp/model.safetensors`
+  (where `cortiq export` puts the draft of a Llama / Qwen2 / Qwen3 model);
 - a tied head's stored `lm_head.weight` dropped.
 """
 
@@ -33,6 +34,8 @@ _DROP = re.compile(r"^(model\.visual\.|visual\.|model\.vision_tower\.|vision_tow
 _MOE = re.compile(r"\.mlp\.(experts|gate\.weight|shared_expert|shared_expert_gate)")
 _MTP_RENAME = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm."}
 _ST_CODEC = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+#: the MTP draft of a family whose checkpoints have none, as `cortiq export` writes it beside them
+_MTP_FILE = "mtp/model.safetensors"
 
 
 def _canonical(name: str) -> str | None:
@@ -66,13 +69,16 @@ def _weight_files(src: Path) -> dict[str, Path]:
             if not p.exists():
                 raise CortiqError(f"{index}: names shard {fn}, which is missing")
             out[name] = p
-        return out
-    from safetensors import safe_open
-
+        return _add_tensors_of(out, [src / _MTP_FILE] if (src / _MTP_FILE).is_file() else [])
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise CortiqError(f"{src}: no *.safetensors weights")
-    out = {}
+    return _add_tensors_of({}, files + ([src / _MTP_FILE] if (src / _MTP_FILE).is_file() else []))
+
+
+def _add_tensors_of(out: dict[str, Path], files) -> dict[str, Path]:
+    from safetensors import safe_open
+
     for p in files:
         with safe_open(str(p), framework="pt") as f:
             for name in f.keys():

@@ -20,8 +20,10 @@ Names are the HF names CMF keeps, except:
 - the MTP draft `model.mtp.*` goes under the Qwen3-Next / Qwen3.5 checkpoint
   names `mtp.*` (eh_proj → fc, enorm → pre_fc_norm_embedding, hnorm →
   pre_fc_norm_hidden), which vLLM's MTP speculative decoding reads and
-  transformers skips; the other families have no MTP names of their own and
-  get the same ones.
+  transformers skips. Llama, Qwen2 and Qwen3 have no MTP in transformers or
+  vLLM: both would stop at (vLLM) or list (transformers) weights their model
+  has no place for, so the draft goes, under the same names, into its own
+  file `mtp/model.safetensors` that neither reads and `cortiq convert` does.
 
 MLP widths that differ per layer (a global fold) have no per-layer field in
 any of these families' transformers configs, so every MLP (the draft's too)
@@ -63,6 +65,10 @@ DTYPES = {
     "f16": (torch.float16, "F16", "float16"),
     "bf16": (torch.bfloat16, "BF16", "bfloat16"),
 }
+#: families whose HF checkpoints carry the MTP draft beside the trunk (`mtp.*`)
+MTP_IN_CHECKPOINT = ("qwen3_next", "qwen3_5")
+#: where the draft of the other families goes, beside the checkpoint
+MTP_FILE = "mtp/model.safetensors"
 #: the default shard limit (as transformers' save_pretrained)
 SHARD_BYTES = 5 * 10**9
 _MTP_HF = {"eh_proj.": "fc.", "enorm.": "pre_fc_norm_embedding.", "hnorm.": "pre_fc_norm_hidden."}
@@ -290,6 +296,10 @@ def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dt
     files = tokenizer_files(f.tokenizer, arch, str(f.path))
     cfg = config(arch, f.tokenizer, dtype, widths, mtp)
     items = plan(f, width)
+    draft = []
+    if arch.arch_name not in MTP_IN_CHECKPOINT:
+        draft = [it for it in items if it[0].startswith("mtp.")]
+        items = [it for it in items if not it[0].startswith("mtp.")]
 
     torch_dt, st_dt, _ = DTYPES[dtype]
     itemsize = torch.finfo(torch_dt).bits // 8
@@ -323,6 +333,9 @@ def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dt
                     total += math.prod(shape) * itemsize
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if draft:
+            (tmp / MTP_FILE).parent.mkdir()
+            _write_safetensors(tmp / MTP_FILE, draft, st_dt, torch_dt, itemsize, progress)
         if out.exists():
             out.rmdir()  # empty, checked above
         tmp.rename(out)
