@@ -198,7 +198,8 @@ def export_gguf(model: str | os.PathLike | CmfFile, out_file: str | os.PathLike,
                 name: str | None = None, progress: Callable[[str], None] | None = None) -> tuple[Path, list[str]]:
     """Write the CMF model as the GGUF file `out_file` (see the module doc), through
     `out_file.partial`. Returns the path and the CMF tensors left out (the MTP draft)."""
-    from gguf import GGUFWriter, RopeScalingType
+    from gguf import GGML_QUANT_VERSION, GGUFWriter, RopeScalingType
+    from gguf import GGMLQuantizationType as Q
 
     f = model if isinstance(model, CmfFile) else open_cmf(model)
     out = Path(out_file)
@@ -238,6 +239,8 @@ def export_gguf(model: str | os.PathLike | CmfFile, out_file: str | os.PathLike,
         w.add_rope_scaling_factor(float(sc["factor"]))
     w.add_vocab_size(arch.vocab_size)
     w.add_file_type(_file_type(plan))
+    if any(q in (Q.Q8_0, Q.Q4_1) for _, _, _, q, _ in plan):
+        w.add_quantization_version(GGML_QUANT_VERSION)  # the block layouts' version, as llama.cpp's tools write it
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(tok["pre"])
     w.add_token_list(tok["tokens"])

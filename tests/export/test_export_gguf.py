@@ -68,6 +68,7 @@ def test_quantized_blocks_are_the_cmf_bytes(tmp_path):
     f = open_cmf(cmf_path)
     out, _ = export_gguf(cmf_path, tmp_path / "m.gguf")
     r = GGUFReader(out)
+    assert r.fields["general.quantization_version"].contents() == 2
     by = {t.name: t for t in r.tensors}
     checked = {"q8": 0, "q4": 0}
     for n in f.names:
@@ -129,7 +130,8 @@ def test_gguf_reader_sees_llama_cpp_metadata_and_per_layer_widths(tmp_path):
     assert meta("qwen3.attention.head_count") == 4 and meta("qwen3.attention.head_count_kv") == 2
     assert meta("qwen3.attention.key_length") == 16 and meta("qwen3.rope.freq_base") == 1e6
     assert meta("tokenizer.ggml.model") == "gpt2" and len(meta("tokenizer.ggml.tokens")) == V
-    assert meta("tokenizer.ggml.eos_token_id") == 256
+    assert meta("tokenizer.ggml.eos_token_id") == 256 and meta("general.file_type") == 0  # all F32
+    assert "general.quantization_version" not in r.fields
     names = {t.name for t in r.tensors}
     assert {"token_embd.weight", "output_norm.weight", "blk.1.attn_q_norm.weight", "blk.1.ffn_down.weight"} <= names
     assert "output.weight" not in names  # tied head
