@@ -15,6 +15,7 @@ from prefect import flow
 from cortiq.settings import load_settings
 
 from . import pipeline as P
+from .registry import register_final
 
 
 @flow(name="compress-and-heal", log_prints=True)
@@ -40,4 +41,6 @@ def compress_and_heal(params: str | dict = "deployments/params/demo.yaml") -> di
         # re-encode: the final model in each codec, each re-measured
         P.reencode(st, s, final, tdata)
         st.artifacts({"healed": final})
+        # registry: a new version of the parameter set's model; `champion` moves only on a better test NLL
+        register_final(st, final)
         return P.summary(st)

@@ -13,6 +13,7 @@ from prefect import flow
 from cortiq.settings import load_settings
 
 from . import pipeline as P
+from .registry import register_final
 
 
 @flow(name="heal", log_prints=True)
@@ -31,4 +32,6 @@ def heal(params: str | dict = "deployments/params/demo.yaml") -> dict:
         for label, model in (("source", source), ("pruned", student), ("healed", healed)):
             P.score(st, s, label, model, tdata)
         st.artifacts({"healed": healed})
+        # registry: a new version of the parameter set's model; `champion` moves only on a better test NLL
+        register_final(st, healed)
         return P.summary(st)

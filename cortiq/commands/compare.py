@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-HELP = "compare MLflow runs side by side (params, stage metrics) and write a comparison plot"
+HELP = "compare MLflow runs side by side (params, stage metrics, registered model versions) and write a comparison plot"
 ORDER = 20
 
 
@@ -30,5 +30,10 @@ def run(args) -> int:
     uri = args.tracking_uri or f"sqlite:///{(home() / 'mlflow.db').resolve()}"
     runs = load_runs(uri, args.runs)
     print(table(runs, args.all_params), file=sys.stdout)
+    from flows.registry import registered_versions
+
+    versions = registered_versions(uri, args.runs)
+    if versions:
+        print(f"\nregistered model versions:\n{versions}", file=sys.stdout)
     print(f"\nplot: {plot(runs, args.plot)}", file=sys.stdout)
     return 0

@@ -92,6 +92,15 @@ def _meta(r, key: str, default=None):
     return f.contents()
 
 
+def _f32(v) -> float:
+    """A float32 metadata value as the shortest decimal that is that float32
+    (1e-06, not 9.99999997e-07): the value its writer meant, so a model that
+    went to GGUF and back has the settings it had."""
+    import numpy as np
+
+    return float(str(np.float32(v)))
+
+
 def _logical_shape(t) -> tuple[int, ...]:
     # GGUF lists dimensions fastest first; numpy/torch order is the reverse
     return tuple(int(x) for x in reversed(t.shape.tolist()))
@@ -157,7 +166,7 @@ def read_arch(r, src: Path) -> tuple[Arch, dict[str, str]]:
     if stype not in (None, "none"):
         if stype != "linear":
             raise CortiqError(f"{src}: rope scaling {stype!r} is not supported (supported: linear)")
-        scaling = {"rope_type": "linear", "factor": float(_meta(r, f"{name}.rope.scaling.factor", 1.0))}
+        scaling = {"rope_type": "linear", "factor": _f32(_meta(r, f"{name}.rope.scaling.factor", 1.0))}
     arch = Arch(
         arch_name=name,
         vocab_size=_logical_shape(emb)[0],
@@ -167,12 +176,12 @@ def read_arch(r, src: Path) -> tuple[Arch, dict[str, str]]:
         num_heads=heads,
         num_kv_heads=kv,
         head_dim=head_dim,
-        rope_theta=float(_meta(r, f"{name}.rope.freq_base", 10000.0)),
+        rope_theta=_f32(_meta(r, f"{name}.rope.freq_base", 10000.0)),
         partial_rotary_factor=rot / head_dim,
         rope_scaling=scaling,
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        rms_norm_eps=float(_meta(r, f"{name}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rms_norm_eps=_f32(_meta(r, f"{name}.attention.layer_norm_rms_epsilon", 1e-6)),
         layer_types=[FULL] * n,
         tie_word_embeddings="output.weight" not in tensors,
         max_position_embeddings=int(_meta(r, f"{name}.context_length", 32768)),

@@ -11,7 +11,8 @@ the canonical CMF names (docs/internals.md):
   layout in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (un-interleaved per
   key-head group, as transformers' `fix_query_key_value_ordering` reads them);
 - the MTP draft `mtp.*` → `model.mtp.*` (fc → eh_proj, pre_fc_norm_embedding →
-  enorm, pre_fc_norm_hidden → hnorm);
+  enorm, pre_fc_norm_hidden → hnorm), also read from `mtp/model.safetensors`
+  (where `cortiq export` puts the draft of a Llama / Qwen2 / Qwen3 model);
 - a tied head's stored `lm_head.weight` dropped.
 """
 
@@ -33,6 +34,8 @@ _DROP = re.compile(r"^(model\.visual\.|visual\.|model\.vision_tower\.|vision_tow
 _MOE = re.compile(r"\.mlp\.(experts|gate\.weight|shared_expert|shared_expert_gate)")
 _MTP_RENAME = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm."}
 _ST_CODEC = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+#: the MTP draft of a family whose checkpoints have none, as `cortiq export` writes it beside them
+_MTP_FILE = "mtp/model.safetensors"
 
 
 def _canonical(name: str) -> str | None:
@@ -66,13 +69,16 @@ def _weight_files(src: Path) -> dict[str, Path]:
             if not p.exists():
                 raise CortiqError(f"{index}: names shard {fn}, which is missing")
             out[name] = p
-        return out
-    from safetensors import safe_open
-
+        return _add_tensors_of(out, [src / _MTP_FILE] if (src / _MTP_FILE).is_file() else [])
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise CortiqError(f"{src}: no *.safetensors weights")
-    out = {}
+    return _add_tensors_of({}, files + ([src / _MTP_FILE] if (src / _MTP_FILE).is_file() else []))
+
+
+def _add_tensors_of(out: dict[str, Path], files) -> dict[str, Path]:
+    from safetensors import safe_open
+
     for p in files:
         with safe_open(str(p), framework="pt") as f:
             for name in f.keys():
@@ -130,6 +136,42 @@ def _split_ba(arch, w):
     r = hv // hk
     b, a = w.reshape(hk, 2 * r, -1).split([r, r], 1)
     return b.reshape(hv, -1), a.reshape(hv, -1)
+
+
+def _trim_padding(cfg: dict, arch, plan: dict, cfg_path: Path) -> None:
+    """Undo the zero-neuron padding of a `cortiq export`: config.json's
+    `cortiq_intermediate_sizes` (and `cortiq_mtp_intermediate_size`) give the
+    true MLP widths; the padded neurons are cut off again, after checking
+    that they are zero (nothing is lost)."""
+    widths = cfg.get("cortiq_intermediate_sizes")
+    layers = {}
+    if widths is not None:
+        if not isinstance(widths, list) or len(widths) != arch.num_layers:
+            raise CortiqError(f"{cfg_path}: cortiq_intermediate_sizes must list {arch.num_layers} widths")
+        arch.intermediate_sizes = [int(w) for w in widths]
+        layers = {f"model.layers.{i}.mlp.": int(w) for i, w in enumerate(widths)}
+    if arch.mtp_layers and cfg.get("cortiq_mtp_intermediate_size"):
+        arch.mtp_intermediate_size = int(cfg["cortiq_mtp_intermediate_size"])
+        layers["model.mtp.layers.0.mlp."] = arch.mtp_intermediate_size
+
+    def cut(get, name, w, dim):
+        def trimmed():
+            t = get()
+            if bool(t.narrow(dim, w, t.shape[dim] - w).any()):
+                raise CortiqError(f"{cfg_path}: {name} has non-zero neurons past the width {w} that config.json records")
+            return t.narrow(dim, 0, w)
+        return trimmed
+
+    for base, w in layers.items():
+        for proj, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+            name = f"{base}{proj}.weight"
+            if name not in plan or plan[name][0][dim] == w:
+                continue
+            shape, dt, get = plan[name]
+            if shape[dim] < w:
+                raise CortiqError(f"{cfg_path}: {name} is {shape[dim]} wide, narrower than the recorded width {w}")
+            shape = tuple(w if d == dim else s for d, s in enumerate(shape))
+            plan[name] = (shape, dt, cut(get, name, w, dim))
 
 
 def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, codec: str = "keep") -> Path:
@@ -210,6 +252,7 @@ def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, code
             arch.mtp_intermediate_size = g[0][0]
     else:
         arch.mtp_layers, arch.mtp_intermediate_size = 0, 0
+    _trim_padding(cfg, arch, plan, cfg_path)
 
     # every tensor the model needs, and nothing it has no place for
     from ..model.decoder import CausalLM

@@ -54,3 +54,11 @@ def test_whole_flow_then_failure_in_training_resumes_there(tiny, tiny_params, mo
     again = compress_and_heal(tiny_params(tiny))
     assert set(again["states"].values()) == {"Cached"}
     assert again["nll"] == out["nll"]
+    # the registry: each finished run is a version of the parameter set's model; the second run's NLL
+    # only equals the first's, so `champion` stays on the first
+    first = c.get_model_version("tiny", c.get_run(out["mlflow_run_id"]).data.tags["registry.version"])
+    second = c.get_model_version("tiny", c.get_run(again["mlflow_run_id"]).data.tags["registry.version"])
+    assert (int(first.version), int(second.version)) == (1, 2)
+    assert float(first.tags["test_nll"]) == pytest.approx(out["nll"]["healed"], rel=1e-5)
+    assert first.tags["data_digest"] and first.tags["drafts_per_round"] and first.tags["gap_recovered"]
+    assert first.aliases == ["champion"] and second.aliases == []

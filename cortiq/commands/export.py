@@ -1,0 +1,75 @@
+"""`cortiq export MODEL.cmf --to hf DIR | --to gguf FILE`: the model out to transformers / vLLM / llama.cpp."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HELP = "export a CMF model as a Hugging Face directory (transformers, vLLM, SGLang) or a GGUF file (llama.cpp)"
+DESCRIPTION = (
+    "Export a CMF model. --to hf DIR writes config.json (the family's own model_type: llama, qwen2, qwen3, "
+    "qwen3_next, qwen3_5_text), generation_config.json, tokenizer.json and tokenizer_config.json (special tokens, "
+    "chat template) and model.safetensors (numbered shards and model.safetensors.index.json over --shard-mb), "
+    "quantized tensors dequantized to --dtype; the MTP draft goes under mtp.* (the Qwen3-Next / Qwen3.5 names "
+    "vLLM reads; transformers skips it), for Llama / Qwen2 / Qwen3 (no MTP in transformers or vLLM) into "
+    "mtp/model.safetensors beside the checkpoint, which `cortiq convert` reads back. MLP widths that differ per layer (a global fold) are padded to the "
+    "widest layer with zero neurons, which add exactly 0: none of these families has a per-layer width field in "
+    "transformers; config.json records the true widths (cortiq_intermediate_sizes) and `cortiq convert` trims "
+    "the padding back. "
+    "--to gguf FILE writes llama.cpp's names and metadata (Llama, Qwen2, Qwen3 only), Llama's q/k rows in "
+    "llama.cpp's order and the tokenizer as tokenizer.ggml.*; q8 tensors become Q8_0 and q4 tensors Q4_1 "
+    "without re-quantization (the same scales, mins and codes), f16 / bf16 stay F16 / BF16, other codecs are "
+    "written as F32 (their values exactly); per-layer widths go in as llama.cpp's per-layer feed_forward_length "
+    "(no padding); the MTP draft has no place in llama.cpp and is left out. "
+    "Writes go to DIR.partial / FILE.partial and are renamed when complete; an existing non-empty DIR or an "
+    "existing FILE is refused."
+)
+ORDER = 12
+
+
+def add_arguments(p):
+    p.add_argument("model", metavar="MODEL.cmf", help="the CMF model to export")
+    p.add_argument("--to", required=True, nargs=2, metavar=("FORMAT", "OUT"),
+                   help="hf DIR (a Hugging Face model directory) or gguf FILE (a llama.cpp model file)")
+    p.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16"],
+                   help="hf: dtype of the safetensors weights (quantized tensors are dequantized to it)")
+    p.add_argument("--shard-mb", type=float, default=5000.0,
+                   help="hf: safetensors files are cut into numbered shards of at most this size (MB)")
+    p.add_argument("--pre", default=None, choices=["gpt2", "smollm", "llama-bpe", "qwen2"],
+                   help="gguf: llama.cpp's pre-tokenizer name (default: recognised from the tokenizer)")
+
+
+def run(args) -> int:
+    import sys
+
+    from tqdm import tqdm
+
+    from ..cmf import open_cmf
+    from ..errors import CortiqError
+
+    fmt, out = args.to[0], Path(args.to[1])
+    if fmt not in ("hf", "gguf"):
+        raise CortiqError(f"--to {fmt}: the format is hf or gguf")
+    if args.shard_mb <= 0:
+        raise CortiqError(f"--shard-mb must be > 0, not {args.shard_mb}")
+    f = open_cmf(args.model)
+    with tqdm(desc=f"export {Path(args.model).name}", total=len(f.names), unit=" tensors", file=sys.stderr,
+              leave=False, disable=None) as bar:
+        def progress(_name):
+            bar.update(1)
+
+        if fmt == "hf":
+            from ..export.hf import export_hf
+
+            path = export_hf(f, out, dtype=args.dtype, shard_bytes=int(args.shard_mb * 1e6), progress=progress)
+            left = []
+        else:
+            from ..export.gguf import export_gguf
+
+            if out.exists():
+                raise CortiqError(f"{out}: exists; give a new file name")
+            path, left = export_gguf(f, out, pre=args.pre, progress=progress)
+    if left:
+        print(f"left out (no place in llama.cpp's {f.arch.arch_name}): {len(left)} tensors of the MTP draft",
+              file=sys.stderr)
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,275 @@
+"""CMF → a GGUF file that llama.cpp runs (Llama, Qwen2, Qwen3).
+
+Written with the `gguf` package's GGUFWriter, streamed (tensor infos first,
+then each tensor's bytes, one tensor in memory at a time):
+
+- llama.cpp's tensor names (`token_embd`, `blk.{i}.attn_q`, ...) and metadata
+  keys for the family; per-layer MLP widths that differ go in as the
+  `feed_forward_length` array llama.cpp reads per layer;
+- the q_proj / k_proj rows of Llama models in llama.cpp's order (per head,
+  the rotary halves interleaved, as its converter permutes them; Qwen2 and
+  Qwen3 use the rotate-half rope and stay as they are);
+- the tokenizer as `tokenizer.ggml.*` (byte-level BPE: tokens, merges,
+  token types, BOS / EOS ids, the pre-tokenizer's llama.cpp name, the chat
+  template).
+
+Codecs, without re-quantization:
+
+- q8 is GGUF's Q8_0 block as it is (f16 scale, then 32 int8): its bytes are
+  copied;
+- q4 (blocks of 32) holds GGUF Q4_1's numbers (f16 scale, f16 min, 32 4-bit
+  codes; x = min + scale·q) but packs the codes in another order: cortiq puts
+  elements 2j and 2j+1 in the low and high nibble of byte j, Q4_1 puts
+  elements j and j+16 there. The scale and min bytes are copied and the
+  nibbles moved (the codes themselves are untouched), so the values decode
+  bit for bit the same;
+- both need whole blocks per row (a row width that is a multiple of 32: the
+  blocks of a row-major flattening are then the rows' blocks, as GGUF
+  blocks them); other widths, and the other codecs (q4_64, fp8), go in as
+  F32, which holds their decoded values exactly; f32 / f16 / bf16 as F32 /
+  F16 / BF16; vectors (norms, biases) always as F32, as llama.cpp wants them.
+
+The MTP draft (`model.mtp.*`) has no place in llama.cpp's Llama / Qwen2 /
+Qwen3 and is left out (`export_gguf` returns the names it left out).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ..cmf import CmfFile, open_cmf
+from ..convert.gguf import _LAYER, _LLAMA3_SPLIT, _QWEN2_SPLIT, _TOP, _permute
+from ..errors import CortiqError
+
+#: families llama.cpp runs that cortiq writes (its `general.architecture` names)
+SUPPORTED = ("llama", "qwen2", "qwen3")
+
+_TO_GGUF_TOP = {v: k for k, v in _TOP.items()}
+_TO_GGUF_LAYER = {v: k for k, v in _LAYER.items()}
+# llama.cpp's token types
+_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
+#: llama.cpp's pre-tokenizer names, by what the tokenizer.json's pre-tokenizer does
+PRE_NAMES = ("gpt2", "smollm", "llama-bpe", "qwen2")
+
+
+def gguf_name(name: str) -> str:
+    """The llama.cpp tensor name of a CMF tensor name."""
+    if name in _TO_GGUF_TOP:
+        return _TO_GGUF_TOP[name]
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _TO_GGUF_LAYER:
+        return f"blk.{parts[2]}.{_TO_GGUF_LAYER[parts[3]]}"
+    raise CortiqError(f"tensor {name!r} has no llama.cpp name")
+
+
+def q4_to_q4_1(raw: np.ndarray) -> np.ndarray:
+    """cortiq q4 blocks [n, 20] (uint8) → GGUF Q4_1 blocks [n, 20]: scale and
+    min bytes as they are, codes moved from (2j, 2j+1) to (j, j+16) nibble pairs."""
+    raw = raw.reshape(-1, 20)
+    packed = raw[:, 4:]  # [n, 16]
+    q = np.empty((raw.shape[0], 32), dtype=np.uint8)
+    q[:, 0::2] = packed & 0x0F
+    q[:, 1::2] = packed >> 4
+    out = np.empty_like(raw)
+    out[:, :4] = raw[:, :4]
+    out[:, 4:] = q[:, :16] | (q[:, 16:] << 4)
+    return out
+
+
+def pre_name(tok_json: dict) -> str:
+    """llama.cpp's name for the pre-tokenizer of a tokenizer.json (a CortiqError if none fits)."""
+    pre = tok_json.get("pre_tokenizer") or {}
+    kinds = [p.get("type") for p in pre.get("pretokenizers", [])] if pre.get("type") == "Sequence" else [pre.get("type")]
+    parts = pre.get("pretokenizers", [pre])
+    if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
+        return "gpt2"
+    if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits"):
+        return "smollm"
+    if kinds == ["Split", "ByteLevel"]:
+        regex = (parts[0].get("pattern") or {}).get("Regex")
+        if regex == _LLAMA3_SPLIT:
+            return "llama-bpe"
+        if regex == _QWEN2_SPLIT:
+            return "qwen2"
+    raise CortiqError(f"the tokenizer's pre-tokenizer ({'+'.join(map(str, kinds))}) matches none of llama.cpp's "
+                      f"{', '.join(PRE_NAMES)}; name one with --pre")
+
+
+def tokenizer_meta(tok: dict | None, vocab_size: int, where: str, pre: str | None = None) -> dict:
+    """The tokenizer.ggml.* values for the CMF tokenizer entry: tokens [vocab_size],
+    merges, token types, pre-tokenizer name, BOS / EOS ids, add_bos, chat template."""
+    if not tok or not tok.get("json"):
+        raise CortiqError(f"{where}: carries no tokenizer; a GGUF export needs one")
+    doc = json.loads(tok["json"])
+    model = doc.get("model") or {}
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise CortiqError(f"{where}: tokenizer model {model.get('type')!r} cannot be written as GGUF metadata (supported: byte-level BPE)")
+    ids: dict[int, str] = {int(i): t for t, i in model["vocab"].items()}
+    added = {int(a["id"]): a for a in doc.get("added_tokens", [])}
+    for i, a in added.items():
+        ids[i] = a["content"]
+    n = max(ids) + 1 if ids else 0
+    if n > vocab_size:
+        raise CortiqError(f"{where}: the tokenizer has {n} tokens, more than the model's vocabulary of {vocab_size}")
+    special = set(int(i) for i in tok.get("special_ids") or []) | {i for i, a in added.items() if a.get("special")}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i in ids:
+            tokens.append(ids[i])
+            types.append(_CONTROL if i in special else _USER_DEFINED if i in added else _NORMAL)
+        else:  # ids no token has (a vocabulary padded for the matrix shapes), as llama.cpp's converter fills them
+            tokens.append(f"[PAD{i}]")
+            types.append(_UNUSED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    post = doc.get("post_processor") or {}
+    single = post.get("single") or [] if post.get("type") == "TemplateProcessing" else []
+    add_bos = bool(single) and "SpecialToken" in single[0]
+    return {
+        "tokens": tokens, "types": types, "merges": merges, "pre": pre or pre_name(doc),
+        "eos": list(tok.get("eos_ids") or []), "bos": tok.get("bos_id"), "add_bos": add_bos,
+        "chat_template": tok.get("chat_template"),
+    }
+
+
+def _tensor_plan(f: CmfFile) -> tuple[list[tuple], list[str]]:
+    """(gguf name, byte shape, numpy dtype, GGML type or None, getter of the numpy data) per
+    tensor, and the CMF names left out (the MTP draft)."""
+    from gguf import GGMLQuantizationType as Q
+
+    arch = f.arch
+    heads = {"q_proj": arch.num_heads, "k_proj": arch.num_kv_heads}
+    out, left = [], []
+    for name in f.names:
+        if name.startswith("model.mtp."):
+            left.append(name)
+            continue
+        info = f.info(name)
+        shape = tuple(info.shape)
+        kind = name.rsplit(".", 2)[-2] if name.startswith("model.layers.") else ""
+        perm = heads.get(kind) if arch.arch_name == "llama" and name.endswith("_proj.weight") else None
+        blocks = len(shape) == 2 and shape[1] % 32 == 0
+
+        def fix(a, perm=perm):
+            return np.ascontiguousarray(_permute(a, perm) if perm else a)
+
+        if len(shape) == 2 and blocks and info.codec == "q8":
+            get = (lambda n=name, s=shape, fix=fix: fix(f.raw(n).reshape(s[0], s[1] // 32 * 34)))
+            out.append((gguf_name(name), (shape[0], shape[1] // 32 * 34), np.uint8, Q.Q8_0, get))
+        elif len(shape) == 2 and blocks and info.codec == "q4":
+            get = (lambda n=name, s=shape, fix=fix: fix(q4_to_q4_1(f.raw(n)).reshape(s[0], s[1] // 32 * 20)))
+            out.append((gguf_name(name), (shape[0], shape[1] // 32 * 20), np.uint8, Q.Q4_1, get))
+        elif len(shape) >= 2 and info.codec == "f16":
+            get = (lambda n=name, fix=fix: fix(f.stored(n).numpy()))
+            out.append((gguf_name(name), shape, np.float16, None, get))
+        elif len(shape) >= 2 and info.codec == "bf16":
+            get = (lambda n=name, s=shape, fix=fix: fix(f.raw(n).reshape(s[0], s[1] * 2)))
+            out.append((gguf_name(name), (shape[0], shape[1] * 2), np.uint8, Q.BF16, get))
+        else:  # f32, vectors, and codecs GGUF has no block for: their decoded values, exactly
+            get = (lambda n=name, fix=fix: fix(f.tensor(n).numpy()))
+            out.append((gguf_name(name), shape, np.float32, None, get))
+    return out, left
+
+
+def _file_type(plan: list[tuple]) -> int:
+    """general.file_type: the GGML type most of the matrices' bytes are in."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import LlamaFileType as F
+
+    by = {Q.Q8_0: F.MOSTLY_Q8_0, Q.Q4_1: F.MOSTLY_Q4_1, Q.BF16: F.MOSTLY_BF16, None: None}
+    weight: dict = {}
+    for _, shape, dt, q, _ in plan:
+        if len(shape) == 2:
+            key = q if q is not None else ("f16" if dt == np.float16 else "f32")
+            weight[key] = weight.get(key, 0) + int(np.prod(shape)) * np.dtype(dt).itemsize
+    top = max(weight, key=weight.get) if weight else "f32"
+    if top == "f16":
+        return int(F.MOSTLY_F16)
+    if top == "f32":
+        return int(F.ALL_F32)
+    return int(by[top])
+
+
+def export_gguf(model: str | os.PathLike | CmfFile, out_file: str | os.PathLike, pre: str | None = None,
+                name: str | None = None, progress: Callable[[str], None] | None = None) -> tuple[Path, list[str]]:
+    """Write the CMF model as the GGUF file `out_file` (see the module doc), through
+    `out_file.partial`. Returns the path and the CMF tensors left out (the MTP draft)."""
+    from gguf import GGML_QUANT_VERSION, GGUFWriter, RopeScalingType
+    from gguf import GGMLQuantizationType as Q
+
+    f = model if isinstance(model, CmfFile) else open_cmf(model)
+    out = Path(out_file)
+    arch = f.arch
+    if arch.arch_name not in SUPPORTED:
+        raise CortiqError(f"{f.path}: llama.cpp does not run {arch.arch_name!r} models as cortiq writes them; "
+                          f"GGUF export supports {', '.join(SUPPORTED)} (use --to hf)")
+    sc = arch.rope_scaling
+    kind = (sc or {}).get("rope_type", (sc or {}).get("type"))
+    if sc and kind != "linear":
+        raise CortiqError(f"{f.path}: rope scaling {kind!r} is not written to GGUF (supported: none, linear)")
+    if pre is not None and pre not in PRE_NAMES:
+        raise CortiqError(f"pre-tokenizer {pre!r} is not one of {', '.join(PRE_NAMES)}")
+    if out.exists() and out.is_dir():
+        raise CortiqError(f"{out}: is a directory; give a .gguf file name")
+    tok = tokenizer_meta(f.tokenizer, arch.vocab_size, str(f.path), pre)
+    plan, left = _tensor_plan(f)
+
+    widths = [f.info(f"model.layers.{i}.mlp.up_proj.weight").shape[0] for i in range(arch.num_layers)]
+    tmp = out.with_name(out.name + ".partial")
+    w = GGUFWriter(None, arch.arch_name)
+    conv = next((v for k, v in f.provenance.items() if k.split("#")[0] == "convert"), {})
+    w.add_name(name or conv.get("name") or out.stem)
+    w.add_block_count(arch.num_layers)
+    w.add_context_length(arch.max_position_embeddings)
+    w.add_embedding_length(arch.hidden_size)
+    w.add_feed_forward_length(widths[0] if len(set(widths)) == 1 else widths)
+    w.add_head_count(arch.num_heads)
+    w.add_head_count_kv(arch.num_kv_heads)
+    w.add_key_length(arch.head_dim)
+    w.add_value_length(arch.head_dim)
+    w.add_rope_dimension_count(arch.rotary_dim)
+    w.add_rope_freq_base(arch.rope_theta)
+    w.add_layer_norm_rms_eps(arch.rms_norm_eps)
+    if sc:
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(sc["factor"]))
+    w.add_vocab_size(arch.vocab_size)
+    w.add_file_type(_file_type(plan))
+    if any(q in (Q.Q8_0, Q.Q4_1) for _, _, _, q, _ in plan):
+        w.add_quantization_version(GGML_QUANT_VERSION)  # the block layouts' version, as llama.cpp's tools write it
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(tok["pre"])
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["types"])
+    w.add_token_merges(tok["merges"])
+    if tok["bos"] is not None:
+        w.add_bos_token_id(int(tok["bos"]))
+    w.add_add_bos_token(tok["add_bos"])
+    for key, i in zip(("eos", "eot", "eom"), tok["eos"]):
+        getattr(w, f"add_{key}_token_id")(int(i))
+    if tok["chat_template"]:
+        w.add_chat_template(tok["chat_template"])
+    for gname, shape, dt, q, _ in plan:
+        w.add_tensor_info(gname, shape, np.dtype(dt), int(np.prod(shape)) * np.dtype(dt).itemsize, raw_dtype=q)
+    try:
+        w.write_header_to_file(tmp)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for gname, shape, dt, q, get in plan:
+            data = get()
+            if data.dtype != np.dtype(dt) or tuple(data.shape) != tuple(shape):
+                raise CortiqError(f"tensor {gname}: got {data.dtype}{list(data.shape)}, planned {np.dtype(dt)}{list(shape)}")
+            w.write_tensor_data(data)
+            if progress:
+                progress(gname)
+        w.close()
+        os.replace(tmp, out)
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return out, left

@@ -1,0 +1,345 @@
+"""CMF → a Hugging Face model directory that transformers (and vLLM, SGLang) load.
+
+What is written:
+
+- `config.json`: the family's own `model_type` and fields (Llama, Qwen2,
+  Qwen3, Qwen3-Next, Qwen3.5 as the text-only `qwen3_5_text` /
+  `Qwen3_5ForCausalLM`); rope given both as the legacy `rope_theta` /
+  `rope_scaling` keys (transformers 4.x) and `rope_parameters` (5.x);
+- `generation_config.json` (BOS and EOS ids), `tokenizer.json`,
+  `tokenizer_config.json` (special tokens, chat template),
+  `special_tokens_map.json`;
+- `model.safetensors`, or numbered shards and `model.safetensors.index.json`
+  over the shard limit, in the requested dtype (quantized tensors dequantized).
+
+Names are the HF names CMF keeps, except:
+- Qwen3-Next's Gated DeltaNet projections, which CMF keeps split, are fused
+  back into `in_proj_qkvz` / `in_proj_ba` (per key-head group
+  [q; k; v; z] and [b; a], the layout transformers'
+  `fix_query_key_value_ordering` reads);
+- the MTP draft `model.mtp.*` goes under the Qwen3-Next / Qwen3.5 checkpoint
+  names `mtp.*` (eh_proj → fc, enorm → pre_fc_norm_embedding, hnorm →
+  pre_fc_norm_hidden), which vLLM's MTP speculative decoding reads and
+  transformers skips. Llama, Qwen2 and Qwen3 have no MTP in transformers or
+  vLLM: both would stop at (vLLM) or list (transformers) weights their model
+  has no place for, so the draft goes, under the same names, into its own
+  file `mtp/model.safetensors` that neither reads and `cortiq convert` does.
+
+MLP widths that differ per layer (a global fold) have no per-layer field in
+any of these families' transformers configs, so every MLP (the draft's too)
+is padded to the widest with zero neurons: a zero gate row and zero up row
+give silu(0)·0 = 0, and a zero down column adds exactly 0 to the output. The
+true widths go into config.json as `cortiq_intermediate_sizes` (and
+`cortiq_mtp_intermediate_size`), from which `cortiq convert` trims the
+padding again. Zero neurons also stay zero under fine-tuning: every gradient
+of their weights is a product with one of their zero activations.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..arch import Arch
+from ..cmf import CmfFile, open_cmf
+from ..errors import CortiqError
+
+#: cortiq family → (HF model_type, transformers class)
+FAMILIES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3_next": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "qwen3_5": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+}
+#: export dtype name → (torch dtype, safetensors dtype, config.json name)
+DTYPES = {
+    "f32": (torch.float32, "F32", "float32"),
+    "f16": (torch.float16, "F16", "float16"),
+    "bf16": (torch.bfloat16, "BF16", "bfloat16"),
+}
+#: families whose HF checkpoints carry the MTP draft beside the trunk (`mtp.*`)
+MTP_IN_CHECKPOINT = ("qwen3_next", "qwen3_5")
+#: where the draft of the other families goes, beside the checkpoint
+MTP_FILE = "mtp/model.safetensors"
+#: the default shard limit (as transformers' save_pretrained)
+SHARD_BYTES = 5 * 10**9
+_MTP_HF = {"eh_proj.": "fc.", "enorm.": "pre_fc_norm_embedding.", "hnorm.": "pre_fc_norm_hidden."}
+
+
+def hf_name(name: str) -> str:
+    """The HF checkpoint name of a CMF tensor name (the GDN fusion aside)."""
+    if name.startswith("model.mtp."):
+        rest = name[len("model.mtp."):]
+        for a, b in _MTP_HF.items():
+            if rest.startswith(a):
+                rest = b + rest[len(a):]
+        return "mtp." + rest
+    return name
+
+
+def mtp_width(f: CmfFile) -> int:
+    """The MTP layer's MLP width, 0 without a draft."""
+    g = "model.mtp.layers.0.mlp.gate_proj.weight"
+    return f.info(g).shape[0] if g in f else 0
+
+
+def config(arch: Arch, tok: dict | None, dtype: str, widths: list[int], mtp: int) -> dict:
+    """config.json for `arch` whose MLPs are all `max(widths)` wide (see the module doc)."""
+    model_type, cls = FAMILIES[arch.arch_name]
+    width = max(widths + ([mtp] if mtp else []))
+    rope = {"rope_type": "default", "rope_theta": arch.rope_theta}
+    if arch.rope_scaling:
+        rope = {**arch.rope_scaling, "rope_theta": arch.rope_theta}
+    hybrid = arch.arch_name in ("qwen3_next", "qwen3_5")
+    if arch.partial_rotary_factor != 1.0 or hybrid:
+        rope["partial_rotary_factor"] = arch.partial_rotary_factor
+    eos = list((tok or {}).get("eos_ids") or [])
+    cfg = {
+        "architectures": [cls],
+        "model_type": model_type,
+        "vocab_size": arch.vocab_size,
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": width,
+        "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_heads,
+        "num_key_value_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": arch.max_position_embeddings,
+        "rms_norm_eps": arch.rms_norm_eps,
+        "rope_theta": arch.rope_theta,
+        "rope_scaling": arch.rope_scaling,
+        "rope_parameters": rope,
+        "attention_bias": arch.attention_bias,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": arch.tie_word_embeddings,
+        "bos_token_id": (tok or {}).get("bos_id"),
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "use_cache": True,
+        "torch_dtype": DTYPES[dtype][2],
+        "dtype": DTYPES[dtype][2],
+    }
+    if arch.arch_name == "llama":
+        cfg.update(mlp_bias=False, pretraining_tp=1)
+    if arch.arch_name in ("qwen2", "qwen3"):
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=arch.num_layers)
+    if hybrid:
+        cfg.update(
+            layer_types=list(arch.layer_types),
+            partial_rotary_factor=arch.partial_rotary_factor,
+            linear_num_key_heads=arch.linear_num_key_heads,
+            linear_num_value_heads=arch.linear_num_value_heads,
+            linear_key_head_dim=arch.linear_key_head_dim,
+            linear_value_head_dim=arch.linear_value_head_dim,
+            linear_conv_kernel_dim=arch.linear_conv_kernel_dim,
+        )
+    if arch.arch_name == "qwen3_next":
+        # dense MLPs in every layer: no experts, every layer listed as MLP-only
+        cfg.update(num_experts=0, num_experts_per_tok=0, decoder_sparse_step=1, mlp_only_layers=list(range(arch.num_layers)),
+                   moe_intermediate_size=width, shared_expert_intermediate_size=0, norm_topk_prob=True)
+    if mtp:
+        cfg.update(mtp_num_hidden_layers=1, num_nextn_predict_layers=1, mtp_use_dedicated_embeddings=False)
+    if any(w != width for w in widths):
+        cfg["cortiq_intermediate_sizes"] = list(widths)
+    if mtp and mtp != width:
+        cfg["cortiq_mtp_intermediate_size"] = mtp
+    return cfg
+
+
+def tokenizer_files(tok: dict | None, arch: Arch, where: str) -> dict[str, str]:
+    """tokenizer.json, tokenizer_config.json, special_tokens_map.json and
+    generation_config.json texts from the CMF tokenizer entry."""
+    if not tok or not tok.get("json"):
+        raise CortiqError(f"{where}: carries no tokenizer; a Hugging Face export needs one")
+    doc = json.loads(tok["json"])
+    added = {int(t["id"]): t for t in doc.get("added_tokens", [])}
+    from tokenizers import Tokenizer
+
+    t = Tokenizer.from_str(tok["json"])
+
+    def text(i):
+        return None if i is None else t.id_to_token(int(i))
+
+    eos = list(tok.get("eos_ids") or [])
+    special = {"bos_token": text(tok.get("bos_id")), "eos_token": text(eos[0]) if eos else None}
+    special = {k: v for k, v in special.items() if v is not None}
+    tc = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": arch.max_position_embeddings,
+        "added_tokens_decoder": {
+            str(i): {k: a.get(k, d) for k, d in (("content", ""), ("lstrip", False), ("normalized", False),
+                                                   ("rstrip", False), ("single_word", False), ("special", False))}
+            for i, a in sorted(added.items())
+        },
+    }
+    if tok.get("chat_template"):
+        tc["chat_template"] = tok["chat_template"]
+    gen = {"bos_token_id": tok.get("bos_id"), "eos_token_id": eos[0] if len(eos) == 1 else eos}
+    return {
+        "tokenizer.json": tok["json"],
+        "tokenizer_config.json": json.dumps(tc, indent=2, ensure_ascii=False),
+        "special_tokens_map.json": json.dumps(special, indent=2, ensure_ascii=False),
+        "generation_config.json": json.dumps({k: v for k, v in gen.items() if v is not None}, indent=2),
+    }
+
+
+def _fuse_qkvz(arch: Arch, qkv: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """(in_proj_qkv [2HkDk + HvDv, H], in_proj_z [HvDv, H]) → in_proj_qkvz [Hk·(2Dk + 2rDv), H],
+    per key-head group [q(Dk); k(Dk); v(r·Dv); z(r·Dv)]; r = Hv/Hk."""
+    hk, hv, dk, dv = arch.linear_num_key_heads, arch.linear_num_value_heads, arch.linear_key_head_dim, arch.linear_value_head_dim
+    r, H = hv // hk, qkv.shape[-1]
+    q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], 0)
+    g = [q.reshape(hk, dk, H), k.reshape(hk, dk, H), v.reshape(hk, r * dv, H), z.reshape(hk, r * dv, H)]
+    return torch.cat(g, 1).reshape(-1, H)
+
+
+def _fuse_ba(arch: Arch, b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """(in_proj_b [Hv, H], in_proj_a [Hv, H]) → in_proj_ba [Hk·2r, H], per key-head group [b(r); a(r)]."""
+    hk, hv = arch.linear_num_key_heads, arch.linear_num_value_heads
+    r, H = hv // hk, b.shape[-1]
+    return torch.cat([b.reshape(hk, r, H), a.reshape(hk, r, H)], 1).reshape(-1, H)
+
+
+def _pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """`t` with zeros appended along `dim` up to `width` (zero neurons)."""
+    extra = width - t.shape[dim]
+    if extra <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t, t.new_zeros(shape)], dim)
+
+
+def plan(f: CmfFile, width: int) -> list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
+    """(HF name, shape, getter of f32 values) per tensor of the export, in the file's order."""
+    arch = f.arch
+    out = []
+    fuse = arch.arch_name == "qwen3_next"
+    for name in f.names:
+        shape = tuple(f.info(name).shape)
+        get = (lambda n=name: f.tensor(n))
+        if fuse and name.endswith(("linear_attn.in_proj_z.weight", "linear_attn.in_proj_a.weight")):
+            continue  # written with its partner
+        if fuse and name.endswith("linear_attn.in_proj_qkv.weight"):
+            base = name[: -len("in_proj_qkv.weight")]
+            z = base + "in_proj_z.weight"
+            shape = (shape[0] + f.info(z).shape[0], shape[1])
+            out.append((base + "in_proj_qkvz.weight", shape,
+                        lambda n=name, z=z: _fuse_qkvz(arch, f.tensor(n), f.tensor(z))))
+            continue
+        if fuse and name.endswith("linear_attn.in_proj_b.weight"):
+            base = name[: -len("in_proj_b.weight")]
+            a = base + "in_proj_a.weight"
+            out.append((base + "in_proj_ba.weight", (2 * shape[0], shape[1]),
+                        lambda n=name, a=a: _fuse_ba(arch, f.tensor(n), f.tensor(a))))
+            continue
+        if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")) and shape[0] < width:
+            shape, get = (width, shape[1]), (lambda n=name: _pad(f.tensor(n), width, 0))
+        elif name.endswith("mlp.down_proj.weight") and shape[1] < width:
+            shape, get = (shape[0], width), (lambda n=name: _pad(f.tensor(n), width, 1))
+        out.append((hf_name(name), shape, get))
+    return out
+
+
+def _write_safetensors(path: Path, items, st_dtype: str, dtype: torch.dtype, itemsize: int, progress=None) -> None:
+    """One safetensors file, streamed: the header from the planned shapes, then
+    each tensor's bytes as its getter gives them (one tensor in memory at a time)."""
+    header, off = {}, 0
+    for name, shape, _ in items:
+        n = math.prod(shape) * itemsize
+        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * ((-len(raw)) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
+        for name, shape, get in items:
+            t = get().to(dtype).contiguous()
+            if tuple(t.shape) != tuple(shape):
+                raise CortiqError(f"tensor {name}: got shape {list(t.shape)}, planned {list(shape)}")
+            if dtype == torch.bfloat16:
+                t = t.view(torch.int16)
+            fh.write(t.numpy().tobytes())
+            if progress:
+                progress(name)
+
+
+def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dtype: str = "f32",
+              shard_bytes: int = SHARD_BYTES, progress: Callable[[str], None] | None = None) -> Path:
+    """Write the CMF model as a Hugging Face directory `out_dir` (see the module
+    doc). `out_dir` must not exist or be empty; it is written as
+    `out_dir.partial` and renamed when complete."""
+    f = model if isinstance(model, CmfFile) else open_cmf(model)
+    out = Path(out_dir)
+    if dtype not in DTYPES:
+        raise CortiqError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    arch = f.arch
+    if arch.arch_name not in FAMILIES:
+        raise CortiqError(f"{f.path}: family {arch.arch_name!r} has no Hugging Face export (known: {', '.join(FAMILIES)})")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CortiqError(f"{out}: exists and is not empty; give a new directory")
+    widths = [f.info(f"model.layers.{i}.mlp.down_proj.weight").shape[1] for i in range(arch.num_layers)]
+    mtp = mtp_width(f)
+    width = max(widths + ([mtp] if mtp else []))
+    files = tokenizer_files(f.tokenizer, arch, str(f.path))
+    cfg = config(arch, f.tokenizer, dtype, widths, mtp)
+    items = plan(f, width)
+    draft = []
+    if arch.arch_name not in MTP_IN_CHECKPOINT:
+        draft = [it for it in items if it[0].startswith("mtp.")]
+        items = [it for it in items if not it[0].startswith("mtp.")]
+
+    torch_dt, st_dt, _ = DTYPES[dtype]
+    itemsize = torch.finfo(torch_dt).bits // 8
+    shards: list[list] = [[]]
+    size = 0
+    for it in items:
+        n = math.prod(it[1]) * itemsize
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(it)
+        size += n
+
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+        if len(shards) == 1:
+            _write_safetensors(tmp / "model.safetensors", shards[0], st_dt, torch_dt, itemsize, progress)
+        else:
+            weight_map, total = {}, 0
+            for k, sh in enumerate(shards):
+                fn = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                _write_safetensors(tmp / fn, sh, st_dt, torch_dt, itemsize, progress)
+                for name, shape, _ in sh:
+                    weight_map[name] = fn
+                    total += math.prod(shape) * itemsize
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if draft:
+            (tmp / MTP_FILE).parent.mkdir()
+            _write_safetensors(tmp / MTP_FILE, draft, st_dt, torch_dt, itemsize, progress)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
