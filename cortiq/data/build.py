@@ -82,19 +82,9 @@ def render_chat(template: str | None, messages: list[dict], add_generation_promp
     if not template:
         text = "".join(f"{m['role']}: {m['content']}\n\n" for m in messages)
         return text + ("assistant: " if add_generation_prompt else "")
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from ..chat import render_chat as render
 
-    def raise_exception(msg):
-        raise CortiqError(f"{where}: the chat template refused the messages: {msg}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                bos_token=bos, eos_token=eos, tools=None)
-    except jinja2.TemplateError as e:
-        raise CortiqError(f"{where}: the chat template failed: {e}") from None
+    return render(template, messages, where, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
 
 
 def chat_parts(item: Item, template: str | None, bos: str, eos: str) -> tuple[str, str]:
