@@ -401,13 +401,19 @@ class CmfFile:
             check_finite(t, f"{self.path}: tensor {name!r}")
         return t
 
-    def verify(self, progress: Callable[[int, int], None] | None = None) -> list[str]:
-        """Names whose stored bytes do not match their recorded sha256 (or have none)."""
+    def verify(self, progress: Callable[[int, int], None] | None = None, nonfinite: list[str] | None = None) -> list[str]:
+        """Names whose stored bytes do not match their recorded sha256 (or have none). With a
+        `nonfinite` list, the names of intact tensors holding NaN or Inf are appended to it
+        (each tensor is decoded right after it is hashed: one pass over the file)."""
         hashes = self.doc.get("hashes", {})
         bad = []
         for k, name in enumerate(self.infos):
             if hashes.get(name) != self.hash_of(name):
                 bad.append(name)
+            elif nonfinite is not None:
+                t = self.tensor(name)
+                if t.numel() and not bool(torch.isfinite(t).all()):
+                    nonfinite.append(name)
             if progress:
                 progress(k + 1, len(self.infos))
         return bad

@@ -80,7 +80,7 @@ def run(args) -> int:
         raise CortiqError(f"{data}: token id {top} is outside the model's vocabulary ({f.arch.vocab_size})")
     dev, dt = _device_dtype(args)
     model = load_model(f, dtype=dt, device=dev, verify=not args.no_verify, allow_nonfinite=args.allow_nonfinite)
-    with tqdm(total=len(records), desc="nll", unit=" rec", file=sys.stderr, leave=False) as bar:
+    with tqdm(total=len(records), desc="nll", unit=" rec", file=sys.stderr, leave=False, disable=None) as bar:
         s, n = score_records(model, records, loss_on=loss_on, batch_tokens=args.batch_tokens, pad_id=pad, progress=bar.update)
     if n == 0:
         raise CortiqError(f"{data}: no scored tokens")

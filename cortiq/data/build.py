@@ -157,6 +157,16 @@ def _sample(rids: list[str], lengths: list[int], cap: int) -> list[int]:
     return sorted(order[:n])
 
 
+def check_out_dir(out: str | os.PathLike) -> None:
+    """`out` may be new, empty, or a tdata directory (which is replaced): never a file, nor a
+    directory of other things that replacing it would delete. Checked before any work."""
+    out = Path(out)
+    if os.path.lexists(out) and not out.is_dir():
+        raise CortiqError(f"{out}: exists and is not a directory (--out names the tdata directory to write)")
+    if out.is_dir() and any(out.iterdir()) and not (out / store.META).is_file():
+        raise CortiqError(f"{out}: a directory that is not tdata (no {store.META}); refusing to replace it")
+
+
 def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLike, settings: BuildSettings | None = None,
           progress: Callable[[str], None] | None = None, device: str | None = None) -> Tdata:
     """Tokenize `sources` (paths, or `corpus:NAME`) with the tokenizer of the CMF file `tokenizer`
@@ -167,6 +177,7 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
     settings = settings or BuildSettings()
     if not sources:
         raise CortiqError("no sources to build data from")
+    check_out_dir(out)
     cmf = open_cmf(tokenizer)
     tdoc = cmf.tokenizer or {}
     tok = from_doc(tdoc, str(tokenizer))
