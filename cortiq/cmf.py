@@ -564,6 +564,8 @@ def write_cmf(
                 for s in group:
                     try:
                         data = _encode(s)
+                    except CmfError:  # the source file's own problem: it names that file
+                        raise
                     except CortiqError as e:
                         raise CortiqError(f"{path}: {e}") from None
                     buf = codecs.to_numpy_bytes(data)
