@@ -10,9 +10,10 @@ in `jinja2.sandbox.ImmutableSandboxedEnvironment` (no attribute walk to
   *before* the amplifying operations (`*`, `+`, `~`, `%`, `center`,
   `str.ljust`, `replace`, format widths...) allocate anything;
 * integers stay under 2**16 bits (`2 ** 10 ** 9` is refused, not computed);
-* the render runs at most `max_steps` template lines and `max_seconds`
-  seconds (a tracer on the template's own frames counts them), so a nested
-  `range(100000)` loop that writes nothing still stops;
+* the render runs at most `max_steps` steps — loop iterations, calls (macros
+  included), operators, filters — and `max_seconds` seconds, so a nested
+  `range(100000)` loop that writes nothing, or a macro that calls itself twice
+  thirty deep, still stops;
 * recursion (a macro calling itself) is caught.
 
 A failure is one line (`ChatTemplateError`, a `CortiqError`) naming where the
@@ -29,7 +30,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import sys
 import threading
 import time
 from collections.abc import Sized
@@ -38,7 +38,7 @@ from .errors import CortiqError
 
 #: characters any value (and the output) may reach; a long chat is well under it
 MAX_CHARS = 1 << 20
-#: template lines one render may run; a real template runs a few per message
+#: steps one render may take; a real template takes tens per message
 MAX_STEPS = 2_000_000
 #: wall time one render may take
 MAX_SECONDS = 5.0
@@ -46,8 +46,6 @@ MAX_SECONDS = 5.0
 _MAX_INT_BITS = 1 << 16
 #: a render may build this many times `max_chars` in all (the values it throws away included)
 _BUILT_FACTOR = 32
-#: the file name Jinja gives code compiled from a string: the tracer follows only these frames
-_TEMPLATE_FILE = "<template>"
 
 
 class ChatTemplateError(CortiqError):
@@ -67,6 +65,24 @@ _state = threading.local()
 
 def _limit() -> int:
     return getattr(_state, "max_chars", MAX_CHARS)
+
+
+def _step():
+    """One step of the render: a loop iteration, a call, an operator, a filter. Every
+    1024 steps the clock is read too."""
+    left = _state.steps_left = getattr(_state, "steps_left", MAX_STEPS) - 1
+    if left & 1023 == 0:
+        if left <= 0:
+            raise _Budget(f"the render ran over {_state.max_steps} steps")
+        if time.monotonic() > _state.deadline:
+            raise _Budget(f"the render ran over {_state.max_seconds:g} s")
+
+
+def _stepped(iterable):
+    """A loop's iterable, one step per item (the compiler wraps every `for` in it)."""
+    for x in iterable:
+        _step()
+        yield x
 
 
 def _check_size(v, what: str):
@@ -134,6 +150,7 @@ def _check_replace(s: str, old, new, what: str):
 
 def _bounded_join(seq) -> str:
     """`"".join` (Jinja's buffers and `~`), refused before joining when the sum is over the budget."""
+    _step()
     parts = [p if isinstance(p, str) else str(p) for p in seq]
     n = sum(map(len, parts))
     if n > _limit():
@@ -144,6 +161,7 @@ def _bounded_join(seq) -> str:
 
 def _binop(op: str, a, b):
     """`*`, `**`, `+` and `%` with the result's size checked before it is made."""
+    _step()
     if op == "*":
         for s, k in ((a, b), (b, a)):
             if isinstance(s, (str, list, tuple)) and isinstance(k, int):
@@ -193,6 +211,7 @@ def _bounded_filter(name: str, f):
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
+        _step()
         value, rest = (args[skip], args[skip + 1:]) if len(args) > skip else (None, ())
         _check_ints(list(rest) + list(kwargs.values()), f"filter {name}")
         if name == "replace" and len(rest) >= 2 and isinstance(value, str):
@@ -202,6 +221,10 @@ def _bounded_filter(name: str, f):
         return _check_size(f(*args, **kwargs), f"filter {name}")
 
     return wrapper
+
+
+#: the filter name the compiler gives `_stepped` (not a name a template would use)
+_STEP_FILTER = "cortiq_render_step"
 
 
 @functools.lru_cache(maxsize=1)
@@ -222,10 +245,18 @@ def _env():
         code_generator_class = Generator
         intercepted_binops = frozenset(["*", "**", "+", "%"])
 
+        def _parse(self, source, name, filename):
+            # every loop's iterable goes through `_stepped`: one budget step per iteration
+            tree = super()._parse(source, name, filename)
+            for node in tree.find_all(jinja2.nodes.For):
+                node.iter = jinja2.nodes.Filter(node.iter, _STEP_FILTER, [], [], None, None, lineno=node.iter.lineno)
+            return tree
+
         def call_binop(self, context, operator, left, right):
             return _binop(operator, left, right)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (the sandbox's signature)
+            _step()
             _check_ints(list(args) + list(kwargs.values()), f"calling {getattr(__obj, '__name__', 'a function')}")
             target = getattr(__obj, "__wrapped__", __obj)
             if getattr(target, "__name__", "") in ("format", "format_map") and isinstance(getattr(target, "__self__", None), str):
@@ -239,6 +270,7 @@ def _env():
     env.concat = _bounded_join
     env.filters = {k: _bounded_filter(k, f) for k, f in env.filters.items()}
     env.filters["tojson"] = _bounded_filter("tojson", _tojson)
+    env.filters[_STEP_FILTER] = _stepped
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env, jinja2
@@ -267,29 +299,6 @@ def compile_template(template: str, where: str):
         raise ChatTemplateError(f"{where}: the chat template does not compile ({type(e).__name__}: {e})") from None
 
 
-class _Tracer:
-    """Counts the lines the template's own frames run and stops the render past the budget."""
-
-    def __init__(self, max_steps: int, max_seconds: float):
-        self.left, self.deadline, self.max_seconds = max_steps, time.monotonic() + max_seconds, max_seconds
-        self.max_steps = max_steps
-
-    def __call__(self, frame, event, arg):
-        # the global tracer: follow only code compiled from the template
-        if frame.f_code.co_filename == _TEMPLATE_FILE:
-            return self.local
-        return None
-
-    def local(self, frame, event, arg):
-        if event == "line":
-            self.left -= 1
-            if self.left & 1023 == 0 and time.monotonic() > self.deadline:
-                raise _Budget(f"the render ran over {self.max_seconds:g} s")
-            if self.left <= 0:
-                raise _Budget(f"the render ran over {self.max_steps} template steps")
-        return self.local
-
-
 def render_template(
     template: str,
     where: str,
@@ -302,12 +311,11 @@ def render_template(
     """`template` rendered with `variables`, in the sandbox and under the render budget."""
     _, jinja2 = _env()
     t = compile_template(template, where)
-    tracer = _Tracer(max_steps, max_seconds)
-    prev_trace, prev_chars = sys.gettrace(), getattr(_state, "max_chars", None)
-    _state.max_chars, _state.built = max_chars, 0
+    saved = dict(vars(_state))  # a template rendered from inside another render's call keeps its budget
+    _state.max_chars, _state.built, _state.max_steps, _state.steps_left = max_chars, 0, max_steps, max_steps
+    _state.max_seconds, _state.deadline = max_seconds, time.monotonic() + max_seconds
     out: list[str] = []
     n = 0
-    sys.settrace(tracer)
     try:
         for chunk in t.generate(**variables):
             n += len(chunk)
@@ -327,8 +335,8 @@ def render_template(
     except Exception as e:  # noqa: BLE001 (template code raises what Python raises: a bad operand, a missing key...)
         raise ChatTemplateError(f"{where}: the chat template failed: {type(e).__name__}: {e}") from None
     finally:
-        sys.settrace(prev_trace)
-        _state.max_chars = prev_chars if prev_chars is not None else MAX_CHARS
+        vars(_state).clear()
+        vars(_state).update(saved)
     return "".join(out)
 
 

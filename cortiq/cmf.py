@@ -286,20 +286,27 @@ class CmfFile:
         self._check_arch()
 
     def _check_arch(self) -> None:
-        """The arch against the tensors present, before anything is sized from it: a model file
-        that holds the embedding holds exactly the layers its arch counts."""
+        """The arch against the tensors present, before anything is sized from it: no tensor of a
+        layer the arch does not have, an embedding of the arch's [vocab, hidden]. (A file may hold
+        fewer tensors than a model, a tokenizer carrier say: `check_layers` is for loading.)"""
         a = self.arch
-        layers = {int(m.group(1)) for n in self.infos if (m := _LAYER.match(n))}
+        layers = self._layers()
         if layers and max(layers) >= a.num_layers:
             raise CmfError(f"{self.path}: holds tensors of layer {max(layers)}, its arch says {a.num_layers} layers")
         emb = self.infos.get("model.embed_tokens.weight")
-        if emb is None:
-            return
-        if emb.shape != (a.vocab_size, a.hidden_size):
+        if emb is not None and emb.shape != (a.vocab_size, a.hidden_size):
             raise CmfError(f"{self.path}: model.embed_tokens.weight is {list(emb.shape)}, its arch says "
                            f"[{a.vocab_size}, {a.hidden_size}] (vocab, hidden)")
-        if len(layers) != a.num_layers:
-            raise CmfError(f"{self.path}: holds tensors of {len(layers)} layers, its arch says {a.num_layers}")
+
+    def _layers(self) -> set[int]:
+        return {int(m.group(1)) for n in self.infos if (m := _LAYER.match(n))}
+
+    def check_layers(self) -> None:
+        """Refuse a file that does not hold tensors of exactly the layers its arch counts (before a
+        model of that many layers is built)."""
+        layers, n = self._layers(), self.arch.num_layers
+        if layers != set(range(n)):
+            raise CmfError(f"{self.path}: holds tensors of {len(layers)} layers, its arch says {n}")
 
     @staticmethod
     def _coded(p: Path, name: str, entry, st_dtype: str, st_shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:

@@ -39,6 +39,7 @@ def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", verify: b
     Each tensor's sha256 is checked as it is read (`verify=False` skips it) and
     NaN/Inf weights are refused unless `allow_nonfinite`."""
     f = path if isinstance(path, CmfFile) else open_cmf(path)
+    f.check_layers()
     arch = _arch_for(f)
     with torch.device("meta"):
         model = CausalLM(arch)

@@ -161,7 +161,10 @@ CMF_CASES: dict[str, tuple[Callable[[bytes], bytes], tuple, str]] = {
     "10**8 layers": (with_arch("num_layers", 10**8), ALL, r"num_layers 100000000 is out of range"),
     "1000 layers, 2 present": (lambda r: with_arch("layer_types", ["full_attention"] * 1000)(
         with_arch("intermediate_sizes", [24] * 1000)(with_arch("num_layers", 1000)(r))),
-                               ALL, r"holds tensors of 2 layers, its arch says 1000"),
+                               ("nll",), r"holds tensors of 2 layers, its arch says 1000"),
+    "a layer past the arch": (lambda r: with_arch("layer_types", ["full_attention"])(
+        with_arch("intermediate_sizes", [24])(with_arch("num_layers", 1)(r))), ALL,
+        r"holds tensors of layer 1, its arch says 1 layers"),
     "vocab 10**12": (with_arch("vocab_size", 10**12), ALL, r"vocab_size 1000000000000 is out of range"),
     "vocab mismatch": (with_arch("vocab_size", 1000), ALL, r"model.embed_tokens.weight is \[259, 16\], its arch says"),
     "fractional hidden": (with_arch("hidden_size", 2.5), ALL, r"hidden_size is float 2.5, not an integer"),
