@@ -4,7 +4,10 @@ Each command lives in its own module under `cortiq/commands/` with
 `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`. Modules
 import heavy libraries (torch, prefect, mlflow) inside `run`, so `--help`
 and start-up stay fast. A `CortiqError` becomes one line on stderr and
-exit status 1; no traceback.
+exit status 1; no traceback. So does an `OSError` (a full disk, a denied
+permission: the machine's state, not cortiq's) and running out of memory.
+Anything else is a bug in cortiq: its traceback is printed with one line
+asking for it to be filed, and the exit status is 70 (EX_SOFTWARE).
 """
 
 from __future__ import annotations
@@ -48,13 +51,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = args._run(args)
     except CortiqError as e:
-        print(f"cortiq: {e}", file=sys.stderr)
+        print("cortiq: " + " ".join(str(e).splitlines()), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("cortiq: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"cortiq: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print("cortiq: out of memory", file=sys.stderr)
+        return 1
+    except Exception:  # noqa: BLE001 (the last resort: a bug, reported as one)
+        import traceback
+
+        traceback.print_exc()
+        print(f"cortiq: this is a bug in cortiq, not a problem with your input: please file it with the command "
+              f"line ({' '.join(sys.argv[1:] if argv is None else argv)[:200]}) and the traceback above",
+              file=sys.stderr)
+        return 70
     return int(rc or 0)
 
 

@@ -27,6 +27,8 @@ import hashlib
 import json
 import math
 import os
+import re
+import stat
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +45,8 @@ FORMAT_VERSION = 1
 #: default shard limit; a model over it is written as numbered shards
 SHARD_BYTES = 4 << 30
 _HEADER_MAX = 100 << 20  # the safetensors library refuses larger headers
+#: the layer index of a decoder tensor's name
+_LAYER = re.compile(r"model\.layers\.(\d{1,9})\.")
 _ST_DTYPES = {
     "F32": (np.float32, torch.float32, 4),
     "F16": (np.float16, torch.float16, 2),
@@ -85,10 +89,35 @@ def shard_names(path: Path, n: int) -> list[Path]:
     return [path] + [path.with_name(f"{stem}-{i + 1:05d}-of-{n:05d}.cmf") for i in range(1, n)]
 
 
+def _regular_size(path: Path) -> int:
+    """The size of `path`, which must be a regular file (a FIFO or device would block or never end)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CmfError(f"{path}: no such file") from None
+    except OSError as e:
+        raise CmfError(f"{path}: cannot read ({e.strerror or e})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise CmfError(f"{path}: is a directory, not a CMF file")
+    if not stat.S_ISREG(st.st_mode):
+        raise CmfError(f"{path}: not a regular file (a pipe, socket or device cannot be a CMF file)")
+    return st.st_size
+
+
+def _loads(raw, what: str, path: Path):
+    """JSON text → value; a deep nesting or bad text is one CmfError."""
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError):
+        raise CmfError(f"{path}: not a CMF file ({what} is not JSON)") from None
+    except RecursionError:
+        raise CmfError(f"{path}: not a CMF file ({what} is nested too deeply)") from None
+
+
 def _read_header(path: Path) -> tuple[dict, int]:
     """The safetensors header of `path` and where its data begins."""
+    size = _regular_size(path)
     try:
-        size = path.stat().st_size
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -104,12 +133,80 @@ def _read_header(path: Path) -> tuple[dict, int]:
     except OSError as e:
         raise CmfError(f"{path}: cannot read ({e.strerror or e})") from None
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
         raise CmfError(f"{path}: not a CMF file (the header is not JSON)") from None
+    header = _loads(text, "the header", path)
     if not isinstance(header, dict):
         raise CmfError(f"{path}: not a CMF file (the header is not a JSON object)")
     return header, 8 + n
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_list(v, lo: int = 0, hi: int = 1 << 62) -> bool:
+    return isinstance(v, list) and all(_is_int(x) and lo <= x <= hi for x in v)
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def check_doc(doc, path: Path) -> None:
+    """The cmf document's schema: every key of the right type and within bounds, so
+    nothing later trips over a list where a table belongs. Raises CmfError naming the key."""
+    def bad(what: str):
+        raise CmfError(f"{path}: malformed cmf document: {what}")
+
+    if not isinstance(doc, dict):
+        raise CmfError(f"{path}: not a CMF file (the cmf document is {type(doc).__name__}, not a JSON object)")
+    if doc.get("format") != "cmf":
+        raise CmfError(f"{path}: not a CMF file (format {str(doc.get('format'))[:40]!r})")
+    v = doc.get("version")
+    if not _is_int(v) or v < 1:
+        bad(f"version is {str(v)[:40]!r}, not a positive integer")
+    if v > FORMAT_VERSION:
+        raise CmfError(f"{path}: CMF version {v} is newer than this cortiq reads ({FORMAT_VERSION})")
+    tok = doc.get("tokenizer")
+    if tok is not None:
+        if not isinstance(tok, dict):
+            bad(f"tokenizer is {type(tok).__name__}, not a table")
+        if not isinstance(tok.get("json"), (str, type(None))):
+            bad("tokenizer.json is not a string")
+        if not _int_list(tok.get("eos_ids", []), 0, 1 << 31):
+            bad("tokenizer.eos_ids is not a list of token ids")
+        if not _int_list(tok.get("special_ids", []) or [], 0, 1 << 31):
+            bad("tokenizer.special_ids is not a list of token ids")
+        b = tok.get("bos_id")
+        if b is not None and not (_is_int(b) and 0 <= b < 1 << 31):
+            bad("tokenizer.bos_id is not a token id")
+        if not isinstance(tok.get("chat_template"), (str, type(None))):
+            bad("tokenizer.chat_template is not a string")
+    c = doc.get("codecs", {})
+    if not isinstance(c, dict):
+        bad(f"codecs is {type(c).__name__}, not a table")
+    for name, e in c.items():
+        if not isinstance(e, dict) or not isinstance(e.get("codec"), str) or not _int_list(e.get("shape")) \
+                or len(e["shape"]) > 8:
+            bad(f"codecs entry of {name[:80]!r} is not {{codec: name, shape: [non-negative integers]}}")
+    h = doc.get("hashes", {})
+    if not isinstance(h, dict):
+        bad(f"hashes is {type(h).__name__}, not a table")
+    for name, x in h.items():
+        if not isinstance(x, str) or not _SHA256.fullmatch(x):
+            bad(f"the hash of {name[:80]!r} is not a sha256 hex string")
+    if not isinstance(doc.get("provenance", {}), dict):
+        bad(f"provenance is {type(doc.get('provenance')).__name__}, not a table")
+    sh = doc.get("shards", [])
+    if not isinstance(sh, list) or not all(isinstance(x, str) for x in sh):
+        bad("shards is not a list of file names")
+    for x in sh:
+        # a shard lies beside the first file: a path is never followed out of its folder
+        if not x or "/" in x or "\\" in x or x in (".", "..") or "\0" in x:
+            bad(f"shard {x[:80]!r} is not a plain file name beside {path.name}")
+    if len(set(sh)) != len(sh) or path.name in sh:
+        bad("shards are named twice")
 
 
 class CmfFile:
@@ -124,14 +221,8 @@ class CmfFile:
         meta = header.pop("__metadata__", None) or {}
         if not isinstance(meta, dict) or not isinstance(meta.get("cmf"), str):
             raise CmfError(f"{self.path}: not a CMF file (a safetensors file without the cmf document)")
-        try:
-            self.doc: dict = json.loads(meta["cmf"])
-        except json.JSONDecodeError:
-            raise CmfError(f"{self.path}: the cmf document is not JSON") from None
-        if not isinstance(self.doc, dict) or self.doc.get("format") != "cmf":
-            raise CmfError(f"{self.path}: not a CMF file (format {self.doc.get('format')!r})")
-        if int(self.doc.get("version", 0)) > FORMAT_VERSION:
-            raise CmfError(f"{self.path}: CMF version {self.doc['version']} is newer than this cortiq reads ({FORMAT_VERSION})")
+        self.doc: dict = _loads(meta["cmf"], "the cmf document", self.path)
+        check_doc(self.doc, self.path)
         try:
             self.arch = Arch.from_dict(self.doc["arch"])
         except (KeyError, TypeError, ValueError, CortiqError) as e:
@@ -144,29 +235,36 @@ class CmfFile:
             if si == 0:
                 h, d0 = header, data0
             else:
-                if not p.is_file():
+                if not os.path.lexists(p):
                     raise CmfError(f"{self.path}: shard {p.name} is missing")
                 h, d0 = _read_header(p)
                 smeta = h.pop("__metadata__", None) or {}
                 try:
                     sdoc = json.loads(smeta["cmf_shard"])
                     ok = sdoc["index"] == si and sdoc["of"] == len(self.paths)
-                except (KeyError, TypeError, json.JSONDecodeError):
+                except (KeyError, TypeError, ValueError, RecursionError):
                     ok = False
                 if not ok:
                     raise CmfError(f"{p}: not shard {si + 1} of {len(self.paths)} of {self.path.name}")
-            size = p.stat().st_size
+            size = _regular_size(p)
             ranges = []
             for name, e in h.items():
                 try:
-                    b, en = (int(x) for x in e["data_offsets"])
-                    st_dtype, st_shape = e["dtype"], tuple(int(x) for x in e["shape"])
+                    b, en = e["data_offsets"]
+                    st_dtype, st_shape = e["dtype"], e["shape"]
+                    if not (_is_int(b) and _is_int(en) and isinstance(st_dtype, str) and _int_list(st_shape)
+                            and len(st_shape) <= 8):
+                        raise TypeError
+                    st_shape = tuple(st_shape)
                 except (KeyError, TypeError, ValueError):
-                    raise CmfError(f"{p}: not a CMF file (malformed entry {name!r})") from None
+                    raise CmfError(f"{p}: not a CMF file (malformed entry {name[:80]!r}: offsets and shape must be "
+                                   "non-negative integers)") from None
                 if st_dtype not in _ST_DTYPES:
-                    raise CmfError(f"{p}: tensor {name!r} has unsupported dtype {st_dtype}")
+                    raise CmfError(f"{p}: tensor {name!r} has unsupported dtype {st_dtype[:20]}")
                 if en - b != math.prod(st_shape) * _ST_DTYPES[st_dtype][2] or b > en or b < 0:
                     raise CmfError(f"{p}: tensor {name!r}: its byte range does not match its shape")
+                if d0 + en > size:
+                    raise CmfError(f"{p}: truncated ({size} bytes, tensor {name!r} needs {d0 + en})")
                 if name in self.infos:
                     raise CmfError(f"{p}: tensor {name!r} appears twice")
                 ranges.append((b, en, name))
@@ -185,14 +283,35 @@ class CmfFile:
                 end = en
             if d0 + end > size:
                 raise CmfError(f"{p}: truncated ({size} bytes, the header needs {d0 + end})")
+        self._check_arch()
+
+    def _check_arch(self) -> None:
+        """The arch against the tensors present, before anything is sized from it: no tensor of a
+        layer the arch does not have, an embedding of the arch's [vocab, hidden]. (A file may hold
+        fewer tensors than a model, a tokenizer carrier say: `check_layers` is for loading.)"""
+        a = self.arch
+        layers = self._layers()
+        if layers and max(layers) >= a.num_layers:
+            raise CmfError(f"{self.path}: holds tensors of layer {max(layers)}, its arch says {a.num_layers} layers")
+        emb = self.infos.get("model.embed_tokens.weight")
+        if emb is not None and emb.shape != (a.vocab_size, a.hidden_size):
+            raise CmfError(f"{self.path}: model.embed_tokens.weight is {list(emb.shape)}, its arch says "
+                           f"[{a.vocab_size}, {a.hidden_size}] (vocab, hidden)")
+
+    def _layers(self) -> set[int]:
+        return {int(m.group(1)) for n in self.infos if (m := _LAYER.match(n))}
+
+    def check_layers(self) -> None:
+        """Refuse a file that does not hold tensors of exactly the layers its arch counts (before a
+        model of that many layers is built)."""
+        layers, n = self._layers(), self.arch.num_layers
+        if layers != set(range(n)):
+            raise CmfError(f"{self.path}: holds tensors of {len(layers)} layers, its arch says {n}")
 
     @staticmethod
     def _coded(p: Path, name: str, entry, st_dtype: str, st_shape: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
         """(codec, logical shape) of a tensor the document says is encoded, checked against its storage."""
-        try:
-            codec, shape = entry["codec"], tuple(int(x) for x in entry["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise CmfError(f"{p}: tensor {name!r}: malformed codec entry") from None
+        codec, shape = entry["codec"], tuple(entry["shape"])  # their types: check_doc
         try:
             c = codecs.get(codec)  # unknown codec: a clear error now, not at first use
         except codecs.CodecError as e:
@@ -267,13 +386,41 @@ class CmfFile:
     def hash_of(self, name: str) -> str:
         return hashlib.sha256(self.raw(name)).hexdigest()
 
-    def verify(self, progress: Callable[[int, int], None] | None = None) -> list[str]:
-        """Names whose stored bytes do not match their recorded sha256 (or have none)."""
+    def check_hash(self, name: str) -> None:
+        """Refuse `name` unless its stored bytes match the sha256 the header records for it.
+        Readers call it as they read each tensor (one pass: the bytes hashed are the bytes
+        decoded next, from the page cache), so a damaged file is never laundered into a new one."""
+        want = self.doc.get("hashes", {}).get(name)
+        if want is None:
+            raise CmfError(f"{self.path}: tensor {name!r} has no recorded sha256, so it cannot be checked "
+                           "(--no-verify reads it unchecked)")
+        if self.hash_of(name) != want:
+            raise CmfError(f"{self.path}: tensor {name!r} does not match its recorded sha256: the file is damaged "
+                           "or was altered (--no-verify reads it unchecked)")
+
+    def checked_tensor(self, name: str, dtype: torch.dtype = torch.float32, verify: bool = True,
+                       finite: bool = True) -> torch.Tensor:
+        """`tensor(name, dtype)`, its sha256 checked first (`verify`) and NaN/Inf refused (`finite`)."""
+        if verify:
+            self.check_hash(name)
+        t = self.tensor(name, dtype)
+        if finite:
+            check_finite(t, f"{self.path}: tensor {name!r}")
+        return t
+
+    def verify(self, progress: Callable[[int, int], None] | None = None, nonfinite: list[str] | None = None) -> list[str]:
+        """Names whose stored bytes do not match their recorded sha256 (or have none). With a
+        `nonfinite` list, the names of intact tensors holding NaN or Inf are appended to it
+        (each tensor is decoded right after it is hashed: one pass over the file)."""
         hashes = self.doc.get("hashes", {})
         bad = []
         for k, name in enumerate(self.infos):
             if hashes.get(name) != self.hash_of(name):
                 bad.append(name)
+            elif nonfinite is not None:
+                t = self.tensor(name)
+                if t.numel() and not bool(torch.isfinite(t).all()):
+                    nonfinite.append(name)
             if progress:
                 progress(k + 1, len(self.infos))
         return bad
@@ -290,6 +437,13 @@ class CmfFile:
 
 def open_cmf(path: str | os.PathLike) -> CmfFile:
     return CmfFile(path)
+
+
+def check_finite(t: torch.Tensor, what: str) -> None:
+    """Refuse a tensor holding NaN or Inf (a model that computes NaN is a damaged model)."""
+    if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise CmfError(f"{what} holds {bad} NaN or Inf values (--allow-nonfinite reads it anyway)")
 
 
 # ── writing ─────────────────────────────────────────────────────────────
@@ -417,6 +571,8 @@ def write_cmf(
                 for s in group:
                     try:
                         data = _encode(s)
+                    except CmfError:  # the source file's own problem: it names that file
+                        raise
                     except CortiqError as e:
                         raise CortiqError(f"{path}: {e}") from None
                     buf = codecs.to_numpy_bytes(data)
@@ -462,12 +618,25 @@ def _encode(s: Spec) -> torch.Tensor:
     return data.contiguous()
 
 
-def copy_specs(src: CmfFile, codec_for: Callable[[str, TensorInfo], str] | None = None, replace: dict | None = None) -> list[Spec]:
+def copy_specs(src: CmfFile, codec_for: Callable[[str, TensorInfo], str] | None = None, replace: dict | None = None,
+               verify: bool = True, finite: bool = False) -> list[Spec]:
     """Specs that stream `src`'s tensors into a new file: each kept as stored
     when its codec does not change, else decoded and re-encoded. `replace`
-    maps names to new logical values (or callables giving them)."""
+    maps names to new logical values (or callables giving them). Each copied
+    tensor's sha256 is checked as it is read (`verify`), so a damaged tensor is
+    not written into a file whose new hashes would vouch for it; `finite`
+    refuses NaN/Inf values too."""
     replace = replace or {}
     out = []
+
+    def stored(n: str) -> Stored:
+        if verify:
+            src.check_hash(n)
+        st = src.stored(n)
+        if finite:
+            check_finite(st if st.is_floating_point() else src.tensor(n), f"{src.path}: tensor {n!r}")
+        return Stored(st)
+
     for name, info in src.infos.items():
         codec = codec_for(name, info) if codec_for else info.codec
         if name in replace:
@@ -476,9 +645,9 @@ def copy_specs(src: CmfFile, codec_for: Callable[[str, TensorInfo], str] | None 
             get = (lambda v=v: v) if isinstance(v, torch.Tensor) else v[1]
             out.append(Spec(name, codec, shape, get))
         elif codec == info.codec:
-            out.append(Spec(name, codec, info.shape, lambda n=name: Stored(src.stored(n))))
+            out.append(Spec(name, codec, info.shape, lambda n=name: stored(n)))
         else:
-            out.append(Spec(name, codec, info.shape, lambda n=name: src.tensor(n)))
+            out.append(Spec(name, codec, info.shape, lambda n=name: src.checked_tensor(n, verify=verify, finite=finite)))
     return out
 
 

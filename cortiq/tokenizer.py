@@ -14,14 +14,17 @@ def tokenizer_doc(
     bos_id: int | None = None,
     chat_template: str | None = None,
     special_ids: list[int] | None = None,
+    where: str = "tokenizer.json",
 ) -> dict:
     """The `tokenizer` entry of a CMF document."""
     if special_ids is None:
         try:
-            added = json.loads(tokenizer_json).get("added_tokens", [])
-        except json.JSONDecodeError:
-            raise CortiqError("tokenizer.json is not JSON") from None
-        special_ids = sorted(int(t["id"]) for t in added if t.get("special"))
+            added = json.loads(tokenizer_json).get("added_tokens") or []
+            special_ids = sorted(int(t["id"]) for t in added if t.get("special"))
+        except (json.JSONDecodeError, RecursionError):
+            raise CortiqError(f"{where}: not JSON") from None
+        except (AttributeError, KeyError, TypeError, ValueError):
+            raise CortiqError(f"{where}: added_tokens is not a list of {{id, special}} entries") from None
     return {
         "json": tokenizer_json,
         "eos_ids": [int(i) for i in eos_ids],
@@ -37,7 +40,10 @@ def from_doc(doc: dict | None, where: str = "model"):
 
     if not doc or not doc.get("json"):
         raise CortiqError(f"{where}: carries no tokenizer (convert it from a source that has tokenizer.json)")
-    return Tokenizer.from_str(doc["json"])
+    try:
+        return Tokenizer.from_str(doc["json"])
+    except Exception as e:  # noqa: BLE001 (the tokenizers library raises a bare Exception)
+        raise CortiqError(f"{where}: its tokenizer does not load ({' '.join(str(e).split())[:200]})") from None
 
 
 def load_tokenizer(path: str | os.PathLike):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 HELP = "convert a Hugging Face directory, a GGUF file or 'smollm2' (bundled) to a CMF file"
@@ -30,7 +31,7 @@ def resolve(src: str) -> tuple[str, Path]:
         return "bundled", bundled_path(src)
     p = Path(src)
     if p.is_dir():
-        if not (p / "config.json").is_file():
+        if not os.path.lexists(p / "config.json"):
             raise CortiqError(f"{p}: a directory without config.json is not a Hugging Face model")
         return "hf", p
     if p.is_file():
@@ -39,6 +40,8 @@ def resolve(src: str) -> tuple[str, Path]:
         if magic == b"GGUF" or p.suffix == ".gguf":
             return "gguf", p
         raise CortiqError(f"{p}: cannot convert: not a GGUF file, a Hugging Face directory or one of: {', '.join(BUNDLED)}")
+    if p.exists():
+        raise CortiqError(f"{p}: not a regular file or a directory (a pipe or device cannot be converted)")
     raise CortiqError(f"{p}: no such file or directory (SRC is a Hugging Face directory, a .gguf file or one of: "
                       f"{', '.join(BUNDLED)})")
 

@@ -60,11 +60,9 @@ def _chat(prompt: str, doc: dict, where: str) -> str:
     tmpl = (doc or {}).get("chat_template")
     if not tmpl:
         raise CortiqError(f"{where}: carries no chat template (drop --chat)")
-    import jinja2
+    from ..chat import render_chat
 
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(tmpl).render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        bos_token="", eos_token="")
+    return render_chat(tmpl, [{"role": "user", "content": prompt}], str(where), add_generation_prompt=True)
 
 
 def _differ(a: list[int], b: list[int]) -> tuple[int, int | None]:

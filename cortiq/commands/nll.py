@@ -21,6 +21,9 @@ def add_arguments(p):
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=["auto", "f32", "bf16", "f16"], help="compute dtype (auto: bf16 on CUDA, f32 else)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip checking each tensor's sha256 as it is read (faster; a damaged file goes unnoticed)")
+    p.add_argument("--allow-nonfinite", action="store_true", help="load weights that hold NaN or Inf values")
 
 
 def _device_dtype(args):
@@ -70,13 +73,20 @@ def run(args) -> int:
         loss_on, pad = "all", f.eos_id
     else:
         raise CortiqError(f"{data}: no such file or directory")
+    if args.batch_tokens < 1:
+        raise CortiqError(f"--batch-tokens {args.batch_tokens}: score at least 1 token per forward")
+    top = max(int(r.ids.max()) for r in records if len(r.ids))
+    if top >= f.arch.vocab_size:
+        raise CortiqError(f"{data}: token id {top} is outside the model's vocabulary ({f.arch.vocab_size})")
     dev, dt = _device_dtype(args)
-    model = load_model(f, dtype=dt, device=dev)
-    with tqdm(total=len(records), desc="nll", unit=" rec", file=sys.stderr, leave=False) as bar:
+    model = load_model(f, dtype=dt, device=dev, verify=not args.no_verify, allow_nonfinite=args.allow_nonfinite)
+    with tqdm(total=len(records), desc="nll", unit=" rec", file=sys.stderr, leave=False, disable=None) as bar:
         s, n = score_records(model, records, loss_on=loss_on, batch_tokens=args.batch_tokens, pad_id=pad, progress=bar.update)
     if n == 0:
         raise CortiqError(f"{data}: no scored tokens")
     nll = s / n
+    if not math.isfinite(nll):
+        raise CortiqError(f"{args.model}: the NLL is {nll} (the model computes NaN or Inf on {data}): the model is damaged")
     if args.json:
         print(json.dumps({"model": str(args.model), "data": str(data), "nll": nll, "ppl": math.exp(nll), "tokens": n,
                           "records": len(records)}))

@@ -16,6 +16,10 @@ def add_arguments(p):
     p.add_argument("src", metavar="IN.cmf", help="the CMF file to read")
     p.add_argument("out", metavar="OUT.cmf", help="the CMF file to write")
     p.add_argument("--codec", required=True, help="target codec: f32, f16, bf16, q8, q4, q4_64, fp8")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip checking each tensor's sha256 as it is read (faster; a damaged tensor is copied "
+                        "and its new hash vouches for it)")
+    p.add_argument("--allow-nonfinite", action="store_true", help="copy tensors that hold NaN or Inf values")
 
 
 def run(args) -> int:
@@ -30,7 +34,8 @@ def run(args) -> int:
     before = {}
     for i in src.infos.values():
         before[i.codec] = before.get(i.codec, 0) + 1
-    specs = cmf.copy_specs(src, lambda name, info: codecs.choose(args.codec, info.shape, info.codec))
+    specs = cmf.copy_specs(src, lambda name, info: codecs.choose(args.codec, info.shape, info.codec),
+                           verify=not args.no_verify, finite=not args.allow_nonfinite)
     doc = cmf.with_provenance(src.doc, "recode", {"source": str(args.src), "codec": args.codec, "from": before})
     # one writer of OUT at a time: two would remove each other's .partial files
     with store.locked(args.out), tqdm(total=len(specs), desc=f"recode → {args.codec}", unit=" tensors",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-HELP = "check every tensor of a CMF file against its recorded sha256"
+HELP = "check every tensor of a CMF file against its recorded sha256, and that it holds no NaN or Inf"
 ORDER = 30
 
 
@@ -19,9 +19,15 @@ def run(args) -> int:
 
     f = open_cmf(args.file)
     with tqdm(total=len(f.infos), desc="verify", unit=" tensors", file=sys.stderr, leave=False, disable=None) as bar:
-        bad = f.verify(progress=lambda k, n: bar.update(1))
+        nonfinite: list[str] = []
+        bad = f.verify(progress=lambda k, n: bar.update(1), nonfinite=nonfinite)
+
+    def shown(names):
+        return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
     if bad:
-        shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
-        raise CmfError(f"{args.file}: {len(bad)} of {len(f.infos)} tensors fail their sha256: {shown}")
+        raise CmfError(f"{args.file}: {len(bad)} of {len(f.infos)} tensors fail their sha256: {shown(bad)}")
+    if nonfinite:
+        raise CmfError(f"{args.file}: {len(nonfinite)} of {len(f.infos)} tensors hold NaN or Inf values: {shown(nonfinite)}")
     print(f"{args.file}: ok, {len(f.infos)} tensors, {f.nbytes()} bytes in {len(f.paths)} file(s)")
     return 0

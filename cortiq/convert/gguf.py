@@ -259,11 +259,17 @@ def _tokenizer_doc(r, src: Path) -> tuple[dict, dict]:
     if not eos:
         raise CortiqError(f"{src}: the tokenizer names no EOS token (tokenizer.ggml.eos_token_id)")
     bos = _meta(r, "tokenizer.ggml.bos_token_id")
+    template = _meta(r, "tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise CortiqError(f"{src}: tokenizer.chat_template is {type(template).__name__}, not a string")
+    from ..chat import validate_template
+
+    validate_template(template, f"{src}: tokenizer.chat_template")
     doc = tokenizer_doc(
         text,
         eos_ids=eos,
         bos_id=None if bos is None else int(bos),
-        chat_template=_meta(r, "tokenizer.chat_template"),
+        chat_template=template,
         special_ids=[i for i, ty in enumerate(types) if ty == _CONTROL],
     )
     return doc, notes

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 
 from ..arch import from_hf_config
@@ -55,66 +56,168 @@ def _canonical(name: str) -> str | None:
     return name
 
 
+#: the most a JSON file of a model folder (config, tokenizer config, index) may hold
+_JSON_MAX = 64 << 20
+#: the most tokenizer.json may hold (a 256k vocabulary with merges is ~30 MB)
+_TOKENIZER_MAX = 512 << 20
+
+
+def _allowed_root(src: Path) -> Path:
+    """The folder every file of the model must resolve into: the model folder itself or, for a
+    Hugging Face cache snapshot (`.../models--org--name/snapshots/REV`, whose files are symlinks
+    to `../../blobs/`), the cached repository that holds both."""
+    root = src.resolve()
+    if root.parent.name == "snapshots" and (root.parent.parent / "blobs").is_dir():
+        return root.parent.parent
+    return root
+
+
+def _inside(src: Path, rel, what: str) -> Path:
+    """`src / rel`, refused when `rel` is absolute or it (symlinks followed) leaves the model folder:
+    a model's metadata must not make cortiq read files elsewhere."""
+    if not isinstance(rel, str) or not rel or "\0" in rel:
+        raise CortiqError(f"{src}: {what} {str(rel)[:80]!r} is not a file name")
+    if os.path.isabs(rel) or rel.startswith("~"):
+        raise CortiqError(f"{src}: {what} {rel[:200]!r} is an absolute path: the model's files must lie in its folder")
+    p = src / rel
+    if not p.resolve().is_relative_to(_allowed_root(src)):
+        raise CortiqError(f"{src}: {what} {rel[:200]!r} leads outside the model folder (to {p.resolve()})")
+    return p
+
+
+def _regular(p: Path, limit: int | None = None) -> int:
+    """The size of `p`, a regular file (a FIFO or device would block), at most `limit` bytes."""
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise CortiqError(f"{p}: no such file") from None
+    except OSError as e:
+        raise CortiqError(f"{p}: cannot read ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CortiqError(f"{p}: not a regular file")
+    if limit is not None and st.st_size > limit:
+        raise CortiqError(f"{p}: {st.st_size} bytes, more than the {limit} such a file may hold")
+    return st.st_size
+
+
+def _read_text(p: Path, limit: int) -> str:
+    _regular(p, limit)
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise CortiqError(f"{p}: not UTF-8 text") from None
+
+
+def _read_json(p: Path, limit: int = _JSON_MAX) -> dict:
+    """A JSON object from `p`, or one line saying what is wrong with it."""
+    try:
+        v = json.loads(_read_text(p, limit))
+    except json.JSONDecodeError as e:
+        raise CortiqError(f"{p}: not JSON ({e})") from None
+    except RecursionError:
+        raise CortiqError(f"{p}: nested too deeply") from None
+    if not isinstance(v, dict):
+        raise CortiqError(f"{p}: holds a JSON {type(v).__name__}, not an object")
+    return v
+
+
 def _weight_files(src: Path) -> dict[str, Path]:
-    """HF tensor name → the safetensors file holding it."""
+    """HF tensor name → the safetensors file holding it (plus an exported MTP draft's file)."""
     index = src / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError):
-            raise CortiqError(f"{index}: not a safetensors index (no weight_map)") from None
-        out = {}
+    mtp = [_inside(src, _MTP_FILE, "the MTP weights file")] if os.path.lexists(src / _MTP_FILE) else []
+    if os.path.lexists(index):
+        _inside(src, index.name, "the index")
+        wm = _read_json(index).get("weight_map")
+        if not isinstance(wm, dict):
+            raise CortiqError(f"{index}: not a safetensors index (no weight_map table)")
+        out, seen = {}, {}
         for name, fn in wm.items():
-            p = src / fn
-            if not p.exists():
-                raise CortiqError(f"{index}: names shard {fn}, which is missing")
-            out[name] = p
-        return _add_tensors_of(out, [src / _MTP_FILE] if (src / _MTP_FILE).is_file() else [])
+            if fn not in seen:
+                p = _inside(src, fn, "the weight_map entry")
+                if not p.exists():
+                    raise CortiqError(f"{index}: names shard {fn}, which is missing")
+                _regular(p)
+                seen[fn] = p
+            out[name] = seen[fn]
+        return _add_tensors_of(out, mtp)
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise CortiqError(f"{src}: no *.safetensors weights")
-    return _add_tensors_of({}, files + ([src / _MTP_FILE] if (src / _MTP_FILE).is_file() else []))
+    return _add_tensors_of({}, [_inside(src, p.name, "the weights file") for p in files] + mtp)
 
 
 def _add_tensors_of(out: dict[str, Path], files) -> dict[str, Path]:
     from safetensors import safe_open
 
     for p in files:
-        with safe_open(str(p), framework="pt") as f:
-            for name in f.keys():
-                out[name] = p
+        _regular(p)
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                for name in f.keys():
+                    out[name] = p
+        except Exception as e:  # noqa: BLE001 (safetensors raises its own error type on a damaged file)
+            raise CortiqError(f"{p}: not a readable safetensors file ({_one_line(e)})") from None
     return out
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300]
+
+
+def _template(tc: dict, src: Path):
+    """The chat template of tokenizer_config.json (or chat_template.jinja): a string, or the
+    `default` one of a list of named templates; checked in the sandbox before it is stored."""
+    from ..chat import validate_template
+
+    template = tc.get("chat_template")
+    where = src / "tokenizer_config.json"
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    tmpl_file = src / "chat_template.jinja"
+    if template is None and os.path.lexists(tmpl_file):
+        template = _read_text(_inside(src, tmpl_file.name, "the chat template"), _JSON_MAX)
+        where = tmpl_file
+    if template is not None and not isinstance(template, str):
+        raise CortiqError(f"{where}: chat_template is {type(template).__name__}, not a string")
+    validate_template(template, str(where))
+    return template
 
 
 def _tokenizer(src: Path, cfg: dict) -> dict:
     tj = src / "tokenizer.json"
-    if not tj.exists():
+    if not os.path.lexists(tj):
         raise CortiqError(f"{src}: no tokenizer.json (cortiq carries the tokenizer inside the model file)")
-    text = tj.read_text()
+    text = _read_text(_inside(src, tj.name, "tokenizer.json"), _TOKENIZER_MAX)
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_str(text)
+    try:
+        tok = Tokenizer.from_str(text)
+    except Exception as e:  # noqa: BLE001 (the tokenizers library raises a bare Exception)
+        raise CortiqError(f"{tj}: not a tokenizer the tokenizers library reads ({_one_line(e)})") from None
     tc_path = src / "tokenizer_config.json"
-    tc = json.loads(tc_path.read_text()) if tc_path.exists() else {}
+    tc = _read_json(_inside(src, tc_path.name, "tokenizer_config.json")) if os.path.lexists(tc_path) else {}
 
     def tid(v):
         if isinstance(v, dict):
             v = v.get("content")
         return tok.token_to_id(v) if isinstance(v, str) else None
 
-    eos = cfg.get("eos_token_id", (cfg.get("text_config") or {}).get("eos_token_id"))
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    def ids(v, key):
+        if v is None:
+            return []
+        v = [v] if isinstance(v, int) and not isinstance(v, bool) else v
+        if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 31 for i in v):
+            raise CortiqError(f"{src / 'config.json'}: {key} is {str(v)[:80]}, not a token id or a list of them")
+        return list(v)
+
+    eos_ids = ids(cfg.get("eos_token_id", (cfg.get("text_config") or {}).get("eos_token_id")), "eos_token_id")
     t_eos = tid(tc.get("eos_token"))
     if t_eos is not None and t_eos not in eos_ids:
         eos_ids.append(t_eos)
-    bos = cfg.get("bos_token_id")
-    if bos is None:
-        bos = tid(tc.get("bos_token"))
-    template = tc.get("chat_template")
-    tmpl_file = src / "chat_template.jinja"
-    if template is None and tmpl_file.exists():
-        template = tmpl_file.read_text()
-    return tokenizer_doc(text, eos_ids, bos, template)
+    bos = ids(cfg.get("bos_token_id"), "bos_token_id")
+    bos = bos[0] if bos else tid(tc.get("bos_token"))
+    return tokenizer_doc(text, eos_ids, bos, _template(tc, src), where=str(tj))
 
 
 def _split_qkvz(arch, w):
@@ -187,15 +290,15 @@ def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, code
     if not src.is_dir():
         raise CortiqError(f"{src}: not a directory")
     cfg_path = src / "config.json"
-    if not cfg_path.exists():
+    if not os.path.lexists(cfg_path):
         raise CortiqError(f"{src}: no config.json")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CortiqError(f"{cfg_path}: not JSON ({e})") from None
+    cfg = _read_json(_inside(src, cfg_path.name, "config.json"))
     if codec != "keep":
         get_codec(codec)
-    arch = from_hf_config(cfg)
+    try:
+        arch = from_hf_config(cfg)
+    except CortiqError as e:
+        raise CortiqError(f"{cfg_path}: {e}") from None
     arch.linear_proj_layout = "split"  # the fused layout is split below
     tok = _tokenizer(src, cfg)
     where = _weight_files(src)
@@ -209,11 +312,20 @@ def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, code
         return handles[p]
 
     def shape_dtype(hf_name):
-        sl = handle(where[hf_name]).get_slice(hf_name)
-        return tuple(sl.get_shape()), sl.get_dtype()
+        try:
+            sl = handle(where[hf_name]).get_slice(hf_name)
+            return tuple(sl.get_shape()), sl.get_dtype()
+        except Exception as e:  # noqa: BLE001 (safetensors' own error type)
+            raise CortiqError(f"{where[hf_name]}: cannot read tensor {hf_name!r} ({_one_line(e)})") from None
+
+    def read(hf_name):
+        try:
+            return handle(where[hf_name]).get_tensor(hf_name)
+        except Exception as e:  # noqa: BLE001
+            raise CortiqError(f"{where[hf_name]}: cannot read tensor {hf_name!r} ({_one_line(e)})") from None
 
     def reader(hf_name):
-        return lambda: handle(where[hf_name]).get_tensor(hf_name)
+        return lambda: read(hf_name)
 
     plan: dict[str, tuple] = {}
     moe = []
@@ -253,6 +365,12 @@ def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, code
     else:
         arch.mtp_layers, arch.mtp_intermediate_size = 0, 0
     _trim_padding(cfg, arch, plan, cfg_path)
+
+    # the layer count against the tensors present, before a model of that many layers is planned
+    layers = {int(m.group(1)) for n in plan if (m := re.match(r"model\.layers\.(\d{1,9})\.", n))}
+    if layers != set(range(arch.num_layers)):
+        raise CortiqError(f"{src}: config.json says {arch.num_layers} layers, the weights hold "
+                          f"{len(layers)} ({'layers ' + str(min(layers)) + '..' + str(max(layers)) if layers else 'none'})")
 
     # every tensor the model needs, and nothing it has no place for
     from ..model.decoder import CausalLM

@@ -82,19 +82,9 @@ def render_chat(template: str | None, messages: list[dict], add_generation_promp
     if not template:
         text = "".join(f"{m['role']}: {m['content']}\n\n" for m in messages)
         return text + ("assistant: " if add_generation_prompt else "")
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from ..chat import render_chat as render
 
-    def raise_exception(msg):
-        raise CortiqError(f"{where}: the chat template refused the messages: {msg}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.globals["raise_exception"] = raise_exception
-    try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                bos_token=bos, eos_token=eos, tools=None)
-    except jinja2.TemplateError as e:
-        raise CortiqError(f"{where}: the chat template failed: {e}") from None
+    return render(template, messages, where, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
 
 
 def chat_parts(item: Item, template: str | None, bos: str, eos: str) -> tuple[str, str]:
@@ -167,6 +157,16 @@ def _sample(rids: list[str], lengths: list[int], cap: int) -> list[int]:
     return sorted(order[:n])
 
 
+def check_out_dir(out: str | os.PathLike) -> None:
+    """`out` may be new, empty, or a tdata directory (which is replaced): never a file, nor a
+    directory of other things that replacing it would delete. Checked before any work."""
+    out = Path(out)
+    if os.path.lexists(out) and not out.is_dir():
+        raise CortiqError(f"{out}: exists and is not a directory (--out names the tdata directory to write)")
+    if out.is_dir() and any(out.iterdir()) and not (out / store.META).is_file():
+        raise CortiqError(f"{out}: a directory that is not tdata (no {store.META}); refusing to replace it")
+
+
 def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLike, settings: BuildSettings | None = None,
           progress: Callable[[str], None] | None = None, device: str | None = None) -> Tdata:
     """Tokenize `sources` (paths, or `corpus:NAME`) with the tokenizer of the CMF file `tokenizer`
@@ -177,6 +177,7 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
     settings = settings or BuildSettings()
     if not sources:
         raise CortiqError("no sources to build data from")
+    check_out_dir(out)
     cmf = open_cmf(tokenizer)
     tdoc = cmf.tokenizer or {}
     tok = from_doc(tdoc, str(tokenizer))

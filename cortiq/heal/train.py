@@ -219,6 +219,23 @@ class Order:
 # ── the loop ────────────────────────────────────────────────────────────
 
 
+def load_checkpoint(path: Path) -> dict | None:
+    """The checkpoint at `path` (tensors and plain values only: never unpickles code), or None
+    when it is damaged: it is then set aside as `NAME.damaged`, one line says so, and the
+    stage restarts from its beginning rather than failing on every retry."""
+    try:
+        ck = torch.load(path, weights_only=True, map_location="cpu")
+        if not isinstance(ck, dict):
+            raise ValueError(f"holds a {type(ck).__name__}, not a checkpoint table")
+        return ck
+    except Exception as e:  # noqa: BLE001 (torch raises many kinds on a damaged zip or pickle)
+        why = " ".join(str(e).split())[:160]
+        os.replace(path, path.with_name(path.name + ".damaged"))
+        print(f"cortiq: {path}: a damaged checkpoint ({type(e).__name__}: {why}), set aside as {path.name}.damaged; "
+              "the stage restarts from its beginning", file=sys.stderr)
+        return None
+
+
 def _save(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + ".partial")
     torch.save(obj, tmp)
@@ -259,8 +276,8 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
     st = {"done": 0, "cursor": 0, "skipped": 0, "scale": F16_SCALE if cdt == torch.float16 else 1.0,
           "step_secs": 0.0, "history": [], "evals": []}
     resumed = False
-    if ckpt_path.exists():
-        ck = torch.load(ckpt_path, weights_only=True, map_location="cpu")
+    ck = load_checkpoint(ckpt_path) if ckpt_path.exists() else None
+    if ck is not None:
         if ck.get("key") == key:
             tail.load(ck["trained"])
             opt.load_state_dict(ck["optim"])

@@ -31,11 +31,15 @@ def _arch_for(f: CmfFile):
     return arch
 
 
-def load_model(path, dtype: torch.dtype = torch.float32, device="cpu") -> CausalLM:
+def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", verify: bool = True,
+               allow_nonfinite: bool = False) -> CausalLM:
     """A CausalLM with the weights of a CMF file (quantized tensors dequantized
     to `dtype`). Every model parameter must be in the file and every file
-    tensor must be a model parameter; otherwise a CortiqError names them."""
+    tensor must be a model parameter; otherwise a CortiqError names them.
+    Each tensor's sha256 is checked as it is read (`verify=False` skips it) and
+    NaN/Inf weights are refused unless `allow_nonfinite`."""
     f = path if isinstance(path, CmfFile) else open_cmf(path)
+    f.check_layers()
     arch = _arch_for(f)
     with torch.device("meta"):
         model = CausalLM(arch)
@@ -54,7 +58,7 @@ def load_model(path, dtype: torch.dtype = torch.float32, device="cpu") -> Causal
     mods = dict(model.named_modules())
     for name, p in params.items():
         mod, _, attr = name.rpartition(".")
-        t = f.tensor(name, dtype).to(device)
+        t = f.checked_tensor(name, dtype, verify=verify, finite=not allow_nonfinite).to(device)
         setattr(mods[mod], attr, torch.nn.Parameter(t, requires_grad=p.requires_grad))
     model.source = f
     return model.eval()

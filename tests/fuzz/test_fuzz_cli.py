@@ -1,0 +1,204 @@
+"""Hostile model files through the command line: every corrupted CMF file and HF folder is
+refused by inspect / verify / recode / nll / convert / generate / data build with one line,
+a non-zero exit, no traceback, nothing written, in bounded memory and time (each case in a
+forked process under an address-space cap and a timeout)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fuzz_gen import ALL, CMF_CASES, HF_CASES, INJECT, TEXT, model_tensors, mutated, split, write_hf, write_valid_cmf
+from fuzz_runner import Cortiq, assert_clean_failure, assert_ok_or_clean, leftovers
+
+HYP = settings(max_examples=12, deadline=None, derandomize=True, database=None,
+               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def cortiq():
+    c = Cortiq()
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def valid(tmp_path_factory):
+    d = tmp_path_factory.mktemp("valid")
+    path = write_valid_cmf(d / "m.cmf")
+    (d / "text.txt").write_text(TEXT)
+    return path.read_bytes(), d / "text.txt"
+
+
+def _argv(cmd: str, model: Path, text: Path, out: Path) -> list:
+    return {"inspect": ["inspect", model], "verify": ["verify", model],
+            "recode": ["recode", model, out, "--codec", "q8"],
+            "nll": ["nll", model, text, "--device", "cpu", "--window", "16"]}[cmd]
+
+
+def test_the_valid_file_passes_everything(cortiq, valid, tmp_path):
+    # the control: each refusal below is caused by its mutation, not by the set-up
+    raw, text = valid
+    (tmp_path / "m.cmf").write_bytes(raw)
+    for cmd in ALL:
+        r = cortiq.run(_argv(cmd, tmp_path / "m.cmf", text, tmp_path / "out.cmf"), tmp_path)
+        assert r.rc == 0 and r.stderr == "", str(r)
+    assert (tmp_path / "out.cmf").exists()
+
+
+@pytest.mark.parametrize("case", sorted(CMF_CASES))
+def test_corrupted_cmf(case, cortiq, valid, tmp_path):
+    raw, text = valid
+    _, must_fail, match = CMF_CASES[case]
+    bad = tmp_path / "bad.cmf"
+    bad.write_bytes(mutated(raw, case))
+    for cmd in ALL:
+        out = tmp_path / "out.cmf"
+        r = cortiq.run(_argv(cmd, bad, text, out), tmp_path)
+        if cmd in must_fail:
+            assert_clean_failure(r, match, out=out if cmd == "recode" else None)
+        else:
+            assert_ok_or_clean(r, out=out if cmd == "recode" else None)
+        out.unlink(missing_ok=True)
+
+
+def test_skipping_the_checks_is_explicit(cortiq, valid, tmp_path):
+    raw, text = valid
+    bad, nan = tmp_path / "bad.cmf", tmp_path / "nan.cmf"
+    bad.write_bytes(mutated(raw, "flipped data byte"))
+    nan.write_bytes(mutated(raw, "NaN weight"))
+    r = cortiq.run(["recode", bad, tmp_path / "o1.cmf", "--codec", "f16", "--no-verify"], tmp_path)
+    assert r.rc == 0, str(r)
+    r = cortiq.run(["recode", nan, tmp_path / "o2.cmf", "--codec", "f32", "--allow-nonfinite"], tmp_path)
+    assert r.rc == 0, str(r)
+    # what --allow-nonfinite copied still fails verify: the NaN is reported, not laundered
+    assert_clean_failure(cortiq.run(["verify", tmp_path / "o2.cmf"], tmp_path), r"hold NaN or Inf values: model.norm.weight")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_not_a_regular_file(kind, cortiq, valid, tmp_path):
+    _, text = valid
+    p = tmp_path / "m.cmf"
+    os.mkfifo(p) if kind == "fifo" else p.mkdir()
+    for cmd in ALL:
+        r = cortiq.run(_argv(cmd, p, text, tmp_path / "out.cmf"), tmp_path, timeout=10)
+        assert_clean_failure(r, "not a regular file" if kind == "fifo" else "is a directory", out=tmp_path / "out.cmf")
+
+
+@HYP
+@given(cut=st.floats(0.0, 0.999))
+def test_truncated_anywhere(cut, cortiq, valid, tmp_path_factory):
+    raw, text = valid
+    d = tmp_path_factory.mktemp("cut")
+    bad = d / "bad.cmf"
+    bad.write_bytes(raw[: int(len(raw) * cut)])
+    for cmd in ("verify", "recode"):
+        r = cortiq.run(_argv(cmd, bad, text, d / "out.cmf"), d)
+        assert_clean_failure(r, r"truncated|not a CMF file|header runs past", out=d / "out.cmf")
+
+
+def _json_values():
+    leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
+                     st.text(max_size=8))
+    return st.recursive(leaf, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                        max_leaves=8)
+
+
+@HYP
+@given(where=st.sampled_from(["doc", "arch", "tokenizer"]), key=st.data(), value=_json_values())
+def test_any_value_anywhere(where, key, value, cortiq, valid, tmp_path_factory):
+    """Any JSON value under any key of the document, the arch or the tokenizer: refused with one
+    line, or accepted and then read without a crash."""
+    raw, text = valid
+    header, data = split(raw)
+    doc = json.loads(header["__metadata__"]["cmf"])
+    target = {"doc": doc, "arch": doc["arch"], "tokenizer": doc["tokenizer"]}[where]
+    k = key.draw(st.sampled_from(sorted(target)))
+    target[k] = value
+    header["__metadata__"]["cmf"] = json.dumps(doc)
+    from fuzz_gen import join
+
+    d = tmp_path_factory.mktemp("swap")
+    bad = d / "bad.cmf"
+    bad.write_bytes(join(header, data))
+    for cmd in ("inspect", "nll"):
+        assert_ok_or_clean(cortiq.run(_argv(cmd, bad, text, d / "out.cmf"), d))
+
+
+@pytest.mark.parametrize("case", sorted(HF_CASES))
+def test_corrupted_hf_folder(case, cortiq, tmp_path):
+    sharded, mutate, match = HF_CASES[case]
+    src = write_hf(tmp_path / "hf", sharded=sharded)
+    mutate(src, tmp_path / "outside")
+    out = tmp_path / "out.cmf"
+    r = cortiq.run(["convert", src, out], tmp_path)
+    assert_clean_failure(r, match, out=out)
+    assert not (tmp_path / "INJECTED").exists() and not (src / "INJECTED").exists()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_valid_hf_folder_converts(sharded, cortiq, tmp_path):
+    src = write_hf(tmp_path / "hf", sharded=sharded)
+    r = cortiq.run(["convert", src, tmp_path / "out.cmf"], tmp_path)
+    assert r.rc == 0, str(r)
+
+
+def test_a_hugging_face_cache_snapshot_converts(cortiq, tmp_path):
+    # the cache's files are symlinks to ../../blobs: they leave the snapshot, not the cached repository
+    repo = tmp_path / "models--org--tiny"
+    snap = write_hf(repo / "snapshots" / "abc123")
+    (repo / "blobs").mkdir()
+    for p in list(snap.iterdir()):
+        p.rename(repo / "blobs" / p.name)
+        p.symlink_to(Path("../../blobs") / p.name)
+    r = cortiq.run(["convert", snap, tmp_path / "out.cmf"], tmp_path)
+    assert r.rc == 0, str(r)
+
+
+def test_generate_chat_does_not_run_the_template(cortiq, tmp_path):
+    m = write_valid_cmf(tmp_path / "m.cmf", template=INJECT)
+    r = cortiq.run(["generate", m, "hi", "--chat", "--device", "cpu", "--max-new", "2"], tmp_path)
+    assert_clean_failure(r, r"m.cmf: the chat template failed: SecurityError")
+    assert not (tmp_path / "INJECTED").exists()
+
+
+def test_data_build_does_not_run_the_template(cortiq, tmp_path):
+    m = write_valid_cmf(tmp_path / "m.cmf", template=INJECT)
+    src = tmp_path / "chats.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}))
+    out = tmp_path / "td"
+    r = cortiq.run(["data", "build", src, "--tokenizer", m, "--out", out], tmp_path)
+    assert_clean_failure(r, r"SecurityError", out=out)
+    assert not (tmp_path / "INJECTED").exists()
+
+
+def test_data_build_out_names_a_file(cortiq, valid, tmp_path):
+    raw, text = valid
+    (tmp_path / "m.cmf").write_bytes(raw)
+    out = tmp_path / "taken.txt"
+    out.write_text("mine")
+    r = cortiq.run(["data", "build", text, "--tokenizer", tmp_path / "m.cmf", "--out", out], tmp_path)
+    assert_clean_failure(r, r"taken.txt: exists and is not a directory")
+    assert out.read_text() == "mine" and not leftovers(tmp_path)
+    # nor a directory of other things, which replacing would delete
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "keep.txt").write_text("mine")
+    r = cortiq.run(["data", "build", text, "--tokenizer", tmp_path / "m.cmf", "--out", tmp_path / "docs"], tmp_path)
+    assert_clean_failure(r, r"docs: a directory that is not tdata")
+    assert (tmp_path / "docs" / "keep.txt").read_text() == "mine"
+
+
+def test_nll_refuses_a_non_finite_result(cortiq, valid, tmp_path):
+    # finite weights whose product overflows: logits of ±Inf, a NaN log-softmax
+    _, text = valid
+    ts = model_tensors()
+    ts["model.embed_tokens.weight"] *= 1e10
+    ts["model.norm.weight"] *= 1e30
+    m = write_valid_cmf(tmp_path / "m.cmf", tensors=ts)
+    r = cortiq.run(["nll", m, text, "--device", "cpu", "--window", "16"], tmp_path)
+    assert_clean_failure(r, r"the NLL is nan.*the model is damaged")
