@@ -57,7 +57,7 @@ def add_arguments(p):
     p.add_argument("--eval-data", default=None, metavar="TDATA",
                    help="a tdata directory of held-out text of another source (every record scored); the gap "
                         "recovered is reported on it")
-    p.add_argument("--no-score", action="store_true", help="skip the test NLL of source, student and healed")
+    p.add_argument("--no-score", action="store_true", help="skip scoring source, student and healed (test split and --eval-data)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     g = p.add_argument_group("heal settings")
     for f in dataclasses.fields(HealSettings):

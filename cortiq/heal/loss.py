@@ -1,5 +1,9 @@
-"""The distillation loss: KL of the student's next-token distribution against a
-sparse top-k target, fused with the head so no [rows, V] tensor exists at once.
+"""The distillation losses, fused with the head so no [rows, V] tensor exists
+beyond one chunk of rows: `topk_kl` (KL against a sparse target: top-k or
+sampled entries), `topk_rest_kl` (the same plus one bucket holding the target's
+mass off the listed ids, scored against the student's 1 − Σq), `dense_kl` (the
+teacher's whole distribution, both heads run chunk by chunk). Each has a plain
+`*_reference` beside it.
 
 Per row r with target probabilities p_r (already scaled by the row's weight,
 possibly all 0) over token ids i_r:

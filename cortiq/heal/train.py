@@ -1,5 +1,6 @@
 """Student training (S4): the layers from `train_from` up (all of them, or
-their MLPs only) learn the targets' top-k distribution.
+their MLPs only) learn the targets (top-k, top-k plus a rest bucket, sampled
+teacher tokens, or the teacher's whole distribution run online: `Objective`).
 
 f32 master weights, Adam, compute under autocast (bf16 on CUDA); warm-up then
 cosine to 0.1 of the peak, or the Genesis schedule; gradient clipping; a
