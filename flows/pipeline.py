@@ -33,8 +33,28 @@ def data(st: Stages, s: PipelineSettings, model: str) -> str:
 
 
 def score(st: Stages, s: PipelineSettings, label: str, model: str, tdata: str) -> dict:
-    return st.run(f"score.{label}", score_task, plan_score, model=model, tdata=tdata, window=s.score_window,
-                  max_tokens=s.score_tokens, label=label)
+    r = st.run(f"score.{label}", score_task, plan_score, model=model, tdata=tdata, window=s.score_window,
+               max_tokens=s.score_tokens, label=label)
+    if label == "healed":
+        log_gap(st)
+    return r
+
+
+def log_gap(st: Stages) -> float | None:
+    """heal.gap_recovered = (pruned − healed) / (pruned − source) and the three NLLs
+    as MLflow metrics, once source, pruned and healed are scored; the tag
+    heal.gap_text says on which text (the parameter set's own test split)."""
+    from cortiq.heal.stages import gap_recovered
+
+    nll = {name: ((st.results.get(f"score.{label}") or {}).get("report") or {}).get("metrics", {}).get("nll")
+           for name, label in (("source", "source"), ("student", "pruned"), ("healed", "healed"))}
+    if any(v is None for v in nll.values()):
+        return None
+    g = gap_recovered(nll)
+    st.log.log_metrics({"heal.nll.source": nll["source"], "heal.nll.pruned": nll["student"],
+                        "heal.nll.healed": nll["healed"], **({} if g is None else {"heal.gap_recovered": g})})
+    st.log.set_tags({"heal.gap_text": "test split of the parameter set's data (in-domain)"})
+    return g
 
 
 def compress(st: Stages, s: PipelineSettings, source: str, tdata: str) -> str:

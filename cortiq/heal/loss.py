@@ -1,5 +1,9 @@
-"""The distillation loss: KL of the student's next-token distribution against a
-sparse top-k target, fused with the head so no [rows, V] tensor exists at once.
+"""The distillation losses, fused with the head so no [rows, V] tensor exists
+beyond one chunk of rows: `topk_kl` (KL against a sparse target: top-k or
+sampled entries), `topk_rest_kl` (the same plus one bucket holding the target's
+mass off the listed ids, scored against the student's 1 − Σq), `dense_kl` (the
+teacher's whole distribution, both heads run chunk by chunk). Each has a plain
+`*_reference` beside it.
 
 Per row r with target probabilities p_r (already scaled by the row's weight,
 possibly all 0) over token ids i_r:
@@ -94,3 +98,180 @@ def topk_kl(hidden: torch.Tensor, head_weight: torch.Tensor, ids: torch.Tensor, 
     if hidden.dim() != 2 or ids.shape != probs.shape or ids.shape[0] != hidden.shape[0]:
         raise ValueError(f"topk_kl: hidden {tuple(hidden.shape)}, ids {tuple(ids.shape)}, probs {tuple(probs.shape)} do not match")
     return _TopkKL.apply(hidden, head_weight, ids, probs, max(1, int(chunk)))
+
+
+# ── the rest bucket: k listed entries plus one for everything else ───────
+
+
+def topk_rest_kl_reference(hidden: torch.Tensor, head_weight: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor,
+                           rest: torch.Tensor) -> torch.Tensor:
+    """The plain computation of `topk_rest_kl`: full logits, the listed entries
+    gathered, the rest bucket as log(1 − Σq) (fine in f64 for the sizes tests use)."""
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    logp = torch.log_softmax((hidden @ head_weight.t()).to(acc), dim=-1)  # [N, V]
+    p, r = probs.to(acc), rest.to(acc)
+    qs = logp.gather(1, ids.long()).exp().sum(1)  # [N] the student's mass on the listed ids
+    listed = (torch.xlogy(p, p) - p * logp.gather(1, ids.long())).sum()
+    return listed + (torch.xlogy(r, r) - r * torch.log1p(-qs)).sum()
+
+
+class _TopkRestKL(torch.autograd.Function):
+    """Σ_r [Σ_k p_rk (log p_rk − log q_rk) + ρ_r (log ρ_r − log(1 − Σ_k q_rk))]
+    in row chunks. log(1 − Σq) is taken as logsumexp of the logits off the
+    listed ids minus the full logsumexp: exact when the listed ids hold almost
+    all of the mass, where 1 − Σq in floating point would cancel to 0 or less."""
+
+    @staticmethod
+    def forward(ctx, hidden, head_weight, ids, probs, rest, chunk):
+        n = hidden.shape[0]
+        ids = ids.long()
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        dev = hidden.device.type
+        cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+        ctx.in_dtype = hidden.dtype
+        hidden = hidden.to(cdt)
+        p, r = probs.to(acc), rest.to(acc)
+        lse = hidden.new_empty(n, dtype=acc)  # [N] over the vocabulary
+        lse_r = hidden.new_empty(n, dtype=acc)  # [N] over the ids not listed
+        total = hidden.new_zeros((), dtype=acc)
+        w = head_weight.to(cdt)
+        for a in range(0, n, chunk):
+            sl = slice(a, a + chunk)
+            z = (hidden[sl] @ w.t()).to(acc)  # [c, V]
+            lse[sl] = torch.logsumexp(z, dim=-1)
+            zi = z.gather(1, ids[sl])  # [c, k]
+            off = torch.logsumexp(z.scatter(1, ids[sl], float("-inf")), dim=-1)  # [c]; −inf when all listed
+            # a row with no rest mass has no rest term (and −inf would make it 0·∞)
+            has = r[sl] > 0
+            lse_r[sl] = torch.where(has, off, lse[sl])
+            pc, rc = p[sl], r[sl]
+            total += (torch.xlogy(pc, pc) - pc * (zi - lse[sl, None])).sum()
+            total += torch.where(has, torch.xlogy(rc, rc) - rc * (lse_r[sl] - lse[sl]), 0.0).sum()
+        ctx.save_for_backward(hidden, head_weight, ids, p, r, lse, lse_r)
+        ctx.chunk = chunk
+        return total
+
+    @staticmethod
+    def backward(ctx, g):
+        hidden, head_weight, ids, p, r, lse, lse_r = ctx.saved_tensors
+        chunk = ctx.chunk
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gh = torch.empty_like(hidden) if need_h else None
+        gw = torch.zeros(head_weight.shape, dtype=p.dtype, device=head_weight.device) if need_w else None
+        mass = p.sum(1) + r  # [N] the row's whole target mass
+        w = head_weight.to(hidden.dtype)
+        for a in range(0, hidden.shape[0], chunk):
+            sl = slice(a, a + chunk)
+            hc = hidden[sl]  # [c, H]
+            z = (hc @ w.t()).to(p.dtype)  # [c, V]
+            # dL/dz_j = M·q_j − p_j (listed j) − ρ·q_j/(1 − Σq) (j not listed):
+            # the rest bucket pulls the unlisted ids up in proportion to their share of it
+            dz = torch.exp(z - lse[sl, None]) * mass[sl, None]
+            dz -= torch.exp(z.scatter_(1, ids[sl], float("-inf")) - lse_r[sl, None]) * r[sl, None]
+            dz.scatter_add_(1, ids[sl], -p[sl])
+            dz = (dz * g).to(hidden.dtype)
+            if need_h:
+                gh[sl] = dz @ w
+            if need_w:
+                gw += (dz.t() @ hc).to(gw.dtype)
+        if need_w:
+            gw = gw.to(head_weight.dtype)
+        if need_h:
+            gh = gh.to(ctx.in_dtype)
+        return gh, gw, None, None, None, None
+
+
+def topk_rest_kl(hidden: torch.Tensor, head_weight: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor,
+                 rest: torch.Tensor, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Summed KL of `hidden` [N,H] through `head_weight` [V,H] against the
+    listed entries `ids`/`probs` [N,k] (distinct ids per row, unnormalised)
+    plus a rest bucket `rest` [N]: the target's mass off the listed ids, scored
+    against the student's 1 − Σq over the same ids."""
+    if hidden.dim() != 2 or ids.shape != probs.shape or ids.shape[0] != hidden.shape[0] or rest.shape != ids.shape[:1]:
+        raise ValueError(f"topk_rest_kl: hidden {tuple(hidden.shape)}, ids {tuple(ids.shape)}, probs {tuple(probs.shape)}, "
+                         f"rest {tuple(rest.shape)} do not match")
+    return _TopkRestKL.apply(hidden, head_weight, ids, probs, rest, max(1, int(chunk)))
+
+
+# ── the dense reference target: the teacher's whole distribution, online ──
+
+
+def dense_kl_reference(hidden, head_weight, t_hidden, t_head_weight, nxt, weight, ce: float) -> torch.Tensor:
+    """Plain: Σ_r w_r·KL(α·onehot(next_r) + (1−α)·softmax(teacher_r) ‖ softmax(student_r))."""
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    logq = torch.log_softmax((hidden @ head_weight.t()).to(acc), -1)  # [N, V]
+    t = (1.0 - ce) * torch.softmax((t_hidden @ t_head_weight.t()).to(acc), -1)
+    t = t + ce * torch.nn.functional.one_hot(nxt.long(), t.shape[1]).to(acc)
+    return (weight.to(acc)[:, None] * (torch.xlogy(t, t) - t * logq)).sum()
+
+
+def _dense_target(zt, nxt, ce: float):
+    """[c, V] target rows α·onehot(next) + (1−α)·softmax(zt), f32/f64 as zt."""
+    t = torch.softmax(zt, -1) * (1.0 - ce)
+    if ce > 0.0:
+        t.scatter_add_(1, nxt[:, None], torch.full_like(t[:, :1], ce))
+    return t
+
+
+class _DenseKL(torch.autograd.Function):
+    """Both heads in row chunks: neither model's [rows, V] logits exist beyond one chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, head_weight, t_hidden, t_head_weight, nxt, weight, ce, chunk):
+        n = hidden.shape[0]
+        nxt = nxt.long()
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        dev = hidden.device.type
+        cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+        ctx.in_dtype = hidden.dtype
+        hidden, t_hidden = hidden.to(cdt), t_hidden.detach().to(cdt)
+        w, tw = head_weight.to(cdt), t_head_weight.detach().to(cdt)
+        wt = weight.to(acc)
+        total = hidden.new_zeros((), dtype=acc)
+        for a in range(0, n, chunk):
+            sl = slice(a, a + chunk)
+            logq = torch.log_softmax((hidden[sl] @ w.t()).to(acc), -1)  # [c, V]
+            t = _dense_target((t_hidden[sl] @ tw.t()).to(acc), nxt[sl], ce)  # [c, V]
+            total += (wt[sl, None] * (torch.xlogy(t, t) - t * logq)).sum()
+        ctx.save_for_backward(hidden, head_weight, t_hidden, t_head_weight, nxt, wt)
+        ctx.ce, ctx.chunk = ce, chunk
+        return total
+
+    @staticmethod
+    def backward(ctx, g):
+        hidden, head_weight, t_hidden, t_head_weight, nxt, wt = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gh = torch.empty_like(hidden) if need_h else None
+        gw = torch.zeros(head_weight.shape, dtype=wt.dtype, device=head_weight.device) if need_w else None
+        w, tw = head_weight.to(hidden.dtype), t_head_weight.to(hidden.dtype)
+        for a in range(0, hidden.shape[0], ctx.chunk):
+            sl = slice(a, a + ctx.chunk)
+            hc = hidden[sl]
+            q = torch.softmax((hc @ w.t()).to(wt.dtype), -1)  # [c, V]
+            t = _dense_target((t_hidden[sl] @ tw.t()).to(wt.dtype), nxt[sl], ctx.ce)
+            dz = ((q - t) * (wt[sl, None] * g)).to(hidden.dtype)  # a target row sums to 1: dL/dz = w·(q − t)
+            if need_h:
+                gh[sl] = dz @ w
+            if need_w:
+                gw += (dz.t() @ hc).to(gw.dtype)
+        if need_w:
+            gw = gw.to(head_weight.dtype)
+        if need_h:
+            gh = gh.to(ctx.in_dtype)
+        return gh, gw, None, None, None, None, None, None
+
+
+def dense_kl(hidden: torch.Tensor, head_weight: torch.Tensor, t_hidden: torch.Tensor, t_head_weight: torch.Tensor,
+             nxt: torch.Tensor, weight: torch.Tensor, ce: float = 0.0, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Summed KL of the student rows `hidden` [N,H] through `head_weight` [V,H]
+    against the teacher's whole next-token distribution (its rows `t_hidden`
+    [N,H'] through `t_head_weight` [V,H']), the data's next token `nxt` [N]
+    mixed in with weight `ce`, each row scaled by `weight` [N]. The teacher's
+    side gets no gradient."""
+    n = hidden.shape[0]
+    if hidden.dim() != 2 or t_hidden.shape[0] != n or nxt.shape != (n,) or weight.shape != (n,) \
+            or head_weight.shape[0] != t_head_weight.shape[0]:
+        raise ValueError(f"dense_kl: hidden {tuple(hidden.shape)}, teacher rows {tuple(t_hidden.shape)}, next "
+                         f"{tuple(nxt.shape)}, weight {tuple(weight.shape)}, heads {tuple(head_weight.shape)} / "
+                         f"{tuple(t_head_weight.shape)} do not match")
+    return _DenseKL.apply(hidden, head_weight, t_hidden, t_head_weight, nxt, weight, float(ce), max(1, int(chunk)))

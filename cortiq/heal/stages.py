@@ -72,7 +72,7 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
     from safetensors.torch import save_file
 
     from ..model import load_model
-    from .train import SplitData, StudentTail, fit, train_index, val_index
+    from .train import Objective, SplitData, StudentTail, fit, train_index, val_index
 
     s = settings
     work_dir = Path(work_dir)
@@ -81,6 +81,8 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
     tg = targets_mod.Targets(targets_dir)
     if tg.T != s.window:
         raise CortiqError(f"{targets_dir}: targets of windows of {tg.T} tokens, the settings say {s.window}")
+    if tg.kind != s.teacher_kind:
+        raise CortiqError(f"{targets_dir}: {tg.kind} targets, the settings say {s.teacher_kind}")
     pre = prefix_mod.Prefix(prefix_dir) if prefix_dir is not None else None
     if pre is not None and pre.cached and pre.train_from != s.train_from:
         raise CortiqError(f"{prefix_dir}: a prefix of layers 0..{pre.train_from}, the settings train from {s.train_from}")
@@ -98,11 +100,20 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
     model.to(dev)
     if s.compile and dev.type == "cuda":
         model.compile_layers()
+    obj = Objective(tg.kind, None, s.ce)
+    if tg.kind == "full":
+        # the whole distribution, online: the teacher the targets stage names
+        if not tg.teacher:
+            raise CortiqError(f"{targets_dir}: \"full\" targets that name no teacher")
+        obj.teacher = load_model(tg.teacher, dtype=torch.float32, device=dev).eval()
+        if s.compile and dev.type == "cuda":
+            obj.teacher.compile_layers()
     key = store.digest(TRAIN_STAGE, TRAIN_VERSION, _train_key(s),
                        [store.file_digest(student_cmf), store.file_digest(targets_dir)]
                        + ([store.file_digest(prefix_dir)] if cached else []))
     logger.log_params({f"heal.{k}": v for k, v in s.to_dict().items()})
-    rep = fit(tail, splits["train"], splits["val"], s, work_dir, dev, cdt, key=key, logger=logger, progress=progress)
+    rep = fit(tail, splits["train"], splits["val"], s, work_dir, dev, cdt, key=key, logger=logger, progress=progress,
+              obj=obj)
     out = work_dir / TRAINED
     tmp = out.with_name(out.name + ".partial")
     save_file({n: t.contiguous() for n, t in tail.state().items()}, str(tmp), metadata={"key": key})
@@ -125,11 +136,11 @@ def provenance_block(train_report: dict, s: HealSettings, teacher, prefix_dtype:
     }
 
 
-def export(student_cmf, trained, out, provenance: dict, codec: str = "keep") -> Path:
-    """The healed CMF: the student with the trained tensors, in the student's codecs, provenance `heal`."""
+def healed_model(student_cmf, trained, device="cpu"):
+    """The student with the trained tensors, in memory (f32)."""
     from safetensors.torch import load_file
 
-    from ..model import export_model, load_model
+    from ..model import load_model
 
     model = load_model(student_cmf, dtype=torch.float32, device="cpu")
     params = dict(model.named_parameters())
@@ -142,12 +153,21 @@ def export(student_cmf, trained, out, provenance: dict, codec: str = "keep") -> 
             if tuple(t.shape) != tuple(params[n].shape):
                 raise CortiqError(f"{trained}: {n} has shape {list(t.shape)}, the student's is {list(params[n].shape)}")
             params[n].copy_(t)
+    return model.to(device)
+
+
+def export(student_cmf, trained, out, provenance: dict, codec: str = "keep") -> Path:
+    """The healed CMF: the student with the trained tensors, in the student's codecs, provenance `heal`."""
+    from ..model import export_model
+
+    model = healed_model(student_cmf, trained)
     return export_model(model, student_cmf, out, codec=codec, provenance_stage="heal", provenance=provenance)
 
 
-def score(models: dict, tdata_dir, split: str = "test", loss_on: str = "answer", device: str = "auto",
+def score(models: dict, tdata_dir, split: str | None = "test", loss_on: str = "answer", device: str = "auto",
           progress: bool = True) -> dict:
-    """Teacher-forced NLL per scored token of each model on `split`: {name: nll}."""
+    """Teacher-forced NLL per scored token of each model on `split` (None: every
+    record): {name: nll}. A model is a CMF path or a loaded module."""
     from tqdm import tqdm
 
     from ..data import Tdata
@@ -156,32 +176,50 @@ def score(models: dict, tdata_dir, split: str = "test", loss_on: str = "answer",
 
     td = Tdata.open(tdata_dir)
     recs = td.records(split)
+    where = "every" if split is None else f"the {split}"
     if not recs:
-        raise CortiqError(f"{tdata_dir}: the {split} split is empty")
+        raise CortiqError(f"{tdata_dir}: {where} split is empty" if split else f"{tdata_dir}: no records")
     dev = resolve_device(device)
     out = {}
-    for name, path in models.items():
-        model = load_model(path, dtype=torch.float32, device=dev)
-        bar = tqdm(total=len(recs), desc=f"{split} NLL ({name})", unit="rec", disable=not progress,
+    for name, m in models.items():
+        model = m.to(dev) if isinstance(m, torch.nn.Module) else load_model(m, dtype=torch.float32, device=dev)
+        bar = tqdm(total=len(recs), desc=f"{split or 'all'} NLL ({name})", unit="rec", disable=not progress,
                    file=__import__("sys").stderr)
         s, n = score_records(model, recs, loss_on=loss_on, pad_id=td.eos_id, progress=bar.update)
         bar.close()
         if n == 0:
-            raise CortiqError(f"{tdata_dir}: the {split} split has no scored token")
+            raise CortiqError(f"{tdata_dir}: {where} split has no scored token" if split else f"{tdata_dir}: no scored token")
         out[name] = s / n
         del model
     return out
 
 
+def gap_recovered(nll: dict) -> float | None:
+    """(pruned − healed) / (pruned − source): the share of the pruning's NLL loss the heal won back."""
+    if "source" not in nll or nll["student"] == nll["source"]:
+        return None
+    return (nll["student"] - nll["healed"]) / (nll["student"] - nll["source"])
+
+
 def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,
-         work_dir=None, progress: bool = True, score_split: str | None = "test") -> dict:
-    """Targets, prefix, training, export and scoring in one call (the CLI's);
+         work_dir=None, progress: bool = True, score_split: str | None = "test", eval_data=None) -> dict:
+    """Targets, prefix, training, scoring and export in one call (the CLI's);
     every step's output under `work_dir` is reused when complete, and training
-    resumes from its last checkpoint."""
+    resumes from its last checkpoint.
+
+    Scoring: NLL of source, student and healed on the heal data's `score_split`
+    and, when `eval_data` (a tdata directory of other text) is given, on every
+    record of it; the gap recovered is reported on `eval_data` when given (the
+    heal data's own test split rewards adapting to that text, which is not
+    recovery), and goes into the healed model's provenance with its NLLs."""
     s = settings
     out = Path(out)
     teacher = None if s.ce >= 1.0 and teacher_cmf is None else teacher_cmf
     check_inputs(student_cmf, teacher, tdata_dir, s)
+    if eval_data is not None:
+        from ..data import Tdata
+
+        Tdata.open(eval_data).check_tokenizer(student_cmf)
     work = Path(work_dir) if work_dir is not None else out.with_name(out.name + ".work")
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -200,21 +238,37 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
             prep = {"metrics": {}, "dtype": store.read_meta(pdir)["dtype"], "reused": True}
     rep = train(student_cmf, tdir, pdir, tdata_dir, s, work / "train", logger, progress=progress)
     m = rep["metrics"]
-    export(student_cmf, rep["trained"], out, provenance_block(rep, s, teacher, prep["dtype"]))
-    logger.log_artifact(str(out))
     report = {"metrics": {**m, **{f"teacher.{k}": v for k, v in trep["metrics"].items()},
                           **{f"prefix.{k}": v for k, v in prep["metrics"].items()}},
               "history": rep["history"], "evals": rep["evals"], "out": str(out), "work": str(work)}
-    if score_split:
-        models = {"student": student_cmf, "healed": out}
+    block = provenance_block(rep, s, teacher, prep["dtype"])
+    if score_split or eval_data is not None:
+        healed = healed_model(student_cmf, rep["trained"])
+        models = {"student": student_cmf, "healed": healed}
         if teacher is not None:
             models = {"source": teacher, **models}
-        nll = score(models, tdata_dir, score_split, s.loss_on, s.device, progress=progress)
-        report["nll"] = nll
-        for k, v in nll.items():
-            report["metrics"][f"nll.{k}"] = v
-        if "source" in nll and nll["student"] != nll["source"]:
-            report["metrics"]["gap_recovered"] = (nll["student"] - nll["healed"]) / (nll["student"] - nll["source"])
-        logger.log_metrics({f"heal.nll.{k}": v for k, v in nll.items()})
+        gap = None
+        if score_split:
+            nll = score(models, tdata_dir, score_split, s.loss_on, s.device, progress=progress)
+            report["nll"] = nll
+            report["metrics"].update({f"nll.{k}": v for k, v in nll.items()})
+            logger.log_metrics({f"heal.nll.{k}": v for k, v in nll.items()})
+            gap = {"text": f"the {score_split} split of the heal data {tdata_dir} (in-domain)", "nll": nll}
+        if eval_data is not None:
+            nll = score(models, eval_data, None, s.loss_on, s.device, progress=progress)
+            report["eval_nll"] = nll
+            report["metrics"].update({f"eval_nll.{k}": v for k, v in nll.items()})
+            logger.log_metrics({f"heal.eval_nll.{k}": v for k, v in nll.items()})
+            gap = {"text": f"{eval_data} (held-out text of another source)", "nll": nll}
+        g = gap_recovered(gap["nll"])
+        if g is not None:
+            gap["gap_recovered"] = g
+            report["metrics"]["gap_recovered"] = g
+            logger.log_metrics({"heal.gap_recovered": g})
+        report["gap"] = gap
+        block["gap"] = gap
+        del healed
+    export(student_cmf, rep["trained"], out, block)
+    logger.log_artifact(str(out))
     report["metrics"]["secs"] = time.perf_counter() - t0
     return report

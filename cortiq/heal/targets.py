@@ -1,9 +1,19 @@
-"""The heal targets: per row, the teacher's top-k next-token distribution
-(renormalised), the data's own next token mixed in with weight `ce`, every
-row scaled by its weight (unscored rows weigh 0).
+"""The heal targets: per row, a sparse picture of the teacher's next-token
+distribution, the data's own next token mixed in with weight `ce`, every row
+scaled by its weight (unscored rows weigh 0). The kinds (`HealSettings.target`):
+
+- "topk": the teacher's k most likely ids, renormalised over them;
+- "topk+rest": the same k entries unnormalised, and one last slot holding the
+  mass on every other id (its id is `REST_ID`, never a token);
+- "sampled": k draws from the teacher's distribution; each distinct id stored
+  with weight count/k (unused slots weigh 0 and may repeat an id), so the
+  stored row is an unbiased estimate of the teacher's whole distribution;
+- "full" and ce = 1: the data's next token and the row weight only (the
+  "full" teacher runs online in the trainer).
 
 Output (a stage directory): `train.arrow` and `val.arrow`, one row per window:
-`ids` [T·k] uint32, `probs` [T·k] f32, `total` (the window's summed row weights).
+`ids` [T·slots] uint32, `probs` [T·slots] f32, `total` (the window's summed
+row weights).
 """
 
 from __future__ import annotations
@@ -22,6 +32,9 @@ from .settings import HealSettings
 STAGE = "heal-targets"
 VERSION = 1
 SPLITS = ("train", "val")
+#: the id of the "topk+rest" rest slot: outside any vocabulary, so a slip that
+#: gathers it fails loudly
+REST_ID = (1 << 32) - 1
 
 
 def mix_targets(ids: torch.Tensor, probs: torch.Tensor, nxt: torch.Tensor, weight: torch.Tensor, ce: float):
@@ -73,6 +86,134 @@ def mix_targets_reference(ids, probs, nxt, weight, ce, vocab: int) -> torch.Tens
     return out
 
 
+def sparse_rows(z: torch.Tensor, nxt: torch.Tensor, weight: torch.Tensor, kind: str, k: int, ce: float,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of teacher logits `z` [c, V], the data's next token `nxt` [c]
+    and row `weight` [c] -> stored (ids int64 [c, slots], probs f32 [c, slots])
+    for `kind` "topk+rest" or "sampled" (vectorised over rows).
+
+    topk+rest with 0 < ce: k+1 listed ids, the teacher's top k and the data's
+    token (the (k+1)-th most likely id when the token is already among the k),
+    so the hard target always has its own entry and the rest bucket stays
+    disjoint from it; each listed id carries (1−ce)·p_teacher (+ ce on the
+    token), the rest slot (1−ce)·(1 − Σ p_listed), taken as a logsumexp off the
+    listed ids (1 − Σp cancels in f32 when the k hold nearly all of the mass).
+
+    sampled: k draws with replacement from softmax(z) (inverse CDF, `generator`
+    seeds the uniforms); each distinct id drawn holds one slot with weight
+    count·(1−ce)/k (+ ce at the token); slots beyond the distinct ids weigh 0
+    (their ids mean nothing). E[stored] = weight·((1−ce)·p + ce·onehot)."""
+    zf = z.float()
+    c = zf.shape[0]
+    nxt = nxt.long()
+    wt = weight.float()[:, None]
+    extra = int(ce > 0.0)
+    if kind == "topk+rest":
+        lse = torch.logsumexp(zf, -1, keepdim=True)  # [c, 1]
+        top = zf.topk(k + extra, -1).indices  # [c, k(+1)]
+        if extra:
+            ranked = (top[:, :k] == nxt[:, None]).any(1)  # [c]
+            top[:, k] = torch.where(ranked, top[:, k], nxt)
+        pt = torch.exp(zf.gather(1, top) - lse)  # [c, k(+1)] the teacher's own probabilities
+        rest = torch.exp(torch.logsumexp(zf.scatter(1, top, float("-inf")), -1, keepdim=True) - lse)  # [c, 1]
+        probs = (1.0 - ce) * pt
+        if extra:
+            probs = probs + ce * (top == nxt[:, None])
+        ids = torch.cat([top, torch.full((c, 1), REST_ID, dtype=top.dtype, device=top.device)], 1)
+        return ids, torch.cat([probs, (1.0 - ce) * rest], 1) * wt
+    if kind == "sampled":
+        draws = inverse_cdf(zf, k, generator).sort(-1).values  # [c, k]
+        # equal draws are neighbours once sorted: each run of one id becomes one
+        # slot (its first), weighted count·(1−ce)/k; the rest of the row weighs 0
+        first = torch.ones_like(draws, dtype=torch.bool)
+        first[:, 1:] = draws[:, 1:] != draws[:, :-1]
+        run = first.long().cumsum(-1) - 1  # [c, k] the slot of each draw's run
+        ids = torch.zeros(c, k + extra, dtype=torch.long, device=zf.device).scatter_(1, run, draws)
+        probs = torch.zeros(c, k + extra, device=zf.device).scatter_add_(
+            1, run, torch.full((c, k), (1.0 - ce) / k, device=zf.device))
+        if extra:
+            # the hard target: added to its own slot when drawn, else it takes the
+            # last slot (k draws fill at most k, so that one is always free)
+            hit = ids[:, :k] == nxt[:, None]  # [c, k]; slots past the runs weigh 0 and may repeat an id
+            hit &= probs[:, :k] > 0
+            drawn = hit.any(1)
+            slot = torch.where(drawn, hit.to(torch.int8).argmax(1), torch.full_like(nxt, k))
+            ids[:, k] = torch.where(drawn, ids[:, k], nxt)
+            probs.scatter_add_(1, slot[:, None], torch.full((c, 1), ce, device=zf.device))
+        return ids, probs * wt
+    raise ValueError(f"sparse_rows: kind {kind!r} is neither 'topk+rest' nor 'sampled'")
+
+
+#: ids per block of the two-level inverse CDF
+CDF_BLOCK = 256
+
+
+def inverse_cdf(z: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """n draws with replacement per row from softmax(z), z [c, V] f32 -> ids [c, n].
+
+    Two-level inverse CDF: the row's unnormalised probabilities in blocks of
+    CDF_BLOCK ids, a cumulative sum over the block totals locates each uniform's
+    block, a cumulative sum inside the n chosen blocks its id. One exp and one
+    block sum over [c, V]; a full-row cumulative sum (sequential along V) is
+    never taken. torch.multinomial gives the same distribution at 3-4× the
+    cost on a CPU."""
+    c, v = z.shape
+    e = (z - z.amax(-1, keepdim=True)).exp_()  # [c, V] unnormalised, max 1
+    nb = -(-v // CDF_BLOCK)
+    if nb * CDF_BLOCK != v:
+        e = torch.nn.functional.pad(e, (0, nb * CDF_BLOCK - v))  # zeros: never drawn
+    eb = e.view(c, nb, CDF_BLOCK)
+    bc = eb.sum(-1).cumsum_(-1)  # [c, nb] cumulative block totals
+    u = torch.rand(c, n, generator=generator, device=z.device, dtype=z.dtype) * bc[:, -1:]  # [c, n]
+    blk = torch.searchsorted(bc, u, right=True).clamp_(max=nb - 1)  # [c, n]
+    below = torch.where(blk > 0, bc.gather(1, (blk - 1).clamp(min=0)), torch.zeros_like(u))
+    inner = eb.gather(1, blk[..., None].expand(c, n, CDF_BLOCK)).cumsum_(-1)  # [c, n, B]
+    pos = torch.searchsorted(inner, (u - below)[..., None], right=True)[..., 0].clamp_(max=CDF_BLOCK - 1)
+    # rounding can put a uniform a hair past its block's last id: that id, or a pad, is clamped back
+    return (blk * CDF_BLOCK + pos).clamp_(max=v - 1)
+
+
+def inverse_cdf_reference(z: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The plain way: torch.multinomial on softmax(z) (tests compare the distributions)."""
+    return torch.multinomial(torch.softmax(z.double(), -1), n, replacement=True, generator=generator)
+
+
+def topk_rest_reference(z, nxt, weight, k: int, ce: float) -> list[dict]:
+    """The "topk+rest" rows built one by one in f64, the plain way (tests):
+    per row {id: mass} over the listed ids and "rest": the mass off them."""
+    out = []
+    for r in range(z.shape[0]):
+        p = torch.softmax(z[r].double(), -1)
+        order = [int(i) for i in torch.argsort(p, descending=True)]
+        listed = order[:k]
+        t = int(nxt[r])
+        if ce > 0.0:
+            listed.append(order[k] if t in listed else t)
+        row = {i: (1.0 - ce) * float(p[i]) + (ce if i == t else 0.0) for i in listed}
+        row["rest"] = (1.0 - ce) * (1.0 - sum(float(p[i]) for i in listed))
+        out.append({key: v * float(weight[r]) for key, v in row.items()})
+    return out
+
+
+@torch.no_grad()
+def teacher_rows(teacher, h: torch.Tensor, nxt: torch.Tensor, weight: torch.Tensor, s: HealSettings,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored target rows of the teacher's final hidden rows `h` [B, T, H]:
+    (ids [B·T, slots], probs [B·T, slots]); the head runs `head_chunk` rows at a
+    time, so [B·T, V] logits never exist at once."""
+    kind, k = s.teacher_kind, s.topk
+    if kind == "topk":
+        # the top k+1 when the hard target is mixed in: it takes the weakest slot when the teacher did not rank it
+        n = s.slots
+        tid, tp = teacher.topk_next(h, n, chunk=s.head_chunk)  # [B, T, n]
+        return mix_targets(tid.reshape(-1, n), tp.reshape(-1, n), nxt, weight, s.ce)
+    rows = h.reshape(-1, h.shape[-1])
+    parts = [sparse_rows(teacher.logits(rows[a : a + s.head_chunk]), nxt[a : a + s.head_chunk],
+                         weight[a : a + s.head_chunk], kind, k, s.ce, generator)
+             for a in range(0, rows.shape[0], s.head_chunk)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
 def window_sets(tdata_dir, s: HealSettings):
     """The train and val windows of a tdata stage directory (cortiq.data)."""
     from ..data import Tdata, windows
@@ -82,13 +223,15 @@ def window_sets(tdata_dir, s: HealSettings):
 
 
 def digest_of(teacher_cmf, tdata_dir, s: HealSettings) -> str:
+    # "full" stores no teacher output, but its trainer reads the teacher this stage names
     inputs = [store.file_digest(tdata_dir)] + ([] if s.ce >= 1.0 else [store.file_digest(teacher_cmf)])
     return store.digest(STAGE, VERSION, s.targets_key(), inputs)
 
 
 def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,
                     progress: bool = True) -> dict:
-    """Run the teacher over the train and val windows (unless ce = 1) and write the targets to `out`."""
+    """Run the teacher over the train and val windows (unless ce = 1 or the
+    target is "full") and write the targets to `out`."""
     import sys
     import time
 
@@ -102,7 +245,8 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
     k = s.slots
     teacher = None
     dev = resolve_device(s.device)
-    if s.ce < 1.0:
+    kind = s.teacher_kind
+    if kind not in ("ce", "full"):
         from ..model import load_model
 
         teacher = load_model(teacher_cmf, dtype=torch.float32, device=dev).eval()
@@ -113,12 +257,15 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
     cdt = resolve_compute(s.compute_dtype, dev)
     digest = out.name.rsplit("-", 1)[-1]
     meta = {"stage": STAGE, "version": VERSION, "digest": digest, "settings": s.targets_key(),
-            "inputs": {"teacher": str(teacher_cmf) if teacher is not None else None, "tdata": str(tdata_dir)},
-            "slots": k, "window": s.window, "counts": {sp: len(w) for sp, w in wins.items()}}
+            "inputs": {"teacher": str(teacher_cmf) if kind != "ce" else None, "tdata": str(tdata_dir)},
+            "slots": k, "window": s.window, "kind": kind, "counts": {sp: len(w) for sp, w in wins.items()}}
     t0 = time.perf_counter()
     T = s.window
     with store.stage_dir(out, meta) as part:
-        for split, w in wins.items():
+        for si, split in enumerate(SPLITS):
+            w = wins[split]
+            # one stream of draws per split, the same for every run of these settings
+            gen = torch.Generator(device=dev).manual_seed(s.seed * len(SPLITS) + si) if kind == "sampled" else None
             with RowWriter(part / f"{split}.arrow", {"ids": (pa.uint32(), T * k), "probs": (pa.float32(), T * k)},
                            {"total": pa.float64()}) as wr, \
                     tqdm(total=len(w), desc=f"teacher top-{k} ({split})", unit="win",
@@ -130,11 +277,9 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
                     if teacher is not None:
                         with torch.no_grad(), torch.autocast(dev.type, dtype=cdt, enabled=cdt != torch.float32):
                             h, _ = teacher.forward_hidden(ids)
-                            tid, tp = teacher.topk_next(h, k, chunk=s.head_chunk)  # [B, T, k]
-                        tid, tp = tid.reshape(-1, k), tp.reshape(-1, k)
+                            tid, tp = teacher_rows(teacher, h, nxt, wt, s, gen)  # [B·T, slots]
                     else:
-                        tid, tp = nxt[:, None], torch.ones(len(nxt), 1, device=dev)
-                    tid, tp = mix_targets(tid, tp, nxt, wt, s.ce)
+                        tid, tp = mix_targets(nxt[:, None], torch.ones(len(nxt), 1, device=dev), nxt, wt, 1.0)
                     B = ids.shape[0]
                     wr.write(ids=tid.to(torch.int64).cpu().numpy().astype(np.uint32).reshape(B, -1),
                              probs=tp.float().cpu().numpy().reshape(B, -1),
@@ -154,6 +299,8 @@ class Targets:
         d = Path(d)
         self.meta = store.read_meta(d)
         self.k, self.T = int(self.meta["slots"]), int(self.meta["window"])
+        self.kind = self.meta.get("kind", "topk")
+        self.teacher = (self.meta.get("inputs") or {}).get("teacher")
         self.ids, self.probs, self.total = {}, {}, {}
         for split in SPLITS:
             t = open_table(d / f"{split}.arrow")

@@ -1,5 +1,6 @@
 """Student training (S4): the layers from `train_from` up (all of them, or
-their MLPs only) learn the targets' top-k distribution.
+their MLPs only) learn the targets (top-k, top-k plus a rest bucket, sampled
+teacher tokens, or the teacher's whole distribution run online: `Objective`).
 
 f32 master weights, Adam, compute under autocast (bf16 on CUDA); warm-up then
 cosine to 0.1 of the peak, or the Genesis schedule; gradient clipping; a
@@ -24,7 +25,7 @@ import torch
 
 from .. import tracking
 from ..errors import CortiqError
-from .loss import topk_kl
+from .loss import dense_kl, topk_kl, topk_rest_kl
 from .rows import WindowRows
 from .schedule import genesis_decay, genesis_from, lr_shape
 from .settings import HealSettings
@@ -182,13 +183,33 @@ class _Dropped(torch.nn.Module):
         raise RuntimeError(f"heal: layer {self.i} was dropped (its output is cached) but was run")
 
 
-def batch_loss(tail: StudentTail, ids, h0, tid, tp, chunk: int, device, cdt) -> torch.Tensor:
-    """The summed top-k KL of one batch (divide by the batch's total weight)."""
+@dataclass
+class Objective:
+    """How a batch's stored target rows become a loss: the target kind (what
+    the targets stage stored), and for "full" the teacher run online and ce."""
+
+    kind: str = "topk"
+    teacher: torch.nn.Module | None = None
+    ce: float = 0.0
+
+
+def batch_loss(tail: StudentTail, ids, h0, tid, tp, chunk: int, device, cdt,
+               obj: Objective | None = None) -> torch.Tensor:
+    """The summed KL of one batch against its targets (divide by the batch's total weight)."""
+    kind = "topk" if obj is None else obj.kind
     if h0 is None:
         h0 = tail.start(ids)
     with torch.autocast(device.type, dtype=cdt, enabled=cdt != torch.float32):
         hf = tail.tail(h0)  # [B, T, H]
-        return topk_kl(hf.reshape(-1, hf.shape[-1]), tail.model.head_weight, tid, tp, chunk=chunk)
+        rows = hf.reshape(-1, hf.shape[-1])  # [B·T, H]
+        if kind == "topk+rest":  # the last slot is the rest bucket
+            return topk_rest_kl(rows, tail.model.head_weight, tid[:, :-1], tp[:, :-1], tp[:, -1], chunk=chunk)
+        if kind == "full":  # stored: the next token and the row weight; the teacher runs here
+            with torch.no_grad():
+                th, _ = obj.teacher.forward_hidden(ids)  # [B, T, H']
+            return dense_kl(rows, tail.model.head_weight, th.reshape(-1, th.shape[-1]), obj.teacher.head_weight,
+                            tid[:, 0], tp[:, 0], obj.ce, chunk=chunk)
+        return topk_kl(rows, tail.model.head_weight, tid, tp, chunk=chunk)
 
 
 # ── data order ──────────────────────────────────────────────────────────
@@ -243,7 +264,8 @@ def _save(path: Path, obj: dict) -> None:
 
 
 def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, work_dir, device, cdt,
-        key: str = "", logger: tracking.Logger = tracking.NULL, progress: bool = True) -> dict:
+        key: str = "", logger: tracking.Logger = tracking.NULL, progress: bool = True,
+        obj: Objective | None = None) -> dict:
     """Train `tail` in place; returns the report. On return the tail holds the best weights."""
     from tqdm import tqdm
 
@@ -268,7 +290,7 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
         with torch.no_grad():
             for b in range(val.n_batches):
                 ids, h0, tid, tp, tot = val.batch(b, device)
-                num += float(batch_loss(tail, ids, h0, tid, tp, s.head_chunk, device, cdt))
+                num += float(batch_loss(tail, ids, h0, tid, tp, s.head_chunk, device, cdt, obj))
                 den += tot
         return num / max(den, 1e-9)
 
@@ -317,7 +339,7 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
             tail.set_active(lowest)
         t0 = time.perf_counter()
         ids, h0, tid, tp, tot = ahead.get(b)
-        loss_sum = batch_loss(tail, ids, h0, tid, tp, s.head_chunk, device, cdt)
+        loss_sum = batch_loss(tail, ids, h0, tid, tp, s.head_chunk, device, cdt, obj)
         loss = loss_sum / max(tot, 1e-9)
         (loss * st["scale"]).backward()
         if epoch_pos + 1 < nb:  # the next batch of this epoch's order, while the GPU works

