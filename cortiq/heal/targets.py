@@ -99,9 +99,10 @@ def sparse_rows(z: torch.Tensor, nxt: torch.Tensor, weight: torch.Tensor, kind: 
     token), the rest slot (1−ce)·(1 − Σ p_listed), taken as a logsumexp off the
     listed ids (1 − Σp cancels in f32 when the k hold nearly all of the mass).
 
-    sampled: k draws with replacement from softmax(z) (inverse CDF, `generator`
-    seeds the uniforms); each distinct id drawn holds one slot with weight
-    count·(1−ce)/k (+ ce at the token); slots beyond the distinct ids weigh 0
+    sampled: k draws with replacement from softmax(z) (torch.multinomial on the
+    chunk's rows, `generator` seeds it); each distinct id drawn holds one slot
+    with weight count·(1−ce)/k (+ ce at the token), found by sorting the k draws
+    (no [c, V] work beyond the softmax); slots beyond the distinct ids weigh 0
     (their ids mean nothing). E[stored] = weight·((1−ce)·p + ce·onehot)."""
     zf = z.float()
     c = zf.shape[0]
@@ -122,7 +123,9 @@ def sparse_rows(z: torch.Tensor, nxt: torch.Tensor, weight: torch.Tensor, kind: 
         ids = torch.cat([top, torch.full((c, 1), REST_ID, dtype=top.dtype, device=top.device)], 1)
         return ids, torch.cat([probs, (1.0 - ce) * rest], 1) * wt
     if kind == "sampled":
-        draws = inverse_cdf(zf, k, generator).sort(-1).values  # [c, k]
+        p = torch.softmax(zf, -1)  # [c, V]
+        draws = torch.multinomial(p, k, replacement=True, generator=generator).sort(-1).values  # [c, k]
+        del p
         # equal draws are neighbours once sorted: each run of one id becomes one
         # slot (its first), weighted count·(1−ce)/k; the rest of the row weighs 0
         first = torch.ones_like(draws, dtype=torch.bool)
@@ -142,40 +145,6 @@ def sparse_rows(z: torch.Tensor, nxt: torch.Tensor, weight: torch.Tensor, kind: 
             probs.scatter_add_(1, slot[:, None], torch.full((c, 1), ce, device=zf.device))
         return ids, probs * wt
     raise ValueError(f"sparse_rows: kind {kind!r} is neither 'topk+rest' nor 'sampled'")
-
-
-#: ids per block of the two-level inverse CDF
-CDF_BLOCK = 256
-
-
-def inverse_cdf(z: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """n draws with replacement per row from softmax(z), z [c, V] f32 -> ids [c, n].
-
-    Two-level inverse CDF: the row's unnormalised probabilities in blocks of
-    CDF_BLOCK ids, a cumulative sum over the block totals locates each uniform's
-    block, a cumulative sum inside the n chosen blocks its id. One exp and one
-    block sum over [c, V]; a full-row cumulative sum (sequential along V) is
-    never taken. torch.multinomial gives the same distribution at 3-4× the
-    cost on a CPU."""
-    c, v = z.shape
-    e = (z - z.amax(-1, keepdim=True)).exp_()  # [c, V] unnormalised, max 1
-    nb = -(-v // CDF_BLOCK)
-    if nb * CDF_BLOCK != v:
-        e = torch.nn.functional.pad(e, (0, nb * CDF_BLOCK - v))  # zeros: never drawn
-    eb = e.view(c, nb, CDF_BLOCK)
-    bc = eb.sum(-1).cumsum_(-1)  # [c, nb] cumulative block totals
-    u = torch.rand(c, n, generator=generator, device=z.device, dtype=z.dtype) * bc[:, -1:]  # [c, n]
-    blk = torch.searchsorted(bc, u, right=True).clamp_(max=nb - 1)  # [c, n]
-    below = torch.where(blk > 0, bc.gather(1, (blk - 1).clamp(min=0)), torch.zeros_like(u))
-    inner = eb.gather(1, blk[..., None].expand(c, n, CDF_BLOCK)).cumsum_(-1)  # [c, n, B]
-    pos = torch.searchsorted(inner, (u - below)[..., None], right=True)[..., 0].clamp_(max=CDF_BLOCK - 1)
-    # rounding can put a uniform a hair past its block's last id: that id, or a pad, is clamped back
-    return (blk * CDF_BLOCK + pos).clamp_(max=v - 1)
-
-
-def inverse_cdf_reference(z: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """The plain way: torch.multinomial on softmax(z) (tests compare the distributions)."""
-    return torch.multinomial(torch.softmax(z.double(), -1), n, replacement=True, generator=generator)
 
 
 def topk_rest_reference(z, nxt, weight, k: int, ce: float) -> list[dict]:

@@ -217,23 +217,3 @@ def test_kinds_under_bf16_autocast_match_the_f64_reference(dev):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     torch.testing.assert_close(a[1].sum(1).cpu(), wt.float(), rtol=1e-5, atol=1e-6)
 
-
-@pytest.mark.parametrize("v", [101, 517])
-def test_inverse_cdf_draws_follow_the_softmax(v):
-    """The two-level inverse CDF (blocks of 256, a padded last block) against the
-    row's softmax, as torch.multinomial (the plain way) is: per-id frequencies
-    within 5 binomial standard errors."""
-    from cortiq.heal.targets import inverse_cdf, inverse_cdf_reference
-
-    g = torch.Generator().manual_seed(9)
-    z = torch.randn(3, v, generator=g) * 2.5
-    z[1, -1] = 8.0  # a likely id in the padded last block
-    z[2, 255:257] = 6.0  # two likely ids either side of a block edge
-    n = 40000
-    p = torch.softmax(z.double(), -1)
-    for draw in (inverse_cdf, inverse_cdf_reference):
-        ids = draw(z, n, torch.Generator().manual_seed(1))
-        assert ids.shape == (3, n) and int(ids.min()) >= 0 and int(ids.max()) < v
-        freq = torch.zeros(3, v, dtype=torch.float64).scatter_add_(1, ids, torch.ones(3, n, dtype=torch.float64)) / n
-        se = (p * (1 - p) / n).sqrt()
-        assert torch.all((freq - p).abs() <= 5 * se + 1e-4), draw.__name__
