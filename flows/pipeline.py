@@ -60,15 +60,20 @@ def log_gap(st: Stages) -> float | None:
 def compress(st: Stages, s: PipelineSettings, source: str, tdata: str) -> str:
     """masks → grams (for the repair, an activation ranking or GPTQ) → fold → gptq: the student."""
     c = s.stage("compress")
+    # where it runs enters no digest: the same outputs on any device
+    dev, cdt = {"device": c.device}, {"device": c.device, "compute_dtype": c.compute_dtype}
     masks = grams = None
     if c.learn_masks:
-        masks = st.run("masks", masks_task, plan_masks, model=source, tdata=tdata, settings=_plain(c.masks))["path"]
+        masks = st.run("masks", masks_task, plan_masks, model=source, tdata=tdata, settings=_plain(c.masks),
+                       **cdt)["path"]
     if c.needs_grams:
-        grams = st.run("grams", grams_task, plan_grams, model=source, tdata=tdata, settings=_plain(c.grams))["path"]
+        grams = st.run("grams", grams_task, plan_grams, model=source, tdata=tdata, settings=_plain(c.grams),
+                       **cdt)["path"]
     student = st.run("fold", fold_task, plan_fold, model=source, masks=masks, grams=grams,
-                     settings=_plain(c.fold))["path"]
+                     settings=_plain(c.fold), **dev)["path"]
     if c.use_gptq:
-        student = st.run("gptq", gptq_task, plan_gptq, model=student, grams=grams, settings=_plain(c.gptq))["path"]
+        student = st.run("gptq", gptq_task, plan_gptq, model=student, grams=grams, settings=_plain(c.gptq),
+                         **dev)["path"]
     return student
 
 
