@@ -29,7 +29,15 @@ def add_arguments(p):
 def _device_dtype(args):
     import torch
 
+    from ..errors import CortiqError
+
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        kind = torch.device(dev).type
+    except (RuntimeError, ValueError, TypeError):
+        raise CortiqError(f"--device {dev!r}: not a device (cpu, cuda, cuda:1, ...)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise CortiqError(f"--device {dev}: no CUDA device here (use --device cpu)")
     dt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}.get(args.dtype)
     if dt is None:
         dt = torch.bfloat16 if dev.startswith("cuda") else torch.float32
@@ -71,6 +79,8 @@ def run(args) -> int:
         if not records:
             raise CortiqError(f"{data}: too short to score (fewer than 2 tokens)")
         loss_on, pad = "all", f.eos_id
+    elif data.exists():
+        raise CortiqError(f"{data}: not a regular file or a directory (a pipe or device cannot be scored)")
     else:
         raise CortiqError(f"{data}: no such file or directory")
     if args.batch_tokens < 1:

@@ -65,8 +65,12 @@ class Cortiq:
         return Result(argv, r["rc"], r["stdout"], r["stderr"], r["secs"], r["timed_out"], max(0, r["maxrss"] - self.base_rss))
 
     def close(self):
-        self.p.stdin.close()
-        self.p.wait(timeout=30)
+        self.p.stdin.close()  # the server's loop ends; a slow exit on a busy machine is not a failure
+        try:
+            self.p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
 
 
 def leftovers(d: Path) -> list[str]:

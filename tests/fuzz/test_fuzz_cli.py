@@ -202,3 +202,27 @@ def test_nll_refuses_a_non_finite_result(cortiq, valid, tmp_path):
     m = write_valid_cmf(tmp_path / "m.cmf", tensors=ts)
     r = cortiq.run(["nll", m, text, "--device", "cpu", "--window", "16"], tmp_path)
     assert_clean_failure(r, r"the NLL is nan.*the model is damaged")
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--device", "nonsense"], r"--device 'nonsense': not a device"),
+    (["--device", "cuda:x"], r"not a device"),
+    (["--batch-tokens", "0"], r"--batch-tokens 0"),
+    (["--window", "1"], r"window 1: a window needs at least 2 tokens"),
+])
+def test_bad_arguments(extra, match, cortiq, valid, tmp_path):
+    raw, text = valid
+    (tmp_path / "m.cmf").write_bytes(raw)
+    r = cortiq.run(["nll", tmp_path / "m.cmf", text] + extra, tmp_path)
+    assert_clean_failure(r, match)
+
+
+def test_binary_text_and_a_pipe_as_data(cortiq, valid, tmp_path):
+    raw, _ = valid
+    (tmp_path / "m.cmf").write_bytes(raw)
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe\x00" * 100)
+    assert_clean_failure(cortiq.run(["nll", tmp_path / "m.cmf", tmp_path / "bin.txt", "--device", "cpu"], tmp_path),
+                         r"bin.txt: not UTF-8 text")
+    os.mkfifo(tmp_path / "fifo")
+    assert_clean_failure(cortiq.run(["nll", tmp_path / "m.cmf", tmp_path / "fifo", "--device", "cpu"], tmp_path,
+                                    timeout=10), r"fifo: not a regular file or a directory")
