@@ -170,7 +170,7 @@ def _save(fig, path: Path) -> Path:
 
 @contextlib.contextmanager
 def quiet_prefect() -> Any:
-    """Flow runs without the per-run heartbeat thread (~1 s each, STACK.md)."""
+    """Flow runs without the per-run heartbeat thread (measured: ~1 s a flow run with it, ~0.1 s without)."""
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
     with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):

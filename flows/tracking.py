@@ -2,7 +2,7 @@
 
 Everything goes through `MlflowClient` with an explicit run id, never the
 fluent active-run API: the active run is per thread, and a Prefect task in
-another thread would silently open a stray run (STACK.md). mlflow is imported
+another thread would silently open a stray run (measured with MLflow 3). mlflow is imported
 lazily (it takes ~1.5 s).
 
 A flow run keeps a record under the cortiq home (`runs/<flow run id>.json`)

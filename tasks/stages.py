@@ -4,7 +4,7 @@ Each is a planner (parameters -> Plan: digest and output path) and a Prefect
 task that reuses the output named by that digest or makes one cortiq call. `logger` (a
 cortiq.tracking.Logger) is for live metrics only: it never enters the key,
 and the flows log every stage's metrics from the returned report, because a
-cached task does not run (STACK.md).
+cached task does not run.
 """
 
 from __future__ import annotations

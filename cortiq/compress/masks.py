@@ -4,7 +4,7 @@ The gate logits are the only trainable parameters (the weights are frozen).
 The loss is the caller's (the task's LM loss, or a KL to a teacher) plus an
 L1 pull l1/n_all·Σσ(m); at each evaluation below the target the pressure
 grows l1 ← l1·grow + step (a linear rise stalls; ×1.5 reaches 25 % pruned in
-a few hundred steps on the seed's runs). Every evaluation scores the hard
+a few hundred steps on the original tool's runs). Every evaluation scores the hard
 mask (σ > τ) on held-out windows; the checkpoint kept is the best one at or
 past the target, and the loop stops `settle` evaluations after first reaching
 it. Failing the target, the most pruned checkpoint ranks the neurons.

@@ -1,6 +1,6 @@
 """Settings of the compress stages: DTG-MA masks, the fold, Gram capture, GPTQ.
 
-Defaults come from the seed's `MaskCfg` where it names them (keep 0.75,
+Defaults come from the original GPU tool's mask settings where it names them (keep 0.75,
 growth ×1.5, gate init 2.0, τ 0.5) and are sized so the whole pipeline runs
 on SmolLM2-135M on a CPU in minutes (window 256, batch 4, ≤ 200 steps).
 """

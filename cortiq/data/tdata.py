@@ -40,7 +40,7 @@ _U64 = (1 << 64) - 1
 
 
 def fnv1a64(s: str) -> int:
-    """FNV-1a 64 of the UTF-8 bytes of `s` (the seed's `fnv`: the stream order of a split)."""
+    """FNV-1a 64 of the UTF-8 bytes of `s` (the stream order of a split)."""
     h = _FNV_OFFSET
     for b in s.encode("utf-8"):
         h = ((h ^ b) * _FNV_PRIME) & _U64
@@ -57,7 +57,7 @@ def fnv1a64_many(strings: list[str]) -> np.ndarray:
     buf = np.frombuffer(b"".join(b.ljust(width, b"\0") for b in raw), dtype=np.uint8).reshape(len(raw), width)
     h = np.full(len(raw), _FNV_OFFSET, dtype=np.uint64)
     prime = np.uint64(_FNV_PRIME)
-    for j in range(width):  # uint64 arithmetic wraps, as the seed's wrapping_mul
+    for j in range(width):  # uint64 arithmetic wraps, as a wrapping multiply does
         live = lens > j
         h[live] = (h[live] ^ buf[live, j].astype(np.uint64)) * prime
     return h
@@ -183,7 +183,7 @@ class Tdata:
                 for i in self.indices(split)]
 
     def hash_order(self, split: str) -> np.ndarray:
-        """[R'] row numbers of `split` sorted by the FNV-1a 64 hash of the rid (the seed's fixed shuffle)."""
+        """[R'] row numbers of `split` sorted by the FNV-1a 64 hash of the rid (a fixed shuffle)."""
         idx = self.indices(split)
         keys = fnv1a64_many([self._rid[i] for i in idx])
         return idx[np.argsort(keys, kind="stable")]

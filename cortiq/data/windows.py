@@ -1,11 +1,11 @@
 """Windows: what the heal and MTP stages train and score on.
 
-`windows` (seed heal_gpu.rs): a split's whole records, in the FNV-1a order of
+`windows` (the heal's layout): a split's whole records, in the FNV-1a order of
 their rids, as one stream cut into windows of T tokens. Row j predicts token
 j+1 and carries that token's weight (the last row looks at the next window's
 first token); a window with no scored row is skipped; the tail is padded.
 
-`packed_windows` (seed mtp_heal.rs): a data set's train records in a fixed
+`packed_windows` (the MTP stage's layout): a data set's train records in a fixed
 xorshift shuffle, as one stream (capped at a token budget) cut into windows
 of T; a short last window is kept only from a minimum length on; every tenth
 window is held out.
@@ -48,7 +48,7 @@ class Windows:
         return int(self.ids.shape[0])
 
     def n_batches(self, batch: int) -> int:
-        """N // batch, but at least one when there is any window (the seed's short val split)."""
+        """N // batch, but at least one when there is any window (a short val split still gets one batch)."""
         if batch < 1:
             raise CortiqError(f"batch must be at least 1, not {batch}")
         n = len(self)
@@ -141,7 +141,7 @@ def held_out(i: np.ndarray | int, hold_all: bool = False) -> np.ndarray | bool:
 
 
 def xorshift_order(n: int) -> np.ndarray:
-    """[n] the seed's record shuffle: Fisher–Yates driven by xorshift64 from 0x9e3779b97f4a7c15.
+    """[n] the MTP record shuffle of the original GPU tool: Fisher–Yates driven by xorshift64 from 0x9e3779b97f4a7c15.
 
     A loop over records (not tokens): each swap depends on the generator's previous state."""
     perm = np.arange(n, dtype=np.int64)

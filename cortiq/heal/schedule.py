@@ -1,4 +1,4 @@
-"""Learning-rate schedules of the heal run (seed heal_gpu.rs `shape`, Genesis)."""
+"""Learning-rate schedules of the heal run (warm-up then cosine, and Genesis)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Settings of the heal stage (S4): the seed's `Cfg` plus what a resumable
+"""Settings of the heal stage (S4): the original GPU tool's settings plus what a resumable
 torch run needs. The defaults are the recipe bench/quality.py measured on an
 H200 (bench/QUALITY.md): SmolLM2-135M with 25 % of its MLP neurons pruned,
 healed on Shakespeare plays with 32 teacher draws per position, pure

@@ -1,4 +1,4 @@
-"""Teacher-forced NLL of the scored tokens of records (seed heal_gpu.rs `test_nll`).
+"""Teacher-forced NLL of the scored tokens of records (the heal's test-split score).
 
 A record's token j+1 is scored (predicted from tokens 0..j) when j+1 ≥ first,
 where first = the record's first scored position with loss_on="answer", 1 with

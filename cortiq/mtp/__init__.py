@@ -1,4 +1,4 @@
-"""MTP heal (issue 7): retrain the draft head on the compressed trunk's own predictions.
+"""MTP heal: retrain the draft head on the compressed trunk's own predictions.
 
 Stage entry points (docs/internals.md, "Stages"):
 

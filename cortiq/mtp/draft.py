@@ -1,4 +1,4 @@
-"""The draft as a one-layer model trained on its own trunk (seed mtp_heal.rs).
+"""The draft as a one-layer model trained on its own trunk.
 
 The draft is the model's MTP block: row p reads token p+j (its embedding,
 through enorm) and a source row (through hnorm), `eh_proj` mixes them, one

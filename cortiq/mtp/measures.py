@@ -1,7 +1,7 @@
 """What a draft is judged by: hold rates per chain step and drafts kept per round.
 
-Seed mtp_heal.rs (`chain_pass`, `round_pass`, `order_pass`, `drafts_held`),
-vectorised over windows and rows: the only Python loop is over chain steps
+The chain, round and order walks and the drafts-held count of the original
+GPU tool, vectorised over windows and rows: the only Python loop is over chain steps
 (or, for the round-ordered walk, over log2(T) pointer doublings).
 
 Conventions (every function): `ids` [N, T] the windows' tokens, `lens` [N]

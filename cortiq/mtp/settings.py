@@ -1,5 +1,5 @@
-"""Settings of MTP heal: the seed's `Cfg` (mtp_heal.rs, `Cfg::stage`) with its
-defaults, plus what a torch run needs (device, head chunk, seed).
+"""Settings of MTP heal: the original GPU tool's settings with
+their defaults, plus what a torch run needs (device, head chunk, seed).
 
 The fields a preset controls (PRESETS: learning rate, warm-up, epochs, window,
 batch, input side, self-generated data) default to None and take the values of
@@ -144,7 +144,7 @@ class MtpSettings:
     codec: str = "keep"
     #: the same result with the draft in other codecs: [(codec, path)] (CLI: CODEC:PATH)
     also: list = field(default_factory=list)
-    #: directory for the rows a draft built elsewhere reads (the seed's file set)
+    #: directory for the rows a draft built elsewhere reads (the original GPU tool's file set)
     dump: str | None = None
     #: (directory, trunk layers): those layers' output rows for the held-out windows (CLI: DIR:L1,L2)
     taps: tuple | None = None
