@@ -89,18 +89,22 @@ def shard_names(path: Path, n: int) -> list[Path]:
     return [path] + [path.with_name(f"{stem}-{i + 1:05d}-of-{n:05d}.cmf") for i in range(1, n)]
 
 
-def _regular_size(path: Path) -> int:
-    """The size of `path`, which must be a regular file (a FIFO or device would block or never end)."""
+def regular_size(path, limit: int | None = None, what: str = "CMF file", error: type = None) -> int:
+    """The size of `path`, which must be a regular file (a FIFO or device would block or never end), at
+    most `limit` bytes; each failure is one `error` (CmfError by default) naming the path."""
+    error = error or CmfError
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise CmfError(f"{path}: no such file") from None
+        raise error(f"{path}: no such file") from None
     except OSError as e:
-        raise CmfError(f"{path}: cannot read ({e.strerror or e})") from None
+        raise error(f"{path}: cannot read ({e.strerror or e})") from None
     if stat.S_ISDIR(st.st_mode):
-        raise CmfError(f"{path}: is a directory, not a CMF file")
+        raise error(f"{path}: is a directory, not a {what}")
     if not stat.S_ISREG(st.st_mode):
-        raise CmfError(f"{path}: not a regular file (a pipe, socket or device cannot be a CMF file)")
+        raise error(f"{path}: not a regular file (a pipe, socket or device cannot be a {what})")
+    if limit is not None and st.st_size > limit:
+        raise error(f"{path}: {st.st_size} bytes, more than the {limit} such a file may hold")
     return st.st_size
 
 
@@ -116,7 +120,7 @@ def _loads(raw, what: str, path: Path):
 
 def _read_header(path: Path) -> tuple[dict, int]:
     """The safetensors header of `path` and where its data begins."""
-    size = _regular_size(path)
+    size = regular_size(path)
     try:
         with open(path, "rb") as f:
             head = f.read(8)
@@ -246,7 +250,7 @@ class CmfFile:
                     ok = False
                 if not ok:
                     raise CmfError(f"{p}: not shard {si + 1} of {len(self.paths)} of {self.path.name}")
-            size = _regular_size(p)
+            size = regular_size(p)
             ranges = []
             for name, e in h.items():
                 try:

@@ -21,11 +21,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from pathlib import Path
 
 from ..arch import from_hf_config
-from ..cmf import Spec, new_doc, write_cmf
+from ..cmf import Spec, new_doc, regular_size, write_cmf
 from ..codecs import choose as choose_codec
 from ..codecs import get as get_codec
 from ..errors import CortiqError
@@ -86,18 +85,8 @@ def _inside(src: Path, rel, what: str) -> Path:
 
 
 def _regular(p: Path, limit: int | None = None) -> int:
-    """The size of `p`, a regular file (a FIFO or device would block), at most `limit` bytes."""
-    try:
-        st = os.stat(p)
-    except FileNotFoundError:
-        raise CortiqError(f"{p}: no such file") from None
-    except OSError as e:
-        raise CortiqError(f"{p}: cannot read ({e.strerror or e})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise CortiqError(f"{p}: not a regular file")
-    if limit is not None and st.st_size > limit:
-        raise CortiqError(f"{p}: {st.st_size} bytes, more than the {limit} such a file may hold")
-    return st.st_size
+    """The size of `p`, a regular file of the model folder, at most `limit` bytes."""
+    return regular_size(p, limit, "model file", CortiqError)
 
 
 def _read_text(p: Path, limit: int) -> str:
