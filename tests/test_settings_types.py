@@ -28,7 +28,7 @@ BOMB = "".join(
     ("heal:\n  window: true\n", "heal.window must be a whole number, not True"),
     ("compress:\n  masks:\n    max_steps: '40'\n", "compress.masks.max_steps must be a whole number, not '40'"),
     ("heal:\n  epochs: .inf\n", "heal.epochs must be a finite number, not inf"),
-    ("mtp:\n  lr: .nan\n", "mtp.lr must be a finite number, not nan"),
+    ("mtp:\n  lr: .nan\n", "mtp.lr must be a finite number or null, not nan"),
     ("heal:\n  lr: 1e-4\n", "heal.lr must be a number (YAML reads 1e-4 as text: write it with a point, 1.0e-4)"),
     ("mtp_enabled: 'no'\n", "mtp_enabled must be true or false, not 'no'"),
     ("heal:\n  compile: 1\n", "heal.compile must be true or false, not 1"),

@@ -32,7 +32,7 @@ def test_whole_flow_then_failure_in_training_resumes_there(tiny, tiny_params, mo
     # cache; training onward executed
     assert {out["states"][k] for k in STAGES[:4]} == {"Cached"}
     assert out["states"]["score.source"] == "Completed"  # scoring comes after heal in the flow
-    assert {out["states"][k] for k in STAGES[4:]} == {"Completed"}
+    assert {k: out["states"][k] for k in STAGES[4:]} == {k: "Completed" for k in STAGES[4:]}
     for k in ("source", "pruned", "healed"):
         assert math.isfinite(out["nll"][k])
     assert out["bytes"]["pruned"] < out["bytes"]["source"]  # the fold made the MLPs narrower
