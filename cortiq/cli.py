@@ -21,13 +21,28 @@ from . import commands as _commands
 from .errors import CortiqError
 
 
+#: commands another installed package adds (the orchestrator's `run`, `demo`, `compare`):
+#: entry points of this group naming a module with HELP, add_arguments and run
+PLUGIN_GROUP = "cortiq.commands"
+
+#: what `--help` says when no package adds the orchestrator's commands
+NO_PLUGINS = ("run, demo and compare (the pipeline as Prefect flows tracked in MLflow) come with the "
+              "orchestrator: pip install 'cortiq[flows]'")
+
+
+def _plugin_modules() -> list:
+    from importlib.metadata import entry_points
+
+    return [ep.load() for ep in entry_points(group=PLUGIN_GROUP)]
+
+
 def _command_modules():
     mods = []
     for m in pkgutil.iter_modules(_commands.__path__):
         if m.name.startswith("_"):
             continue
         mods.append(importlib.import_module(f"{_commands.__name__}.{m.name}"))
-    return sorted(mods, key=lambda m: getattr(m, "ORDER", 50))
+    return sorted(mods + _plugin_modules(), key=lambda m: getattr(m, "ORDER", 50))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
         "fold the model down to them, heal it by distillation, retrain its MTP draft head.",
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for mod in _command_modules():
+    mods = _command_modules()
+    if not any(getattr(m, "NAME", m.__name__.rsplit(".", 1)[1]) == "run" for m in mods):
+        p.epilog = NO_PLUGINS
+    for mod in mods:
         name = getattr(mod, "NAME", mod.__name__.rsplit(".", 1)[1].replace("_", "-"))
         sp = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)

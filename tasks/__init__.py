@@ -11,7 +11,8 @@ import os as _os
 
 from cortiq.store import home as _home
 
-# offline and quiet before prefect is first imported (its settings are read then); MLflow reads DO_NOT_TRACK only as the word true
+# offline and quiet before prefect is first imported (its settings are read then);
+# MLflow reads DO_NOT_TRACK only as the word true
 for _k, _v in (("DO_NOT_TRACK", "true"), ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
                ("MLFLOW_DISABLE_TELEMETRY", "true"), ("PREFECT_HOME", str(_home() / "prefect")),
                # the embedded server starts in ~6-9 s alone, far slower on 2 busy cores

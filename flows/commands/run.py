@@ -28,7 +28,7 @@ def load_flow(name: str):
     import importlib
     import importlib.util
 
-    from ..errors import CortiqError
+    from cortiq.errors import CortiqError
 
     missing = [m for m in ("prefect", "mlflow", "tasks", "flows") if importlib.util.find_spec(m) is None]
     if missing:
@@ -41,7 +41,7 @@ def load_flow(name: str):
 def run_flow(name: str, params) -> dict:
     """Run a flow without the per-run heartbeat and return its summary, on a Prefect server
     that dies with this process (flows.server) unless one is configured."""
-    from ..settings import load_settings
+    from cortiq.settings import load_settings
 
     settings = load_settings(params)  # a bad key fails here, before prefect starts
     flow = load_flow(name)

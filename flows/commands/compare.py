@@ -18,8 +18,8 @@ def add_arguments(p):
 def run(args) -> int:
     import importlib.util
 
-    from ..errors import CortiqError
-    from ..store import home
+    from cortiq.errors import CortiqError
+    from cortiq.store import home
 
     if len(args.runs) < 2:
         raise CortiqError("compare needs at least two runs")
