@@ -31,6 +31,27 @@ def topk_kl_reference(hidden: torch.Tensor, head_weight: torch.Tensor, ids: torc
     return (torch.xlogy(p, p) - p * logp.gather(1, ids.long())).sum()
 
 
+class _HeadGrads:
+    """The head's gradients, summed chunk by chunk from each chunk's dL/dz [c, V]:
+    dL/dhidden rows (dz @ W) and dL/dW (dzᵀ @ hidden, accumulated in `acc`)."""
+
+    def __init__(self, ctx, hidden, head_weight, acc):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        self.gh = torch.empty_like(hidden) if need_h else None
+        self.gw = torch.zeros(head_weight.shape, dtype=acc, device=head_weight.device) if need_w else None
+        self.in_dtype, self.w_dtype = ctx.in_dtype, head_weight.dtype
+
+    def add(self, sl: slice, dz, hc, w) -> None:
+        if self.gh is not None:
+            self.gh[sl] = dz @ w
+        if self.gw is not None:
+            self.gw += (dz.t() @ hc).to(self.gw.dtype)
+
+    def result(self):
+        return (None if self.gh is None else self.gh.to(self.in_dtype),
+                None if self.gw is None else self.gw.to(self.w_dtype))
+
+
 class _TopkKL(torch.autograd.Function):
     """Forward and backward in row chunks; backward recomputes each chunk's
     logits (memory is the point: the vocabulary is the widest axis)."""
@@ -67,9 +88,7 @@ class _TopkKL(torch.autograd.Function):
     def backward(ctx, g):
         hidden, head_weight, ids, p, lse = ctx.saved_tensors
         chunk = ctx.chunk
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gh = torch.empty_like(hidden) if need_h else None
-        gw = torch.zeros(head_weight.shape, dtype=p.dtype, device=head_weight.device) if need_w else None
+        grads = _HeadGrads(ctx, hidden, head_weight, p.dtype)
         mass = p.sum(1)  # [N] the row's target mass (its weight)
         w = head_weight.to(hidden.dtype)  # hidden was saved in the compute dtype
         for a in range(0, hidden.shape[0], chunk):
@@ -80,15 +99,8 @@ class _TopkKL(torch.autograd.Function):
             dz = torch.exp(z - lse[a : a + chunk, None]) * mass[a : a + chunk, None]
             dz.scatter_add_(1, ids[a : a + chunk], -p[a : a + chunk])
             dz = (dz * g).to(hidden.dtype)
-            if need_h:
-                gh[a : a + chunk] = dz @ w
-            if need_w:
-                gw += (dz.t() @ hc).to(gw.dtype)
-        if need_w:
-            gw = gw.to(head_weight.dtype)
-        if need_h:
-            gh = gh.to(ctx.in_dtype)
-        return gh, gw, None, None, None
+            grads.add(slice(a, a + chunk), dz, hc, w)
+        return *grads.result(), None, None, None
 
 
 def topk_kl(hidden: torch.Tensor, head_weight: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor,
@@ -155,9 +167,7 @@ class _TopkRestKL(torch.autograd.Function):
     def backward(ctx, g):
         hidden, head_weight, ids, p, r, lse, lse_r = ctx.saved_tensors
         chunk = ctx.chunk
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gh = torch.empty_like(hidden) if need_h else None
-        gw = torch.zeros(head_weight.shape, dtype=p.dtype, device=head_weight.device) if need_w else None
+        grads = _HeadGrads(ctx, hidden, head_weight, p.dtype)
         mass = p.sum(1) + r  # [N] the row's whole target mass
         w = head_weight.to(hidden.dtype)
         for a in range(0, hidden.shape[0], chunk):
@@ -170,15 +180,8 @@ class _TopkRestKL(torch.autograd.Function):
             dz -= torch.exp(z.scatter_(1, ids[sl], float("-inf")) - lse_r[sl, None]) * r[sl, None]
             dz.scatter_add_(1, ids[sl], -p[sl])
             dz = (dz * g).to(hidden.dtype)
-            if need_h:
-                gh[sl] = dz @ w
-            if need_w:
-                gw += (dz.t() @ hc).to(gw.dtype)
-        if need_w:
-            gw = gw.to(head_weight.dtype)
-        if need_h:
-            gh = gh.to(ctx.in_dtype)
-        return gh, gw, None, None, None, None
+            grads.add(sl, dz, hc, w)
+        return *grads.result(), None, None, None, None
 
 
 def topk_rest_kl(hidden: torch.Tensor, head_weight: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor,
@@ -240,9 +243,7 @@ class _DenseKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         hidden, head_weight, t_hidden, t_head_weight, nxt, wt = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gh = torch.empty_like(hidden) if need_h else None
-        gw = torch.zeros(head_weight.shape, dtype=wt.dtype, device=head_weight.device) if need_w else None
+        grads = _HeadGrads(ctx, hidden, head_weight, wt.dtype)
         w, tw = head_weight.to(hidden.dtype), t_head_weight.to(hidden.dtype)
         for a in range(0, hidden.shape[0], ctx.chunk):
             sl = slice(a, a + ctx.chunk)
@@ -250,15 +251,8 @@ class _DenseKL(torch.autograd.Function):
             q = torch.softmax((hc @ w.t()).to(wt.dtype), -1)  # [c, V]
             t = _dense_target((t_hidden[sl] @ tw.t()).to(wt.dtype), nxt[sl], ctx.ce)
             dz = ((q - t) * (wt[sl, None] * g)).to(hidden.dtype)  # a target row sums to 1: dL/dz = w·(q − t)
-            if need_h:
-                gh[sl] = dz @ w
-            if need_w:
-                gw += (dz.t() @ hc).to(gw.dtype)
-        if need_w:
-            gw = gw.to(head_weight.dtype)
-        if need_h:
-            gh = gh.to(ctx.in_dtype)
-        return gh, gw, None, None, None, None, None, None
+            grads.add(sl, dz, hc, w)
+        return *grads.result(), None, None, None, None, None, None
 
 
 def dense_kl(hidden: torch.Tensor, head_weight: torch.Tensor, t_hidden: torch.Tensor, t_head_weight: torch.Tensor,
