@@ -156,7 +156,7 @@ def data_prompts(spec: str, s, n: int, P: int) -> list[list[int]]:
 
 
 def chat_prompts(f, n: int) -> list[list[int]]:
-    from cortiq.data.build import render_chat
+    from cortiq.data.chats import render_chat
     from cortiq.tokenizer import from_doc
 
     doc = f.tokenizer or {}

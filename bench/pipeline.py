@@ -96,7 +96,8 @@ def run_geom(name: str, g: dict, a, work: Path) -> list[dict]:
     from cortiq.compress.settings import CompressSettings, FoldSettings, GramSettings, MaskSettings
     from cortiq.data import Tdata
     from cortiq.heal.settings import HealSettings
-    from cortiq.heal.stages import heal, score
+    from cortiq.heal.stages import heal
+    from cortiq.measure import score
     from cortiq.mtp import MtpSettings, mtp_heal
 
     d = work / name

@@ -46,7 +46,8 @@ from cortiq import store  # noqa: E402
 from cortiq.heal import prefix as prefix_mod  # noqa: E402
 from cortiq.heal import targets as targets_mod  # noqa: E402
 from cortiq.heal.settings import HealSettings  # noqa: E402
-from cortiq.heal.stages import gap_recovered, healed_model, score, train  # noqa: E402
+from cortiq.heal.stages import healed_model, train  # noqa: E402
+from cortiq.measure import gap_recovered, score  # noqa: E402
 
 KINDS = ("topk", "topk+rest", "sampled", "full")
 SETS = ("own", "unseen", "pydoc")

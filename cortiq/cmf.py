@@ -104,7 +104,7 @@ def regular_size(path, limit: int | None = None, what: str = "CMF file", error: 
     if not stat.S_ISREG(st.st_mode):
         raise error(f"{path}: not a regular file (a pipe, socket or device cannot be a {what})")
     if limit is not None and st.st_size > limit:
-        raise error(f"{path}: {st.st_size} bytes, more than the {limit} such a file may hold")
+        raise error(f"{path}: {st.st_size} bytes; a {what} is at most {limit} bytes")
     return st.st_size
 
 

@@ -21,7 +21,6 @@ import importlib
 import math
 import os
 import re
-import stat
 import types
 import typing
 from dataclasses import dataclass, field
@@ -420,18 +419,9 @@ def read_yaml(path: Path) -> Any:
     only plain YAML types (yaml.safe_load's). Every failure is one CortiqError naming the file."""
     import yaml
 
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        raise CortiqError(f"{path}: no such parameter file") from None
-    except OSError as e:
-        raise CortiqError(f"{path}: cannot read it ({e.strerror})") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise CortiqError(f"{path}: is a directory, not a parameter file")
-    if not stat.S_ISREG(st.st_mode):
-        raise CortiqError(f"{path}: not a regular file (a parameter file is a YAML file)")
-    if st.st_size > MAX_PARAM_BYTES:
-        raise CortiqError(f"{path}: {st.st_size} bytes; a parameter file is at most {MAX_PARAM_BYTES} bytes")
+    from .cmf import regular_size
+
+    regular_size(path, MAX_PARAM_BYTES, "parameter file", CortiqError)
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_PARAM_BYTES + 1)

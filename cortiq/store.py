@@ -56,8 +56,16 @@ def file_digest(path: str | os.PathLike) -> str:
 
     A CMF model: the hash of its recorded per-tensor sha256s and its document
     less provenance (cheap: no tensor is read). A stage directory: its
-    meta.json's `digest`. Any other file: sha256 of its bytes."""
+    meta.json's `digest`; a Hugging Face checkpoint (config.json, no meta.json):
+    its files' names and digests.
+    Any other file: sha256 of its bytes."""
     p = Path(path)
+    if p.is_dir() and not is_complete(p) and (p / "config.json").is_file():
+        # a Hugging Face checkpoint (no stage wrote it): its files by name and content
+        h = hashlib.sha256()
+        for f in sorted(x for x in p.rglob("*") if x.is_file()):
+            h.update(f"{f.relative_to(p)}={file_digest(f)};".encode())
+        return h.hexdigest()[:32]
     if p.is_dir():
         meta = read_meta(p)
         if "digest" not in meta:

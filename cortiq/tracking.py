@@ -66,6 +66,33 @@ class MemoryLogger:
 NULL = NullLogger()
 
 
+class Scoped:
+    """A logger whose metric names start with `prefix` (a stage's name and a dot)."""
+
+    def __init__(self, inner: Logger, prefix: str):
+        self.inner, self.prefix = inner, prefix
+
+    def log_params(self, params):
+        self.inner.log_params({self.prefix + k: v for k, v in params.items()})
+
+    def log_metrics(self, metrics, step=None):
+        self.inner.log_metrics({self.prefix + k: v for k, v in metrics.items()}, step=step)
+
+    def log_artifact(self, path, artifact_path=None):
+        self.inner.log_artifact(path, artifact_path)
+
+    def set_tags(self, tags):
+        self.inner.set_tags(tags)
+
+
+def scoped(logger: Logger, prefix: str) -> Logger:
+    """`logger` with `prefix` before every metric and param name (the null logger stays itself)."""
+    if isinstance(logger, NullLogger):
+        return logger
+    child = getattr(logger, "child", None)
+    return child(prefix) if child else Scoped(logger, prefix)
+
+
 def flatten(d: dict, prefix: str = "", sep: str = ".") -> dict[str, Any]:
     """Nested settings as flat `a.b.c` params (lists joined as strings)."""
     out: dict[str, Any] = {}

@@ -13,9 +13,12 @@ from __future__ import annotations
 import contextlib
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
+from cortiq import pipeline
+from cortiq.pipeline import Stage
 from cortiq.settings import PipelineSettings
+from tasks.stage import stage_task
 
 from .tracking import MlflowLogger, log_json, log_model_file
 
@@ -31,17 +34,18 @@ class Stages:
         self.results: dict[str, dict] = {}
         self.states: dict[str, str] = {}
 
-    def run(self, key: str, task, planner: Callable, **params) -> dict:
-        """Call `task(**params)` as stage `key` (the name its metrics are logged under)."""
-        params.setdefault("out_root", self.out_root)
+    def run(self, stage: Stage, key: str | None = None, **params) -> dict:
+        """Run `stage` as the task of that name; `key` (default: the stage's name,
+        `score.healed` for one of several) is what its metrics are logged under."""
+        key = key or stage.name
         # a plan that cannot be made (a missing input) fails here once, not through the task's retries
-        planner(**params)
-        t = task.with_options(
+        pipeline.plan(stage, self.out_root, **params)
+        t = stage_task(stage).with_options(
             retries=self.settings.run.retries,
             retry_delay_seconds=self.settings.run.retry_delay_s,
             task_run_name=key,
         )
-        state = t(**params, logger=self.log.child(f"{key}."), return_state=True)
+        state = t(self.out_root, params, logger=self.log.child(f"{key}."), return_state=True)
         result = state.result()  # raises the stage's error when it failed
         self.results[key] = result
         self.states[key] = state.name
@@ -140,11 +144,11 @@ def plots(results: dict[str, dict], out: Path) -> list[Path]:
 
     codecs = {}
     for k, r in results.items():
-        if k.startswith("codec."):
-            c = k.removeprefix("codec.")
+        if k.startswith("reencode."):
+            c = k.removeprefix("reencode.")
             codecs.setdefault(c, {})["bytes"] = r["report"]["metrics"]["bytes"]
-        if k.startswith("score.codec."):
-            c = k.removeprefix("score.codec.")
+        if k.startswith("score.reencode."):
+            c = k.removeprefix("score.reencode.")
             codecs.setdefault(c, {})["nll"] = r["report"]["metrics"]["nll"]
     if codecs:
         fig, ax1 = plt.subplots(figsize=(7, 4))

@@ -20,12 +20,9 @@ def compress(params: str | dict = "deployments/params/demo.yaml") -> dict:
     """Prune and fold the source on a parameter set; returns the summary (NLL source / pruned)."""
     s = load_settings(params)
     with P.run_tracked(s, "compress") as st:
-        # source: the model as one CMF file
-        source = P.model_source(st, s)
-        # data: the corpus tokenized with the source's tokenizer
-        tdata = P.data(st, s, source)
-        # compress: DTG-MA masks, Grams, the fold (optional repair), optional GPTQ → the student
-        student = P.compress(st, s, source, tdata)
+        # source → data → compress: the model as one CMF file, the corpus tokenized, DTG-MA masks, Grams,
+        # the fold (optional repair), optional GPTQ → the student
+        source, tdata, student = P.student(st, s)
         # score: test NLL of the source and the student
         for label, model in (("source", source), ("pruned", student)):
             P.score(st, s, label, model, tdata)

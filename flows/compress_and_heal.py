@@ -23,17 +23,12 @@ def compress_and_heal(params: str | dict = "deployments/params/demo.yaml") -> di
     """Run the pipeline on a parameter set (a YAML file or its mapping); returns the summary."""
     s = load_settings(params)
     with P.run_tracked(s, "compress-and-heal") as st:
-        # source: the model as one CMF file (HF directory, GGUF or the bundled SmolLM2 converted once)
-        source = P.model_source(st, s)
-        # data: the corpus tokenized with the source's tokenizer, split train / val / test
-        tdata = P.data(st, s, source)
-        # compress: learn neuron masks, capture Grams, fold the MLPs down to the kept neurons (GPTQ) → the student
-        student = P.compress(st, s, source, tdata)
-        # heal: the teacher's top-k once, the frozen prefix once, the tail trained → the healed model
-        healed = P.heal(st, s, source, student, tdata)
-        # score: test NLL of source, pruned and healed on the same windows
-        for label, model in (("source", source), ("pruned", student), ("healed", healed)):
-            P.score(st, s, label, model, tdata)
+        # source → data → compress: the model as one CMF file (HF directory, GGUF or the bundled SmolLM2
+        # converted once), the corpus tokenized and split, neuron masks learned and the MLPs folded → the student
+        source, tdata, student = P.student(st, s)
+        # heal → score: the teacher's targets once, the frozen prefix once, the tail trained → the healed
+        # model; test NLL of source, pruned and healed on the same windows
+        healed = P.healed_and_scored(st, s, source, student, tdata)
         final = healed
         # mtp heal: the draft head retrained on the healed trunk; hold rates before / after
         if s.mtp_enabled:

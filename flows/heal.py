@@ -21,16 +21,11 @@ def heal(params: str | dict = "deployments/params/demo.yaml") -> dict:
     """Heal the compressed student on a parameter set; returns the summary (NLL source / pruned / healed)."""
     s = load_settings(params)
     with P.run_tracked(s, "heal") as st:
-        # source and data, as compress-and-heal has them
-        source = P.model_source(st, s)
-        tdata = P.data(st, s, source)
-        # the student: the compress stages' output (cached when it exists)
-        student = P.compress(st, s, source, tdata)
-        # heal: the teacher's top-k, the frozen prefix, the tail trained, the healed model exported
-        healed = P.heal(st, s, source, student, tdata)
-        # score: test NLL of source, pruned and healed on the same windows
-        for label, model in (("source", source), ("pruned", student), ("healed", healed)):
-            P.score(st, s, label, model, tdata)
+        # source → data → compress: the student, as compress-and-heal has it (cached when it exists)
+        source, tdata, student = P.student(st, s)
+        # heal → score: the teacher's targets, the frozen prefix, the tail trained, the healed model exported;
+        # test NLL of source, pruned and healed on the same windows
+        healed = P.healed_and_scored(st, s, source, student, tdata)
         st.artifacts({"healed": healed})
         # registry: a new version of the parameter set's model; `champion` moves only on a better test NLL
         register_final(st, healed)

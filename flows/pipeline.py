@@ -7,13 +7,19 @@ compress-and-heal) are these calls in order, so they share one cache.
 
 from __future__ import annotations
 
+from cortiq.cmf import open_cmf
+from cortiq.compress import FOLD, GPTQ, GRAMS, MASKS
+from cortiq.convert import SOURCE, source_kind
+from cortiq.data.build import DATA
+from cortiq.heal.prefix import PREFIX
+from cortiq.heal.stages import HEAL, TRAIN
+from cortiq.heal.targets import TARGETS
+from cortiq.measure import REENCODE, SCORE, gap_recovered
+from cortiq.mtp import MTP, MTP_INIT, TRUNK
+from cortiq.mtp.init import has_draft
+from cortiq.pipeline import plain
 from cortiq.settings import PipelineSettings
 from cortiq.tracking import flatten
-from tasks.compress import fold_task, gptq_task, grams_task, masks_task, plan_fold, plan_gptq, plan_grams, plan_masks
-from tasks.heal import export_task, plan_export, plan_prefix, plan_targets, plan_train, prefix_task, targets_task, train_task
-from tasks.measure import plan_reencode, plan_score, reencode_task, score_task
-from tasks.stages import (data_task, has_draft, mtp_init_task, mtp_task, plan_data, plan_mtp, plan_mtp_init, plan_source,
-                          plan_trunk, source_kind, source_task, trunk_task)
 
 from .common import Stages, flow_run_id, flow_run_name
 from .tracking import tracked_run
@@ -23,18 +29,18 @@ def model_source(st: Stages, s: PipelineSettings) -> str:
     """The source as a CMF path: a .cmf is used where it is, anything else converted once (cached)."""
     if source_kind(s.source) == "cmf":
         return s.source
-    return st.run("source", source_task, plan_source, source=s.source)["path"]
+    return st.run(SOURCE, source=s.source)["path"]
 
 
 def data(st: Stages, s: PipelineSettings, model: str) -> str:
     """The tdata directory of the parameter set's sources, tokenized with `model`'s tokenizer."""
-    return st.run("data", data_task, plan_data, sources=s.extra("data", "sources"), model=model,
-                  settings=_plain(s.stage("data")))["path"]
+    return st.run(DATA, sources=s.extra("data", "sources"), model=model, settings=plain(s.stage("data")))["path"]
 
 
 def score(st: Stages, s: PipelineSettings, label: str, model: str, tdata: str) -> dict:
-    r = st.run(f"score.{label}", score_task, plan_score, model=model, tdata=tdata, window=s.score_window,
-               max_tokens=s.score_tokens, label=label)
+    """Test NLL of `model`, logged as score.<label>."""
+    r = st.run(SCORE, f"score.{label}", model=model, tdata=tdata,
+               settings={"window": s.score_window, "max_tokens": s.score_tokens, "loss_on": "answer"})
     if label == "healed":
         log_gap(st)
     return r
@@ -44,8 +50,6 @@ def log_gap(st: Stages) -> float | None:
     """heal.gap_recovered = (pruned − healed) / (pruned − source) and the three NLLs
     as MLflow metrics, once source, pruned and healed are scored; the tag
     heal.gap_text says on which text (the parameter set's own test split)."""
-    from cortiq.heal.stages import gap_recovered
-
     nll = {name: ((st.results.get(f"score.{label}") or {}).get("report") or {}).get("metrics", {}).get("nll")
            for name, label in (("source", "source"), ("student", "pruned"), ("healed", "healed"))}
     if any(v is None for v in nll.values()):
@@ -57,6 +61,21 @@ def log_gap(st: Stages) -> float | None:
     return g
 
 
+def student(st: Stages, s: PipelineSettings) -> tuple[str, str, str]:
+    """source → data → compress: (source CMF, tdata, the student), every flow's opening."""
+    source = model_source(st, s)
+    tdata = data(st, s, source)
+    return source, tdata, compress(st, s, source, tdata)
+
+
+def healed_and_scored(st: Stages, s: PipelineSettings, source: str, pruned: str, tdata: str) -> str:
+    """heal → score source, pruned and healed on the same test split: the healed model."""
+    healed = heal(st, s, source, pruned, tdata)
+    for label, model in (("source", source), ("pruned", pruned), ("healed", healed)):
+        score(st, s, label, model, tdata)
+    return healed
+
+
 def compress(st: Stages, s: PipelineSettings, source: str, tdata: str) -> str:
     """masks → grams (for the repair, an activation ranking or GPTQ) → fold → gptq: the student."""
     c = s.stage("compress")
@@ -64,52 +83,40 @@ def compress(st: Stages, s: PipelineSettings, source: str, tdata: str) -> str:
     dev, cdt = {"device": c.device}, {"device": c.device, "compute_dtype": c.compute_dtype}
     masks = grams = None
     if c.learn_masks:
-        masks = st.run("masks", masks_task, plan_masks, model=source, tdata=tdata, settings=_plain(c.masks),
-                       **cdt)["path"]
+        masks = st.run(MASKS, model=source, tdata=tdata, settings=plain(c.masks), **cdt)["path"]
     if c.needs_grams:
-        grams = st.run("grams", grams_task, plan_grams, model=source, tdata=tdata, settings=_plain(c.grams),
-                       **cdt)["path"]
-    student = st.run("fold", fold_task, plan_fold, model=source, masks=masks, grams=grams,
-                     settings=_plain(c.fold), **dev)["path"]
+        grams = st.run(GRAMS, model=source, tdata=tdata, settings=plain(c.grams), **cdt)["path"]
+    student = st.run(FOLD, model=source, masks=masks, grams=grams, settings=plain(c.fold), **dev)["path"]
     if c.use_gptq:
-        student = st.run("gptq", gptq_task, plan_gptq, model=student, grams=grams, settings=_plain(c.gptq),
-                         **dev)["path"]
+        student = st.run(GPTQ, model=student, grams=grams, settings=plain(c.gptq), **dev)["path"]
     return student
 
 
 def heal(st: Stages, s: PipelineSettings, teacher: str, student: str, tdata: str) -> str:
-    """teacher top-k → frozen prefix (when the tail trains alone) → train → export: the healed model."""
-    h = _plain(s.stage("heal"))
-    targets = st.run("targets", targets_task, plan_targets, teacher=teacher, tdata=tdata, settings=h)["path"]
+    """teacher targets → frozen prefix (when the tail trains alone) → train → export: the healed model."""
+    h = plain(s.stage("heal"))
+    targets = st.run(TARGETS, teacher=teacher, tdata=tdata, settings=h)["path"]
     prefix = None
     if h["train_from"] > 0:
-        prefix = st.run("prefix", prefix_task, plan_prefix, student=student, tdata=tdata, settings=h)["path"]
-    trained = st.run("train", train_task, plan_train, student=student, targets=targets, prefix=prefix, tdata=tdata,
-                     settings=h)["path"]
-    return st.run("heal", export_task, plan_export, student=student, teacher=teacher, train=trained, prefix=prefix,
-                  settings=h)["path"]
+        prefix = st.run(PREFIX, student=student, tdata=tdata, settings=h)["path"]
+    trained = st.run(TRAIN, student=student, targets=targets, prefix=prefix, tdata=tdata, settings=h)["path"]
+    return st.run(HEAL, student=student, teacher=teacher, train=trained, prefix=prefix, settings=h)["path"]
 
 
 def mtp(st: Stages, s: PipelineSettings, model: str, tdata: str) -> str:
     """mtp init (when the model has no draft) → trunk pass → draft training: the model with a healed draft."""
-    if not has_draft(model):
-        model = st.run("mtp_init", mtp_init_task, plan_mtp_init, model=model)["path"]
-    m = _plain(s.stage("mtp"))
-    trunk = st.run("trunk", trunk_task, plan_trunk, model=model, tdata=tdata, settings=m)["path"]
-    return st.run("mtp", mtp_task, plan_mtp, model=model, tdata=tdata, trunk=trunk, settings=m)["path"]
+    if not has_draft(open_cmf(model)):
+        model = st.run(MTP_INIT, model=model)["path"]
+    m = plain(s.stage("mtp"))
+    trunk = st.run(TRUNK, model=model, tdata=tdata, settings=m)["path"]
+    return st.run(MTP, model=model, tdata=tdata, trunk=trunk, settings=m)["path"]
 
 
 def reencode(st: Stages, s: PipelineSettings, model: str, tdata: str) -> None:
     """The model in each codec of the parameter set, each re-scored."""
     for codec in s.codecs:
-        enc = st.run(f"codec.{codec}", reencode_task, plan_reencode, model=model, codec=codec)["path"]
-        score(st, s, f"codec.{codec}", enc, tdata)
-
-
-def _plain(x):
-    import dataclasses
-
-    return dataclasses.asdict(x) if dataclasses.is_dataclass(x) else x
+        enc = st.run(REENCODE, f"reencode.{codec}", model=model, codec=codec)["path"]
+        score(st, s, f"reencode.{codec}", enc, tdata)
 
 
 class run_tracked:
@@ -143,10 +150,10 @@ def summary(st: Stages) -> dict:
         "mlflow_run_id": st.log.run_id,
         "tracking_uri": st.settings.run.tracking(),
         "params": st.settings.name,
-        "nll": {k.removeprefix("score."): metric(k, "nll") for k in r if k.startswith("score.") and "codec." not in k},
-        "bytes": {k.removeprefix("score."): metric(k, "bytes") for k in r if k.startswith("score.") and "codec." not in k},
-        "codecs": {k.removeprefix("codec."): {"bytes": metric(k, "bytes"), "nll": metric(f"score.{k}", "nll")}
-                   for k in r if k.startswith("codec.")},
+        "nll": {k.removeprefix("score."): metric(k, "nll") for k in r if k.startswith("score.") and "reencode." not in k},
+        "bytes": {k.removeprefix("score."): metric(k, "bytes") for k in r if k.startswith("score.") and "reencode." not in k},
+        "codecs": {k.removeprefix("reencode."): {"bytes": metric(k, "bytes"), "nll": metric(f"score.{k}", "nll")}
+                   for k in r if k.startswith("reencode.")},
         "states": dict(st.states),
         "outputs": {k: v["path"] for k, v in r.items()},
     }

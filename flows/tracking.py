@@ -236,7 +236,3 @@ def log_json(log: MlflowLogger, name: str, obj: Any, artifact_path: str | None =
         p = Path(d) / name
         p.write_text(json.dumps(obj, indent=1, sort_keys=True, default=str))
         log.log_artifact(str(p), artifact_path)
-
-
-def default_uri() -> str:
-    return f"sqlite:///{(store.home() / 'mlflow.db').resolve()}"

@@ -45,3 +45,49 @@ def test_the_orchestrator_commands_come_from_the_entry_point_and_help_says_how_t
     p = cli.build_parser()
     assert p.epilog == cli.NO_PLUGINS and "pip install 'cortiq[flows]'" in p.format_help()
     assert "run" not in p._subparsers._group_actions[0].choices
+
+
+def _imports(root: Path) -> dict[str, set[str]]:
+    """module -> the cortiq modules it imports (anywhere in it: a function-level import is an edge too)."""
+    mods = {}
+    for p in root.rglob("*.py"):
+        name = ".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        mods[name] = p
+    graph = {m: set() for m in mods}
+    for name, p in mods.items():
+        pkg = name if p.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = pkg.split(".")
+                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in mods]
+                targets = subs or [base]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            # a module's own package is imported with it anyway: not an edge
+            graph[name] |= {t for t in targets if t in mods and t != name and not name.startswith(t + ".")}
+    return graph
+
+
+def test_no_import_cycles_in_the_core():
+    graph = _imports(ROOT / "cortiq")
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(m, path):
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append(path[path.index(n):] + [n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []

@@ -39,7 +39,7 @@ def add_arguments(p):
     g.add_argument("--gptq", action="store_true", help="quantize the student with GPTQ")
     g.add_argument("--codec", choices=("q4", "q4_64", "q8"), default="q4", help="GPTQ codec")
     g.add_argument("--act-order", action="store_true", help="GPTQ columns by decreasing Hessian diagonal")
-    g.add_argument("--work", default=None, help="stage cache directory (default: the cortiq home's stages/)")
+    g.add_argument("--work", default=None, help="stage outputs (default: the cortiq home's work/, shared with the flows)")
     g = p.add_argument_group("resources")
     g.add_argument("--device", default="auto",
                    help="where masks, Grams, the repair and GPTQ compute: auto (CUDA when present), cpu, cuda, cuda:1, ...")

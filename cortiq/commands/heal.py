@@ -53,7 +53,7 @@ def add_arguments(p):
     p.add_argument("--teacher", default=None, help="the source model (.cmf); not needed with --ce 1")
     p.add_argument("--data", required=True, help="a tdata directory (cortiq data build)")
     p.add_argument("--out", required=True, help="the healed model to write (.cmf)")
-    p.add_argument("--work", default=None, help="stage outputs and checkpoints (default: OUT.work beside --out)")
+    p.add_argument("--work", default=None, help="stage outputs and checkpoints (default: the cortiq home's work/, shared with the flows)")
     p.add_argument("--eval-data", default=None, metavar="TDATA",
                    help="a tdata directory of held-out text of another source (every record scored); the gap "
                         "recovered is reported on it")

@@ -28,18 +28,17 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from .. import cmf, codecs, store
+    from ..measure import recode
 
     codecs.get(args.codec)  # an unknown codec fails before any work
     src = cmf.open_cmf(args.src)
     before = {}
     for i in src.infos.values():
         before[i.codec] = before.get(i.codec, 0) + 1
-    specs = cmf.copy_specs(src, lambda name, info: codecs.choose(args.codec, info.shape, info.codec),
-                           verify=not args.no_verify, finite=not args.allow_nonfinite)
-    doc = cmf.with_provenance(src.doc, "recode", {"source": str(args.src), "codec": args.codec, "from": before})
     # one writer of OUT at a time: two would remove each other's .partial files
-    with store.locked(args.out), tqdm(total=len(specs), desc=f"recode → {args.codec}", unit=" tensors",
+    with store.locked(args.out), tqdm(total=len(src.infos), desc=f"recode → {args.codec}", unit=" tensors",
                                       file=sys.stderr, leave=False, disable=None) as bar:
-        path = cmf.write_cmf(args.out, doc, specs, progress=lambda _n: bar.update(1))
+        path = recode(args.src, args.out, args.codec, {"source": str(args.src), "from": before},
+                      verify=not args.no_verify, finite=not args.allow_nonfinite, progress=lambda _n: bar.update(1))
     print(f"wrote {path}")
     return 0

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .. import store, tracking
 from ..errors import CortiqError
+from ..pipeline import Stage
 from .settings import CompressSettings, FoldSettings, GptqSettings, GramSettings, MaskSettings
 
 
@@ -19,19 +20,13 @@ MASKS_FILE = "masks.safetensors"
 GRAMS_FILE = "grams.safetensors"
 
 
-def stage_digest(stage: str, settings, inputs: list) -> str:
-    return store.digest(stage, VERSIONS[stage], settings, [store.file_digest(p) if p else "-" for p in inputs])
+def _meta(stage: str, settings, model, tdata, extra=None) -> dict:
+    """A masks/grams directory's meta.json: its digest is the one the stage runner names it by."""
+    from .. import pipeline
 
-
-def stage_path(root, stage: str, settings, inputs: list) -> Path:
-    """Where `stage`'s output for these settings and inputs lives under `root`."""
-    return Path(root) / f"{stage}-{stage_digest(stage, settings, inputs)}"
-
-
-def _meta(stage, settings, inputs, extra=None) -> dict:
-    m = {"stage": stage, "version": VERSIONS[stage], "digest": stage_digest(stage, settings, inputs),
-         "settings": dataclasses.asdict(settings) if dataclasses.is_dataclass(settings) else settings,
-         "inputs": [str(p) if p else None for p in inputs]}
+    d = pipeline.digest_of({"masks": MASKS, "grams": GRAMS}[stage], model=model, tdata=tdata, settings=settings)
+    m = {"stage": stage, "version": VERSIONS[stage], "digest": d, "settings": dataclasses.asdict(settings),
+         "inputs": [str(model), str(tdata)]}
     m.update(extra or {})
     return m
 
@@ -92,8 +87,8 @@ def learn_masks(source_cmf, tdata_dir, settings: MaskSettings, out_dir, logger: 
         bar.set_postfix(loss=f"{row['loss']:.4f}", l1=f"{row['l1']:.2f}", refresh=False)
 
     def on_eval(row):
-        logger.log_metrics({"mask_loss": row["loss"], "mask_val_hard": row["val_hard"], "mask_pruned": row["pruned"],
-                            "mask_l1": row["l1"]}, step=row["step"])
+        # the history row's own names: the same metric live and replayed from a reused output
+        logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
     try:
         r = learn_model_masks(model, train, val, s, on_eval, progress, compute=cdt)
@@ -103,7 +98,7 @@ def learn_masks(source_cmf, tdata_dir, settings: MaskSettings, out_dir, logger: 
     rep["metrics"]["mask_sec_per_step"] = (time.time() - t0) / max(r.steps, 1)
     rep["windows"] = {"train": len(train), "val": len(val)}
     rep["device"], rep["compute_dtype"] = str(dev), str(cdt).removeprefix("torch.")
-    with store.stage_dir(out_dir, _meta("masks", s, [source_cmf, tdata_dir], {"report": rep})) as d:
+    with store.stage_dir(out_dir, _meta("masks", s, source_cmf, tdata_dir, {"report": rep})) as d:
         save_file({f"layer.{i}": t.detach().float().cpu().contiguous() for i, t in enumerate(r.logits)}, str(d / MASKS_FILE))
     logger.log_metrics({k: v for k, v in rep["metrics"].items()})
     return rep
@@ -143,10 +138,9 @@ def capture_grams(source_cmf, tdata_dir, layers, settings: GramSettings, out_dir
     ids = torch.from_numpy(w.ids[:n])
     # real tokens: a row is padding when it is the pad id past the stream's end (weight 0 and pad)
     rows = torch.from_numpy((w.weight[:n] > 0) | (w.ids[:n] != w.pad_id))
-    key = {"settings": dataclasses.asdict(s), "layers": None if layers is None else sorted(int(l) for l in layers)}
     dev, cdt = _resources(device, compute_dtype)
     model = load_model(source_cmf, device=dev)
-    layers = list(range(len(model.layers))) if layers is None else key["layers"]
+    layers = list(range(len(model.layers))) if layers is None else sorted(int(l) for l in layers)
     bar = _bar(int(rows.sum()) * 1, "Gram capture", "tok")
     t0 = time.time()
     try:
@@ -156,7 +150,7 @@ def capture_grams(source_cmf, tdata_dir, layers, settings: GramSettings, out_dir
         bar.close()
     rep = {"metrics": {"gram_rows": float(count), "gram_passes": float(passes), "gram_sec": time.time() - t0},
            "layers": layers, "count": count, "device": str(dev), "compute_dtype": str(cdt).removeprefix("torch.")}
-    with store.stage_dir(out_dir, _meta("grams", key, [source_cmf, tdata_dir], {"report": rep})) as d:
+    with store.stage_dir(out_dir, _meta("grams", s, source_cmf, tdata_dir, {"report": rep, "layers": layers})) as d:
         save_file({f"gram.{l}": g.contiguous() for l, g in grams.items()}, str(d / GRAMS_FILE))
     logger.log_metrics(rep["metrics"])
     return rep
@@ -326,51 +320,77 @@ def gptq(student_cmf, grams_dir, settings: GptqSettings, out_cmf, logger: tracki
     return rep
 
 
+# ── the stages, declared once (cortiq.pipeline runs them for the CLI and the flows) ──
+
+def _masks(out, ctx, model, tdata, settings, device="auto", compute_dtype="auto"):
+    return learn_masks(Path(model), Path(tdata), settings, out, ctx.logger, device, compute_dtype)
+
+
+def _grams(out, ctx, model, tdata, settings, device="auto", compute_dtype="auto"):
+    return capture_grams(Path(model), Path(tdata), None, settings, out, ctx.logger, device, compute_dtype)
+
+
+def _fold(out, ctx, model, masks, grams, settings, device="auto"):
+    return fold(Path(model), masks and Path(masks), grams and Path(grams), settings, out, ctx.logger, device)
+
+
+def _gptq(out, ctx, model, grams, settings, device="auto"):
+    return gptq(Path(model), Path(grams), settings, out, ctx.logger, device)
+
+
+MASKS = Stage("masks", VERSIONS["masks"], _masks, MaskSettings, ("model", "tdata"),
+              doc="DTG-MA: gate logits of every MLP neuron learned under a rising L1 pull")
+GRAMS = Stage("grams", VERSIONS["grams"], _grams, GramSettings, ("model", "tdata"),
+              doc="Grams of every MLP's down_proj input over the train windows (repair, activation ranking, GPTQ)")
+FOLD = Stage("fold", VERSIONS["fold"], _fold, FoldSettings, ("model", "masks", "grams"), output="cmf",
+             doc="the student: the MLPs sliced to the kept neurons (down_proj repaired when asked)")
+GPTQ = Stage("gptq", VERSIONS["gptq"], _gptq, GptqSettings, ("model", "grams"), output="cmf",
+             doc="the student quantized into the q4/q8 codecs by GPTQ from the same Grams")
+
+
 # ── the chain ─────────────────────────────────────────────────────────────
 
 
 def compress(source_cmf, tdata_dir, settings: CompressSettings, out_cmf, logger: tracking.Logger = tracking.NULL,
              work=None, log=None) -> dict:
     """masks → grams (when the fold repairs, ranks without masks, or GPTQ
-    needs them) → fold → gptq, each stage reused when its output under the
-    cortiq home (or `work`) is complete. Returns every stage's report."""
+    needs them) → fold → gptq through the stage runner, each stage reused
+    when its output under `work` (default: the cortiq home's work/, where the
+    flows keep theirs too) is complete; the student is then put at `out_cmf`.
+    Returns every stage's report."""
+    from .. import pipeline
+
     s = settings
     _resources(s.device, s.compute_dtype)  # a bad device fails here, before any stage runs
     say = log or (lambda m: print(m, file=sys.stderr))
-    root = Path(work) if work else store.home() / "stages"
-    root.mkdir(parents=True, exist_ok=True)
-    out_cmf = Path(out_cmf)
+    root = Path(work) if work else store.home() / "work"
+    how = {"device": s.device}
+
+    def step(stage, **params):
+        r = pipeline.run(stage, root, logger, **params)
+        if r["reused"]:
+            say(f"{stage.name}: reusing {r['path']}")
+        rep["stages"][stage.name] = r["report"]
+        return r["path"]
+
     rep: dict = {"stages": {}}
     masks_dir = grams_dir = None
     if s.learn_masks:
-        masks_dir = stage_path(root, "masks", s.masks, [source_cmf, tdata_dir])
-        if store.is_complete(masks_dir):
-            rep["stages"]["masks"] = store.read_meta(masks_dir)["report"]
-            say(f"masks: reusing {masks_dir}")
-        else:
-            rep["stages"]["masks"] = learn_masks(source_cmf, tdata_dir, s.masks, masks_dir, logger, s.device, s.compute_dtype)
+        masks_dir = step(MASKS, model=source_cmf, tdata=tdata_dir, settings=s.masks, compute_dtype=s.compute_dtype, **how)
         m = rep["stages"]["masks"]["metrics"]
         say(f"masks: {m['mask_pruned'] * 100:.1f} % pruned at step {m['mask_step']:.0f} of {m['mask_steps']:.0f}; "
             f"val NLL open {m['mask_nll_open']:.4f}, hard {m['mask_nll_hard']:.4f}")
     if s.needs_grams:
-        gkey = {"settings": dataclasses.asdict(s.grams), "layers": None}
-        grams_dir = stage_path(root, "grams", gkey, [source_cmf, tdata_dir])
-        if store.is_complete(grams_dir):
-            rep["stages"]["grams"] = store.read_meta(grams_dir)["report"]
-            say(f"grams: reusing {grams_dir}")
-        else:
-            rep["stages"]["grams"] = capture_grams(source_cmf, tdata_dir, None, s.grams, grams_dir, logger, s.device,
-                                                   s.compute_dtype)
-    folded = out_cmf if not s.use_gptq else out_cmf.with_name(out_cmf.name + ".fold.cmf")
-    rep["stages"]["fold"] = fold(source_cmf, masks_dir, grams_dir, s.fold, folded, logger, s.device)
+        grams_dir = step(GRAMS, model=source_cmf, tdata=tdata_dir, settings=s.grams, compute_dtype=s.compute_dtype,
+                         **how)
+    student = step(FOLD, model=source_cmf, masks=masks_dir, grams=grams_dir, settings=s.fold, **how)
     say(f"fold: kept {rep['stages']['fold']['metrics']['fold_kept_share'] * 100:.1f} % of the MLP neurons"
-        f"{' (repaired)' if s.fold.repair else ''} -> {folded}")
+        f"{' (repaired)' if s.fold.repair else ''}")
     if s.use_gptq:
-        try:
-            rep["stages"]["gptq"] = gptq(folded, grams_dir, s.gptq, out_cmf, logger, s.device)
-        finally:
-            folded.unlink(missing_ok=True)
+        student = step(GPTQ, model=student, grams=grams_dir, settings=s.gptq, **how)
         m = rep["stages"]["gptq"]["metrics"]
-        say(f"gptq: {s.gptq.codec}, output error {m['gptq_over_rtn']:.3f}× round-to-nearest's -> {out_cmf}")
+        say(f"gptq: {s.gptq.codec}, output error {m['gptq_over_rtn']:.3f}× round-to-nearest's")
+    pipeline.deliver({"path": student}, out_cmf)
+    say(f"student -> {out_cmf}")
     rep["metrics"] = {k: v for st in rep["stages"].values() for k, v in st.get("metrics", {}).items()}
     return rep

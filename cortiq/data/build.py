@@ -17,7 +17,9 @@ import numpy as np
 
 from .. import store
 from ..errors import CortiqError
+from ..pipeline import Stage
 from .settings import BuildSettings
+from .chats import chat_parts
 from .sources import Document, Item, read_source
 from .tdata import ARROW, SPLITS, STAGE, VERSION, Record, Tdata, records_table, tokenizer_digest
 
@@ -70,35 +72,6 @@ def cut_text(tok, text: str, record_tokens: int) -> list[str]:
     if cur:
         out.append("".join(cur))
     return out
-
-
-# ── chats ────────────────────────────────────────────────────────────────
-
-
-def render_chat(template: str | None, messages: list[dict], add_generation_prompt: bool, bos: str, eos: str,
-                where: str) -> str:
-    """`messages` in the model's chat template (a Jinja string, rendered as transformers does);
-    without one, plain `role: content` paragraphs."""
-    if not template:
-        text = "".join(f"{m['role']}: {m['content']}\n\n" for m in messages)
-        return text + ("assistant: " if add_generation_prompt else "")
-    from ..chat import render_chat as render
-
-    return render(template, messages, where, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
-
-
-def chat_parts(item: Item, template: str | None, bos: str, eos: str) -> tuple[str, str]:
-    """(prompt, answer) of a chat: the prompt is everything before the first assistant turn
-    (with the generation prompt), the answer the rest of the rendered chat."""
-    msgs = item.messages
-    k = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
-    if k is None:
-        return render_chat(template, msgs, True, bos, eos, item.where), ""
-    prompt = render_chat(template, msgs[:k], True, bos, eos, item.where)
-    full = render_chat(template, msgs, False, bos, eos, item.where)
-    if not full.startswith(prompt):
-        raise CortiqError(f"{item.where}: the chat template does not render the prompt as the start of the chat")
-    return prompt, full[len(prompt):]
 
 
 # ── splits ───────────────────────────────────────────────────────────────
@@ -287,3 +260,18 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
         td = Tdata(part, meta, table)
         meta["counts"] = td.counts()  # the dict stage_dir writes last
     return Tdata.open(out)
+
+
+# ── the stage, declared once (cortiq.pipeline runs it for the flows) ──
+
+def _data(out, ctx, sources, model, settings) -> dict:
+    td = build(list(sources), model, out, settings)
+    counts = {f"records_{sp}": float(len(td.indices(sp))) for sp in ("train", "val", "test")}
+    counts["tokens"] = float(td.n_tokens)
+    return {"metrics": counts}
+
+
+# the data names its own digest (sources by content, the tokenizer by its text)
+DATA = Stage("data", str(VERSION), _data, BuildSettings, (),
+             key=lambda p: {"build": build_digest(list(p["sources"]), p["model"], p["settings"])},
+             doc="the corpus tokenized with the model's tokenizer into train / val / test records (tdata)")

@@ -25,7 +25,7 @@ def generate_answers(items: list[Item], model_path: str | os.PathLike, tokenizer
     from ..model import load_model
     from ..model.generate import generate
     from ..tokenizer import from_doc
-    from .build import chat_parts
+    from .chats import chat_parts
 
     todo = [it for it in items if it.kind in ("pair", "chat")]
     if not todo:

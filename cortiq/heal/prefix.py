@@ -18,11 +18,12 @@ import pyarrow as pa
 import torch
 
 from .. import store, tracking
+from ..pipeline import Stage
 from .rows import RowWriter, WindowRows, open_table
 from .settings import HealSettings, mem_budget_bytes, resolve_device
 from .targets import SPLITS, window_sets
 
-STAGE = "heal-prefix"
+STAGE = "prefix"
 VERSION = 1
 #: share of the memory budget the cache may take
 SHARE = 0.3
@@ -40,7 +41,10 @@ def plan(n_windows: int, T: int, hidden: int, budget_bytes: int, train_from: int
 
 
 def digest_of(student_cmf, tdata_dir, s: HealSettings) -> str:
-    return store.digest(STAGE, VERSION, s.prefix_key(), [store.file_digest(tdata_dir), store.file_digest(student_cmf)])
+    """The digest the stage runner names this prefix by."""
+    from ..pipeline import digest_of as _digest
+
+    return _digest(PREFIX, student=student_cmf, tdata=tdata_dir, settings=s)
 
 
 @torch.no_grad()
@@ -50,7 +54,7 @@ def run_prefix(model, ids: torch.Tensor, train_from: int) -> torch.Tensor:
 
 
 def prefix_cache(student_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,
-                 progress: bool = True) -> dict:
+                 progress: bool = True, digest: str | None = None) -> dict:
     from tqdm import tqdm
 
     from ..cmf import open_cmf
@@ -61,7 +65,7 @@ def prefix_cache(student_cmf, tdata_dir, settings: HealSettings, out, logger: tr
     arch = open_cmf(student_cmf).arch
     n = sum(len(w) for w in wins.values())
     dtype = plan(n, s.window, arch.hidden_size, mem_budget_bytes(s.mem_budget_gb), s.train_from)
-    meta = {"stage": STAGE, "version": VERSION, "digest": out.name.rsplit("-", 1)[-1], "settings": s.prefix_key(),
+    meta = {"stage": STAGE, "version": VERSION, "digest": digest or digest_of(student_cmf, tdata_dir, s), "settings": s.prefix_key(),
             "inputs": {"student": str(student_cmf), "tdata": str(tdata_dir)}, "dtype": dtype,
             "window": s.window, "hidden": arch.hidden_size, "train_from": s.train_from,
             "counts": {sp: len(w) for sp, w in wins.items()}}
@@ -87,8 +91,16 @@ def prefix_cache(student_cmf, tdata_dir, settings: HealSettings, out, logger: tr
                         bar.update(h.shape[0])
     secs = time.perf_counter() - t0
     gb = n * s.window * arch.hidden_size * {"f32": 4, "f16": 2, "none": 0}[dtype] / 1e9
-    logger.log_metrics({"heal.prefix_secs": secs, "heal.prefix_gb": gb})
-    return {"metrics": {"prefix_secs": secs, "prefix_gb": gb}, "dtype": dtype}
+    report = {"metrics": {"prefix_secs": secs, "prefix_gb": gb}, "dtype": dtype}
+    logger.log_metrics(report["metrics"])
+    return report
+
+
+PREFIX = Stage("prefix", str(VERSION),
+               lambda out, ctx, student, tdata, settings: prefix_cache(student, tdata, settings, out, ctx.logger,
+                                                                      ctx.progress, ctx.digest),
+               HealSettings, ("student", "tdata"), key=lambda p: p["settings"].prefix_key(),
+               doc="the frozen layers' output, once per window (f32, f16 or not cached, by the memory budget)")
 
 
 class Prefix:

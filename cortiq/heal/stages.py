@@ -10,15 +10,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import store, tracking
+from .. import pipeline, store, tracking
 from ..errors import CortiqError
+from ..measure import gap_recovered, score  # noqa: F401  (heal's names for them)
+from ..pipeline import Stage
 from . import prefix as prefix_mod
 from . import targets as targets_mod
 from .settings import HealSettings, resolve_compute, resolve_device
 
-TRAIN_STAGE = "heal-train"
-TRAIN_VERSION = 1
-#: the heal chain's version (tasks key their cache on it)
+TRAIN_VERSION = "1"
+#: the healed model's version (the export stage's)
 VERSION = "1"
 TRAINED = "trained.safetensors"
 
@@ -108,9 +109,9 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
         obj.teacher = load_model(tg.teacher, dtype=torch.float32, device=dev).eval()
         if s.compile and dev.type == "cuda":
             obj.teacher.compile_layers()
-    key = store.digest(TRAIN_STAGE, TRAIN_VERSION, _train_key(s),
-                       [store.file_digest(student_cmf), store.file_digest(targets_dir)]
-                       + ([store.file_digest(prefix_dir)] if cached else []))
+    # a checkpoint resumes only the run it was taken in: the digest the stage runner names this training by
+    key = pipeline.digest_of(TRAIN, student=student_cmf, targets=targets_dir, prefix=prefix_dir, tdata=tdata_dir,
+                             settings=s)
     logger.log_params({f"heal.{k}": v for k, v in s.to_dict().items()})
     rep = fit(tail, splits["train"], splits["val"], s, work_dir, dev, cdt, key=key, logger=logger, progress=progress,
               obj=obj)
@@ -164,43 +165,6 @@ def export(student_cmf, trained, out, provenance: dict, codec: str = "keep") -> 
     return export_model(model, student_cmf, out, codec=codec, provenance_stage="heal", provenance=provenance)
 
 
-def score(models: dict, tdata_dir, split: str | None = "test", loss_on: str = "answer", device: str = "auto",
-          progress: bool = True) -> dict:
-    """Teacher-forced NLL per scored token of each model on `split` (None: every
-    record): {name: nll}. A model is a CMF path or a loaded module."""
-    from tqdm import tqdm
-
-    from ..data import Tdata
-    from ..model import load_model
-    from ..model.nll import score_records
-
-    td = Tdata.open(tdata_dir)
-    recs = td.records(split)
-    where = "every" if split is None else f"the {split}"
-    if not recs:
-        raise CortiqError(f"{tdata_dir}: {where} split is empty" if split else f"{tdata_dir}: no records")
-    dev = resolve_device(device)
-    out = {}
-    for name, m in models.items():
-        model = m.to(dev) if isinstance(m, torch.nn.Module) else load_model(m, dtype=torch.float32, device=dev)
-        bar = tqdm(total=len(recs), desc=f"{split or 'all'} NLL ({name})", unit="rec", disable=not progress,
-                   file=__import__("sys").stderr)
-        s, n = score_records(model, recs, loss_on=loss_on, pad_id=td.eos_id, progress=bar.update)
-        bar.close()
-        if n == 0:
-            raise CortiqError(f"{tdata_dir}: {where} split has no scored token" if split else f"{tdata_dir}: no scored token")
-        out[name] = s / n
-        del model
-    return out
-
-
-def gap_recovered(nll: dict) -> float | None:
-    """(pruned − healed) / (pruned − source): the share of the pruning's NLL loss the heal won back."""
-    if "source" not in nll or nll["student"] == nll["source"]:
-        return None
-    return (nll["student"] - nll["healed"]) / (nll["student"] - nll["source"])
-
-
 def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,
          work_dir=None, progress: bool = True, score_split: str | None = "test", eval_data=None) -> dict:
     """Targets, prefix, training, scoring and export in one call (the CLI's);
@@ -220,30 +184,29 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
         from ..data import Tdata
 
         Tdata.open(eval_data).check_tokenizer(student_cmf)
-    work = Path(work_dir) if work_dir is not None else out.with_name(out.name + ".work")
+    work = Path(work_dir) if work_dir is not None else store.home() / "work"
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
 
-    tdir = work / f"targets-{targets_mod.digest_of(teacher, tdata_dir, s)}"
-    trep = {"metrics": {}, "reused": True}
-    if not store.is_complete(tdir):
-        trep = targets_mod.teacher_targets(teacher, tdata_dir, s, tdir, logger, progress=progress)
+    def step(stage, **params):
+        return pipeline.run(stage, work, tracking.scoped(logger, f"{stage.name}."), progress, settings=s, **params)
+
+    tr = step(targets_mod.TARGETS, teacher=teacher, tdata=tdata_dir)
+    trep, tdir = tr["report"], tr["path"]
     pdir = None
     prep = {"metrics": {}, "dtype": "none"}
     if s.train_from > 0:
-        pdir = work / f"prefix-{prefix_mod.digest_of(student_cmf, tdata_dir, s)}"
-        if not store.is_complete(pdir):
-            prep = prefix_mod.prefix_cache(student_cmf, tdata_dir, s, pdir, logger, progress=progress)
-        else:
-            prep = {"metrics": {}, "dtype": store.read_meta(pdir)["dtype"], "reused": True}
-    rep = train(student_cmf, tdir, pdir, tdata_dir, s, work / "train", logger, progress=progress)
+        pr = step(prefix_mod.PREFIX, student=student_cmf, tdata=tdata_dir)
+        prep, pdir = pr["report"], pr["path"]
+    trained = step(TRAIN, student=student_cmf, targets=tdir, prefix=pdir, tdata=tdata_dir)
+    rep = trained["report"]
     m = rep["metrics"]
-    report = {"metrics": {**m, **{f"teacher.{k}": v for k, v in trep["metrics"].items()},
+    report = {"metrics": {**m, **{f"targets.{k}": v for k, v in trep["metrics"].items()},
                           **{f"prefix.{k}": v for k, v in prep["metrics"].items()}},
               "history": rep["history"], "evals": rep["evals"], "out": str(out), "work": str(work)}
     block = provenance_block(rep, s, teacher, prep["dtype"])
     if score_split or eval_data is not None:
-        healed = healed_model(student_cmf, rep["trained"])
+        healed = healed_model(student_cmf, Path(trained["path"]) / TRAINED)
         models = {"student": student_cmf, "healed": healed}
         if teacher is not None:
             models = {"source": teacher, **models}
@@ -268,7 +231,34 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
         report["gap"] = gap
         block["gap"] = gap
         del healed
-    export(student_cmf, rep["trained"], out, block)
+    export(student_cmf, Path(trained["path"]) / TRAINED, out, block)
     logger.log_artifact(str(out))
     report["metrics"]["secs"] = time.perf_counter() - t0
     return report
+
+
+# ── the stages, declared once (cortiq.pipeline runs them for the CLI and the flows) ──
+
+def _train(out, ctx, student, targets, prefix, tdata, settings) -> dict:
+    # the output directory is the run's work directory: a killed run, started
+    # again, finds its checkpoint there and resumes
+    out.mkdir(parents=True, exist_ok=True)
+    rep = train(Path(student), Path(targets), prefix and Path(prefix), Path(tdata), settings, out, ctx.logger,
+                ctx.progress)
+    store.finish_dir(out, {"stage": TRAIN.name, "digest": ctx.digest, "report": rep})
+    return rep
+
+
+def _export(out, ctx, student, teacher, train, prefix, settings) -> dict:
+    rep = store.read_meta(train)["report"]
+    dtype = store.read_meta(prefix)["dtype"] if prefix else "none"
+    block = provenance_block(rep, settings, teacher if settings.ce < 1.0 else None, dtype)
+    export(Path(student), Path(train) / TRAINED, out, block)
+    return {"metrics": {k: rep["metrics"][k] for k in ("heldout_start", "heldout_best", "best_step", "steps")}}
+
+
+TRAIN = Stage("train", TRAIN_VERSION, _train, HealSettings, ("student", "targets", "prefix", "tdata"),
+              key=lambda p: _train_key(p["settings"]),
+              doc="the student's tail trained on the targets; the best held-out weights kept; resumes from its checkpoint")
+HEAL = Stage("heal", VERSION, _export, HealSettings, ("student", "train"), key=lambda p: {"codec": "keep"},
+             output="cmf", doc="the healed CMF: the student with the trained weights, in its codecs, provenance `heal`")

@@ -26,10 +26,11 @@ import torch
 
 from .. import store, tracking
 from ..errors import CortiqError
+from ..pipeline import Stage
 from .rows import RowWriter, WindowRows, open_table
 from .settings import HealSettings
 
-STAGE = "heal-targets"
+STAGE = "targets"
 VERSION = 1
 SPLITS = ("train", "val")
 #: the id of the "topk+rest" rest slot: outside any vocabulary, so a slip that
@@ -192,13 +193,14 @@ def window_sets(tdata_dir, s: HealSettings):
 
 
 def digest_of(teacher_cmf, tdata_dir, s: HealSettings) -> str:
-    # "full" stores no teacher output, but its trainer reads the teacher this stage names
-    inputs = [store.file_digest(tdata_dir)] + ([] if s.ce >= 1.0 else [store.file_digest(teacher_cmf)])
-    return store.digest(STAGE, VERSION, s.targets_key(), inputs)
+    """The digest the stage runner names these targets by."""
+    from ..pipeline import digest_of as _digest
+
+    return _digest(TARGETS, teacher=teacher_cmf, tdata=tdata_dir, settings=s)
 
 
 def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,
-                    progress: bool = True) -> dict:
+                    progress: bool = True, digest: str | None = None) -> dict:
     """Run the teacher over the train and val windows (unless ce = 1 or the
     target is "full") and write the targets to `out`."""
     import sys
@@ -224,7 +226,7 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
         if teacher.arch.vocab_size < k:
             raise CortiqError(f"{teacher_cmf}: vocabulary of {teacher.arch.vocab_size} is smaller than topk {k}")
     cdt = resolve_compute(s.compute_dtype, dev)
-    digest = out.name.rsplit("-", 1)[-1]
+    digest = digest or digest_of(teacher_cmf, tdata_dir, s)
     meta = {"stage": STAGE, "version": VERSION, "digest": digest, "settings": s.targets_key(),
             "inputs": {"teacher": str(teacher_cmf) if kind != "ce" else None, "tdata": str(tdata_dir)},
             "slots": k, "window": s.window, "kind": kind, "counts": {sp: len(w) for sp, w in wins.items()}}
@@ -257,8 +259,22 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
     secs = time.perf_counter() - t0
     report = {"metrics": {"teacher_secs": secs, "train_windows": len(wins["train"]), "val_windows": len(wins["val"])},
               "slots": k, "teacher": teacher is not None}
-    logger.log_metrics({"heal.teacher_secs": secs})
+    logger.log_metrics(report["metrics"])
     return report
+
+
+def _no_teacher_for_ce1(p: dict) -> dict:
+    # with ce = 1 no teacher runs: the targets do not depend on it ("full" stores no
+    # teacher output, but its trainer reads the teacher this stage names)
+    return {**p, "teacher": None} if p["settings"].ce >= 1.0 else p
+
+
+TARGETS = Stage("targets", str(VERSION),
+                lambda out, ctx, teacher, tdata, settings: teacher_targets(teacher, tdata, settings, out, ctx.logger,
+                                                                          ctx.progress, ctx.digest),
+                HealSettings, ("teacher", "tdata"), key=lambda p: p["settings"].targets_key(),
+                normalize=_no_teacher_for_ce1,
+                doc="the teacher's sparse next-token distribution per row (ce-mixed, weight-scaled), train and val")
 
 
 class Targets:

@@ -313,7 +313,7 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
         e0 = heldout()
         best_loss, best_step, best_state = e0, 0, tail.state()
         st["evals"].append({"step": 0, "heldout": e0})
-        logger.log_metrics({"heal.heldout": e0}, step=0)
+        logger.log_metrics({"heldout": e0}, step=0)
 
     def checkpoint():
         _save(ckpt_path, {"key": key, "trained": tail.state(), "optim": opt.state_dict(),
@@ -370,14 +370,14 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
         st["step_secs"] += dt
         lv = float(loss.detach())
         st["history"].append({"step": done, "loss": lv, "lr": lr, "grad_norm": gn})
-        logger.log_metrics({"heal.loss": lv, "heal.lr": lr, "heal.grad_norm": gn, "heal.tokens_per_s": tokens / max(dt, 1e-9)},
+        logger.log_metrics({"loss": lv, "lr": lr, "grad_norm": gn, "tokens_per_s": tokens / max(dt, 1e-9)},
                            step=done)
         bar.update(1)
         bar.set_postfix(loss=f"{lv:.4f}", lr=f"{lr:.2e}", s_step=f"{st['step_secs'] / done:.2f}", refresh=False)
         if done % s.eval_every == 0 or done == total_steps:
             e = heldout()
             st["evals"].append({"step": done, "heldout": e})
-            logger.log_metrics({"heal.heldout": e}, step=done)
+            logger.log_metrics({"heldout": e}, step=done)
             if e < best_loss:
                 best_loss, best_step, best_state = e, done, tail.state()
             if progress:

@@ -36,6 +36,35 @@ def text_windows(ids: Sequence[int], window: int) -> list[TextRecord]:
     return [TextRecord(a[s : s + window]) for s in range(0, len(a), window) if len(a[s : s + window]) >= 2]
 
 
+def windowed(records, window: int, loss_on: str = "answer") -> list[TextRecord]:
+    """Records cut into consecutive windows of at most `window` tokens (one
+    model pass each); a window keeps the positions its record scores (a window
+    past a record's start loses the context before it). Windows with nothing
+    scored are dropped."""
+    out = []
+    for r in records:
+        ids, f = np.asarray(r.ids), _first(r, loss_on)
+        for a in range(0, len(ids), window):
+            w = ids[a : a + window]
+            first = max(f - a, 1)
+            if first < len(w):
+                out.append(TextRecord(w, first))
+    return out
+
+
+def first_tokens(records, max_tokens: int, loss_on: str = "answer") -> list:
+    """The leading records that hold at least `max_tokens` scored tokens (all when 0)."""
+    if not max_tokens:
+        return list(records)
+    n, out = 0, []
+    for r in records:
+        out.append(r)
+        n += max(len(r.ids) - _first(r, loss_on), 0)
+        if n >= max_tokens:
+            break
+    return out
+
+
 def _first(rec, loss_on: str) -> int:
     if loss_on == "all":
         return 1

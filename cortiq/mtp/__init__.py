@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .. import tracking
 from ..errors import CortiqError
+from ..pipeline import Stage
 from .settings import PRESETS, MtpSettings
 
 __all__ = ["MtpSettings", "trunk_pass", "mtp_heal", "recode_draft", "mtp_init", "resolve"]
@@ -348,3 +349,41 @@ def recode_draft(out_cmf, codec: str, path, data_spec: str | None = None, settin
     rep["metrics"]["draft_bytes"] = float(rep["bytes"])
     logger.log_metrics({f"{codec}.{k}": v for k, v in rep["metrics"].items()})
     return rep
+
+
+# ── the stages, declared once (cortiq.pipeline runs them for the flows) ──
+
+def _init_stage(out, ctx, model) -> dict:
+    return mtp_init(Path(model), out) or {}
+
+
+def _trunk_stage(out, ctx, model, tdata, settings) -> dict:
+    from .. import store
+
+    out.mkdir(parents=True, exist_ok=True)
+    rep = trunk_pass(Path(model), str(tdata), settings, out)
+    store.finish_dir(out, {"stage": TRUNK.name, "digest": ctx.digest, "report": rep})
+    return rep
+
+
+def _trunk_key(p: dict) -> dict:
+    # what the trunk pass depends on: the window, top-k, token cap and the generated data
+    s = p["settings"]
+    return {"window": s.window, "topk": s.topk, "tokens": s.tokens, "preset": s.preset, "generate": s.generate,
+            "gen": [s.gen_prompt, s.gen_chat, s.gen_temperature, s.seed]}
+
+
+def _mtp_stage(out, ctx, model, tdata, trunk, settings) -> dict:
+    import dataclasses
+
+    # the data spec is the tdata directory (cortiq.data.windows.parse_spec: PATH[@TOKENS])
+    s = dataclasses.replace(settings, trunk_cache=str(trunk))
+    return mtp_heal(Path(model), str(tdata), s, out, logger=ctx.logger)
+
+
+MTP_INIT = Stage("mtp_init", "1", _init_stage, None, ("model",), key=lambda p: None, output="cmf",
+                  doc="the model plus a fresh draft block (for a source that has none)")
+TRUNK = Stage("trunk", str(VERSION), _trunk_stage, MtpSettings, ("model", "tdata"), key=_trunk_key,
+               doc="the trunk's last hidden rows and next-token top-k per window (what the draft trains on)")
+MTP = Stage("mtp", str(VERSION), _mtp_stage, MtpSettings, ("model", "tdata", "trunk"), output="cmf",
+             doc="the draft trained on the trunk's own predictions, measured before and after")

@@ -93,7 +93,7 @@ def end_at_eos(ids: torch.Tensor, start: int, eos: list[int], pad: int) -> tuple
 def chat_wrapper(f) -> tuple[list[int], list[int]]:
     """The token ids before and after a user turn's text in `f`'s chat template (with the
     generation prompt): a data prompt put between them is a chat question."""
-    from ..data.build import render_chat
+    from ..data.chats import render_chat
     from ..tokenizer import from_doc
 
     doc = f.tokenizer or {}

@@ -19,7 +19,7 @@ def run(args) -> int:
     import importlib.util
 
     from cortiq.errors import CortiqError
-    from cortiq.store import home
+    from cortiq.settings import RunSettings
 
     if len(args.runs) < 2:
         raise CortiqError("compare needs at least two runs")
@@ -27,7 +27,7 @@ def run(args) -> int:
         raise CortiqError("compare needs mlflow and cortiq's flows: pip install 'cortiq[flows]'")
     from flows.compare import load_runs, plot, table  # the orchestrator's side: cortiq/ never imports mlflow
 
-    uri = args.tracking_uri or f"sqlite:///{(home() / 'mlflow.db').resolve()}"
+    uri = RunSettings(tracking_uri=args.tracking_uri or "").tracking()
     runs = load_runs(uri, args.runs)
     print(table(runs, args.all_params), file=sys.stdout)
     from flows.registry import registered_versions

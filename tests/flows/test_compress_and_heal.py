@@ -8,17 +8,17 @@ import math
 import pytest
 
 from flows.compress_and_heal import compress_and_heal
-from tasks.common import FAIL_ENV
+from cortiq.pipeline import FAIL_ENV
 
 
 def out_train_history(out):
-    import json
-    from pathlib import Path
+    from cortiq import store
 
-    return json.loads(Path(out["outputs"]["train"] + ".report.json").read_text())["history"]
+    return store.read_meta(out["outputs"]["train"])["report"]["history"]
+
 
 STAGES = ["data", "masks", "fold", "targets", "train", "heal", "score.source", "score.pruned", "score.healed",
-          "mtp_init", "trunk", "mtp", "codec.q8", "score.codec.q8"]
+          "mtp_init", "trunk", "mtp", "reencode.q8", "score.reencode.q8"]
 
 
 def test_whole_flow_then_failure_in_training_resumes_there(tiny, tiny_params, monkeypatch):
@@ -36,7 +36,8 @@ def test_whole_flow_then_failure_in_training_resumes_there(tiny, tiny_params, mo
     for k in ("source", "pruned", "healed"):
         assert math.isfinite(out["nll"][k])
     assert out["bytes"]["pruned"] < out["bytes"]["source"]  # the fold made the MLPs narrower
-    assert set(out["drafts_per_round"]) == {"before", "after"}
+    # the draft trained: it keeps more drafts a round than the fresh one did
+    assert out["drafts_per_round"]["after"] > out["drafts_per_round"]["before"] + 0.1
     assert out["codecs"]["q8"]["bytes"] < out["bytes"]["healed"]
 
     from mlflow.tracking import MlflowClient
@@ -51,8 +52,8 @@ def test_whole_flow_then_failure_in_training_resumes_there(tiny, tiny_params, mo
     plots = {a.path for a in c.list_artifacts(out["mlflow_run_id"], "plots")}
     assert {"plots/nll_per_model.png", "plots/codecs.png", "plots/hold_rate.png", "plots/heldout_loss.png"} <= plots
     # per-step metrics, logged live as training ran: the loss every step, the held-out loss at every evaluation
-    assert len(c.get_metric_history(out["mlflow_run_id"], "train.heal.loss")) == len(out_train_history(out))
-    assert len(c.get_metric_history(out["mlflow_run_id"], "train.heal.heldout")) >= 2
+    assert len(c.get_metric_history(out["mlflow_run_id"], "train.loss")) == len(out_train_history(out))
+    assert len(c.get_metric_history(out["mlflow_run_id"], "train.heldout")) >= 2
 
     again = compress_and_heal(tiny_params(tiny))
     assert set(again["states"].values()) == {"Cached"}

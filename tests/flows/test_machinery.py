@@ -16,23 +16,23 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
+from cortiq.data.build import DATA
+from cortiq.measure import REENCODE
+from cortiq.pipeline import FAIL_ENV, InjectedFailure
 from cortiq.settings import load_settings
 from flows.pipeline import run_tracked, score, summary
-from tasks.common import FAIL_ENV
-from tasks.measure import plan_reencode, reencode_task, model_nll
-from tasks.stages import data_task, plan_data
 
 
 @flow(name="machinery")
 def machinery(params: dict) -> dict:
     s = load_settings(params)
     with run_tracked(s, "machinery") as st:
-        tdata = st.run("data", data_task, plan_data, sources=s.extra("data", "sources"), model=s.source,
+        tdata = st.run(DATA, sources=s.extra("data", "sources"), model=s.source,
                        settings={k: v for k, v in s.data.items() if k != "sources"})["path"]
         score(st, s, "source", s.source, tdata)
         for codec in s.codecs:
-            enc = st.run(f"codec.{codec}", reencode_task, plan_reencode, model=s.source, codec=codec)["path"]
-            score(st, s, f"codec.{codec}", enc, tdata)
+            enc = st.run(REENCODE, f"reencode.{codec}", model=s.source, codec=codec)["path"]
+            score(st, s, f"reencode.{codec}", enc, tdata)
         st.artifacts({"source": s.source})
         return summary(st)
 
@@ -41,6 +41,32 @@ def _params(tiny, **kw):
     return {"name": "tiny", "source": tiny["model"],
             "data": {"sources": [tiny["corpus"]], "record_tokens": 64, "fractions": [0.6, 0.2, 0.2]},
             "codecs": ["q8"], "score_window": 32, **kw}
+
+
+def _direct_nll(model_path, tdata, window: int) -> float:
+    """The test split's NLL per scored token, computed here without cortiq's scorer:
+    each record cut into windows of `window` tokens, one full forward each."""
+    import torch
+    import torch.nn.functional as F
+
+    from cortiq.data import Tdata
+    from cortiq.model import load_model
+
+    model = load_model(model_path, dtype=torch.float32, device="cpu")
+    total, count = 0.0, 0
+    for r in Tdata.open(tdata).records("test"):
+        ids = torch.as_tensor(r.ids.astype("int64"))
+        first = max(int(r.first), 1)
+        for a in range(0, len(ids), window):
+            w = ids[a : a + window]
+            lo = max(first - a, 1)  # the first token of w that is scored
+            if lo >= len(w):
+                continue
+            with torch.no_grad():
+                logits = model(w[None])[0].float()  # [T, V]
+            total += float(F.cross_entropy(logits[lo - 1 : len(w) - 1], w[lo:], reduction="sum"))
+            count += len(w) - lo
+    return total / count
 
 
 def _runs(uri):
@@ -55,8 +81,7 @@ def test_runs_then_reuses_every_stage_from_cache(tiny):
     first = machinery(_params(tiny))
     assert set(first["states"].values()) == {"Completed"}
     # the score is the model's test NLL, as computed directly
-    s, n = model_nll(tiny["model"], first["outputs"]["data"], 32)
-    assert first["nll"]["source"] == pytest.approx(s / n, rel=1e-6)
+    assert first["nll"]["source"] == pytest.approx(_direct_nll(tiny["model"], first["outputs"]["data"], 32), rel=1e-5)
     assert math.isfinite(first["codecs"]["q8"]["nll"])
     assert first["codecs"]["q8"]["bytes"] < first["bytes"]["source"]
 
@@ -83,13 +108,13 @@ def test_runs_then_reuses_every_stage_from_cache(tiny):
 
 def test_deleted_output_is_recomputed_not_a_dead_path(tiny):
     first = machinery(_params(tiny))
-    enc = Path(first["outputs"]["codec.q8"])
+    enc = Path(first["outputs"]["reencode.q8"])
     enc.unlink()
     again = machinery(_params(tiny))
-    assert again["states"]["codec.q8"] == "Completed"
+    assert again["states"]["reencode.q8"] == "Completed"
     assert again["states"]["data"] == "Cached"
-    assert again["states"]["score.codec.q8"] == "Cached"  # same content, same digest
-    assert enc.is_file() and again["outputs"]["codec.q8"] == str(enc)
+    assert again["states"]["score.reencode.q8"] == "Cached"  # same content, same digest
+    assert enc.is_file() and again["outputs"]["reencode.q8"] == str(enc)
     shutil.rmtree(first["outputs"]["data"])
     third = machinery(_params(tiny))
     assert third["states"]["data"] == "Completed"
@@ -97,8 +122,6 @@ def test_deleted_output_is_recomputed_not_a_dead_path(tiny):
 
 
 def test_failure_in_a_middle_stage_then_rerun_resumes_there(tiny, monkeypatch):
-    from tasks.common import InjectedFailure
-
     monkeypatch.setenv(FAIL_ENV, "reencode")
     with pytest.raises(InjectedFailure):
         machinery(_params(tiny))
@@ -106,24 +129,24 @@ def test_failure_in_a_middle_stage_then_rerun_resumes_there(tiny, monkeypatch):
     assert [r.info.status for r in runs] == ["FAILED"]
     monkeypatch.delenv(FAIL_ENV)
     again = machinery(_params(tiny))
-    assert again["states"] == {"data": "Cached", "score.source": "Cached", "codec.q8": "Completed",
-                               "score.codec.q8": "Completed"}
+    assert again["states"] == {"data": "Cached", "score.source": "Cached", "reencode.q8": "Completed",
+                               "score.reencode.q8": "Completed"}
 
 
 def test_retries_rerun_a_failing_stage(tiny, monkeypatch):
     # a stage that keeps failing is tried 1 + retries times, then the flow fails
     calls = []
-    import tasks.measure as m
+    import cortiq.pipeline as m
 
-    real = m.execute
+    real = m.run
 
-    def counting(p, call):
-        if p.stage == "reencode":
-            calls.append(p.digest)
+    def counting(stage, root, *a, **k):
+        if stage.name == "reencode":
+            calls.append(stage.name)
             raise RuntimeError("flaky")
-        return real(p, call)
+        return real(stage, root, *a, **k)
 
-    monkeypatch.setattr(m, "execute", counting)
+    monkeypatch.setattr(m, "run", counting)
     with pytest.raises(RuntimeError, match="flaky"):
         machinery(_params(tiny, run={"retries": 2, "retry_delay_s": 0}))
     assert len(calls) == 3

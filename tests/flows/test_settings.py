@@ -12,29 +12,8 @@ from cortiq.settings import PipelineSettings, load_settings
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("yaml_text, message", [
-    ("heal:\n  lrr: 0.1\n", "unknown key heal.lrr (did you mean heal.lr?)"),
-    ("compress:\n  masks:\n    keep_fra: 0.5\n", "unknown key compress.masks.keep_fra (did you mean compress.masks.keep_frac?)"),
-    ("sorce: x.cmf\n", "unknown key sorce (did you mean source?)"),
-    ("run:\n  retrys: 2\n", "unknown key run.retrys (did you mean run.retries?)"),
-    ("run:\n  retries: -1\n", "run.retries must be a whole number >= 0, not -1"),
-    ("codecs: [q8, q3]\n", "q3"),
-    ("data:\n  sources: []\n", "data.sources must be a non-empty list"),
-    ("heal: 3\n", "heal must be a mapping"),
-    ("- a\n- b\n", "a parameter set must be a mapping of groups"),
-    ("heal: [\n", "not YAML"),
-])
-def test_bad_parameter_files_name_the_file_and_the_key(tmp_path, yaml_text, message):
-    p = tmp_path / "bad.yaml"
-    p.write_text(yaml_text)
-    with pytest.raises(CortiqError) as e:
-        load_settings(p)
-    assert str(e.value).startswith(f"{p}: ")
-    assert message in str(e.value)
-
-
 def test_missing_file(tmp_path):
-    with pytest.raises(CortiqError, match="no such parameter file"):
+    with pytest.raises(CortiqError, match="no such file"):
         load_settings(tmp_path / "nope.yaml")
 
 

@@ -54,7 +54,7 @@ def test_heal_lowers_heldout_kl_and_moves_nll_toward_the_teacher(tmp_path, model
     s0 = open_cmf(student)
     assert not torch.equal(f.tensor("model.layers.1.mlp.down_proj.weight"), s0.tensor("model.layers.1.mlp.down_proj.weight"))
     assert torch.equal(f.tensor("model.embed_tokens.weight"), s0.tensor("model.embed_tokens.weight"))  # frozen
-    assert [v for _, v in log.series("heal.loss")] == [h["loss"] for h in rep["history"]]
+    assert [v for _, v in log.series("train.loss")] == [h["loss"] for h in rep["history"]]
 
 
 def test_prefix_cache_gives_the_same_losses_as_running_the_prefix(tmp_path, models):

@@ -51,7 +51,7 @@ class _KillAt:
         self.step = step
 
     def log_metrics(self, metrics, step=None):
-        if step == self.step and "heal.loss" in metrics:
+        if step == self.step and "loss" in metrics:
             raise _Kill()
 
     def log_params(self, p):

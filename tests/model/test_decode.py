@@ -18,7 +18,7 @@ PROMPTS = [[5, 17, 200, 3, 99, 41, 7], [1, 2], [9, 250, 9, 31, 8, 8, 120, 64, 3,
 
 
 def _with_mtp(model, seed=1):
-    from cortiq.model.mtp import MTPBlock
+    from cortiq.model.decoder import MTPBlock
 
     torch.manual_seed(seed)
     model.arch.mtp_layers = 1

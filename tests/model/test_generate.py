@@ -28,7 +28,7 @@ def _greedy_full(model, prompt, n):
 def _with_mtp(model, seed=1):
     """A random MTP block (the tiny HF models carry none): speculative decoding
     must equal greedy whatever the draft proposes."""
-    from cortiq.model.mtp import MTPBlock
+    from cortiq.model.decoder import MTPBlock
 
     torch.manual_seed(seed)
     model.arch.mtp_layers = 1

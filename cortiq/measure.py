@@ -1,0 +1,103 @@
+"""Scoring and re-encoding a model: the one NLL scorer and the one re-encode,
+with the two stages the flows run them as.
+
+`score` is what `cortiq heal`, `cortiq nll`'s tdata mode, the flows' score
+stage and the quality bench all measure: the teacher-forced NLL per scored
+token of a tdata split (cortiq.model.nll.score_records), optionally with the
+records cut into windows of one model pass and capped at a token count.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from . import codecs, store
+from .errors import CortiqError
+from .pipeline import Stage
+
+
+def score(models: dict, tdata_dir, split: str | None = "test", loss_on: str = "answer", device: str = "auto",
+          progress: bool = True, window: int = 0, max_tokens: int = 0) -> dict:
+    """Teacher-forced NLL per scored token of each model on `split` (None: every
+    record): {name: nll}. A model is a CMF path or a loaded module. `window` > 0
+    cuts records into passes of that many tokens; `max_tokens` > 0 scores only
+    the leading records that hold that many scored tokens."""
+    import torch
+    from tqdm import tqdm
+
+    from .data import Tdata
+    from .devices import resolve_device
+    from .model import load_model
+    from .model.nll import first_tokens, score_records, windowed
+
+    td = Tdata.open(tdata_dir)
+    recs = first_tokens(td.records(split), max_tokens, loss_on)
+    where = "every" if split is None else f"the {split}"
+    if not recs:
+        raise CortiqError(f"{tdata_dir}: {where} split is empty" if split else f"{tdata_dir}: no records")
+    if window:
+        recs = windowed(recs, window, loss_on)
+    dev = resolve_device(device, "score")
+    out = {}
+    for name, m in models.items():
+        model = m.to(dev) if isinstance(m, torch.nn.Module) else load_model(m, dtype=torch.float32, device=dev)
+        bar = tqdm(total=len(recs), desc=f"{split or 'all'} NLL ({name})", unit="rec", disable=not progress,
+                   file=sys.stderr)
+        s, n = score_records(model, recs, loss_on=loss_on, pad_id=td.eos_id, progress=bar.update)
+        bar.close()
+        if n == 0:
+            raise CortiqError(f"{tdata_dir}: {where} split has no scored token" if split else f"{tdata_dir}: no scored token")
+        out[name] = s / n
+        del model
+    return out
+
+
+def gap_recovered(nll: dict) -> float | None:
+    """(pruned − healed) / (pruned − source): the share of the pruning's NLL loss the heal won back."""
+    if "source" not in nll or nll["student"] == nll["source"]:
+        return None
+    return (nll["student"] - nll["healed"]) / (nll["student"] - nll["source"])
+
+
+def recode(src_cmf, out_cmf, codec: str, provenance: dict | None = None, verify: bool = True, finite: bool = True,
+           progress=None) -> Path:
+    """`src_cmf` with every tensor in the codec `codecs.choose` gives it for
+    `codec` (plain codecs everywhere, quantized ones on matrices), provenance
+    `recode`. Tensors already in their codec are copied byte for byte."""
+    from .cmf import copy_specs, open_cmf, with_provenance, write_cmf
+
+    codecs.get(codec)  # an unknown codec fails before any work
+    src = open_cmf(src_cmf)
+    specs = copy_specs(src, lambda name, info: codecs.choose(codec, info.shape, info.codec), verify=verify,
+                       finite=finite)
+    doc = with_provenance({k: v for k, v in src.doc.items() if k not in ("codecs", "hashes", "shards")}, "recode",
+                          {"codec": codec, **(provenance or {})})
+    return write_cmf(Path(out_cmf), doc, specs, progress=progress)
+
+
+# ── the stages, declared once (cortiq.pipeline runs them for the flows) ──
+
+def _score(out, ctx, model, tdata, settings) -> dict:
+    from .cmf import open_cmf
+
+    nll = score({"model": model}, tdata, "test", settings["loss_on"], settings.get("device", "auto"), ctx.progress,
+                settings["window"], settings["max_tokens"])["model"]
+    metrics = {"nll": nll, "bytes": float(open_cmf(model).nbytes())}
+    with store.stage_dir(out, {"stage": SCORE.name, "digest": ctx.digest, "metrics": metrics}):
+        pass
+    return {"metrics": metrics}
+
+
+def _reencode(out, ctx, model, codec) -> dict:
+    from .cmf import open_cmf
+
+    recode(model, out, codec, {"from": store.file_digest(model)})
+    return {"metrics": {"bytes": float(open_cmf(out).nbytes())}, "codec": codec}
+
+
+SCORE = Stage("score", "2", _score, None, ("model", "tdata"),
+              key=lambda p: {k: p["settings"][k] for k in ("window", "max_tokens", "loss_on")},
+              doc="test NLL per scored token of a model (and its size)")
+REENCODE = Stage("reencode", "2", _reencode, None, ("model",), key=lambda p: {"codec": p["codec"]}, output="cmf",
+                 doc="a model in another codec (plain codecs everywhere, quantized ones on matrices)")

@@ -1,0 +1,218 @@
+"""A pipeline stage, declared once, and the one runner every caller goes through.
+
+A `Stage` names what it makes (`name`, also the folder prefix of its outputs,
+the Prefect task's name and the prefix of its metrics), its `version`, its
+settings dataclass, which parameters are inputs (paths digested by content)
+and which settings its output depends on (`key`), and the function that makes
+it. `run` is the cache: the output's digest is a hash of (name, version, key,
+the inputs' digests); a complete output with that digest is reused, else the
+stage runs into a fresh output (a directory finished by `meta.json` last, or a
+CMF written to `.partial` and renamed), and its report (JSON) is written last,
+under the root's reports/. The command line (`cortiq compress`, `cortiq heal`)
+and the Prefect tasks call the same `run` with the same stages, so they share
+one cache: a `cortiq compress` followed by `cortiq run compress` on the same
+source, data and settings reuses the masks, Grams and student.
+
+Parameters that say *how* (device, compute dtype, progress bars) are passed to
+the stage but enter no digest: the same output on any device.
+
+The cache is the outputs themselves, never a pickled result: nothing under the
+cortiq home is unpickled. A deleted output is simply not complete any more,
+so it is recomputed, never a dead path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from . import store, tracking
+from .errors import CortiqError
+
+#: a stage name here makes that stage raise before it runs: how tests inject a failure
+FAIL_ENV = "CORTIQ_FAIL_STAGE"
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by a stage named in $CORTIQ_FAIL_STAGE (tests of retry-from-cache)."""
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a running stage gets besides its parameters."""
+
+    #: the output's digest (a stage that records it in its meta.json reads it here, never from a folder name)
+    digest: str
+    logger: tracking.Logger = tracking.NULL
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the pipeline."""
+
+    #: the stage's one name: output folder prefix, task name, flow key and metric prefix
+    name: str
+    #: bumped when what the stage computes changes (old outputs are then not reused)
+    version: str
+    #: make(out, ctx, **params) -> the stage's report ({"metrics": {...}, ...}); writes `out`
+    make: Callable[..., dict]
+    #: the settings dataclass the `settings` parameter is built into (a dict from YAML or Prefect)
+    settings: type | None = None
+    #: parameters that are input paths, digested by content (None: absent, digested as "-")
+    inputs: tuple[str, ...] = ()
+    #: params -> what of the settings the output depends on (default: the whole `settings`)
+    key: Callable[[dict], Any] | None = None
+    #: "dir" (a directory finished by meta.json) or "cmf" (one model file)
+    output: str = "dir"
+    #: params -> params, before anything else (e.g. an input the settings make irrelevant set to None)
+    normalize: Callable[[dict], dict] | None = None
+    #: what the stage makes, for the task's description
+    doc: str = ""
+
+    def params(self, params: dict) -> dict:
+        """The parameters with `settings` built into its dataclass and `normalize` applied."""
+        p = dict(params)
+        if self.settings is not None and isinstance(p.get("settings"), dict):
+            p["settings"] = _build(self.settings, p["settings"], self.name)
+        return self.normalize(p) if self.normalize else p
+
+
+def _build(cls, values: dict, stage: str):
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise CortiqError(f"{stage}: bad settings ({e})") from None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where a stage's output goes, named by its digest."""
+
+    stage: str
+    digest: str
+    #: the output: a stage directory, or a .cmf file
+    out: Path
+    #: the stage's report (JSON), written beside the output once the output is complete
+    report: Path
+
+    def ready(self) -> bool:
+        """True when the output and its report are complete (a cache hit may hand them out)."""
+        if not self.report.is_file():
+            return False
+        if self.out.suffix == ".cmf":
+            from .cmf import CmfError, open_cmf
+
+            try:
+                open_cmf(self.out)
+            except CmfError:
+                return False
+            return True
+        return store.is_complete(self.out)
+
+
+def input_digest(value) -> str:
+    """An input's digest: "-" for an absent one, {"digest": d} as given, a path by its content."""
+    if value is None:
+        return "-"
+    if isinstance(value, dict):
+        return str(value["digest"])
+    return store.file_digest(value)
+
+
+def plan(stage: Stage, root: str | os.PathLike, **params) -> Plan:
+    """The plan of a stage run: its digest over (name, version, key, named input digests) and its paths."""
+    p = stage.params(params)
+    missing = [n for n in stage.inputs if n not in p]
+    if missing:
+        raise CortiqError(f"{stage.name}: missing inputs {missing}")
+    key = stage.key(p) if stage.key else p.get("settings")
+    named = [f"{n}={input_digest(p[n])}" for n in sorted(stage.inputs)]
+    d = store.digest(stage.name, stage.version, key, named)
+    root = Path(root)
+    out = root / (f"{stage.name}-{d}.cmf" if stage.output == "cmf" else f"{stage.name}-{d}")
+    # reports live apart, so the outputs are all a folder holds under their names
+    return Plan(stage.name, d, out, root / "reports" / f"{stage.name}-{d}.json")
+
+
+def digest_of(stage: Stage, **params) -> str:
+    """The digest `run` names the output by (a stage records it in its meta.json)."""
+    return plan(stage, ".", **params).digest
+
+
+def run(stage: Stage, root: str | os.PathLike, logger: tracking.Logger = tracking.NULL, progress: bool = True,
+        **params) -> dict:
+    """Run `stage` once per digest under `root`: reuse a complete output, else
+    make it, then write its report beside it. Returns {stage, digest, path,
+    report, reused}.
+
+    The output is locked while it is checked and made: a second process on the
+    same root waits for the first to finish it, then reuses it."""
+    pl = plan(stage, root, **params)
+    p = stage.params(params)
+    pl.out.parent.mkdir(parents=True, exist_ok=True)
+    with store.locked(pl.out):
+        if pl.ready():
+            return _result(pl, reused=True)
+        if os.environ.get(FAIL_ENV) == stage.name:
+            raise InjectedFailure(f"{stage.name}: failure injected by ${FAIL_ENV}")
+        report = stage.make(pl.out, Context(pl.digest, logger, progress), **p)
+        if report is None:
+            report = {}
+        if not isinstance(report, dict):
+            raise CortiqError(f"{stage.name}: the stage returned {type(report).__name__}, not a report dict")
+        if stage.output == "cmf" and not pl.out.is_file():
+            raise CortiqError(f"{pl.out}: the {stage.name} stage returned without writing its model")
+        if stage.output != "cmf" and not store.is_complete(pl.out):
+            raise CortiqError(f"{pl.out}: the {stage.name} stage returned without finishing its output (no meta.json)")
+        pl.report.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pl.report.with_name(pl.report.name + ".partial")
+        tmp.write_text(json.dumps(report, indent=1, sort_keys=True, default=_jsonable))
+        os.replace(tmp, pl.report)
+        return _result(pl, reused=False)
+
+
+def _result(pl: Plan, reused: bool) -> dict:
+    return {"stage": pl.stage, "digest": pl.digest, "path": str(pl.out), "report": json.loads(pl.report.read_text()),
+            "reused": reused}
+
+
+def deliver(result: dict, out: str | os.PathLike) -> Path:
+    """Put a stage's CMF output at the user's path `out` (a hard link where the
+    file system allows, else a copy; written to `.partial`, then renamed)."""
+    import shutil
+
+    src, out = Path(result["path"]), Path(out)
+    if out.exists() and out.resolve() == src.resolve():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def plain(x):
+    """A settings dataclass as the plain dict Prefect parameters and YAML hold."""
+    return dataclasses.asdict(x) if dataclasses.is_dataclass(x) and not isinstance(x, type) else x
+
+
+def _jsonable(x):
+    try:
+        import numpy as np
+
+        if isinstance(x, np.generic):
+            return x.item()
+        if isinstance(x, np.ndarray):
+            return x.tolist()
+    except ImportError:
+        pass
+    return str(x)
