@@ -87,25 +87,30 @@ def free_bytes(device: torch.device) -> int:
 
 
 def have_adam8() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("torchao") is not None
+    """Whether torchao's AdamW8bit loads here."""
+    try:
+        adam8_class()
+    except CortiqError:
+        return False
+    return True
 
 
 def choose(memory: str, parts: tuple[str, ...] | None, sh: StepShape, micro_windows: int, free: int | None,
-           adam8_available: bool) -> tuple[str, ...]:
+           adam8_available) -> tuple[str, ...]:
     """The savings the step runs with. `parts` is what the settings named (None:
     auto); auto on a CPU (`free` None) is plain, on a device plain when the plain
     estimate takes at most FIT_SHARE of `free`, else lean (without 8-bit moments
-    when torchao is absent: one line says so)."""
+    when torchao is absent: one line says so). `adam8_available`: a bool, or a
+    function asked only when lean is chosen (importing torchao takes seconds)."""
     if parts is not None:
         return parts
     if free is None or step_bytes(sh, (), micro_windows) <= FIT_SHARE * free:
         return ()
-    lean = tuple(p for p in LEAN if p != "adam8" or adam8_available)
-    if not adam8_available:
+    avail = adam8_available() if callable(adam8_available) else adam8_available
+    lean = tuple(p for p in LEAN if p != "adam8" or avail)
+    if not avail:
         print("cortiq: heal memory auto: the plain step would not fit, lean without 8-bit Adam moments "
-              "(torchao is not installed: pip install 'cortiq[lean]')", file=sys.stderr)
+              "(torchao does not load here: pip install 'cortiq[lean]')", file=sys.stderr)
     return lean
 
 
@@ -115,6 +120,9 @@ def adam8_class():
         from torchao.optim import AdamW8bit
     except ImportError as e:
         raise CortiqError(f"heal: memory adam8 needs torchao (pip install 'cortiq[lean]'): {e}") from None
+    except Exception as e:  # noqa: BLE001 (a torchao built for another torch fails in many ways)
+        raise CortiqError(f"heal: memory adam8: torchao is installed but does not load with torch "
+                          f"{torch.__version__} ({type(e).__name__}: {str(e)[:160]})") from None
     return AdamW8bit
 
 

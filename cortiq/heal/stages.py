@@ -241,7 +241,8 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
     m = rep["metrics"]
     report = {"metrics": {**m, **{f"teacher.{k}": v for k, v in trep["metrics"].items()},
                           **{f"prefix.{k}": v for k, v in prep["metrics"].items()}},
-              "history": rep["history"], "evals": rep["evals"], "out": str(out), "work": str(work)}
+              "history": rep["history"], "evals": rep["evals"], "out": str(out), "work": str(work),
+              "memory": rep["memory"]}
     block = provenance_block(rep, s, teacher, prep["dtype"])
     if score_split or eval_data is not None:
         healed = healed_model(student_cmf, rep["trained"])

@@ -250,7 +250,7 @@ def memory_plan(tail: StudentTail, s: HealSettings, device) -> tuple[str, ...]:
     auto the estimate against the device's free memory (plain on a CPU)."""
     shape = mem.shape_of(tail, s.batch, s.window, s.head_chunk)
     free = mem.free_bytes(device) if device.type == "cuda" else None
-    return mem.choose(s.memory, s.memory_parts(), shape, s.micro_windows(), free, mem.have_adam8())
+    return mem.choose(s.memory, s.memory_parts(), shape, s.micro_windows(), free, mem.have_adam8)
 
 
 # ── data order ──────────────────────────────────────────────────────────

@@ -166,7 +166,11 @@ def test_auto_is_plain_when_it_fits_and_lean_when_not(capsys):
     assert mem.choose("auto", None, QWEN17, 1, int(need / mem.FIT_SHARE) - 1, True) == ("checkpoint", "micro", "adam8")
     assert capsys.readouterr().err == ""
     assert mem.choose("auto", None, QWEN17, 1, 20 << 30, False) == ("checkpoint", "micro")
-    assert "torchao is not installed" in capsys.readouterr().err
+    assert "torchao does not load here" in capsys.readouterr().err
+    # torchao is asked about only when lean is chosen (importing it takes seconds)
+    asked = []
+    assert mem.choose("auto", None, QWEN17, 1, 10 * need, lambda: asked.append(1) or True) == () and not asked
+    assert mem.choose("auto", None, QWEN17, 1, 1, lambda: asked.append(1) or True) == mem.LEAN and asked == [1]
     # what the settings name is what runs, whatever the memory
     assert mem.choose("adam8", ("adam8",), QWEN17, 1, 1, True) == ("adam8",)
     assert mem.choose("plain", (), QWEN17, 1, 1, True) == ()
