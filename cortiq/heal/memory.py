@@ -63,9 +63,10 @@ def step_bytes(sh: StepShape, parts: tuple[str, ...], micro_windows: int) -> int
     Per token and trained layer a transformer layer under bf16 autocast saves
     about 24·hidden + 8·inter bytes for its backward (f32 residual inputs of the
     two norms, bf16 projections, attention output, SwiGLU's gate, up and
-    product); the fused head holds ~12 B per [chunk, vocab] entry (f32 logits
-    and their exponent, bf16 copies) and 8 B per [tokens, hidden] row (the
-    normed rows and their gradient)."""
+    product); the fused head holds at most ~12 B per [chunk, vocab] entry (bf16
+    logits and their gradient, and f32 temporaries where its passes run eager)
+    and 8 B per [tokens, hidden] row (the normed rows and their gradient).
+    bench/memory.py prints this estimate beside the measured peak."""
     n = -(-sh.windows // micro_windows) if "micro" in parts else 1  # micro-batches
     tok = -(-sh.tokens // n)  # tokens of one (micro-)batch
     per_layer = 24 * sh.hidden + 8 * sh.inter
