@@ -7,7 +7,7 @@ memory plans against the transformers KD baseline; the mask step eager and graph
 On the GPU machine (python3.12, torch 2.11, no prefect/mlflow) the 8-bit Adam
 plans need torchao: its wheel travels with the working tree and goes in with
 
-    pip install --no-deps --target /tmp/site .dev/whl_mem/torchao-*.whl && PYTHONPATH=/tmp/site python3 bench/pipeline.py
+    python3 -m pip install --no-deps --target /tmp/site .dev/whl_mem/torchao-*.whl && PYTHONPATH=/tmp/site python3 bench/pipeline.py
 
 (without it those plans' rows say so and the others run). Parts, in the order
 given: `masks` (bench/memory.py: the DTG-MA step eager vs `graph=True`, random
