@@ -106,17 +106,22 @@ class _TopkKL(torch.autograd.Function):
 def _chunk_terms(z, ids, p, mass, want_dz: bool):
     """One chunk's summed KL terms and, when wanted, dL/dz [c, V] in z's dtype,
     from its logits z [c, V] (compute dtype), ids/p [c, k], mass [c] (p's dtype).
-    Compiled on CUDA: the logsumexp and the exp·mass − scatter(p) passes over
-    [c, V] become fused kernels that read z twice and write dL/dz once, with no
-    f32 [c, V] tensor in memory."""
+    Compiled on CUDA: the logsumexp and the exp·mass pass over [c, V] become
+    fused kernels that read z twice and write dL/dz once in z's dtype, with no
+    f32 [c, V] tensor in memory; the listed entries are then overwritten with
+    their exact value mass·q − Σp (an id listed twice, as a "sampled" row's
+    unused slots may be, gets the sum of its entries), each rounded once."""
     zf = z.to(p.dtype)
     lse = torch.logsumexp(zf, dim=-1)  # [c]
     zi = zf.gather(1, ids)  # [c, k]
     loss = (torch.xlogy(p, p) - p * (zi - lse[:, None])).sum()
     if not want_dz:
         return loss, None
-    dz = torch.exp(zf - lse[:, None]) * mass[:, None]  # dL/dz = mass·softmax(z) − scatter(p)
-    return loss, dz.scatter_add(1, ids, -p).to(z.dtype)
+    # dL/dz = mass·softmax(z) − scatter(p)
+    dz = (torch.exp(zf - lse[:, None]) * mass[:, None]).to(z.dtype)  # [c, V]
+    same = ids[:, :, None] == ids[:, None, :]  # [c, k, k]
+    listed = torch.exp(zi - lse[:, None]) * mass[:, None] - (same * p[:, None, :]).sum(-1)  # [c, k]
+    return loss, dz.scatter(1, ids, listed.to(z.dtype))
 
 
 _COMPILED_TERMS = {}

@@ -117,6 +117,9 @@ def test_under_autocast_every_head_product_runs_in_the_autocast_dtype(ahead):
 @pytest.mark.parametrize("chunk", [1, 10, 37, 64])
 def test_both_paths_match_the_reference_for_each_needed_gradient(ahead, need, chunk):
     hidden, w, ids, probs = _case(n=37, h=19, v=101, k=7, seed=3)
+    # a "sampled" row lists an id more than once (a drawn id and unused slots, or two entries)
+    ids[5, 4:] = ids[5, 3]
+    ids[6, 1] = ids[6, 0]
     h1, w1 = hidden.clone().requires_grad_(need != "head"), w.clone().requires_grad_(need != "hidden")
     h2, w2 = hidden.clone().requires_grad_(need != "head"), w.clone().requires_grad_(need != "hidden")
     fast = topk_kl(h1, w1, ids, probs, chunk=chunk, grad_ahead=ahead)
