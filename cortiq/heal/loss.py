@@ -128,11 +128,27 @@ _COMPILED_TERMS = {}
 
 
 def _terms_for(device: torch.device):
-    """`_chunk_terms`, compiled once per process on CUDA; eager elsewhere (the CPU path and the tests' reference)."""
+    """`_chunk_terms`, compiled once per process on CUDA; eager elsewhere (the CPU path and the tests' reference).
+    Should the compilation fail, one line says so and the eager function (the same arithmetic) is used."""
     if device.type != "cuda":
         return _chunk_terms
     if "cuda" not in _COMPILED_TERMS:
-        _COMPILED_TERMS["cuda"] = torch.compile(_chunk_terms, dynamic=False)
+        compiled = torch.compile(_chunk_terms, dynamic=False)
+
+        def terms(*a):
+            try:
+                return compiled(*a)
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 (a compiler failure, not a value error: eager computes the same)
+                import sys
+
+                print(f"cortiq: the fused top-k KL's compiled passes failed ({type(e).__name__}: "
+                      f"{' '.join(str(e).split())[:160]}); running them eager", file=sys.stderr)
+                _COMPILED_TERMS["cuda"] = _chunk_terms
+                return _chunk_terms(*a)
+
+        _COMPILED_TERMS["cuda"] = terms
     return _COMPILED_TERMS["cuda"]
 
 
