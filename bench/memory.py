@@ -69,19 +69,44 @@ def _timers(device: str):
     return R.cpu_timed, (lambda: None), (lambda: 0.0)
 
 
+def _plan_step(arch, B, T, batch, parts, chunk, micro, device):
+    """(step function, auto's estimate in bytes) of one plan; the model, optimizer and
+    gradients live in the step's closure, so they go when the caller drops it."""
+    from cortiq.heal import memory as mem
+    from cortiq.heal.train import StudentTail, step_backward
+
+    dev = torch.device(device)
+    cdt = torch.bfloat16 if device == "cuda" else torch.float32
+    student = S.build(arch, torch.float32, device)
+    tail = StudentTail(student, 0, ffn_only=False, drop_prefix=False)
+    if device == "cuda":
+        student.compile_layers()
+    tail.checkpoint = "checkpoint" in parts
+    groups = [{"params": [p for _, p in tail.params[l]], "lr": 1e-5, "layer": l} for l in sorted(tail.params)]
+    opt = mem.make_optimizer(groups, 1e-5, dev, adam8="adam8" in parts)
+    params = [p for _, p in tail.named()]
+    resident = sum(p.numel() * p.element_size() for p in student.parameters())
+    est = resident + mem.step_bytes(mem.shape_of(tail, B, T, chunk), parts, micro)
+
+    def step():
+        step_backward(tail, batch, micro if "micro" in parts else 0, chunk, dev, cdt, None)
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, est
+
+
 def heal_plans(geom: str, B: int, T: int, steps: int, micro: int, plans=PLANS, device: str = "cuda") -> list[dict]:
     """One row per plan: tokens/s, peak GiB, the auto estimate GiB."""
     import functools
+    import gc
 
     import cortiq.heal.train as T_
-    from cortiq.heal import memory as mem
     from cortiq.heal.loss import topk_kl
-    from cortiq.heal.train import StudentTail, step_backward
 
     g = R.GEOMS[geom]
     arch = S.arch_of(g)
-    dev = torch.device(device)
-    cdt = torch.bfloat16 if device == "cuda" else torch.float32
     timed, peak_reset, peak_gib = _timers(device)
     gen = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, g["vocab"], (B, T), device=device, generator=gen)
@@ -95,28 +120,13 @@ def heal_plans(geom: str, B: int, T: int, steps: int, micro: int, plans=PLANS, d
         t0 = time.time()
         # the trainer's loss with the head's gradient made ahead (its default) or recomputed
         T_.topk_kl = functools.partial(topk_kl, grad_ahead=ahead)
+        step = None
         try:
+            gc.collect()
             peak_reset()
-            student = S.build(arch, torch.float32, device)
-            tail = StudentTail(student, 0, ffn_only=False, drop_prefix=False)
-            if device == "cuda":
-                student.compile_layers()
-            tail.checkpoint = "checkpoint" in parts
-            groups = [{"params": [p for _, p in tail.params[l]], "lr": 1e-5, "layer": l} for l in sorted(tail.params)]
-            opt = mem.make_optimizer(groups, 1e-5, dev, adam8="adam8" in parts)
-            params = [p for _, p in tail.named()]
-            resident = sum(p.numel() * p.element_size() for p in student.parameters())
-            est = resident + mem.step_bytes(mem.shape_of(tail, B, T, chunk), parts, micro)
-
-            def step():
-                step_backward(tail, batch, micro if "micro" in parts else 0, chunk, dev, cdt, None)
-                torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
+            step, est = _plan_step(arch, B, T, batch, parts, chunk, micro, device)
             s = timed(step, warm=3, reps=steps)
             row.update({"tok_s": B * T / s, "step_ms": 1e3 * s, "peak_gib": peak_gib(), "estimate_gib": est / 2**30})
-            del student, tail, opt, params, groups
         except torch.cuda.OutOfMemoryError as e:
             row["error"] = f"OOM: {str(e)[:120]}"
         except Exception as e:  # keep the other plans' rows
@@ -124,10 +134,12 @@ def heal_plans(geom: str, B: int, T: int, steps: int, micro: int, plans=PLANS, d
 
             traceback.print_exc()
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        del step  # the plan's model, optimizer and gradients
         row["secs"] = time.time() - t0
         log(json.dumps(row))
         rows.append(row)
         if device == "cuda":
+            gc.collect()
             torch.cuda.empty_cache()
     T_.topk_kl = topk_kl
     return rows
