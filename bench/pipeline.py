@@ -1,9 +1,23 @@
-"""The whole pipeline on one GPU, stage by stage: wall time and throughput.
+"""The whole pipeline on one GPU, stage by stage: wall time and throughput; heal's
+memory plans against the transformers KD baseline; the mask step eager and graphed.
 
-    python bench/pipeline.py [--geoms qwen3-0.6b,qwen3-1.7b] [--tokens 200000] [--out DIR]
-    python bench/pipeline.py --cpu --geoms tiny --tokens 6000     # the code paths on a CPU, no numbers
+    python bench/pipeline.py [--parts masks,memory,pipeline] [--geoms qwen3-0.6b,qwen3-1.7b] [--out DIR]
+    python bench/pipeline.py --cpu --tiny        # every part's code on a CPU at tiny sizes, no numbers
 
-compress (DTG-MA masks → Grams → fold with repair) → heal (teacher top-k,
+On the GPU machine (python3.12, torch 2.11, no prefect/mlflow) the 8-bit Adam
+plans need torchao: its wheel travels with the working tree and goes in with
+
+    python3 -m pip install --no-deps --target /tmp/site .dev/whl_mem/torchao-*.whl && PYTHONPATH=/tmp/site python3 bench/pipeline.py
+
+(without it those plans' rows say so and the others run). Parts, in the order
+given: `masks` (bench/memory.py: the DTG-MA step eager vs `graph=True`, random
+SmolLM2-135M geometry), `memory` (bench/memory.py: heal's student step at
+`--memory-geom` under each memory plan, and the transformers KD baseline: tokens/s,
+peak memory, auto's estimate), `pipeline` (below, per geometry of `--geoms`).
+Each part's rows go to pipeline.json as soon as it ends; a part not started
+within `--budget` seconds is skipped (so one call's limit keeps what finished).
+
+The pipeline part runs compress (DTG-MA masks → Grams → fold with repair) → heal (teacher top-k,
 frozen prefix, one epoch, export) → score (test NLL of source, student and
 healed) → MTP heal (trunk pass, draft training) → re-encode (q8 and q4, each
 re-scored), on a random-init model of the named geometry (bench/run.py's) and
@@ -90,7 +104,7 @@ def text_data(model: Path, out: Path, tokens: int) -> Path:
     return out
 
 
-def run_geom(name: str, g: dict, a, work: Path) -> list[dict]:
+def run_geom(name: str, g: dict, a, work: Path, clock: "Clock") -> list[dict]:
     from cortiq.cmf import copy_specs, open_cmf, with_provenance, write_cmf
     from cortiq.compress import compress
     from cortiq.compress.settings import CompressSettings, FoldSettings, GramSettings, MaskSettings
@@ -102,7 +116,6 @@ def run_geom(name: str, g: dict, a, work: Path) -> list[dict]:
 
     d = work / name
     d.mkdir(parents=True, exist_ok=True)
-    clock = Clock()
     W, B = a.window, a.batch
     src = clock("source (random init, write)", lambda: source_model(g, d / "source.cmf"))
     td = clock("data (tokenize)", lambda: text_data(src, d / "td", a.tokens))
@@ -127,7 +140,8 @@ def run_geom(name: str, g: dict, a, work: Path) -> list[dict]:
     hrep = clock("heal (teacher top-k, prefix, 1 epoch, export)",
                  lambda: heal(d / "student.cmf", src, td, hs, d / "healed.cmf", work_dir=d / "heal", progress=False,
                               score_split=None), tokens=n_train)
-    clock.rows[-1]["steps"] = hrep["metrics"].get("steps")
+    clock.rows[-1].update({"steps": hrep["metrics"].get("steps"), "memory": hrep.get("memory"),
+                           "s_per_step": hrep["metrics"].get("sec_per_step")})
     n_test = sum(len(r.ids) for r in Tdata.open(td).records("test"))
     nll = clock("score (test NLL: source, student, healed)",
                 lambda: score({"source": src, "student": d / "student.cmf", "healed": d / "healed.cmf"}, td,
@@ -152,44 +166,29 @@ def run_geom(name: str, g: dict, a, work: Path) -> list[dict]:
 
         r = clock(f"re-encode {codec} + score", reencode, tokens=n_test)
         clock.rows[-1]["nll"] = r
-    for row in clock.rows:
-        row["geom"] = name
     return clock.rows
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--geoms", default="qwen3-0.6b,qwen3-1.7b")
-    ap.add_argument("--tokens", type=int, default=200_000, help="tokens of text (train 90 %)")
-    ap.add_argument("--window", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--mask-steps", type=int, default=200)
-    ap.add_argument("--gram-windows", type=int, default=64)
-    ap.add_argument("--mtp-tokens", type=int, default=65536)
-    ap.add_argument("--work", default="/tmp/cortiq-pipeline")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--cpu", action="store_true", help="smoke-test the code paths on the CPU (tiny geometry)")
-    a = ap.parse_args()
-    if not a.cpu:
-        assert torch.cuda.is_available(), "the benchmark needs a CUDA device"
-        torch.backends.cuda.matmul.allow_tf32 = True
-    rows = []
-    for name in a.geoms.split(","):
-        t0 = time.time()
-        try:
-            rows += run_geom(name, GEOMS[name], a, Path(a.work))
-        except Exception as e:  # keep the other geometry's rows
-            import traceback
+def pipeline_rows(name: str, a, work: Path) -> list[dict]:
+    """One geometry's stage rows (those that finished, and the error that stopped it)."""
+    t0 = time.time()
+    clock = Clock()
+    try:
+        run_geom(name, GEOMS[name], a, work, clock)
+    except Exception as e:  # keep this geometry's finished stages and the other geometry's rows
+        import traceback
 
-            traceback.print_exc()
-            rows.append({"geom": name, "stage": "error", "error": f"{type(e).__name__}: {str(e)[:200]}"})
-        log(f"{name}: {time.time() - t0:.0f} s")
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    dev = "CPU" if a.cpu else torch.cuda.get_device_name()
-    (out / "pipeline.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "rows": rows}, indent=1))
+        traceback.print_exc()
+        clock.rows.append({"stage": "error", "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    for row in clock.rows:
+        row["geom"] = name
+    log(f"{name}: {time.time() - t0:.0f} s")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return clock.rows
+
+
+def print_pipeline(rows, a, dev):
     print(f"\n{dev}, torch {torch.__version__}; window {a.window}, batch {a.batch}")
     print("| geometry | stage | wall s | tokens/s | notes |")
     print("| --- | --- | --- | --- | --- |")
@@ -197,6 +196,74 @@ def main():
         notes = {k: v for k, v in r.items() if k not in ("geom", "stage", "secs", "tokens", "tok_s")}
         tok = f"{r['tok_s'] / 1e3:.1f}k" if "tok_s" in r else ""
         print(f"| {r['geom']} | {r['stage']} | {r.get('secs', 0):.1f} | {tok} | {json.dumps(notes, default=str)[:160]} |")
+
+
+def main():
+    import memory as M
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="masks,memory,pipeline", help="what runs, in this order: masks, memory, pipeline")
+    ap.add_argument("--geoms", default="qwen3-0.6b,qwen3-1.7b", help="pipeline geometries (bench/run.py's names)")
+    ap.add_argument("--tokens", type=int, default=200_000, help="tokens of text (train 90 %%)")
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--mask-steps", type=int, default=200, help="most DTG-MA steps of the pipeline's compress")
+    ap.add_argument("--gram-windows", type=int, default=64)
+    ap.add_argument("--mtp-tokens", type=int, default=65536)
+    ap.add_argument("--memory-geom", default="qwen3-1.7b", help="the memory part's geometry")
+    ap.add_argument("--memory-batch", type=int, default=4, help="the memory part's windows per step (bench/run.py's)")
+    ap.add_argument("--memory-seq", type=int, default=2048, help="the memory part's tokens per window")
+    ap.add_argument("--memory-steps", type=int, default=5, help="timed steps per memory plan (after 3 warm-up steps)")
+    ap.add_argument("--bench-mask-steps", type=int, default=60, help="most steps of each masks-part run")
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds after which no further part starts")
+    ap.add_argument("--work", default="/tmp/cortiq-pipeline")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--cpu", action="store_true", help="smoke-test the code paths on the CPU")
+    ap.add_argument("--tiny", action="store_true", help="tiny geometries and short runs (with --cpu: the smoke test)")
+    a = ap.parse_args()
+    if a.tiny:
+        a.geoms, a.tokens, a.window, a.batch, a.mask_steps, a.gram_windows, a.mtp_tokens = "tiny", 12000, 64, 4, 5, 4, 4000
+        a.memory_geom, a.memory_batch, a.memory_seq, a.memory_steps, a.bench_mask_steps = "tiny", 4, 64, 1, 6
+    if not a.cpu:
+        assert torch.cuda.is_available(), "the benchmark needs a CUDA device"
+        torch.backends.cuda.matmul.allow_tf32 = True
+    device = "cpu" if a.cpu else "cuda"
+    dev = "CPU" if a.cpu else torch.cuda.get_device_name()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res = {"device": dev, "torch": torch.__version__, "args": vars(a), "pipeline": [], "memory": [], "masks": [],
+           "skipped": []}
+    t_start = time.time()
+    # the pipeline part is one item per geometry, so the budget can stop between them
+    items = [("pipeline", g) if p == "pipeline" else (p, None) for p in a.parts.split(",")
+             for g in (a.geoms.split(",") if p == "pipeline" else [None])]
+    for part, geom in items:
+        label = part if geom is None else f"{part} {geom}"
+        if time.time() - t_start > a.budget:
+            res["skipped"].append(label)
+            log(f"{label}: not started, past the {a.budget:.0f} s budget")
+            continue
+        t0 = time.time()
+        if part == "masks":
+            res["masks"] = M.mask_steps(a.bench_mask_steps, a.tiny, device)
+        elif part == "memory":
+            res["memory"] = [M.baseline(a.memory_geom, a.memory_batch, a.memory_seq, a.memory_steps, device)] + \
+                M.heal_plans(a.memory_geom, a.memory_batch, a.memory_seq, a.memory_steps, 1, device=device)
+        elif part == "pipeline":
+            res["pipeline"] += pipeline_rows(geom, a, Path(a.work))
+        else:
+            raise SystemExit(f"bench/pipeline.py: unknown part {part!r} (masks, memory, pipeline)")
+        log(f"{label}: {time.time() - t0:.0f} s")
+        res["secs"] = time.time() - t_start
+        (out / "pipeline.json").write_text(json.dumps(res, indent=1, default=str))
+    if res["pipeline"]:
+        print_pipeline(res["pipeline"], a, dev)
+    if res["memory"] or res["masks"]:
+        print(f"\nmemory plans: {a.memory_geom}, {a.memory_batch} windows of {a.memory_seq}, micro-batches of 1 window")
+        M.print_tables(res["memory"], res["masks"])
+    if res["skipped"]:
+        print(f"\nnot started (past the {a.budget:.0f} s budget): {', '.join(res['skipped'])}")
+    print(f"\ntotal {time.time() - t_start:.0f} s")
 
 
 if __name__ == "__main__":

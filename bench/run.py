@@ -94,34 +94,36 @@ def flops_per_token(g, seq, train: bool, layers: int | None = None, head=True):
 # ── the baseline: transformers, teacher online, full-vocab KL ──────────────
 
 
-def hf_model(g):
+def hf_model(g, device="cuda"):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(vocab_size=g["vocab"], hidden_size=g["hidden"], intermediate_size=g["inter"],
                       num_hidden_layers=g["layers"], num_attention_heads=g["heads"], num_key_value_heads=g["kv"],
                       head_dim=g["head_dim"], tie_word_embeddings=g["tie"], max_position_embeddings=4096)
     cfg._attn_implementation = "sdpa"
-    with torch.device("cuda"):
+    with torch.device(device):
         m = Qwen3ForCausalLM(cfg)
     return m.to(torch.bfloat16)
 
 
-def bench_baseline(name, g, B, T, steps, rate):
+def bench_baseline(name, g, B, T, steps, rate, device="cuda"):
     row = {"geom": name, "who": "baseline"}
-    ids = torch.randint(0, g["vocab"], (B, T), device="cuda")
-    teacher = hf_model(g).eval()
+    # the CPU (a smoke test) has no events and no peak counter
+    tm, reset, peak = (timed, peak_reset, peak_gib) if device == "cuda" else (cpu_timed, lambda: None, lambda: 0.0)
+    ids = torch.randint(0, g["vocab"], (B, T), device=device)
+    teacher = hf_model(g, device).eval()
 
     @torch.no_grad()
     def teacher_pass():
         logits = teacher(ids).logits
         return torch.topk(logits.float(), 64, dim=-1)
 
-    peak_reset()
-    s = timed(teacher_pass)
+    reset()
+    s = tm(teacher_pass)
     row["teacher_tok_s"] = B * T / s
     row["teacher_mfu"] = flops_per_token(g, T, False) * B * T / s / rate
-    row["teacher_peak_gib"] = peak_gib()
-    student = hf_model(g).train()
+    row["teacher_peak_gib"] = peak()
+    student = hf_model(g, device).train()
     opt = torch.optim.AdamW(student.parameters(), lr=1e-5)
 
     def kd_step():
@@ -134,13 +136,13 @@ def bench_baseline(name, g, B, T, steps, rate):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    peak_reset()
-    s = timed(kd_step, warm=2, reps=steps)
+    reset()
+    s = tm(kd_step, warm=2, reps=steps)
     row["kd_tok_s"] = B * T / s
     row["kd_mfu"] = (flops_per_token(g, T, True) + flops_per_token(g, T, False)) * B * T / s / rate
-    row["kd_peak_gib"] = peak_gib()
+    row["kd_peak_gib"] = peak()
     del teacher, student, opt
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache() if device == "cuda" else None
     return row
 
 

@@ -40,6 +40,11 @@ _HELP = {
     "mem_budget_gb": "host memory the prefix cache plans with, GB (0: half of this machine's)",
     "head_chunk": "rows per chunk of the fused head + loss",
     "compile": "torch.compile each decoder layer on CUDA (--no-compile: eager)",
+    "memory": "the step's memory plan: auto (lean only when plain would not fit the device), plain, lean (all of: "
+              "checkpoint, micro, adam8), or a '+'-joined choice of checkpoint (recompute each trained layer in "
+              "the backward), micro (micro-batches, gradients accumulated), adam8 (8-bit Adam moments; "
+              "pip install 'cortiq[lean]')",
+    "micro_batch": "windows per micro-batch with --memory micro/lean (0: a quarter of --batch)",
 }
 
 

@@ -103,12 +103,108 @@ class _TopkKL(torch.autograd.Function):
         return *grads.result(), None, None, None
 
 
+def _chunk_terms(z, ids, p, mass, want_dz: bool):
+    """One chunk's summed KL terms and, when wanted, dL/dz [c, V] in z's dtype,
+    from its logits z [c, V] (compute dtype), ids/p [c, k], mass [c] (p's dtype).
+    Compiled on CUDA: the logsumexp and the exp·mass pass over [c, V] become
+    fused kernels that read z twice and write dL/dz once in z's dtype, with no
+    f32 [c, V] tensor in memory; the listed entries are then overwritten with
+    their exact value mass·q − Σp (an id listed twice, as a "sampled" row's
+    unused slots may be, gets the sum of its entries), each rounded once."""
+    zf = z.to(p.dtype)
+    lse = torch.logsumexp(zf, dim=-1)  # [c]
+    zi = zf.gather(1, ids)  # [c, k]
+    loss = (torch.xlogy(p, p) - p * (zi - lse[:, None])).sum()
+    if not want_dz:
+        return loss, None
+    # dL/dz = mass·softmax(z) − scatter(p)
+    dz = (torch.exp(zf - lse[:, None]) * mass[:, None]).to(z.dtype)  # [c, V]
+    same = ids[:, :, None] == ids[:, None, :]  # [c, k, k]
+    listed = torch.exp(zi - lse[:, None]) * mass[:, None] - (same * p[:, None, :]).sum(-1)  # [c, k]
+    return loss, dz.scatter(1, ids, listed.to(z.dtype))
+
+
+_COMPILED_TERMS = {}
+
+
+def _terms_for(device: torch.device):
+    """`_chunk_terms`, compiled once per process on CUDA; eager elsewhere (the CPU path and the tests' reference).
+    Should the compilation fail, one line says so and the eager function (the same arithmetic) is used."""
+    if device.type != "cuda":
+        return _chunk_terms
+    if "cuda" not in _COMPILED_TERMS:
+        compiled = torch.compile(_chunk_terms, dynamic=False)
+
+        def terms(*a):
+            try:
+                return compiled(*a)
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 (a compiler failure, not a value error: eager computes the same)
+                import sys
+
+                print(f"cortiq: the fused top-k KL's compiled passes failed ({type(e).__name__}: "
+                      f"{' '.join(str(e).split())[:160]}); running them eager", file=sys.stderr)
+                _COMPILED_TERMS["cuda"] = _chunk_terms
+                return _chunk_terms(*a)
+
+        _COMPILED_TERMS["cuda"] = terms
+    return _COMPILED_TERMS["cuda"]
+
+
+class _TopkKLAhead(torch.autograd.Function):
+    """The gradient computed in the forward: each chunk's logits are made once
+    (one [rows, V] product, not two), its dL/dz goes straight into dL/dhidden
+    (dz @ W) and dL/dW, and the backward only scales them by the incoming
+    gradient (the loss is a scalar sum). The idea of the fused linear losses of
+    Liger-kernel, for a sparse target. Under no_grad it is the forward alone."""
+
+    @staticmethod
+    def forward(ctx, hidden, head_weight, ids, probs, chunk, ahead):
+        n = hidden.shape[0]
+        ids = ids.long()
+        acc = torch.promote_types(hidden.dtype, torch.float32)
+        dev = hidden.device.type
+        cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+        need_h, need_w = ahead and ctx.needs_input_grad[0], ahead and ctx.needs_input_grad[1]
+        h, w = hidden.to(cdt), head_weight.to(cdt)
+        p = probs.to(acc)
+        mass = p.sum(1)  # [N] the row's target mass (its weight)
+        gh = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None  # [N, H]
+        gw = torch.zeros(head_weight.shape, dtype=acc, device=head_weight.device) if need_w else None  # [V, H]
+        terms = _terms_for(hidden.device)
+        total = hidden.new_zeros((), dtype=acc)
+        for a in range(0, n, chunk):
+            sl = slice(a, a + chunk)
+            z = h[sl] @ w.t()  # [c, V] in the compute dtype
+            loss, dz = terms(z, ids[sl], p[sl], mass[sl], need_h or need_w)
+            total += loss
+            if need_h:
+                gh[sl] = dz @ w
+            if need_w:
+                gw += (dz.t() @ h[sl]).to(acc)
+        ctx.save_for_backward(gh, gw)
+        ctx.w_dtype = head_weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, g):
+        gh, gw = ctx.saved_tensors
+        return (None if gh is None else gh * g.to(gh.dtype),
+                None if gw is None else (gw * g).to(ctx.w_dtype), None, None, None, None)
+
+
 def topk_kl(hidden: torch.Tensor, head_weight: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor,
-            chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+            chunk: int = DEFAULT_CHUNK, grad_ahead: bool = True) -> torch.Tensor:
     """Summed top-k KL of `hidden` [N,H] (after the final norm) through the head
-    `head_weight` [V,H] against `ids`/`probs` [N,k]; rows in chunks of `chunk`."""
+    `head_weight` [V,H] against `ids`/`probs` [N,k]; rows in chunks of `chunk`.
+    `grad_ahead`: the gradient made in the forward (two [rows, V] products per
+    chunk instead of three); off, the backward recomputes each chunk's logits."""
     if hidden.dim() != 2 or ids.shape != probs.shape or ids.shape[0] != hidden.shape[0]:
         raise ValueError(f"topk_kl: hidden {tuple(hidden.shape)}, ids {tuple(ids.shape)}, probs {tuple(probs.shape)} do not match")
+    if grad_ahead:
+        ahead = torch.is_grad_enabled() and (hidden.requires_grad or head_weight.requires_grad)
+        return _TopkKLAhead.apply(hidden, head_weight, ids, probs, max(1, int(chunk)), ahead)
     return _TopkKL.apply(hidden, head_weight, ids, probs, max(1, int(chunk)))
 
 

@@ -15,6 +15,8 @@ from ..errors import CortiqError
 
 #: what the student learns per row (see `HealSettings.target`)
 TARGETS = ("topk", "topk+rest", "sampled", "full")
+#: the memory savings `HealSettings.memory` may name ("lean" is all of them)
+MEMORY_PARTS = ("checkpoint", "micro", "adam8")
 
 
 @dataclass
@@ -91,6 +93,17 @@ class HealSettings:
     head_chunk: int = 1024
     #: torch.compile each decoder layer on CUDA (teacher and student; the CPU stays eager)
     compile: bool = True
+    #: the student step's memory plan: "plain" (every activation kept, f32 Adam
+    #: moments), "lean" (all three savings below), "auto" (plain when its estimate
+    #: fits the device's free memory, else lean; plain on a CPU), or a "+"-joined
+    #: choice of "checkpoint" (each trained layer's activations recomputed in the
+    #: backward), "micro" (the batch in micro-batches of `micro_batch` windows,
+    #: gradients accumulated: the same step), "adam8" (Adam's moments in 8 bits,
+    #: blockwise, from torchao: the `lean` extra). How, not what: a resumed run may
+    #: change it (the optimizer restarts when the moments' kind changes)
+    memory: str = "auto"
+    #: windows per micro-batch when micro-batches are on (0: a quarter of the batch, at least 1)
+    micro_batch: int = 0
 
     def __post_init__(self):
         def bad(msg):
@@ -123,6 +136,23 @@ class HealSettings:
             bad(f"compute_dtype {self.compute_dtype!r} is not one of {', '.join(COMPUTE)}")
         if self.mem_budget_gb < 0:
             bad(f"mem_budget_gb {self.mem_budget_gb} is negative")
+        if self.memory not in ("auto", "plain", "lean"):
+            unknown = [p for p in self.memory.split("+") if p not in MEMORY_PARTS]
+            if unknown or not self.memory:
+                bad(f"memory {self.memory!r} is not auto, plain, lean or a '+'-joined choice of {', '.join(MEMORY_PARTS)}")
+        if self.micro_batch < 0:
+            bad(f"micro_batch {self.micro_batch} is negative")
+
+    def memory_parts(self) -> tuple[str, ...] | None:
+        """The savings named by `memory`, in MEMORY_PARTS order; None for "auto" (decided at the step)."""
+        if self.memory == "auto":
+            return None
+        named = set(MEMORY_PARTS) if self.memory == "lean" else set() if self.memory == "plain" else set(self.memory.split("+"))
+        return tuple(p for p in MEMORY_PARTS if p in named)
+
+    def micro_windows(self) -> int:
+        """Windows per micro-batch when micro-batches are on."""
+        return min(self.batch, self.micro_batch) if self.micro_batch else max(1, self.batch // 4)
 
     @property
     def teacher_kind(self) -> str:

@@ -61,7 +61,8 @@ def check_inputs(student_cmf, teacher_cmf, tdata_dir, s: HealSettings):
 
 def _train_key(s: HealSettings) -> dict:
     d = s.to_dict()
-    for k in ("device", "compute_dtype", "mem_budget_gb", "head_chunk", "checkpoint_every", "compile"):
+    for k in ("device", "compute_dtype", "mem_budget_gb", "head_chunk", "checkpoint_every", "compile", "memory",
+              "micro_batch"):
         d.pop(k)  # how, not what: a resumed run may change them
     return d
 
@@ -203,7 +204,8 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
     m = rep["metrics"]
     report = {"metrics": {**m, **{f"targets.{k}": v for k, v in trep["metrics"].items()},
                           **{f"prefix.{k}": v for k, v in prep["metrics"].items()}},
-              "history": rep["history"], "evals": rep["evals"], "out": str(out), "work": str(work)}
+              "history": rep["history"], "evals": rep["evals"], "out": str(out), "work": str(work),
+              "memory": rep["memory"]}
     block = provenance_block(rep, s, teacher, prep["dtype"])
     if score_split or eval_data is not None:
         healed = healed_model(student_cmf, Path(trained["path"]) / TRAINED)

@@ -25,6 +25,7 @@ import torch
 
 from .. import tracking
 from ..errors import CortiqError
+from . import memory as mem
 from .loss import dense_kl, topk_kl, topk_rest_kl
 from .rows import WindowRows
 from .schedule import genesis_decay, genesis_from, lr_shape
@@ -145,6 +146,8 @@ class StudentTail:
             p.requires_grad_(True)
         if not self.params:
             raise CortiqError(f"heal: nothing to train from layer {train_from} (ffn_only={ffn_only})")
+        #: recompute each trained layer's activations in the backward (memory "checkpoint")
+        self.checkpoint = False
 
     def named(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [np_ for l in sorted(self.params) for np_ in self.params[l]]
@@ -154,7 +157,17 @@ class StudentTail:
         return self.model.run_layers(self.model.embed(ids), 0, self.train_from)  # [B, T, H]
 
     def tail(self, h0: torch.Tensor) -> torch.Tensor:
-        h = self.model.run_layers(h0, self.train_from, self.num_layers)  # [B, T, H]
+        if self.checkpoint and torch.is_grad_enabled():
+            # one checkpoint per layer: only its input [B, T, H] is saved, the rest is
+            # recomputed in the backward (non-reentrant: works under autocast, with
+            # compiled layers and with inputs that need no gradient)
+            from torch.utils.checkpoint import checkpoint
+
+            h = h0
+            for i in range(self.train_from, self.num_layers):
+                h = checkpoint(self.model.run_layers, h, i, i + 1, use_reentrant=False)  # [B, T, H]
+        else:
+            h = self.model.run_layers(h0, self.train_from, self.num_layers)  # [B, T, H]
         return self.model.model.norm(h)
 
     def set_active(self, lowest: int) -> None:
@@ -210,6 +223,34 @@ def batch_loss(tail: StudentTail, ids, h0, tid, tp, chunk: int, device, cdt,
             return dense_kl(rows, tail.model.head_weight, th.reshape(-1, th.shape[-1]), obj.teacher.head_weight,
                             tid[:, 0], tp[:, 0], obj.ce, chunk=chunk)
         return topk_kl(rows, tail.model.head_weight, tid, tp, chunk=chunk)
+
+
+def step_backward(tail: StudentTail, batch: tuple, micro: int, chunk: int, device, cdt, obj: Objective | None,
+                  scale: float = 1.0) -> torch.Tensor:
+    """Forward and backward of one step's batch, `micro` windows at a time (0:
+    all at once). Each part's summed loss is divided by the whole step's total
+    weight before its backward, so the accumulated gradients are the one
+    batch's. Returns the step's normalised loss (detached)."""
+    ids, h0, tid, tp, tot = batch
+    B, T = ids.shape
+    m = B if micro <= 0 else min(micro, B)
+    den = max(tot, 1e-9)
+    loss = None
+    for a in range(0, B, m):  # micro-batches, not tokens: at most a handful
+        rows = slice(a * T, (a + m) * T)  # target rows of windows a..a+m-1
+        part = batch_loss(tail, ids[a : a + m], None if h0 is None else h0[a : a + m], tid[rows], tp[rows], chunk,
+                          device, cdt, obj) / den
+        (part * scale).backward()
+        loss = part.detach() if loss is None else loss + part.detach()
+    return loss
+
+
+def memory_plan(tail: StudentTail, s: HealSettings, device) -> tuple[str, ...]:
+    """The memory savings this run's step uses: what `s.memory` names, or for
+    auto the estimate against the device's free memory (plain on a CPU)."""
+    shape = mem.shape_of(tail, s.batch, s.window, s.head_chunk)
+    free = mem.free_bytes(device) if device.type == "cuda" else None
+    return mem.choose(s.memory, s.memory_parts(), shape, s.micro_windows(), free, mem.have_adam8)
 
 
 # ── data order ──────────────────────────────────────────────────────────
@@ -280,8 +321,10 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
     total_steps = max(1, math.ceil(s.epochs * nb))
     layers = sorted(tail.params)
     groups = [{"params": [p for _, p in tail.params[l]], "lr": s.lr, "layer": l} for l in layers]
-    # fused: one kernel for every parameter's update on CUDA (same arithmetic)
-    opt = torch.optim.Adam(groups, lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
+    plan = memory_plan(tail, s, device)
+    tail.checkpoint = "checkpoint" in plan
+    micro = s.micro_windows() if "micro" in plan else 0
+    opt = mem.make_optimizer(groups, s.lr, device, adam8="adam8" in plan)
     named = tail.named()
     trained = sum(p.numel() for _, p in named)
 
@@ -302,7 +345,12 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
     if ck is not None:
         if ck.get("key") == key:
             tail.load(ck["trained"])
-            opt.load_state_dict(ck["optim"])
+            kind = ck.get("optim_kind", "adam")
+            if kind == mem.optimizer_kind(opt):
+                mem.load_optim_state(opt, ck["optim"])
+            else:  # the memory plan changed the moments' kind: they start afresh, the rest resumes
+                print(f"cortiq: {ckpt_path}: the checkpoint's {kind} moments do not fit this run's "
+                      f"{mem.optimizer_kind(opt)} optimizer; its moments restart", file=sys.stderr)
             order.rng, order.perm = int(ck["order_rng"]), [int(x) for x in ck["order_perm"]]
             torch.set_rng_state(ck["rng"])
             for k_ in st:
@@ -316,7 +364,8 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
         logger.log_metrics({"heldout": e0}, step=0)
 
     def checkpoint():
-        _save(ckpt_path, {"key": key, "trained": tail.state(), "optim": opt.state_dict(),
+        _save(ckpt_path, {"key": key, "trained": tail.state(), "optim": mem.optim_state(opt),
+                          "optim_kind": mem.optimizer_kind(opt),
                           "order_rng": order.rng, "order_perm": list(order.perm), "rng": torch.get_rng_state(),
                           "state": st, "e0": e0, "best_loss": best_loss, "best_step": best_step, "best_state": best_state})
 
@@ -338,10 +387,7 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
             lowest = genesis_from(epoch, tail.num_layers, tail.train_from)
             tail.set_active(lowest)
         t0 = time.perf_counter()
-        ids, h0, tid, tp, tot = ahead.get(b)
-        loss_sum = batch_loss(tail, ids, h0, tid, tp, s.head_chunk, device, cdt, obj)
-        loss = loss_sum / max(tot, 1e-9)
-        (loss * st["scale"]).backward()
+        loss = step_backward(tail, ahead.get(b), micro, s.head_chunk, device, cdt, obj, st["scale"])
         if epoch_pos + 1 < nb:  # the next batch of this epoch's order, while the GPU works
             ahead.prefetch(order.perm[epoch_pos + 1])
         if st["scale"] != 1.0:
@@ -363,7 +409,7 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
         shape = lr_shape(done, total_steps, s.warm, s.genesis)
         lr = s.lr * shape
         for g in opt.param_groups:
-            g["lr"] = lr * (genesis_decay(g["layer"], lowest, done // nb) if s.genesis else 1.0)
+            mem.set_lr(g, lr * (genesis_decay(g["layer"], lowest, done // nb) if s.genesis else 1.0))
         opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
@@ -394,6 +440,6 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
         "metrics": {"heldout_start": e0, "heldout_best": best_loss, "best_step": best_step, "steps": steps,
                     "skipped": st["skipped"], "sec_per_step": st["step_secs"] / max(steps, 1),
                     "trained_weights": trained, "total_steps": total_steps},
-        "history": st["history"], "evals": st["evals"],
+        "history": st["history"], "evals": st["evals"], "memory": "+".join(plan) or "plain",
     }
 

@@ -72,9 +72,11 @@ def test_shape_mismatch_is_an_error():
         topk_kl(hidden, w, ids[:-1], probs[:-1])
 
 
-def test_under_autocast_every_head_product_runs_in_the_autocast_dtype():
+@pytest.mark.parametrize("ahead", [False, True])
+def test_under_autocast_every_head_product_runs_in_the_autocast_dtype(ahead):
     """Backward runs outside autocast: the fused loss must keep the forward's
-    compute dtype there too (f32 master rows and head, bf16 products)."""
+    compute dtype there too (f32 master rows and head, bf16 products). With the
+    gradient made ahead, the forward holds every product and the backward none."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Products(TorchDispatchMode):
@@ -89,12 +91,16 @@ def test_under_autocast_every_head_product_runs_in_the_autocast_dtype():
 
     hidden, w, ids, probs = _case()
     hidden, w, probs = hidden.float().requires_grad_(), w.float().requires_grad_(), probs.float()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = topk_kl(hidden, w, ids, probs, chunk=8)
+    fwd = Products()
+    with fwd, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = topk_kl(hidden, w, ids, probs, chunk=8, grad_ahead=ahead)
     rec = Products()
     with rec:
         loss.backward()
-    assert rec.dtypes and set(rec.dtypes) == {torch.bfloat16}
+    assert set(fwd.dtypes) == {torch.bfloat16}
+    # per chunk of 8 of 37 rows: the logits, and ahead dL/dhidden and dL/dW too
+    assert len(fwd.dtypes) == 5 * (3 if ahead else 1)
+    assert (not rec.dtypes) if ahead else (rec.dtypes and set(rec.dtypes) == {torch.bfloat16})
     assert hidden.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
     # the same loss and gradients as the reference on bf16-rounded inputs, to bf16 precision
     h2 = hidden.detach().bfloat16().float().requires_grad_()
@@ -104,3 +110,86 @@ def test_under_autocast_every_head_product_runs_in_the_autocast_dtype():
     torch.testing.assert_close(loss.float(), ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(hidden.grad, h2.grad, rtol=5e-2, atol=5e-2)
     torch.testing.assert_close(w.grad, w2.grad, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("need", ["hidden", "head", "both"])
+@pytest.mark.parametrize("chunk", [1, 10, 37, 64])
+def test_both_paths_match_the_reference_for_each_needed_gradient(ahead, need, chunk):
+    hidden, w, ids, probs = _case(n=37, h=19, v=101, k=7, seed=3)
+    # a "sampled" row lists an id more than once (a drawn id and unused slots, or two entries)
+    ids[5, 4:] = ids[5, 3]
+    ids[6, 1] = ids[6, 0]
+    h1, w1 = hidden.clone().requires_grad_(need != "head"), w.clone().requires_grad_(need != "hidden")
+    h2, w2 = hidden.clone().requires_grad_(need != "head"), w.clone().requires_grad_(need != "hidden")
+    fast = topk_kl(h1, w1, ids, probs, chunk=chunk, grad_ahead=ahead)
+    ref = topk_kl_reference(h2, w2, ids, probs)
+    torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-10)
+    (fast * -0.7).backward()
+    (ref * -0.7).backward()
+    for a, b in ((h1, h2), (w1, w2)):
+        assert (a.grad is None) == (b.grad is None)
+        if b.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-10)
+
+
+def test_no_gradient_is_made_under_no_grad():
+    from cortiq.heal import loss as L
+
+    hidden, w, ids, probs = _case()
+    h = hidden.clone().requires_grad_()
+    made = []
+    real = L._chunk_terms
+
+    def spy(z, ids_, p, mass, want_dz):
+        made.append(want_dz)
+        return real(z, ids_, p, mass, want_dz)
+
+    L._chunk_terms = spy
+    try:
+        with torch.no_grad():
+            v = topk_kl(h, w, ids, probs, chunk=10)
+        topk_kl(h, w, ids, probs, chunk=10)
+    finally:
+        L._chunk_terms = real
+    assert made == [False] * 4 + [True] * 4
+    torch.testing.assert_close(v, topk_kl_reference(hidden, w, ids, probs))
+
+
+def test_the_compiled_chunk_terms_trace_to_the_eager_ones():
+    # what CUDA runs is `_chunk_terms` through dynamo and AOT autograd; here without code generation
+    from cortiq.heal.loss import _chunk_terms
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    z = (torch.randn(13, 97, generator=g) * 3).bfloat16()
+    ids = torch.stack([torch.randperm(97, generator=g)[:6] for _ in range(13)])
+    p = torch.rand(13, 6, generator=g)
+    mass = p.sum(1)
+    comp = torch.compile(_chunk_terms, backend="aot_eager", dynamic=False)
+    l1, d1 = comp(z, ids, p, mass, True)
+    l2, d2 = _chunk_terms(z, ids, p, mass, True)
+    torch.testing.assert_close(l1, l2)
+    assert d1.dtype == torch.bfloat16
+    torch.testing.assert_close(d1, d2)
+    torch._dynamo.reset()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_compiled_ahead_path_matches_the_recomputing_one():
+    g = torch.Generator().manual_seed(7)
+    n, h, v, k = 3001, 64, 5003, 32
+    hidden = torch.randn(n, h, generator=g).cuda()
+    w = (torch.randn(v, h, generator=g) * 0.2).cuda()
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(n)]).cuda()
+    probs = torch.softmax(torch.randn(n, k, generator=g), -1).cuda()
+    out = {}
+    for ahead in (False, True):
+        hh = hidden.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = topk_kl(hh, w, ids, probs, chunk=1000, grad_ahead=ahead)
+        loss.backward()
+        out[ahead] = (loss.detach(), hh.grad)
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(out[True][1], out[False][1], rtol=2e-2, atol=1e-4)

@@ -1,0 +1,280 @@
+"""Heal's student step under each memory plan against the plain transformers KD
+loop, and the DTG-MA mask step eager against CUDA-graphed (called by
+bench/pipeline.py; runnable alone).
+
+    python bench/memory.py [--geom qwen3-1.7b] [--batch 4] [--seq 2048] [--steps 5] [--out DIR]
+    python bench/memory.py --cpu --tiny        # the code paths on a CPU, measures nothing
+
+The step is the trainer's own: `StudentTail` (all layers trained, as the
+baseline trains them), `step_backward` (micro-batches when the plan says so;
+the fused head + top-k KL), gradient clipping, then the optimizer of
+`cortiq.heal.memory.make_optimizer` (fused Adam, or torchao's AdamW8bit);
+f32 master weights, bf16 autocast, compiled layers. Each plan reports tokens/s
+(median of CUDA-event-timed steps after warm-up), peak allocated memory, and
+the estimate `memory: auto` decides by (weights + `step_bytes`), so the
+estimate is checked against the measurement in the same call. The baseline is
+bench/run.py's (transformers Qwen3, teacher online, full-vocabulary KL, AdamW).
+
+The mask step: `learn_model_masks` on a random-init SmolLM2-135M geometry
+(Llama, 30 layers, hidden 576, MLP 1536, vocab 49152) over random windows of
+256 tokens, batch 4 (the stage defaults), bf16 autocast, once eager and once
+with `graph=True`; the median step between evaluations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import run as R  # noqa: E402
+import stages as S  # noqa: E402
+
+#: the plans timed: (label, memory parts, head chunk rows, gradient made in the head's
+#: forward). "plain" is bench/run.py's cortiq step (chunks of 8192 rows); the row
+#: before it is that step as it was (the head's logits recomputed in the backward);
+#: the one after it, heal's default chunk.
+PLANS = [
+    ("plain, head recomputed in backward", (), 8192, False),
+    ("plain", (), 8192, True),
+    ("plain, head chunk 1024", (), 1024, True),
+    ("checkpoint", ("checkpoint",), 8192, True),
+    ("micro", ("micro",), 8192, True),
+    ("adam8", ("adam8",), 8192, True),
+    ("micro+adam8", ("micro", "adam8"), 8192, True),
+    ("checkpoint+adam8", ("checkpoint", "adam8"), 8192, True),
+    ("lean", ("checkpoint", "micro", "adam8"), 8192, True),
+]
+K = 64  # teacher entries per row, as bench/run.py's
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def _timers(device: str):
+    if device == "cuda":
+        return R.timed, R.peak_reset, R.peak_gib
+    return R.cpu_timed, (lambda: None), (lambda: 0.0)
+
+
+def _plan_step(arch, B, T, batch, parts, chunk, micro, device):
+    """(step function, auto's estimate in bytes) of one plan; the model, optimizer and
+    gradients live in the step's closure, so they go when the caller drops it."""
+    from cortiq.heal import memory as mem
+    from cortiq.heal.train import StudentTail, step_backward
+
+    dev = torch.device(device)
+    cdt = torch.bfloat16 if device == "cuda" else torch.float32
+    student = S.build(arch, torch.float32, device)
+    tail = StudentTail(student, 0, ffn_only=False, drop_prefix=False)
+    if device == "cuda":
+        student.compile_layers()
+    tail.checkpoint = "checkpoint" in parts
+    groups = [{"params": [p for _, p in tail.params[l]], "lr": 1e-5, "layer": l} for l in sorted(tail.params)]
+    opt = mem.make_optimizer(groups, 1e-5, dev, adam8="adam8" in parts)
+    params = [p for _, p in tail.named()]
+    resident = sum(p.numel() * p.element_size() for p in student.parameters())
+    est = resident + mem.step_bytes(mem.shape_of(tail, B, T, chunk), parts, micro)
+
+    def step():
+        step_backward(tail, batch, micro if "micro" in parts else 0, chunk, dev, cdt, None)
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, est
+
+
+def heal_plans(geom: str, B: int, T: int, steps: int, micro: int, plans=PLANS, device: str = "cuda") -> list[dict]:
+    """One row per plan: tokens/s, peak GiB, the auto estimate GiB."""
+    import functools
+    import gc
+
+    import cortiq.heal.train as T_
+    from cortiq.heal.loss import topk_kl
+
+    g = R.GEOMS[geom]
+    arch = S.arch_of(g)
+    timed, peak_reset, peak_gib = _timers(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, g["vocab"], (B, T), device=device, generator=gen)
+    tids = torch.randint(0, g["vocab"], (B * T, K), device=device, generator=gen)
+    tps = torch.softmax(torch.randn(B * T, K, device=device, generator=gen), -1)
+    batch = (ids, None, tids, tps, float(B * T))
+    rows = []
+    for label, parts, chunk, ahead in plans:
+        row = {"geom": geom, "plan": label, "memory": "+".join(parts) or "plain", "head_chunk": chunk,
+               "micro_windows": micro if "micro" in parts else B, "grad_ahead": ahead}
+        t0 = time.time()
+        # the trainer's loss with the head's gradient made ahead (its default) or recomputed
+        T_.topk_kl = functools.partial(topk_kl, grad_ahead=ahead)
+        step = None
+        try:
+            gc.collect()
+            peak_reset()
+            step, est = _plan_step(arch, B, T, batch, parts, chunk, micro, device)
+            s = timed(step, warm=3, reps=steps)
+            row.update({"tok_s": B * T / s, "step_ms": 1e3 * s, "peak_gib": peak_gib(), "estimate_gib": est / 2**30})
+        except torch.cuda.OutOfMemoryError as e:
+            row["error"] = f"OOM: {str(e)[:120]}"
+        except Exception as e:  # keep the other plans' rows
+            import traceback
+
+            traceback.print_exc()
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        del step  # the plan's model, optimizer and gradients
+        row["secs"] = time.time() - t0
+        log(json.dumps(row))
+        rows.append(row)
+        if device == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+    T_.topk_kl = topk_kl
+    return rows
+
+
+def baseline(geom: str, B: int, T: int, steps: int, device: str = "cuda") -> dict:
+    """bench/run.py's transformers KD step at the same geometry and batch."""
+    rate = R.matmul_rate() if device == "cuda" else 1e12
+    t0 = time.time()
+    try:
+        row = R.bench_baseline(geom, R.GEOMS[geom], B, T, steps, rate, device=device)
+        row["plan"] = "baseline (transformers KD)"
+    except torch.cuda.OutOfMemoryError as e:
+        row = {"geom": geom, "who": "baseline", "plan": "baseline (transformers KD)", "error": f"OOM: {str(e)[:120]}"}
+    row["secs"] = time.time() - t0
+    log(json.dumps(row))
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def smollm2_arch(tiny: bool):
+    from cortiq.arch import Arch
+
+    if tiny:
+        return Arch(arch_name="llama", vocab_size=259, hidden_size=64, num_layers=2, intermediate_sizes=[96] * 2,
+                    num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=2048)
+    return Arch(arch_name="llama", vocab_size=49152, hidden_size=576, num_layers=30, intermediate_sizes=[1536] * 30,
+                num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True,
+                max_position_embeddings=8192)
+
+
+def mask_steps(steps: int, tiny: bool, device: str = "cuda") -> list[dict]:
+    """DTG-MA mask step, eager and CUDA-graphed (CPU: eager only), on random windows."""
+    from cortiq.compress.masks import learn_model_masks
+    from cortiq.compress.settings import MaskSettings
+    from cortiq.data import Windows
+
+    arch = smollm2_arch(tiny)
+    s = MaskSettings(max_steps=steps)
+    rng = np.random.default_rng(0)
+    n = s.batch * (steps + 2)
+
+    def wins(count):
+        ids = rng.integers(0, arch.vocab_size, (count, s.window + 1))
+        return Windows(ids[:, :-1].copy(), ids[:, 1:].copy(), np.ones((count, s.window), np.float32), 0)
+
+    train, val = wins(n), wins(s.val_windows or 4 * s.batch)
+    dev = torch.device(device)
+    rows = []
+    for graph in ([False, True] if device == "cuda" else [False]):
+        torch.manual_seed(0)
+        with torch.device(device):
+            from cortiq.model import CausalLM
+
+            model = CausalLM(arch)
+        with torch.no_grad():
+            for p in model.parameters():
+                torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+        marks = []
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        r = learn_model_masks(model, train, val, s, progress=lambda step, row: marks.append(time.perf_counter()),
+                              compute=torch.bfloat16 if device == "cuda" else torch.float32, graph=graph)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        gaps = [b - a for a, b in zip(marks, marks[1:])]
+        plain = [t for i, t in enumerate(gaps, start=2) if (i - 1) % s.eval_every] or gaps or [wall]
+        row = {"part": "mask step", "geom": "tiny" if tiny else "SmolLM2-135M (random)", "graph": graph,
+               "steps": r.steps, "step_ms": 1e3 * statistics.median(plain), "wall_s": wall, "pruned": r.pruned}
+        log(json.dumps(row))
+        rows.append(row)
+        del model
+    return rows
+
+
+def print_tables(heal_rows: list[dict], mask_rows: list[dict]) -> None:
+    if heal_rows:
+        base = next((r for r in heal_rows if r.get("who") == "baseline" and "error" not in r), None)
+        plain = next((r for r in heal_rows if r.get("plan") == "plain" and "error" not in r), None)
+        print("(×plain: against the plain step with the head's gradient made ahead, heal's default)")
+        print("\n| geometry | plan | tokens/s | ×plain | ×baseline KD | peak GiB | ÷baseline peak | auto's estimate GiB |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for r in heal_rows:
+            if "error" in r:
+                print(f"| {r['geom']} | {r['plan']} | {r['error'][:80]} | | | | | |")
+                continue
+            tok = r.get("tok_s", r.get("kd_tok_s"))
+            peak = r.get("peak_gib", r.get("kd_peak_gib"))
+            xp = f"{tok / plain['tok_s']:.2f}" if plain else ""
+            xb = f"{tok / base['kd_tok_s']:.2f}" if base else ""
+            pb = f"{peak / base['kd_peak_gib']:.2f}" if base and base["kd_peak_gib"] else ""
+            est = f"{r['estimate_gib']:.1f}" if "estimate_gib" in r else ""
+            print(f"| {r['geom']} | {r['plan']} | {tok / 1e3:.1f}k | {xp} | {xb} | {peak:.1f} | {pb} | {est} |")
+    if mask_rows:
+        print("\n| mask step | geometry | steps | ms per step | whole run s | pruned |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for r in mask_rows:
+            print(f"| {'CUDA graph' if r['graph'] else 'eager'} | {r['geom']} | {r['steps']} | {r['step_ms']:.1f} | "
+                  f"{r['wall_s']:.1f} | {r['pruned']:.3f} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--geom", default="qwen3-1.7b", help="bench/run.py's geometry name")
+    ap.add_argument("--batch", type=int, default=4, help="windows per step")
+    ap.add_argument("--seq", type=int, default=2048, help="tokens per window")
+    ap.add_argument("--micro", type=int, default=1, help="windows per micro-batch in the micro plans")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per plan (after 3 warm-up steps)")
+    ap.add_argument("--mask-steps", type=int, default=60, help="most DTG-MA steps of each mask run")
+    ap.add_argument("--parts", default="baseline,plans,masks")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke test of the code paths)")
+    ap.add_argument("--tiny", action="store_true", help="tiny geometries, short runs")
+    a = ap.parse_args()
+    device = "cpu" if a.cpu else "cuda"
+    if not a.cpu:
+        assert torch.cuda.is_available(), "the benchmark needs a CUDA device (--cpu for a smoke test)"
+        torch.backends.cuda.matmul.allow_tf32 = True
+    if a.tiny:
+        a.geom, a.batch, a.seq, a.steps, a.mask_steps = "tiny", 4, 64, 1, 6
+    parts = set(a.parts.split(","))
+    heal_rows = ([baseline(a.geom, a.batch, a.seq, a.steps, device)] if "baseline" in parts else []) + \
+        (heal_plans(a.geom, a.batch, a.seq, a.steps, a.micro, device=device) if "plans" in parts else [])
+    mask_rows = mask_steps(a.mask_steps, a.tiny, device) if "masks" in parts else []
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = "CPU" if a.cpu else torch.cuda.get_device_name()
+    (out / "memory.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "batch": a.batch,
+                                                 "seq": a.seq, "heal": heal_rows, "masks": mask_rows}, indent=1))
+    print(f"\n{dev}, torch {torch.__version__}; {a.geom}, {a.batch} windows of {a.seq}")
+    print_tables(heal_rows, mask_rows)
+
+
+if __name__ == "__main__":
+    main()
