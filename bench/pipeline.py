@@ -105,13 +105,12 @@ def text_data(model: Path, out: Path, tokens: int) -> Path:
 
 
 def run_geom(name: str, g: dict, a, work: Path, clock: "Clock") -> list[dict]:
-    from cortiq.cmf import copy_specs, open_cmf, with_provenance, write_cmf
     from cortiq.compress import compress
     from cortiq.compress.settings import CompressSettings, FoldSettings, GramSettings, MaskSettings
     from cortiq.data import Tdata
     from cortiq.heal.settings import HealSettings
     from cortiq.heal.stages import heal
-    from cortiq.measure import score
+    from cortiq.measure import recode, score
     from cortiq.mtp import MtpSettings, mtp_heal
 
     d = work / name
@@ -149,7 +148,9 @@ def run_geom(name: str, g: dict, a, work: Path, clock: "Clock") -> list[dict]:
     clock.rows[-1]["nll"] = nll
 
     # ── MTP heal ──
-    mt = MtpSettings(window=W, tokens=a.mtp_tokens, batch=B, epochs=1.0, eval_every=10**6, patience=0, topk=32)
+    # windows of 512: the draft's own training length, and enough of them (every tenth is held out)
+    mt = MtpSettings(window=min(W, 512), tokens=a.mtp_tokens, batch=B, epochs=1.0, eval_every=10**6, patience=0,
+                     topk=32)
     mrep = clock("MTP heal (trunk pass, draft, 3 chain steps)",
                  lambda: mtp_heal(d / "healed.cmf", str(td), mt, d / "final.cmf"), tokens=a.mtp_tokens)
     clock.rows[-1]["drafts_per_round"] = mrep["metrics"]["drafts_per_round_after"]
@@ -157,12 +158,7 @@ def run_geom(name: str, g: dict, a, work: Path, clock: "Clock") -> list[dict]:
     # ── re-encode into each codec, re-scored ──
     for codec in ("q8", "q4"):
         def reencode(codec=codec):
-            f = open_cmf(d / "final.cmf")
-            doc = with_provenance({k: v for k, v in f.doc.items() if k not in ("codecs", "hashes", "shards")},
-                                  "reencode", {"codec": codec})
-            out = write_cmf(d / f"final.{codec}.cmf", doc,
-                            copy_specs(f, lambda n, info: codec if len(info.shape) == 2 else info.codec))
-            return score({codec: out}, td, progress=False)
+            return score({codec: recode(d / "final.cmf", d / f"final.{codec}.cmf", codec)}, td, progress=False)
 
         r = clock(f"re-encode {codec} + score", reencode, tokens=n_test)
         clock.rows[-1]["nll"] = r
@@ -209,7 +205,7 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--mask-steps", type=int, default=200, help="most DTG-MA steps of the pipeline's compress")
     ap.add_argument("--gram-windows", type=int, default=64)
-    ap.add_argument("--mtp-tokens", type=int, default=65536)
+    ap.add_argument("--mtp-tokens", type=int, default=131072, help="tokens of the MTP trunk pass and draft training")
     ap.add_argument("--memory-geom", default="qwen3-1.7b", help="the memory part's geometry")
     ap.add_argument("--memory-batch", type=int, default=4, help="the memory part's windows per step (bench/run.py's)")
     ap.add_argument("--memory-seq", type=int, default=2048, help="the memory part's tokens per window")
