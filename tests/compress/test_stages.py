@@ -77,8 +77,9 @@ def test_cli_compress_and_its_errors(tiny, tmp_path, capsys):
     from cortiq.cli import main
 
     m, td = tiny
-    rc = main(["compress", str(m), "--data", str(td), "--out", str(tmp_path / "s.cmf"), "--keep", "0.5", "--no-masks",
-               "--window", "64", "--repair", "--gptq", "--codec", "q8", "--work", str(tmp_path / "w")])
+    rc = main(["compress", str(m), "--data", str(td), "--out", str(tmp_path / "s.cmf"), "--keep-frac", "0.5",
+               "--no-learn-masks", "--grams-window", "64", "--fold-repair", "--use-gptq", "--gptq-codec", "q8",
+               "--work", str(tmp_path / "w")])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fold_kept_share"] == pytest.approx(0.5) and out["gptq_over_rtn"] < 1.0
