@@ -20,3 +20,19 @@ def exports(package: str, names: dict[str, str]):
 
     all_ = sorted(names)
     return __getattr__, (lambda: all_), all_
+
+
+def shadow(package: str, names: dict[str, str]) -> None:
+    """Let `package`'s exported `names` (name -> the submodule defining it) win over its submodules
+    of the same names (cortiq.compress.fold the module, cortiq.compress.fold the stage function):
+    importing a submodule binds the package's attribute to the module, which these properties
+    ignore; the modules stay importable through sys.modules."""
+    import sys
+    import types
+
+    def prop(name: str, mod: str) -> property:
+        return property(lambda _pkg: getattr(importlib.import_module(f"{package}.{mod}"), name),
+                        lambda _pkg, _module: None)
+
+    cls = type("Package", (types.ModuleType,), {n: prop(n, m) for n, m in names.items()})
+    sys.modules[package].__class__ = cls

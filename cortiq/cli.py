@@ -46,9 +46,7 @@ def _command_modules():
     return sorted(mods + _plugin_modules(), key=lambda m: getattr(m, "ORDER", 50))
 
 
-def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The whole command line; given `argv`, only the command it names gets its options (the
-    others' settings modules stay unimported: a stage package may import torch)."""
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="cortiq",
         description="Make language models smaller and heal them back: learn which MLP neurons matter, "
@@ -58,19 +56,17 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     mods = _command_modules()
     if not any(getattr(m, "NAME", m.__name__.rsplit(".", 1)[1]) == "run" for m in mods):
         p.epilog = NO_PLUGINS
-    chosen = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
     for mod in mods:
         name = getattr(mod, "NAME", mod.__name__.rsplit(".", 1)[1].replace("_", "-"))
         sp = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
                             formatter_class=HelpFormatter)
-        if argv is None or name == chosen:
-            mod.add_arguments(sp)
+        mod.add_arguments(sp)
         sp.set_defaults(_run=mod.run)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser(sys.argv[1:] if argv is None else argv).parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         rc = args._run(args)
     except CortiqError as e:

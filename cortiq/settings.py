@@ -33,7 +33,7 @@ from .settings_meta import WINDOW, check, check_value, derived_error, parent_key
 
 #: stage group -> (module, dataclass) holding that stage's settings
 STAGE_SETTINGS = {
-    "data": ("cortiq.data.build", "BuildSettings"),
+    "data": ("cortiq.data.settings", "BuildSettings"),
     "compress": ("cortiq.compress.settings", "CompressSettings"),
     "heal": ("cortiq.heal.settings", "HealSettings"),
     "mtp": ("cortiq.mtp.settings", "MtpSettings"),
@@ -120,7 +120,7 @@ class PipelineSettings:
     source: str = setting("smollm2", "the model: a .cmf file, a Hugging Face directory, a .gguf file, or smollm2 "
                                      "(the bundled SmolLM2-135M-Instruct)")
     # ── stage settings (the stages' own dataclasses, as dicts of what is set here) ──
-    #: `sources` (files, directories, or corpus:pydoc / corpus:shakespeare) and cortiq.data.build.BuildSettings
+    #: `sources` (files, directories, or corpus:pydoc / corpus:shakespeare) and cortiq.data.settings.BuildSettings
     data: dict = field(default_factory=dict)
     #: cortiq.compress.settings.CompressSettings: masks, keep ratio, repair, GPTQ
     compress: dict = field(default_factory=dict)

@@ -12,15 +12,18 @@ Stage functions in the common shape (docs/internals.md, "Stages"):
 `stage_path(root, stage, settings, inputs)` names one by its digest.
 """
 
-# the submodules load first: the stage functions below then own the names
-# `fold` and `gptq` in this package (`cortiq.compress.fold` the module stays
-# importable through sys.modules)
-from . import fold as _fold_module, gptq as _gptq_module, grams as _grams_module, masks as _masks_module  # noqa: F401
+from .._lazy import exports, shadow
 from .settings import CompressSettings, FoldSettings, GptqSettings, GramSettings, MaskSettings
-from .stages import (VERSIONS, capture_grams, compress, fold, gptq, learn_masks, read_grams, read_masks, stage_digest,
-                     stage_path)
 
-__all__ = [
-    "CompressSettings", "FoldSettings", "GptqSettings", "GramSettings", "MaskSettings", "VERSIONS",
-    "capture_grams", "compress", "fold", "gptq", "learn_masks", "read_grams", "read_masks", "stage_digest", "stage_path",
-]
+# the stage functions load on first use, with torch: the settings above stay importable without it
+# (`cortiq --help` builds every command's options from them)
+_STAGES = ("VERSIONS", "capture_grams", "compress", "fold", "gptq", "learn_masks", "read_grams", "read_masks",
+           "stage_digest", "stage_path")
+__getattr__, _, _lazy_all = exports(__name__, {name: "stages" for name in _STAGES})
+__all__ = ["CompressSettings", "FoldSettings", "GptqSettings", "GramSettings", "MaskSettings", *_lazy_all]
+# `fold` and `gptq` are the stage functions, though submodules of those names exist
+shadow(__name__, {"fold": "stages", "gptq": "stages"})
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

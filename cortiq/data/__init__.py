@@ -11,7 +11,7 @@ free of numpy and Arrow.
 
 from __future__ import annotations
 
-from .._lazy import exports
+from .._lazy import exports, shadow
 
 _EXPORTS = {
     "BuildSettings": "settings",
@@ -23,3 +23,5 @@ _EXPORTS = {
 }
 
 __getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)
+# `build` and `windows` are the functions, though submodules of those names exist
+shadow(__name__, {"build": "build", "windows": "windows"})
