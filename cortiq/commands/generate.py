@@ -32,15 +32,21 @@ class GenerateSettings:
     max_new: int = setting(64, "tokens to generate at most", lo=1)
     #: 0 decodes greedily, the only mode speculative decoding verifies exactly
     temperature: float = setting(0.0, "sampling temperature (0: greedy)", lo=0)
+    #: a fixed seed makes a sampled answer repeatable
     seed: int = setting(0, "sampling seed")
+    #: an instruct model answers a bare prompt worse than a user turn in its own template
     chat: bool = setting(False, "wrap the prompt in the model's chat template as a user turn")
+    #: the plain decode beside it is what the speed-up and the token-for-token check are measured against
     speculative: bool = setting(False, "draft with the MTP block, verify greedily, and compare with plain decoding")
     #: tokens the MTP chain drafts a round; deeper drafts are accepted less often
     draft: int = setting(1, "--speculative: tokens drafted a round (MTP chain depth)", lo=1)
     #: the plain loop is the reference the static-cache engine is tested against
     reference: bool = setting(False, "decode with the plain reference loop (growing cache, eager) instead of the "
                                      "static-cache engine")
+    # ── resources ──
+    #: "auto": CUDA when present (the captured-graph engine's home)
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
+    #: bf16 halves the weights' memory traffic on CUDA; f32 keeps the CPU exact
     dtype: str = setting("auto", "compute dtype (auto: bf16 on CUDA, f32 else)", choices=COMPUTE)
 
     def __post_init__(self):

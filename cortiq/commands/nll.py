@@ -21,18 +21,24 @@ ORDER = 40
 class NllSettings:
     """What is scored, and how."""
 
+    #: the test split is the one no stage trains or selects checkpoints on
     split: str = setting("test", "tdata: the split scored", choices=("train", "val", "test"))
+    #: "answer" scores what a heal trains on (a prompt's tokens are given, not predicted)
     loss_on: str = setting("answer", "tdata: the tokens scored (answer: each record's scored span)",
                            choices=("answer", "all"))
     #: a text file is cut into windows; every token but a window's first is scored
     window: int = setting(512, "text: tokens per window", lo=2, why="a window's first token is never scored")
     #: bounds the memory of one forward, not the result
     batch_tokens: int = setting(8192, "tokens per forward", lo=1)
+    # ── resources ──
+    #: "auto": CUDA when present
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
+    #: f32 on the CPU scores exactly what the reference computes; bf16 on CUDA is the fast estimate
     dtype: str = setting("auto", "compute dtype (auto: bf16 on CUDA, f32 else)", choices=COMPUTE)
     #: checking costs a pass over the bytes; a damaged file otherwise scores as if it were whole
     verify: bool = setting(True, "check each tensor's sha256 as it is read (--no-verify: faster, a damaged "
                                  "file goes unnoticed)")
+    #: a NaN weight makes every score NaN: refused unless asked for, to inspect a damaged model
     allow_nonfinite: bool = setting(False, "load weights that hold NaN or Inf values")
 
     def __post_init__(self):
