@@ -255,3 +255,15 @@ def test_the_settings_doc_is_what_the_metadata_says():
             assert help_ and default, key
             if opt:  # (a field another sets has none)
                 assert f"| `{opt}` | {default} |" in text and help_ in text, key
+
+
+def test_command_choices_are_the_librarys_own():
+    """Where a library function checks its own argument (it may be called without the command),
+    the command's choices are the same values."""
+    from cortiq.commands.export import ExportSettings
+    from cortiq.export.gguf import PRE_NAMES
+    from cortiq.export.hf import DTYPES
+
+    f = ExportSettings.__dataclass_fields__
+    assert set(f["dtype"].metadata["choices"]) == set(DTYPES)
+    assert tuple(f["pre"].metadata["choices"]) == PRE_NAMES
