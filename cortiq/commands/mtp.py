@@ -15,61 +15,43 @@ ORDER = 35
 
 
 def _heal_args(p):
-    import argparse
-    from dataclasses import fields
+    from ..mtp.settings import MtpSettings
+    from ..settings_meta import add_arguments as add_settings
 
     p.add_argument("model", metavar="MODEL.cmf", help="a model with an MTP draft (cortiq mtp init gives one)")
     p.add_argument("--data", required=True, metavar="SPEC", help="PATH.tdata[@TOKENS], comma-separated")
     p.add_argument("--out", required=True, metavar="OUT.cmf", help="the model with its trained draft")
-    # every MtpSettings field as an option, its help the field's comment (imported lazily: no torch here)
-    from ..mtp.settings import PRESET_CHOICES, PRESETS, MtpSettings, field_help, field_type
-
-    helps = field_help()
-    special = {"also", "taps", "trunk_cache", "dump", "gen_cache"}
-    g = p.add_argument_group("mtp heal settings (unset preset-controlled ones take the preset's value)")
-    for fl in fields(MtpSettings):
-        if fl.name in special:
-            continue
-        opt = "--" + fl.name.replace("_", "-")
-        typ = field_type(fl.name)
-        h = helps.get(fl.name, "")
-        if fl.name in PRESETS["fresh"]:
-            h += " (default: the preset's)"
-        if typ is bool:
-            g.add_argument(opt, action=argparse.BooleanOptionalAction, default=fl.default, help=h)
-        else:
-            choices = PRESET_CHOICES if fl.name == "preset" else None
-            g.add_argument(opt, type=typ, default=fl.default, choices=choices,
-                           help=h + ("" if fl.default is None else " (default: %(default)s)"))
-    p.add_argument("--trunk-cache", metavar="DIR", default=None, help="keep the trunk pass per data set here")
-    p.add_argument("--gen-cache", metavar="DIR", default=None,
-                   help="keep the generated windows here (default: the trunk cache, else <cortiq home>/cache/mtp-gen)")
-    p.add_argument("--also", action="append", default=[], metavar="CODEC:PATH", help="the result with the draft in another codec (repeatable)")
-    p.add_argument("--dump", metavar="DIR", default=None, help="the rows and tensors a draft built elsewhere reads")
-    p.add_argument("--taps", metavar="DIR:LAYERS", default=None, help="trunk layers' output rows for held-out windows")
+    add_settings(p, MtpSettings, title="mtp heal settings (those shown as the preset's take the preset's value "
+                                       "when unset)")
 
 
 def add_arguments(p):
+    from ..settings_meta import HelpFormatter
+
     sub = p.add_subparsers(dest="mtp_command", metavar="SUBCOMMAND", required=True)
-    h = sub.add_parser("heal", help="retrain the draft on the model's own trunk")
+    fmt = HelpFormatter
+    h = sub.add_parser("heal", help="retrain the draft on the model's own trunk", formatter_class=fmt,
+                       description="Retrain the model's MTP draft on its own trunk: the trunk runs once over the "
+                                   "data, the draft learns the trunk's next-position distribution, and the "
+                                   "checkpoint keeping the most drafts a round on held-out windows is written.")
     _heal_args(h)
-    i = sub.add_parser("init", help="give a model without a draft a fresh MTP block (mtp heal then picks its fresh preset)")
+    i = sub.add_parser("init", help="give a model without a draft a fresh MTP block (mtp heal then picks its fresh preset)",
+                       formatter_class=fmt)
     i.add_argument("model", metavar="MODEL.cmf", help="a model without an MTP draft")
     i.add_argument("--out", required=True, metavar="OUT.cmf", help="the model with a fresh draft")
 
 
 def run(args) -> int:
     import sys
-    from dataclasses import fields
 
     from ..mtp import MtpSettings, mtp_heal, mtp_init
+    from ..settings_meta import from_args
 
     if args.mtp_command == "init":
         rep = mtp_init(args.model, args.out)
         print(f"{rep['out']}: fresh MTP block from layer {rep['layer']}", file=sys.stderr)
         return 0
-    kw = {fl.name: getattr(args, fl.name) for fl in fields(MtpSettings)}
-    s = MtpSettings(**kw)
+    s = from_args(MtpSettings, args)
     rep = mtp_heal(args.model, args.data, s, args.out)
     m = rep["metrics"]
     print(f"{args.out}: drafts a round {m['drafts_per_round_before']:.3f} -> {m['drafts_per_round_after']:.3f} "

@@ -18,28 +18,19 @@ MISSING = "cortiq serve needs FastAPI and uvicorn: pip install 'cortiq[serve]'"
 
 
 def add_arguments(p):
-    import argparse
-    import dataclasses
-
     from ..serve.settings import ServeSettings
+    from ..settings_meta import add_arguments as add_settings
 
-    p.add_argument("model", metavar="MODEL.cmf")
-    for f in dataclasses.fields(ServeSettings):
-        opt = "--" + f.name.replace("_", "-")
-        meta = f.metadata
-        if isinstance(f.default, bool):
-            p.add_argument(opt, action=argparse.BooleanOptionalAction, default=f.default, help=meta["help"])
-        else:
-            p.add_argument(opt, type=type(f.default), default=f.default, choices=meta.get("choices"), help=meta["help"])
+    p.add_argument("model", metavar="MODEL.cmf", help="the model to serve")
+    add_settings(p, ServeSettings, title="serve settings")
 
 
 def load(model_path: str, s):
     """(Served, Scheduler) for a model file: the engine, scheduler and text side, not yet listening."""
     from pathlib import Path
 
-    import torch
-
     from ..cmf import open_cmf
+    from ..devices import resolve_compute, resolve_device
     from ..errors import CortiqError
     from ..model import load_model
     from ..serve.app import Served
@@ -47,10 +38,8 @@ def load(model_path: str, s):
     from ..serve.scheduler import Scheduler
     from ..tokenizer import from_doc
 
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if s.device == "auto" else s.device
-    dt = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}.get(s.dtype)
-    if dt is None:
-        dt = torch.bfloat16 if dev.startswith("cuda") else torch.float32
+    dev = resolve_device(s.device, "serve")
+    dt = resolve_compute(s.dtype, dev)
     f = open_cmf(model_path)
     tok = from_doc(f.tokenizer, str(model_path))
     model = load_model(f, dtype=dt, device=dev)
@@ -73,20 +62,20 @@ def load(model_path: str, s):
 
 
 def run(args) -> int:
-    import dataclasses
     import signal
     import socket
     import sys
 
     from ..errors import CortiqError
     from ..serve.settings import ServeSettings
+    from ..settings_meta import from_args
 
     try:
         import fastapi  # noqa: F401
         import uvicorn
     except ImportError:
         raise CortiqError(MISSING) from None
-    s = ServeSettings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServeSettings)})
+    s = from_args(ServeSettings, args)
     served, dev, dt = load(args.model, s)
     from ..serve.app import build_app
 

@@ -12,16 +12,18 @@ Stage functions in the common shape (docs/internals.md, "Stages"):
 stages as the runner knows them (cortiq.pipeline): MASKS, GRAMS, FOLD, GPTQ.
 """
 
-# the submodules load first: the stage functions below then own the names
-# `fold` and `gptq` in this package (`cortiq.compress.fold` the module stays
-# importable through sys.modules)
-from . import fold as _fold_module, gptq as _gptq_module, grams as _grams_module, masks as _masks_module  # noqa: F401
+from .._lazy import exports, shadow
 from .settings import CompressSettings, FoldSettings, GptqSettings, GramSettings, MaskSettings
-from .stages import (FOLD, GPTQ, GRAMS, MASKS, VERSIONS, capture_grams, compress, fold, gptq, learn_masks, read_grams,
-                     read_masks)
 
-__all__ = [
-    "CompressSettings", "FoldSettings", "GptqSettings", "GramSettings", "MaskSettings", "VERSIONS",
-    "capture_grams", "compress", "fold", "gptq", "learn_masks", "read_grams", "read_masks",
-    "MASKS", "GRAMS", "FOLD", "GPTQ",
-]
+# the stage functions load on first use, with torch: the settings above stay importable without it
+# (`cortiq --help` builds every command's options from them)
+_STAGES = ("VERSIONS", "capture_grams", "compress", "fold", "gptq", "learn_masks", "read_grams", "read_masks",
+           "MASKS", "GRAMS", "FOLD", "GPTQ")
+__getattr__, _, _lazy_all = exports(__name__, {name: "stages" for name in _STAGES})
+__all__ = ["CompressSettings", "FoldSettings", "GptqSettings", "GramSettings", "MaskSettings", *_lazy_all]
+# `fold` and `gptq` are the stage functions, though submodules of those names exist
+shadow(__name__, {"fold": "stages", "gptq": "stages"})
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -7,9 +7,10 @@ on SmolLM2-135M on a CPU in minutes (window 256, batch 4, ≤ 200 steps).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 from ..errors import CortiqError
+from ..settings_meta import BATCH, WINDOW, check, derived_error, setting
 
 LOSS_ON = ("answer", "all")
 SCOPES = ("per_layer", "global")
@@ -18,125 +19,96 @@ GPTQ_CODECS = ("q4", "q4_64", "q8")
 COMPUTE = ("auto", "f32", "bf16")
 
 
-def _frac(name: str, v: float, lo: float = 0.0, hi: float = 1.0, lo_open: bool = True) -> None:
-    if not (lo < v <= hi if lo_open else lo <= v <= hi):
-        raise CortiqError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}")
-
-
 @dataclass
 class MaskSettings:
     """S2, DTG-MA: a gate σ(m) on every MLP neuron trained under a rising L1 pull."""
 
     # ── target ──
-    #: share of MLP neurons the plan keeps (the mask aims to prune the rest)
-    keep_frac: float = 0.75
+    #: share of MLP neurons the plan keeps (the mask aims to prune the rest); within
+    #: CompressSettings its keep_frac sets it, so masks and fold cannot disagree
+    keep_frac: float = setting(0.75, "share of MLP neurons the masks aim to keep", gt=0, hi=1, set_by="keep_frac")
     # ── optimiser (Adam on the gate logits only; the weights are frozen) ──
-    lr: float = 0.05
+    lr: float = setting(0.05, "Adam learning rate of the gate logits", gt=0)
     #: initial L1 pressure; the pull per neuron is l1/n_all·σ(m)
-    l1_init: float = 1.0
+    l1_init: float = setting(1.0, "initial L1 pressure", lo=0)
     #: pressure added at every evaluation below the target
-    l1_step: float = 1.0
+    l1_step: float = setting(1.0, "L1 pressure added per evaluation below the target", lo=0)
     #: pressure growth per evaluation below the target (l1 ← l1·grow + step);
     #: a linear rise (grow 1) stalls at ~15 % pruned, ×1.5 reaches 25 %
-    l1_grow: float = 1.5
+    l1_grow: float = setting(1.5, "L1 pressure growth per evaluation below the target", gt=0)
     #: initial logit of every gate (σ(2) = 0.88)
-    mask_init: float = 2.0
-    #: hard-mask threshold on σ(m)
-    tau: float = 0.5
+    mask_init: float = setting(2.0, "initial logit of every gate")
+    #: hard-mask threshold on σ(m) (σ never reaches 0 or 1)
+    tau: float = setting(0.5, "hard-mask threshold on the gate σ(m)", gt=0, lt=1)
     # ── schedule ──
-    eval_every: int = 10
-    max_steps: int = 200
+    eval_every: int = setting(10, "steps between hard-mask evaluations", lo=1)
+    max_steps: int = setting(200, "most mask training steps", lo=1)
     #: evaluations past the first one at the target before stopping
-    settle: int = 2
+    settle: int = setting(2, "evaluations past the first at the target before stopping", lo=0)
     # ── data ──
-    window: int = 256
-    batch: int = 4
+    window: int = setting(256, "tokens per window", **WINDOW)
+    batch: int = setting(4, "windows per step", **BATCH)
     #: which tokens score the LM loss: "answer" (the tdata's scored span) or "all"
-    loss_on: str = "answer"
+    loss_on: str = setting("answer", "tokens the LM loss scores (answer: each record's scored span)", choices=LOSS_ON)
     #: at most this many val windows score each evaluation (0: all)
-    val_windows: int = 32
-    seed: int = 0
+    val_windows: int = setting(32, "most val windows scored per evaluation (0: all)", lo=0)
+    seed: int = setting(0, "order of the train windows")
 
     def __post_init__(self):
-        _frac("mask keep_frac", self.keep_frac)
-        for k in ("lr", "l1_grow", "window", "batch", "eval_every", "max_steps"):
-            if getattr(self, k) <= 0:
-                raise CortiqError(f"mask {k} must be positive, got {getattr(self, k)}")
-        for k in ("l1_init", "l1_step", "settle", "val_windows"):
-            if getattr(self, k) < 0:
-                raise CortiqError(f"mask {k} must not be negative, got {getattr(self, k)}")
-        _frac("mask tau", self.tau, 0.0, 1.0)
-        if self.tau >= 1.0:
-            raise CortiqError("mask tau must be below 1 (σ never reaches 1)")
-        if self.loss_on not in LOSS_ON:
-            raise CortiqError(f"mask loss_on must be one of {', '.join(LOSS_ON)}, got {self.loss_on!r}")
+        check(self, "mask settings")
 
 
 @dataclass
 class FoldSettings:
     """Keep the top neurons (by mask logit, else by activation score) and slice the MLPs."""
 
-    keep_frac: float = 0.75
+    #: within CompressSettings its keep_frac sets it (one share for the masks and the fold)
+    keep_frac: float = setting(0.75, "share of MLP neurons the fold keeps", gt=0, hi=1, set_by="keep_frac")
     #: "per_layer": every layer keeps keep_frac of its neurons; "global": one
     #: ranking over all layers, each layer keeping at least `floor` of its own
-    scope: str = "per_layer"
-    floor: float = 0.25
+    scope: str = setting("per_layer", "rank neurons per layer or over all layers", choices=SCOPES)
+    floor: float = setting(0.25, "global scope: the least share of its neurons each layer keeps", lo=0, hi=1)
     #: least-squares repair of down_proj from the Grams of the MLP activations
-    repair: bool = False
+    repair: bool = setting(False, "refit down_proj by least squares from the Grams of the MLP activations")
     #: ridge of the repair: λ = damp·mean(diag G[S, S])
-    damp: float = 0.01
+    damp: float = setting(0.01, "ridge of the repair, times the mean diagonal of the Gram", lo=0)
 
     def __post_init__(self):
-        _frac("fold keep_frac", self.keep_frac)
-        if self.scope not in SCOPES:
-            raise CortiqError(f"fold scope must be one of {', '.join(SCOPES)}, got {self.scope!r}")
-        _frac("fold floor", self.floor, 0.0, 1.0, lo_open=False)
+        check(self, "fold settings")
         if self.scope == "global" and self.floor > self.keep_frac:
             raise CortiqError(f"fold floor {self.floor} is above keep_frac {self.keep_frac}")
-        if self.damp < 0:
-            raise CortiqError(f"fold damp must not be negative, got {self.damp}")
 
 
 @dataclass
 class GramSettings:
     """Illumination: Grams of the MLP activations (down_proj inputs) over train windows."""
 
-    window: int = 256
-    batch: int = 4
+    window: int = setting(256, "tokens per window", **WINDOW)
+    batch: int = setting(4, "windows per forward", **BATCH)
     #: at most this many windows (0: all train windows)
-    max_windows: int = 64
+    max_windows: int = setting(64, "most train windows the Grams see (0: all)", lo=0)
     #: memory room for the accumulators in MB (0: a quarter of the RAM);
     #: CORTIQ_GRAM_ROOM_MB caps it (forces several passes)
-    room_mb: int = 0
+    room_mb: int = setting(0, "memory for the Gram accumulators in MB (0: a quarter of the RAM)", lo=0)
 
     def __post_init__(self):
-        for k in ("window", "batch"):
-            if getattr(self, k) <= 0:
-                raise CortiqError(f"gram {k} must be positive, got {getattr(self, k)}")
-        for k in ("max_windows", "room_mb"):
-            if getattr(self, k) < 0:
-                raise CortiqError(f"gram {k} must not be negative, got {getattr(self, k)}")
+        check(self, "gram settings")
 
 
 @dataclass
 class GptqSettings:
     """GPTQ (Frantar et al.) into a cortiq block codec, from the captured Grams."""
 
-    codec: str = "q4"
+    codec: str = setting("q4", "codec GPTQ quantizes into", choices=GPTQ_CODECS)
     #: columns per lazy-update block
-    block: int = 128
+    block: int = setting(128, "columns per lazy-update block", lo=1)
     #: Hessian dampening: damp·mean(diag H) on the diagonal
-    damp: float = 0.01
+    damp: float = setting(0.01, "Hessian dampening, times the mean of its diagonal", gt=0)
     #: quantize columns by decreasing diag(H) (with static groups)
-    act_order: bool = False
+    act_order: bool = setting(False, "quantize columns by decreasing Hessian diagonal")
 
     def __post_init__(self):
-        if self.codec not in GPTQ_CODECS:
-            raise CortiqError(f"gptq codec must be one of {', '.join(GPTQ_CODECS)}, got {self.codec!r}")
-        if self.block <= 0:
-            raise CortiqError(f"gptq block must be positive, got {self.block}")
-        if not self.damp > 0:
-            raise CortiqError(f"gptq damp must be positive, got {self.damp}")
+        check(self, "gptq settings")
 
 
 @dataclass
@@ -148,24 +120,42 @@ class CompressSettings:
     grams: GramSettings = field(default_factory=GramSettings)
     gptq: GptqSettings = field(default_factory=GptqSettings)
     #: learn DTG-MA masks (False: rank by activation score from the Grams)
-    learn_masks: bool = True
+    learn_masks: bool = setting(True, "learn DTG-MA masks (--no-learn-masks: rank neurons by activation score "
+                                      "from the Grams)")
     #: quantize the student with GPTQ into gptq.codec
-    use_gptq: bool = False
+    use_gptq: bool = setting(False, "quantize the student with GPTQ into gptq.codec")
     # ── resources (how, not what: outside every stage's digest) ──
     #: where masks, Grams, the repair and GPTQ compute: "auto" (CUDA when
     #: present), "cpu", "cuda", "cuda:1", ...
-    device: str = "auto"
+    device: str = setting("auto", "where masks, Grams, the repair and GPTQ compute: auto (CUDA when present), "
+                                  "cpu, cuda, cuda:1, ...")
     #: forward passes under autocast: "auto" (bf16 on CUDA, f32 on the CPU),
     #: "f32", "bf16"; Gram accumulators, the repair's and GPTQ's solves stay f64
-    compute_dtype: str = "auto"
+    compute_dtype: str = setting("auto", "dtype of the forward passes (auto: bf16 on CUDA, f32 on the CPU; "
+                                         "Gram accumulators and the solves stay f64)", choices=COMPUTE)
+    # ── target ──
+    #: the one share of MLP neurons kept: the masks aim at it and the fold keeps it (it sets
+    #: masks.keep_frac and fold.keep_frac, which are not set on their own)
+    keep_frac: float = setting(0.75, "share of MLP neurons kept (the masks aim at it, the fold keeps it)",
+                               gt=0, hi=1)
 
     def __post_init__(self):
-        if self.compute_dtype not in COMPUTE:
-            raise CortiqError(f"compress compute_dtype must be one of {', '.join(COMPUTE)}, got {self.compute_dtype!r}")
+        check(self, "compress settings")
         for k, cls in (("masks", MaskSettings), ("fold", FoldSettings), ("grams", GramSettings), ("gptq", GptqSettings)):
             v = getattr(self, k)
             if isinstance(v, dict):
+                for f in fields(cls):
+                    if "set_by" in f.metadata and f.name in v:
+                        raise derived_error(f"compress.{k}.", f)
                 setattr(self, k, cls(**v))
+        # keep_frac sets the groups' own: a group built by hand with another share is a contradiction
+        for k in ("masks", "fold"):
+            v = getattr(self, k)
+            if v.keep_frac not in (self.keep_frac, MaskSettings.keep_frac):
+                raise CortiqError(f"compress settings: {k}.keep_frac {v.keep_frac} differs from keep_frac "
+                                  f"{self.keep_frac}: set keep_frac (it sets both)")
+            if v.keep_frac != self.keep_frac:
+                setattr(self, k, replace(v, keep_frac=self.keep_frac))
 
     @property
     def needs_grams(self) -> bool:

@@ -40,10 +40,10 @@ def _bar(total, desc, unit):
 def _resources(device: str, compute_dtype: str):
     """(torch.device, autocast dtype) of a stage's `device` / `compute_dtype` names."""
     from ..devices import resolve_compute, resolve_device
-    from .settings import COMPUTE
+    from ..settings_meta import check_value
+    from .settings import CompressSettings
 
-    if compute_dtype not in COMPUTE:
-        raise CortiqError(f"compress: compute dtype {compute_dtype!r} is not one of {', '.join(COMPUTE)}")
+    check_value(CompressSettings.__dataclass_fields__["compute_dtype"], compute_dtype, "compress: compute_dtype")
     dev = resolve_device(device, "compress")
     return dev, resolve_compute(compute_dtype, dev)
 

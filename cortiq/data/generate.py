@@ -19,9 +19,8 @@ def generate_answers(items: list[Item], model_path: str | os.PathLike, tokenizer
                      device: str | None = None, progress: Callable[[str], None] | None = None) -> int:
     """Fill in the answer of every prompt and chat in `items` (in place) from `model_path`;
     returns how many were answered. The model must share `tokenizer_cmf`'s tokenizer."""
-    import torch
-
     from ..cmf import open_cmf
+    from ..devices import resolve_compute, resolve_device
     from ..model import load_model
     from ..model.generate import generate
     from ..tokenizer import from_doc
@@ -36,8 +35,8 @@ def generate_answers(items: list[Item], model_path: str | os.PathLike, tokenizer
         raise CortiqError(f"{model_path}: its tokenizer differs from the --tokenizer model {tokenizer_cmf.path}'s "
                           f"(generated answers must be in the data's tokens)")
     tok = from_doc(mdoc, str(model_path))
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(mf, dtype=torch.bfloat16 if dev.startswith("cuda") else torch.float32, device=dev)
+    dev = resolve_device(device or "auto", "data build")
+    model = load_model(mf, dtype=resolve_compute("auto", dev), device=dev)
     eos_ids = list(mdoc.get("eos_ids") or [])
     bos_id = mdoc.get("bos_id")
     bos_s = tok.id_to_token(bos_id) if bos_id is not None else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import CortiqError
+from ..settings_meta import check, setting
 
 
 @dataclass
@@ -14,35 +15,38 @@ class BuildSettings:
     # ── records from plain text ──
     #: paragraphs are packed into records of up to this many tokens; a longer
     #: paragraph is cut at line, then sentence boundaries
-    record_tokens: int = 512
+    record_tokens: int = setting(512, "pack paragraphs into records of up to this many tokens", lo=2)
     #: the longest record accepted (the longest window a stage is asked to
     #: support): a record still longer after cutting is an error
-    max_tokens: int = 8192
+    max_tokens: int = setting(8192, "the longest record accepted (an error above it)", lo=2)
 
     #: keep at most this many tokens in all (0: everything): records are taken
     #: in the order of a hash of their rid (a fixed sample across the
     #: sources) until the cap; for quick runs on a large corpus
-    max_total_tokens: int = 0
+    max_total_tokens: int = setting(0, "keep at most this many tokens in all, records sampled by rid hash "
+                                          "(0: everything)", lo=0, metavar="N")
 
     # ── tokens ──
     #: append the EOS id to every record (a model learns where answers end;
     #: records in a stream stay apart)
-    eos: bool = True
+    eos: bool = setting(True, "end every record with the EOS id")
 
     # ── splits ──
     #: train/val/test fractions for records that name no split: a record goes
     #: where the sha256 of its rid falls
-    fractions: tuple[float, float, float] = (0.9, 0.05, 0.05)
+    fractions: tuple[float, float, float] = setting((0.9, 0.05, 0.05), "split fractions for records that name no "
+                                                    "split (by a hash of the record id)", metavar="TRAIN,VAL,TEST")
 
     # ── labels ──
     #: category of records that name none (default: the source file's stem or the corpus name)
-    category: str | None = None
+    category: str | None = setting(None, "category of records that name none", show="the file stem or corpus name")
 
     # ── generated answers (self-distillation) ──
     #: a CMF model that writes the answer of every prompt (greedy)
-    generate_with: str | None = None
+    generate_with: str | None = setting(None, "answer every prompt with this model (greedy): the teacher's own text",
+                                        metavar="MODEL.cmf")
     #: the most tokens a generated answer has
-    max_new: int = 256
+    max_new: int = setting(256, "most tokens per generated answer", lo=1)
 
     def __post_init__(self):
         self.fractions = tuple(float(f) for f in self.fractions)
@@ -50,11 +54,6 @@ class BuildSettings:
             raise CortiqError(f"split fractions must be three non-negative numbers summing to 1, not {self.fractions}")
         if self.fractions[0] == 0:
             raise CortiqError("the train fraction must be positive")
-        if self.record_tokens < 2:
-            raise CortiqError(f"record_tokens must be at least 2, not {self.record_tokens}")
+        check(self, "data settings")
         if self.max_tokens < self.record_tokens:
             raise CortiqError(f"max_tokens ({self.max_tokens}) must be at least record_tokens ({self.record_tokens})")
-        if self.max_total_tokens < 0:
-            raise CortiqError(f"max_total_tokens must be 0 (no cap) or positive, not {self.max_total_tokens}")
-        if self.max_new < 1:
-            raise CortiqError(f"max_new must be at least 1, not {self.max_new}")

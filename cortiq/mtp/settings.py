@@ -11,9 +11,10 @@ refresh 20, eval_every 5) rather than changing these."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 from ..errors import CortiqError
+from ..settings_meta import BATCH, EPOCHS, TOPK, WINDOW, check, setting
 
 
 def parse_also(items) -> list[tuple[str, str]]:
@@ -74,88 +75,100 @@ PRESET_CHOICES = ("auto", "fresh", "retrain")
 
 @dataclass
 class MtpSettings:
+    """Retraining of the MTP draft on the model's own trunk."""
+
     # ── preset ──
     #: auto | fresh | retrain: the values of every field left unset (None); auto reads the model's
     #: provenance: a draft fresh from `mtp init` gets "fresh", any other "retrain"
-    preset: str = "auto"
+    preset: str = setting("auto", "the values of every setting left unset: fresh (a draft just made by mtp init), "
+                                  "retrain (a working draft), auto (fresh for a draft mtp init made)",
+                          choices=PRESET_CHOICES)
 
     # ── the chain ──
     #: chain steps trained and measured (the runtime drafts 2–7 deep)
-    chain: int = 3
+    chain: int = setting(3, "chain steps trained and measured", lo=1)
     #: training steps between rebuilds of the chain's later inputs from the current weights
-    refresh: int = 150
+    refresh: int = setting(150, "training steps between rebuilds of the chain's later inputs", lo=0)
     #: 0: every row starts a chain. N: a chain starts every N rows, laid out as a
     #: decode round sees it (the trunk's rows up to its start, its own after); N >= chain
-    stride: int = 0
+    stride: int = setting(0, "0: every row starts a chain; N: a chain starts every N rows, laid out as a "
+                                "decode round sees it", lo=0)
 
     # ── data ──
     #: tokens taken from a data set that names no count of its own (PATH@TOKENS)
-    tokens: int = 393216
+    tokens: int = setting(393216, "tokens taken from a data set that names no count (PATH@TOKENS)", lo=1)
     #: tokens per window (a generated sequence fills one); preset: retrain 2048, fresh 512
-    window: int | None = None
+    window: int | None = setting(None, "tokens per window (a generated sequence fills one)", show="the preset's", **WINDOW)
     #: trunk top-k entries kept per row (the KL target)
-    topk: int = 64
+    topk: int = setting(64, "trunk top-k entries kept per row (the KL target)", **TOPK)
     #: hold out every window (a measure of text no training reads; needs epochs 0)
-    hold_all: bool = False
+    hold_all: bool = setting(False, "hold out every window: measure only (needs epochs 0)")
 
     # ── self-generated data ──
     #: train on the model's own continuations of prompts cut from the data (each window's first
     #: gen_prompt tokens, continued to a full window), not on the data's text; preset: fresh on
-    generate: bool | None = None
+    generate: bool | None = setting(None, "train on the model's own continuations of prompts cut from the data", show="the preset's")
     #: prompt tokens cut from the start of each data window (default: a quarter of the window, at most 64)
-    gen_prompt: int | None = None
+    gen_prompt: int | None = setting(None, "prompt tokens cut from the start of each data window", lo=1,
+                                     show="a quarter of the window, at most 64")
     #: share of the prompts put in the model's chat template as a user turn (the model answers them)
-    gen_chat: float = 0.25
+    gen_chat: float = setting(0.25, "share of the prompts put in the chat template as a user turn", lo=0, hi=1)
     #: 0: greedy continuations (what greedy speculative decoding verifies against); > 0: sampled
-    gen_temperature: float = 0.0
+    gen_temperature: float = setting(0.0, "0: greedy continuations; > 0: sampled", lo=0)
     #: rows decoded at once
-    gen_batch: int = 256
+    gen_batch: int = setting(256, "rows decoded at once while generating", lo=1)
     #: directory that keeps the generated windows (default: the trunk cache, else <cortiq home>/cache/mtp-gen)
-    gen_cache: str | None = None
+    gen_cache: str | None = setting(None, "keep the generated windows here", metavar="DIR",
+                                    show="the trunk cache, else <cortiq home>/cache/mtp-gen")
 
     # ── training ──
     #: passes over the train windows per chain step; 0 = measure only (and re-encode); preset: retrain 1, fresh 12
-    epochs: float | None = None
+    epochs: float | None = setting(None, "passes over the train windows per chain step (0: measure only)", show="the preset's",
+                                   lo=0, **EPOCHS)
     #: peak learning rate (Adam; warm-up, then cosine down to a tenth of it); preset: retrain 2e-5, fresh 1e-3
-    lr: float | None = None
+    lr: float | None = setting(None, "peak learning rate (Adam; warm-up, then cosine to a tenth)", show="the preset's", gt=0)
     #: share of the steps the rate ramps up over; preset: retrain 0.1, fresh 0.05
-    warm: float | None = None
+    warm: float | None = setting(None, "share of the steps the rate ramps up over", show="the preset's", lo=0, lt=1)
     #: windows per step; preset: retrain 2, fresh 8
-    batch: int | None = None
+    batch: int | None = setting(None, "windows per step", show="the preset's", **BATCH)
     #: held-out KL and hold rates every this many steps (and at the end); preset: retrain 25, fresh 50
-    eval_every: int | None = None
+    eval_every: int | None = setting(None, "steps between held-out evaluations (and one at the end)", show="the preset's", lo=1)
     #: evaluations without a new best before stopping (0 = never stop early); preset: retrain 6, fresh 8
-    patience: int | None = None
+    patience: int | None = setting(None, "evaluations without a new best before stopping (0: never early)", show="the preset's",
+                                   lo=0)
     #: stop training after this many seconds (the best checkpoint so far is kept); 0 = no limit
-    time_limit: float = 0.0
+    time_limit: float = setting(0.0, "stop training after this many seconds, keeping the best (0: no limit)", lo=0)
     #: share of a target row's mass put on the trunk's own token (1 = what a greedy verify accepts)
-    hard: float = 0.0
+    hard: float = setting(0.0, "share of a target row's mass put on the trunk's own token", lo=0, hi=1)
     #: also train eh_proj, enorm and hnorm (a fresh `mtp init` draft needs it); preset: retrain off, fresh on
-    train_input: bool | None = None
+    train_input: bool | None = setting(None, "also train eh_proj, enorm and hnorm", show="the preset's")
     #: gradient-norm clip
-    clip: float = 1.0
+    clip: float = setting(1.0, "gradient-norm clip", gt=0)
     #: training order and sampling seed
-    seed: int = 0
+    seed: int = setting(0, "training order and sampling seed")
 
     # ── outputs ──
     #: directory that keeps the trunk pass per data set (Arrow, keyed on trunk, data, window, k)
-    trunk_cache: str | None = None
+    trunk_cache: str | None = setting(None, "keep the trunk pass per data set here", metavar="DIR")
     #: codec of the trained draft's tensors in the output: "keep" (the file's own) or a codec name
-    codec: str = "keep"
+    codec: str = setting("keep", "codec of the trained draft's tensors: keep (the file's own) or a codec name")
     #: the same result with the draft in other codecs: [(codec, path)] (CLI: CODEC:PATH)
-    also: list = field(default_factory=list)
+    also: list = setting(factory=list, help="the result with the draft in another codec (repeatable)",
+                         metavar="CODEC:PATH", arg_type=str, repeat=True, text=lambda x: f"{x[0]}:{x[1]}")
     #: directory for the rows a draft built elsewhere reads (the original GPU tool's file set)
-    dump: str | None = None
+    dump: str | None = setting(None, "write the rows and tensors a draft built elsewhere reads here", metavar="DIR")
     #: (directory, trunk layers): those layers' output rows for the held-out windows (CLI: DIR:L1,L2)
-    taps: tuple | None = None
+    taps: tuple | None = setting(None, "write these trunk layers' output rows for the held-out windows",
+                                 metavar="DIR:LAYERS", arg_type=str,
+                                 text=lambda t: f"{t[0]}:{','.join(map(str, t[1]))}")
 
     # ── resources ──
     #: "auto" (cuda when available), "cpu", "cuda", ...
-    device: str = "auto"
+    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
     #: rows per chunk of the fused head + loss, and of the top-k passes
-    head_chunk: int = 1024
+    head_chunk: int = setting(1024, "rows per chunk of the fused head + loss and of the top-k passes", lo=1)
     #: windows per trunk forward
-    trunk_batch: int = 4
+    trunk_batch: int = setting(4, "windows per trunk forward", lo=1)
 
     def __post_init__(self):
         def bad(msg):
@@ -163,50 +176,15 @@ class MtpSettings:
 
         self.also = parse_also(self.also)
         self.taps = parse_taps(self.taps)
-        if self.preset not in PRESET_CHOICES:
-            bad(f"preset {self.preset!r} is not one of {', '.join(PRESET_CHOICES)}")
-        if self.chain < 1:
-            bad(f"chain {self.chain} must be at least 1")
-        if self.stride < 0:
-            bad(f"stride {self.stride} is negative")
+        check(self, "mtp settings")
         if self.stride and self.stride < self.chain:
             bad(f"stride {self.stride} is shorter than the chain ({self.chain}): chains laid out as rounds would overlap")
-        if self.refresh < 0:
-            bad(f"refresh {self.refresh} is negative")
         if self.window is not None and self.window < self.chain + 2:
             bad(f"window {self.window} is too short for a chain of {self.chain}")
-        if self.tokens < 1:
-            bad(f"tokens {self.tokens} must be positive")
-        if self.topk < 1:
-            bad(f"topk {self.topk} must be at least 1")
-        if self.epochs is not None and self.epochs < 0:
-            bad(f"epochs {self.epochs} is negative")
         if self.hold_all and (self.epochs is None or self.epochs > 0):
             bad("hold_all holds out every window: there is nothing to train on (use epochs 0)")
-        if self.lr is not None and not self.lr > 0:
-            bad(f"lr {self.lr} must be positive")
-        if self.warm is not None and not 0.0 <= self.warm < 1.0:
-            bad(f"warm {self.warm} is not in [0, 1)")
-        if self.batch is not None and self.batch < 1:
-            bad(f"batch {self.batch} must be at least 1")
-        if self.eval_every is not None and self.eval_every < 1:
-            bad(f"eval_every {self.eval_every} must be at least 1")
-        if self.patience is not None and self.patience < 0:
-            bad(f"patience {self.patience} is negative")
-        if self.time_limit < 0:
-            bad(f"time_limit {self.time_limit} is negative")
-        if not 0.0 <= self.hard <= 1.0:
-            bad(f"hard {self.hard} is not between 0 and 1")
-        if self.gen_prompt is not None and self.gen_prompt < 1:
-            bad(f"gen_prompt {self.gen_prompt} must be at least 1")
         if self.generate and self.window is not None and self.gen_prompt is not None and self.gen_prompt >= self.window:
             bad(f"gen_prompt {self.gen_prompt} leaves nothing to generate in a window of {self.window}")
-        if not 0.0 <= self.gen_chat <= 1.0:
-            bad(f"gen_chat {self.gen_chat} is not between 0 and 1")
-        if self.gen_temperature < 0:
-            bad(f"gen_temperature {self.gen_temperature} is negative")
-        if self.head_chunk < 1 or self.trunk_batch < 1 or self.gen_batch < 1:
-            bad("head_chunk, trunk_batch and gen_batch must be at least 1")
         from ..codecs import get as get_codec
 
         for c in [self.codec] + [c for c, _ in self.also]:
@@ -238,33 +216,3 @@ class MtpSettings:
         for k in ("trunk_cache", "gen_cache", "dump", "taps", "also", "device", "head_chunk", "trunk_batch", "gen_batch"):
             d.pop(k)
         return d
-
-
-def field_help() -> dict[str, str]:
-    """Each MtpSettings field's `#:` comment (the CLI's option help: the text is written once, above the field)."""
-    import inspect
-    import re
-
-    out, buf = {}, []
-    for line in inspect.getsource(MtpSettings).splitlines():
-        t = line.strip()
-        if t.startswith("#:"):
-            buf.append(t[2:].strip())
-            continue
-        m = re.match(r"(\w+)\s*:", t)
-        if m and buf:
-            out[m.group(1)] = " ".join(buf)
-        buf = []
-    return out
-
-
-def field_type(name: str):
-    """The scalar type of a field (a preset-controlled one: its presets' values' type)."""
-    from dataclasses import fields
-
-    if name in PRESETS["fresh"]:
-        return type(PRESETS["fresh"][name])
-    if name == "gen_prompt":
-        return int
-    default = {fl.name: fl.default for fl in fields(MtpSettings)}[name]
-    return str if default is None else type(default)

@@ -14,7 +14,7 @@ def _run(client, exp, name, nll, keep):
 
     r = client.create_run(exp, run_name=name, tags={"cortiq.params": name})
     client.log_batch(r.info.run_id, metrics=[Metric("score.healed.nll", nll, 0, 0), Metric("score.healed.bytes", 1e6, 0, 0)],
-                     params=[Param("compress.fold.keep_frac", str(keep)), Param("source", "smollm2")])
+                     params=[Param("compress.keep_frac", str(keep)), Param("source", "smollm2")])
     client.set_terminated(r.info.run_id)
     return r.info.run_id
 
@@ -31,7 +31,7 @@ def test_compare_prints_runs_side_by_side_and_writes_a_plot(tmp_path, capsys):
     assert main(["compare", a, b, "--tracking-uri", uri, "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.strip()}
-    assert rows["compress.fold.keep_frac"] == ["0.5", "0.75"]
+    assert rows["compress.keep_frac"] == ["0.5", "0.75"]
     assert rows["score.healed.nll"] == ["2.5", "2.25"]
     assert "source" not in rows  # equal params are left out unless --all-params
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -43,7 +43,7 @@ def test_heal_and_mtp_use_the_shared_resolver():
 
 def test_compress_settings_check_the_compute_dtype():
     assert CompressSettings().device == "auto"
-    with pytest.raises(CortiqError, match="compress compute_dtype must be one of auto, f32, bf16, got 'f16'"):
+    with pytest.raises(CortiqError, match="^compress settings: compute_dtype 'f16' is not one of auto, f32, bf16$"):
         CompressSettings(compute_dtype="f16")
 
 

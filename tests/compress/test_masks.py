@@ -92,7 +92,7 @@ def test_non_finite_steps_are_skipped_then_abort():
 
 
 def test_mask_settings_are_checked():
-    with pytest.raises(CortiqError, match="mask keep_frac"):
+    with pytest.raises(CortiqError, match=r"^mask settings: keep_frac 0 is outside \(0, 1\]$"):
         MaskSettings(keep_frac=0.0)
     with pytest.raises(CortiqError, match="loss_on"):
         MaskSettings(loss_on="some")

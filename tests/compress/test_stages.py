@@ -34,7 +34,11 @@ def test_learn_masks_reaches_the_target_and_reports_the_hard_nll(tiny, tmp_path)
     pruned = float(torch.cat([(torch.sigmoid(x) <= 0.5).float() for x in logits]).mean())
     assert pruned == pytest.approx(met["mask_pruned"])
     assert r2["metrics"] == met and store.read_meta(tmp_path / "masks")["stage"] == "masks"
-    assert log.series("mask_pruned")
+    # logged live at every evaluation: the selected checkpoint is the one evaluated at its step, and the
+    # stage's closing metrics repeat what it selected
+    evals = dict(s for s in log.series("mask_pruned") if s[0] is not None)
+    assert evals and evals[int(met["mask_step"])] == pytest.approx(met["mask_pruned"])
+    assert log.series("mask_pruned")[-1] == (None, met["mask_pruned"])
 
 
 def test_fold_by_activation_with_repair_then_gptq(tiny, tmp_path):
@@ -77,8 +81,9 @@ def test_cli_compress_and_its_errors(tiny, tmp_path, capsys):
     from cortiq.cli import main
 
     m, td = tiny
-    rc = main(["compress", str(m), "--data", str(td), "--out", str(tmp_path / "s.cmf"), "--keep", "0.5", "--no-masks",
-               "--window", "64", "--repair", "--gptq", "--codec", "q8", "--work", str(tmp_path / "w")])
+    rc = main(["compress", str(m), "--data", str(td), "--out", str(tmp_path / "s.cmf"), "--keep-frac", "0.5",
+               "--no-learn-masks", "--grams-window", "64", "--fold-repair", "--use-gptq", "--gptq-codec", "q8",
+               "--work", str(tmp_path / "w")])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fold_kept_share"] == pytest.approx(0.5) and out["gptq_over_rtn"] < 1.0

@@ -51,9 +51,8 @@ def tiny_params():
             "name": "tiny",
             "source": tiny["model"],
             "data": {"sources": [tiny["corpus"]], "record_tokens": 64, "fractions": [0.6, 0.2, 0.2]},
-            "compress": {"masks": {"max_steps": 4, "window": 32, "batch": 2, "val_windows": 2, "eval_every": 2,
-                                   "keep_frac": 0.5},
-                         "fold": {"keep_frac": 0.5}},
+            "compress": {"keep_frac": 0.5,
+                         "masks": {"max_steps": 4, "window": 32, "batch": 2, "val_windows": 2, "eval_every": 2}},
             # the tiny source is a random model: distilling it alone leaves the best held-out checkpoint
             # at step 0 (healed == pruned, so the two scores share a digest); the data's token makes heal move
             "heal": {"epochs": 1.0, "window": 32, "batch": 2, "eval_every": 2, "checkpoint_every": 2, "topk": 8,

@@ -20,12 +20,12 @@ def test_missing_file(tmp_path):
 def test_stage_groups_become_the_stages_dataclasses(tmp_path):
     p = tmp_path / "set.yaml"
     p.write_text("source: m.cmf\ndata:\n  sources: [corpus:pydoc]\n  record_tokens: 128\n"
-                 "compress:\n  fold:\n    keep_frac: 0.5\nheal:\n  lr: 0.001\n")
+                 "compress:\n  keep_frac: 0.5\nheal:\n  lr: 0.001\n")
     s = load_settings(p)
     assert s.name == "set"  # the file's stem
     assert s.extra("data", "sources") == ["corpus:pydoc"]
     assert s.stage("data").record_tokens == 128
-    assert s.stage("compress").fold.keep_frac == 0.5
+    assert s.stage("compress").fold.keep_frac == s.stage("compress").masks.keep_frac == 0.5
     assert s.stage("heal").lr == 0.001
     assert load_settings(s) is s
     assert load_settings(s.to_dict()).to_dict() == s.to_dict()

@@ -14,7 +14,7 @@ from cortiq.data.settings import BuildSettings
 from flows.compress import compress
 from flows.heal import heal
 
-MASKS = {"max_steps": 4, "window": 32, "batch": 2, "eval_every": 2, "keep_frac": 0.5}
+MASKS = {"max_steps": 4, "window": 32, "batch": 2, "eval_every": 2}
 
 
 def test_cli_compress_then_the_flow_reuse_the_same_outputs(tiny, tiny_params):
@@ -22,10 +22,10 @@ def test_cli_compress_then_the_flow_reuse_the_same_outputs(tiny, tiny_params):
     # the tdata the flow's data stage makes from the same sources and settings (same digest)
     build([tiny["corpus"]], tiny["model"], td, BuildSettings(record_tokens=64, fractions=(0.6, 0.2, 0.2)))
     student = tiny["dir"] / "student.cmf"
-    assert main(["compress", tiny["model"], "--data", str(td), "--out", str(student), "--keep", "0.5", "--steps", "4",
-                 "--window", "32", "--batch", "2", "--eval-every", "2"]) == 0
+    assert main(["compress", tiny["model"], "--data", str(td), "--out", str(student), "--keep-frac", "0.5",
+                 "--masks-max-steps", "4", "--masks-window", "32", "--masks-batch", "2", "--masks-eval-every", "2"]) == 0
     p = tiny_params(tiny)
-    p["compress"] = {"masks": dict(MASKS), "fold": {"keep_frac": 0.5}}
+    p["compress"] = {"keep_frac": 0.5, "masks": dict(MASKS)}
     out = compress(p)
     assert out["states"]["data"] == "Completed"  # the flow builds its own tdata (same digest as td)
     assert out["states"]["masks"] == "Cached" and out["states"]["fold"] == "Cached"

@@ -205,10 +205,10 @@ def test_nll_refuses_a_non_finite_result(cortiq, valid, tmp_path):
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["--device", "nonsense"], r"--device 'nonsense': not a device"),
-    (["--device", "cuda:x"], r"not a device"),
-    (["--batch-tokens", "0"], r"--batch-tokens 0"),
-    (["--window", "1"], r"window 1: a window needs at least 2 tokens"),
+    (["--device", "nonsense"], r"nll: device .nonsense. is not a torch device"),
+    (["--device", "cuda:x"], r"nll: device .cuda:x. is not a torch device"),
+    (["--batch-tokens", "0"], r"nll settings: batch_tokens 0 must be >= 1"),
+    (["--window", "1"], r"nll settings: window 1 must be >= 2: a window.s first token is never scored"),
 ])
 def test_bad_arguments(extra, match, cortiq, valid, tmp_path):
     raw, text = valid

@@ -40,4 +40,4 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys):
     assert rc == 1 and "--teacher is needed" in capsys.readouterr().err
     rc = main(["heal", str(teacher), "--teacher", str(teacher), "--data", str(td), "--out", str(tmp_path / "h.cmf"),
                "--ce", "1.5", "--quiet"])
-    assert rc == 1 and "ce 1.5 is not between 0 and 1" in capsys.readouterr().err
+    assert rc == 1 and capsys.readouterr().err == "cortiq: heal settings: ce 1.5 is outside [0, 1]\n"

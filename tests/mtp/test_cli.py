@@ -1,5 +1,7 @@
 """`cortiq mtp init|heal` through the CLI: outputs, and bad input as one line, exit 1."""
 
+import re
+
 from cortiq.cli import main
 from cortiq.cmf import open_cmf
 
@@ -22,8 +24,13 @@ def test_cli_init_then_heal(tiny, tmp_path, capsys):
                "--trunk-cache", str(tmp_path / "cache"), "--dump", str(tmp_path / "dump")])
     err = capsys.readouterr().err
     assert rc == 0, err
-    assert "drafts a round" in err
-    assert open_cmf(out).provenance["mtp_heal"]["settings"]["train_input"] is True
+    block = open_cmf(out).provenance["mtp_heal"]
+    assert block["settings"]["train_input"] is True
+    # the line the command ends with reports what the written model records, and the best checkpoint
+    # kept is never worse than the fresh draft (step 0 is a candidate)
+    before, after = (float(x) for x in re.search(r"drafts a round ([\d.]+) -> ([\d.]+)", err).groups())
+    assert (before, after) == (round(block["drafts_per_round_before"], 3), round(block["drafts_per_round_after"], 3))
+    assert block["drafts_per_round_after"] >= block["drafts_per_round_before"]
     d = tmp_path / "dump"
     n, T, k = 40, 32, 8
     for name, size in [("len.u32", n * 4), ("ids.u32", n * T * 4), ("ti.u32", n * T * k * 4), ("tp.f32", n * T * k * 4),

@@ -166,7 +166,10 @@ def test_training_raises_drafts_per_round(tiny, tmp_path, stride):
         if trained and n.endswith("_proj.weight"):
             assert not same, n
     assert "mtp_heal" in g.provenance
-    assert log.series("drafts_per_round")
+    # logged live at every evaluation: the checkpoint written is the best one evaluated, at its step
+    evals = dict(log.series("drafts_per_round"))
+    assert max(evals.values()) == pytest.approx(mt["drafts_per_round_after"], abs=1e-9)
+    assert evals[int(mt["best_step"])] == max(evals.values())
     assert rep["history"][-1]["step"] == rep["metrics"]["steps"]
 
 

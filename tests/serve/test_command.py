@@ -20,7 +20,7 @@ def test_bad_model_and_settings_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("cortiq: ") and "nope.cmf" in err and err.count("\n") == 1
     assert main(["serve", str(tmp_path / "nope.cmf"), "--max-batch", "0"]) == 1
-    assert capsys.readouterr().err == "cortiq: serve: max_batch must be >= 1, not 0\n"
+    assert capsys.readouterr().err == "cortiq: serve settings: max_batch 0 must be >= 1\n"
 
 
 def test_speculative_needs_a_draft(tmp_path, capsys):
@@ -38,4 +38,4 @@ def test_speculative_needs_a_draft(tmp_path, capsys):
 @pytest.mark.parametrize("port", ["-1", "70000"])
 def test_port_range(tmp_path, capsys, port):
     assert main(["serve", str(tmp_path / "m.cmf"), "--port", port]) == 1
-    assert "outside 0..65535" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"cortiq: serve settings: port {port} is outside [0, 65535]\n"
