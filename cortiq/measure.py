@@ -81,8 +81,9 @@ def recode(src_cmf, out_cmf, codec: str, provenance: dict | None = None, verify:
 def _score(out, ctx, model, tdata, settings) -> dict:
     from .cmf import open_cmf
 
-    nll = score({"model": model}, tdata, "test", settings["loss_on"], settings.get("device", "auto"), ctx.progress,
-                settings["window"], settings["max_tokens"])["model"]
+    split = settings.get("split", "test")
+    nll = score({"model": model}, tdata, None if split == "all" else split, settings["loss_on"],
+                settings.get("device", "auto"), ctx.progress, settings["window"], settings["max_tokens"])["model"]
     metrics = {"nll": nll, "bytes": float(open_cmf(model).nbytes())}
     with store.stage_dir(out, {"stage": SCORE.name, "digest": ctx.digest, "metrics": metrics}):
         pass
@@ -97,7 +98,8 @@ def _reencode(out, ctx, model, codec) -> dict:
 
 
 SCORE = Stage("score", "2", _score, None, ("model", "tdata"),
-              key=lambda p: {k: p["settings"][k] for k in ("window", "max_tokens", "loss_on")},
-              doc="test NLL per scored token of a model (and its size)")
+              key=lambda p: {"split": p["settings"].get("split", "test"),
+                             **{k: p["settings"][k] for k in ("window", "max_tokens", "loss_on")}},
+              doc="NLL per scored token of a model on a tdata split (\"all\": every record), and its size")
 REENCODE = Stage("reencode", "2", _reencode, None, ("model",), key=lambda p: {"codec": p["codec"]}, output="cmf",
                  doc="a model in another codec (plain codecs everywhere, quantized ones on matrices)")

@@ -39,7 +39,15 @@ STAGE_SETTINGS = {
 }
 
 #: keys a stage group holds beside its dataclass's fields (the data group names its sources)
-EXTRA_KEYS = {"data": {"sources": ["corpus:pydoc"]}}
+EXTRA_KEYS = {"data": {"sources": ["corpus:pydoc"], "eval_sources": []}}
+#: what each extra key is for (docs/settings.md)
+EXTRA_HELP = {
+    "data.sources": "what the stage reads (paths or corpus:NAME); on the command line, its positional arguments",
+    "data.eval_sources": "text of another source that no stage trains on (paths or corpus:NAME), tokenized the "
+                         "same way: source, pruned and healed are scored on every record of it and the gap "
+                         "recovered is reported on it; empty: on the data's own test split (in-domain, where "
+                         "adapting to the text counts as recovery)",
+}
 
 #: codecs a re-encode may write (cortiq.codecs names)
 DEFAULT_CODECS = ["f16", "q8", "q4"]
@@ -386,6 +394,9 @@ def settings_from_dict(doc: Any, where: str = "settings") -> PipelineSettings:
     srcs = s.extra("data", "sources")
     if not isinstance(srcs, list) or not srcs or not all(isinstance(x, str) for x in srcs):
         raise CortiqError(f"{where}: data.sources must be a non-empty list of paths or corpus:NAME, not {srcs!r}")
+    ev = s.extra("data", "eval_sources")
+    if not isinstance(ev, list) or not all(isinstance(x, str) for x in ev):
+        raise CortiqError(f"{where}: data.eval_sources must be a list of paths or corpus:NAME, not {ev!r}")
     return s
 
 

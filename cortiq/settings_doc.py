@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-from .settings import EXTRA_KEYS, STAGE_SETTINGS, PipelineSettings, stage_settings_class
+from .settings import EXTRA_HELP, EXTRA_KEYS, STAGE_SETTINGS, PipelineSettings, stage_settings_class
 from .settings_meta import table
 
 #: stage group -> the command whose options are that group's settings
@@ -47,8 +47,7 @@ def settings_doc() -> str:
         cls = stage_settings_class(group)
         out.append(f"### `{group}`: `{STAGE_COMMANDS[group]}`\n")
         for key, default in EXTRA_KEYS.get(group, {}).items():
-            out.append(f"`{group}.{key}` (default `{', '.join(default)}`): what the stage reads; on the command "
-                       f"line, its positional arguments.\n")
+            out.append(f"`{group}.{key}` (default `[{', '.join(default)}]`): {EXTRA_HELP[f'{group}.{key}']}.\n")
         out.append(table(cls, f"{group}."))
     out.append("## Commands\n")
     for command, (mod, name) in COMMAND_SETTINGS.items():

@@ -7,6 +7,8 @@ compress-and-heal) are these calls in order, so they share one cache.
 
 from __future__ import annotations
 
+import functools
+
 from cortiq.cmf import open_cmf
 from cortiq.compress import FOLD, GPTQ, GRAMS, MASKS
 from cortiq.convert import SOURCE, source_kind
@@ -37,28 +39,42 @@ def data(st: Stages, s: PipelineSettings, model: str) -> str:
     return st.run(DATA, sources=s.extra("data", "sources"), model=model, settings=plain(s.stage("data")))["path"]
 
 
-def score(st: Stages, s: PipelineSettings, label: str, model: str, tdata: str) -> dict:
-    """Test NLL of `model`, logged as score.<label>."""
-    r = st.run(SCORE, f"score.{label}", model=model, tdata=tdata,
-               settings={"window": s.score_window, "max_tokens": s.score_tokens, "loss_on": "answer"})
-    if label == "healed":
-        log_gap(st)
-    return r
+def score(st: Stages, s: PipelineSettings, label: str, model: str, tdata: str, split: str = "test") -> dict:
+    """Test NLL of `model` (every record's with split "all"), logged as score.<label>."""
+    return st.run(SCORE, f"score.{label}", model=model, tdata=tdata,
+                  settings={"window": s.score_window, "max_tokens": s.score_tokens, "loss_on": "answer", "split": split})
 
 
-def log_gap(st: Stages) -> float | None:
-    """heal.gap_recovered = (pruned − healed) / (pruned − source) and the three NLLs
-    as MLflow metrics, once source, pruned and healed are scored; the tag
-    heal.gap_text says on which text (the parameter set's own test split)."""
-    nll = {name: ((st.results.get(f"score.{label}") or {}).get("report") or {}).get("metrics", {}).get("nll")
+def metric(st: Stages, key: str, name: str) -> float | None:
+    """A finished stage's report metric (None while the stage has not run)."""
+    v = (((st.results.get(key) or {}).get("report") or {}).get("metrics") or {}).get(name)
+    return None if v is None else float(v)
+
+
+def gap(st: Stages) -> dict | None:
+    """The share of the pruning's NLL loss the heal won back, once source, pruned
+    and healed are scored: on the held-out text of another source when the
+    parameter set names one (data.eval_sources, scored as score.eval.*), else on
+    the data's own test split. {"text", "nll", "gap_recovered"}."""
+    ev = st.settings.extra("data", "eval_sources")
+    pre = "score.eval." if ev else "score."
+    nll = {name: metric(st, f"{pre}{label}", "nll")
            for name, label in (("source", "source"), ("student", "pruned"), ("healed", "healed"))}
     if any(v is None for v in nll.values()):
         return None
-    g = gap_recovered(nll)
-    st.log.log_metrics({"heal.nll.source": nll["source"], "heal.nll.pruned": nll["student"],
-                        "heal.nll.healed": nll["healed"], **({} if g is None else {"heal.gap_recovered": g})})
-    st.log.set_tags({"heal.gap_text": "test split of the parameter set's data (in-domain)"})
-    return g
+    text = f"held-out text of another source: {', '.join(ev)}" if ev else "test split of the parameter set's data (in-domain)"
+    return {"text": text, "nll": nll, "gap_recovered": gap_recovered(nll)}
+
+
+def log_gap(st: Stages) -> None:
+    """heal.gap_recovered and the three NLLs it comes from as MLflow metrics; the tag heal.gap_text says on which text."""
+    g = gap(st)
+    if g is None:
+        return
+    n = g["nll"]
+    st.log.log_metrics({"heal.nll.source": n["source"], "heal.nll.pruned": n["student"], "heal.nll.healed": n["healed"],
+                        **({} if g["gap_recovered"] is None else {"heal.gap_recovered": g["gap_recovered"]})})
+    st.log.set_tags({"heal.gap_text": g["text"]})
 
 
 def student(st: Stages, s: PipelineSettings) -> tuple[str, str, str]:
@@ -69,10 +85,18 @@ def student(st: Stages, s: PipelineSettings) -> tuple[str, str, str]:
 
 
 def healed_and_scored(st: Stages, s: PipelineSettings, source: str, pruned: str, tdata: str) -> str:
-    """heal → score source, pruned and healed on the same test split: the healed model."""
+    """heal → score source, pruned and healed on the same test split, and on every
+    record of data.eval_sources when given (text no stage trained on): the healed model."""
     healed = heal(st, s, source, pruned, tdata)
-    for label, model in (("source", source), ("pruned", pruned), ("healed", healed)):
+    models = (("source", source), ("pruned", pruned), ("healed", healed))
+    for label, model in models:
         score(st, s, label, model, tdata)
+    ev = s.extra("data", "eval_sources")
+    if ev:
+        etd = st.run(DATA, "data.eval", sources=ev, model=source, settings=plain(s.stage("data")))["path"]
+        for label, model in models:
+            score(st, s, f"eval.{label}", model, etd, split="all")
+    log_gap(st)
     return healed
 
 
@@ -142,22 +166,20 @@ class run_tracked:
 def summary(st: Stages) -> dict:
     """What `cortiq demo` prints: NLL per model, drafts per round before/after, size and NLL per codec."""
     r = st.results
-
-    def metric(key, name):
-        return ((r.get(key) or {}).get("report") or {}).get("metrics", {}).get(name)
-
+    m = functools.partial(metric, st)
     out = {
         "mlflow_run_id": st.log.run_id,
         "tracking_uri": st.settings.run.tracking(),
         "params": st.settings.name,
-        "nll": {k.removeprefix("score."): metric(k, "nll") for k in r if k.startswith("score.") and "reencode." not in k},
-        "bytes": {k.removeprefix("score."): metric(k, "bytes") for k in r if k.startswith("score.") and "reencode." not in k},
-        "codecs": {k.removeprefix("reencode."): {"bytes": metric(k, "bytes"), "nll": metric(f"score.{k}", "nll")}
+        "nll": {k.removeprefix("score."): m(k, "nll") for k in r if k.startswith("score.") and "reencode." not in k},
+        "gap": gap(st),
+        "bytes": {k.removeprefix("score."): m(k, "bytes") for k in r if k.startswith("score.") and "reencode." not in k},
+        "codecs": {k.removeprefix("reencode."): {"bytes": m(k, "bytes"), "nll": m(f"score.{k}", "nll")}
                    for k in r if k.startswith("reencode.")},
         "states": dict(st.states),
         "outputs": {k: v["path"] for k, v in r.items()},
     }
     if "mtp" in r:
-        out["drafts_per_round"] = {"before": metric("mtp", "drafts_per_round_before"),
-                                   "after": metric("mtp", "drafts_per_round_after")}
+        out["drafts_per_round"] = {"before": m("mtp", "drafts_per_round_before"),
+                                   "after": m("mtp", "drafts_per_round_after")}
     return out

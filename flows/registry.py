@@ -121,21 +121,15 @@ def register(client, name: str, run_id: str, model: str | Path, limit_mb: float,
 def register_final(st, model: str | Path) -> dict:
     """Register a flow run's final model (after `Stages.artifacts` logged it): the
     test NLL is the healed model's (the draft does not change the trunk's
-    logits), gap recovered from the source / pruned / healed scores, drafts
+    logits), gap recovered as the flow reports it (flows.pipeline.gap), drafts
     per round from the MTP stage."""
-    r = st.results
+    from .pipeline import gap, metric
 
-    def metric(key, name):
-        v = (((r.get(key) or {}).get("report") or {}).get("metrics") or {}).get(name)
-        return None if v is None else float(v)
-
-    nll = {k: metric(f"score.{k}", "nll") for k in ("source", "pruned", "healed")}
-    gap = None
-    if None not in nll.values() and nll["pruned"] != nll["source"]:
-        gap = (nll["pruned"] - nll["healed"]) / (nll["pruned"] - nll["source"])
+    g = gap(st)
     s = st.settings
-    out = register(st.log.client, s.name, st.log.run_id, model, s.run.artifact_limit_mb, nll["healed"],
-                   (r.get("data") or {}).get("digest", ""), gap, metric("mtp", "drafts_per_round_after"))
+    out = register(st.log.client, s.name, st.log.run_id, model, s.run.artifact_limit_mb, metric(st, "score.healed", "nll"),
+                   (st.results.get("data") or {}).get("digest", ""), g and g["gap_recovered"],
+                   metric(st, "mtp", "drafts_per_round_after"))
     print(f"registered {out['name']} v{out['version']}" + (" (champion)" if out["champion"] else "") + f": {out['reason']}")
     return out
 

@@ -94,7 +94,8 @@ def test_flow_adapter_reads_the_stage_results(store, capsys):
 
     log = _run(store, store.models[2], 2.5)
     st = SimpleNamespace(
-        settings=SimpleNamespace(name="params-x", run=SimpleNamespace(artifact_limit_mb=200.0)), log=log,
+        settings=SimpleNamespace(name="params-x", run=SimpleNamespace(artifact_limit_mb=200.0),
+                                 extra=lambda group, key: []), log=log,
         results={"data": {"digest": "tdata-123", "path": "x"}, "score.source": res(nll=2.0), "score.pruned": res(nll=3.0),
                  "score.healed": res(nll=2.5), "mtp": res(drafts_per_round_after=0.75)})
     out = register_final(st, store.models[2])

@@ -18,9 +18,19 @@ def test_compress_then_heal_then_the_whole_pipeline_share_the_cache(tiny, tiny_p
     assert set(a["states"].values()) == {"Completed"}
     assert a["bytes"]["pruned"] < a["bytes"]["source"] and math.isfinite(a["nll"]["pruned"])
 
+    # text of another source, scored whole: the gap is reported on it, and says so
+    other = tiny["dir"] / "other.txt"
+    other.write_text("\n\n".join(f"record {i}: the quick brown fox jumps over the lazy dog " * 3 for i in range(12)))
+    p["data"]["eval_sources"] = [str(other)]
     b = heal(p)
     assert b["states"]["fold"] == "Cached" and b["states"]["train"] == b["states"]["heal"] == "Completed"
     assert b["nll"]["pruned"] == a["nll"]["pruned"] and math.isfinite(b["nll"]["healed"])
+    assert {"data.eval", "score.eval.source", "score.eval.pruned", "score.eval.healed"} <= set(b["states"])
+    n = {k: b["nll"][f"eval.{k}"] for k in ("source", "pruned", "healed")}
+    assert n["source"] != b["nll"]["source"]  # another text, another score
+    assert b["gap"]["text"] == f"held-out text of another source: {other}"
+    assert b["gap"]["gap_recovered"] == (n["pruned"] - n["healed"]) / (n["pruned"] - n["source"])
+    del p["data"]["eval_sources"]
 
     c = compress_and_heal(p)
     assert {c["states"][k] for k in ("data", "masks", "fold", "targets", "train", "heal", "score.healed")} == {"Cached"}
