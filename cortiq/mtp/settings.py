@@ -87,6 +87,11 @@ class MtpSettings:
     #: 0: every row starts a chain. N: a chain starts every N rows, laid out as a
     #: decode round sees it (the trunk's rows up to its start, its own after); N >= chain
     stride: int = 0
+    #: new tokens a decode runs after the prompt: the measure (and checkpoint choice) walks
+    #: the rounds greedy speculative decoding runs from each window's prompt end over this
+    #: many tokens, where an answer starts, not a long continuation's repetitive tail; 0: to
+    #: the window's end
+    span: int = 200
 
     # ── data ──
     #: tokens taken from a data set that names no count of its own (PATH@TOKENS)
@@ -173,6 +178,8 @@ class MtpSettings:
             bad(f"stride {self.stride} is shorter than the chain ({self.chain}): chains laid out as rounds would overlap")
         if self.refresh < 0:
             bad(f"refresh {self.refresh} is negative")
+        if self.span < 0:
+            bad(f"span {self.span} is negative")
         if self.window is not None and self.window < self.chain + 2:
             bad(f"window {self.window} is too short for a chain of {self.chain}")
         if self.tokens < 1:

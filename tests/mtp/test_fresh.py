@@ -66,7 +66,7 @@ def test_fresh_draft_learns_the_trunks_language_and_decoding_accepts_it(fresh, t
     assert rep["preset"] == "fresh" and m["steps"] > 0
     # the fresh block (a copy of the trunk's last layer reading h_p) guesses token p+1, not p+2:
     # right only where the text repeats; trained, it holds most drafts at every chain step
-    assert min(rep["after"]["hold"]) > 0.8
+    assert min(rep["after"]["every_row"]["hold"]) > 0.8
     assert m["drafts_per_round_after"] > max(2.0, m["drafts_per_round_before"] + 1.0)
     g = open_cmf(out)
     assert not draft_is_fresh(g) and resolve(g, MtpSettings()).preset == "retrain"
