@@ -135,7 +135,12 @@ class Chain:
         else:
             out = self.draft(self.src[s][b], ids, j)  # [B, T, H]
         T = ids.shape[1]
-        valid = torch.arange(T)[None, :] < (self.lens[b][:, None] - j)  # [B, T] rows whose target exists
+        pos = torch.arange(T)[None, :]
+        valid = pos < (self.lens[b][:, None] - j)  # [B, T] rows whose target exists
+        if self.stride == 0:
+            # chains from a row inside the prompt: a decode never starts one there (the prompt's
+            # text is the data's, not the model's); they stay context for the rows after
+            valid &= pos >= self.start[b][:, None]
         ti = torch.roll(self.ti[b], -j, 1)[valid]  # [n, k] the trunk's top-k at p+j
         tp = torch.roll(self.tp[b], -j, 1)[valid]
         if hard > 0:
