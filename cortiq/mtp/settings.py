@@ -59,16 +59,17 @@ def parse_taps(spec) -> tuple[str, list[int]] | None:
 #: the 200 tokens a decode's measure walks (`span`) with the chain's look-ahead,
 #: and give a data set 1.6x the prompts windows of 512 gave for the same tokens,
 #: without training on a long greedy continuation's repetitive tail; 8 of them a
-#: step. 8 epochs: on the H200 with SmolLM2, 334 generated windows of 512
+#: step. 6 epochs: on the H200 with SmolLM2, 334 generated windows of 512
 #: reached 0.90 drafts a round (every-row chain) after 6 epochs (666 steps, 32 s)
-#: and 0.98 after 12 (1332 steps, 71 s), still climbing at the schedule's end;
-#: with the bench's 1.9k windows of 320 (~620 steps an epoch at ~35 ms a step) 8
-#: epochs are ~5000 steps, about 3 minutes there. A held-out evaluation walks
-#: ~190 windows, so it runs every 200 steps, and 10 without a new best stop.
+#: and 0.98 after 12 (1332 steps, 71 s, ~53 ms a step with evaluations), still climbing at the
+#: schedule's end; the bench's ~1850 windows of 320 make ~620 steps an epoch, so
+#: 6 epochs are ~3700 steps (2.8x those, on 5.5x the distinct windows), about 2.5
+#: minutes there at an estimated ~35 ms a step. A held-out evaluation walks ~185
+#: windows, so it runs every 200 steps, and 10 without a new best stop.
 PRESETS = {
     "retrain": {"lr": 2e-5, "warm": 0.1, "epochs": 1.0, "train_input": False, "patience": 6, "eval_every": 25,
                 "window": 2048, "batch": 2, "generate": False},
-    "fresh": {"lr": 1e-3, "warm": 0.05, "epochs": 8.0, "train_input": True, "patience": 10, "eval_every": 200,
+    "fresh": {"lr": 1e-3, "warm": 0.05, "epochs": 6.0, "train_input": True, "patience": 10, "eval_every": 200,
               "window": 320, "batch": 8, "generate": True},
 }
 
@@ -126,7 +127,7 @@ class MtpSettings:
     gen_cache: str | None = None
 
     # ── training ──
-    #: passes over the train windows per chain step; 0 = measure only (and re-encode); preset: retrain 1, fresh 8
+    #: passes over the train windows per chain step; 0 = measure only (and re-encode); preset: retrain 1, fresh 6
     epochs: float | None = None
     #: peak learning rate (Adam; warm-up, then cosine down to a tenth of it); preset: retrain 2e-5, fresh 1e-3
     lr: float | None = None

@@ -40,7 +40,7 @@ def test_preset_follows_provenance_and_explicit_values_win(fresh, tmp_path):
     s = resolve(f, MtpSettings())
     assert (s.preset, s.lr, s.train_input, s.generate, s.window, s.batch) == ("fresh", 1e-3, True, True, 320, 8)
     s = resolve(f, MtpSettings(lr=5e-4, generate=False))
-    assert (s.preset, s.lr, s.generate, s.epochs) == ("fresh", 5e-4, False, 8.0)
+    assert (s.preset, s.lr, s.generate, s.epochs) == ("fresh", 5e-4, False, 6.0)
     assert resolve(f, MtpSettings(preset="retrain")).lr == 2e-5
     # a draft that came with the model (no mtp init in its provenance): retrain
     native = write_model(tmp_path / "native.cmf")
