@@ -322,11 +322,11 @@ def main():
                     sp = decode(md, ps, max_new=a.new, draft=k, eos_ids=eos)
                     real = sum(r.accepted for r in sp) / max(sum(r.rounds for r in sp), 1)
                     texts = [p + r.tokens for p, r in zip(ps, sp)]
-                    dec = offline(md, texts, plens, k, a.new, pad=pad)["walk"]
+                    dec = offline(md, texts, plens, k, a.new, pad=pad).get("walk", 0.0)
                     held = None
                     if wins is not None:
                         kind = pname.split()[-1]
-                        held = offline(md, wins, plens, k, a.new, torch.tensor([kind == "chat"] * len(wins)), pad)[kind]
+                        held = offline(md, wins, plens, k, a.new, torch.tensor([kind == "chat"] * len(wins)), pad).get(kind, 0.0)
                     accept[(pname + label(name), k)] = {"real": real, "offline": held, "decoded": dec, "prompts": len(ps),
                                                         "rounds": sum(r.rounds for r in sp)}
                     log(json.dumps({"prompts": pname + label(name), "depth": k, **accept[(pname + label(name), k)]}))

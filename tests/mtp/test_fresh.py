@@ -237,3 +237,15 @@ def test_generated_windows_keep_which_answer_a_chat(tmp_path):
     i2, l2, h2, c2 = _read(tmp_path / "g")
     assert np.array_equal(i2, ids.numpy()) and np.array_equal(l2, lens.numpy())
     assert np.array_equal(h2, held) and np.array_equal(c2, chat)
+
+
+def test_measure_text_and_heldout_windows_refuse_bad_input(fresh):
+    from cortiq.mtp import heldout_windows, measure_text
+
+    init, _ = fresh
+    f = open_cmf(init)
+    m = load_model(f)
+    with pytest.raises(CortiqError, match=r"^measure_text: 2 sequences and 1 prompt lengths"):
+        measure_text(m, [[1, 2, 3], [4, 5]], [2])
+    with pytest.raises(CortiqError, match="no mtp heal in its provenance"):
+        heldout_windows(m, f)
