@@ -5,6 +5,7 @@ call, with drafts accepted per round next to the offline estimate.
     python bench/decode.py [--model MODEL.cmf] --draft DRAFTED.cmf [--draft OTHER.cmf] [--new 200]
                            [--batches 1,8] [--depths 1,2,3] [--out DIR]
     python bench/decode.py --random          # SmolLM2-135M geometry, random weights + random draft (speed only)
+    python bench/decode.py --cpu --tiny [--draft TINY.cmf --gen-cache DIR]   # a CPU smoke test
 
 `--draft` is a model file carrying `model.mtp.*` (what `cortiq mtp heal`
 writes): its trunk decodes every row, its draft the speculative ones. Every
@@ -19,11 +20,19 @@ Rows:
 - `transformers`: `LlamaForCausalLM.generate` (sdpa, dynamic cache) on the same weights.
 Columns: tokens/s; ×plain (against the engine's plain row of the same batch);
 tokens differing from the engine's plain greedy output (bf16: see
-cortiq.model.decode, "Why bf16 can differ"); drafts accepted per round
-(real) and the offline estimate of the same draft on the same text
-(the measure `cortiq mtp heal` reports, run teacher-forced over the prompts and
-their plain greedy continuations), plus the figure the draft file's provenance
-records for its held-out windows.
+cortiq.model.decode, "Why bf16 can differ"); drafts accepted per round.
+
+Acceptance table, per prompt kind: real decoding (the engine, greedy, EOS
+stops a row) against `cortiq mtp heal`'s own measure (cortiq.mtp.measure_text:
+the rounds a greedy decode walks from the prompt's end) on
+- `held-out data` / `held-out chat`: the prompts of the held-out windows the
+  draft was measured on (its provenance names the data and settings; the
+  generated windows are read back from --gen-cache), offline on those windows:
+  the figure mtp heal reports, per kind, on these prompts;
+- every kind, the same measure on the decoded text itself (`decoded`), which
+  differs from real only by bf16 rounding (verify rows vs one forward);
+- `data` (windows of the pydoc text) and `questions` (a few chat questions):
+  prompts no held-out window has.
 """
 
 from __future__ import annotations
@@ -129,28 +138,45 @@ def hf_generate(hf, prompts, new):
     return out[:, ids.shape[1]:].tolist(), time.perf_counter() - t0
 
 
-def offline_dpr(model, seqs: list[list[int]], plen: list[int], chain: int) -> float:
-    """Drafts per round by cortiq's offline measure, teacher-forced over prompt +
-    greedy continuation (rows from the first generated token on)."""
-    from cortiq.mtp import measures as M
+def offline(model, seqs, plens, k: int, new: int, chat=None, pad: int = 0) -> dict:
+    """mtp heal's measure (cortiq.mtp.measure_text) at depth k: {kind: drafts a round}. The engine
+    emits the first new token at prefill, so its rounds over `new` tokens are the walk's over new - 1."""
+    from cortiq.mtp import measure_text
 
-    total = torch.zeros(chain, 2, dtype=torch.int64)
     with torch.no_grad():
-        for s, p in zip(seqs, plen):
-            ids = torch.tensor([s], device=DEV)
-            H, _ = model.forward_hidden(ids)
-            t1 = model.logits(H).argmax(-1)  # [1, T]
-            draft, src = [], H
-            for j in range(1, chain + 1):
-                nxt = torch.cat([ids[:, j:], ids.new_zeros(1, j)], 1)  # token p+j at row p
-                src = model.mtp_forward(src, nxt)
-                draft.append(model.logits(src).argmax(-1))
-            d = torch.stack(draft)  # [chain, 1, T]
-            # count rows from the prompt's last row on (where decoding drafts)
-            off = p - 1
-            c = M.chain_counts(ids[:, off:].cpu(), torch.tensor([len(s) - off]), t1[:, off:].cpu(), d[:, :, off:].cpu())
-            total += c
-    return M.drafts_per_round(total)
+        r = measure_text(model, seqs, plens, chain=k, span=new - 1, chat=chat, pad=pad)
+    return {n: v["drafts_per_round"] for n, v in r.items()}
+
+
+def heldout(md, fd, n: int, cache):
+    """Up to n held-out windows per kind (data, chat) of the draft's own measure:
+    {kind: (prompts, windows, prompt lengths)}; {} when its provenance has no mtp heal."""
+    import numpy as np
+
+    from cortiq.errors import CortiqError
+    from cortiq.mtp import heldout_windows
+
+    try:
+        with torch.no_grad():
+            hw = heldout_windows(md, fd, cache=cache)
+    except CortiqError as e:
+        log(f"no held-out windows: {e}")
+        return {}
+    out = {}
+    for kind in ("data", "chat"):
+        idx = (hw["chat"] if kind == "chat" else ~hw["chat"]).nonzero().flatten()
+        if len(idx) == 0:
+            continue
+        idx = idx[np.unique(np.linspace(0, len(idx) - 1, min(n, len(idx))).round().astype(int))]
+        seqs = [hw["ids"][i, : hw["lens"][i]].tolist() for i in idx]
+        plens = [int(hw["start"][i]) + 1 for i in idx]
+        out[kind] = ([x[:p] for x, p in zip(seqs, plens)], seqs, plens)
+    return out
+
+
+def preset_of(f) -> str | None:
+    """The mtp heal preset recorded in a draft file's provenance."""
+    return ((getattr(f, "provenance", None) or {}).get("mtp_heal") or {}).get("preset")
 
 
 def provenance_dpr(f) -> float | None:
@@ -187,7 +213,12 @@ def main():
                     help="a model file with model.mtp.* (speculative rows; repeat to compare drafts, e.g. the "
                          "`mtp init` output and the `mtp heal` output: same trunk, other draft)")
     ap.add_argument("--random", action="store_true", help="SmolLM2-135M geometry with random weights (speed only)")
-    ap.add_argument("--tiny", action="store_true", help="a tiny random model: a CPU smoke test of this script")
+    ap.add_argument("--tiny", action="store_true",
+                    help="small sizes (and without --draft a tiny random model): a CPU smoke test of this script")
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (f32)")
+    ap.add_argument("--heldout", type=int, default=16, help="held-out prompts per kind (data, chat) in the acceptance table")
+    ap.add_argument("--gen-cache", default=str(Path.home() / "cache" / "mtp-bench" / "trunk"),
+                    help="where mtp heal cached the generated windows (bench/mtp.py's --work/trunk)")
     ap.add_argument("--new", type=int, default=200)
     ap.add_argument("--prompt-tokens", type=int, default=48)
     ap.add_argument("--batches", default="1,8")
@@ -196,7 +227,13 @@ def main():
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
+    global DEV
+    if a.cpu:
+        DEV = "cpu"
     assert DEV == "cuda" or a.tiny, "the benchmark needs a CUDA device (--tiny smoke-tests it on the CPU)"
+    if a.tiny:
+        a.new, a.reference_new, a.heldout = min(a.new, 40), min(a.reference_new, 16), min(a.heldout, 4)
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
     from cortiq.cmf import open_cmf
     from cortiq.model import load_model
     from cortiq.model.decode import DecodeEngine
@@ -204,7 +241,7 @@ def main():
     from cortiq.tokenizer import from_doc
 
     drafts = []  # (name, model with a draft, its file or None)
-    if a.random or a.tiny:
+    if a.random or (a.tiny and not (a.model or a.draft)):
         model, tok = random_smollm2(True, a.tiny)
         doc = None
         drafts.append(("random", model, None))
@@ -213,13 +250,14 @@ def main():
             raise SystemExit("give --model and/or --draft (or --random)")
         f = open_cmf(a.model or a.draft[0])
         tok, doc = from_doc(f.tokenizer, str(f.path)), f.tokenizer
-        model = load_model(f, dtype=torch.bfloat16, device=DEV)
+        model = load_model(f, dtype=dtype, device=DEV)
         for d in a.draft:
             fd = open_cmf(d)
-            md = model if fd.path == f.path else load_model(fd, dtype=torch.bfloat16, device=DEV)
+            md = model if fd.path == f.path else load_model(fd, dtype=dtype, device=DEV)
             if md.mtp is None:
                 raise SystemExit(f"{d}: carries no draft (model.mtp.*)")
             drafts.append((Path(d).stem, md, fd))
+            log(f"draft {d}: preset {preset_of(fd) or 'none recorded'}")
     depths = [int(x) for x in a.depths.split(",") if x]
     batches = [int(x) for x in a.batches.split(",")]
     data, chat = prompts_for(tok, max(batches), a.prompt_tokens, doc)
@@ -270,19 +308,28 @@ def main():
             del hf
         if DEV == "cuda":
             torch.cuda.empty_cache()
-    # drafts accepted per round on data and chat prompts, and the offline estimate on the same text
+    # drafts accepted per round against mtp heal's measure: on held-out windows' prompts, and on other prompts
     accept = {}
     if not a.random:
-        for pname, ps in (("data", data[: max(batches)]), ("chat", chat)):
-            if not ps:
-                continue
-            plain = decode(model, ps, max_new=a.new)
-            seqs = [p + r.tokens for p, r in zip(ps, plain)]
-            for name, md, _ in drafts:
+        eos = list((f.tokenizer or {}).get("eos_ids") or [f.eos_id]) if drafts[0][2] is not None else []
+        pad = drafts[0][2].eos_id if drafts[0][2] is not None else 0
+        for name, md, fd in drafts:
+            kinds = heldout(md, fd, a.heldout, a.gen_cache) if fd is not None else {}
+            kinds = {f"held-out {k}": v for k, v in kinds.items()}
+            kinds.update({pn: (ps, None, [len(p) for p in ps]) for pn, ps in (("data", data[: max(batches)]), ("questions", chat)) if ps})
+            for pname, (ps, wins, plens) in kinds.items():
                 for k in depths:
-                    sp = decode(md, ps, max_new=a.new, draft=k)
+                    sp = decode(md, ps, max_new=a.new, draft=k, eos_ids=eos)
                     real = sum(r.accepted for r in sp) / max(sum(r.rounds for r in sp), 1)
-                    accept[(pname + label(name), k)] = (real, offline_dpr(md, seqs, [len(p) for p in ps], k))
+                    texts = [p + r.tokens for p, r in zip(ps, sp)]
+                    dec = offline(md, texts, plens, k, a.new, pad=pad).get("walk", 0.0)
+                    held = None
+                    if wins is not None:
+                        kind = pname.split()[-1]
+                        held = offline(md, wins, plens, k, a.new, torch.tensor([kind == "chat"] * len(wins)), pad).get(kind, 0.0)
+                    accept[(pname + label(name), k)] = {"real": real, "offline": held, "decoded": dec, "prompts": len(ps),
+                                                        "rounds": sum(r.rounds for r in sp)}
+                    log(json.dumps({"prompts": pname + label(name), "depth": k, **accept[(pname + label(name), k)]}))
     print(f"\n{dev}, torch {torch.__version__}, {str(model.model.embed_tokens.weight.dtype)[6:]}, greedy, "
           f"{a.new} new tokens after a {a.prompt_tokens}-token prompt")
     print("| decoder | batch | tokens/s | × engine plain | drafts accepted / round | tokens differing from plain |")
@@ -299,18 +346,25 @@ def main():
             d = ""
         print(f"| {r['who']} | {r['batch']} | {r['tok_s']:.0f} | {'' if x is None else f'{x:.2f}'} | {acc} | {d} |")
     if accept:
-        print("\n| prompts | depth | accepted / round (real) | offline estimate (same text) |")
-        print("|---|---|---|---|")
-        for (pname, k), (real, off) in accept.items():
-            print(f"| {pname} | {k} | {real:.3f} | {off:.3f} |")
+        print(f"\n| prompts | depth | n | accepted / round (real) | offline (held-out windows) | ratio | offline (decoded text) | ratio |")
+        print("|---|---|---|---|---|---|---|---|")
+        for (pname, k), v in accept.items():
+            held = "" if v["offline"] is None else f"{v['offline']:.3f} | {v['real'] / max(v['offline'], 1e-9):.2f}"
+            print(f"| {pname} | {k} | {v['prompts']} | {v['real']:.3f} | {held or ' | '} | {v['decoded']:.3f} | "
+                  f"{v['real'] / max(v['decoded'], 1e-9):.2f} |")
         for name, _, fd in drafts:
             prov = provenance_dpr(fd) if fd is not None else None
             if prov is not None:
-                print(f"\n{name}: its file's provenance says {prov:.3f} drafts per round (held-out windows of its training data)")
+                blk = (fd.provenance or {}).get("mtp_heal") or {}
+                per = "".join(f", {k} {blk[f'drafts_per_round_after_{k}']:.3f}" for k in ("data", "chat", "every_row")
+                              if isinstance(blk.get(f"drafts_per_round_after_{k}"), (int, float)))
+                print(f"\n{name} (preset {preset_of(fd)}): its file's provenance says {prov:.3f} drafts per round{per} "
+                      f"(held-out windows of its training data; {blk.get('measure', 'every row')})")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "rows": rows,
                                                  "accept": {f"{n}-k{k}": v for (n, k), v in accept.items()}}, indent=1))
+    print(f"wrote {out / 'decode.json'}")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,25 @@
 """A fresh MTP draft, trained with `mtp heal`'s defaults, judged where it is used.
 
     python bench/mtp.py [--model smollm2|MODEL.cmf] [--data SPEC] [--work DIR] [--out DIR]
+    python bench/mtp.py --cpu --tiny          # a tiny random model on the CPU: a smoke test of the script
 
 What it runs (as a user would): SmolLM2-135M converted, `mtp init` (a fresh
 draft), `mtp heal` with its default settings (the fresh preset, chosen from
-the init's provenance) writing the draft in f16 with q8 and q4 copies. Then:
+the init's provenance and printed) writing the draft in f16 with q8 and q4
+copies. Then:
 
-- offline: hold rates per chain step and drafts kept per round (chain 3) on
-  held-out windows, per codec; q4 with and without its sensitive tensors kept
-  at q8 (cortiq.mtp.SENSITIVE);
-- real decoding: `generate_speculative` at draft depth 1–3 on prompts from the
-  data (held-out windows' first tokens) and on chat questions in the model's
-  chat template; accepted drafts per round next to what the offline hold rates
-  predict for that depth (Σ_{j≤d} Π_{i≤j} hold_i);
+- offline: mtp heal's measure per codec on the held-out windows: drafts kept a
+  round by the rounds a greedy decode walks from each prompt's end over `span`
+  new tokens, overall and per prompt kind (data continuations, chat answers),
+  beside the chain from every row of every window (`every row`, the figure
+  before); q4 with and without its sensitive tensors kept at q8
+  (cortiq.mtp.SENSITIVE);
+- real decoding: greedy speculative decoding on the static-cache engine (f32)
+  at draft depth 1–3 from the prompts of those held-out windows (data and chat
+  kinds), accepted drafts per round next to the same measure
+  (cortiq.mtp.measure_text) on the same windows, and the ratio; plus a few
+  free chat questions (the measure on the decoded text itself, as no held-out
+  window exists for them);
 - (time allowing) the same training on the data's own text instead of the
   model's continuations, for comparison.
 
@@ -40,7 +47,6 @@ if str(ROOT) not in sys.path:
 
 from cortiq.cmf import open_cmf  # noqa: E402
 from cortiq.model import load_model  # noqa: E402
-from cortiq.model.generate import generate_speculative  # noqa: E402
 
 #: chat questions for the real-decoding measure (the model's chat template wraps them)
 CHAT = [
@@ -69,12 +75,40 @@ def left(budget: float) -> float:
     return budget - (time.perf_counter() - T0)
 
 
+#: a CPU smoke test's settings (--tiny): small windows, few tokens, one epoch
+TINY = {"window": 96, "gen_prompt": 40, "span": 40, "topk": 8, "batch": 4, "epochs": 1.0, "eval_every": 20,
+        "gen_batch": 64, "head_chunk": 256, "trunk_batch": 8}
+
+
+def tiny_model(path: Path) -> Path:
+    """A tiny random model with a byte tokenizer and no draft (the --tiny smoke test)."""
+    from cortiq.arch import Arch
+    from cortiq.cmf import new_doc, specs_from_tensors, write_cmf
+    from cortiq.model.decoder import CausalLM
+    from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
+
+    torch.manual_seed(0)
+    arch = Arch(arch_name="llama", vocab_size=259, hidden_size=64, num_layers=2, intermediate_sizes=[128, 128],
+                num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                max_position_embeddings=512)
+    m = CausalLM(arch)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if p.dim() == 1 else torch.randn_like(p) * (0.3 if "embed" in n else 0.15))
+    write_cmf(path, new_doc(arch, tokenizer_doc(byte_tokenizer_json(), [256])), specs_from_tensors(m.state_dict().items(), "f32"))
+    return path
+
+
 def prepare(args, work: Path) -> tuple[Path, str]:
     """(the model with a fresh draft, the data spec)."""
     from cortiq.cli import main as cli
     from cortiq.mtp import mtp_init
 
-    if args.model == "smollm2":
+    if getattr(args, "tiny", False):
+        src = work / "tiny.cmf"
+        if not src.exists():
+            tiny_model(src)
+    elif args.model == "smollm2":
         src = work / "smollm2.cmf"
         if not src.exists():
             say("converting SmolLM2-135M-Instruct")
@@ -104,7 +138,7 @@ WORK = Path.home() / "cache" / "mtp-bench"
 
 
 def healed_draft(work: str | os.PathLike = WORK, model: str = "smollm2", pydoc_tokens: int = 120000,
-                 shakespeare_tokens: int = 60000, device: str = "auto") -> Path:
+                 shakespeare_tokens: int = 480000, device: str = "auto") -> Path:
     """SmolLM2 with a draft from `mtp init` + `mtp heal` at the defaults (f16 draft), built once under
     `work` and reused: what a decode benchmark measures speculative decoding with.
     From another script: importlib.util.spec_from_file_location("mtp_bench", "bench/mtp.py")."""
@@ -120,39 +154,6 @@ def healed_draft(work: str | os.PathLike = WORK, model: str = "smollm2", pydoc_t
     init, spec = prepare(args, work)
     mtp_heal(init, spec, MtpSettings(codec="f16", trunk_cache=str(work / "trunk"), device=device), out)
     return out
-
-
-def predicted(hold: list[float], depth: int) -> float:
-    """Drafts a round of depth d by the offline hold rates: Σ_{j≤d} Π_{i≤j} hold_i."""
-    return float(np.cumprod(hold[:depth]).sum())
-
-
-def span_counts(ch, P: int, N: int) -> torch.Tensor:
-    """Hold counts on the held-out windows over only the rows a real decode of N tokens after a
-    P-token prompt drafts from (rows P-1 .. P+N-2), not the whole window."""
-    from cortiq.mtp import measures as M
-
-    idx = ch.held.nonzero().flatten()
-    tops = []
-    for b in ch._batches(idx):
-        tops.append(torch.stack([ch._top1(o)[0][..., 0] for o in ch.steps(b, ch.chain)]))
-    d = torch.cat(tops, 1)  # [chain, n, T]
-    a = P - 1
-    e = min(a + N + ch.chain + 1, ch.ids.shape[1])
-    lens = (ch.lens[idx] - a).clamp(min=0, max=N + 1)
-    return M.chain_counts(ch.ids[idx, a:e], lens, ch.t1[idx, a:e], d[:, :, a:e])
-
-
-def data_prompts(spec: str, s, n: int, P: int) -> list[list[int]]:
-    """n prompts of P tokens: the first tokens of held-out windows (global index % 10 == 9), spread over the sets."""
-    from cortiq.data.windows import packed_windows
-
-    f_windows = packed_windows(spec, s.window, s.tokens, min_len=16 + s.chain)
-    ids = np.concatenate([p.ids for p in f_windows])
-    lens = np.concatenate([p.lengths for p in f_windows])
-    held = np.nonzero((np.arange(len(ids)) % 10 == 9) & (lens > P))[0]
-    pick = held[np.linspace(0, len(held) - 1, min(n, len(held))).round().astype(int)]
-    return [ids[i, :P].tolist() for i in pick]
 
 
 def chat_prompts(f, n: int) -> list[list[int]]:
@@ -171,23 +172,40 @@ def chat_prompts(f, n: int) -> list[list[int]]:
 _MODELS: dict = {}
 
 
-def real(path, prompts: list[list[int]], depth: int, max_new: int, device, stop_at: float) -> dict:
-    """Speculative greedy decoding of every prompt (until `stop_at` on the bench clock), f32."""
+def _model(path, device):
     key = str(path)
     if key not in _MODELS:
         _MODELS.clear()
         f = open_cmf(path)
-        _MODELS[key] = (load_model(f, device=device), (f.tokenizer or {}).get("eos_ids") or [])
-    m, eos = _MODELS[key]
-    acc = rounds = toks = done = 0
+        _MODELS[key] = (load_model(f, device=device), f)
+    return _MODELS[key]
+
+
+def real(path, prompts: list[list[int]], depth: int, max_new: int, device, eos: list[int]) -> dict:
+    """Greedy speculative decoding of every prompt at once on the static-cache engine (f32)."""
+    from cortiq.model.generate import decode
+
+    m, _ = _model(path, device)
     t = time.perf_counter()
-    for p in prompts:
-        if done and time.perf_counter() - T0 > stop_at:
-            break
-        r = generate_speculative(m, p, max_new=max_new, draft=depth, eos_ids=eos)
-        acc, rounds, toks, done = acc + r.accepted, rounds + r.rounds, toks + len(r.tokens), done + 1
-    return {"accepted_per_round": acc / max(rounds, 1), "rounds": rounds, "tokens": toks, "prompts": done,
-            "seconds": time.perf_counter() - t}
+    rs = decode(m, prompts, max_new=max_new, draft=depth, eos_ids=eos)
+    acc, rounds = sum(r.accepted for r in rs), sum(r.rounds for r in rs)
+    return {"accepted_per_round": acc / max(rounds, 1), "rounds": rounds, "tokens": sum(len(r.tokens) for r in rs),
+            "prompts": len(prompts), "seconds": time.perf_counter() - t, "texts": [p + r.tokens for p, r in zip(prompts, rs)]}
+
+
+def offline(path, seqs, plens, depth: int, span: int, chat, device) -> dict:
+    """mtp heal's measure (cortiq.mtp.measure_text) on these sequences: {kind: drafts a round}.
+    The engine emits the first new token at prefill, so its rounds over N tokens are the walk's over N - 1."""
+    from cortiq.mtp import measure_text
+
+    m, f = _model(path, device)
+    r = measure_text(m, seqs, plens, chain=depth, span=span - 1, chat=chat, pad=f.eos_id)
+    return {k: v["drafts_per_round"] for k, v in r.items()}
+
+
+def pick(n_all: int, n: int) -> np.ndarray:
+    """n indices spread evenly over range(n_all)."""
+    return np.unique(np.linspace(0, n_all - 1, min(n, n_all)).round().astype(int)) if n_all else np.zeros(0, int)
 
 
 def main() -> int:
@@ -195,22 +213,33 @@ def main() -> int:
     ap.add_argument("--model", default="smollm2", help="'smollm2' or a model without a draft (.cmf)")
     ap.add_argument("--data", default=None, help="a data spec PATH.tdata[@TOKENS],...; default: pydoc and shakespeare")
     ap.add_argument("--pydoc-tokens", type=int, default=120000, help="tokens of the pydoc text (all of it: ~113k)")
-    ap.add_argument("--shakespeare-tokens", type=int, default=60000, help="tokens of the shakespeare text")
+    ap.add_argument("--shakespeare-tokens", type=int, default=480000, help="tokens of the shakespeare text")
     ap.add_argument("--work", default=str(WORK), help="cached inputs and outputs")
     ap.add_argument("--only-draft", action="store_true",
                     help="only build (or find) the healed draft under --work and print its path")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where mtp.json goes")
-    ap.add_argument("--budget", type=float, default=240.0, help="seconds for the whole bench (prompts trimmed to fit)")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole bench (prompts trimmed to fit)")
     ap.add_argument("--time-limit", type=float, default=0.0, help="mtp heal's time_limit (0: the defaults' own steps)")
-    ap.add_argument("--prompts", type=int, default=6, help="prompts per real-decoding measure (data and chat each)")
-    ap.add_argument("--max-new", type=int, default=96, help="tokens decoded per prompt")
+    ap.add_argument("--prompts", type=int, default=32, help="held-out prompts per kind (data, chat) decoded for real")
+    ap.add_argument("--questions", type=int, default=8, help="free chat questions decoded for real")
+    ap.add_argument("--max-new", type=int, default=0, help="tokens decoded per prompt (0: mtp heal's span)")
     ap.add_argument("--compare-raw", action=argparse.BooleanOptionalAction, default=True,
                     help="also train on the data's own text (time allowing)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (device cpu)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a tiny random model, a little data and small settings: a smoke test of this script")
     ap.add_argument("--extra", default="", help="extra MtpSettings as JSON (e.g. a CPU check's small sizes)")
     args = ap.parse_args()
+    if args.cpu:
+        args.device = "cpu"
+    if args.tiny:
+        args.pydoc_tokens, args.shakespeare_tokens = min(args.pydoc_tokens, 8000), min(args.shakespeare_tokens, 8000)
+        args.prompts, args.questions = min(args.prompts, 4), min(args.questions, 2)
+        if args.work == str(WORK):
+            args.work = str(WORK.parent / "mtp-bench-tiny")
 
-    from cortiq.mtp import MtpSettings, _chain, _remeasure, mtp_heal, resolve, write_draft, _draft_tensors
+    from cortiq.mtp import MtpSettings, _chain, _draft_tensors, _remeasure, heldout_windows, mtp_heal, resolve, write_draft
     from cortiq.mtp.trunk import resolve_device
 
     if args.only_draft:
@@ -220,43 +249,39 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"}
 
     def save():
         (out_dir / "mtp.json").write_text(json.dumps(res, indent=2, default=str))
 
     init, spec = prepare(args, work)
     res["prep_s"] = time.perf_counter() - T0
-    extra = json.loads(args.extra) if args.extra else {}
+    extra = {**(TINY if args.tiny else {}), **(json.loads(args.extra) if args.extra else {})}
     run_dir = work / "run"
     run_dir.mkdir(exist_ok=True)
     paths = {c: run_dir / f"healed.{c}.cmf" for c in ("f16", "q8", "q4")}
     s = MtpSettings(codec="f16", also=[("q8", str(paths["q8"])), ("q4", str(paths["q4"]))], trunk_cache=str(work / "trunk"),
                     time_limit=args.time_limit, device=args.device, **extra)
-    say(f"mtp heal with the defaults on {spec}")
+    sr = resolve(open_cmf(init), s)
+    say(f"preset {sr.preset}: lr {sr.lr:g}, {sr.epochs:g} epochs, window {sr.window}, batch {sr.batch}, "
+        f"prompt {sr.gen_prompt}, chat share {sr.gen_chat:g}, span {sr.span}, eval every {sr.eval_every}; data {spec}")
     t = time.perf_counter()
     rep = mtp_heal(init, spec, s, paths["f16"])
+    kinds = ("data", "chat", "every_row")
     res["heal"] = {"seconds": time.perf_counter() - t, "preset": rep["preset"], "settings": rep["settings"],
                    "metrics": rep["metrics"], "before": rep["before"]["hold"]}
     res["offline"] = {("f16" if k == "out:f16" else k): {"hold": v["hold"], "drafts_per_round": v["drafts_per_round"],
-                                                         "bytes": v["bytes"]} for k, v in rep["codecs"].items()}
+                                                         "bytes": v["bytes"],
+                                                         **{x: v[x]["drafts_per_round"] for x in kinds if x in v}}
+                      for k, v in rep["codecs"].items()}
     save()
 
     # ── q4: which tensors are sensitive ──
     f = open_cmf(paths["f16"])
-    sr = resolve(open_cmf(init), s)
     dev = resolve_device(sr.device)
     m = load_model(f, device=dev)
     ch, _ = _chain(m, f, spec, sr)
     tensors = _draft_tensors(m)
-    from cortiq.mtp import measures as M
-
-    c = span_counts(ch, sr.gen_prompt, args.max_new)
-    res["offline_span"] = {"rows": f"{sr.gen_prompt - 1}..{sr.gen_prompt + args.max_new - 2}", "hold": M.rates(c),
-                           "drafts_per_round": M.drafts_per_round(c), "counted": c[:, 0].tolist()}
-    say(f"offline over the first {args.max_new} generated rows only: hold {' / '.join(f'{x:.3f}' for x in M.rates(c))}, "
-        f"{M.drafts_per_round(c):.3f} drafts a round")
-    save()
     for tag, sens, keep in (("q4 all", (), "q8"), ("q4 eh_proj f16", None, "f16")):
         pth = run_dir / f"healed.{tag.replace(' ', '_')}.cmf"
         if sens is None:
@@ -264,73 +289,94 @@ def main() -> int:
         else:
             write_draft(f, tensors, "q4", pth, None, sensitive=sens)
         r = _remeasure(ch, pth, sr, tag)
-        res["offline"][tag] = {"hold": r["hold"], "drafts_per_round": r["drafts_per_round"], "bytes": r["bytes"]}
+        res["offline"][tag] = {"hold": r["hold"], "drafts_per_round": r["drafts_per_round"], "bytes": r["bytes"],
+                               **{x: r[x]["drafts_per_round"] for x in kinds if x in r}}
         save()
-    del m, ch
+    del ch
 
-    # ── real decoding ──
-    P = sr.gen_prompt
-    dp = data_prompts(spec, sr, args.prompts, P)
-    cp = chat_prompts(f, args.prompts)
+    # ── real decoding on the held-out windows' prompts, against the measure on those windows ──
+    hw = heldout_windows(m, f, spec, sr)
+    del m
+    new = args.max_new or sr.span or (sr.window - sr.gen_prompt)
+    eos = (f.tokenizer or {}).get("eos_ids") or [f.eos_id]
+    sets = {}
+    for kind in ("data", "chat"):
+        idx = (hw["chat"] if kind == "chat" else ~hw["chat"]).nonzero().flatten()
+        idx = idx[torch.as_tensor(pick(len(idx), args.prompts), dtype=torch.long)] if len(idx) else idx
+        if len(idx) == 0:
+            continue
+        seqs = [hw["ids"][i, : hw["lens"][i]].tolist() for i in idx]
+        plens = [int(hw["start"][i]) + 1 for i in idx]
+        sets[kind] = ([x[:p] for x, p in zip(seqs, plens)], seqs, plens, hw["chat"][idx])
+    qs = chat_prompts(f, args.questions)
     res["real"] = []
-    plan = [("f16", d, kind) for d in (1, 2, 3) for kind in ("data", "chat")] + [("f16", 3, "data-long")] + \
-           [(c, 3, kind) for c in ("q8", "q4") for kind in ("data", "chat")]
-    reserve = 35.0 if args.compare_raw else 5.0
-    for i, (codec, depth, kind) in enumerate(plan):
-        share = max(left(args.budget) - reserve, 0.0) / (len(plan) - i)
-        # data-long: a whole window's worth of tokens (what the offline measure's rows span)
-        new = sr.window - P if kind == "data-long" else args.max_new
-        r = real(paths[codec], cp if kind == "chat" else dp, depth, new, dev, time.perf_counter() - T0 + share)
-        r.update({"codec": codec, "depth": depth, "prompts_from": kind, "max_new": new,
-                  "offline_predicted": predicted(res["offline"][codec]["hold"], depth),
-                  "span_predicted": predicted(res["offline_span"]["hold"], depth)})
-        r["ratio"] = r["accepted_per_round"] / max(r["offline_predicted"], 1e-9)
+    plan = [("f16", d, k) for d in (1, 2, 3) for k in list(sets) + (["questions"] if qs else [])] + \
+           [(c, 3, k) for c in ("q8", "q4") for k in sets]
+    reserve = 60.0 if args.compare_raw else 5.0
+    for codec, depth, kind in plan:
+        if res["real"] and left(args.budget) < reserve:
+            say(f"budget: real decoding stops before {codec} depth {depth} {kind}")
+            break
+        prompts = qs if kind == "questions" else sets[kind][0]
+        r = real(paths[codec], prompts, depth, new, dev, eos)
+        texts = r.pop("texts")
+        if kind == "questions":  # no held-out window: the measure on the decoded text itself
+            off = offline(paths[codec], texts, [len(p) for p in prompts], depth, new, None, dev).get("walk", 0.0)
+        else:
+            _, seqs, plens, chat = sets[kind]
+            off = offline(paths[codec], seqs, plens, depth, new, chat, dev).get(kind, 0.0)
+        r.update({"codec": codec, "depth": depth, "prompts_from": kind, "max_new": new, "offline": off,
+                  "ratio": r["accepted_per_round"] / max(off, 1e-9)})
         res["real"].append(r)
         say(f"real {codec} depth {depth} {kind}: {r['accepted_per_round']:.3f} a round "
-            f"(offline {r['offline_predicted']:.3f}; {r['prompts']} prompts, {r['seconds']:.1f} s)")
+            f"(offline {off:.3f}; {r['prompts']} prompts, {r['seconds']:.1f} s)")
         save()
 
     # ── the same on the data's own text ──
-    if args.compare_raw and left(args.budget) > 30:
-        tl = max(min(res["heal"]["metrics"]["train_seconds"], left(args.budget) - 25), 5.0)
+    if args.compare_raw and left(args.budget) > 45 and "data" in sets:
+        tl = max(min(res["heal"]["metrics"]["train_seconds"], left(args.budget) - 40), 5.0)
         raw = run_dir / "raw.f16.cmf"
         s2 = MtpSettings(codec="f16", generate=False, trunk_cache=str(work / "trunk"), time_limit=tl, device=args.device,
                          **extra)
         say(f"mtp heal on the data's own text (time limit {tl:.0f} s)")
         t = time.perf_counter()
         rep2 = mtp_heal(init, spec, s2, raw)
-        off = rep2["codecs"]["out:f16"]
-        res["raw"] = {"seconds": time.perf_counter() - t, "metrics": rep2["metrics"], "hold": off["hold"],
-                      "drafts_per_round": off["drafts_per_round"], "real": []}
+        off2 = rep2["codecs"]["out:f16"]
+        res["raw"] = {"seconds": time.perf_counter() - t, "metrics": rep2["metrics"], "hold": off2["hold"],
+                      "drafts_per_round": off2["drafts_per_round"], "real": []}
         save()
-        for kind in ("data", "chat"):
-            r = real(raw, dp if kind == "data" else cp, 3, args.max_new, dev,
-                     time.perf_counter() - T0 + max(left(args.budget) / 2, 5))
-            r.update({"depth": 3, "prompts_from": kind, "offline_predicted": predicted(off["hold"], 3)})
+        for kind in sets:
+            prompts, seqs, plens, chat = sets[kind]
+            r = real(raw, prompts, 3, new, dev, eos)
+            r.pop("texts")
+            r.update({"depth": 3, "prompts_from": kind, "offline": offline(raw, seqs, plens, 3, new, chat, dev).get(kind, 0.0)})
             res["raw"]["real"].append(r)
             save()
     res["total_s"] = time.perf_counter() - T0
     save()
 
     # ── table ──
-    print(f"\ndevice: {res['device']}; heal {res['heal']['seconds']:.0f} s ({res['heal']['metrics']['steps']:.0f} steps, "
-          f"training {res['heal']['metrics']['train_seconds']:.0f} s, preset {res['heal']['preset']}); total {res['total_s']:.0f} s")
-    print(f"{'draft':<16}{'hold per chain step':<24}{'drafts/round':>13}{'draft MB':>10}")
+    hm = res["heal"]["metrics"]
+    print(f"\ndevice: {res['device']}; heal {res['heal']['seconds']:.0f} s ({hm['steps']:.0f} steps, "
+          f"training {hm['train_seconds']:.0f} s, preset {res['heal']['preset']}); total {res['total_s']:.0f} s")
+    print(f"offline: held-out windows, chain {sr.chain}, decode rounds over {sr.span} new tokens from each prompt's end")
+    print(f"{'draft':<16}{'hold per chain step':<24}{'drafts/round':>13}{'data':>7}{'chat':>7}{'every row':>10}{'draft MB':>10}")
     for k, v in res["offline"].items():
-        print(f"{k:<16}{' / '.join(f'{x:.3f}' for x in v['hold']):<24}{v['drafts_per_round']:>13.3f}{v['bytes'] / 1e6:>10.2f}")
-    sp = res["offline_span"]
-    print(f"{'f16 rows ' + sp['rows']:<16}{' / '.join(f'{x:.3f}' for x in sp['hold']):<24}{sp['drafts_per_round']:>13.3f}")
-    print(f"\n{'draft':<6}{'depth':>6}  {'prompts':<10}{'new':>5}{'real':>8}{'offline':>9}{'ratio':>7}{'span':>7}{'rounds':>8}")
+        cols = "".join(f"{v[x]:>{w}.3f}" if x in v else " " * w for x, w in (("data", 7), ("chat", 7), ("every_row", 10)))
+        print(f"{k:<16}{' / '.join(f'{x:.3f}' for x in v['hold']):<24}{v['drafts_per_round']:>13.3f}{cols}{v['bytes'] / 1e6:>10.2f}")
+    print(f"\nreal: the engine (f32), greedy, {new} new tokens; offline: the same measure on the same prompts' held-out "
+          f"windows (questions: on the decoded text)")
+    print(f"{'draft':<6}{'depth':>6}  {'prompts':<10}{'n':>4}{'real':>8}{'offline':>9}{'ratio':>7}{'rounds':>8}")
     for r in res["real"]:
-        print(f"{r['codec']:<6}{r['depth']:>6}  {r['prompts_from']:<10}{r['max_new']:>5}{r['accepted_per_round']:>8.3f}"
-              f"{r['offline_predicted']:>9.3f}{r['ratio']:>7.2f}{r['span_predicted']:>7.3f}{r['rounds']:>8}")
+        print(f"{r['codec']:<6}{r['depth']:>6}  {r['prompts_from']:<10}{r['prompts']:>4}{r['accepted_per_round']:>8.3f}"
+              f"{r['offline']:>9.3f}{r['ratio']:>7.2f}{r['rounds']:>8}")
     if "raw" in res:
         rw = res["raw"]
         print(f"\ntrained on the data's own text ({rw['metrics']['steps']:.0f} steps): hold "
               f"{' / '.join(f'{x:.3f}' for x in rw['hold'])}, {rw['drafts_per_round']:.3f} drafts a round offline")
         for r in rw["real"]:
             print(f"  real depth 3 {r['prompts_from']}: {r['accepted_per_round']:.3f} a round "
-                  f"(offline {r['offline_predicted']:.3f}, {r['rounds']} rounds)")
+                  f"(offline {r['offline']:.3f}, {r['rounds']} rounds)")
     return 0
 
 

@@ -134,6 +134,10 @@ class HealSettings:
         named = set(MEMORY_PARTS) if self.memory == "lean" else set() if self.memory == "plain" else set(self.memory.split("+"))
         return tuple(p for p in MEMORY_PARTS if p in named)
 
+    def micro_windows(self) -> int:
+        """Windows per micro-batch when micro-batches are on."""
+        return min(self.batch, self.micro_batch) if self.micro_batch else max(1, self.batch // 4)
+
     @property
     def teacher_kind(self) -> str:
         """The target kind in effect: "ce" when no teacher takes part (ce = 1)."""

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from .. import tracking
@@ -23,7 +24,8 @@ from ..errors import CortiqError
 from ..pipeline import Stage
 from .settings import PRESETS, MtpSettings
 
-__all__ = ["MtpSettings", "trunk_pass", "mtp_heal", "recode_draft", "mtp_init", "resolve"]
+__all__ = ["MtpSettings", "trunk_pass", "mtp_heal", "recode_draft", "mtp_init", "resolve", "measure_text",
+           "heldout_windows"]
 
 STAGE = "mtp_heal"
 VERSION = 1
@@ -118,7 +120,26 @@ def _chain(model, f, data_spec: str, s: MtpSettings, cache=None):
     for i in info:
         src = f"read back from {i['cache']}" if i["read_back"] else "trunk pass"
         _say(f"mtp heal: {i['set']}: {i['windows']} windows ({src})")
-    return Chain(model, sets, s.chain, s.stride, f.eos_id, s.hold_all, s.batch, s.head_chunk), info
+    start, chat = _prompt_ends(packed, s)
+    return Chain(model, sets, s.chain, s.stride, f.eos_id, s.hold_all, s.batch, s.head_chunk, start, chat,
+                 s.span or None), info
+
+
+def _prompt_ends(packed: list, s: MtpSettings):
+    """Per window, the row of its prompt's last token (where a decode's first round starts) and
+    whether it answers a chat question: a generated set knows both; a data set's text is
+    read as a prompt of its first `gen_prompt` tokens and its continuation."""
+    import numpy as np
+    import torch
+
+    start, chat = [], []
+    for p in packed:
+        n = len(p)
+        P = getattr(p, "prompt", 0) or s.gen_prompt or 1
+        start.append(np.full(n, P - 1, dtype=np.int64))
+        c = getattr(p, "chat", None)
+        chat.append(np.zeros(n, dtype=bool) if c is None else np.asarray(c, dtype=bool))
+    return torch.from_numpy(np.concatenate(start)), torch.from_numpy(np.concatenate(chat))
 
 
 def trunk_pass(model_cmf, data_spec: str, settings: MtpSettings, cache_dir) -> dict:
@@ -135,26 +156,109 @@ def trunk_pass(model_cmf, data_spec: str, settings: MtpSettings, cache_dir) -> d
             "metrics": {"windows": float(sum(i["windows"] for i in info))}}
 
 
+def _fmt(r) -> str:
+    return " / ".join(f"{x:.3f}" for x in r)
+
+
 def _measure(ch, tag: str, say=_say) -> dict:
-    """Hold rates per step and drafts per round on the held-out windows (and per set, and the ordered walk)."""
+    """Hold rates per step and drafts per round on the held-out windows. The headline
+    (`hold`, `drafts_per_round`) walks the rounds a greedy decode runs from each window's
+    prompt end over `span` new tokens: what speculative decoding accepts on that text.
+    Beside it: the same per prompt kind (`data` continuations, `chat` answers), per data
+    set, `every_row` (a chain from every row of the whole window: the figure before the
+    walk, which counts a long continuation's easy repetitive tail and rounds that a decode
+    never starts) and, for stride > 0, the layout's `ordered` walk."""
     from . import measures as M
 
-    c = ch.hold()
+    if ch.stride > 0:
+        c = ch.hold()
+        m = {"walk": c}
+    else:
+        m = ch.measure()
+        c = m["walk"]
     r = M.rates(c)
+    span = f"{ch.span} new tokens" if ch.span else "the window"
     out = {"hold": r, "counted": c[:, 0].tolist(), "drafts_per_round": M.drafts_per_round(c)}
-    say(f"mtp heal: {tag}: hold per chain step {' / '.join(f'{x:.3f}' for x in r)} "
-        f"(of {' / '.join(str(int(x)) for x in c[:, 0])} rows), {out['drafts_per_round']:.3f} drafts a round")
+    say(f"mtp heal: {tag}: hold per chain step {_fmt(r)} (of {' / '.join(str(int(x)) for x in c[:, 0])} rows), "
+        f"{out['drafts_per_round']:.3f} drafts a round" + ("" if ch.stride > 0 else f" (decode rounds over {span})"))
+    for kind in ("data", "chat", "every_row"):
+        if kind in m and int(m[kind][0, 0]) > 0:
+            v = m[kind]
+            out[kind] = {"hold": M.rates(v), "drafts_per_round": M.drafts_per_round(v), "counted": v[:, 0].tolist()}
+            what = {"data": "data continuations", "chat": "chat answers", "every_row": "a chain from every row"}[kind]
+            say(f"    {what}: {_fmt(out[kind]['hold'])}, {out[kind]['drafts_per_round']:.3f} drafts a round")
     if len(ch.names) > 1:
         per = ch.per_set(ch.hold)
         out["per_set"] = {n: {"hold": M.rates(v), "drafts_per_round": M.drafts_per_round(v)} for n, v in per.items()}
         for n, v in out["per_set"].items():
-            say(f"    {n}: {' / '.join(f'{x:.3f}' for x in v['hold'])}, {v['drafts_per_round']:.3f} drafts a round")
+            say(f"    {n}: {_fmt(v['hold'])}, {v['drafts_per_round']:.3f} drafts a round")
     if ch.stride > ch.chain:
         o = ch.order_counts(ch.held.nonzero().flatten())
         out["ordered"] = {"hold": M.rates(o), "drafts_per_round": M.drafts_per_round(o)}
-        say(f"    rounds in order: {' / '.join(f'{x:.3f}' for x in out['ordered']['hold'])}, "
-            f"{out['ordered']['drafts_per_round']:.3f} drafts a round")
+        say(f"    rounds in order: {_fmt(out['ordered']['hold'])}, {out['ordered']['drafts_per_round']:.3f} drafts a round")
     return out
+
+
+def _report(m: dict) -> dict:
+    """Counts per kind -> {kind: {"hold", "drafts_per_round", "counted"}} (kinds that counted a round)."""
+    from . import measures as M
+
+    return {k: {"hold": M.rates(v), "drafts_per_round": M.drafts_per_round(v), "counted": v[:, 0].tolist()}
+            for k, v in m.items() if int(v[0, 0]) > 0}
+
+
+def measure_text(model, seqs, prompt_lens, chain: int = 3, span: int | None = None, chat=None, pad: int = 0,
+                 batch: int = 4, chunk: int = 1024) -> dict:
+    """mtp heal's measure on any token sequences: each a prompt of prompt_lens[i] tokens and
+    the text after it (the model's greedy continuation: then "walk" is exactly what greedy
+    speculative decoding at depth `chain` accepts a round over `span` new tokens, drafts past
+    the sequence's end not counted). `chat` [n] bool marks chat answers. One trunk pass and
+    one draft pass (cortiq.mtp.draft.Chain, the code mtp heal measures with). -> {kind:
+    {"hold", "drafts_per_round", "counted"}} for kinds "walk", "data", "chat", "every_row"."""
+    import torch
+
+    from .draft import Chain
+    from .trunk import TrunkSet, run_trunk
+
+    if len(seqs) == 0 or len(seqs) != len(prompt_lens) or any(len(x) == 0 for x in seqs):
+        raise CortiqError(f"measure_text: {len(seqs)} sequences and {len(prompt_lens)} prompt lengths (none empty)")
+    n, T = len(seqs), max(len(x) for x in seqs)
+    ids = torch.full((n, T), pad, dtype=torch.int64)
+    for i, x in enumerate(seqs):
+        ids[i, : len(x)] = torch.as_tensor(list(x), dtype=torch.int64)
+    lens = torch.tensor([len(x) for x in seqs], dtype=torch.int64)
+    ti, tp, h = run_trunk(model, ids, 1, batch, chunk)
+    ch = Chain(model, [TrunkSet("text", ids, lens, ti, tp, h)], chain, 0, pad, hold_all=True, batch=batch, chunk=chunk,
+               start=torch.as_tensor(list(prompt_lens), dtype=torch.int64) - 1, chat=chat, span=span)
+    return _report(ch.measure())
+
+
+def heldout_windows(model, f, data_spec: str | None = None, settings: MtpSettings | None = None, cache=None) -> dict:
+    """The held-out windows `mtp heal` measured the draft of `f` on (data spec and settings
+    from its provenance unless given; generated windows read back from `cache`, else
+    made again): {"ids" [n, T], "lens" [n], "chat" [n] bool, "start" [n] (prompt's last row),
+    "span", "chain", "data", "settings"}."""
+    prov = (f.provenance or {}).get(STAGE) or {}
+    spec = data_spec or prov.get("data")
+    if not spec:
+        raise CortiqError(f"{f.path}: no mtp heal in its provenance: give the data spec the draft was measured on")
+    if settings is None:
+        keep = {k: v for k, v in (prov.get("settings") or {}).items() if k in MtpSettings.__dataclass_fields__}
+        settings = MtpSettings(**{**keep, "epochs": 0, "hold_all": False})
+    s = settings.resolved(settings.preset if settings.preset in PRESETS else "fresh")
+    if cache is not None:
+        s = replace(s, gen_cache=str(cache))
+    packed, _ = _sets(model, f, spec, s)
+    import numpy as np
+    import torch
+
+    start, chat = _prompt_ends(packed, s)
+    ids = np.concatenate([np.asarray(p.ids) for p in packed])
+    lens = np.concatenate([np.asarray(p.lengths) for p in packed])
+    held = np.arange(len(ids)) % 10 == 9
+    return {"ids": torch.as_tensor(ids[held], dtype=torch.int64), "lens": torch.as_tensor(lens[held], dtype=torch.int64),
+            "chat": chat[torch.from_numpy(held)], "start": start[torch.from_numpy(held)], "span": s.span or None,
+            "chain": s.chain, "data": spec, "settings": s}
 
 
 def _draft_tensors(model) -> dict:
@@ -307,7 +411,11 @@ def mtp_heal(model_cmf, data_spec: str, settings: MtpSettings, out_cmf, logger: 
     block = {"model": str(f.path), "data": data_spec, "preset": s.preset, "settings": s.key(), "windows": len(ch),
              "tokens": int(ch.lens.sum()), "steps": run["steps"], "best_step": run["best_step"],
              "hold_before": before["hold"], "hold_after": after["hold"],
-             "drafts_per_round_before": before["drafts_per_round"], "drafts_per_round_after": after["drafts_per_round"]}
+             "drafts_per_round_before": before["drafts_per_round"], "drafts_per_round_after": after["drafts_per_round"],
+             "measure": f"decode rounds over {s.span} new tokens from each prompt's end" if s.span else "decode rounds"}
+    for kind in ("data", "chat", "every_row"):
+        if kind in after:
+            block[f"drafts_per_round_after_{kind}"] = after[kind]["drafts_per_round"]
     tensors = _draft_tensors(model)
     codecs = {}
     for codec, path in [(s.codec, out_cmf)] + list(s.also):
@@ -319,9 +427,15 @@ def mtp_heal(model_cmf, data_spec: str, settings: MtpSettings, out_cmf, logger: 
                "heldout_kl_start": run["kl_start"], "heldout_kl_best": run["kl_best"]}
     for j, (a, b) in enumerate(zip(before["hold"], after["hold"])):
         metrics[f"hold_before_{j + 1}"], metrics[f"hold_after_{j + 1}"] = a, b
+    for kind in ("data", "chat", "every_row"):
+        if kind in after:
+            metrics[f"drafts_per_round_after_{kind}"] = after[kind]["drafts_per_round"]
     for name, r in codecs.items():
         tag = name.replace(":", "_")
         metrics[f"{tag}.drafts_per_round"] = r["drafts_per_round"]
+        for kind in ("data", "chat", "every_row"):
+            if kind in r:
+                metrics[f"{tag}.drafts_per_round_{kind}"] = r[kind]["drafts_per_round"]
         metrics[f"{tag}.draft_bytes"] = float(r["bytes"])
         for j, x in enumerate(r["hold"]):
             metrics[f"{tag}.hold_{j + 1}"] = x

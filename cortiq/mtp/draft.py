@@ -47,12 +47,17 @@ class Chain:
     """Every window of every data set, the trunk's rows and the chain's sources.
 
     ids [N, T], lens [N], ti/tp [N, T, k], h [N, T, H] (CPU); `held` [N]:
-    every tenth window (global index % 10 == 9), or all of them."""
+    every tenth window (global index % 10 == 9), or all of them. `start` [N]:
+    the row of each window's prompt's last token, where a decode's first round
+    starts (default 0); `chat` [N] bool: the window answers a chat question (a
+    generated window whose prompt was put in the chat template); `span`: the
+    new tokens a decode runs, what the measure walks (None: to the window's end)."""
 
     def __init__(self, model, sets: list[TrunkSet], chain: int, stride: int, pad: int, hold_all: bool = False,
-                 batch: int = 4, chunk: int = 1024):
+                 batch: int = 4, chunk: int = 1024, start: torch.Tensor | None = None,
+                 chat: torch.Tensor | None = None, span: int | None = None):
         self.model, self.chain, self.stride, self.pad = model, chain, stride, pad
-        self.batch, self.chunk = batch, chunk
+        self.batch, self.chunk, self.span = batch, chunk, span
         self.names = [s.name for s in sets]
         self.bounds = torch.tensor([0] + [len(s) for s in sets]).cumsum(0)
         self.ids = torch.cat([s.ids for s in sets])
@@ -63,7 +68,12 @@ class Chain:
         self.t1 = self.ti[..., 0]  # [N, T] the trunk's own next token
         n = len(self.ids)
         self.held = torch.ones(n, dtype=torch.bool) if hold_all else (torch.arange(n) % 10 == 9)
+        self.start = torch.zeros(n, dtype=torch.int64) if start is None else torch.as_tensor(start, dtype=torch.int64)
+        self.chat = torch.zeros(n, dtype=torch.bool) if chat is None else torch.as_tensor(chat, dtype=torch.bool)
+        if self.start.shape != (n,) or self.chat.shape != (n,):
+            raise ValueError(f"Chain: start {tuple(self.start.shape)} and chat {tuple(self.chat.shape)} must be [{n}]")
         self.dev = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype  # the trunk rows are kept in f32; a bf16 model reads them as bf16
         # sources per training kind; kind 0 is always the trunk's rows with shift 1
         self.kinds: list[tuple[int, int]] = [(0, 1), (1, 1)] if stride > 0 and chain > 1 else [(j - 1, j) for j in range(1, chain + 1)]
         self.src: list[torch.Tensor] = [self.h]
@@ -86,7 +96,7 @@ class Chain:
         out = []
         for a in range(0, len(idx), self.batch):
             b = idx[a : a + self.batch]
-            x = self.h[b].to(self.dev)
+            x = self.h[b].to(self.dev, self.dtype)
             ids, lens, o = self.ids[b].to(self.dev), self.lens[b].to(self.dev), off[a : a + self.batch].to(self.dev)
             for j in range(2, self.chain + 1):
                 y = self.model.mtp_forward(x, shifted(ids, 1, self.pad))
@@ -96,7 +106,8 @@ class Chain:
 
     def steps(self, b: torch.Tensor, upto: int, train_step: int | None = None) -> list[torch.Tensor]:
         """Steps 1..upto of every row's chain in windows b, as decode rounds compute them. [B, T, H] each"""
-        return decode_steps(self.model, self.h[b].to(self.dev), self.ids[b].to(self.dev), upto, self.pad, train_step)
+        return decode_steps(self.model, self.h[b].to(self.dev, self.dtype), self.ids[b].to(self.dev), upto, self.pad,
+                            train_step)
 
     @torch.no_grad()
     def refresh(self, round_: int = 0) -> None:
@@ -124,7 +135,12 @@ class Chain:
         else:
             out = self.draft(self.src[s][b], ids, j)  # [B, T, H]
         T = ids.shape[1]
-        valid = torch.arange(T)[None, :] < (self.lens[b][:, None] - j)  # [B, T] rows whose target exists
+        pos = torch.arange(T)[None, :]
+        valid = pos < (self.lens[b][:, None] - j)  # [B, T] rows whose target exists
+        if self.stride == 0:
+            # chains from a row inside the prompt: a decode never starts one there (the prompt's
+            # text is the data's, not the model's); they stay context for the rows after
+            valid &= pos >= self.start[b][:, None]
         ti = torch.roll(self.ti[b], -j, 1)[valid]  # [n, k] the trunk's top-k at p+j
         tp = torch.roll(self.tp[b], -j, 1)[valid]
         if hard > 0:
@@ -157,8 +173,10 @@ class Chain:
         return ti.cpu(), tp.cpu()
 
     @torch.no_grad()
-    def chain_counts(self, idx: torch.Tensor, dump=None) -> torch.Tensor:
-        """Hold counts on windows idx, every row starting a chain computed as a decode round does."""
+    def tops(self, idx: torch.Tensor, dump=None) -> torch.Tensor:
+        """The draft's top-1 on windows idx for every chain start, computed as a decode round
+        computes it: [chain, n, T], index p of step j the chain starting at row p (its guess
+        for token p+j+1). `dump(j, out, top-k ids, probs)` sees every step's rows."""
         tops = []
         for b in self._batches(idx):
             steps = []
@@ -168,8 +186,36 @@ class Chain:
                 if dump is not None:
                     dump(j, o, di, dp)
             tops.append(torch.stack(steps))
-        d = torch.cat(tops, 1)  # [chain, n, T]
+        return torch.cat(tops, 1)  # [chain, n, T]
+
+    @torch.no_grad()
+    def chain_counts(self, idx: torch.Tensor, dump=None, tops: torch.Tensor | None = None) -> torch.Tensor:
+        """Hold counts on windows idx, every row starting a chain computed as a decode round does."""
+        d = self.tops(idx, dump) if tops is None else tops
         return M.chain_counts(self.ids[idx], self.lens[idx], self.t1[idx], d)
+
+    @torch.no_grad()
+    def walk_counts(self, idx: torch.Tensor, tops: torch.Tensor | None = None) -> torch.Tensor:
+        """Hold counts on windows idx over the rounds a decode walks from each prompt's end
+        for `span` new tokens (measures.walk_counts): what speculative decoding accepts."""
+        d = self.tops(idx) if tops is None else tops
+        return M.walk_counts(self.ids[idx], self.lens[idx], self.t1[idx], d, self.start[idx], self.span)
+
+    @torch.no_grad()
+    def measure(self, idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Counts [chain, 2] on windows idx (default: the held-out ones) from one pass of the
+        draft: "walk" the decode's rounds (the headline), "data" / "chat" the same over the
+        windows of each prompt kind, "every_row" a chain from every row of every window."""
+        idx = self.held.nonzero().flatten() if idx is None else idx
+        zero = torch.zeros(self.chain, 2, dtype=torch.int64)
+        if len(idx) == 0:
+            return {"walk": zero, "data": zero, "chat": zero, "every_row": zero}
+        d = self.tops(idx)
+        chat = self.chat[idx]
+        out = {"walk": self.walk_counts(idx, d), "every_row": self.chain_counts(idx, tops=d)}
+        for kind, sel in (("data", ~chat), ("chat", chat)):
+            out[kind] = self.walk_counts(idx[sel], d[:, sel]) if bool(sel.any()) else zero
+        return out
 
     @torch.no_grad()
     def _layout_top1(self, idx: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
@@ -195,11 +241,12 @@ class Chain:
         return M.order_counts(self.ids[idx], self.lens[idx], self.t1[idx], tops, self.stride, self.chain)
 
     def hold(self, idx: torch.Tensor | None = None) -> torch.Tensor:
-        """The hold counts as the layout trained has them, on held-out windows (or idx)."""
+        """The hold counts a checkpoint is chosen by, on held-out windows (or idx): the rounds a
+        decode walks from each prompt's end (stride 0), or the layout trained (stride > 0)."""
         idx = self.held.nonzero().flatten() if idx is None else idx
         if len(idx) == 0:
             return torch.zeros(self.chain, 2, dtype=torch.int64)
-        return self.round_counts(idx) if self.stride > 0 else self.chain_counts(idx)
+        return self.round_counts(idx) if self.stride > 0 else self.walk_counts(idx)
 
     def per_set(self, fn) -> dict[str, torch.Tensor]:
         """fn(held-out windows of a set) per data set."""
@@ -238,9 +285,18 @@ def restore(model, snap: dict[str, torch.Tensor]) -> None:
             p.copy_(snap[n])
 
 
+def _held_out(ch: Chain, val: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """(the counts a checkpoint is chosen by, drafts a round per prompt kind present) on windows val."""
+    if ch.stride > 0:
+        return ch.hold(val), {}
+    m = ch.measure(val)
+    return m["walk"], {k: M.drafts_per_round(m[k]) for k in ("data", "chat") if int(m[k][0, 0]) > 0}
+
+
 def train(ch: Chain, s, logger=None, say=print) -> dict:
     """Train the draft of `ch.model` by the settings `s` (MtpSettings, resolved); keep
-    the checkpoint whose chain keeps the most drafts a round on held-out rows.
+    the checkpoint that keeps the most drafts a round on held-out windows, by the rounds a
+    decode walks from each prompt's end (Chain.hold: what real decoding accepts).
 
     A step whose loss or gradient is not finite is skipped and counted (heal's
     policy); at MAX_SKIPPED of them training stops with one line. A bar on
@@ -273,7 +329,7 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
               f"x {s.epochs:g} epochs); measuring the draft before training", file=sys.stderr)
     ch.refresh(0)
     kl0 = ch.val_kl(val)
-    h0 = ch.hold(val)
+    h0, _ = _held_out(ch, val)
     best = {"dpr": M.drafts_per_round(h0), "snap": snapshot(model), "step": 0, "kl": sum(kl0) / len(kl0)}
     say(f"mtp heal: held-out KL per kind before training {', '.join(f'{x:.4f}' for x in kl0)}; "
         f"drafts a round {best['dpr']:.4f}")
@@ -318,16 +374,18 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
             if done % s.eval_every == 0 or done == total or out_of_time:
                 model.eval()
                 v = ch.val_kl(val)
-                hh = ch.hold(val)
+                hh, kinds = _held_out(ch, val)
                 dpr = M.drafts_per_round(hh)
                 rr = M.rates(hh)
                 rec.update({"heldout_kl": sum(v) / len(v), "drafts_per_round": dpr,
-                            **{f"hold_{j + 1}": r for j, r in enumerate(rr)}})
+                            **{f"hold_{j + 1}": r for j, r in enumerate(rr)},
+                            **{f"drafts_per_round_{k}": x for k, x in kinds.items()}})
                 if dpr > best["dpr"]:
                     best = {"dpr": dpr, "snap": snapshot(model), "step": done, "kl": sum(v) / len(v)}
                 shown = "/".join(f"{x:.2f}" for x in rr)
                 bar.set_postfix(loss=f"{lv:.4f}", hold=shown, dpr=f"{best['dpr']:.3f}", refresh=True)
-                bar.write(f"  step {done}: held-out hold {shown}, {dpr:.3f} drafts a round "
+                split = "".join(f", {k} {x:.3f}" for k, x in kinds.items()) if len(kinds) > 1 else ""
+                bar.write(f"  step {done}: held-out hold {shown}, {dpr:.3f} drafts a round{split} "
                           f"(best {best['dpr']:.3f} at step {best['step']})", file=sys.stderr)
                 if s.patience > 0 and done - best["step"] >= s.patience * s.eval_every and done < total:
                     say(f"mtp heal: no new best in {s.patience} evaluations: stopping at step {done} of {total}")

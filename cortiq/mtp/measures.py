@@ -191,21 +191,33 @@ def order_counts(ids, lens, t1, top: torch.Tensor, stride: int, chain: int) -> t
     q, fed, tq1 = _steps(ids, lens, t1, n, chain)
     flat = top.permute(1, 0, 2).reshape(N, stride * T)  # [N, stride·T]
     d = flat.gather(1, ((n % stride)[..., None] * T + q.clamp(max=T - 1)).reshape(N, -1)).view_as(q)
-    hit = d == tq1
-    ok = (fed & hit).to(torch.int8)
-    kept = torch.cumprod(ok, -1).sum(-1)  # [N, T] leading held drafts
+    return _walk(n, fed, d == tq1, lens, torch.zeros(N, dtype=torch.int64, device=ids.device), None)
+
+
+def _walk(n: torch.Tensor, fed: torch.Tensor, hit: torch.Tensor, lens: torch.Tensor, start: torch.Tensor,
+          span: int | None) -> torch.Tensor:
+    """The rounds a decode walks, from row `start` [N] on: a round at n keeps its leading
+    held drafts and the next starts after them (n + kept + 1). Rounds starting at or past
+    start + `span` are not counted (None: to the window's end). n [N, T] every row's start;
+    fed/hit [N, T, c] per start and step. The walk is found by pointer doubling over every
+    row's successor (log2(T) gathers), so no loop runs over tokens. -> counts [c, 2]."""
+    N, T = n.shape
+    dev = n.device
+    kept = torch.cumprod((fed & hit).to(torch.int8), -1).sum(-1)  # [N, T] leading held drafts
     # successor of every row; T is the sink past the end
-    nxt = torch.cat([(n + kept + 1).clamp(max=T), torch.full((N, 1), T, device=ids.device)], 1)  # [N, T+1]
-    seen = torch.zeros(N, T + 1, dtype=torch.bool, device=ids.device)
-    seen[:, 0] = True
+    nxt = torch.cat([(n + kept + 1).clamp(max=T), torch.full((N, 1), T, device=dev)], 1)  # [N, T+1]
+    seen = torch.zeros(N, T + 1, dtype=torch.bool, device=dev)
+    seen[torch.arange(N, device=dev), start.to(dev).clamp(0, T)] = True
     jump = nxt
     # after k doublings `seen` holds the first 2^k rounds of the walk
     for _ in range(max(T, 1).bit_length() + 1):
-        reach = torch.zeros(N, T + 1, dtype=torch.int32, device=ids.device)
+        reach = torch.zeros(N, T + 1, dtype=torch.int32, device=dev)
         reach.scatter_add_(1, jump, seen.to(torch.int32))
         seen = seen | (reach > 0)
         jump = jump.gather(1, jump)
     live = seen[:, :T] & (n + 1 < lens[:, None])
+    if span is not None:
+        live &= n < start.to(dev)[:, None] + span
     return _tally(fed, hit, live)
 
 
@@ -224,6 +236,52 @@ def order_counts_reference(ids, lens, t1, top, stride: int, chain: int):
                 if q + 1 >= L or int(ids[i, q + 1]) != int(t1[i, q]):
                     break
                 hit = int(top[n % stride, i, q]) == int(t1[i, q + 1])
+                out[j - 1, 0] += 1
+                out[j - 1, 1] += int(hit)
+                if not hit:
+                    break
+                kept += 1
+            n += kept + 1
+    return out
+
+
+# ── rounds as a decode walks them, from the prompt's end (stride 0) ────────
+
+
+def walk_counts(ids, lens, t1, draft: torch.Tensor, start: torch.Tensor, span: int | None = None) -> torch.Tensor:
+    """What speculative decoding accepts: rounds walked as a greedy decode walks them,
+    the first at row `start` [N] (the prompt's last row: its trunk row and the first new
+    token feed the first chain), each next one after the drafts the one before kept,
+    over the rounds a decode of `span` new tokens runs (rounds starting before
+    start + span; None: to the window's end). `draft` [chain, N, T] as in chain_counts:
+    index p of step j is the chain starting at row p (what cortiq.mtp.rounds computes).
+    On a window that is the trunk's own greedy continuation its drafts_per_round is
+    exactly the drafts a round that decode accepts (a round's drafts past the window
+    are not counted). -> counts [chain, 2]."""
+    chain, N, T = draft.shape
+    n = torch.arange(T, device=ids.device).expand(N, T)
+    q, fed, tq1 = _steps(ids, lens, t1, n, chain)
+    return _walk(n, fed, draft.permute(1, 2, 0) == tq1, lens, start, span)
+
+
+def walk_counts_reference(ids, lens, t1, draft, start, span=None) -> torch.Tensor:
+    """The walk round by round (tests only)."""
+    chain = draft.shape[0]
+    out = torch.zeros(chain, 2, dtype=torch.int64)
+    for i in range(ids.shape[0]):
+        L = int(lens[i])
+        n = int(start[i])
+        end = L if span is None else min(L, n + span)
+        while n + 1 < L and n < end:
+            if int(ids[i, n + 1]) != int(t1[i, n]):
+                n += 1
+                continue
+            kept = 0
+            for j in range(1, chain + 1):
+                q = n + j - 1
+                if q + 1 >= L or int(ids[i, q + 1]) != int(t1[i, q]):
+                    break
+                hit = int(draft[j - 1, i, n]) == int(t1[i, q + 1])
                 out[j - 1, 0] += 1
                 out[j - 1, 1] += int(hit)
                 if not hit:

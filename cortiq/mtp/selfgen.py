@@ -20,8 +20,10 @@ asked. A row that emits an end-of-sequence token ends there: the window's
 length stops after it and the rest is padding.
 
 Output per data set: a directory named by its digest (the trunk, the prompts,
-the settings), `gen.arrow` (ids, length, held) and `meta.json` written last,
-read back when it exists.
+the settings), `gen.arrow` (ids, length, held, chat) and `meta.json` written
+last, read back when it exists. Each window knows its prompt's length and
+whether it answers a chat question: the measure walks a decode's rounds from
+the prompt's end and reports data continuations and chat answers apart.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,11 +39,23 @@ import pyarrow as pa
 import torch
 
 from .. import store
+from ..data.windows import Packed
 from ..errors import CortiqError
 
 STAGE = "mtp-gen"
-VERSION = 1
+VERSION = 2
 ARROW = "gen.arrow"
+
+
+@dataclass
+class Generated(Packed):
+    """A packed set of generated windows: the data set's fields, and per window whether its
+    prompt was put in the chat template; every prompt has `prompt` tokens."""
+
+    #: [N] bool: the window is the model's answer to a chat question
+    chat: np.ndarray | None = None
+    #: tokens of every window's prompt (the model's continuation starts after them)
+    prompt: int = 0
 
 
 @torch.no_grad()
@@ -147,12 +162,13 @@ def default_cache(s) -> Path:
     return store.home() / "cache" / "mtp-gen"
 
 
-def _write(d: Path, ids: torch.Tensor, lens: torch.Tensor, held: np.ndarray, meta: dict) -> None:
+def _write(d: Path, ids: torch.Tensor, lens: torch.Tensor, held: np.ndarray, chat: np.ndarray, meta: dict) -> None:
     N, T = ids.shape
     table = pa.table({
         "ids": pa.FixedSizeListArray.from_arrays(pa.array(ids.numpy().astype(np.uint32).reshape(-1), pa.uint32()), T),
         "length": pa.array(lens.numpy().astype(np.int32), pa.int32()),
         "held": pa.array(held.astype(bool), pa.bool_()),
+        "chat": pa.array(chat.astype(bool), pa.bool_()),
     })
     with store.stage_dir(d, meta) as part:
         store.write_arrow(part / ARROW, table)
@@ -167,16 +183,17 @@ def _read(d: Path):
     ids = t.column("ids").combine_chunks().flatten().to_numpy().astype(np.int64).reshape(N, T)
     lens = t.column("length").to_numpy().astype(np.int64)
     held = t.column("held").to_numpy(zero_copy_only=False).astype(bool)
-    return ids, lens, held
+    chat = t.column("chat").to_numpy(zero_copy_only=False).astype(bool)
+    return ids, lens, held, chat
 
 
 def generated_sets(model, f, packed: list, s, cache: str | os.PathLike | None = None, say=None) -> tuple[list, list[dict]]:
     """For each packed data set (cortiq.data.windows.Packed) the model's continuations of its
     windows' first `s.gen_prompt` tokens to `s.window` tokens, as a Packed set `NAME.gen` with
-    the same held-out windows; cached under `cache` (see default_cache). -> (sets, per-set info)."""
+    the same held-out windows; cached under `cache` (see default_cache). -> (sets of
+    Generated, per-set info)."""
     from tqdm import tqdm
 
-    from ..data.windows import Packed
     from .trunk import trunk_key
 
     P, T = s.gen_prompt, s.window
@@ -196,8 +213,8 @@ def generated_sets(model, f, packed: list, s, cache: str | os.PathLike | None = 
         d = root / f"{p.name}-gen-{dg[:16]}"
         name = f"{p.name}.gen"
         if store.is_complete(d) and store.read_meta(d).get("digest") == dg:
-            ids, lens, held = _read(d)
-            out.append(Packed(name, ids, lens, held))
+            ids, lens, held, chat = _read(d)
+            out.append(Generated(name, ids, lens, held, chat, P))
             info.append({"set": name, "windows": len(ids), "cache": str(d), "read_back": True})
             continue
         g = torch.Generator(device=dev).manual_seed(s.seed) if s.gen_temperature > 0 else None
@@ -213,10 +230,10 @@ def generated_sets(model, f, packed: list, s, cache: str | os.PathLike | None = 
         meta = {"stage": STAGE, "version": VERSION, "digest": dg, "set": p.name, "windows": len(ids), "window": T,
                 "prompt": P, "chat_prompts": int(chat.sum()), "temperature": s.gen_temperature, "seed": s.seed, "eos": eos, "trunk": tkey,
                 "tokens": int(lens.sum()), "model": str(f.path)}
-        _write(d, ids, lens, held, meta)
+        _write(d, ids, lens, held, chat, meta)
         if say is not None:
             say(f"mtp heal: generated {len(ids)} windows of {T} from {p.name} ({int(chat.sum())} of them answers to "
                 f"chat questions; {int(lens.sum())} tokens, {int((lens < T).sum())} ended early) into {d}")
-        out.append(Packed(name, ids.numpy(), lens.numpy(), held))
+        out.append(Generated(name, ids.numpy(), lens.numpy(), held, chat, P))
         info.append({"set": name, "windows": len(ids), "cache": str(d), "read_back": False})
     return out, info

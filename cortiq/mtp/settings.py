@@ -56,16 +56,22 @@ def parse_taps(spec) -> tuple[str, list[int]] | None:
 #: raw book text: the retrain values kept 0.001 drafts a round; lr 1e-3, the
 #: input side trained and 4 epochs 0.861 offline, but only 0.30 a round at
 #: depth 1 in real decoding (the draft learned the book, the model writes its
-#: own text). Windows of 512 keep the generation short; 8 of them a step keep
-#: 4096 rows a step, as the retrain values do. 12 epochs: on the H200 with
-#: SmolLM2 and 334 generated windows, 6 epochs (666 steps, 32 s) reached 0.90
-#: drafts a round and were still climbing; a data set of 393216 tokens takes
-#: about 3100 steps (~3 minutes there), inside the 10 minutes a stage may take.
+#: own text). Windows of 320 (a 64-token prompt and 256 generated tokens) cover
+#: the 200 tokens a decode's measure walks (`span`) with the chain's look-ahead,
+#: and give a data set 1.6x the prompts windows of 512 gave for the same tokens,
+#: without training on a long greedy continuation's repetitive tail; 8 of them a
+#: step. 6 epochs: on the H200 with SmolLM2, 334 generated windows of 512
+#: reached 0.90 drafts a round (every-row chain) after 6 epochs (666 steps, 32 s)
+#: and 0.98 after 12 (1332 steps, 71 s, ~53 ms a step with evaluations), still climbing at the
+#: schedule's end; the bench's ~1850 windows of 320 make ~620 steps an epoch, so
+#: 6 epochs are ~3700 steps (2.8x those, on 5.5x the distinct windows), about 2.5
+#: minutes there at an estimated ~35 ms a step. A held-out evaluation walks ~185
+#: windows, so it runs every 200 steps, and 10 without a new best stop.
 PRESETS = {
     "retrain": {"lr": 2e-5, "warm": 0.1, "epochs": 1.0, "train_input": False, "patience": 6, "eval_every": 25,
                 "window": 2048, "batch": 2, "generate": False},
-    "fresh": {"lr": 1e-3, "warm": 0.05, "epochs": 12.0, "train_input": True, "patience": 8, "eval_every": 50,
-              "window": 512, "batch": 8, "generate": True},
+    "fresh": {"lr": 1e-3, "warm": 0.05, "epochs": 6.0, "train_input": True, "patience": 10, "eval_every": 200,
+              "window": 320, "batch": 8, "generate": True},
 }
 
 #: `preset` values: "auto" picks "fresh" for a draft `mtp init` made and no
@@ -93,11 +99,17 @@ class MtpSettings:
     #: decode round sees it (the trunk's rows up to its start, its own after); N >= chain
     stride: int = setting(0, "0: every row starts a chain; N: a chain starts every N rows, laid out as a "
                                 "decode round sees it", lo=0)
+    #: new tokens a decode runs after the prompt: the measure (and checkpoint choice) walks
+    #: the rounds greedy speculative decoding runs from each window's prompt end over this
+    #: many tokens, where an answer starts, not a long continuation's repetitive tail; 0: to
+    #: the window's end
+    span: int = setting(200, "new tokens the measure walks the decode rounds over, from each prompt's end "
+                             "(0: to the window's end)", lo=0)
 
     # ── data ──
     #: tokens taken from a data set that names no count of its own (PATH@TOKENS)
     tokens: int = setting(393216, "tokens taken from a data set that names no count (PATH@TOKENS)", lo=1)
-    #: tokens per window (a generated sequence fills one); preset: retrain 2048, fresh 512
+    #: tokens per window (a generated sequence fills one); preset: retrain 2048, fresh 320
     window: int | None = setting(None, "tokens per window (a generated sequence fills one)", show="the preset's", **WINDOW)
     #: trunk top-k entries kept per row (the KL target)
     topk: int = setting(64, "trunk top-k entries kept per row (the KL target)", **TOPK)
@@ -111,8 +123,10 @@ class MtpSettings:
     #: prompt tokens cut from the start of each data window (default: a quarter of the window, at most 64)
     gen_prompt: int | None = setting(None, "prompt tokens cut from the start of each data window", lo=1,
                                      show="a quarter of the window, at most 64")
-    #: share of the prompts put in the model's chat template as a user turn (the model answers them)
-    gen_chat: float = setting(0.25, "share of the prompts put in the chat template as a user turn", lo=0, hi=1)
+    #: share of the prompts put in the model's chat template as a user turn (the model answers them):
+    #: half, as chat answers are harder to draft than data continuations (on an H200 with SmolLM2
+    #: and a quarter of them chat: 0.42 accepted a round at depth 3 against 1.09 on data)
+    gen_chat: float = setting(0.5, "share of the prompts put in the chat template as a user turn", lo=0, hi=1)
     #: 0: greedy continuations (what greedy speculative decoding verifies against); > 0: sampled
     gen_temperature: float = setting(0.0, "0: greedy continuations; > 0: sampled", lo=0)
     #: rows decoded at once
@@ -122,7 +136,7 @@ class MtpSettings:
                                     show="the trunk cache, else <cortiq home>/cache/mtp-gen")
 
     # ── training ──
-    #: passes over the train windows per chain step; 0 = measure only (and re-encode); preset: retrain 1, fresh 12
+    #: passes over the train windows per chain step; 0 = measure only (and re-encode); preset: retrain 1, fresh 6
     epochs: float | None = setting(None, "passes over the train windows per chain step (0: measure only)", show="the preset's",
                                    lo=0, **EPOCHS)
     #: peak learning rate (Adam; warm-up, then cosine down to a tenth of it); preset: retrain 2e-5, fresh 1e-3
@@ -131,9 +145,9 @@ class MtpSettings:
     warm: float | None = setting(None, "share of the steps the rate ramps up over", show="the preset's", lo=0, lt=1)
     #: windows per step; preset: retrain 2, fresh 8
     batch: int | None = setting(None, "windows per step", show="the preset's", **BATCH)
-    #: held-out KL and hold rates every this many steps (and at the end); preset: retrain 25, fresh 50
+    #: held-out KL and hold rates every this many steps (and at the end); preset: retrain 25, fresh 200
     eval_every: int | None = setting(None, "steps between held-out evaluations (and one at the end)", show="the preset's", lo=1)
-    #: evaluations without a new best before stopping (0 = never stop early); preset: retrain 6, fresh 8
+    #: evaluations without a new best before stopping (0 = never stop early); preset: retrain 6, fresh 10
     patience: int | None = setting(None, "evaluations without a new best before stopping (0: never early)", show="the preset's",
                                    lo=0)
     #: stop training after this many seconds (the best checkpoint so far is kept); 0 = no limit

@@ -38,9 +38,9 @@ def test_preset_follows_provenance_and_explicit_values_win(fresh, tmp_path):
     f = open_cmf(init)
     assert f.provenance["mtp_init"]["fresh"] is True and draft_is_fresh(f)
     s = resolve(f, MtpSettings())
-    assert (s.preset, s.lr, s.train_input, s.generate, s.window, s.batch) == ("fresh", 1e-3, True, True, 512, 8)
+    assert (s.preset, s.lr, s.train_input, s.generate, s.window, s.batch) == ("fresh", 1e-3, True, True, 320, 8)
     s = resolve(f, MtpSettings(lr=5e-4, generate=False))
-    assert (s.preset, s.lr, s.generate, s.epochs) == ("fresh", 5e-4, False, 12.0)
+    assert (s.preset, s.lr, s.generate, s.epochs) == ("fresh", 5e-4, False, 6.0)
     assert resolve(f, MtpSettings(preset="retrain")).lr == 2e-5
     # a draft that came with the model (no mtp init in its provenance): retrain
     native = write_model(tmp_path / "native.cmf")
@@ -66,7 +66,7 @@ def test_fresh_draft_learns_the_trunks_language_and_decoding_accepts_it(fresh, t
     assert rep["preset"] == "fresh" and m["steps"] > 0
     # the fresh block (a copy of the trunk's last layer reading h_p) guesses token p+1, not p+2:
     # right only where the text repeats; trained, it holds most drafts at every chain step
-    assert min(rep["after"]["hold"]) > 0.8
+    assert min(rep["after"]["every_row"]["hold"]) > 0.8
     assert m["drafts_per_round_after"] > max(2.0, m["drafts_per_round_before"] + 1.0)
     g = open_cmf(out)
     assert not draft_is_fresh(g) and resolve(g, MtpSettings()).preset == "retrain"
@@ -174,3 +174,78 @@ def test_non_finite_steps_are_skipped_then_abort(fresh, tmp_path, monkeypatch):
     with pytest.raises(CortiqError, match=r"^mtp heal: 20 non-finite steps \(last at step 1\); lower lr"):
         mtp_heal(init, str(data), tiny_settings(epochs=0.5, generate=False), tmp_path / "b.cmf")
     assert not (tmp_path / "b.cmf").exists()
+
+
+@pytest.fixture(scope="module")
+def healed(fresh, tmp_path_factory):
+    """A draft trained from fresh on the trunk's own continuations (measured over 30 new tokens)."""
+    init, data = fresh
+    root = tmp_path_factory.mktemp("healed")
+    s = tiny_settings(epochs=1.5, span=30, gen_cache=str(root / "gen"))
+    rep = mtp_heal(init, str(data), s, root / "healed.cmf")
+    return root / "healed.cmf", s, rep
+
+
+def test_offline_measure_is_what_speculative_decoding_accepts(healed):
+    """The property the measure exists for: on the held-out windows (prompt + the trunk's greedy
+    continuation) the round-ordered walk counts exactly the rounds and the accepted drafts of
+    greedy speculative decoding from those prompts (f32), at every depth, on the reference loop
+    and on the static-cache engine; and mtp heal's own figure is that walk."""
+    from cortiq.model.generate import decode, generate_speculative
+    from cortiq.mtp import heldout_windows, measure_text
+
+    out, s, rep = healed
+    f = open_cmf(out)
+    model = load_model(f)
+    hw = heldout_windows(model, f, cache=s.gen_cache)
+    P, new = s.gen_prompt, s.span
+    assert hw["span"] == new and hw["start"].tolist() == [P - 1] * len(hw["ids"]) and not hw["chat"].any()
+    full = (hw["lens"] == hw["ids"].shape[1]).nonzero().flatten()  # windows that did not end at an EOS
+    assert len(full) >= 4
+    seqs = [hw["ids"][i].tolist() for i in full]
+    prompts = [x[:P] for x in seqs]
+    for k in (1, 2, 3):
+        spec = [generate_speculative(model, p, max_new=new, draft=k) for p in prompts]
+        eng = decode(model, prompts, max_new=new, draft=k)
+        for r, x in zip(spec, seqs):
+            assert r.tokens == x[P : P + new]  # the window is the decode's own text
+        rounds, acc = sum(r.rounds for r in spec), sum(r.accepted for r in spec)
+        assert 0 < acc < k * rounds  # neither nothing nor everything: the comparison can fail
+        off = measure_text(model, seqs, [P] * len(seqs), chain=k, span=new)["walk"]
+        assert off["counted"][0] == rounds
+        assert off["drafts_per_round"] == pytest.approx(acc / rounds, abs=1e-12)
+        # the engine emits the first new token at prefill, so its rounds are those of new - 1 tokens
+        e_rounds, e_acc = sum(r.rounds for r in eng), sum(r.accepted for r in eng)
+        assert all(r.tokens == x[P : P + new] for r, x in zip(eng, seqs))
+        off = measure_text(model, seqs, [P] * len(seqs), chain=k, span=new - 1)["walk"]
+        assert off["counted"][0] == e_rounds
+        assert off["drafts_per_round"] == pytest.approx(e_acc / e_rounds, abs=1e-12)
+    if len(full) == len(hw["ids"]):  # every held-out window is full: mtp heal's figure is the same walk
+        assert rep["after"]["counted"][0] == rounds
+        assert rep["after"]["drafts_per_round"] == pytest.approx(acc / rounds, abs=1e-12)
+    # the chain from every row counts every row of the window: more rounds than a decode runs
+    assert rep["after"]["every_row"]["counted"][0] > rep["after"]["counted"][0]
+
+
+def test_generated_windows_keep_which_answer_a_chat(tmp_path):
+    from cortiq.mtp.selfgen import _read, _write
+
+    ids = torch.arange(24).view(4, 6)
+    lens = torch.tensor([6, 3, 6, 5])
+    held, chat = np.array([0, 1, 0, 1], bool), np.array([1, 0, 0, 1], bool)
+    _write(tmp_path / "g", ids, lens, held, chat, {"windows": 4, "window": 6, "stage": "mtp-gen", "digest": "x"})
+    i2, l2, h2, c2 = _read(tmp_path / "g")
+    assert np.array_equal(i2, ids.numpy()) and np.array_equal(l2, lens.numpy())
+    assert np.array_equal(h2, held) and np.array_equal(c2, chat)
+
+
+def test_measure_text_and_heldout_windows_refuse_bad_input(fresh):
+    from cortiq.mtp import heldout_windows, measure_text
+
+    init, _ = fresh
+    f = open_cmf(init)
+    m = load_model(f)
+    with pytest.raises(CortiqError, match=r"^measure_text: 2 sequences and 1 prompt lengths"):
+        measure_text(m, [[1, 2, 3], [4, 5]], [2])
+    with pytest.raises(CortiqError, match="no mtp heal in its provenance"):
+        heldout_windows(m, f)

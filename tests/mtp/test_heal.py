@@ -133,6 +133,38 @@ def test_chain_counts_agree_with_a_plain_decode_view(tiny):
     assert c[0, 0] > 0
 
 
+def test_measure_splits_the_walk_by_prompt_kind(tiny):
+    """Chain.measure: the walk from each window's prompt end over the span, its split by kind
+    (the two parts add up to it), and the chain from every row, all from one draft pass."""
+    from cortiq.mtp import measures as M
+
+    model, data = tiny
+    s = small(chain=3)
+    m, ch0 = _chain(model, data, s)
+    n = len(ch0)
+    start = torch.arange(n) % 5 + 2  # prompts of 3..7 tokens
+    chat = torch.arange(n) % 3 == 0
+    ch = Chain(m, [_set(ch0)], 3, 0, EOS, batch=2, chunk=64, start=start, chat=chat, span=11)
+    idx = torch.arange(n)
+    got = ch.measure(idx)
+    d = ch.tops(idx)
+    want = M.walk_counts_reference(ch.ids, ch.lens, ch.t1, d, start, 11)
+    assert torch.equal(got["walk"], want) and want[0, 0] > 0
+    assert torch.equal(got["data"] + got["chat"], got["walk"]) and got["chat"][0, 0] > 0
+    assert torch.equal(got["chat"], M.walk_counts_reference(ch.ids[chat], ch.lens[chat], ch.t1[chat], d[:, chat], start[chat], 11))
+    assert torch.equal(got["every_row"], M.chain_counts_reference(ch.ids, ch.lens, ch.t1, d))
+    # the held-out default and the figure a checkpoint is chosen by
+    assert torch.equal(ch.hold(), ch.measure()["walk"])
+    with pytest.raises(ValueError, match="start"):
+        Chain(m, [_set(ch0)], 3, 0, EOS, start=start[:-1])
+
+
+def _set(ch):
+    from cortiq.mtp.trunk import TrunkSet
+
+    return TrunkSet("all", ch.ids, ch.lens, ch.ti, ch.tp, ch.h)
+
+
 def _perturbed(tmp_path, model):
     m = load_model(model)
     with torch.no_grad():

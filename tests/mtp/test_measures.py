@@ -144,3 +144,55 @@ def test_order_counts_matches_reference(seed):
     got = M.order_counts(ids, lens, t1, top, stride, chain)
     assert torch.equal(got, M.order_counts_reference(ids, lens, t1, top, stride, chain))
     assert got[0, 0] > 0
+
+
+def test_walk_counts_hand_built():
+    # chain 2; the trunk agrees with the text everywhere; the walk starts at row 2 (a prompt of 3)
+    ids = T([[0, 1, 2, 3, 4, 5, 6, 7, 8]])
+    t1 = T([[1, 2, 3, 4, 5, 6, 7, 8, 0]])
+    lens = T([9])
+    d = torch.zeros(2, 1, 9, dtype=torch.long)  # d[j-1, 0, n]: the chain starting at n, step j (guess for n+j+1)
+    d[:, 0, 2] = T([4, 5])  # round at 2: both hold (t1[3]=4, t1[4]=5) -> next round at 5
+    d[:, 0, 5] = T([9, 8])  # round at 5: step 1 misses (9 != t1[6]=7) -> next at 6
+    d[:, 0, 6] = T([8, 0])  # round at 6: holds (8 == t1[7]); step 2: q=7, 8 < 9 fed, 0 == t1[8] -> holds; next at 9
+    d[:, 0, 0] = T([2, 3])  # row 0 is before the start: never walked
+    got = M.walk_counts(ids, lens, t1, d, T([2]))
+    assert got.tolist() == [[3, 2], [2, 2]]
+    assert torch.equal(got, M.walk_counts_reference(ids, lens, t1, d, T([2])))
+    # a decode of 4 new tokens runs the rounds starting before row 2 + 4: those at 2 and 5
+    got = M.walk_counts(ids, lens, t1, d, T([2]), span=4)
+    assert got.tolist() == [[2, 1], [1, 1]]
+    assert torch.equal(got, M.walk_counts_reference(ids, lens, t1, d, T([2]), 4))
+    # drafts a round = what such a decode accepts: 2 drafts over 2 rounds
+    assert M.drafts_per_round(got) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_walk_counts_matches_reference(seed):
+    g = torch.Generator().manual_seed(200 + seed)
+    N, Tn, V, chain = 5, 41, 2, 3
+    ids = torch.randint(0, V, (N, Tn), generator=g)
+    t1 = torch.where(torch.rand(N, Tn, generator=g) < 0.85, torch.cat([ids[:, 1:], ids[:, :1]], 1),
+                     1 - torch.cat([ids[:, 1:], ids[:, :1]], 1))
+    lens = torch.randint(2, Tn + 1, (N,), generator=g)
+    draft = torch.randint(0, V, (chain, N, Tn), generator=g)
+    start = torch.randint(0, Tn + 2, (N,), generator=g)  # some past the window's end
+    for span in (None, 1, 7, 100):
+        got = M.walk_counts(ids, lens, t1, draft, start, span)
+        assert torch.equal(got, M.walk_counts_reference(ids, lens, t1, draft, start, span)), span
+    assert M.walk_counts(ids, lens, t1, draft, start)[0, 0] > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_walk_from_zero_is_the_order_walk_of_one_layout(seed):
+    """A layout's row q at step j is the chain starting at q-j+1: with one layout (stride 1)
+    the round-ordered walk reads the same drafts as the walk over chain starts."""
+    g = torch.Generator().manual_seed(300 + seed)
+    N, Tn, V, chain = 3, 29, 2, 3
+    ids = torch.randint(0, V, (N, Tn), generator=g)
+    t1 = torch.where(torch.rand(N, Tn, generator=g) < 0.85, torch.cat([ids[:, 1:], ids[:, :1]], 1), 1 - ids)
+    lens = torch.randint(2, Tn + 1, (N,), generator=g)
+    top = torch.randint(0, V, (1, N, Tn), generator=g)
+    draft = torch.stack([torch.cat([top[0, :, j:], top[0, :, :j]], 1) for j in range(chain)])  # [chain, N, T]
+    zero = torch.zeros(N, dtype=torch.long)
+    assert torch.equal(M.walk_counts(ids, lens, t1, draft, zero), M.order_counts(ids, lens, t1, top, 1, chain))
