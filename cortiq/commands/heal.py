@@ -40,6 +40,10 @@ _HELP = {
     "mem_budget_gb": "host memory the prefix cache plans with, GB (0: half of this machine's)",
     "head_chunk": "rows per chunk of the fused head + loss",
     "compile": "torch.compile each decoder layer on CUDA (--no-compile: eager)",
+    "gpus": "GPUs to run on: more than 1 re-runs this command under torchrun, one process per GPU (passes split "
+            "the windows, training splits each batch: the same steps as one GPU)",
+    "shard": "training across GPUs: ddp (each GPU holds the trained layers), fsdp (weights, gradients and Adam "
+             "state split across GPUs), auto (ddp when the tail fits half a GPU)",
 }
 
 
@@ -47,7 +51,7 @@ def add_arguments(p):
     import argparse
     import dataclasses
 
-    from ..heal.settings import COMPUTE, TARGETS, HealSettings
+    from ..heal.settings import COMPUTE, SHARDS, TARGETS, HealSettings
 
     p.add_argument("student", help="the student model (.cmf), e.g. a compress output")
     p.add_argument("--teacher", default=None, help="the source model (.cmf); not needed with --ce 1")
@@ -66,7 +70,7 @@ def add_arguments(p):
             g.add_argument(opt, action=argparse.BooleanOptionalAction, default=f.default, help=_HELP[f.name])
             continue
         typ = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
-        choices = {"compute_dtype": COMPUTE, "loss_on": ("answer", "all"), "target": TARGETS}.get(f.name)
+        choices = {"compute_dtype": COMPUTE, "loss_on": ("answer", "all"), "target": TARGETS, "shard": SHARDS}.get(f.name)
         g.add_argument(opt, type=typ, default=f.default, choices=choices, help=_HELP[f.name])
 
 
@@ -74,6 +78,7 @@ def run(args) -> int:
     import dataclasses
     import json
 
+    from .. import dist
     from ..heal import heal
     from ..heal.settings import HealSettings
 
@@ -82,8 +87,16 @@ def run(args) -> int:
         from ..errors import CortiqError
 
         raise CortiqError("heal: --teacher is needed unless --ce 1")
-    rep = heal(args.student, args.teacher, args.data, s, args.out, work_dir=args.work, progress=not args.quiet,
-               score_split=None if args.no_score else "test", eval_data=None if args.no_score else args.eval_data)
+    if s.gpus > 1 and not dist.under_torchrun():
+        return dist.launch(args._argv, s.gpus)  # this command again, one process per GPU
+    dist.init()
+    try:
+        rep = heal(args.student, args.teacher, args.data, s, args.out, work_dir=args.work, progress=not args.quiet,
+                   score_split=None if args.no_score else "test", eval_data=None if args.no_score else args.eval_data)
+    finally:
+        dist.finish()
+    if rep is None:  # another rank than 0: rank 0 reports
+        return 0
     m = rep["metrics"]
     print(f"healed: {rep['out']}  held-out {m['heldout_start']:.5f} -> {m['heldout_best']:.5f} "
           f"(best step {m['best_step']} of {m['steps']}, {m['sec_per_step']:.2f} s/step)")

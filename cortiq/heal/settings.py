@@ -15,6 +15,8 @@ from ..errors import CortiqError
 
 #: what the student learns per row (see `HealSettings.target`)
 TARGETS = ("topk", "topk+rest", "sampled", "full")
+#: how training spreads over GPUs (see `HealSettings.shard`)
+SHARDS = ("auto", "ddp", "fsdp")
 
 
 @dataclass
@@ -91,6 +93,13 @@ class HealSettings:
     head_chunk: int = 1024
     #: torch.compile each decoder layer on CUDA (teacher and student; the CPU stays eager)
     compile: bool = True
+    #: processes (GPUs) the heal runs on: more than 1 re-runs it under torchrun, one per GPU;
+    #: passes split the windows, training splits each batch (the same steps as one GPU)
+    gpus: int = 1
+    #: how training spreads over more than one GPU: "ddp" (each holds the trained layers whole),
+    #: "fsdp" (weights, gradients and Adam state split across GPUs: a tail too big for one),
+    #: "auto" (ddp when the tail with its Adam state takes at most half of one GPU)
+    shard: str = "auto"
 
     def __post_init__(self):
         def bad(msg):
@@ -123,6 +132,10 @@ class HealSettings:
             bad(f"compute_dtype {self.compute_dtype!r} is not one of {', '.join(COMPUTE)}")
         if self.mem_budget_gb < 0:
             bad(f"mem_budget_gb {self.mem_budget_gb} is negative")
+        if self.gpus < 1:
+            bad(f"gpus {self.gpus} must be at least 1")
+        if self.shard not in SHARDS:
+            bad(f"shard {self.shard!r} is not one of {', '.join(SHARDS)}")
 
     @property
     def teacher_kind(self) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import store, tracking
+from .. import dist, store, tracking
 from ..errors import CortiqError
 from . import prefix as prefix_mod
 from . import targets as targets_mod
@@ -60,7 +60,7 @@ def check_inputs(student_cmf, teacher_cmf, tdata_dir, s: HealSettings):
 
 def _train_key(s: HealSettings) -> dict:
     d = s.to_dict()
-    for k in ("device", "compute_dtype", "mem_budget_gb", "head_chunk", "checkpoint_every", "compile"):
+    for k in ("device", "compute_dtype", "mem_budget_gb", "head_chunk", "checkpoint_every", "compile", "gpus", "shard"):
         d.pop(k)  # how, not what: a resumed run may change them
     return d
 
@@ -72,11 +72,12 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
     from safetensors.torch import save_file
 
     from ..model import load_model
+    from .parallel import prepare
     from .train import Objective, SplitData, StudentTail, fit, train_index, val_index
 
     s = settings
     work_dir = Path(work_dir)
-    dev = resolve_device(s.device)
+    dev = dist.device(resolve_device(s.device))
     cdt = resolve_compute(s.compute_dtype, dev)
     tg = targets_mod.Targets(targets_dir)
     if tg.T != s.window:
@@ -98,8 +99,8 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
     model = load_model(student_cmf, dtype=torch.float32, device="cpu")
     tail = StudentTail(model, s.train_from, s.ffn_only, drop_prefix=cached)
     model.to(dev)
-    if s.compile and dev.type == "cuda":
-        model.compile_layers()
+    # across ranks: DDP or fully_shard around the trained layers, compiled after (cortiq.heal.parallel)
+    plan = prepare(tail, s, dev, cdt, compile=s.compile and dev.type == "cuda")
     obj = Objective(tg.kind, None, s.ce)
     if tg.kind == "full":
         # the whole distribution, online: the teacher the targets stage names
@@ -111,15 +112,20 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
     key = store.digest(TRAIN_STAGE, TRAIN_VERSION, _train_key(s),
                        [store.file_digest(student_cmf), store.file_digest(targets_dir)]
                        + ([store.file_digest(prefix_dir)] if cached else []))
+    if not dist.is_main():
+        logger = tracking.NULL  # rank 0 reports for all
     logger.log_params({f"heal.{k}": v for k, v in s.to_dict().items()})
     rep = fit(tail, splits["train"], splits["val"], s, work_dir, dev, cdt, key=key, logger=logger, progress=progress,
-              obj=obj)
+              obj=obj, plan=plan)
     out = work_dir / TRAINED
     tmp = out.with_name(out.name + ".partial")
-    save_file({n: t.contiguous() for n, t in tail.state().items()}, str(tmp), metadata={"key": key})
-    os.replace(tmp, out)
+    state = tail.state()  # every rank: sharded weights are gathered
+    if dist.is_main():
+        save_file({n: t.contiguous() for n, t in state.items()}, str(tmp), metadata={"key": key})
+        os.replace(tmp, out)
+    dist.barrier()
     rep.update({"device": str(dev), "compute_dtype": str(cdt).removeprefix("torch."), "prefix_cached": cached,
-                "trained": str(out), "slots": tg.k})
+                "trained": str(out), "slots": tg.k, "ranks": dist.world(), "shard": plan.kind})
     return rep
 
 
@@ -211,7 +217,10 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
     and, when `eval_data` (a tdata directory of other text) is given, on every
     record of it; the gap recovered is reported on `eval_data` when given (the
     heal data's own test split rewards adapting to that text, which is not
-    recovery), and goes into the healed model's provenance with its NLLs."""
+    recovery), and goes into the healed model's provenance with its NLLs.
+
+    Under torchrun (cortiq.dist) every rank calls it: the passes and training
+    split across ranks, rank 0 scores and exports; the others return None."""
     s = settings
     out = Path(out)
     teacher = None if s.ce >= 1.0 and teacher_cmf is None else teacher_cmf
@@ -226,17 +235,19 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
 
     tdir = work / f"targets-{targets_mod.digest_of(teacher, tdata_dir, s)}"
     trep = {"metrics": {}, "reused": True}
-    if not store.is_complete(tdir):
+    if not dist.agree(store.is_complete(tdir)):
         trep = targets_mod.teacher_targets(teacher, tdata_dir, s, tdir, logger, progress=progress)
     pdir = None
     prep = {"metrics": {}, "dtype": "none"}
     if s.train_from > 0:
         pdir = work / f"prefix-{prefix_mod.digest_of(student_cmf, tdata_dir, s)}"
-        if not store.is_complete(pdir):
+        if not dist.agree(store.is_complete(pdir)):
             prep = prefix_mod.prefix_cache(student_cmf, tdata_dir, s, pdir, logger, progress=progress)
         else:
             prep = {"metrics": {}, "dtype": store.read_meta(pdir)["dtype"], "reused": True}
     rep = train(student_cmf, tdir, pdir, tdata_dir, s, work / "train", logger, progress=progress)
+    if not dist.is_main():
+        return None
     m = rep["metrics"]
     report = {"metrics": {**m, **{f"teacher.{k}": v for k, v in trep["metrics"].items()},
                           **{f"prefix.{k}": v for k, v in prep["metrics"].items()}},

@@ -156,6 +156,9 @@ class MtpSettings:
     head_chunk: int = 1024
     #: windows per trunk forward
     trunk_batch: int = 4
+    #: processes (GPUs) to run on: more than 1 re-runs the command under torchrun, one per GPU
+    #: (the trunk pass splits the windows, training splits each batch)
+    gpus: int = 1
 
     def __post_init__(self):
         def bad(msg):
@@ -205,6 +208,8 @@ class MtpSettings:
             bad(f"gen_chat {self.gen_chat} is not between 0 and 1")
         if self.gen_temperature < 0:
             bad(f"gen_temperature {self.gen_temperature} is negative")
+        if self.gpus < 1:
+            bad(f"gpus {self.gpus} must be at least 1")
         if self.head_chunk < 1 or self.trunk_batch < 1 or self.gen_batch < 1:
             bad("head_chunk, trunk_batch and gen_batch must be at least 1")
         from ..codecs import get as get_codec
@@ -235,7 +240,8 @@ class MtpSettings:
     def key(self) -> dict:
         """What the result depends on (the outputs' paths and resources left out)."""
         d = self.to_dict()
-        for k in ("trunk_cache", "gen_cache", "dump", "taps", "also", "device", "head_chunk", "trunk_batch", "gen_batch"):
+        for k in ("trunk_cache", "gen_cache", "dump", "taps", "also", "device", "head_chunk", "trunk_batch", "gen_batch",
+                  "gpus"):
             d.pop(k)
         return d
 
