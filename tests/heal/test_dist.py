@@ -189,3 +189,17 @@ def test_cli_gpus_2_reruns_itself_under_torchrun_and_heals_as_one_gpu(tmp_path, 
     meta = store.read_meta(next((tmp_path / "two.cmf.work").glob("targets-*")))
     assert meta["files"]["val"] == ["val-000-of-002.arrow", "val-001-of-002.arrow"]
     assert (tmp_path / "two.cmf").is_file()
+
+
+def test_a_one_process_checkpoint_resumes_on_two_ranks(tmp_path):
+    tail, tr, va = _setup()
+    ref = fit(tail, tr, va, _settings(), tmp_path / "ref", CPU, torch.float32, key="k", progress=False)
+    ref["state"] = tail.state()
+    tail2, tr2, va2 = _setup()
+    with pytest.raises(_Kill):
+        fit(tail2, tr2, va2, _settings(), tmp_path / "w", CPU, torch.float32, key="k", logger=_KillAt(9), progress=False)
+    assert (tmp_path / "w/checkpoint.pt").is_file()
+    run_ranks(_fit, 2, tmp_path / "w", {"shard": "fsdp"}, 0, tmp_path / "two.pt", tmp=tmp_path)
+    two = torch.load(tmp_path / "two.pt", weights_only=True)
+    assert [h["step"] for h in two["history"]] == list(range(1, 19))
+    _same_run(two, ref, ref["state"])
