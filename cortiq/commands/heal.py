@@ -88,6 +88,9 @@ def run(args) -> int:
 
         raise CortiqError("heal: --teacher is needed unless --ce 1")
     if s.gpus > 1 and not dist.under_torchrun():
+        from ..heal import check_inputs
+
+        check_inputs(args.student, args.teacher, args.data, s)  # bad input: one line here, not one per rank
         return dist.launch(args._argv, s.gpus)  # this command again, one process per GPU
     dist.init()
     try:

@@ -73,6 +73,9 @@ def run(args) -> int:
     kw = {fl.name: getattr(args, fl.name) for fl in fields(MtpSettings)}
     s = MtpSettings(**kw)
     if s.gpus > 1 and not dist.under_torchrun():
+        from ..mtp import _open
+
+        _open(args.model)  # a model without a draft: one line here, not one per rank
         return dist.launch(args._argv, s.gpus)  # this command again, one process per GPU
     dist.init()
     try:

@@ -203,3 +203,15 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks(tmp_path):
     two = torch.load(tmp_path / "two.pt", weights_only=True)
     assert [h["step"] for h in two["history"]] == list(range(1, 19))
     _same_run(two, ref, ref["state"])
+
+
+def test_cli_gpus_2_bad_input_is_one_line_before_any_rank_starts(tmp_path, capsys):
+    from cortiq.cli import main
+
+    a = arch()
+    teacher = save(tmp_path / "t.cmf", a, random_weights(a))
+    td = tdata(tmp_path, teacher, chars=2000)
+    rc = main(["heal", str(teacher), "--teacher", str(teacher), "--data", str(td), "--out", str(tmp_path / "h.cmf"),
+               "--train-from", "5", "--gpus", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("cortiq: ") and "train_from 5 is beyond" in err and err.count("\n") == 1
