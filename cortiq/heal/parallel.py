@@ -144,17 +144,6 @@ class Plan:
     def _requires(self) -> tuple:
         return tuple(p.requires_grad for _, p in self.tail.named())
 
-    def compile(self, model) -> None:
-        """torch.compile the decoder layers. Under fully_shard only each layer's
-        forward is compiled: the sharding's hooks around it stay eager."""
-        if self.kind != "fsdp":
-            model.compile_layers()
-            return
-        model.compile_layers()  # the limits and the frozen layers
-        for layer in list(model.layers)[self.tail.train_from:]:
-            layer._compiled_call_impl = None  # the hooks run eagerly ...
-            layer.forward = torch.compile(type(layer).forward.__get__(layer), dynamic=False)  # ... the body compiled
-
     def following(self) -> None:
         """After Genesis changed which layers train: DDP is rebuilt over the new set."""
         if self.kind == "ddp" and self._requires() != self.active:
@@ -300,8 +289,8 @@ def adam_state(opt, named) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def prepare(tail, s, device, cdt, compile: bool = False) -> Plan:
-    """The plan for this process (settings `s.shard`), wrapped; compiled when asked."""
-    plan = Plan(tail, choose(s.shard, tail, device), device, cdt, s.genesis).wrap()
+    """The plan for this process (settings `s.shard`), wrapped; the decoder layers compiled when asked."""
     if compile:
-        plan.compile(tail.model)
-    return plan
+        # each layer compiled before it is wrapped: the order torch's own tests of fully_shard use
+        tail.model.compile_layers()
+    return Plan(tail, choose(s.shard, tail, device), device, cdt, s.genesis).wrap()

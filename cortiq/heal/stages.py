@@ -99,7 +99,7 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
     model = load_model(student_cmf, dtype=torch.float32, device="cpu")
     tail = StudentTail(model, s.train_from, s.ffn_only, drop_prefix=cached)
     model.to(dev)
-    # across ranks: DDP or fully_shard around the trained layers, compiled after (cortiq.heal.parallel)
+    # the layers compiled, then across ranks DDP or fully_shard around the trained ones (cortiq.heal.parallel)
     plan = prepare(tail, s, dev, cdt, compile=s.compile and dev.type == "cuda")
     obj = Objective(tg.kind, None, s.ce)
     if tg.kind == "full":
