@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)  # a command may re-run itself (under torchrun)
     try:
         rc = args._run(args)
     except CortiqError as e:

@@ -23,6 +23,7 @@ so it is recomputed, never a dead path.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -152,28 +153,42 @@ def run(stage: Stage, root: str | os.PathLike, logger: tracking.Logger = trackin
 
     The output is locked while it is checked and made: a second process on the
     same root waits for the first to finish it, then reuses it."""
+    from . import dist
+
     pl = plan(stage, root, **params)
     p = stage.params(params)
     pl.out.parent.mkdir(parents=True, exist_ok=True)
-    with store.locked(pl.out):
-        if pl.ready():
+    # under torchrun every rank runs the stage (each its share of the windows) and
+    # rank 0 decides, locks and reports for all: a lock per rank would deadlock
+    # the stage's collectives
+    main = dist.is_main()
+    with store.locked(pl.out) if main else contextlib.nullcontext():
+        if dist.agree(pl.ready()):
             return _result(pl, reused=True)
         if os.environ.get(FAIL_ENV) == stage.name:
             raise InjectedFailure(f"{stage.name}: failure injected by ${FAIL_ENV}")
         report = stage.make(pl.out, Context(pl.digest, logger, progress), **p)
-        if report is None:
-            report = {}
-        if not isinstance(report, dict):
-            raise CortiqError(f"{stage.name}: the stage returned {type(report).__name__}, not a report dict")
-        if stage.output == "cmf" and not pl.out.is_file():
-            raise CortiqError(f"{pl.out}: the {stage.name} stage returned without writing its model")
-        if stage.output != "cmf" and not store.is_complete(pl.out):
-            raise CortiqError(f"{pl.out}: the {stage.name} stage returned without finishing its output (no meta.json)")
-        pl.report.parent.mkdir(parents=True, exist_ok=True)
-        tmp = pl.report.with_name(pl.report.name + ".partial")
-        tmp.write_text(json.dumps(report, indent=1, sort_keys=True, default=_jsonable))
-        os.replace(tmp, pl.report)
+        dist.barrier()
+        if main:
+            _finish(stage, pl, report)
+        dist.barrier()
         return _result(pl, reused=False)
+
+
+def _finish(stage: Stage, pl: Plan, report) -> None:
+    """Check the stage left a complete output, then write its report (last)."""
+    if report is None:
+        report = {}
+    if not isinstance(report, dict):
+        raise CortiqError(f"{stage.name}: the stage returned {type(report).__name__}, not a report dict")
+    if stage.output == "cmf" and not pl.out.is_file():
+        raise CortiqError(f"{pl.out}: the {stage.name} stage returned without writing its model")
+    if stage.output != "cmf" and not store.is_complete(pl.out):
+        raise CortiqError(f"{pl.out}: the {stage.name} stage returned without finishing its output (no meta.json)")
+    pl.report.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pl.report.with_name(pl.report.name + ".partial")
+    tmp.write_text(json.dumps(report, indent=1, sort_keys=True, default=_jsonable))
+    os.replace(tmp, pl.report)
 
 
 def _result(pl: Plan, reused: bool) -> dict:

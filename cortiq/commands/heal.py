@@ -35,6 +35,7 @@ def add_arguments(p):
 def run(args) -> int:
     import json
 
+    from .. import dist
     from ..heal import heal
     from ..heal.settings import HealSettings
     from ..settings_meta import from_args
@@ -44,8 +45,19 @@ def run(args) -> int:
         from ..errors import CortiqError
 
         raise CortiqError("heal: --teacher is needed unless --ce 1")
-    rep = heal(args.student, args.teacher, args.data, s, args.out, work_dir=args.work, progress=not args.quiet,
-               score_split=None if args.no_score else "test", eval_data=None if args.no_score else args.eval_data)
+    if s.gpus > 1 and not dist.under_torchrun():
+        from ..heal import check_inputs
+
+        check_inputs(args.student, args.teacher, args.data, s)  # bad input: one line here, not one per rank
+        return dist.launch(args._argv, s.gpus)  # this command again, one process per GPU
+    dist.init()
+    try:
+        rep = heal(args.student, args.teacher, args.data, s, args.out, work_dir=args.work, progress=not args.quiet,
+                   score_split=None if args.no_score else "test", eval_data=None if args.no_score else args.eval_data)
+    finally:
+        dist.finish()
+    if rep is None:  # another rank than 0: rank 0 reports
+        return 0
     m = rep["metrics"]
     print(f"healed: {rep['out']}  held-out {m['heldout_start']:.5f} -> {m['heldout_best']:.5f} "
           f"(best step {m['best_step']} of {m['steps']}, {m['sec_per_step']:.2f} s/step)")

@@ -51,8 +51,21 @@ def run(args) -> int:
         rep = mtp_init(args.model, args.out)
         print(f"{rep['out']}: fresh MTP block from layer {rep['layer']}", file=sys.stderr)
         return 0
+    from .. import dist
+
     s = from_args(MtpSettings, args)
-    rep = mtp_heal(args.model, args.data, s, args.out)
+    if s.gpus > 1 and not dist.under_torchrun():
+        from ..mtp import _open
+
+        _open(args.model)  # a model without a draft: one line here, not one per rank
+        return dist.launch(args._argv, s.gpus)  # this command again, one process per GPU
+    dist.init()
+    try:
+        rep = mtp_heal(args.model, args.data, s, args.out)
+    finally:
+        dist.finish()
+    if rep is None:  # another rank than 0: rank 0 reports
+        return 0
     m = rep["metrics"]
     print(f"{args.out}: drafts a round {m['drafts_per_round_before']:.3f} -> {m['drafts_per_round_after']:.3f} "
           f"({int(m['steps'])} steps, best at {int(m['best_step'])}, preset {rep['preset']})", file=sys.stderr)

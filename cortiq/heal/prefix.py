@@ -5,6 +5,8 @@ Kept in f32 when that fits 0.3 of the memory budget, in f16 when half of it
 does, not at all otherwise (the trainer then runs the prefix every step).
 Output (a stage directory): `train.arrow`, `val.arrow` with one row per
 window, `h` = [T·H] f32 or f16; meta `dtype` says which ("none": no files).
+On N ranks each writes its share of the windows (`SPLIT-R-of-N.arrow`, listed
+in order by meta.json's `files`), read back as one table.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from .. import store, tracking
+from .. import dist, store, tracking
 from ..pipeline import Stage
-from .rows import RowWriter, WindowRows, open_table
+from .rows import RowWriter, WindowRows, open_split
 from .settings import HealSettings, mem_budget_bytes, resolve_device
 from .targets import SPLITS, window_sets
 
@@ -70,21 +72,24 @@ def prefix_cache(student_cmf, tdata_dir, settings: HealSettings, out, logger: tr
             "window": s.window, "hidden": arch.hidden_size, "train_from": s.train_from,
             "counts": {sp: len(w) for sp, w in wins.items()}}
     t0 = time.perf_counter()
-    with store.stage_dir(out, meta) as part:
+    if dist.active() and dtype != "none":
+        meta["files"] = {split: dist.shard_names(split) for split in wins}
+    with dist.stage_dir(out, meta) as part:
         if dtype != "none":
             from ..model import load_model
 
-            dev = resolve_device(s.device)
+            dev = dist.device(resolve_device(s.device))
             model = load_model(student_cmf, dtype=torch.float32, device="cpu").eval()
             # only the prefix travels to the device
             del model.layers[s.train_from:]
             model.to(dev)
             pa_t, np_t = (pa.float32(), np.float32) if dtype == "f32" else (pa.float16(), np.float16)
             for split, w in wins.items():
-                with RowWriter(part / f"{split}.arrow", {"h": (pa_t, s.window * arch.hidden_size)}) as wr, \
-                        tqdm(total=len(w), desc=f"prefix 0..{s.train_from} ({split})", unit="win",
-                             disable=not progress, file=sys.stderr) as bar:
-                    for a in range(0, len(w), s.batch):
+                share = dist.shard(len(w), s.batch)  # whole batches, as one rank runs them
+                with RowWriter(part / dist.shard_name(split), {"h": (pa_t, s.window * arch.hidden_size)}) as wr, \
+                        tqdm(total=len(share), desc=f"prefix 0..{s.train_from} ({split})", unit="win",
+                             disable=not progress or not dist.is_main(), file=sys.stderr) as bar:
+                    for a in range(share.start, share.stop, s.batch):
                         # f32 compute: the cached rows are the trainer's exact inputs
                         h = run_prefix(model, torch.from_numpy(w.ids[a : a + s.batch]).to(dev), s.train_from)  # [B, T, H]
                         wr.write(h=h.float().cpu().numpy().astype(np_t).reshape(h.shape[0], -1))
@@ -115,7 +120,7 @@ class Prefix:
         if self.dtype != "none":
             shape = (int(self.meta["window"]), int(self.meta["hidden"]))
             for split in SPLITS:
-                self.h[split] = WindowRows(open_table(d / f"{split}.arrow"), "h", shape)
+                self.h[split] = WindowRows(open_split(d, split, self.meta), "h", shape)
 
     @property
     def cached(self) -> bool:

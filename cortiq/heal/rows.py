@@ -81,3 +81,13 @@ class RowWriter:
 
 def open_table(path) -> pa.Table:
     return store.read_arrow(path)
+
+
+def open_split(d, split: str, meta: dict) -> pa.Table:
+    """A stage directory's `split` rows as one table: `SPLIT.arrow`, or the
+    shards meta.json's `files` lists (one per rank), in order, memory-mapped."""
+    from pathlib import Path
+
+    names = (meta.get("files") or {}).get(split) or [f"{split}.arrow"]
+    tables = [open_table(Path(d) / n) for n in names]
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)

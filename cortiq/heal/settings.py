@@ -18,6 +18,8 @@ from ..settings_meta import BATCH, EPOCHS, TOPK, WINDOW, check, setting
 TARGETS = ("topk", "topk+rest", "sampled", "full")
 #: the memory savings `HealSettings.memory` may name ("lean" is all of them)
 MEMORY_PARTS = ("checkpoint", "micro", "adam8")
+#: how training spreads over GPUs (see `HealSettings.shard`)
+SHARDS = ("auto", "ddp", "fsdp")
 
 
 @dataclass
@@ -118,6 +120,16 @@ class HealSettings:
                           "accumulated), adam8 (8-bit Adam moments; pip install 'cortiq[lean]')")
     #: windows per micro-batch when micro-batches are on (0: a quarter of the batch, at least 1)
     micro_batch: int = setting(0, "windows per micro-batch with --memory micro/lean (0: a quarter of --batch)", lo=0)
+    #: processes (GPUs) the heal runs on: more than 1 re-runs it under torchrun, one per GPU;
+    #: passes split the windows, training splits each batch (the same steps as one GPU)
+    gpus: int = setting(1, "GPUs to run on: more than 1 re-runs the heal under torchrun, one process per GPU "
+                           "(the same steps and results as one GPU)", lo=1)
+    #: how training spreads over more than one GPU: "ddp" (each holds the trained layers whole),
+    #: "fsdp" (weights, gradients and Adam state split across GPUs: a tail too big for one),
+    #: "auto" (ddp when the tail with its Adam state takes at most half of one GPU)
+    shard: str = setting("auto", "how training spreads over GPUs: ddp (each GPU holds the trained layers), fsdp "
+                                 "(weights, gradients and Adam state split), auto (ddp when they fit half a GPU)",
+                         choices=SHARDS)
 
     def __post_init__(self):
         check(self, "heal settings")

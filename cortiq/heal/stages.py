@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import pipeline, store, tracking
+from .. import dist, pipeline, store, tracking
 from ..errors import CortiqError
 from ..measure import gap_recovered, score  # noqa: F401  (heal's names for them)
 from ..pipeline import Stage
@@ -62,7 +62,7 @@ def check_inputs(student_cmf, teacher_cmf, tdata_dir, s: HealSettings):
 def _train_key(s: HealSettings) -> dict:
     d = s.to_dict()
     for k in ("device", "compute_dtype", "mem_budget_gb", "head_chunk", "checkpoint_every", "compile", "memory",
-              "micro_batch"):
+              "micro_batch", "gpus", "shard"):
         d.pop(k)  # how, not what: a resumed run may change them
     return d
 
@@ -74,11 +74,12 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
     from safetensors.torch import save_file
 
     from ..model import load_model
+    from .parallel import prepare
     from .train import Objective, SplitData, StudentTail, fit, train_index, val_index
 
     s = settings
     work_dir = Path(work_dir)
-    dev = resolve_device(s.device)
+    dev = dist.device(resolve_device(s.device))
     cdt = resolve_compute(s.compute_dtype, dev)
     tg = targets_mod.Targets(targets_dir)
     if tg.T != s.window:
@@ -100,8 +101,8 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
     model = load_model(student_cmf, dtype=torch.float32, device="cpu")
     tail = StudentTail(model, s.train_from, s.ffn_only, drop_prefix=cached)
     model.to(dev)
-    if s.compile and dev.type == "cuda":
-        model.compile_layers()
+    # the layers compiled, then across ranks DDP or fully_shard around the trained ones (cortiq.heal.parallel)
+    plan = prepare(tail, s, dev, cdt, compile=s.compile and dev.type == "cuda")
     obj = Objective(tg.kind, None, s.ce)
     if tg.kind == "full":
         # the whole distribution, online: the teacher the targets stage names
@@ -113,15 +114,20 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
     # a checkpoint resumes only the run it was taken in: the digest the stage runner names this training by
     key = pipeline.digest_of(TRAIN, student=student_cmf, targets=targets_dir, prefix=prefix_dir, tdata=tdata_dir,
                              settings=s)
+    if not dist.is_main():
+        logger = tracking.NULL  # rank 0 reports for all
     logger.log_params({f"heal.{k}": v for k, v in s.to_dict().items()})
     rep = fit(tail, splits["train"], splits["val"], s, work_dir, dev, cdt, key=key, logger=logger, progress=progress,
-              obj=obj)
+              obj=obj, plan=plan)
     out = work_dir / TRAINED
     tmp = out.with_name(out.name + ".partial")
-    save_file({n: t.contiguous() for n, t in tail.state().items()}, str(tmp), metadata={"key": key})
-    os.replace(tmp, out)
+    state = tail.state()  # every rank: sharded weights are gathered
+    if dist.is_main():
+        save_file({n: t.contiguous() for n, t in state.items()}, str(tmp), metadata={"key": key})
+        os.replace(tmp, out)
+    dist.barrier()
     rep.update({"device": str(dev), "compute_dtype": str(cdt).removeprefix("torch."), "prefix_cached": cached,
-                "trained": str(out), "slots": tg.k})
+                "trained": str(out), "slots": tg.k, "ranks": dist.world(), "shard": plan.kind})
     return rep
 
 
@@ -176,7 +182,10 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
     and, when `eval_data` (a tdata directory of other text) is given, on every
     record of it; the gap recovered is reported on `eval_data` when given (the
     heal data's own test split rewards adapting to that text, which is not
-    recovery), and goes into the healed model's provenance with its NLLs."""
+    recovery), and goes into the healed model's provenance with its NLLs.
+
+    Under torchrun (cortiq.dist) every rank calls it: the passes and training
+    split across ranks, rank 0 scores and exports; the others return None."""
     s = settings
     out = Path(out)
     teacher = None if s.ce >= 1.0 and teacher_cmf is None else teacher_cmf
@@ -201,6 +210,8 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
         prep, pdir = pr["report"], pr["path"]
     trained = step(TRAIN, student=student_cmf, targets=tdir, prefix=pdir, tdata=tdata_dir)
     rep = trained["report"]
+    if not dist.is_main():
+        return None  # rank 0 scores, exports and reports
     m = rep["metrics"]
     report = {"metrics": {**m, **{f"targets.{k}": v for k, v in trep["metrics"].items()},
                           **{f"prefix.{k}": v for k, v in prep["metrics"].items()}},
@@ -247,7 +258,8 @@ def _train(out, ctx, student, targets, prefix, tdata, settings) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     rep = train(Path(student), Path(targets), prefix and Path(prefix), Path(tdata), settings, out, ctx.logger,
                 ctx.progress)
-    store.finish_dir(out, {"stage": TRAIN.name, "digest": ctx.digest, "report": rep})
+    if dist.is_main():
+        store.finish_dir(out, {"stage": TRAIN.name, "digest": ctx.digest, "report": rep})
     return rep
 
 

@@ -13,7 +13,9 @@ scaled by its weight (unscored rows weigh 0). The kinds (`HealSettings.target`):
 
 Output (a stage directory): `train.arrow` and `val.arrow`, one row per window:
 `ids` [T·slots] uint32, `probs` [T·slots] f32, `total` (the window's summed
-row weights).
+row weights). Run on N ranks (cortiq.dist), each writes its share of the
+windows as `SPLIT-R-of-N.arrow` and meta.json's `files` lists them in order:
+read as one table, they are the rows one rank writes.
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ import torch
 
 from .. import store, tracking
 from ..errors import CortiqError
+from .. import dist
 from ..pipeline import Stage
-from .rows import RowWriter, WindowRows, open_table
+from .rows import RowWriter, WindowRows, open_split
 from .settings import HealSettings
 
 STAGE = "targets"
-VERSION = 1
+#: 2: "sampled" draws are seeded per batch of windows (so any number of ranks draws the same)
+VERSION = 2
 SPLITS = ("train", "val")
 #: the id of the "topk+rest" rest slot: outside any vocabulary, so a slip that
 #: gathers it fails loudly
@@ -199,6 +203,12 @@ def digest_of(teacher_cmf, tdata_dir, s: HealSettings) -> str:
     return _digest(TARGETS, teacher=teacher_cmf, tdata=tdata_dir, settings=s)
 
 
+def draws(dev, seed: int, split: int, batch: int) -> torch.Generator:
+    """The "sampled" draws of one batch of windows: a stream of their own, so a
+    batch draws alike whichever rank runs it (and after whatever batches)."""
+    return torch.Generator(device=dev).manual_seed(((seed * len(SPLITS) + split) << 32 | batch) & ((1 << 63) - 1))
+
+
 def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,
                     progress: bool = True, digest: str | None = None) -> dict:
     """Run the teacher over the train and val windows (unless ce = 1 or the
@@ -215,7 +225,7 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
     _, wins = window_sets(tdata_dir, s)
     k = s.slots
     teacher = None
-    dev = resolve_device(s.device)
+    dev = dist.device(resolve_device(s.device))
     kind = s.teacher_kind
     if kind not in ("ce", "full"):
         from ..model import load_model
@@ -232,16 +242,18 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
             "slots": k, "window": s.window, "kind": kind, "counts": {sp: len(w) for sp, w in wins.items()}}
     t0 = time.perf_counter()
     T = s.window
-    with store.stage_dir(out, meta) as part:
+    if dist.active():
+        meta["files"] = {split: dist.shard_names(split) for split in SPLITS}
+    with dist.stage_dir(out, meta) as part:
         for si, split in enumerate(SPLITS):
             w = wins[split]
-            # one stream of draws per split, the same for every run of these settings
-            gen = torch.Generator(device=dev).manual_seed(s.seed * len(SPLITS) + si) if kind == "sampled" else None
-            with RowWriter(part / f"{split}.arrow", {"ids": (pa.uint32(), T * k), "probs": (pa.float32(), T * k)},
+            share = dist.shard(len(w), s.batch)  # whole batches: the batches one rank runs
+            with RowWriter(part / dist.shard_name(split), {"ids": (pa.uint32(), T * k), "probs": (pa.float32(), T * k)},
                            {"total": pa.float64()}) as wr, \
-                    tqdm(total=len(w), desc=f"teacher top-{k} ({split})", unit="win",
-                         disable=not progress or teacher is None, file=sys.stderr) as bar:
-                for a in range(0, len(w), s.batch):
+                    tqdm(total=len(share), desc=f"teacher top-{k} ({split})", unit="win",
+                         disable=not progress or teacher is None or not dist.is_main(), file=sys.stderr) as bar:
+                for a in range(share.start, share.stop, s.batch):
+                    gen = draws(dev, s.seed, si, a // s.batch) if kind == "sampled" else None
                     ids = torch.from_numpy(w.ids[a : a + s.batch]).to(dev)  # [B, T]
                     nxt = torch.from_numpy(w.next[a : a + s.batch]).reshape(-1).to(dev)  # [B·T]
                     wt = torch.from_numpy(w.weight[a : a + s.batch]).reshape(-1).to(dev)  # [B·T]
@@ -288,7 +300,7 @@ class Targets:
         self.teacher = (self.meta.get("inputs") or {}).get("teacher")
         self.ids, self.probs, self.total = {}, {}, {}
         for split in SPLITS:
-            t = open_table(d / f"{split}.arrow")
+            t = open_split(d, split, self.meta)
             self.ids[split] = WindowRows(t, "ids", (self.T, self.k))
             self.probs[split] = WindowRows(t, "probs", (self.T, self.k))
             self.total[split] = t.column("total").to_numpy()

@@ -50,6 +50,9 @@ class SplitData:
     total: np.ndarray  # [N] summed row weights
     index: np.ndarray  # [n_batches, batch]
     h0: WindowRows | None = None  # [T, H] per window: the frozen prefix's output
+    #: [n_batches, global batch]: the whole batches when `index` holds this rank's share of each
+    #: (a share's loss is divided by its whole batch's row weight: see cortiq.heal.parallel)
+    group: np.ndarray | None = None
 
     @property
     def n_batches(self) -> int:
@@ -69,7 +72,7 @@ class SplitData:
         tid = put(self.tids.take(i).astype(np.int64)).reshape(-1, k)  # [B·T, k]
         tp = put(self.tprobs.take(i)).reshape(-1, k)  # [B·T, k]
         h0 = None if self.h0 is None else put(self.h0.take(i), torch.float32)  # [B, T, H]
-        return ids, h0, tid, tp, float(self.total[i].sum())
+        return ids, h0, tid, tp, float(self.total[i if self.group is None else self.group[b]].sum())
 
 
 class Ahead:
@@ -132,22 +135,30 @@ class StudentTail:
             # the cache replaces them: the student holds only the tail
             for i in range(train_from):
                 model.layers[i] = _Dropped(i)
+        self.ffn_only = ffn_only
+        #: the tail wrapped for training across ranks (cortiq.heal.parallel), or None
+        self.wrapped: torch.nn.Module | None = None
         for p in model.parameters():
             p.requires_grad_(False)
-        self.params: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
-        for name, p in model.named_parameters():
-            parts = name.split(".")
-            if parts[:2] != ["model", "layers"]:
-                continue
-            layer = int(parts[2])
-            if layer < train_from or (ffn_only and parts[3] != "mlp"):
-                continue
-            self.params.setdefault(layer, []).append((name, p))
-            p.requires_grad_(True)
+        self.collect(mark=True)
         if not self.params:
             raise CortiqError(f"heal: nothing to train from layer {train_from} (ffn_only={ffn_only})")
         #: recompute each trained layer's activations in the backward (memory "checkpoint")
         self.checkpoint = False
+
+    def collect(self, mark: bool = False) -> None:
+        """The trained parameters by layer (again after sharding replaced them); `mark`: they require grad."""
+        self.params: dict[int, list[tuple[str, torch.nn.Parameter]]] = {}
+        for name, p in self.model.named_parameters():
+            parts = name.split(".")
+            if parts[:2] != ["model", "layers"]:
+                continue
+            layer = int(parts[2])
+            if layer < self.train_from or (self.ffn_only and parts[3] != "mlp"):
+                continue
+            self.params.setdefault(layer, []).append((name, p))
+            if mark:
+                p.requires_grad_(True)
 
     def named(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [np_ for l in sorted(self.params) for np_ in self.params[l]]
@@ -157,6 +168,9 @@ class StudentTail:
         return self.model.run_layers(self.model.embed(ids), 0, self.train_from)  # [B, T, H]
 
     def tail(self, h0: torch.Tensor) -> torch.Tensor:
+        return self.run_tail(h0) if self.wrapped is None else self.wrapped(h0)
+
+    def run_tail(self, h0: torch.Tensor) -> torch.Tensor:
         if self.checkpoint and torch.is_grad_enabled():
             # one checkpoint per layer: only its input [B, T, H] is saved, the rest is
             # recomputed in the backward (non-reentrant: works under autocast, with
@@ -177,12 +191,17 @@ class StudentTail:
                 p.requires_grad_(l >= lowest)
 
     def state(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().to("cpu", copy=True) for n, p in self.named()}
+        """Whole CPU copies of the trained weights (sharded ones gathered: every rank calls it)."""
+        from .parallel import full
+
+        return {n: full(p.detach()).to("cpu", copy=True) for n, p in self.named()}
 
     @torch.no_grad()
     def load(self, state: dict[str, torch.Tensor]) -> None:
+        from .parallel import put
+
         for n, p in self.named():
-            p.copy_(state[n])
+            put(p, state[n])
 
 
 class _Dropped(torch.nn.Module):
@@ -306,13 +325,23 @@ def _save(path: Path, obj: dict) -> None:
 
 def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, work_dir, device, cdt,
         key: str = "", logger: tracking.Logger = tracking.NULL, progress: bool = True,
-        obj: Objective | None = None) -> dict:
-    """Train `tail` in place; returns the report. On return the tail holds the best weights."""
+        obj: Objective | None = None, plan=None) -> dict:
+    """Train `tail` in place; returns the report. On return the tail holds the best weights.
+
+    `plan` (cortiq.heal.parallel) says how the tail runs when torchrun started
+    several processes; by default it is made here from `s.shard` (one process: as is)."""
     from tqdm import tqdm
 
+    from .. import dist
+    from .parallel import prepare
+
+    progress = progress and dist.is_main()  # one bar, not one per rank
+    if plan is None:
+        plan = prepare(tail, s, device, cdt)
+    tokens = train.index.shape[1] * train.ids.shape[1]  # a whole step's, over every rank
+    train, val = plan.local(train), plan.local(val)
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_path = work_dir / CHECKPOINT
     nb = train.n_batches
     if nb < 1:
         raise CortiqError(f"heal: {len(train.ids)} train windows of {s.window} tokens, fewer than one batch of {s.batch}")
@@ -321,10 +350,13 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
     total_steps = max(1, math.ceil(s.epochs * nb))
     layers = sorted(tail.params)
     groups = [{"params": [p for _, p in tail.params[l]], "lr": s.lr, "layer": l} for l in layers]
-    plan = memory_plan(tail, s, device)
-    tail.checkpoint = "checkpoint" in plan
-    micro = s.micro_windows() if "micro" in plan else 0
-    opt = mem.make_optimizer(groups, s.lr, device, adam8="adam8" in plan)
+    mplan = memory_plan(tail, s, device)
+    if "adam8" in mplan and plan.kind != "single":
+        raise CortiqError("heal: 8-bit Adam moments (memory adam8) run on one process only; on more than one GPU "
+                          "use memory checkpoint+micro (FSDP already splits the Adam state across the GPUs)")
+    tail.checkpoint = "checkpoint" in mplan
+    micro = s.micro_windows() if "micro" in mplan else 0
+    opt = mem.make_optimizer(groups, s.lr, device, adam8="adam8" in mplan)
     named = tail.named()
     trained = sum(p.numel() for _, p in named)
 
@@ -334,45 +366,33 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
             for b in range(val.n_batches):
                 ids, h0, tid, tp, tot = val.batch(b, device)
                 num += float(batch_loss(tail, ids, h0, tid, tp, s.head_chunk, device, cdt, obj))
-                den += tot
-        return num / max(den, 1e-9)
+                den += tot  # the whole batch's: each rank's share of it sums to it
+        return plan.sum_(num) / max(den, 1e-9)
 
     order = Order(nb, s.seed)
     st = {"done": 0, "cursor": 0, "skipped": 0, "scale": F16_SCALE if cdt == torch.float16 else 1.0,
           "step_secs": 0.0, "history": [], "evals": []}
     resumed = False
-    ck = load_checkpoint(ckpt_path) if ckpt_path.exists() else None
+    ck = plan.resume(work_dir, key, opt)  # weights, optimizer and RNG loaded when it is this run's
     if ck is not None:
-        if ck.get("key") == key:
-            tail.load(ck["trained"])
-            kind = ck.get("optim_kind", "adam")
-            if kind == mem.optimizer_kind(opt):
-                mem.load_optim_state(opt, ck["optim"])
-            else:  # the memory plan changed the moments' kind: they start afresh, the rest resumes
-                print(f"cortiq: {ckpt_path}: the checkpoint's {kind} moments do not fit this run's "
-                      f"{mem.optimizer_kind(opt)} optimizer; its moments restart", file=sys.stderr)
-            order.rng, order.perm = int(ck["order_rng"]), [int(x) for x in ck["order_perm"]]
-            torch.set_rng_state(ck["rng"])
-            for k_ in st:
-                st[k_] = ck["state"][k_]
-            e0, best_loss, best_step, best_state = ck["e0"], ck["best_loss"], ck["best_step"], ck["best_state"]
-            resumed = True
+        order.rng, order.perm = int(ck["order_rng"]), [int(x) for x in ck["order_perm"]]
+        for k_ in st:
+            st[k_] = ck["state"][k_]
+        e0, best_loss, best_step, best_state = ck["e0"], ck["best_loss"], ck["best_step"], ck["best_state"]
+        resumed = True
     if not resumed:
         e0 = heldout()
-        best_loss, best_step, best_state = e0, 0, tail.state()
+        best_loss, best_step, best_state = e0, 0, plan.snapshot()
         st["evals"].append({"step": 0, "heldout": e0})
         logger.log_metrics({"heldout": e0}, step=0)
 
     def checkpoint():
-        _save(ckpt_path, {"key": key, "trained": tail.state(), "optim": mem.optim_state(opt),
-                          "optim_kind": mem.optimizer_kind(opt),
-                          "order_rng": order.rng, "order_perm": list(order.perm), "rng": torch.get_rng_state(),
-                          "state": st, "e0": e0, "best_loss": best_loss, "best_step": best_step, "best_state": best_state})
+        plan.save(work_dir, {"key": key, "order_rng": order.rng, "order_perm": list(order.perm), "state": st, "e0": e0,
+                             "best_loss": best_loss, "best_step": best_step, "best_state": best_state}, opt)
 
     params = [p for _, p in named]
     bar = tqdm(total=total_steps, initial=st["done"], desc="heal", unit="step", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
-    tokens = train.index.shape[1] * train.ids.shape[1]
     ahead = Ahead(train, device)
     while st["done"] < total_steps:
         epoch_pos = st["cursor"] % nb
@@ -386,17 +406,20 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
         if s.genesis:
             lowest = genesis_from(epoch, tail.num_layers, tail.train_from)
             tail.set_active(lowest)
+            plan.following()
         t0 = time.perf_counter()
-        loss = step_backward(tail, ahead.get(b), micro, s.head_chunk, device, cdt, obj, st["scale"])
+        # this rank's share of the whole batch's mean (plan.grad_scale: DDP averages over ranks, the loss is a sum)
+        loss = step_backward(tail, ahead.get(b), micro, s.head_chunk, device, cdt, obj, st["scale"] * plan.grad_scale)
         if epoch_pos + 1 < nb:  # the next batch of this epoch's order, while the GPU works
             ahead.prefetch(order.perm[epoch_pos + 1])
         if st["scale"] != 1.0:
             for p in params:
                 if p.grad is not None:
                     p.grad.div_(st["scale"])
-        gn = float(torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], s.clip))
+        gn = plan.clip(params, s.clip)
         st["cursor"] += 1
-        if not (math.isfinite(float(loss.detach())) and math.isfinite(gn)):
+        lv = plan.sum_(float(loss.detach()))  # the whole batch's, alike on every rank
+        if not (math.isfinite(lv) and math.isfinite(gn)):
             opt.zero_grad(set_to_none=True)
             st["skipped"] += 1
             if cdt == torch.float16:
@@ -414,7 +437,6 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         st["step_secs"] += dt
-        lv = float(loss.detach())
         st["history"].append({"step": done, "loss": lv, "lr": lr, "grad_norm": gn})
         logger.log_metrics({"loss": lv, "lr": lr, "grad_norm": gn, "tokens_per_s": tokens / max(dt, 1e-9)},
                            step=done)
@@ -425,14 +447,14 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
             st["evals"].append({"step": done, "heldout": e})
             logger.log_metrics({"heldout": e}, step=done)
             if e < best_loss:
-                best_loss, best_step, best_state = e, done, tail.state()
+                best_loss, best_step, best_state = e, done, plan.snapshot()
             if progress:
                 bar.write(f"  step {done}: held-out loss {e:.5f} (best {best_loss:.5f} at step {best_step})",
                           file=sys.stderr)
         if s.checkpoint_every and (done % s.checkpoint_every == 0 or done == total_steps):
             checkpoint()
     bar.close()
-    tail.load(best_state)
+    plan.restore(best_state)
     if s.genesis:
         tail.set_active(tail.train_from)
     steps = st["done"]
@@ -440,6 +462,6 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
         "metrics": {"heldout_start": e0, "heldout_best": best_loss, "best_step": best_step, "steps": steps,
                     "skipped": st["skipped"], "sec_per_step": st["step_secs"] / max(steps, 1),
                     "trained_weights": trained, "total_steps": total_steps},
-        "history": st["history"], "evals": st["evals"], "memory": "+".join(plan) or "plain",
+        "history": st["history"], "evals": st["evals"], "memory": "+".join(mplan) or "plain",
     }
 

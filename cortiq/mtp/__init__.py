@@ -19,7 +19,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from .. import tracking
+from .. import dist, tracking
 from ..errors import CortiqError
 from ..pipeline import Stage
 from .settings import PRESETS, MtpSettings
@@ -39,7 +39,8 @@ def mtp_init(model_cmf, out_cmf) -> dict:
 
 
 def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    if dist.is_main():  # across ranks, rank 0 speaks for all
+        print(msg, file=sys.stderr, flush=True)
 
 
 def _open(model_cmf):
@@ -104,7 +105,13 @@ def _sets(model, f, data_spec: str, s: MtpSettings, cache=None) -> tuple[list, l
     from .selfgen import generated_sets
 
     root = s.gen_cache or cache or s.trunk_cache
-    return generated_sets(model, f, packed, s, root, _say)
+    # across ranks rank 0 generates (and keeps) the windows first; the others read them back
+    if not dist.is_main():
+        dist.barrier()
+    out = generated_sets(model, f, packed, s, root, _say)
+    if dist.active() and dist.is_main():
+        dist.barrier()
+    return out
 
 
 def _chain(model, f, data_spec: str, s: MtpSettings, cache=None):
@@ -384,7 +391,10 @@ def dump_chain(ch, d) -> None:
 
 
 def mtp_heal(model_cmf, data_spec: str, settings: MtpSettings, out_cmf, logger: tracking.Logger = tracking.NULL) -> dict:
-    """Train `model_cmf`'s draft on its own trunk; write it to `out_cmf` (and every `also` path)."""
+    """Train `model_cmf`'s draft on its own trunk; write it to `out_cmf` (and every `also` path).
+
+    Under torchrun (cortiq.dist) every rank calls it: the trunk pass and
+    training split across ranks, rank 0 measures and writes; the others return None."""
     from . import measures as M
     from .draft import train
     from .trunk import write_taps
@@ -392,8 +402,17 @@ def mtp_heal(model_cmf, data_spec: str, settings: MtpSettings, out_cmf, logger: 
     f = _open(model_cmf)
     s = resolve(f, settings, _say)
     model = _load(f, s)
+    main = dist.is_main()
+    if not main:
+        logger = tracking.NULL
     logger.log_params(tracking.flatten({"mtp": s.key()}))
     ch, info = _chain(model, f, data_spec, s)
+    if not main:  # training is all a rank other than 0 takes part in
+        if s.epochs > 0:
+            from .draft import train
+
+            train(ch, s, None, _say)
+        return None
     if s.taps:
         write_taps(model, ch.ids, ch.lens, ch.t1, ch.held, Path(s.taps[0]), list(s.taps[1]))
     if s.dump:

@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from .. import dist
 from ..heal.loss import topk_kl
 from . import measures as M
 from .rounds import decode_steps
@@ -293,6 +294,33 @@ def _held_out(ch: Chain, val: torch.Tensor) -> tuple[torch.Tensor, dict[str, flo
     return m["walk"], {k: M.drafts_per_round(m[k]) for k in ("data", "chat") if int(m[k][0, 0]) > 0}
 
 
+def share_loss(ch: Chain, b: torch.Tensor, kind: int, hard: float):
+    """A step's loss on this rank's share of batch `b` (cortiq.dist): its rows'
+    summed KL over the whole batch's row count, so the ranks' gradients add up
+    to one process's. One process: `ch.loss` as is. -> (loss, rows of the batch)"""
+    if not dist.active():
+        return ch.loss(b, kind, hard)
+    share = dist.shard(len(b))
+    x, ti, tp = ch.rows(b[share.start : share.stop], kind, hard)
+    n = dist.sum_(float(x.shape[0]))
+    return topk_kl(x, ch.model.head_weight, ti, tp, ch.chunk) / max(n, 1.0), n
+
+
+def sum_grads(params) -> None:
+    """Add up the trained weights' gradients over ranks: one all-reduce of one
+    flat buffer. (Not DDP: a chain step runs the block once per chain step and
+    from rows made without a graph, outside the one-forward-one-backward
+    pattern DDP's hooks follow; the sum after backward is all it would do.)"""
+    if not dist.active():
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in params]
+    flat = dist.sum_(torch.cat([g.reshape(-1) for g in grads]))
+    off = 0
+    for (_, p), g in zip(params, grads):
+        p.grad = flat[off : off + g.numel()].view_as(p)
+        off += g.numel()
+
+
 def train(ch: Chain, s, logger=None, say=print) -> dict:
     """Train the draft of `ch.model` by the settings `s` (MtpSettings, resolved); keep
     the checkpoint that keeps the most drafts a round on held-out windows, by the rounds a
@@ -301,7 +329,12 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
     A step whose loss or gradient is not finite is skipped and counted (heal's
     policy); at MAX_SKIPPED of them training stops with one line. A bar on
     stderr shows steps, ETA, the loss and the last held-out hold rates.
-    -> {"steps", "best_step", "history", "kl_start", "kl_best", "best_dpr", "skipped", "seconds"}."""
+    -> {"steps", "best_step", "history", "kl_start", "kl_best", "best_dpr", "skipped", "seconds"}.
+
+    Across ranks (cortiq.dist) each takes its share of every batch and the
+    gradients are summed: the steps one process takes. The held-out measures
+    run whole on every rank (so every rank keeps the same best weights); only
+    rank 0 shows progress."""
     import sys
     import time
 
@@ -320,12 +353,19 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
     g = torch.Generator().manual_seed(s.seed)
     val = ch.held.nonzero().flatten()
     train_idx = (~ch.held).nonzero().flatten()
+    if s.batch < dist.world():
+        raise CortiqError(f"mtp heal: batch {s.batch} is smaller than the {dist.world()} ranks")
     nb = len(train_idx) // s.batch
     batches = [train_idx[i * s.batch : (i + 1) * s.batch] for i in range(nb)]
     jobs = [(b, k) for b in range(nb) for k in range(len(ch.kinds))]
     total = max(math.ceil(s.epochs * len(jobs)), 1)
-    bar = tqdm(total=total, desc="mtp heal", unit="step", file=sys.stderr, dynamic_ncols=True, disable=False)
-    bar.write(f"mtp heal: {total} steps ({len(batches)} batches of {s.batch} windows x {len(ch.kinds)} chain kinds "
+    if not dist.is_main():
+        say = logger = None  # rank 0 speaks for all
+    bar = tqdm(total=total, desc="mtp heal", unit="step", file=sys.stderr, dynamic_ncols=True,
+               disable=not dist.is_main())
+    write = bar.write if dist.is_main() else (lambda *a, **k: None)
+    say = say or (lambda *a, **k: None)
+    write(f"mtp heal: {total} steps ({len(batches)} batches of {s.batch} windows x {len(ch.kinds)} chain kinds "
               f"x {s.epochs:g} epochs); measuring the draft before training", file=sys.stderr)
     ch.refresh(0)
     kl0 = ch.val_kl(val)
@@ -347,11 +387,12 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
             if done >= total:
                 break
             bi, kind = jobs[oi]
-            loss, n = ch.loss(batches[bi], kind, s.hard)
+            loss, n = share_loss(ch, batches[bi], kind, s.hard)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            sum_grads(params)
             gn = float(torch.nn.utils.clip_grad_norm_([p for _, p in params], s.clip))
-            lv = float(loss.detach())
+            lv = dist.sum_(float(loss.detach()))
             if not (math.isfinite(lv) and math.isfinite(gn)):
                 opt.zero_grad(set_to_none=True)
                 skipped += 1
@@ -385,7 +426,7 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
                 shown = "/".join(f"{x:.2f}" for x in rr)
                 bar.set_postfix(loss=f"{lv:.4f}", hold=shown, dpr=f"{best['dpr']:.3f}", refresh=True)
                 split = "".join(f", {k} {x:.3f}" for k, x in kinds.items()) if len(kinds) > 1 else ""
-                bar.write(f"  step {done}: held-out hold {shown}, {dpr:.3f} drafts a round{split} "
+                write(f"  step {done}: held-out hold {shown}, {dpr:.3f} drafts a round{split} "
                           f"(best {best['dpr']:.3f} at step {best['step']})", file=sys.stderr)
                 if s.patience > 0 and done - best["step"] >= s.patience * s.eval_every and done < total:
                     say(f"mtp heal: no new best in {s.patience} evaluations: stopping at step {done} of {total}")

@@ -183,6 +183,9 @@ class MtpSettings:
     head_chunk: int = setting(1024, "rows per chunk of the fused head + loss and of the top-k passes", lo=1)
     #: windows per trunk forward
     trunk_batch: int = setting(4, "windows per trunk forward", lo=1)
+    #: processes (GPUs) to run on: more than 1 re-runs the command under torchrun, one per GPU
+    #: (the trunk pass splits the windows, training splits each batch)
+    gpus: int = setting(1, "GPUs to run on: more than 1 re-runs this command under torchrun, one process per GPU", lo=1)
 
     def __post_init__(self):
         def bad(msg):
@@ -227,6 +230,7 @@ class MtpSettings:
     def key(self) -> dict:
         """What the result depends on (the outputs' paths and resources left out)."""
         d = self.to_dict()
-        for k in ("trunk_cache", "gen_cache", "dump", "taps", "also", "device", "head_chunk", "trunk_batch", "gen_batch"):
+        for k in ("trunk_cache", "gen_cache", "dump", "taps", "also", "device", "head_chunk", "trunk_batch", "gen_batch",
+                  "gpus"):
             d.pop(k)
         return d

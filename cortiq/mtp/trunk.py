@@ -11,6 +11,11 @@ and `meta.json` (written last). Its key is a digest of the trunk (the CMF's
 per-tensor hashes and geometry less everything under `model.mtp.*`, so a draft
 retrained in the same file keeps the key), the windows' ids, the window and k.
 A directory whose key differs is rebuilt, with a logged warning.
+
+On N ranks (cortiq.dist) each runs the trunk over its share of the windows
+and writes `trunk-R-of-N.arrow`; meta.json's `files` lists the shards in
+order and they read back as one set (a temporary directory stands in for the
+cache when none is given).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from .. import store
+from .. import dist, store
 from ..cmf import CmfFile, open_cmf
 from ..devices import resolve_device as _resolve_device
 from ..errors import CortiqError
@@ -73,13 +78,17 @@ def set_key(tkey: str, ids: np.ndarray, lens: np.ndarray, window: int, k: int) -
 
 
 def resolve_device(device: str) -> torch.device:
-    return _resolve_device(device, "mtp settings")
+    return dist.device(_resolve_device(device, "mtp settings"))
 
 
 @torch.no_grad()
 def run_trunk(model, ids: torch.Tensor, k: int, batch: int = 4, chunk: int = 1024, progress=None):
     """The trunk on windows ids [N, T]: (ti [N, T, k], tp [N, T, k], h [N, T, H]) on the CPU."""
     dev = next(model.parameters()).device
+    if ids.shape[0] == 0:  # a rank's empty share
+        H = model.arch.hidden_size
+        return (torch.zeros(0, ids.shape[1], k, dtype=torch.int64), torch.zeros(0, ids.shape[1], k),
+                torch.zeros(0, ids.shape[1], H))
     outs_i, outs_p, outs_h = [], [], []
     for a in range(0, ids.shape[0], batch):
         x = ids[a : a + batch].to(dev)
@@ -97,18 +106,21 @@ def _fixed(values: np.ndarray, per_row: int, typ) -> pa.Array:
     return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), typ), per_row)
 
 
-def write_set(d: Path, s: TrunkSet, meta: dict) -> None:
+def _table(s: TrunkSet) -> pa.Table:
     N, T, k = s.ti.shape
     H = s.h.shape[-1]
-    table = pa.table({
+    return pa.table({
         "length": pa.array(s.lens.numpy().astype(np.int32), pa.int32()),
         "ids": _fixed(s.ids.numpy().astype(np.uint32), T, pa.uint32()),
         "ti": _fixed(s.ti.numpy().astype(np.uint32), T * k, pa.uint32()),
         "tp": _fixed(s.tp.numpy().astype(np.float32), T * k, pa.float32()),
         "h": _fixed(s.h.numpy().astype(np.float32), T * H, pa.float32()),
     })
+
+
+def write_set(d: Path, s: TrunkSet, meta: dict) -> None:
     with store.stage_dir(d, meta) as part:
-        store.write_arrow(part / ARROW, table)
+        store.write_arrow(part / ARROW, _table(s))
 
 
 def _col(table: pa.Table, name: str) -> np.ndarray:
@@ -118,7 +130,9 @@ def _col(table: pa.Table, name: str) -> np.ndarray:
 
 def read_set(d: Path, name: str) -> TrunkSet:
     meta = store.read_meta(d)
-    t = store.read_arrow(d / ARROW)
+    names = meta.get("files") or [ARROW]
+    parts = [store.read_arrow(d / n) for n in names]
+    t = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
     N, T, k, H = (int(meta[x]) for x in ("windows", "window", "topk", "hidden"))
     if t.num_rows != N:
         raise CortiqError(f"{d / ARROW}: {t.num_rows} windows, meta.json says {N}")
@@ -140,30 +154,53 @@ def trunk_sets(model, f: CmfFile, packed: list, window: int, k: int, cache: str 
 
     tkey = trunk_key(f)
     sets, info = [], []
+    scratch = None
+    if dist.active() and not cache:
+        # the ranks' shards meet on disk: a directory of rank 0's, gone once every rank has read it
+        import tempfile
+
+        scratch = dist.agree(tempfile.mkdtemp(prefix="cortiq-trunk-") if dist.is_main() else None)
+        cache = scratch
     for p in packed:
         ids = torch.as_tensor(np.asarray(p.ids), dtype=torch.int64)
         lens = torch.as_tensor(np.asarray(p.lengths), dtype=torch.int64)
         key = set_key(tkey, ids.numpy(), lens.numpy(), window, k)
         d = Path(cache) / f"{p.name}-w{window}-k{k}" if cache else None
-        if d is not None and store.is_complete(d):
+        if d is not None and dist.agree(store.is_complete(d)):
             old = store.read_meta(d).get("key")
-            if old == key:
+            if old == key and scratch is None:
                 s = read_set(d, p.name)
                 sets.append(s)
                 info.append({"set": p.name, "windows": len(s), "cache": str(d), "read_back": True})
                 continue
-            log.warning("mtp: trunk cache %s was made from another trunk or data (key %s, now %s): rebuilding", d, str(old)[:12], key[:12])
-            shutil.rmtree(d)
-        bar = tqdm(total=len(ids), desc=f"mtp trunk {p.name}", unit="win", file=sys.stderr, dynamic_ncols=True, disable=False)
-        ti, tp, h = run_trunk(model, ids, k, batch, chunk, bar.update)
+            if dist.is_main():
+                log.warning("mtp: trunk cache %s was made from another trunk or data (key %s, now %s): rebuilding", d, str(old)[:12], key[:12])
+                shutil.rmtree(d)
+            dist.barrier()
+        share = dist.shard(len(ids), batch)  # whole forward batches, as one rank runs them
+        bar = tqdm(total=len(share), desc=f"mtp trunk {p.name}", unit="win", file=sys.stderr, dynamic_ncols=True,
+                   disable=not dist.is_main())
+        ti, tp, h = run_trunk(model, ids[share.start:share.stop], k, batch, chunk, bar.update)
         bar.close()
         s = TrunkSet(p.name, ids, lens, ti, tp, h)
-        if d is not None:
-            write_set(d, s, {"stage": STAGE, "version": VERSION, "digest": key, "key": key, "trunk": tkey, "set": p.name,
-                             "windows": len(s), "window": window, "topk": k, "hidden": int(h.shape[-1]),
-                             "tokens": int(lens.sum()), "model": str(f.path)})
+        meta = {"stage": STAGE, "version": VERSION, "digest": key, "key": key, "trunk": tkey, "set": p.name,
+                "windows": len(ids), "window": window, "topk": k, "hidden": int(h.shape[-1]),
+                "tokens": int(lens.sum()), "model": str(f.path)}
+        if dist.active():
+            mine = TrunkSet(p.name, ids[share.start:share.stop], lens[share.start:share.stop], ti, tp, h)
+            meta["files"] = dist.shard_names("trunk")
+            with dist.stage_dir(d, meta) as part:
+                store.write_arrow(part / dist.shard_name("trunk"), _table(mine))
+            s = read_set(d, p.name)  # every rank: the whole set, in one rank's order
+        elif d is not None:
+            write_set(d, s, meta)
         sets.append(s)
-        info.append({"set": p.name, "windows": len(s), "cache": None if d is None else str(d), "read_back": False})
+        info.append({"set": p.name, "windows": len(s), "cache": None if d is None or scratch else str(d),
+                     "read_back": False})
+    if scratch is not None:
+        dist.barrier()
+        if dist.is_main():
+            shutil.rmtree(scratch, ignore_errors=True)
     return sets, info
 
 

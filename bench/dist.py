@@ -1,0 +1,312 @@
+"""Heal on more than one GPU: the same heal on 1 and on 2 GPUs, then one
+fully sharded step of an 8B geometry, in one call.
+
+    python bench/dist.py [--out DIR]                 # 2 GPUs (about 6 minutes on 2×H200)
+    python bench/dist.py --cpu --tiny                # the code paths: 2 gloo ranks on the CPU, no figures
+
+1. A random-init model of Qwen3-1.7B geometry (bench/run.py's GEOMS; its MLPs
+   perturbed to make the student) is healed on the pydoc text by the library's
+   own stages under torchrun: the teacher top-k pass (each rank its share of
+   the windows, Arrow shards) and training of every layer (each rank its share
+   of every global batch; DDP), first on 1 GPU, then on 2, same data, same
+   steps, same global batch. Printed: the held-out loss at each evaluation
+   both ways and the training tokens/s (median step after the compile
+   warm-up), with the 2-GPU speed-up (target ≥ 1.8×).
+2. A Qwen3-8B geometry (hidden 4096, 36 layers, MLP 12288, untied head) built
+   in place on each rank and trained for two steps with FSDP2 (f32 master
+   weights split across the GPUs, bf16 compute, f32 gradient reduction) on
+   random targets: the step time and the peak memory of each GPU.
+
+Random weights measure time, not quality: the held-out losses are printed to
+compare one GPU with two. A table is printed last; the rows go to
+$OUT/dist.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from run import GEOMS  # noqa: E402
+from stages import arch_of  # noqa: E402
+
+BIG = {
+    # Qwen3-8B: hidden 4096, 36 layers, MLP 12288, 32 heads / 8 KV heads of 128, untied head
+    "qwen3-8b": dict(hidden=4096, layers=36, heads=32, kv=8, head_dim=128, inter=12288, vocab=151936, tie=False),
+    # the smoke-test size of the sharded step
+    "tiny": dict(hidden=64, layers=2, heads=4, kv=2, head_dim=16, inter=96, vocab=259, tie=False),
+}
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+# ── the parent: files, then one torchrun per configuration ────────────────
+
+
+def make_models(g: dict, d: Path, device: str) -> tuple[Path, Path]:
+    """A random-init source (bf16, std 0.02, norms 1) and a student with its MLPs perturbed (f32)."""
+    from cortiq.cmf import new_doc, specs_from_tensors, write_cmf
+    from cortiq.model import CausalLM
+    from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
+
+    src, stu = d / "source.cmf", d / "student.cmf"
+    if src.exists() and stu.exists():
+        return src, stu
+    arch = arch_of(g)
+    arch.mtp_layers = 0
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = CausalLM(arch)
+    doc = new_doc(arch, tokenizer_doc(byte_tokenizer_json(), [256]))
+    with torch.no_grad():
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+        write_cmf(src, doc, specs_from_tensors([(n, p.detach().to(torch.bfloat16).cpu()) for n, p in m.named_parameters()], "bf16"))
+        for n, p in m.named_parameters():
+            if ".mlp." in n:
+                p.add_(torch.randn_like(p), alpha=0.01)
+        write_cmf(stu, doc, specs_from_tensors([(n, p.detach().float().cpu()) for n, p in m.named_parameters()], "f32"))
+    del m
+    return src, stu
+
+
+def make_data(model: Path, out: Path, tokens: int) -> Path:
+    from cortiq.data import BuildSettings, build
+
+    if not (out / "meta.json").exists():
+        build(["corpus:pydoc"], model, out, BuildSettings(record_tokens=512, max_total_tokens=tokens,
+                                                          fractions=(0.9, 0.05, 0.05)))
+    return out
+
+
+def torchrun(n: int, args: list[str], env: dict, timeout: float) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__, *args]
+    log("$ " + " ".join(cmd))
+    try:
+        return subprocess.run(cmd, env=env, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return 124
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--geom", default="qwen3-1.7b", help="the healed geometry (bench/run.py GEOMS)")
+    ap.add_argument("--big", default="qwen3-8b", help="the fully sharded step's geometry")
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=480_000, help="tokens of text (train 90 %%)")
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=32, help="windows a step (the global batch)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--big-window", type=int, default=2048)
+    ap.add_argument("--big-batch", type=int, default=2, help="windows per step of the 8B step (over all GPUs)")
+    ap.add_argument("--work", default="/tmp/cortiq-dist")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--cpu", action="store_true", help="gloo ranks on the CPU (no figures)")
+    ap.add_argument("--tiny", action="store_true", help="tiny geometries and data (a smoke test)")
+    ap.add_argument("--worker", choices=["heal", "big"], help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--compile", type=int, default=1, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.tiny:
+        a.geom, a.big, a.tokens, a.window, a.batch, a.steps, a.eval_every = "tiny", "tiny", 12_000, 32, 4, 6, 2
+        a.big_window, a.big_batch = 32, 2
+    if a.worker == "heal":
+        return worker_heal(a)
+    if a.worker == "big":
+        return worker_big(a)
+
+    cuda = not a.cpu
+    if cuda:
+        assert torch.cuda.device_count() >= a.gpus, f"needs {a.gpus} CUDA devices"
+    work = Path(a.work) / a.geom
+    work.mkdir(parents=True, exist_ok=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if a.cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
+    t0 = time.time()
+    src, stu = make_models(GEOMS[a.geom], work, "cuda" if cuda else "cpu")
+    td = make_data(src, work / "td", a.tokens)
+    log(f"models and data: {time.time() - t0:.0f} s")
+    common = ["--geom", a.geom, "--tokens", str(a.tokens), "--window", str(a.window), "--batch", str(a.batch),
+              "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--work", str(work), "--data", str(td),
+              "--big", a.big, "--big-window", str(a.big_window), "--big-batch", str(a.big_batch)]
+    rows = []
+    for n in (1, a.gpus):
+        res = out / f"heal-{n}.json"
+        res.unlink(missing_ok=True)
+        t1 = time.time()
+        rc = torchrun(n, ["--worker", "heal", "--result", str(res), "--compile", str(int(cuda)), *common]
+                      + (["--cpu"] if a.cpu else []), env, 300)
+        row = json.loads(res.read_text()) if res.exists() else {"error": f"exit {rc}"}
+        row.update({"part": f"heal {a.geom}", "gpus": n, "wall_s": time.time() - t1})
+        rows.append(row)
+        log(json.dumps(row)[:400])
+    for compile_ in ((1, 0) if cuda else (0,)):
+        res = out / "big.json"
+        res.unlink(missing_ok=True)
+        t1 = time.time()
+        rc = torchrun(a.gpus, ["--worker", "big", "--result", str(res), "--compile", str(compile_), *common]
+                      + (["--cpu"] if a.cpu else []), env, 300)
+        row = json.loads(res.read_text()) if res.exists() else {"error": f"exit {rc}"}
+        row.update({"part": f"fsdp step {a.big}" + ("" if compile_ else " (eager)"), "gpus": a.gpus,
+                    "wall_s": time.time() - t1})
+        rows.append(row)
+        log(json.dumps(row)[:400])
+        if "error" not in row:
+            break
+    dev = "CPU (gloo)" if a.cpu else f"{a.gpus}× {torch.cuda.get_device_name()}"
+    (out / "dist.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "rows": rows}, indent=1))
+    table(rows, dev, a)
+
+
+def table(rows, dev, a):
+    print(f"\n{dev}, torch {torch.__version__}; heal: window {a.window}, global batch {a.batch}, {a.steps} steps")
+    heal = [r for r in rows if r["part"].startswith("heal")]
+    if len(heal) == 2 and all("evals" in r for r in heal):
+        one, two = heal
+        print("\n| step | held-out loss, 1 GPU | held-out loss, 2 GPUs | difference |")
+        print("| --- | --- | --- | --- |")
+        for e1, e2 in zip(one["evals"], two["evals"]):
+            print(f"| {e1['step']} | {e1['heldout']:.5f} | {e2['heldout']:.5f} | {e2['heldout'] - e1['heldout']:+.2e} |")
+    print("\n| part | GPUs | train tok/s | speed-up | teacher stage s (load + pass) | step s | peak GiB per GPU | wall s | note |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    base = heal[0].get("tok_s") if heal else None
+    for r in rows:
+        tok = r.get("tok_s")
+        up = f"{tok / base:.2f}×" if tok and base and r["part"].startswith("heal") else ""
+        peak = " / ".join(f"{x:.1f}" for x in r.get("peak_gib", []))
+        print(f"| {r['part']} | {r['gpus']} | {'' if tok is None else f'{tok / 1e3:.1f}k'} | {up} | "
+              f"{r.get('teacher_s', 0):.1f} | {r.get('step_s', 0):.3f} | {peak} | {r['wall_s']:.0f} | "
+              f"{r.get('error', r.get('shard', ''))} |")
+
+
+# ── the workers (one per rank, under torchrun) ─────────────────────────────
+
+
+def _peaks(dist) -> list[float]:
+    p = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    return [float(x) for x in dist.gather(p)]
+
+
+def worker_heal(a) -> int:
+    from cortiq import dist
+    from cortiq.heal import targets as targets_mod
+    from cortiq.heal.settings import HealSettings
+    from cortiq.heal.stages import train
+    from cortiq.tracking import MemoryLogger
+
+    dist.init()
+    n = dist.world()
+    work = Path(a.work)
+    td = Path(a.data)
+    from cortiq.data import Tdata, windows
+
+    n_train = len(windows(Tdata.open(td), "train", a.window, loss_on="all"))
+    epochs = a.steps / max(n_train // a.batch, 1)
+    s = HealSettings(window=a.window, batch=a.batch, epochs=epochs, train_from=0, topk=32, loss_on="all",
+                     eval_every=a.eval_every, checkpoint_every=0, compile=bool(a.compile), lr=3e-4,
+                     device="cpu" if a.cpu else "auto", gpus=n)
+    tdir = work / f"targets-{n}gpu-{targets_mod.digest_of(work / 'source.cmf', td, s)}"
+    t0 = time.perf_counter()
+    if not dist.agree((tdir / "meta.json").exists()):
+        targets_mod.teacher_targets(work / "source.cmf", td, s, tdir, progress=False)
+    teacher_s = time.perf_counter() - t0
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    log_ = MemoryLogger()
+    rep = train(work / "student.cmf", tdir, None, td, s, work / f"train-{n}gpu", log_, progress=dist.is_main())
+    peaks = _peaks(dist)
+    if dist.is_main():
+        rates = [v for k, v, step in log_.metrics if k == "heal.tokens_per_s" and step > 3]
+        rates.sort()
+        tok_s = rates[len(rates) // 2] if rates else None
+        Path(a.result).write_text(json.dumps({
+            "tok_s": tok_s, "teacher_s": teacher_s, "steps": rep["metrics"]["steps"], "evals": rep["evals"],
+            "step_s": (a.batch * a.window / tok_s) if tok_s else None, "peak_gib": peaks, "shard": rep["shard"],
+            "losses": [h["loss"] for h in rep["history"]]}))
+    dist.finish()
+    return 0
+
+
+def worker_big(a) -> int:
+    import numpy as np
+    import pyarrow as pa
+
+    from cortiq import dist
+    from cortiq.heal.parallel import prepare
+    from cortiq.heal.rows import WindowRows
+    from cortiq.heal.settings import HealSettings
+    from cortiq.heal.train import SplitData, StudentTail, fit, train_index, val_index
+    from cortiq.model import CausalLM
+    from cortiq.tracking import MemoryLogger
+
+    dist.init()
+    dev = torch.device("cpu") if a.cpu else dist.device("cuda")
+    g = BIG[a.big]
+    arch = arch_of(g)
+    arch.mtp_layers = 0
+    torch.manual_seed(0)  # every rank builds the same weights
+    with torch.device(dev):
+        model = CausalLM(arch)
+    with torch.no_grad():
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+    cdt = torch.float32 if a.cpu else torch.bfloat16
+    s = HealSettings(window=a.big_window, batch=a.big_batch, epochs=2.0, eval_every=10**6, checkpoint_every=0, lr=1e-5,
+                     topk=32, shard="fsdp", compile=bool(a.compile), device=str(dev), gpus=dist.world())
+    tail = StudentTail(model, 0, False, drop_prefix=False)
+    plan = prepare(tail, s, dev, cdt, compile=bool(a.compile) and dev.type == "cuda")
+
+    T, B, k, V = a.big_window, a.big_batch, 32, g["vocab"]
+    rng = np.random.default_rng(0)
+
+    def rows(arr):
+        flat = np.ascontiguousarray(arr).reshape(-1)
+        t = pa.table({"x": pa.FixedSizeListArray.from_arrays(pa.array(flat), flat.size // arr.shape[0])})
+        return WindowRows(t, "x", arr.shape[1:])
+
+    def split(n, train):
+        p = rng.random((n, T, k), dtype=np.float32)
+        return SplitData(rng.integers(0, V, (n, T)), rows(rng.integers(0, V, (n, T, k)).astype(np.uint32)),
+                         rows(p / p.sum(-1, keepdims=True)), np.full(n, float(T)),
+                         train_index(n, B) if train else val_index(n, B))
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    log_ = MemoryLogger()
+    rep = fit(tail, split(B, True), split(B, False), s, Path(a.work) / "big", dev, cdt, logger=log_,
+              progress=False, plan=plan)
+    peaks = _peaks(dist)
+    if dist.is_main():
+        rates = [v for k_, v, _ in log_.metrics if k_ == "heal.tokens_per_s"]
+        tok_s = rates[-1]
+        Path(a.result).write_text(json.dumps({
+            "tok_s": tok_s, "step_s": B * T / tok_s, "first_step_s": B * T / rates[0], "peak_gib": peaks,
+            "shard": plan.kind, "trained_weights": rep["metrics"]["trained_weights"],
+            "losses": [h["loss"] for h in rep["history"]]}))
+    dist.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

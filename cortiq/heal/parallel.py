@@ -1,0 +1,304 @@
+"""Heal training across ranks: how the trained tail runs when more than one
+process takes part (cortiq.dist), kept apart from the training loop, which
+calls the few hooks of `Plan` and is otherwise the same for one process.
+
+- Data: every rank takes its contiguous share of each global batch (the batch
+  of `batch` windows one process would run), and each share's loss is divided
+  by the whole batch's row weight, so the ranks' summed gradients are the one
+  process's gradient and the loss curve is the same.
+- "ddp": torch's DistributedDataParallel over the trained layers (each rank
+  holds them whole; the gradients are averaged, hence the loss is scaled by
+  the number of ranks). For a tail whose weights, gradients and Adam state fit
+  one device.
+- "fsdp": FSDP2 (`fully_shard`) on each trained layer and on the tail: the
+  weights, gradients and Adam state are split across ranks (bf16 parameters in
+  compute, f32 gradient reduction); for a tail too big for one device.
+- Checkpoints: `torch.distributed.checkpoint` (one directory, each rank writing
+  its shard of each tensor), resharded on load, so a run killed on N ranks
+  resumes on M (one included); a single process writes and reads the plain
+  `checkpoint.pt` as before, and reads a distributed run's directory too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from .. import dist
+from . import memory as mem
+from ..errors import CortiqError
+from .settings import SHARDS
+
+CHECKPOINT_DIR = "checkpoint.dcp"
+#: share of one device's memory the whole-tail (ddp) plan may fill with weights, gradients and Adam state
+FIT_SHARE = 0.5
+
+
+def is_dtensor(t) -> bool:
+    return hasattr(t, "device_mesh") and hasattr(t, "full_tensor")
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a sharded one gathered from every rank: a collective)."""
+    return t.full_tensor() if is_dtensor(t) else t
+
+
+@torch.no_grad()
+def put(dst: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy a whole tensor into `dst`, which may be this rank's shard of it."""
+    if is_dtensor(dst):
+        from torch.distributed.tensor import distribute_tensor
+
+        local = dst.to_local()
+        dst.copy_(distribute_tensor(whole.to(local.device, local.dtype), dst.device_mesh, dst.placements))
+    else:
+        dst.copy_(whole)
+
+
+class _Trained(torch.nn.Module):
+    """The trained tail as one module (the layers from `train_from` up and the
+    final norm), which DDP or fully_shard wrap; its forward is the tail's own."""
+
+    def __init__(self, tail):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(tail.model.layers[tail.train_from:])
+        self.norm = tail.model.model.norm
+        object.__setattr__(self, "_tail", tail)  # not a submodule: the model stays the tail's
+
+    def forward(self, h0):
+        return self._tail.run_tail(h0)
+
+
+def choose(kind: str, tail, device) -> str:
+    """"single" for one process; else "ddp" or "fsdp" as asked; "auto": ddp when
+    the trained weights with their gradients and Adam state (16 bytes each) and
+    the rest of the model (4 bytes a weight) take at most FIT_SHARE of a device."""
+    if kind not in SHARDS:
+        raise CortiqError(f"heal settings: shard {kind!r} is not one of {', '.join(SHARDS)}")
+    if not dist.active():
+        return "single"
+    if kind != "auto":
+        return kind
+    if torch.device(device).type != "cuda":
+        return "ddp"
+    trained = sum(p.numel() for _, p in tail.named())
+    total = sum(p.numel() for p in tail.model.parameters())
+    need = 16 * trained + 4 * (total - trained)
+    return "ddp" if need <= FIT_SHARE * torch.cuda.get_device_properties(device).total_memory else "fsdp"
+
+
+class Plan:
+    """How `fit` runs the tail on this process: "single", "ddp" or "fsdp"."""
+
+    def __init__(self, tail, kind: str, device, cdt, genesis: bool = False):
+        self.tail, self.kind, self.device, self.cdt = tail, kind, torch.device(device), cdt
+        self.genesis = genesis
+        self.world = dist.world()
+        #: gradients are averaged over ranks: a share's loss counts `world` times
+        self.grad_scale = float(self.world) if kind != "single" else 1.0
+        self.active: tuple | None = None
+        self.module = None
+
+    # ── wrapping ──
+    def wrap(self) -> "Plan":
+        if self.kind == "single":
+            return self
+        if self.tail.num_layers - self.tail.train_from < 1:
+            raise CortiqError("heal: nothing to train across ranks")
+        if self.kind == "fsdp":
+            self._fully_shard()
+        else:
+            self._ddp()
+        return self
+
+    def _ddp(self) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.active = self._requires()
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        self.module = DDP(_Trained(self.tail), device_ids=ids)
+        self.tail.wrapped = self.module
+
+    def _fully_shard(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if self.genesis:
+            raise CortiqError("heal: genesis changes which layers train each epoch, which fully sharded training "
+                              "does not follow: use shard ddp (or one GPU)")
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        low = None if self.cdt == torch.float32 else self.cdt
+        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        root = _Trained(self.tail)
+        for layer in root.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(root, mesh=mesh, mp_policy=mp)
+        self.module = root
+        self.tail.wrapped = root
+        self.tail.collect()  # fully_shard put new (sharded) parameters in place of the old
+
+    def _requires(self) -> tuple:
+        return tuple(p.requires_grad for _, p in self.tail.named())
+
+    def following(self) -> None:
+        """After Genesis changed which layers train: DDP is rebuilt over the new set."""
+        if self.kind == "ddp" and self._requires() != self.active:
+            self._ddp()
+
+    # ── data ──
+    def local(self, split):
+        """This rank's share of every batch of `split` (the whole batch kept as `group`)."""
+        if self.kind == "single":
+            return split
+        share = dist.shard(split.index.shape[1])
+        if len(share) == 0:
+            raise CortiqError(f"heal: batch {split.index.shape[1]} is smaller than the {self.world} ranks")
+        return dataclasses.replace(split, index=split.index[:, share.start:share.stop], group=split.index)
+
+    def sum_(self, x):
+        return x if self.kind == "single" else dist.sum_(x)
+
+    def clip(self, params, max_norm: float) -> float:
+        gn = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
+        return float(full(gn))
+
+    # ── the best weights so far ──
+    def snapshot(self) -> dict:
+        """The trained weights as they are now (one process: CPU copies; ranks: copies of each shard in place)."""
+        if self.kind == "single":
+            return self.tail.state()
+        return {n: p.detach().clone() for n, p in self.tail.named()}
+
+    @torch.no_grad()
+    def restore(self, snap: dict) -> None:
+        if self.kind == "single":
+            self.tail.load(snap)
+            return
+        for n, p in self.tail.named():
+            p.copy_(snap[n])
+
+    # ── checkpoints ──
+    def save(self, work_dir: Path, plain: dict, opt) -> None:
+        """A resumable checkpoint: trained weights, Adam state, RNG and the loop's
+        `plain` state (key, data order, history, best so far)."""
+        from .train import CHECKPOINT, _save
+
+        if self.kind == "single":
+            _save(work_dir / CHECKPOINT, {**plain, "trained": self.tail.state(), "optim": mem.optim_state(opt),
+                                          "optim_kind": mem.optimizer_kind(opt), "rng": torch.get_rng_state()})
+            shutil.rmtree(work_dir / CHECKPOINT_DIR, ignore_errors=True)
+            return
+        import torch.distributed.checkpoint as dcp
+
+        d, part = work_dir / CHECKPOINT_DIR, work_dir / (CHECKPOINT_DIR + ".partial")
+        if dist.is_main():
+            shutil.rmtree(part, ignore_errors=True)
+        dist.barrier()
+        dcp.save(self._tensors(opt, plain["best_state"]), checkpoint_id=str(part))
+        if dist.is_main():
+            rest = {k: v for k, v in plain.items() if k != "best_state"}
+            (part / "loop.json").write_text(json.dumps({**rest, "world": self.world}))
+            shutil.rmtree(d, ignore_errors=True)
+            os.replace(part, d)
+            (work_dir / CHECKPOINT).unlink(missing_ok=True)
+        dist.barrier()
+
+    def _tensors(self, opt, best: dict) -> dict:
+        """Every tensor of a distributed checkpoint by name (shards stay shards)."""
+        out = {"rng": torch.get_rng_state()}
+        state = adam_state(opt, self.tail.named())
+        for n, p in self.tail.named():
+            out[f"w/{n}"] = p.detach()
+            out[f"m/{n}"], out[f"v/{n}"], out[f"t/{n}"] = state[n]
+            out[f"b/{n}"] = best[n]
+        return out
+
+    def resume(self, work_dir: Path, key: str, opt) -> dict | None:
+        """The loop's state of the checkpoint under `work_dir` when it was made
+        with `key` (its weights, Adam state and RNG loaded in place), else None.
+        Either kind of checkpoint is read by either kind of run."""
+        from .train import CHECKPOINT, load_checkpoint
+
+        d, pt = work_dir / CHECKPOINT_DIR, work_dir / CHECKPOINT
+        if (d / "loop.json").is_file():
+            return self._resume_dcp(d, key, opt)
+        ck = load_checkpoint(pt) if dist.agree(pt.exists()) else None
+        if ck is None or ck.get("key") != key:
+            return None
+        self.tail.load(ck["trained"])
+        kind = ck.get("optim_kind", "adam")
+        if kind != mem.optimizer_kind(opt):
+            # the memory plan changed the moments' kind: they start afresh, the rest resumes
+            if dist.is_main():
+                print(f"cortiq: {pt}: the checkpoint's {kind} moments do not fit this run's "
+                      f"{mem.optimizer_kind(opt)} optimizer; its moments restart", file=sys.stderr)
+        elif self.kind == "single":
+            mem.load_optim_state(opt, ck["optim"])
+        else:  # a single process's checkpoint spread over these ranks: by parameter order
+            sd = ck["optim"]
+            order = [i for g in sd["param_groups"] for i in g["params"]]
+            state = adam_state(opt, self.tail.named())
+            for (n, _), i in zip(self.tail.named(), order):
+                m, v, t = state[n]
+                s = sd["state"].get(i)
+                if s is not None:
+                    put(m, s["exp_avg"])
+                    put(v, s["exp_avg_sq"])
+                    t.copy_(s["step"])
+            ck["best_state"] = self._spread(ck["best_state"])
+        torch.set_rng_state(ck["rng"])
+        return ck
+
+    def _spread(self, whole: dict) -> dict:
+        out = {}
+        for n, p in self.tail.named():
+            out[n] = p.detach().clone()
+            put(out[n], whole[n])
+        return out
+
+    def _resume_dcp(self, d: Path, key: str, opt) -> dict | None:
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            plain = json.loads((d / "loop.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CortiqError(f"{d / 'loop.json'}: a damaged checkpoint ({e}); delete {d} to start over") from None
+        if plain.get("key") != key:
+            return None
+        best = self.snapshot() if self.kind != "single" else {n: torch.zeros_like(full(p), device="cpu")
+                                                              for n, p in self.tail.named()}
+        tensors = self._tensors(opt, best)
+        dcp.load(tensors, checkpoint_id=str(d))  # in place: weights, Adam state, best so far (resharded)
+        torch.set_rng_state(tensors["rng"])
+        plain["best_state"] = best
+        return plain
+
+
+def adam_state(opt, named) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each trained parameter's Adam state (exp_avg, exp_avg_sq, step) by name,
+    made as Adam itself makes it when no step has run yet (so a checkpoint can
+    load into it)."""
+    out = {}
+    for n, p in named:
+        st = opt.state[p]
+        if not st:
+            fused = any(g.get("fused") for g in opt.param_groups if any(q is p for q in g["params"]))
+            st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        out[n] = (st["exp_avg"], st["exp_avg_sq"], st["step"])
+    return out
+
+
+def prepare(tail, s, device, cdt, compile: bool = False) -> Plan:
+    """The plan for this process (settings `s.shard`), wrapped; the decoder layers compiled when asked."""
+    if compile:
+        # each layer compiled before it is wrapped: the order torch's own tests of fully_shard use
+        tail.model.compile_layers()
+    return Plan(tail, choose(s.shard, tail, device), device, cdt, s.genesis).wrap()

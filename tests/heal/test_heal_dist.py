@@ -1,0 +1,217 @@
+"""Heal across ranks (two gloo processes on the CPU): the teacher and prefix
+passes' shards read back as one rank's rows; two-rank training (DDP and FSDP2)
+takes the steps one rank takes with the same global batch; a checkpoint of two
+ranks resumes on one; the digests do not depend on the number of GPUs."""
+
+import numpy as np
+import pytest
+import torch
+
+from cortiq import dist, store
+from cortiq.heal import prefix as prefix_mod
+from cortiq.heal import targets as targets_mod
+from cortiq.heal.settings import HealSettings
+from cortiq.heal.stages import _train_key
+from cortiq.heal.train import StudentTail, fit
+from cortiq.tracking import NULL
+
+from heal_models import arch, perturbed, random_weights, save, tdata
+from heal_toy import ToyLM, toy_split
+from ranks import run_ranks
+
+CPU = torch.device("cpu")
+
+
+def test_shares_cover_the_items_in_order_by_whole_units():
+    for n, unit, w in [(0, 3, 2), (1, 3, 2), (10, 3, 2), (10, 3, 4), (11, 1, 3), (7, 4, 3)]:
+        shares = [dist.shard(n, unit, r, w) for r in range(w)]
+        assert [i for s in shares for i in s] == list(range(n))
+        assert all(s.start % unit == 0 for s in shares if len(s))
+        units = [len(range(s.start, s.stop, unit)) for s in shares]
+        assert max(units) - min(units) <= 1
+    assert dist.shard(5) == range(5) and dist.world() == 1 and dist.is_main()  # one process: all of it
+
+
+def test_the_digests_do_not_depend_on_the_gpus(tmp_path):
+    one, two = HealSettings(), HealSettings(gpus=2, shard="fsdp")
+    assert _train_key(one) == _train_key(two)
+    assert one.targets_key() == two.targets_key() and one.prefix_key() == two.prefix_key()
+    from cortiq.mtp.settings import MtpSettings
+
+    assert MtpSettings().key() == MtpSettings(gpus=2).key()
+
+
+# ── the passes ──
+
+
+def _pass_settings(**kw):
+    base = dict(window=32, batch=3, topk=6, target="sampled", ce=0.25, train_from=1, device="cpu", compile=False)
+    base.update(kw)
+    return HealSettings(**base)
+
+
+def _passes(rank, teacher, student, td, out, kw):
+    s = _pass_settings(**kw)
+    targets_mod.teacher_targets(teacher, td, s, out / "targets-x", progress=False)
+    prefix_mod.prefix_cache(student, td, s, out / "prefix-x", progress=False)
+
+
+@pytest.mark.parametrize("kind", ["sampled", "topk+rest"])
+def test_teacher_and_prefix_shards_read_as_one_ranks_rows(tmp_path, kind):
+    a = arch()
+    w = random_weights(a)
+    teacher = save(tmp_path / "t.cmf", a, w)
+    student = save(tmp_path / "s.cmf", a, perturbed(w))
+    td = tdata(tmp_path, teacher, chars=5000)
+    _passes(0, teacher, student, td, tmp_path / "one", {"target": kind})
+    run_ranks(_passes, 2, teacher, student, td, tmp_path / "two", {"target": kind}, tmp=tmp_path)
+    one, two = targets_mod.Targets(tmp_path / "one/targets-x"), targets_mod.Targets(tmp_path / "two/targets-x")
+    assert store.read_meta(tmp_path / "two/targets-x")["files"]["train"] == ["train-000-of-002.arrow",
+                                                                              "train-001-of-002.arrow"]
+    for split in targets_mod.SPLITS:
+        n = len(one.ids[split])
+        assert n == len(two.ids[split]) > 3
+        idx = np.arange(n)
+        assert np.array_equal(one.ids[split].take(idx), two.ids[split].take(idx))
+        assert np.array_equal(one.probs[split].take(idx), two.probs[split].take(idx))
+        assert np.array_equal(one.total[split], two.total[split])
+    p1, p2 = prefix_mod.Prefix(tmp_path / "one/prefix-x"), prefix_mod.Prefix(tmp_path / "two/prefix-x")
+    assert p1.cached and p2.cached
+    for split in targets_mod.SPLITS:
+        idx = np.arange(len(p1.h[split]))
+        assert len(p2.h[split]) == len(idx) and np.array_equal(p1.h[split].take(idx), p2.h[split].take(idx))
+    assert not list((tmp_path / "two").glob("*.partial"))
+
+
+# ── training ──
+
+
+class _Kill(Exception):
+    pass
+
+
+class _KillAt:
+    def __init__(self, step):
+        self.step = step
+
+    def log_metrics(self, metrics, step=None):
+        if step == self.step and "heal.loss" in metrics:
+            raise _Kill()
+
+    def log_params(self, p):
+        pass
+
+
+def _setup():
+    teacher = ToyLM(seed=0)
+    tail = StudentTail(ToyLM(seed=1), 0, False, drop_prefix=False)
+    return tail, toy_split(teacher, 24, 8, 4, 5, seed=2), toy_split(teacher, 6, 8, 4, 5, seed=3, train=False)
+
+
+def _settings(**kw):
+    base = dict(epochs=3.0, lr=3e-2, warm=0.1, batch=4, window=8, eval_every=3, checkpoint_every=4, topk=5)
+    base.update(kw)
+    return HealSettings(**base)
+
+
+def _fit(rank, work, kw, kill_at, out):
+    tail, tr, va = _setup()
+    try:
+        rep = fit(tail, tr, va, _settings(**kw), work, CPU, torch.float32, key="k",
+                  logger=_KillAt(kill_at) if kill_at else NULL, progress=False)
+    except _Kill:
+        return
+    state = tail.state()
+    if rank == 0 and out is not None:
+        torch.save({"history": rep["history"], "evals": rep["evals"], "metrics": rep["metrics"], "state": state}, out)
+
+
+def _same_run(a, b, state_b):
+    torch.testing.assert_close(torch.tensor([h["loss"] for h in a["history"]]),
+                               torch.tensor([h["loss"] for h in b["history"]]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor([e["heldout"] for e in a["evals"]]),
+                               torch.tensor([e["heldout"] for e in b["evals"]]), rtol=1e-5, atol=1e-6)
+    assert a["metrics"]["best_step"] == b["metrics"]["best_step"]
+    for n, t in a["state"].items():
+        torch.testing.assert_close(t, state_b[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.parametrize("shard,genesis", [("ddp", False), ("ddp", True), ("fsdp", False)])
+def test_two_ranks_train_as_one_with_the_same_global_batch(tmp_path, shard, genesis):
+    tail, tr, va = _setup()
+    ref = fit(tail, tr, va, _settings(genesis=genesis), tmp_path / "one", CPU, torch.float32, key="k", progress=False)
+    ref["state"] = tail.state()
+    run_ranks(_fit, 2, tmp_path / "two", {"shard": shard, "genesis": genesis}, 0, tmp_path / "two.pt", tmp=tmp_path)
+    two = torch.load(tmp_path / "two.pt", weights_only=True)
+    assert len(two["history"]) == 18
+    _same_run(two, ref, ref["state"])
+    assert (tmp_path / "two/checkpoint.dcp/loop.json").is_file() and not (tmp_path / "two/checkpoint.pt").exists()
+
+
+@pytest.mark.parametrize("shard", ["ddp", "fsdp"])
+def test_a_two_rank_checkpoint_resumes_on_one(tmp_path, shard):
+    tail, tr, va = _setup()
+    ref = fit(tail, tr, va, _settings(), tmp_path / "ref", CPU, torch.float32, key="k", progress=False)
+    ref["state"] = tail.state()
+    # killed at step 9, past the checkpoint at step 8 (and the epoch boundary at 6)
+    run_ranks(_fit, 2, tmp_path / "w", {"shard": shard}, 9, None, tmp=tmp_path)
+    tail2, tr2, va2 = _setup()  # a new process: a fresh student
+    rep = fit(tail2, tr2, va2, _settings(), tmp_path / "w", CPU, torch.float32, key="k", progress=False)
+    assert [h["step"] for h in rep["history"]] == list(range(1, 19))
+    _same_run({**rep, "state": tail2.state()}, ref, ref["state"])
+    assert (tmp_path / "w/checkpoint.pt").is_file() and not (tmp_path / "w/checkpoint.dcp").exists()
+    # and a checkpoint of another run is not taken for this one's
+    tail3, tr3, va3 = _setup()
+    run_ranks(_fit, 2, tmp_path / "w2", {"shard": shard}, 9, None, tmp=tmp_path)
+    rep = fit(tail3, tr3, va3, _settings(), tmp_path / "w2", CPU, torch.float32, key="other", progress=False)
+    assert len(rep["history"]) == 18 and rep["history"][0]["step"] == 1
+
+
+def test_cli_gpus_2_reruns_itself_under_torchrun_and_heals_as_one_gpu(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from cortiq.cli import main
+
+    a = arch()
+    w = random_weights(a)
+    teacher = save(tmp_path / "t.cmf", a, w)
+    student = save(tmp_path / "s.cmf", a, perturbed(w))
+    td = tdata(tmp_path, teacher, chars=4000)
+    argv = ["heal", str(student), "--teacher", str(teacher), "--data", str(td), "--window", "32", "--batch", "4",
+            "--topk", "8", "--lr", "3e-3", "--train-from", "1", "--device", "cpu", "--quiet", "--no-score"]
+    assert main(argv + ["--out", str(tmp_path / "one.cmf")]) == 0
+    assert main(argv + ["--out", str(tmp_path / "two.cmf"), "--gpus", "2"]) == 0
+    one = load_file(str(tmp_path / "one.cmf.work/train/trained.safetensors"))
+    two = load_file(str(tmp_path / "two.cmf.work/train/trained.safetensors"))
+    assert one.keys() == two.keys()
+    for n in one:
+        torch.testing.assert_close(one[n], two[n], rtol=1e-4, atol=1e-5, msg=n)
+    meta = store.read_meta(next((tmp_path / "two.cmf.work").glob("targets-*")))
+    assert meta["files"]["val"] == ["val-000-of-002.arrow", "val-001-of-002.arrow"]
+    assert (tmp_path / "two.cmf").is_file()
+
+
+def test_a_one_process_checkpoint_resumes_on_two_ranks(tmp_path):
+    tail, tr, va = _setup()
+    ref = fit(tail, tr, va, _settings(), tmp_path / "ref", CPU, torch.float32, key="k", progress=False)
+    ref["state"] = tail.state()
+    tail2, tr2, va2 = _setup()
+    with pytest.raises(_Kill):
+        fit(tail2, tr2, va2, _settings(), tmp_path / "w", CPU, torch.float32, key="k", logger=_KillAt(9), progress=False)
+    assert (tmp_path / "w/checkpoint.pt").is_file()
+    run_ranks(_fit, 2, tmp_path / "w", {"shard": "fsdp"}, 0, tmp_path / "two.pt", tmp=tmp_path)
+    two = torch.load(tmp_path / "two.pt", weights_only=True)
+    assert [h["step"] for h in two["history"]] == list(range(1, 19))
+    _same_run(two, ref, ref["state"])
+
+
+def test_cli_gpus_2_bad_input_is_one_line_before_any_rank_starts(tmp_path, capsys):
+    from cortiq.cli import main
+
+    a = arch()
+    teacher = save(tmp_path / "t.cmf", a, random_weights(a))
+    td = tdata(tmp_path, teacher, chars=2000)
+    rc = main(["heal", str(teacher), "--teacher", str(teacher), "--data", str(td), "--out", str(tmp_path / "h.cmf"),
+               "--train-from", "5", "--gpus", "2", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("cortiq: ") and "train_from 5 is beyond" in err and err.count("\n") == 1

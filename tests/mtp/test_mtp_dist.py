@@ -1,0 +1,73 @@
+"""MTP heal across ranks (two gloo processes on the CPU): the trunk pass's
+shards read back as one rank's rows (with a cache and without one), and the
+draft trained on two ranks, each taking half of every batch, is the one a
+single process trains."""
+
+import torch
+
+from cortiq.cmf import open_cmf
+from cortiq.model import load_model
+from cortiq.mtp import MtpSettings, mtp_heal
+from cortiq.mtp.trunk import trunk_sets
+
+from mtp_helpers import EOS
+from ranks import run_ranks
+
+
+def small(**kw):
+    base = dict(window=32, tokens=100000, topk=8, batch=2, chain=2, refresh=10, eval_every=10, patience=0,
+                lr=3e-3, epochs=2.0, device="cpu", head_chunk=64, gen_prompt=8, trunk_batch=3)
+    base.update(kw)
+    return MtpSettings(**base)
+
+
+def _packed(data):
+    from cortiq.data.windows import packed_windows
+
+    return packed_windows(str(data), 32, 100000, min_len=18, pad_id=EOS)
+
+
+def _trunk(rank, model, data, cache, out):
+    f = open_cmf(model)
+    sets, info = trunk_sets(load_model(f), f, _packed(data), 32, 8, cache, batch=3)
+    if rank == 1:  # a rank other than 0 gets the whole set too
+        s = sets[0]
+        torch.save({"ids": s.ids, "lens": s.lens, "ti": s.ti, "tp": s.tp, "h": s.h, "info": info}, out)
+
+
+def test_trunk_pass_shards_read_back_as_one_ranks_rows(tiny, tmp_path):
+    model, data = tiny
+    f = open_cmf(model)
+    ref = trunk_sets(load_model(f), f, _packed(data), 32, 8, None, batch=3)[0][0]
+    for cache in (tmp_path / "cache", None):
+        run_ranks(_trunk, 2, model, data, cache, tmp_path / "r1.pt", tmp=tmp_path)
+        got = torch.load(tmp_path / "r1.pt", weights_only=True)
+        assert len(ref) == len(got["ids"]) > 6
+        for k in ("ids", "lens", "ti", "tp", "h"):
+            assert torch.equal(got[k], getattr(ref, k)), k
+        assert got["info"][0]["read_back"] is False
+    d = next((tmp_path / "cache").iterdir())
+    assert sorted(p.name for p in d.iterdir()) == ["meta.json", "trunk-000-of-002.arrow", "trunk-001-of-002.arrow"]
+    # and read back by one process as the one set
+    back = trunk_sets(load_model(f), f, _packed(data), 32, 8, tmp_path / "cache", batch=3)
+    assert back[1][0]["read_back"] is True and torch.equal(back[0][0].h, ref.h)
+
+
+def _heal(rank, model, data, out):
+    mtp_heal(model, str(data), small(), out)
+
+
+def test_two_ranks_train_the_draft_one_process_trains(tiny, tmp_path):
+    model, data = tiny
+    mtp_heal(model, str(data), small(), tmp_path / "one.cmf")
+    run_ranks(_heal, 2, model, data, tmp_path / "two.cmf", tmp=tmp_path)
+    one, two = open_cmf(tmp_path / "one.cmf"), open_cmf(tmp_path / "two.cmf")
+    p1, p2 = one.provenance["mtp_heal"], two.provenance["mtp_heal"]
+    assert p1["steps"] == p2["steps"] > 10 and p1["best_step"] == p2["best_step"]
+    names = [n for n in one.infos if n.startswith("model.mtp.")]
+    moved = 0
+    src = open_cmf(model)
+    for n in names:
+        torch.testing.assert_close(one.tensor(n), two.tensor(n), rtol=1e-4, atol=1e-5, msg=n)
+        moved += not torch.equal(one.tensor(n), src.tensor(n))
+    assert moved > 0  # the draft trained

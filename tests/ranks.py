@@ -1,0 +1,51 @@
+"""Several ranks on the CPU: each a spawned process joined to a gloo group on
+127.0.0.1 through the environment torchrun would give it (cortiq.dist.init)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank: int, world: int, port: int, args: tuple, err_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), CUDA_VISIBLE_DEVICES="")  # gloo on the CPU, whatever the machine has
+    import torch
+
+    from cortiq import dist
+
+    torch.set_num_threads(1)
+    try:
+        assert dist.init() and dist.world() == world and dist.rank() == rank
+        fn(rank, *args)
+        dist.finish()
+    except BaseException:
+        with open(f"{err_path}.{rank}", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def run_ranks(fn, world: int, *args, tmp, timeout: float = 180.0) -> None:
+    """fn(rank, *args) in `world` processes of one group; fails with a rank's traceback."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    err = str(tmp / "rank-error")
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, err)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    msgs = [open(f"{err}.{r}").read() for r in range(world) if os.path.exists(f"{err}.{r}")]
+    codes = [p.exitcode for p in procs]
+    assert not msgs and codes == [0] * world, f"ranks exited {codes}:\n" + "\n".join(msgs)
