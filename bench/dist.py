@@ -196,7 +196,7 @@ def table(rows, dev, a):
         up = f"{tok / base:.2f}×" if tok and base and r["part"].startswith("heal") else ""
         peak = " / ".join(f"{x:.1f}" for x in r.get("peak_gib", []))
         print(f"| {r['part']} | {r['gpus']} | {'' if tok is None else f'{tok / 1e3:.1f}k'} | {up} | "
-              f"{r.get('teacher_s', 0):.1f} | {r.get('step_s', 0):.3f} | {peak} | {r['wall_s']:.0f} | "
+              f"{r.get('teacher_s') or 0:.1f} | {r.get('step_s') or 0:.3f} | {peak} | {r['wall_s']:.0f} | "
               f"{r.get('error', r.get('shard', ''))} |")
 
 
@@ -237,7 +237,7 @@ def worker_heal(a) -> int:
     rep = train(work / "student.cmf", tdir, None, td, s, work / f"train-{n}gpu", log_, progress=dist.is_main())
     peaks = _peaks(dist)
     if dist.is_main():
-        rates = [v for k, v, step in log_.metrics if k == "heal.tokens_per_s" and step > 3]
+        rates = [v for k, v, step in log_.metrics if k in ("tokens_per_s", "train.tokens_per_s") and step > 3]
         rates.sort()
         tok_s = rates[len(rates) // 2] if rates else None
         Path(a.result).write_text(json.dumps({
@@ -298,7 +298,7 @@ def worker_big(a) -> int:
               progress=False, plan=plan)
     peaks = _peaks(dist)
     if dist.is_main():
-        rates = [v for k_, v, _ in log_.metrics if k_ == "heal.tokens_per_s"]
+        rates = [v for k_, v, _ in log_.metrics if k_ == "tokens_per_s"]
         tok_s = rates[-1]
         Path(a.result).write_text(json.dumps({
             "tok_s": tok_s, "step_s": B * T / tok_s, "first_step_s": B * T / rates[0], "peak_gib": peaks,

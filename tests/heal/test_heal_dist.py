@@ -95,7 +95,7 @@ class _KillAt:
         self.step = step
 
     def log_metrics(self, metrics, step=None):
-        if step == self.step and "heal.loss" in metrics:
+        if step == self.step and "loss" in metrics:
             raise _Kill()
 
     def log_params(self, p):
@@ -179,14 +179,15 @@ def test_cli_gpus_2_reruns_itself_under_torchrun_and_heals_as_one_gpu(tmp_path, 
     td = tdata(tmp_path, teacher, chars=4000)
     argv = ["heal", str(student), "--teacher", str(teacher), "--data", str(td), "--window", "32", "--batch", "4",
             "--topk", "8", "--lr", "3e-3", "--train-from", "1", "--device", "cpu", "--quiet", "--no-score"]
-    assert main(argv + ["--out", str(tmp_path / "one.cmf")]) == 0
-    assert main(argv + ["--out", str(tmp_path / "two.cmf"), "--gpus", "2"]) == 0
-    one = load_file(str(tmp_path / "one.cmf.work/train/trained.safetensors"))
-    two = load_file(str(tmp_path / "two.cmf.work/train/trained.safetensors"))
+    # two stage caches: with one, the 2-GPU run would reuse the 1-GPU outputs (their digests do not depend on gpus)
+    assert main(argv + ["--out", str(tmp_path / "one.cmf"), "--work", str(tmp_path / "one.work")]) == 0
+    assert main(argv + ["--out", str(tmp_path / "two.cmf"), "--work", str(tmp_path / "two.work"), "--gpus", "2"]) == 0
+    one = load_file(str(next((tmp_path / "one.work").glob("train-*/trained.safetensors"))))
+    two = load_file(str(next((tmp_path / "two.work").glob("train-*/trained.safetensors"))))
     assert one.keys() == two.keys()
     for n in one:
         torch.testing.assert_close(one[n], two[n], rtol=1e-4, atol=1e-5, msg=n)
-    meta = store.read_meta(next((tmp_path / "two.cmf.work").glob("targets-*")))
+    meta = store.read_meta(next((tmp_path / "two.work").glob("targets-*")))
     assert meta["files"]["val"] == ["val-000-of-002.arrow", "val-001-of-002.arrow"]
     assert (tmp_path / "two.cmf").is_file()
 

@@ -184,7 +184,7 @@ def test_memory_settings_parse_and_refuse_unknown_names():
     assert HealSettings(batch=16).micro_windows() == 4 and HealSettings(batch=3, micro_batch=5).micro_windows() == 3
     with pytest.raises(CortiqError, match=r"heal settings: memory 'checkpoint\+fast' is not auto, plain, lean"):
         HealSettings(memory="checkpoint+fast")
-    with pytest.raises(CortiqError, match="micro_batch -1 is negative"):
+    with pytest.raises(CortiqError, match="micro_batch -1 must be >= 0"):
         HealSettings(micro_batch=-1)
 
 
