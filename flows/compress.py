@@ -26,5 +26,4 @@ def compress(params: str | dict = "deployments/params/demo.yaml") -> dict:
         # score: test NLL of the source and the student
         for label, model in (("source", source), ("pruned", student)):
             P.score(st, s, label, model, tdata)
-        st.artifacts({"pruned": student})
-        return P.summary(st)
+        return P.finish(st, "pruned", student, register=False)

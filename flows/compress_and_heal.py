@@ -15,7 +15,6 @@ from prefect import flow
 from cortiq.settings import load_settings
 
 from . import pipeline as P
-from .registry import register_final
 
 
 @flow(name="compress-and-heal", log_prints=True)
@@ -23,19 +22,15 @@ def compress_and_heal(params: str | dict = "deployments/params/demo.yaml") -> di
     """Run the pipeline on a parameter set (a YAML file or its mapping); returns the summary."""
     s = load_settings(params)
     with P.run_tracked(s, "compress-and-heal") as st:
-        # source → data → compress: the model as one CMF file (HF directory, GGUF or the bundled SmolLM2
-        # converted once), the corpus tokenized and split, neuron masks learned and the MLPs folded → the student
-        source, tdata, student = P.student(st, s)
-        # heal → score: the teacher's targets once, the frozen prefix once, the tail trained → the healed
-        # model; test NLL of source, pruned and healed on the same windows
-        healed = P.healed_and_scored(st, s, source, student, tdata)
-        final = healed
+        # source → data → compress → heal → score: the model as one CMF file (HF directory, GGUF or the
+        # bundled SmolLM2 converted once), the corpus tokenized and split, neuron masks learned and the MLPs
+        # folded (the student), the teacher's targets and the frozen prefix once, the tail trained (the healed
+        # model), test NLL of source, pruned and healed on the same windows
+        final, tdata = P.through_heal(st, s)
         # mtp heal: the draft head retrained on the healed trunk; hold rates before / after
         if s.mtp_enabled:
-            final = P.mtp(st, s, healed, tdata)
+            final = P.mtp(st, s, final, tdata)
         # re-encode: the final model in each codec, each re-measured
         P.reencode(st, s, final, tdata)
-        st.artifacts({"healed": final})
-        # registry: a new version of the parameter set's model; `champion` moves only on a better test NLL
-        register_final(st, final)
-        return P.summary(st)
+        # the final model logged and registered (`champion` moves only on a better test NLL)
+        return P.finish(st, "healed", final)

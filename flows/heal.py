@@ -13,7 +13,6 @@ from prefect import flow
 from cortiq.settings import load_settings
 
 from . import pipeline as P
-from .registry import register_final
 
 
 @flow(name="heal", log_prints=True)
@@ -21,12 +20,9 @@ def heal(params: str | dict = "deployments/params/demo.yaml") -> dict:
     """Heal the compressed student on a parameter set; returns the summary (NLL source / pruned / healed)."""
     s = load_settings(params)
     with P.run_tracked(s, "heal") as st:
-        # source → data → compress: the student, as compress-and-heal has it (cached when it exists)
-        source, tdata, student = P.student(st, s)
-        # heal → score: the teacher's targets, the frozen prefix, the tail trained, the healed model exported;
+        # source → data → compress (the student, cached when compress-and-heal or compress made it) → heal:
+        # the teacher's targets, the frozen prefix, the tail trained, the healed model exported → score:
         # test NLL of source, pruned and healed on the same windows
-        healed = P.healed_and_scored(st, s, source, student, tdata)
-        st.artifacts({"healed": healed})
-        # registry: a new version of the parameter set's model; `champion` moves only on a better test NLL
-        register_final(st, healed)
-        return P.summary(st)
+        healed, _ = P.through_heal(st, s)
+        # the healed model logged and registered (`champion` moves only on a better test NLL)
+        return P.finish(st, "healed", healed)

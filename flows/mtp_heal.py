@@ -27,5 +27,4 @@ def mtp_heal(params: str | dict = "deployments/params/demo.yaml") -> dict:
         final = P.mtp(st, s, model, tdata)
         # re-encode: the model in each codec, each re-measured
         P.reencode(st, s, final, tdata)
-        st.artifacts({"drafted": final})
-        return P.summary(st)
+        return P.finish(st, "drafted", final, register=False)

@@ -84,6 +84,12 @@ def student(st: Stages, s: PipelineSettings) -> tuple[str, str, str]:
     return source, tdata, compress(st, s, source, tdata)
 
 
+def through_heal(st: Stages, s: PipelineSettings) -> tuple[str, str]:
+    """source → data → compress → heal → score: (the healed model, the tdata it was healed and scored on)."""
+    source, tdata, pruned = student(st, s)
+    return healed_and_scored(st, s, source, pruned, tdata), tdata
+
+
 def healed_and_scored(st: Stages, s: PipelineSettings, source: str, pruned: str, tdata: str) -> str:
     """heal → score source, pruned and healed on the same test split, and on every
     record of data.eval_sources when given (text no stage trained on): the healed model."""
@@ -161,6 +167,19 @@ class run_tracked:
 
     def __exit__(self, *exc):
         return self._cm.__exit__(*exc)
+
+
+def finish(st: Stages, label: str, model: str, register: bool = True) -> dict:
+    """The run's end: the final model (or a reference to it), its provenance and
+    the plots logged to MLflow; with `register`, a new version of the parameter
+    set's model in the registry (`champion` moves only on a better test NLL).
+    Returns the summary."""
+    st.artifacts({label: model})
+    if register:
+        from .registry import register_final
+
+        register_final(st, model)
+    return summary(st)
 
 
 def summary(st: Stages) -> dict:

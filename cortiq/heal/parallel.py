@@ -35,6 +35,8 @@ from . import memory as mem
 from ..errors import CortiqError
 from .settings import SHARDS
 
+#: a one-process run's checkpoint (tensors and plain values, torch.save)
+CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_DIR = "checkpoint.dcp"
 #: share of one device's memory the whole-tail (ddp) plan may fill with weights, gradients and Adam state
 FIT_SHARE = 0.5
@@ -187,10 +189,8 @@ class Plan:
     def save(self, work_dir: Path, plain: dict, opt) -> None:
         """A resumable checkpoint: trained weights, Adam state, RNG and the loop's
         `plain` state (key, data order, history, best so far)."""
-        from .train import CHECKPOINT, _save
-
         if self.kind == "single":
-            _save(work_dir / CHECKPOINT, {**plain, "trained": self.tail.state(), "optim": mem.optim_state(opt),
+            save_checkpoint(work_dir / CHECKPOINT, {**plain, "trained": self.tail.state(), "optim": mem.optim_state(opt),
                                           "optim_kind": mem.optimizer_kind(opt), "rng": torch.get_rng_state()})
             shutil.rmtree(work_dir / CHECKPOINT_DIR, ignore_errors=True)
             return
@@ -223,8 +223,6 @@ class Plan:
         """The loop's state of the checkpoint under `work_dir` when it was made
         with `key` (its weights, Adam state and RNG loaded in place), else None.
         Either kind of checkpoint is read by either kind of run."""
-        from .train import CHECKPOINT, load_checkpoint
-
         d, pt = work_dir / CHECKPOINT_DIR, work_dir / CHECKPOINT
         if (d / "loop.json").is_file():
             return self._resume_dcp(d, key, opt)
@@ -302,3 +300,29 @@ def prepare(tail, s, device, cdt, compile: bool = False) -> Plan:
         # each layer compiled before it is wrapped: the order torch's own tests of fully_shard use
         tail.model.compile_layers()
     return Plan(tail, choose(s.shard, tail, device), device, cdt, s.genesis).wrap()
+
+
+# ── one-process checkpoints ─────────────────────────────────────────────
+
+def load_checkpoint(path: Path) -> dict | None:
+    """The checkpoint at `path` (tensors and plain values only: never unpickles code), or None
+    when it is damaged: it is then set aside as `NAME.damaged`, one line says so, and the
+    stage restarts from its beginning rather than failing on every retry."""
+    try:
+        ck = torch.load(path, weights_only=True, map_location="cpu")
+        if not isinstance(ck, dict):
+            raise ValueError(f"holds a {type(ck).__name__}, not a checkpoint table")
+        return ck
+    except Exception as e:  # noqa: BLE001 (torch raises many kinds on a damaged zip or pickle)
+        why = " ".join(str(e).split())[:160]
+        os.replace(path, path.with_name(path.name + ".damaged"))
+        print(f"cortiq: {path}: a damaged checkpoint ({type(e).__name__}: {why}), set aside as {path.name}.damaged; "
+              "the stage restarts from its beginning", file=sys.stderr)
+        return None
+
+
+def save_checkpoint(path: Path, obj: dict) -> None:
+    """`obj` (tensors and plain values) at `path`, written to `.partial` and renamed."""
+    tmp = path.with_name(path.name + ".partial")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)

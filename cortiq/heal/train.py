@@ -14,7 +14,6 @@ best so far) lets a killed run continue to the same end.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -27,11 +26,11 @@ from .. import tracking
 from ..errors import CortiqError
 from . import memory as mem
 from .loss import dense_kl, topk_kl, topk_rest_kl
+from .parallel import CHECKPOINT, load_checkpoint  # noqa: F401  (the trainer's names for them)
 from .rows import WindowRows
 from .schedule import genesis_decay, genesis_from, lr_shape
 from .settings import HealSettings
 
-CHECKPOINT = "checkpoint.pt"
 MAX_SKIPPED = 20
 #: the f16 loss scale's start (halved at each non-finite step)
 F16_SCALE = 4096.0
@@ -298,29 +297,6 @@ class Order:
 
 
 # ── the loop ────────────────────────────────────────────────────────────
-
-
-def load_checkpoint(path: Path) -> dict | None:
-    """The checkpoint at `path` (tensors and plain values only: never unpickles code), or None
-    when it is damaged: it is then set aside as `NAME.damaged`, one line says so, and the
-    stage restarts from its beginning rather than failing on every retry."""
-    try:
-        ck = torch.load(path, weights_only=True, map_location="cpu")
-        if not isinstance(ck, dict):
-            raise ValueError(f"holds a {type(ck).__name__}, not a checkpoint table")
-        return ck
-    except Exception as e:  # noqa: BLE001 (torch raises many kinds on a damaged zip or pickle)
-        why = " ".join(str(e).split())[:160]
-        os.replace(path, path.with_name(path.name + ".damaged"))
-        print(f"cortiq: {path}: a damaged checkpoint ({type(e).__name__}: {why}), set aside as {path.name}.damaged; "
-              "the stage restarts from its beginning", file=sys.stderr)
-        return None
-
-
-def _save(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, work_dir, device, cdt,
