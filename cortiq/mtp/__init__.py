@@ -289,18 +289,16 @@ def write_draft(f, tensors: dict, codec: str, path, stage_block: dict | None = N
     ("keep": each draft tensor's codec in `f`; a quantized codec only for 2-D weights;
     below 8 bits a weight named in `sensitive` goes to `sensitive_codec`)."""
     from ..cmf import copy_specs, with_provenance, write_cmf
+    from ..codecs import choose
     from ..codecs import get as get_codec
 
     low = codec != "keep" and get_codec(codec).bytes_per_weight() < 1.0
 
     def codec_for(name, info):
-        if not name.startswith("model.mtp.") or codec == "keep":
+        if not name.startswith("model.mtp."):
             return info.codec
-        if not get_codec(codec).plain and len(info.shape) != 2:
-            return "f32"
-        if low and any(k in name for k in sensitive):
-            return sensitive_codec
-        return codec
+        c = choose(codec, info.shape, info.codec)  # the whole-model rule: quantized codecs on matrices only
+        return sensitive_codec if low and c == codec and any(k in name for k in sensitive) else c
 
     specs = copy_specs(f, codec_for, replace=tensors)
     doc = {k: v for k, v in f.doc.items() if k not in ("codecs", "hashes", "shards")}

@@ -35,7 +35,7 @@ def print_summary(s: dict, out=sys.stdout) -> None:
             w(f"{k:<12}{_fmt(v):>10}{_fmt((size.get(k) or 0) / 1e6, '.1f'):>10}\n")
     g = s.get("gap")
     if g and g.get("gap_recovered") is not None:
-        w(f"\ngap recovered {g['gap_recovered']:.1%} (on the {g['text']})\n")
+        w(f"\ngap recovered {g['gap_recovered']:.1%}, on the {g['text']}\n")
     d = s.get("drafts_per_round")
     if d:
         w(f"\nMTP drafts kept per round: before {_fmt(d.get('before'), '.3f')}, after {_fmt(d.get('after'), '.3f')}\n")
