@@ -16,7 +16,7 @@ from cortiq.heal.train import StudentTail, fit
 from cortiq.tracking import NULL
 
 from heal_models import arch, perturbed, random_weights, save, tdata
-from heal_toy import ToyLM, toy_split
+from heal_toy import KillAt as _KillAt, Killed as _Kill, ToyLM, toy_split
 from ranks import run_ranks
 
 CPU = torch.device("cpu")
@@ -84,22 +84,6 @@ def test_teacher_and_prefix_shards_read_as_one_ranks_rows(tmp_path, kind):
 
 
 # ── training ──
-
-
-class _Kill(Exception):
-    pass
-
-
-class _KillAt:
-    def __init__(self, step):
-        self.step = step
-
-    def log_metrics(self, metrics, step=None):
-        if step == self.step and "loss" in metrics:
-            raise _Kill()
-
-    def log_params(self, p):
-        pass
 
 
 def _setup():

@@ -8,7 +8,7 @@ from cortiq.errors import CortiqError
 from cortiq.heal.settings import HealSettings
 from cortiq.heal.train import StudentTail, fit
 
-from heal_toy import ToyLM, toy_split
+from heal_toy import KillAt as _KillAt, Killed as _Kill, ToyLM, toy_split
 
 CPU = torch.device("cpu")
 
@@ -40,28 +40,6 @@ def test_training_lowers_heldout_kl_and_restores_the_best(tmp_path):
     best = min(e["heldout"] for e in rep["evals"])
     assert m["heldout_best"] == best
     assert m["best_step"] == next(e["step"] for e in rep["evals"] if e["heldout"] == best)
-
-
-class _Kill(Exception):
-    pass
-
-
-class _KillAt:
-    def __init__(self, step):
-        self.step = step
-
-    def log_metrics(self, metrics, step=None):
-        if step == self.step and "loss" in metrics:
-            raise _Kill()
-
-    def log_params(self, p):
-        pass
-
-    def log_artifact(self, *a, **k):
-        pass
-
-    def set_tags(self, t):
-        pass
 
 
 @pytest.mark.parametrize("genesis", [False, True])
