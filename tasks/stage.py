@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 
 from cortiq import pipeline, tracking
-from cortiq.pipeline import FAIL_ENV, InjectedFailure, Stage  # noqa: F401  (tests inject failures through these)
+from cortiq.pipeline import Stage
 
 
 @functools.cache

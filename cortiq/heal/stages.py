@@ -68,7 +68,7 @@ def _train_key(s: HealSettings) -> dict:
 
 
 def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSettings, work_dir,
-          logger: tracking.Logger = tracking.NULL, progress: bool = True) -> dict:
+          logger: tracking.Logger = tracking.NULL, progress: bool = True, key: str | None = None) -> dict:
     """Train the student's tail on the targets; the best weights (by held-out
     loss) go to `work_dir/trained.safetensors`, checkpoints to `work_dir`."""
     from safetensors.torch import save_file
@@ -112,8 +112,8 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
         if s.compile and dev.type == "cuda":
             obj.teacher.compile_layers()
     # a checkpoint resumes only the run it was taken in: the digest the stage runner names this training by
-    key = pipeline.digest_of(TRAIN, student=student_cmf, targets=targets_dir, prefix=prefix_dir, tdata=tdata_dir,
-                             settings=s)
+    key = key or pipeline.digest_of(TRAIN, student=student_cmf, targets=targets_dir, prefix=prefix_dir,
+                                    tdata=tdata_dir, settings=s)
     if not dist.is_main():
         logger = tracking.NULL  # rank 0 reports for all
     logger.log_params({f"heal.{k}": v for k, v in s.to_dict().items()})
@@ -257,7 +257,7 @@ def _train(out, ctx, student, targets, prefix, tdata, settings) -> dict:
     # again, finds its checkpoint there and resumes
     out.mkdir(parents=True, exist_ok=True)
     rep = train(Path(student), Path(targets), prefix and Path(prefix), Path(tdata), settings, out, ctx.logger,
-                ctx.progress)
+                ctx.progress, key=ctx.digest)
     if dist.is_main():
         store.finish_dir(out, {"stage": TRAIN.name, "digest": ctx.digest, "report": rep})
     return rep
