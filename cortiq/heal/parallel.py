@@ -21,6 +21,7 @@ calls the few hooks of `Plan` and is otherwise the same for one process.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -124,7 +125,10 @@ class Plan:
 
         self.active = self._requires()
         ids = [self.device.index] if self.device.type == "cuda" else None
-        self.module = DDP(_Trained(self.tail), device_ids=ids)
+        # gradient_as_bucket_view: the gradients live in DDP's reduction buckets
+        # instead of beside them (one f32 copy of the trained weights less: 6.8 GB
+        # at 1.7B) and need no copy back after the all-reduce
+        self.module = DDP(_Trained(self.tail), device_ids=ids, gradient_as_bucket_view=True)
         self.tail.wrapped = self.module
 
     def _fully_shard(self) -> None:
@@ -144,6 +148,14 @@ class Plan:
         self.module = root
         self.tail.wrapped = root
         self.tail.collect()  # fully_shard put new (sharded) parameters in place of the old
+
+    def nosync(self):
+        """A context for the backward passes of a step's micro-batches but the
+        last: DDP adds them up locally and reduces once, at the last one (the
+        same sum, one all-reduce a step instead of one per micro-batch). FSDP2
+        keeps reducing each micro-batch: skipping it would hold every layer's
+        unsharded gradient until the last one, the memory FSDP is there to save."""
+        return self.module.no_sync() if self.kind == "ddp" else contextlib.nullcontext()
 
     def _requires(self) -> tuple:
         return tuple(p.requires_grad for _, p in self.tail.named())

@@ -13,6 +13,7 @@ best so far) lets a killed run continue to the same end.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -244,11 +245,13 @@ def batch_loss(tail: StudentTail, ids, h0, tid, tp, chunk: int, device, cdt,
 
 
 def step_backward(tail: StudentTail, batch: tuple, micro: int, chunk: int, device, cdt, obj: Objective | None,
-                  scale: float = 1.0) -> torch.Tensor:
+                  scale: float = 1.0, nosync=contextlib.nullcontext) -> torch.Tensor:
     """Forward and backward of one step's batch, `micro` windows at a time (0:
     all at once). Each part's summed loss is divided by the whole step's total
     weight before its backward, so the accumulated gradients are the one
-    batch's. Returns the step's normalised loss (detached)."""
+    batch's. `nosync()` wraps every part but the last (across ranks: the
+    gradients are reduced once, after the last). Returns the step's normalised
+    loss (detached)."""
     ids, h0, tid, tp, tot = batch
     B, T = ids.shape
     m = B if micro <= 0 else min(micro, B)
@@ -256,9 +259,11 @@ def step_backward(tail: StudentTail, batch: tuple, micro: int, chunk: int, devic
     loss = None
     for a in range(0, B, m):  # micro-batches, not tokens: at most a handful
         rows = slice(a * T, (a + m) * T)  # target rows of windows a..a+m-1
-        part = batch_loss(tail, ids[a : a + m], None if h0 is None else h0[a : a + m], tid[rows], tp[rows], chunk,
-                          device, cdt, obj) / den
-        (part * scale).backward()
+        # DDP decides in the forward whether the backward reduces: both go inside
+        with nosync() if a + m < B else contextlib.nullcontext():
+            part = batch_loss(tail, ids[a : a + m], None if h0 is None else h0[a : a + m], tid[rows], tp[rows],
+                              chunk, device, cdt, obj) / den
+            (part * scale).backward()
         loss = part.detach() if loss is None else loss + part.detach()
     return loss
 
@@ -385,7 +390,8 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
             plan.following()
         t0 = time.perf_counter()
         # this rank's share of the whole batch's mean (plan.grad_scale: DDP averages over ranks, the loss is a sum)
-        loss = step_backward(tail, ahead.get(b), micro, s.head_chunk, device, cdt, obj, st["scale"] * plan.grad_scale)
+        loss = step_backward(tail, ahead.get(b), micro, s.head_chunk, device, cdt, obj, st["scale"] * plan.grad_scale,
+                             plan.nosync)
         if epoch_pos + 1 < nb:  # the next batch of this epoch's order, while the GPU works
             ahead.prefetch(order.perm[epoch_pos + 1])
         if st["scale"] != 1.0:

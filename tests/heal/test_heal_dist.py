@@ -120,12 +120,15 @@ def _same_run(a, b, state_b):
         torch.testing.assert_close(t, state_b[n], rtol=1e-4, atol=1e-5, msg=n)
 
 
-@pytest.mark.parametrize("shard,genesis", [("ddp", False), ("ddp", True), ("fsdp", False)])
-def test_two_ranks_train_as_one_with_the_same_global_batch(tmp_path, shard, genesis):
+@pytest.mark.parametrize("shard,genesis,memory", [("ddp", False, "plain"), ("ddp", True, "plain"), ("fsdp", False, "plain"),
+                                                  ("ddp", False, "micro"), ("fsdp", False, "checkpoint+micro")])
+def test_two_ranks_train_as_one_with_the_same_global_batch(tmp_path, shard, genesis, memory):
+    # micro: each rank's 2 windows in 2 micro-batches (DDP reduces once, after the second)
     tail, tr, va = _setup()
     ref = fit(tail, tr, va, _settings(genesis=genesis), tmp_path / "one", CPU, torch.float32, key="k", progress=False)
     ref["state"] = tail.state()
-    run_ranks(_fit, 2, tmp_path / "two", {"shard": shard, "genesis": genesis}, 0, tmp_path / "two.pt", tmp=tmp_path)
+    kw = {"shard": shard, "genesis": genesis, "memory": memory, "micro_batch": 1}
+    run_ranks(_fit, 2, tmp_path / "two", kw, 0, tmp_path / "two.pt", tmp=tmp_path)
     two = torch.load(tmp_path / "two.pt", weights_only=True)
     assert len(two["history"]) == 18
     _same_run(two, ref, ref["state"])
