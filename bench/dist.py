@@ -121,6 +121,14 @@ def main():
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--compile", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--runs", default="1:auto,2:auto",
+                    help="the heal runs, comma-separated GPUS:SHARD[:keep|:reshard] (shard auto|ddp|fsdp; keep/reshard: "
+                         "FSDP2 keeps each layer's gathered weights for its backward, or gathers them again)")
+    ap.add_argument("--big-runs", default="1,0", help="the 8B step: compiled layers (1) then, if that fails, eager (0)")
+    ap.add_argument("--profile", action="store_true",
+                    help="rank 0 profiles three steps of each heal run: per step, GPU busy, NCCL exposed, idle, top kernels")
+    ap.add_argument("--shard", default="auto", help=argparse.SUPPRESS)
+    ap.add_argument("--keep", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.tiny:
         a.geom, a.big, a.tokens, a.window, a.batch, a.steps, a.eval_every = "tiny", "tiny", 12_000, 32, 4, 6, 2
@@ -151,17 +159,21 @@ def main():
               "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--work", str(work), "--data", str(td),
               "--big", a.big, "--big-window", str(a.big_window), "--big-batch", str(a.big_batch)]
     rows = []
-    for n in (1, a.gpus):
-        res = out / f"heal-{n}.json"
+    for i, spec in enumerate(r for r in a.runs.split(",") if r):
+        n, shard, keep = (spec.split(":") + ["", ""])[:3]
+        n = int(n)
+        res = out / f"heal-{i}.json"
         res.unlink(missing_ok=True)
         t1 = time.time()
-        rc = torchrun(n, ["--worker", "heal", "--result", str(res), "--compile", str(int(cuda)), *common]
-                      + (["--cpu"] if a.cpu else []), env, 300)
+        rc = torchrun(n, ["--worker", "heal", "--result", str(res), "--compile", str(int(cuda)), "--shard", shard,
+                          "--keep", keep, *common] + (["--cpu"] if a.cpu else []) + (["--profile"] if a.profile else []),
+                      env, 300)
         row = json.loads(res.read_text()) if res.exists() else {"error": f"exit {rc}"}
-        row.update({"part": f"heal {a.geom}", "gpus": n, "wall_s": time.time() - t1})
+        row.update({"part": f"heal {a.geom}" + (f" {shard}" if shard != "auto" else "") + (f" {keep}" if keep else ""),
+                    "gpus": n, "wall_s": time.time() - t1})
         rows.append(row)
-        log(json.dumps(row)[:400])
-    for compile_ in ((1, 0) if cuda else (0,)):
+        log(json.dumps({k: v for k, v in row.items() if k != "profile"})[:400])
+    for compile_ in (int(c) for c in a.big_runs.split(",") if c and (cuda or c == "0")):
         res = out / "big.json"
         res.unlink(missing_ok=True)
         t1 = time.time()
@@ -190,14 +202,70 @@ def table(rows, dev, a):
             print(f"| {e1['step']} | {e1['heldout']:.5f} | {e2['heldout']:.5f} | {e2['heldout'] - e1['heldout']:+.2e} |")
     print("\n| part | GPUs | train tok/s | speed-up | teacher stage s (load + pass) | step s | peak GiB per GPU | wall s | note |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    base = heal[0].get("tok_s") if heal else None
+    base = next((r.get("tok_s") for r in heal if r["gpus"] == 1), None)
     for r in rows:
         tok = r.get("tok_s")
         up = f"{tok / base:.2f}×" if tok and base and r["part"].startswith("heal") else ""
         peak = " / ".join(f"{x:.1f}" for x in r.get("peak_gib", []))
         print(f"| {r['part']} | {r['gpus']} | {'' if tok is None else f'{tok / 1e3:.1f}k'} | {up} | "
               f"{r.get('teacher_s') or 0:.1f} | {r.get('step_s') or 0:.3f} | {peak} | {r['wall_s']:.0f} | "
-              f"{r.get('error', r.get('shard', ''))} |")
+              f"{r.get('error', '')[:40] or r.get('shard', '')} |")
+    for r in rows:
+        if r.get("profile"):
+            print_profile(r["part"] + f", {r['gpus']} GPU(s)", r["profile"])
+    for r in rows:
+        if r.get("traceback"):
+            print(f"\n{r['part']}: rank 0's traceback (last lines)\n" + "\n".join(r["traceback"].splitlines()[-25:]))
+
+
+# ── the profile of three steps (rank 0's GPU) ──────────────────────────────
+
+
+def _merged(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a_, b_ in sorted(iv):
+        if out and a_ <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b_)
+        else:
+            out.append([a_, b_])
+    return [(x, y) for x, y in out]
+
+
+def _length(iv) -> float:
+    return sum(b_ - a_ for a_, b_ in iv)
+
+
+def analyse_trace(path: Path, steps: int) -> dict:
+    """Per step, in ms: the span of the GPU's work, the time some kernel ran,
+    NCCL kernels' time and the part of it no compute kernel overlapped, idle time
+    and the fused Adam's kernels; and the top kernels by time."""
+    ev = json.loads(Path(path).read_text())["traceEvents"]
+    ks = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev
+          if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not ks:
+        return {}
+    comm = _merged([(x, y) for x, y, n in ks if "nccl" in n.lower()])
+    comp = _merged([(x, y) for x, y, n in ks if "nccl" not in n.lower()])
+    busy = _merged(comm + comp)
+    span = max(y for _, y, _ in ks) - min(x for x, _, _ in ks)
+    both = _length(comm) + _length(comp) - _length(busy)
+    top: dict[str, float] = {}
+    for x, y, n in ks:
+        top[n[:70]] = top.get(n[:70], 0.0) + (y - x)
+    per = 1e3 * steps  # µs over `steps` steps -> ms a step
+    return {"span_ms": span / per, "busy_ms": _length(busy) / per, "compute_ms": _length(comp) / per,
+            "nccl_ms": _length(comm) / per, "nccl_exposed_ms": (_length(comm) - both) / per,
+            "idle_ms": (span - _length(busy)) / per,
+            "adam_ms": sum(y - x for x, y, n in ks if "adam" in n.lower()) / per,
+            "top": sorted(((v / per, k) for k, v in top.items()), reverse=True)[:10]}
+
+
+def print_profile(title: str, p: dict) -> None:
+    print(f"\n{title}: per step (ms) span {p['span_ms']:.1f}, GPU busy {p['busy_ms']:.1f} (compute {p['compute_ms']:.1f}, "
+          f"NCCL {p['nccl_ms']:.1f} of which exposed {p['nccl_exposed_ms']:.1f}), idle {p['idle_ms']:.1f}, "
+          f"Adam kernels {p['adam_ms']:.1f}")
+    for ms, name in p["top"]:
+        print(f"    {ms:8.2f} ms  {name}")
 
 
 # ── the workers (one per rank, under torchrun) ─────────────────────────────
@@ -208,8 +276,41 @@ def _peaks(dist) -> list[float]:
     return [float(x) for x in dist.gather(p)]
 
 
+def _traceback_kept(worker):
+    """Run `worker(a)`; on a failure the traceback goes into the result file (rank 0's) and the exit is 1."""
+    def run(a) -> int:
+        try:
+            return worker(a)
+        except Exception:
+            import traceback
+
+            from cortiq import dist
+
+            if dist.rank() == 0:
+                Path(a.result).write_text(json.dumps({"error": "failed", "traceback": traceback.format_exc()}))
+            raise
+    return run
+
+
+class _Profiled:
+    """A logger that steps a profiler at every training step (rank 0 only)."""
+
+    def __init__(self, inner, prof):
+        self.inner, self.prof = inner, prof
+
+    def __getattr__(self, k):
+        return getattr(self.inner, k)
+
+    def log_metrics(self, metrics, step=None):
+        self.inner.log_metrics(metrics, step=step)
+        if "tokens_per_s" in metrics:
+            self.prof.step()
+
+
+@_traceback_kept
 def worker_heal(a) -> int:
     from cortiq import dist
+    from cortiq.heal import parallel
     from cortiq.heal import targets as targets_mod
     from cortiq.heal.settings import HealSettings
     from cortiq.heal.stages import train
@@ -217,6 +318,8 @@ def worker_heal(a) -> int:
 
     dist.init()
     n = dist.world()
+    if a.keep:
+        parallel.KEEP_GATHERED_SHARE = 1.0 if a.keep == "keep" else 0.0
     work = Path(a.work)
     td = Path(a.data)
     from cortiq.data import Tdata, windows
@@ -225,7 +328,7 @@ def worker_heal(a) -> int:
     epochs = a.steps / max(n_train // a.batch, 1)
     s = HealSettings(window=a.window, batch=a.batch, epochs=epochs, train_from=0, topk=32, loss_on="all",
                      eval_every=a.eval_every, checkpoint_every=0, compile=bool(a.compile), lr=3e-4,
-                     device="cpu" if a.cpu else "auto", gpus=n)
+                     device="cpu" if a.cpu else "auto", gpus=n, shard=a.shard)
     tdir = work / f"targets-{n}gpu-{targets_mod.digest_of(work / 'source.cmf', td, s)}"
     t0 = time.perf_counter()
     if not dist.agree((tdir / "meta.json").exists()):
@@ -234,7 +337,18 @@ def worker_heal(a) -> int:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     log_ = MemoryLogger()
-    rep = train(work / "student.cmf", tdir, None, td, s, work / f"train-{n}gpu", log_, progress=dist.is_main())
+    trace = Path(a.result).with_suffix(".trace.json")
+    work_dir = work / f"train-{n}gpu-{a.shard}-{a.keep}"
+    if a.profile and dist.is_main() and torch.cuda.is_available():
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        # steps 7-9: past the compile warm-up, clear of the held-out evaluations every 5 steps
+        with profile(activities=acts, schedule=schedule(wait=5, warmup=1, active=3),
+                     on_trace_ready=lambda p: p.export_chrome_trace(str(trace))) as prof:
+            rep = train(work / "student.cmf", tdir, None, td, s, work_dir, _Profiled(log_, prof), progress=True)
+    else:
+        rep = train(work / "student.cmf", tdir, None, td, s, work_dir, log_, progress=dist.is_main())
     peaks = _peaks(dist)
     if dist.is_main():
         rates = [v for k, v, step in log_.metrics if k in ("tokens_per_s", "train.tokens_per_s") and step > 3]
@@ -243,11 +357,13 @@ def worker_heal(a) -> int:
         Path(a.result).write_text(json.dumps({
             "tok_s": tok_s, "teacher_s": teacher_s, "steps": rep["metrics"]["steps"], "evals": rep["evals"],
             "step_s": (a.batch * a.window / tok_s) if tok_s else None, "peak_gib": peaks, "shard": rep["shard"],
-            "losses": [h["loss"] for h in rep["history"]]}))
+            "losses": [h["loss"] for h in rep["history"]],
+            "profile": analyse_trace(trace, 3) if trace.exists() else None}))
     dist.finish()
     return 0
 
 
+@_traceback_kept
 def worker_big(a) -> int:
     import numpy as np
     import pyarrow as pa

@@ -41,6 +41,9 @@ CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_DIR = "checkpoint.dcp"
 #: share of one device's memory the whole-tail (ddp) plan may fill with weights, gradients and Adam state
 FIT_SHARE = 0.5
+#: share of one device's memory under which FSDP2 keeps each layer's gathered bf16 weights from its
+#: forward to its backward (one all-gather a step instead of two; the whole tail's compute weights stay)
+KEEP_GATHERED_SHARE = 0.1
 
 
 def is_dtensor(t) -> bool:
@@ -78,6 +81,14 @@ class _Trained(torch.nn.Module):
         return self._tail.run_tail(h0)
 
 
+def device_bytes(device) -> int:
+    """The memory of a CUDA device, or this machine's on a CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def choose(kind: str, tail, device) -> str:
     """"single" for one process; else "ddp" or "fsdp" as asked; "auto": ddp when
     the trained weights with their gradients and Adam state (16 bytes each) and
@@ -93,7 +104,7 @@ def choose(kind: str, tail, device) -> str:
     trained = sum(p.numel() for _, p in tail.named())
     total = sum(p.numel() for p in tail.model.parameters())
     need = 16 * trained + 4 * (total - trained)
-    return "ddp" if need <= FIT_SHARE * torch.cuda.get_device_properties(device).total_memory else "fsdp"
+    return "ddp" if need <= FIT_SHARE * device_bytes(device) else "fsdp"
 
 
 class Plan:
@@ -142,9 +153,10 @@ class Plan:
         low = None if self.cdt == torch.float32 else self.cdt
         mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
         root = _Trained(self.tail)
+        reshard = not self.keep_gathered()
         for layer in root.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(root, mesh=mesh, mp_policy=mp)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         self.module = root
         self.tail.wrapped = root
         self.tail.collect()  # fully_shard put new (sharded) parameters in place of the old
@@ -156,6 +168,13 @@ class Plan:
         keeps reducing each micro-batch: skipping it would hold every layer's
         unsharded gradient until the last one, the memory FSDP is there to save."""
         return self.module.no_sync() if self.kind == "ddp" else contextlib.nullcontext()
+
+    def keep_gathered(self) -> bool:
+        """Whether the trained layers' weights in compute precision (2 bytes each
+        in bf16, 4 in f32) take at most KEEP_GATHERED_SHARE of the device."""
+        size = 2 if self.cdt in (torch.bfloat16, torch.float16) else 4
+        need = size * sum(p.numel() for _, p in self.tail.named())
+        return need <= KEEP_GATHERED_SHARE * device_bytes(self.device)
 
     def _requires(self) -> tuple:
         return tuple(p.requires_grad for _, p in self.tail.named())

@@ -99,6 +99,11 @@ def _settings(**kw):
 
 
 def _fit(rank, work, kw, kill_at, out):
+    kw = dict(kw)
+    if "keep_share" in kw:  # 0: FSDP2 gathers each layer's weights again for its backward
+        from cortiq.heal import parallel
+
+        parallel.KEEP_GATHERED_SHARE = kw.pop("keep_share")
     tail, tr, va = _setup()
     try:
         rep = fit(tail, tr, va, _settings(**kw), work, CPU, torch.float32, key="k",
@@ -120,14 +125,16 @@ def _same_run(a, b, state_b):
         torch.testing.assert_close(t, state_b[n], rtol=1e-4, atol=1e-5, msg=n)
 
 
-@pytest.mark.parametrize("shard,genesis,memory", [("ddp", False, "plain"), ("ddp", True, "plain"), ("fsdp", False, "plain"),
-                                                  ("ddp", False, "micro"), ("fsdp", False, "checkpoint+micro")])
-def test_two_ranks_train_as_one_with_the_same_global_batch(tmp_path, shard, genesis, memory):
-    # micro: each rank's 2 windows in 2 micro-batches (DDP reduces once, after the second)
+@pytest.mark.parametrize("shard,genesis,memory,keep", [
+    ("ddp", False, "plain", 0.1), ("ddp", True, "plain", 0.1), ("fsdp", False, "plain", 0.1),
+    ("ddp", False, "micro", 0.1), ("fsdp", False, "checkpoint+micro", 0.0)])
+def test_two_ranks_train_as_one_with_the_same_global_batch(tmp_path, shard, genesis, memory, keep):
+    # micro: each rank's 2 windows in 2 micro-batches (DDP reduces once, after the second);
+    # keep 0: FSDP2 frees each layer's gathered weights after its forward, gathers them again in the backward
     tail, tr, va = _setup()
     ref = fit(tail, tr, va, _settings(genesis=genesis), tmp_path / "one", CPU, torch.float32, key="k", progress=False)
     ref["state"] = tail.state()
-    kw = {"shard": shard, "genesis": genesis, "memory": memory, "micro_batch": 1}
+    kw = {"shard": shard, "genesis": genesis, "memory": memory, "micro_batch": 1, "keep_share": keep}
     run_ranks(_fit, 2, tmp_path / "two", kw, 0, tmp_path / "two.pt", tmp=tmp_path)
     two = torch.load(tmp_path / "two.pt", weights_only=True)
     assert len(two["history"]) == 18
