@@ -159,15 +159,15 @@ def _fewest_layers(sh: StepShape, parts: tuple[str, ...], micro_windows: int, al
 
 
 def choose(memory: str, parts: tuple[str, ...] | None, sh: StepShape, micro_windows: int, allow: float | None,
-           adam8_available, layers: int = 0, budget: str = "") -> Plan:
+           adam8_available, layers: int = 0, budget: str = "", say: bool = True) -> Plan:
     """The plan the step runs with. `parts` is what the settings named (None:
     auto), `layers` the settings' checkpoint_layers (0: all when named, the
     fewest that fit under auto). Auto without an allowance (`allow` None: a
     CPU without a budget) is plain; with one (bytes the step may use beyond
     what is on the device) it is, of the plans whose estimate fits, the one
     expected to cost the least time (COST): plain, else checkpoint of the fewest
-    layers, else more savings; when none fits, lean. One line to stderr says
-    what auto chose and why (`budget` names the allowance in it).
+    layers, else more savings; when none fits, lean. With `say`, one line to
+    stderr says what auto chose and why (`budget` names the allowance in it).
     `adam8_available`: a bool, or a function asked only when a plan with
     8-bit moments would be chosen (importing torchao takes seconds)."""
     L = sh.layers
@@ -192,14 +192,16 @@ def choose(memory: str, parts: tuple[str, ...] | None, sh: StepShape, micro_wind
             avail = (adam8_available() if callable(adam8_available) else adam8_available) if avail is None else avail
             if not avail:
                 continue
-        _say(plan, sh, micro_windows, allow, budget, True,
-             "" if avail is None or avail else "; 8-bit Adam moments would cost less time but torchao does not load "
-             "here (pip install 'cortiq[lean]')")
+        if say:
+            _say(plan, sh, micro_windows, allow, budget, True,
+                 "" if avail is None or avail else "; 8-bit Adam moments would cost less time but torchao does not "
+                 "load here (pip install 'cortiq[lean]')")
         return plan
     avail = (adam8_available() if callable(adam8_available) else adam8_available) if avail is None else avail
     plan = Plan(tuple(p for p in LEAN if p != "adam8" or avail), L, L)
-    _say(plan, sh, micro_windows, allow, budget, False,
-         "" if avail else " (without 8-bit Adam moments: torchao does not load here: pip install 'cortiq[lean]')")
+    if say:
+        _say(plan, sh, micro_windows, allow, budget, False,
+             "" if avail else " (without 8-bit Adam moments: torchao does not load here: pip install 'cortiq[lean]')")
     return plan
 
 

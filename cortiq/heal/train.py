@@ -284,8 +284,10 @@ def memory_plan(tail: StudentTail, s: HealSettings, device) -> mem.Plan:
             budget = f" (device_mem_gb {s.device_mem_gb:g} less {there / mem.GiB:.1f} GiB already there)"
         elif device.type == "cuda":
             allow, budget = mem.FIT_SHARE * mem.free_bytes(device), f" ({mem.FIT_SHARE:.0%} of the free memory)"
+    from .. import dist
+
     return mem.choose(s.memory, s.memory_parts(), shape, s.micro_windows(), allow, mem.have_adam8,
-                      s.checkpoint_layers, budget)
+                      s.checkpoint_layers, budget, say=dist.is_main())  # one line, not one per rank
 
 
 # ── data order ──────────────────────────────────────────────────────────
