@@ -3,6 +3,7 @@ loop, and the DTG-MA mask step eager against CUDA-graphed (called by
 bench/pipeline.py; runnable alone).
 
     python bench/memory.py [--geom qwen3-1.7b] [--batch 4] [--seq 2048] [--steps 5] [--out DIR]
+    python bench/memory.py --parts baseline,plain,partial,auto   # the partial-checkpoint rows alone
     python bench/memory.py --cpu --tiny        # the code paths on a CPU, measures nothing
 
 The step is the trainer's own: `StudentTail` (all layers trained, as the
@@ -14,6 +15,15 @@ f32 master weights, bf16 autocast, compiled layers. Each plan reports tokens/s
 the estimate `memory: auto` decides by (weights + `step_bytes`), so the
 estimate is checked against the measurement in the same call. The baseline is
 bench/run.py's (transformers Qwen3, teacher online, full-vocabulary KL, AdamW).
+
+Partial checkpointing: the step with the lowest quarter, half and three
+quarters of the trained layers recomputed in the backward (`--partial`), and
+`memory: auto` under a device budget of a share of the baseline's measured
+peak (`--budget`, 0.5 by default: "half the baseline's memory"): heal's own
+`memory_plan` picks the plan (the same call `fit` makes, with `device_mem_gb`
+set to the budget), once at head chunks of 8192 rows and once at heal's
+default 1024, and the row times what it picked. Without a measured baseline
+peak (the CPU smoke test) the budget is that share of the plain plan's estimate.
 
 The mask step: `learn_model_masks` on a random-init SmolLM2-135M geometry
 (Llama, 30 layers, hidden 576, MLP 1536, vocab 49152) over random windows of
@@ -56,6 +66,8 @@ PLANS = [
     ("checkpoint+adam8", ("checkpoint", "adam8"), 8192, True),
     ("lean", ("checkpoint", "micro", "adam8"), 8192, True),
 ]
+#: the rows `--parts plain` runs: the plain step at both head chunks (the references of the partial and auto rows)
+PLAIN = ("plain", "plain, head chunk 1024")
 K = 64  # teacher entries per row, as bench/run.py's
 
 
@@ -69,11 +81,14 @@ def _timers(device: str):
     return R.cpu_timed, (lambda: None), (lambda: 0.0)
 
 
-def _plan_step(arch, B, T, batch, parts, chunk, micro, device):
-    """(step function, auto's estimate in bytes) of one plan; the model, optimizer and
-    gradients live in the step's closure, so they go when the caller drops it."""
+def _plan_step(arch, B, T, batch, parts, chunk, micro, device, layers=None, budget_gib=None):
+    """(step function, auto's estimate in bytes, the plan) of one plan; the model, optimizer and
+    gradients live in the step's closure, so they go when the caller drops it. `layers`: how
+    many trained layers are checkpointed (None: all). `budget_gib`: `parts` is ignored and
+    heal's `memory: auto` picks the plan under that device budget, as `fit` does."""
     from cortiq.heal import memory as mem
-    from cortiq.heal.train import StudentTail, step_backward
+    from cortiq.heal.settings import HealSettings
+    from cortiq.heal.train import StudentTail, memory_plan, step_backward
 
     dev = torch.device(device)
     cdt = torch.bfloat16 if device == "cuda" else torch.float32
@@ -81,12 +96,19 @@ def _plan_step(arch, B, T, batch, parts, chunk, micro, device):
     tail = StudentTail(student, 0, ffn_only=False, drop_prefix=False)
     if device == "cuda":
         student.compile_layers()
-    tail.checkpoint = "checkpoint" in parts
+    L = len(tail.params)
+    if budget_gib is not None:
+        s = HealSettings(batch=B, window=T, head_chunk=chunk, micro_batch=micro, memory="auto", device_mem_gb=budget_gib)
+        plan = memory_plan(tail, s, dev)
+    else:
+        plan = mem.Plan(parts, (L if layers is None else min(layers, L)) if "checkpoint" in parts else 0, L)
+    parts = plan.parts
+    tail.checkpointed = plan.layers
     groups = [{"params": [p for _, p in tail.params[l]], "lr": 1e-5, "layer": l} for l in sorted(tail.params)]
     opt = mem.make_optimizer(groups, 1e-5, dev, adam8="adam8" in parts)
     params = [p for _, p in tail.named()]
     resident = sum(p.numel() * p.element_size() for p in student.parameters())
-    est = resident + mem.step_bytes(mem.shape_of(tail, B, T, chunk), parts, micro)
+    est = resident + mem.step_bytes(mem.shape_of(tail, B, T, chunk), parts, micro, plan.layers)
 
     def step():
         step_backward(tail, batch, micro if "micro" in parts else 0, chunk, dev, cdt, None)
@@ -94,11 +116,12 @@ def _plan_step(arch, B, T, batch, parts, chunk, micro, device):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return step, est
+    return step, est, plan
 
 
 def heal_plans(geom: str, B: int, T: int, steps: int, micro: int, plans=PLANS, device: str = "cuda") -> list[dict]:
-    """One row per plan: tokens/s, peak GiB, the auto estimate GiB."""
+    """One row per plan: tokens/s, peak GiB, the auto estimate GiB. A plan is (label, parts,
+    head chunk rows, gradient made ahead[, checkpointed layers[, auto's budget GiB]])."""
     import functools
     import gc
 
@@ -114,9 +137,12 @@ def heal_plans(geom: str, B: int, T: int, steps: int, micro: int, plans=PLANS, d
     tps = torch.softmax(torch.randn(B * T, K, device=device, generator=gen), -1)
     batch = (ids, None, tids, tps, float(B * T))
     rows = []
-    for label, parts, chunk, ahead in plans:
+    for label, parts, chunk, ahead, *more in plans:
+        layers, budget = (more + [None, None])[:2]
         row = {"geom": geom, "plan": label, "memory": "+".join(parts) or "plain", "head_chunk": chunk,
                "micro_windows": micro if "micro" in parts else B, "grad_ahead": ahead}
+        if budget is not None:
+            row["budget_gib"] = budget
         t0 = time.time()
         # the trainer's loss with the head's gradient made ahead (its default) or recomputed
         T_.topk_kl = functools.partial(topk_kl, grad_ahead=ahead)
@@ -124,7 +150,11 @@ def heal_plans(geom: str, B: int, T: int, steps: int, micro: int, plans=PLANS, d
         try:
             gc.collect()
             peak_reset()
-            step, est = _plan_step(arch, B, T, batch, parts, chunk, micro, device)
+            step, est, plan = _plan_step(arch, B, T, batch, parts, chunk, micro, device, layers, budget)
+            row.update({"memory": str(plan), "checkpointed": plan.layers, "layers": plan.of})
+            if budget is not None:
+                row["plan"] = f"{label}: {plan}"
+                row["micro_windows"] = micro if "micro" in plan else B
             s = timed(step, warm=3, reps=steps)
             row.update({"tok_s": B * T / s, "step_ms": 1e3 * s, "peak_gib": peak_gib(), "estimate_gib": est / 2**30})
         except torch.cuda.OutOfMemoryError as e:
@@ -142,6 +172,49 @@ def heal_plans(geom: str, B: int, T: int, steps: int, micro: int, plans=PLANS, d
             gc.collect()
             torch.cuda.empty_cache()
     T_.topk_kl = topk_kl
+    return rows
+
+
+def partial_plans(geom: str, shares: list[float]) -> list[tuple]:
+    """Checkpoint of the lowest share of the trained layers (all of them trained), head chunks of 8192."""
+    L = R.GEOMS[geom]["layers"]
+    ks = sorted({max(1, min(L, round(f * L))) for f in shares})
+    return [(f"checkpoint {k}/{L}", ("checkpoint",), 8192, True, k) for k in ks]
+
+
+def auto_plans(budget_gib: float, share: float, source: str) -> list[tuple]:
+    """`memory: auto` under a device budget of `budget_gib`, at head chunks of 8192 and of 1024 rows."""
+    return [(f"auto ≤ {share:.2f}× {source} ({budget_gib:.1f} GiB), head chunk {c}", (), c, True, None, budget_gib)
+            for c in (8192, 1024)]
+
+
+def budget_of(rows: list[dict], share: float) -> tuple[float, str] | None:
+    """(`share` × the baseline's measured peak, what it is) or, without one (a CPU), that share of
+    the plain plan's estimate; None when neither is in `rows`."""
+    base = next((r for r in rows if r.get("who") == "baseline" and r.get("kd_peak_gib")), None)
+    if base is not None:
+        return share * base["kd_peak_gib"], "the baseline's peak"
+    plain = next((r for r in rows if r.get("plan") == "plain" and "estimate_gib" in r), None)
+    if plain is not None:
+        return share * plain["estimate_gib"], "the plain plan's estimate"
+    return None
+
+
+def memory_rows(geom: str, B: int, T: int, steps: int, micro: int, parts: set[str], partial: list[float],
+                budget: float, device: str = "cuda") -> list[dict]:
+    """The heal rows of `parts` (baseline, plans or plain, partial, auto) in that order: the
+    auto rows take their budget from the rows before them."""
+    plans = PLANS if "plans" in parts else [p for p in PLANS if p[0] in PLAIN] if "plain" in parts else []
+    if "partial" in parts:
+        plans = plans + partial_plans(geom, partial)
+    rows = ([baseline(geom, B, T, steps, device)] if "baseline" in parts else []) + \
+        heal_plans(geom, B, T, steps, micro, plans, device=device)
+    if "auto" in parts:
+        got = budget_of(rows, budget)
+        if got is None:
+            log("auto rows: no baseline peak and no plain row to take a budget from (add baseline or plain to --parts)")
+        else:
+            rows += heal_plans(geom, B, T, steps, micro, auto_plans(got[0], budget, got[1]), device=device)
     return rows
 
 
@@ -252,7 +325,14 @@ def main():
     ap.add_argument("--micro", type=int, default=1, help="windows per micro-batch in the micro plans")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per plan (after 3 warm-up steps)")
     ap.add_argument("--mask-steps", type=int, default=60, help="most DTG-MA steps of each mask run")
-    ap.add_argument("--parts", default="baseline,plans,masks")
+    ap.add_argument("--parts", default="baseline,plans,partial,auto,masks",
+                    help="what to run: baseline (transformers KD), plans (every plan of PLANS), plain (the two plain "
+                         "rows alone), partial (checkpoint of some of the layers), auto (memory auto under --budget), "
+                         "masks (the DTG-MA mask step)")
+    ap.add_argument("--partial", default="0.25,0.5,0.75",
+                    help="shares of the trained layers the partial rows checkpoint (the lowest ones)")
+    ap.add_argument("--budget", type=float, default=0.5,
+                    help="the auto rows' device budget as a share of the baseline's measured peak")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke test of the code paths)")
     ap.add_argument("--tiny", action="store_true", help="tiny geometries, short runs")
@@ -264,8 +344,8 @@ def main():
     if a.tiny:
         a.geom, a.batch, a.seq, a.steps, a.mask_steps = "tiny", 4, 64, 1, 6
     parts = set(a.parts.split(","))
-    heal_rows = ([baseline(a.geom, a.batch, a.seq, a.steps, device)] if "baseline" in parts else []) + \
-        (heal_plans(a.geom, a.batch, a.seq, a.steps, a.micro, device=device) if "plans" in parts else [])
+    heal_rows = memory_rows(a.geom, a.batch, a.seq, a.steps, a.micro, parts, [float(x) for x in a.partial.split(",")
+                                                                             if x], a.budget, device)
     mask_rows = mask_steps(a.mask_steps, a.tiny, device) if "masks" in parts else []
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

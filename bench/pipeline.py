@@ -243,8 +243,8 @@ def main():
         if part == "masks":
             res["masks"] = M.mask_steps(a.bench_mask_steps, a.tiny, device)
         elif part == "memory":
-            res["memory"] = [M.baseline(a.memory_geom, a.memory_batch, a.memory_seq, a.memory_steps, device)] + \
-                M.heal_plans(a.memory_geom, a.memory_batch, a.memory_seq, a.memory_steps, 1, device=device)
+            res["memory"] = M.memory_rows(a.memory_geom, a.memory_batch, a.memory_seq, a.memory_steps, 1,
+                                          {"baseline", "plans", "partial", "auto"}, [0.25, 0.5, 0.75], 0.5, device)
         elif part == "pipeline":
             res["pipeline"] += pipeline_rows(geom, a, Path(a.work))
         else:

@@ -1,17 +1,17 @@
 """The student step's memory plan: which savings it runs with (activation
-checkpointing per trained layer, micro-batches with gradient accumulation,
-8-bit Adam moments), the estimate `memory: auto` decides by, and the optimizer
-each plan trains with.
+checkpointing of some or all trained layers, micro-batches with gradient
+accumulation, 8-bit Adam moments), the estimate `memory: auto` decides by, and
+the optimizer each plan trains with.
 
 Where a plain step's memory goes, measured on an H200 (Qwen3-1.7B geometry, all
 28 layers trained, 4 windows of 2048, bf16 autocast, head chunks of 8192 rows):
-53.1 GiB = f32 weights (8 GB) + gradients and two f32 Adam moments of the 1.41 B
-trained weights (12 B each, 17 GB) + the layers' saved activations (~22 GB) + the
-fused head's [chunk, vocab] f32 buffers (~5 GB each). The savings cut the last
-three: checkpointing keeps one [tokens, hidden] input per layer instead of its
-activations, micro-batches divide what remains by their count, and 8-bit moments
-(blockwise, torchao's AdamW8bit with weight decay 0, i.e. Adam) are 2 B per
-trained weight instead of 8.
+41.7 GiB at its peak, the end of the forward = f32 weights (6.4 GiB) + two f32
+Adam moments of the 1.41 B trained weights (10.5 GiB) + the layers' saved
+activations (~20 GiB) + the fused head's [chunk, vocab] buffers (~4.6 GiB).
+The savings cut the last three: checkpointing keeps one [tokens, hidden] input
+per recomputed layer instead of its activations, micro-batches divide what
+remains by their count, and 8-bit moments (blockwise, torchao's AdamW8bit with
+weight decay 0, i.e. Adam) are 2 B per trained weight instead of 8.
 """
 
 from __future__ import annotations
@@ -26,9 +26,22 @@ from .settings import MEMORY_PARTS
 
 #: what `memory: lean` runs with
 LEAN = MEMORY_PARTS
-#: the share of the free device memory the plain step's estimate may take before auto goes lean
-#: (the estimate leaves out the allocator's fragmentation and cuBLAS/compile workspaces)
+#: the share of the free device memory the step's estimate may take when no budget is
+#: set (the estimate leaves out the allocator's fragmentation and cuBLAS/compile workspaces)
 FIT_SHARE = 0.85
+#: extra step time of each saving, as a share of the plain step's, measured on an H200
+#: (Qwen3-1.7B, 4 windows of 2048, all 28 layers trained; tokens/s against the plain
+#: step's 45.8k): checkpoint of every trained layer 0.78x (recomputing a layer costs
+#: about its forward, so k of L layers cost k/L of this), micro-batches of one window
+#: 0.72x (larger micro-batches cost less), 8-bit moments 0.70x (torchao's per-parameter
+#: kernels). Together they cost about the product of their factors: auto ranks plans by it.
+COST = {"checkpoint": 1 / 0.78 - 1, "micro": 1 / 0.72 - 1, "adam8": 1 / 0.70 - 1}
+#: bytes per [chunk, vocab] entry the fused head + loss holds, by target kind: the top-k
+#: loss makes its gradient in the forward in compiled passes (bf16 logits and dL/dz:
+#: measured 3.8 B an entry, chunks of 8192 against 1024 rows at 1.7B); the rest-bucket and
+#: dense losses run f32 passes eager (f32 logits, their exp, the target or scatter copy)
+HEAD_ENTRY = {"topk+rest": 12, "full": 16}
+GiB = float(1 << 30)
 
 
 @dataclass
@@ -43,10 +56,11 @@ class StepShape:
     layers: int  # trained layers
     vocab: int
     chunk: int  # rows per chunk of the fused head + loss
+    head_entry: int = 4  # bytes per [chunk, vocab] entry of the head + loss (HEAD_ENTRY)
 
 
-def shape_of(tail, batch: int, window: int, chunk: int) -> StepShape:
-    """The step shape of a StudentTail at `batch` windows of `window` tokens."""
+def shape_of(tail, batch: int, window: int, chunk: int, kind: str = "topk") -> StepShape:
+    """The step shape of a StudentTail at `batch` windows of `window` tokens, target `kind`."""
     V, H = tail.model.head_weight.shape
     inter = 2 * H
     for ps in tail.params.values():
@@ -54,30 +68,71 @@ def shape_of(tail, batch: int, window: int, chunk: int) -> StepShape:
             if n.endswith("mlp.down_proj.weight"):
                 inter = max(inter, int(p.shape[1]))
     return StepShape(trained=sum(p.numel() for _, p in tail.named()), tokens=batch * window,
-                     windows=batch, hidden=int(H), inter=inter, layers=len(tail.params), vocab=int(V), chunk=chunk)
+                     windows=batch, hidden=int(H), inter=inter, layers=len(tail.params), vocab=int(V), chunk=chunk,
+                     head_entry=HEAD_ENTRY.get(kind, 4))
 
 
-def step_bytes(sh: StepShape, parts: tuple[str, ...], micro_windows: int) -> int:
-    """Estimated peak bytes of one step beyond the weights already on the device, under `parts`.
+def step_bytes(sh: StepShape, parts: tuple[str, ...], micro_windows: int, layers: int | None = None) -> int:
+    """Estimated peak bytes of one step beyond the weights already on the device,
+    under `parts`, with `layers` of the trained layers checkpointed (the lowest;
+    None: all of them when "checkpoint" is in `parts`).
 
     Per token and trained layer a transformer layer under bf16 autocast saves
     about 24·hidden + 8·inter bytes for its backward (f32 residual inputs of the
     two norms, bf16 projections, attention output, SwiGLU's gate, up and
-    product); the fused head holds at most ~12 B per [chunk, vocab] entry (bf16
-    logits and their gradient, and f32 temporaries where its passes run eager)
-    and 8 B per [tokens, hidden] row (the normed rows and their gradient).
-    bench/memory.py prints this estimate beside the measured peak."""
+    product); a checkpointed layer keeps only its f32 input (4·hidden). The step
+    peaks at one of two moments:
+    - the end of a forward: every kept activation, the checkpointed layers'
+      inputs and the head's chunk buffers (with the gradients when an earlier
+      micro-batch made them);
+    - the backward's recompute of the lowest checkpointed layer: every gradient,
+      the checkpointed inputs and one layer's activations (checkpointing the
+      lowest layers puts this after the upper layers' activations are freed).
+    Against the peaks measured on an H200 at Qwen3-1.7B (4 × 2048 tokens, the
+    6.4 GiB of weights added), estimated / measured GiB: plain 43.2 / 41.7,
+    head chunks of 1024 rows 39.2 / 37.9, every layer checkpointed 24.8 / 24.6,
+    8-bit moments 35.4 / 33.9, both 16.9 / 16.7; with micro-batches of one
+    window it runs ~2 GiB low (29.2 / 31.1, with 8-bit moments 21.3 / 23.3),
+    a plan auto ranks after checkpointing. bench/memory.py prints the estimate
+    beside the measured peak."""
     n = -(-sh.windows // micro_windows) if "micro" in parts else 1  # micro-batches
     tok = -(-sh.tokens // n)  # tokens of one (micro-)batch
-    per_layer = 24 * sh.hidden + 8 * sh.inter
-    if "checkpoint" in parts:
-        # each layer's input is kept; one layer's activations live again during its recompute
-        act = sh.layers * tok * 4 * sh.hidden + tok * per_layer
-    else:
-        act = sh.layers * tok * per_layer
-    head = 12 * min(sh.chunk, tok) * sh.vocab + 8 * tok * sh.hidden
-    state = sh.trained * (4 + (2 if "adam8" in parts else 8))
-    return state + act + head
+    L = sh.layers
+    k = (L if layers is None else max(0, min(int(layers), L))) if "checkpoint" in parts else 0
+    full = tok * (24 * sh.hidden + 8 * sh.inter)  # one layer's saved activations
+    kept = tok * 4 * sh.hidden  # a checkpointed layer's saved input
+    rows = 8 * tok * sh.hidden  # the normed rows and their gradient
+    head = sh.head_entry * min(sh.chunk, tok) * sh.vocab + 2 * sh.vocab * sh.hidden + rows  # chunks + bf16 head
+    grads = 4 * sh.trained
+    moments = sh.trained * (2 if "adam8" in parts else 8)
+    forward = (grads if n > 1 else 0) + (L - k) * full + k * kept + head
+    backward = grads + k * kept + (full if k else 0) + rows
+    return moments + max(forward, backward)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The savings a step runs with: `parts` (MEMORY_PARTS order) and, with
+    "checkpoint", `layers` of the `of` trained layers recomputed, the lowest."""
+
+    parts: tuple[str, ...] = ()
+    layers: int = 0
+    of: int = 0
+
+    def __contains__(self, part: str) -> bool:
+        return part in self.parts
+
+    def __str__(self) -> str:
+        names = [f"checkpoint:{self.layers}/{self.of}" if p == "checkpoint" and self.layers < self.of else p
+                 for p in self.parts]
+        return "+".join(names) or "plain"
+
+    def cost(self) -> float:
+        """The expected step time as a multiple of the plain step's (COST)."""
+        t = 1.0
+        for p in self.parts:
+            t *= 1.0 + COST[p] * (self.layers / max(self.of, 1) if p == "checkpoint" else 1.0)
+        return t
 
 
 def free_bytes(device: torch.device) -> int:
@@ -96,23 +151,75 @@ def have_adam8() -> bool:
     return True
 
 
-def choose(memory: str, parts: tuple[str, ...] | None, sh: StepShape, micro_windows: int, free: int | None,
-           adam8_available) -> tuple[str, ...]:
-    """The savings the step runs with. `parts` is what the settings named (None:
-    auto); auto on a CPU (`free` None) is plain, on a device plain when the plain
-    estimate takes at most FIT_SHARE of `free`, else lean (without 8-bit moments
-    when torchao is absent: one line says so). `adam8_available`: a bool, or a
-    function asked only when lean is chosen (importing torchao takes seconds)."""
+def _fewest_layers(sh: StepShape, parts: tuple[str, ...], micro_windows: int, allow: float) -> int | None:
+    """The fewest checkpointed layers (1..L) whose estimate under `parts` fits
+    `allow`, or None. A search over layers (at most a few dozen estimates, once a run):
+    the estimate falls with more layers until the backward's recompute bounds it."""
+    return next((k for k in range(1, sh.layers + 1) if step_bytes(sh, parts, micro_windows, k) <= allow), None)
+
+
+def choose(memory: str, parts: tuple[str, ...] | None, sh: StepShape, micro_windows: int, allow: float | None,
+           adam8_available, layers: int = 0, budget: str = "", say: bool = True) -> Plan:
+    """The plan the step runs with. `parts` is what the settings named (None:
+    auto), `layers` the settings' checkpoint_layers (0: all when named, the
+    fewest that fit under auto). Auto without an allowance (`allow` None: a
+    CPU without a budget) is plain; with one (bytes the step may use beyond
+    what is on the device) it is, of the plans whose estimate fits, the one
+    expected to cost the least time (COST): plain, else checkpoint of the fewest
+    layers, else more savings; when none fits, lean. With `say`, one line to
+    stderr says what auto chose and why (`budget` names the allowance in it).
+    `adam8_available`: a bool, or a function asked only when a plan with
+    8-bit moments would be chosen (importing torchao takes seconds)."""
+    L = sh.layers
     if parts is not None:
-        return parts
-    if free is None or step_bytes(sh, (), micro_windows) <= FIT_SHARE * free:
-        return ()
-    avail = adam8_available() if callable(adam8_available) else adam8_available
-    lean = tuple(p for p in LEAN if p != "adam8" or avail)
-    if not avail:
-        print("cortiq: heal memory auto: the plain step would not fit, lean without 8-bit Adam moments "
-              "(torchao does not load here: pip install 'cortiq[lean]')", file=sys.stderr)
-    return lean
+        return Plan(parts, (min(layers, L) if layers else L) if "checkpoint" in parts else 0, L)
+    if allow is None:
+        return Plan((), 0, L)
+    fits = []
+    for mask in range(1 << len(MEMORY_PARTS)):  # the 8 combinations of savings
+        ps = tuple(p for i, p in enumerate(MEMORY_PARTS) if mask >> i & 1)
+        k = 0
+        if "checkpoint" in ps:
+            k = min(layers, L) if layers else _fewest_layers(sh, ps, micro_windows, allow)
+            if k is None:
+                continue
+        if step_bytes(sh, ps, micro_windows, k) <= allow:
+            fits.append(Plan(ps, k, L))
+    fits.sort(key=lambda p: (p.cost(), len(p.parts)))
+    avail = None
+    for plan in fits:
+        if "adam8" in plan:
+            avail = (adam8_available() if callable(adam8_available) else adam8_available) if avail is None else avail
+            if not avail:
+                continue
+        if say:
+            _say(plan, sh, micro_windows, allow, budget, True,
+                 "" if avail is None or avail else "; 8-bit Adam moments would cost less time but torchao does not "
+                 "load here (pip install 'cortiq[lean]')")
+        return plan
+    avail = (adam8_available() if callable(adam8_available) else adam8_available) if avail is None else avail
+    plan = Plan(tuple(p for p in LEAN if p != "adam8" or avail), L, L)
+    if say:
+        _say(plan, sh, micro_windows, allow, budget, False,
+             "" if avail else " (without 8-bit Adam moments: torchao does not load here: pip install 'cortiq[lean]')")
+    return plan
+
+
+def _say(plan: Plan, sh: StepShape, micro_windows: int, allow: float, budget: str, fits: bool, note: str) -> None:
+    """One line: what auto chose, its estimate against the allowance, and what it is expected to cost."""
+    need = step_bytes(sh, plan.parts, micro_windows, plan.layers) / GiB
+    plain = step_bytes(sh, (), micro_windows) / GiB
+    what = str(plan).replace(f"checkpoint:{plan.layers}/{plan.of}",
+                             f"checkpoint of the lowest {plan.layers} of {plan.of} trained layers")
+    room = f"the {allow / GiB:.1f} GiB the step may use{budget}"
+    if not plan.parts:
+        why = f"its estimate, {plain:.1f} GiB, fits {room}"
+    elif fits:
+        why = f"plain's estimate, {plain:.1f} GiB, does not fit {room}; this plan's, {need:.1f} GiB, does"
+    else:
+        why = f"no plan's estimate fits {room}: this, the leanest, needs {need:.1f} GiB"
+    cost = f"; expected {plan.cost():.2f}x the plain step's time" if plan.parts else ""
+    print(f"cortiq: heal memory auto: {what}: {why}{cost}{note}", file=sys.stderr)
 
 
 def adam8_class():

@@ -105,21 +105,38 @@ class HealSettings:
     #: torch.compile each decoder layer on CUDA (teacher and student; the CPU stays eager)
     compile: bool = setting(True, "torch.compile each decoder layer on CUDA (--no-compile: eager)")
     #: the student step's memory plan: "plain" (every activation kept, f32 Adam
-    #: moments), "lean" (all three savings below), "auto" (plain when its estimate
-    #: fits the device's free memory, else lean; plain on a CPU), or a "+"-joined
-    #: choice of "checkpoint" (each trained layer's activations recomputed in the
-    #: backward), "micro" (the batch in micro-batches of `micro_batch` windows,
+    #: moments), "lean" (all three savings below), "auto" (the plan expected to cost
+    #: the least time among those whose estimate fits `device_mem_gb`: plain, else
+    #: checkpoint of the fewest layers, else more savings; plain on a CPU without
+    #: `device_mem_gb`), or a "+"-joined
+    #: choice of "checkpoint" (trained layers' activations recomputed in the
+    #: backward: `checkpoint_layers` of them), "micro" (the batch in micro-batches of `micro_batch` windows,
     #: gradients accumulated: the same step), "adam8" (Adam's moments in 8 bits,
     #: blockwise, from torchao: the `lean` extra). How, not what: a resumed run may
     #: change it (the optimizer restarts when the moments' kind changes). Measured on
     #: an H200 at Qwen3-1.7B, 4 x 2048 tokens: checkpoint 0.38x the transformers KD
     #: loop's peak at 0.78x the plain step's tokens/s; micro 0.48x at 0.72x; adam8 0.52x at 0.70x
-    memory: str = setting("auto", "the step's memory plan: auto (lean only when plain would not fit the device), "
+    memory: str = setting("auto", "the step's memory plan: auto (the fastest plan whose estimate fits "
+                          "--device-mem-gb: plain, else checkpoint of the fewest layers, else more savings), "
                           "plain, lean (all of: checkpoint, micro, adam8), or a '+'-joined choice of checkpoint "
-                          "(recompute each trained layer in the backward), micro (micro-batches, gradients "
+                          "(recompute trained layers in the backward: --checkpoint-layers), micro (micro-batches, gradients "
                           "accumulated), adam8 (8-bit Adam moments; pip install 'cortiq[lean]')")
     #: windows per micro-batch when micro-batches are on (0: a quarter of the batch, at least 1)
     micro_batch: int = setting(0, "windows per micro-batch with --memory micro/lean (0: a quarter of --batch)", lo=0)
+    #: with checkpoint in the plan: how many trained layers recompute their activations in the
+    #: backward, counted from the lowest trained layer (0: all of them when the memory setting names
+    #: checkpoint, the fewest whose estimate fits under auto). Recomputing a layer costs about its
+    #: forward, so k of L layers cost k/L of what checkpointing all of them costs (measured on an
+    #: H200 at Qwen3-1.7B: all 28 layers, 0.78x the plain step's tokens/s)
+    checkpoint_layers: int = setting(0, "with checkpoint: how many trained layers, from the lowest, are recomputed "
+                                        "in the backward (0: all when --memory names checkpoint, the fewest that "
+                                        "fit under auto)", lo=0)
+    #: the device memory the training step may allocate, weights and optimizer state included, that
+    #: `memory: auto` plans against: a cap for a GPU shared with other work (0: 85 % of what is free
+    #: on the device when training starts, the rest left to the allocator's fragmentation and the
+    #: compiler's and cuBLAS's workspaces)
+    device_mem_gb: float = setting(0.0, "device memory the training step may allocate, GiB, that --memory auto "
+                                        "plans against (0: 85% of the device's free memory)", lo=0)
     #: processes (GPUs) the heal runs on: more than 1 re-runs it under torchrun, one per GPU;
     #: passes split the windows, training splits each batch (the same steps as one GPU)
     gpus: int = setting(1, "GPUs to run on: more than 1 re-runs the heal under torchrun, one process per GPU "
@@ -138,6 +155,10 @@ class HealSettings:
             if unknown or not self.memory:
                 raise CortiqError(f"heal settings: memory {self.memory!r} is not auto, plain, lean or a '+'-joined "
                                   f"choice of {', '.join(MEMORY_PARTS)}")
+        named = self.memory_parts()
+        if self.checkpoint_layers and named is not None and "checkpoint" not in named:
+            raise CortiqError(f"heal settings: checkpoint_layers {self.checkpoint_layers} needs a memory plan with "
+                              f"checkpoint (auto, lean or one naming checkpoint), not {self.memory!r}")
 
     def memory_parts(self) -> tuple[str, ...] | None:
         """The savings named by `memory`, in MEMORY_PARTS order; None for "auto" (decided at the step)."""

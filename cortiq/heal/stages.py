@@ -62,7 +62,7 @@ def check_inputs(student_cmf, teacher_cmf, tdata_dir, s: HealSettings):
 def _train_key(s: HealSettings) -> dict:
     d = s.to_dict()
     for k in ("device", "compute_dtype", "mem_budget_gb", "head_chunk", "checkpoint_every", "compile", "memory",
-              "micro_batch", "gpus", "shard"):
+              "micro_batch", "checkpoint_layers", "device_mem_gb", "gpus", "shard"):
         d.pop(k)  # how, not what: a resumed run may change them
     return d
 

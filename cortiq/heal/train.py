@@ -143,8 +143,9 @@ class StudentTail:
         self.collect(mark=True)
         if not self.params:
             raise CortiqError(f"heal: nothing to train from layer {train_from} (ffn_only={ffn_only})")
-        #: recompute each trained layer's activations in the backward (memory "checkpoint")
-        self.checkpoint = False
+        #: how many trained layers, from the lowest, recompute their activations in the backward
+        #: (memory "checkpoint"; 0: none)
+        self.checkpointed = 0
 
     def collect(self, mark: bool = False) -> None:
         """The trained parameters by layer (again after sharding replaced them); `mark`: they require grad."""
@@ -171,17 +172,22 @@ class StudentTail:
         return self.run_tail(h0) if self.wrapped is None else self.wrapped(h0)
 
     def run_tail(self, h0: torch.Tensor) -> torch.Tensor:
-        if self.checkpoint and torch.is_grad_enabled():
+        lo, k = self.train_from, min(self.checkpointed, self.num_layers - self.train_from)
+        h = h0
+        if k and torch.is_grad_enabled():
             # one checkpoint per layer: only its input [B, T, H] is saved, the rest is
             # recomputed in the backward (non-reentrant: works under autocast, with
-            # compiled layers and with inputs that need no gradient)
+            # compiled layers and with inputs that need no gradient). The lowest layers:
+            # the backward reaches them last, when the upper layers' activations are
+            # already freed, so their recompute adds to the gradients alone, never to
+            # the forward's peak (checkpointing the top ones would recompute them while
+            # every lower layer's activations are still held)
             from torch.utils.checkpoint import checkpoint
 
-            h = h0
-            for i in range(self.train_from, self.num_layers):
+            for i in range(lo, lo + k):  # a loop over layers, a few dozen
                 h = checkpoint(self.model.run_layers, h, i, i + 1, use_reentrant=False)  # [B, T, H]
-        else:
-            h = self.model.run_layers(h0, self.train_from, self.num_layers)  # [B, T, H]
+            lo += k
+        h = self.model.run_layers(h, lo, self.num_layers)  # [B, T, H]
         return self.model.model.norm(h)
 
     def set_active(self, lowest: int) -> None:
@@ -268,12 +274,25 @@ def step_backward(tail: StudentTail, batch: tuple, micro: int, chunk: int, devic
     return loss
 
 
-def memory_plan(tail: StudentTail, s: HealSettings, device) -> tuple[str, ...]:
+def memory_plan(tail: StudentTail, s: HealSettings, device) -> mem.Plan:
     """The memory savings this run's step uses: what `s.memory` names, or for
-    auto the estimate against the device's free memory (plain on a CPU)."""
-    shape = mem.shape_of(tail, s.batch, s.window, s.head_chunk)
-    free = mem.free_bytes(device) if device.type == "cuda" else None
-    return mem.choose(s.memory, s.memory_parts(), shape, s.micro_windows(), free, mem.have_adam8)
+    auto the estimate against what the step may use: `s.device_mem_gb` less what
+    is already on the device (the model; on a CPU its weights), else FIT_SHARE of
+    the device's free memory (plain on a CPU without a budget)."""
+    shape = mem.shape_of(tail, s.batch, s.window, s.head_chunk, s.teacher_kind)
+    allow, budget = None, ""
+    if s.memory == "auto":
+        if s.device_mem_gb > 0:
+            there = torch.cuda.memory_allocated(device) if device.type == "cuda" else \
+                sum(t.numel() * t.element_size() for t in (*tail.model.parameters(), *tail.model.buffers()))
+            allow = s.device_mem_gb * mem.GiB - there
+            budget = f" (device_mem_gb {s.device_mem_gb:g} less {there / mem.GiB:.1f} GiB already there)"
+        elif device.type == "cuda":
+            allow, budget = mem.FIT_SHARE * mem.free_bytes(device), f" ({mem.FIT_SHARE:.0%} of the free memory)"
+    from .. import dist
+
+    return mem.choose(s.memory, s.memory_parts(), shape, s.micro_windows(), allow, mem.have_adam8,
+                      s.checkpoint_layers, budget, say=dist.is_main())  # one line, not one per rank
 
 
 # ── data order ──────────────────────────────────────────────────────────
@@ -335,7 +354,7 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
     if "adam8" in mplan and plan.kind != "single":
         raise CortiqError("heal: 8-bit Adam moments (memory adam8) run on one process only; on more than one GPU "
                           "use memory checkpoint+micro (FSDP already splits the Adam state across the GPUs)")
-    tail.checkpoint = "checkpoint" in mplan
+    tail.checkpointed = mplan.layers
     micro = s.micro_windows() if "micro" in mplan else 0
     opt = mem.make_optimizer(groups, s.lr, device, adam8="adam8" in mplan)
     named = tail.named()
@@ -444,6 +463,6 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
         "metrics": {"heldout_start": e0, "heldout_best": best_loss, "best_step": best_step, "steps": steps,
                     "skipped": st["skipped"], "sec_per_step": st["step_secs"] / max(steps, 1),
                     "trained_weights": trained, "total_steps": total_steps},
-        "history": st["history"], "evals": st["evals"], "memory": "+".join(mplan) or "plain",
+        "history": st["history"], "evals": st["evals"], "memory": str(mplan),
     }
 

@@ -4,6 +4,7 @@ step, 8-bit Adam moments train and resume, and `memory: auto` decides from the
 estimate."""
 
 import importlib.util
+import re
 import sys
 
 import pytest
@@ -30,11 +31,11 @@ def _zero(tail):
         p.grad = None
 
 
-def _causal_tail(train_from=1):
+def _causal_tail(train_from=1, layers=3):
     from cortiq.model import CausalLM
 
     torch.manual_seed(0)
-    model = CausalLM(arch(layers=3))
+    model = CausalLM(arch(layers=layers))
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.1) + (1.0 if p.dim() == 1 else 0.0))
@@ -50,14 +51,17 @@ def _targets(V, n, k, seed=0):
 
 @pytest.mark.parametrize("cdt", [torch.float32, torch.bfloat16])
 def test_checkpointed_layers_give_the_plain_values_and_gradients(cdt):
-    tail = _causal_tail()
+    # 3 trained layers over a frozen one, 3 windows of 11 tokens, head chunks of 7 rows:
+    # 0, 1, 2 and all 3 of the lowest trained layers recomputed in the backward
+    tail = _causal_tail(train_from=1, layers=4)
+    L = len(tail.params)
     B, T, k = 3, 11, 5
     V = tail.model.head_weight.shape[0]
     ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
     tid, tp = _targets(V, B * T, k)
     out, saved = {}, {}
-    for ck in (False, True):
-        tail.checkpoint = ck
+    for ck in range(L + 1):
+        tail.checkpointed = ck
         _zero(tail)
         n = [0]
 
@@ -69,11 +73,14 @@ def test_checkpointed_layers_give_the_plain_values_and_gradients(cdt):
             loss = batch_loss(tail, ids, None, tid, tp, 7, CPU, cdt)
         loss.backward()
         out[ck], saved[ck] = (loss.detach(), _grads(tail)), n[0]
-    assert saved[True] < saved[False] / 2  # the layers' activations were not kept
-    assert len(out[True][1]) == sum(len(ps) for ps in tail.params.values())
-    torch.testing.assert_close(out[True][0], out[False][0], rtol=0, atol=0)
-    for n, g in out[False][1].items():
-        torch.testing.assert_close(out[True][1][n], g, rtol=1e-6, atol=1e-7, msg=n)
+    # each recomputed layer keeps its input instead of its activations: fewer saved with each
+    assert all(saved[c] < saved[c - 1] - 5 for c in range(1, L + 1)), saved
+    assert len(out[0][1]) == sum(len(ps) for ps in tail.params.values())
+    for ck in range(1, L + 1):
+        assert set(out[ck][1]) == set(out[0][1])
+        torch.testing.assert_close(out[ck][0], out[0][0], rtol=0, atol=0)
+        for n, g in out[0][1].items():
+            torch.testing.assert_close(out[ck][1][n], g, rtol=1e-6, atol=1e-7, msg=f"{ck} layers: {n}")
 
 
 def test_checkpointed_compiled_layers_give_the_plain_gradients():
@@ -88,7 +95,7 @@ def test_checkpointed_compiled_layers_give_the_plain_gradients():
     plain = _grads(tail)
     for layer in tail.model.layers:
         layer.compile(backend="aot_eager", dynamic=False)
-    tail.checkpoint = True
+    tail.checkpointed = len(tail.params)
     _zero(tail)
     batch_loss(tail, ids, h0, tid, tp, 6, CPU, torch.float32).backward()
     got = _grads(tail)
@@ -143,7 +150,35 @@ def test_a_lean_run_without_8bit_moments_trains_as_the_plain_one(tmp_path):
         torch.testing.assert_close(tail2.state()[n], w, rtol=1e-4, atol=1e-5, msg=n)
 
 
-# ── auto: the estimate against the free memory ──
+def test_auto_under_a_device_budget_checkpoints_the_fewest_layers_and_trains_as_plain(tmp_path, capsys):
+    # on a CPU a budget makes auto plan (without one it is plain): room for the step with
+    # one of the three trained layers recomputed, not for the plain step
+    tail, tr, va = _setup()
+    plain = fit(tail, tr, va, _settings(memory="plain"), tmp_path / "a", CPU, torch.float32, progress=False)
+    w_plain = tail.state()
+    tail2, tr2, va2 = _setup()
+    s = _settings()
+    sh = mem.shape_of(tail2, s.batch, s.window, s.head_chunk, s.teacher_kind)
+    there = sum(t.numel() * t.element_size() for t in tail2.model.parameters())
+    ck = [mem.step_bytes(sh, ("checkpoint",), 1, k) for k in range(4)]
+    assert ck[0] > ck[1] > ck[2]
+    gb = (there + (ck[0] + ck[1]) / 2) / mem.GiB
+    auto = fit(tail2, tr2, va2, _settings(device_mem_gb=gb), tmp_path / "b", CPU, torch.float32, progress=False)
+    assert auto["memory"] == "checkpoint:1/3"
+    assert "heal memory auto: checkpoint of the lowest 1 of 3 trained layers" in capsys.readouterr().err
+    torch.testing.assert_close(torch.tensor([h["loss"] for h in auto["history"]]),
+                               torch.tensor([h["loss"] for h in plain["history"]]), rtol=1e-5, atol=1e-6)
+    for n, w in w_plain.items():
+        torch.testing.assert_close(tail2.state()[n], w, rtol=1e-4, atol=1e-5, msg=n)
+    # the same run named explicitly, 2 of the 3 layers
+    tail3, tr3, va3 = _setup()
+    rep = fit(tail3, tr3, va3, _settings(memory="checkpoint", checkpoint_layers=2), tmp_path / "c", CPU,
+              torch.float32, progress=False)
+    assert rep["memory"] == "checkpoint:2/3" and tail3.checkpointed == 2
+    assert [h["loss"] for h in rep["history"]] == pytest.approx([h["loss"] for h in plain["history"]], rel=1e-5)
+
+
+# ── auto: the estimate against the free memory or a budget ──
 
 #: Qwen3-1.7B trained whole at 4 windows of 2048, head chunks of 8192 rows
 QWEN17 = mem.StepShape(trained=1_409_000_000, tokens=8192, windows=4, hidden=2048, inter=6144, layers=28,
@@ -157,23 +192,110 @@ def test_each_saving_lowers_the_estimate_and_lean_halves_it():
     assert mem.step_bytes(QWEN17, mem.LEAN, 1) < plain / 2
     # micro-batches of all the windows are one batch
     assert mem.step_bytes(QWEN17, ("micro",), 4) == plain
+    # k checkpointed layers: 0 is plain, all of them is what None means; each one lowers it until
+    # the backward's recompute bounds it, then each adds its kept input (4 B a token and hidden unit)
+    ck = [mem.step_bytes(QWEN17, ("checkpoint",), 1, k) for k in range(QWEN17.layers + 1)]
+    assert ck[0] == plain and ck[-1] == mem.step_bytes(QWEN17, ("checkpoint",), 1)
+    low = ck.index(min(ck))
+    assert 20 < low < QWEN17.layers and all(b < a for a, b in zip(ck[: low + 1], ck[1 : low + 1]))
+    assert all(b - a == 4 * QWEN17.tokens * QWEN17.hidden for a, b in zip(ck[low + 1 :], ck[low + 2 :]))
+    assert mem.step_bytes(QWEN17, ("checkpoint",), 1, 99) == ck[-1]
 
 
-def test_auto_is_plain_when_it_fits_and_lean_when_not(capsys):
+def test_the_estimate_of_partial_checkpointing_is_its_two_moments():
+    # a hand count of the forward's end and the lowest layer's recompute, in bytes
+    sh = mem.StepShape(trained=1000, tokens=6, windows=2, hidden=4, inter=10, layers=5, vocab=7, chunk=4)
+    full, kept, rows = 6 * (24 * 4 + 8 * 10), 6 * 4 * 4, 8 * 6 * 4
+    head = 4 * 4 * 7 + 2 * 7 * 4 + rows
+    for k in range(6):
+        fwd = (5 - k) * full + k * kept + head
+        bwd = 4000 + k * kept + (full if k else 0) + rows
+        assert mem.step_bytes(sh, ("checkpoint",), 1, k) == 8000 + max(fwd, bwd), k
+    # micro-batches of one window: half the tokens, and the first one's gradients held through the second
+    assert mem.step_bytes(sh, ("micro",), 1) == 8000 + 4000 + 5 * 3 * (24 * 4 + 8 * 10) + (4 * 3 * 7 + 56 + 8 * 3 * 4)
+
+
+def test_auto_is_plain_when_it_fits_else_the_fewest_checkpointed_layers_that_fit(capsys):
     need = mem.step_bytes(QWEN17, (), 1)
-    assert mem.choose("auto", None, QWEN17, 1, None, True) == ()  # a CPU
-    assert mem.choose("auto", None, QWEN17, 1, int(need / mem.FIT_SHARE) + 1, True) == ()
-    assert mem.choose("auto", None, QWEN17, 1, int(need / mem.FIT_SHARE) - 1, True) == ("checkpoint", "micro", "adam8")
-    assert capsys.readouterr().err == ""
-    assert mem.choose("auto", None, QWEN17, 1, 20 << 30, False) == ("checkpoint", "micro")
+    L = QWEN17.layers
+    assert mem.choose("auto", None, QWEN17, 1, None, True) == mem.Plan((), 0, L)  # a CPU without a budget
+    assert mem.choose("auto", None, QWEN17, 1, need, True) == mem.Plan((), 0, L)
+    assert "cortiq: heal memory auto: plain: its estimate" in capsys.readouterr().err
+    ck = [mem.step_bytes(QWEN17, ("checkpoint",), 1, k) for k in range(L + 1)]
+    low = ck.index(min(ck))  # past it more layers only add their inputs
+    for k in (1, 9, low):
+        assert mem.choose("auto", None, QWEN17, 1, ck[k], True) == mem.Plan(("checkpoint",), k, L)
+        if k < low:  # a byte less needs one layer more
+            assert mem.choose("auto", None, QWEN17, 1, ck[k] - 1, True) == mem.Plan(("checkpoint",), k + 1, L)
+    err = capsys.readouterr().err
+    assert f"checkpoint of the lowest 9 of {L} trained layers: plain's estimate" in err
+    assert "expected 1.09x the plain step's time" in err
+    # checkpoint_layers fixes how many under auto too: a plan that does not fit with them is not taken
+    fixed = mem.choose("auto", None, QWEN17, 1, mem.step_bytes(QWEN17, ("checkpoint",), 1, 20), True, layers=9)
+    assert fixed.layers in (0, 9) and fixed != mem.Plan(("checkpoint",), 9, L)
+    assert mem.choose("auto", None, QWEN17, 1, mem.step_bytes(QWEN17, ("checkpoint",), 1, 9), True,
+                      layers=9) == mem.Plan(("checkpoint",), 9, L)
+    capsys.readouterr()
+    # nothing fits: lean, all layers checkpointed, said so
+    assert mem.choose("auto", None, QWEN17, 1, 1, True) == mem.Plan(mem.LEAN, L, L)
+    assert "no plan's estimate fits" in capsys.readouterr().err
+    assert mem.choose("auto", None, QWEN17, 1, 1, False) == mem.Plan(("checkpoint", "micro"), L, L)
     assert "torchao does not load here" in capsys.readouterr().err
-    # torchao is asked about only when lean is chosen (importing it takes seconds)
-    asked = []
-    assert mem.choose("auto", None, QWEN17, 1, 10 * need, lambda: asked.append(1) or True) == () and not asked
-    assert mem.choose("auto", None, QWEN17, 1, 1, lambda: asked.append(1) or True) == mem.LEAN and asked == [1]
     # what the settings name is what runs, whatever the memory
-    assert mem.choose("adam8", ("adam8",), QWEN17, 1, 1, True) == ("adam8",)
-    assert mem.choose("plain", (), QWEN17, 1, 1, True) == ()
+    assert mem.choose("adam8", ("adam8",), QWEN17, 1, 1, True) == mem.Plan(("adam8",), 0, L)
+    assert mem.choose("plain", (), QWEN17, 1, 1, True) == mem.Plan((), 0, L)
+    assert mem.choose("checkpoint", ("checkpoint",), QWEN17, 1, None, True) == mem.Plan(("checkpoint",), L, L)
+    assert mem.choose("checkpoint", ("checkpoint",), QWEN17, 1, 1, True, layers=5) == mem.Plan(("checkpoint",), 5, L)
+    assert mem.choose("lean", mem.LEAN, QWEN17, 1, 1, True, layers=99) == mem.Plan(mem.LEAN, L, L)
+    assert capsys.readouterr().err == ""
+    assert str(mem.Plan(("checkpoint", "micro"), 5, L)) == f"checkpoint:5/{L}+micro"
+    assert str(mem.Plan(("checkpoint", "micro"), L, L)) == "checkpoint+micro" and str(mem.Plan((), 0, L)) == "plain"
+
+
+def test_a_tighter_allowance_never_picks_a_cheaper_plan():
+    import dataclasses
+
+    L = QWEN17.layers
+    for sh in (QWEN17, dataclasses.replace(QWEN17, chunk=1024), dataclasses.replace(QWEN17, head_entry=12)):
+        plain = mem.step_bytes(sh, (), 1)
+        lean = mem.step_bytes(sh, mem.LEAN, 1, L)
+        allows = torch.linspace(lean * 0.9, plain * 1.05, 400).tolist()
+        for avail in (True, False):
+            plans = [mem.choose("auto", None, sh, 1, a, avail) for a in allows]
+            costs = [p.cost() for p in plans]
+            assert all(b <= a + 1e-12 for a, b in zip(costs, costs[1:])), (sh, avail)  # looser: never dearer
+            for a, p in zip(allows, plans):
+                if mem.step_bytes(sh, p.parts, 1, p.layers) <= a:
+                    # no fitting plan costs less (every combination, every layer count)
+                    for mask in range(8):
+                        ps = tuple(x for i, x in enumerate(mem.LEAN) if mask >> i & 1)
+                        if "adam8" in ps and not avail:
+                            continue
+                        for k in (range(1, L + 1) if "checkpoint" in ps else (0,)):
+                            q = mem.Plan(ps, k, L)
+                            if mem.step_bytes(sh, ps, 1, k) <= a:
+                                assert q.cost() >= p.cost() - 1e-12, (a, p, q)
+                    if "checkpoint" in p and p.layers > 1:  # the fewest layers that fit
+                        assert mem.step_bytes(sh, p.parts, 1, p.layers - 1) > a
+            assert plans[0].parts == (mem.LEAN if avail else ("checkpoint", "micro"))
+            assert plans[-1] == mem.Plan((), 0, L)
+            assert any(p.parts == ("checkpoint",) and 1 < p.layers < L for p in plans)
+
+
+def test_torchao_is_asked_about_only_when_a_plan_with_8bit_moments_would_be_chosen(capsys):
+    need = mem.step_bytes(QWEN17, (), 1)
+    asked = []
+    assert mem.choose("auto", None, QWEN17, 1, 10 * need, lambda: asked.append(1) or True).parts == () and not asked
+    ck = mem.step_bytes(QWEN17, ("checkpoint",), 1)
+    assert mem.choose("auto", None, QWEN17, 1, ck, lambda: asked.append(1) or True).parts == ("checkpoint",)
+    assert not asked
+    # below checkpoint of every layer: checkpoint + 8-bit moments costs less than checkpoint + micro-batches
+    tight = mem.step_bytes(QWEN17, ("checkpoint", "adam8"), 1)
+    assert mem.choose("auto", None, QWEN17, 1, tight, lambda: asked.append(1) or True).parts == ("checkpoint", "adam8")
+    assert asked == [1]
+    got = mem.choose("auto", None, QWEN17, 1, tight, lambda: asked.append(1) or False)
+    assert "adam8" not in got and asked == [1, 1]
+    assert "torchao does not load here" in capsys.readouterr().err
 
 
 def test_memory_settings_parse_and_refuse_unknown_names():
@@ -186,6 +308,16 @@ def test_memory_settings_parse_and_refuse_unknown_names():
         HealSettings(memory="checkpoint+fast")
     with pytest.raises(CortiqError, match="micro_batch -1 must be >= 0"):
         HealSettings(micro_batch=-1)
+    assert HealSettings(memory="micro+checkpoint", checkpoint_layers=3).checkpoint_layers == 3
+    assert HealSettings(checkpoint_layers=3).memory == "auto" and HealSettings(memory="lean", checkpoint_layers=1)
+    for memory in ("plain", "micro+adam8"):
+        with pytest.raises(CortiqError, match=rf"heal settings: checkpoint_layers 3 needs a memory plan with "
+                                              rf"checkpoint \(auto, lean or one naming checkpoint\), not '{re.escape(memory)}'"):
+            HealSettings(memory=memory, checkpoint_layers=3)
+    with pytest.raises(CortiqError, match="checkpoint_layers -1 must be >= 0"):
+        HealSettings(checkpoint_layers=-1)
+    with pytest.raises(CortiqError, match="device_mem_gb -0.5 must be >= 0"):
+        HealSettings(device_mem_gb=-0.5)
 
 
 def test_8bit_moments_absent_is_one_clear_error(monkeypatch):
@@ -274,7 +406,7 @@ def test_checkpointed_compiled_step_on_cuda_equals_the_plain_one():
     tid, tp = (t.to(dev) for t in _targets(V, B * T, k))
     out = {}
     for ck in (False, True):
-        tail.checkpoint = ck
+        tail.checkpointed = len(tail.params) if ck else 0
         _zero(tail)
         loss = batch_loss(tail, ids, None, tid, tp, 37, dev, torch.bfloat16)
         loss.backward()
