@@ -16,6 +16,12 @@ source, data and settings reuses the masks, Grams and student.
 Parameters that say *how* (device, compute dtype, progress bars) are passed to
 the stage but enter no digest: the same output on any device.
 
+More than one GPU: a stage whose settings say `gpus: N > 1` (its `gpus` hook),
+run from a plain process, runs as N processes under torchrun, each rank
+calling `run` itself (cortiq.pipeline_worker); the caller gets back what an
+in-process run returns, and the metrics rank 0 logged are played into the
+caller's logger. The digest does not depend on N.
+
 The cache is the outputs themselves, never a pickled result: nothing under the
 cortiq home is unpickled. A deleted output is simply not complete any more,
 so it is recomputed, never a dead path.
@@ -35,6 +41,7 @@ from . import store, tracking
 from .errors import CortiqError
 
 #: a stage name here makes that stage raise before it runs: how tests inject a failure
+#: ("NAME@R": only rank R of a stage run under torchrun raises)
 FAIL_ENV = "CORTIQ_FAIL_STAGE"
 
 
@@ -74,6 +81,10 @@ class Stage:
     normalize: Callable[[dict], dict] | None = None
     #: what the stage makes, for the task's description
     doc: str = ""
+    #: params -> how many processes (one per GPU) the stage runs as; more than one
+    #: from a process not under torchrun already relaunches it under torchrun
+    #: (None: a stage that runs in one process only)
+    gpus: Callable[[dict], int] | None = None
 
     def params(self, params: dict) -> dict:
         """The parameters with `settings` built into its dataclass and `normalize` applied."""
@@ -81,6 +92,11 @@ class Stage:
         if self.settings is not None and isinstance(p.get("settings"), dict):
             p["settings"] = _build(self.settings, p["settings"], self.name)
         return self.normalize(p) if self.normalize else p
+
+
+def settings_gpus(params: dict) -> int:
+    """The `gpus` of a stage's settings (the `gpus` hook of the stages that can run on several ranks)."""
+    return int(params["settings"].gpus)
 
 
 def _build(cls, values: dict, stage: str):
@@ -152,11 +168,17 @@ def run(stage: Stage, root: str | os.PathLike, logger: tracking.Logger = trackin
     report, reused}.
 
     The output is locked while it is checked and made: a second process on the
-    same root waits for the first to finish it, then reuses it."""
+    same root waits for the first to finish it, then reuses it.
+
+    A stage whose `gpus` hook says N > 1, called from a process that torchrun
+    did not start, runs as N processes under torchrun (`_relaunch`)."""
     from . import dist
 
     pl = plan(stage, root, **params)
     p = stage.params(params)
+    n = stage.gpus(p) if stage.gpus is not None else 1
+    if n > 1 and not dist.under_torchrun():
+        return _relaunch(stage, pl, root, logger, progress, n, params)
     pl.out.parent.mkdir(parents=True, exist_ok=True)
     # under torchrun every rank runs the stage (each its share of the windows) and
     # rank 0 decides, locks and reports for all: a lock per rank would deadlock
@@ -165,7 +187,7 @@ def run(stage: Stage, root: str | os.PathLike, logger: tracking.Logger = trackin
     with store.locked(pl.out) if main else contextlib.nullcontext():
         if dist.agree(pl.ready()):
             return _result(pl, reused=True)
-        if os.environ.get(FAIL_ENV) == stage.name:
+        if _injected(stage.name, dist.rank()):
             raise InjectedFailure(f"{stage.name}: failure injected by ${FAIL_ENV}")
         report = stage.make(pl.out, Context(pl.digest, logger, progress), **p)
         dist.barrier()
@@ -173,6 +195,50 @@ def run(stage: Stage, root: str | os.PathLike, logger: tracking.Logger = trackin
             _finish(stage, pl, report)
         dist.barrier()
         return _result(pl, reused=False)
+
+
+def _injected(name: str, rank: int) -> bool:
+    """$CORTIQ_FAIL_STAGE names this stage (and this rank, when it names one)."""
+    want, at, r = os.environ.get(FAIL_ENV, "").partition("@")
+    return want == name and (not at or r == str(rank))
+
+
+def _relaunch(stage: Stage, pl: Plan, root, logger: tracking.Logger, progress: bool, n: int, params: dict) -> dict:
+    """`run` as n processes under torchrun on this machine: the stage, root and
+    parameters go to the ranks as a JSON job (settings as plain dicts, built
+    again by each rank: the same digest), each rank calls `run`, rank 0 writes
+    the outcome and logs its metrics to a JSONL file that is played into
+    `logger` here. A complete output is reused without starting any rank.
+
+    A failed rank fails the run (torchrun stops the others): CortiqError naming
+    the stage, the exit status and the rank's error. The output is then not
+    complete: a directory gets `meta.json` and the report is written only once
+    every rank has finished, a model is renamed from `.partial` only when written."""
+    import shutil
+    import tempfile
+
+    from . import dist
+    from . import pipeline_worker as worker
+
+    if pl.ready():
+        return _result(pl, reused=True)
+    job = Path(tempfile.mkdtemp(prefix=f"cortiq-{stage.name}-{pl.digest[:12]}-"))
+    try:
+        spec = worker.write_job(job, stage, root, progress, params)
+        rc = dist.launch([str(spec)], n, module=worker.__name__)
+        tracking.replay(job / worker.LOG, logger)
+        if rc != 0:
+            why = worker.rank_errors(job)
+            raise CortiqError(f"{stage.name}: {n} processes under torchrun exited with status {rc}"
+                              + (f" ({why})" if why else "") + f"; {pl.out} was not completed")
+        done = json.loads((job / worker.RESULT).read_text())
+    finally:
+        shutil.rmtree(job, ignore_errors=True)
+    if done["digest"] != pl.digest:
+        raise CortiqError(f"{stage.name}: the ranks ran digest {done['digest']}, this process planned {pl.digest}")
+    if not pl.ready():
+        raise CortiqError(f"{pl.out}: the {stage.name} stage's ranks exited without completing it")
+    return _result(pl, reused=bool(done["reused"]))
 
 
 def _finish(stage: Stage, pl: Plan, report) -> None:
