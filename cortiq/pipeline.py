@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import os
 from dataclasses import dataclass
@@ -218,20 +219,19 @@ def _relaunch(stage: Stage, pl: Plan, root, logger: tracking.Logger, progress: b
     import tempfile
 
     from . import dist
-    from . import pipeline_worker as worker
 
     if pl.ready():
         return _result(pl, reused=True)
     job = Path(tempfile.mkdtemp(prefix=f"cortiq-{stage.name}-{pl.digest[:12]}-"))
     try:
-        spec = worker.write_job(job, stage, root, progress, params)
-        rc = dist.launch([str(spec)], n, module=worker.__name__)
-        tracking.replay(job / worker.LOG, logger)
+        spec = write_job(job, stage, root, progress, params)
+        rc = dist.launch([str(spec)], n, module="cortiq.pipeline_worker")
+        tracking.replay(job / LOG, logger)
         if rc != 0:
-            why = worker.rank_errors(job)
+            why = rank_errors(job)
             raise CortiqError(f"{stage.name}: {n} processes under torchrun exited with status {rc}"
                               + (f" ({why})" if why else "") + f"; {pl.out} was not completed")
-        done = json.loads((job / worker.RESULT).read_text())
+        done = json.loads((job / RESULT).read_text())
     finally:
         shutil.rmtree(job, ignore_errors=True)
     if done["digest"] != pl.digest:
@@ -239,6 +239,98 @@ def _relaunch(stage: Stage, pl: Plan, root, logger: tracking.Logger, progress: b
     if not pl.ready():
         raise CortiqError(f"{pl.out}: the {stage.name} stage's ranks exited without completing it")
     return _result(pl, reused=bool(done["reused"]))
+
+
+# ── a stage relaunched under torchrun: the job the ranks get, what they hand back ──
+
+#: the files of a relaunched run, in a folder of its own: the job (written by the
+#: caller), rank 0's logger calls (JSONL) and outcome, and a line per failed rank
+JOB, LOG, RESULT = "job.json", "log.jsonl", "result.json"
+JOB_VERSION = 1
+
+
+def _job_value(x, where: str):
+    """`x` as JSON values: a dataclass as its dict, a path as its string; anything else is refused."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        x = dataclasses.asdict(x)
+    if isinstance(x, os.PathLike):
+        return os.fspath(x)
+    if isinstance(x, dict):
+        return {str(k): _job_value(v, f"{where}.{k}") for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_job_value(v, f"{where}[{i}]") for i, v in enumerate(x)]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise CortiqError(f"parameter {where}: a {type(x).__name__} cannot be handed to the ranks (paths, settings and "
+                      f"plain values only)")
+
+
+def _stage_ref(stage: Stage) -> dict:
+    """Where a rank finds `stage`: the module its `make` lives in, and its name there."""
+    mod = stage.make.__module__
+    if find_stage(mod, stage.name) is not stage:
+        raise CortiqError(f"{stage.name}: not a module-level stage of {mod}; it cannot run under torchrun")
+    return {"module": mod, "name": stage.name}
+
+
+def find_stage(module: str, name: str) -> Stage | None:
+    """The stage called `name` among `module`'s globals (None when it has none)."""
+    m = importlib.import_module(module)
+    for v in vars(m).values():
+        if isinstance(v, Stage) and v.name == name:
+            return v
+    return None
+
+
+def job_params(stage: Stage, params: dict) -> dict:
+    """The parameters as the job file holds them (what `Stage.params` builds the same settings from)."""
+    return {k: _job_value(v, f"{stage.name}.{k}") for k, v in params.items()}
+
+
+def write_job(d: Path, stage: Stage, root, progress: bool, params: dict) -> Path:
+    """The job file of one relaunched stage run in the folder `d`."""
+    job = {"version": JOB_VERSION, "stage": _stage_ref(stage), "root": os.fspath(Path(root).resolve()),
+           "progress": bool(progress), "params": job_params(stage, params)}
+    path = Path(d) / JOB
+    path.write_text(json.dumps(job, indent=1, allow_nan=True))
+    return path
+
+
+def read_job(path: Path) -> tuple[Stage, str, bool, dict]:
+    """(stage, root, progress, params) of a job file."""
+    try:
+        job = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise CortiqError(f"{path}: not a stage job ({e})") from None
+    if not isinstance(job, dict) or job.get("version") != JOB_VERSION:
+        raise CortiqError(f"{path}: not a stage job of version {JOB_VERSION}")
+    ref = job["stage"]
+    stage = find_stage(ref["module"], ref["name"])
+    if stage is None:
+        raise CortiqError(f"{path}: no stage {ref['name']!r} in {ref['module']}")
+    return stage, job["root"], job["progress"], job["params"]
+
+
+def error_file(d: Path, rank: int) -> Path:
+    """Where rank `rank` of a relaunched run leaves its error (one line)."""
+    return Path(d) / f"error-{rank}.txt"
+
+
+def rank_errors(d: Path) -> str:
+    """The errors the ranks left in `d`, in rank order, the ranks that met the same
+    one named together: 'ranks 0, 1: ERROR; rank 2: ...' ('' when none did)."""
+    found = sorted(Path(d).glob("error-*.txt"), key=lambda p: int(p.stem.split("-")[1]))
+    by: dict[str, list[str]] = {}
+    for p in found:
+        by.setdefault(p.read_text().strip(), []).append(p.stem.split("-")[1])
+    return "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {e}" for e, r in by.items())
+
+
+def write_text(path: Path, text: str) -> None:
+    """`text` into `path` whole: written to `.partial`, then renamed."""
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _finish(stage: Stage, pl: Plan, report) -> None:

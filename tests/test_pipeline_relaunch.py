@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cortiq import pipeline, pipeline_worker as worker, tracking
+from cortiq import pipeline, pipeline_worker, tracking
 from cortiq.errors import CortiqError
 
 from test_settings_meta import _variants
@@ -35,7 +35,7 @@ def test_the_stages_that_run_on_several_ranks_say_so():
     many = {s.name for s in _stages() if s.gpus is not None}
     assert many == {"targets", "prefix", "train", "trunk", "mtp"}
     for s in _stages():  # and every stage is found again by the name and module its job gives
-        assert worker.find_stage(**worker._stage_ref(s)) is s
+        assert pipeline.find_stage(**pipeline._stage_ref(s)) is s
 
 
 @pytest.mark.parametrize("stage", [s for s in _stages() if s.settings is not None], ids=lambda s: s.name)
@@ -44,8 +44,8 @@ def test_every_stages_settings_survive_the_job_file_exactly(stage, tmp_path):
     seen = 0
     for name, obj in [("defaults", stage.settings())] + list(_variants(stage.settings)):
         params = {**inputs, "settings": obj, "where": tmp_path / "x"}
-        job = worker.write_job(tmp_path, stage, tmp_path, False, params)
-        got, root, progress, back = worker.read_job(job)
+        job = pipeline.write_job(tmp_path, stage, tmp_path, False, params)
+        got, root, progress, back = pipeline.read_job(job)
         assert got is stage and root == str(tmp_path.resolve()) and progress is False
         assert back["where"] == str(tmp_path / "x")
         built = stage.params(back)["settings"]
@@ -62,7 +62,7 @@ def test_a_parameter_that_is_not_json_is_refused_in_one_line():
     from cortiq.heal.stages import TRAIN
 
     with pytest.raises(CortiqError) as e:
-        worker.job_params(TRAIN, {"settings": HealSettings(), "student": {"x": [1, object()]}})
+        pipeline.job_params(TRAIN, {"settings": HealSettings(), "student": {"x": [1, object()]}})
     assert str(e.value) == ("parameter train.student.x[1]: a object cannot be handed to the ranks (paths, settings "
                             "and plain values only)")
 
@@ -72,20 +72,20 @@ def test_a_stage_not_declared_in_a_module_cannot_be_relaunched():
 
     copy = dataclasses.replace(TRAIN, name="train-copy")
     with pytest.raises(CortiqError, match=r"^train-copy: not a module-level stage of cortiq.heal.stages; "):
-        worker._stage_ref(copy)
+        pipeline._stage_ref(copy)
 
 
 def test_a_job_file_of_another_kind_is_one_line(tmp_path):
     bad = tmp_path / "job.json"
     bad.write_text(json.dumps({"version": 99}))
     with pytest.raises(CortiqError, match=rf"^{bad}: not a stage job of version 1$"):
-        worker.read_job(bad)
+        pipeline.read_job(bad)
     bad.write_text("{")
     with pytest.raises(CortiqError, match=rf"^{bad}: not a stage job \("):
-        worker.read_job(bad)
+        pipeline.read_job(bad)
     bad.write_text(json.dumps({"version": 1, "stage": {"module": "cortiq.heal.stages", "name": "nope"}}))
     with pytest.raises(CortiqError, match=rf"^{bad}: no stage 'nope' in cortiq.heal.stages$"):
-        worker.read_job(bad)
+        pipeline.read_job(bad)
 
 
 def _calls(log):
@@ -119,10 +119,10 @@ def test_jsonl_logger_replays_every_call_in_order(tmp_path):
 
 
 def test_the_ranks_errors_read_as_one_line(tmp_path):
-    assert worker.rank_errors(tmp_path) == ""
+    assert pipeline.rank_errors(tmp_path) == ""
     for r, msg in [(2, "x.cmf: bad"), (0, "x.cmf: bad"), (1, "RuntimeError: boom"), (10, "x.cmf: bad")]:
-        (tmp_path / f"error-{r}.txt").write_text(msg)
-    assert worker.rank_errors(tmp_path) == "ranks 0, 2, 10: x.cmf: bad; rank 1: RuntimeError: boom"
+        pipeline.error_file(tmp_path, r).write_text(msg)
+    assert pipeline.rank_errors(tmp_path) == "ranks 0, 2, 10: x.cmf: bad; rank 1: RuntimeError: boom"
 
 
 def test_the_injected_failure_names_a_stage_and_optionally_a_rank(monkeypatch):
@@ -135,6 +135,6 @@ def test_the_injected_failure_names_a_stage_and_optionally_a_rank(monkeypatch):
 def test_the_worker_refuses_to_run_outside_torchrun(tmp_path, monkeypatch, capsys):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
-    assert worker.main([str(tmp_path / "job.json")]) == 2
+    assert pipeline_worker.main([str(tmp_path / "job.json")]) == 2
     assert capsys.readouterr().err.startswith("cortiq.pipeline_worker: runs one rank of a stage under torchrun")
     assert not Path(tmp_path / "job.json").exists()
