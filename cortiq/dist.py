@@ -203,18 +203,36 @@ def shard_names(stem: str, w: int | None = None, ext: str = "arrow") -> list[str
     return [shard_name(stem, r, w, ext) for r in range(w)]
 
 
+#: torchrun (`python -c` this, then torchrun's own arguments), its failure report cut
+#: to one line: a rank's own error is on stderr already, and torchrun's report adds
+#: a traceback of the launcher and a table per rank to it
+_TORCHRUN = """
+import sys
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main
+try:
+    main()
+except ChildFailedError as e:
+    rank, f = e.get_first_failure()
+    how = f"killed by {f.signal_name()}" if f.exitcode < 0 else f"exit status {f.exitcode}"
+    others = "; torchrun stopped the others" if len(e.failures) > 1 else ""
+    print(f"cortiq: rank {rank} failed first ({how}){others}", file=sys.stderr)
+    sys.exit(1)
+"""
+
+
 def launch(argv: list[str], gpus: int, module: str = "cortiq") -> int:
     """Run `python -m MODULE ARGV` as `gpus` processes under torchrun on this
     machine (`--standalone`: a rendezvous of its own on a free local port) and
-    return its exit status (a failed rank fails the whole run)."""
+    return its exit status (a failed rank fails the whole run: torchrun stops
+    the others, and says in one line which rank failed first and how)."""
     import torch
 
     if gpus < 1:
         raise CortiqError(f"gpus {gpus} must be at least 1")
     if torch.cuda.is_available() and gpus > torch.cuda.device_count():
         raise CortiqError(f"gpus {gpus}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-           "-m", module, *argv]
+    cmd = [sys.executable, "-c", _TORCHRUN, "--standalone", f"--nproc-per-node={gpus}", "-m", module, *argv]
     env = dict(os.environ)
     # the processes import the cortiq this one runs (a checkout on PYTHONPATH or the installed one)
     here = str(Path(__file__).resolve().parents[1])

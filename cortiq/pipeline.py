@@ -16,6 +16,12 @@ source, data and settings reuses the masks, Grams and student.
 Parameters that say *how* (device, compute dtype, progress bars) are passed to
 the stage but enter no digest: the same output on any device.
 
+More than one GPU: a stage whose settings say `gpus: N > 1` (its `gpus` hook),
+run from a plain process, runs as N processes under torchrun, each rank
+calling `run` itself (cortiq.pipeline_worker); the caller gets back what an
+in-process run returns, and the metrics rank 0 logged are played into the
+caller's logger. The digest does not depend on N.
+
 The cache is the outputs themselves, never a pickled result: nothing under the
 cortiq home is unpickled. A deleted output is simply not complete any more,
 so it is recomputed, never a dead path.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import json
 import os
 from dataclasses import dataclass
@@ -35,6 +42,7 @@ from . import store, tracking
 from .errors import CortiqError
 
 #: a stage name here makes that stage raise before it runs: how tests inject a failure
+#: ("NAME@R": only rank R of a stage run under torchrun raises)
 FAIL_ENV = "CORTIQ_FAIL_STAGE"
 
 
@@ -74,6 +82,10 @@ class Stage:
     normalize: Callable[[dict], dict] | None = None
     #: what the stage makes, for the task's description
     doc: str = ""
+    #: params -> how many processes (one per GPU) the stage runs as; more than one
+    #: from a process not under torchrun already relaunches it under torchrun
+    #: (None: a stage that runs in one process only)
+    gpus: Callable[[dict], int] | None = None
 
     def params(self, params: dict) -> dict:
         """The parameters with `settings` built into its dataclass and `normalize` applied."""
@@ -81,6 +93,11 @@ class Stage:
         if self.settings is not None and isinstance(p.get("settings"), dict):
             p["settings"] = _build(self.settings, p["settings"], self.name)
         return self.normalize(p) if self.normalize else p
+
+
+def settings_gpus(params: dict) -> int:
+    """The `gpus` of a stage's settings (the `gpus` hook of the stages that can run on several ranks)."""
+    return int(params["settings"].gpus)
 
 
 def _build(cls, values: dict, stage: str):
@@ -152,11 +169,17 @@ def run(stage: Stage, root: str | os.PathLike, logger: tracking.Logger = trackin
     report, reused}.
 
     The output is locked while it is checked and made: a second process on the
-    same root waits for the first to finish it, then reuses it."""
+    same root waits for the first to finish it, then reuses it.
+
+    A stage whose `gpus` hook says N > 1, called from a process that torchrun
+    did not start, runs as N processes under torchrun (`_relaunch`)."""
     from . import dist
 
     pl = plan(stage, root, **params)
     p = stage.params(params)
+    n = stage.gpus(p) if stage.gpus is not None else 1
+    if n > 1 and not dist.under_torchrun():
+        return _relaunch(stage, pl, root, logger, progress, n, params)
     pl.out.parent.mkdir(parents=True, exist_ok=True)
     # under torchrun every rank runs the stage (each its share of the windows) and
     # rank 0 decides, locks and reports for all: a lock per rank would deadlock
@@ -165,7 +188,7 @@ def run(stage: Stage, root: str | os.PathLike, logger: tracking.Logger = trackin
     with store.locked(pl.out) if main else contextlib.nullcontext():
         if dist.agree(pl.ready()):
             return _result(pl, reused=True)
-        if os.environ.get(FAIL_ENV) == stage.name:
+        if _injected(stage.name, dist.rank()):
             raise InjectedFailure(f"{stage.name}: failure injected by ${FAIL_ENV}")
         report = stage.make(pl.out, Context(pl.digest, logger, progress), **p)
         dist.barrier()
@@ -173,6 +196,141 @@ def run(stage: Stage, root: str | os.PathLike, logger: tracking.Logger = trackin
             _finish(stage, pl, report)
         dist.barrier()
         return _result(pl, reused=False)
+
+
+def _injected(name: str, rank: int) -> bool:
+    """$CORTIQ_FAIL_STAGE names this stage (and this rank, when it names one)."""
+    want, at, r = os.environ.get(FAIL_ENV, "").partition("@")
+    return want == name and (not at or r == str(rank))
+
+
+def _relaunch(stage: Stage, pl: Plan, root, logger: tracking.Logger, progress: bool, n: int, params: dict) -> dict:
+    """`run` as n processes under torchrun on this machine: the stage, root and
+    parameters go to the ranks as a JSON job (settings as plain dicts, built
+    again by each rank: the same digest), each rank calls `run`, rank 0 writes
+    the outcome and logs its metrics to a JSONL file that is played into
+    `logger` here. A complete output is reused without starting any rank.
+
+    A failed rank fails the run (torchrun stops the others): CortiqError naming
+    the stage, the exit status and the rank's error. The output is then not
+    complete: a directory gets `meta.json` and the report is written only once
+    every rank has finished, a model is renamed from `.partial` only when written."""
+    import shutil
+    import tempfile
+
+    from . import dist
+
+    if pl.ready():
+        return _result(pl, reused=True)
+    job = Path(tempfile.mkdtemp(prefix=f"cortiq-{stage.name}-{pl.digest[:12]}-"))
+    try:
+        spec = write_job(job, stage, root, progress, params)
+        rc = dist.launch([str(spec)], n, module="cortiq.pipeline_worker")
+        tracking.replay(job / LOG, logger)
+        if rc != 0:
+            why = rank_errors(job)
+            raise CortiqError(f"{stage.name}: {n} processes under torchrun exited with status {rc}"
+                              + (f" ({why})" if why else "") + f"; {pl.out} was not completed")
+        done = json.loads((job / RESULT).read_text())
+    finally:
+        shutil.rmtree(job, ignore_errors=True)
+    if done["digest"] != pl.digest:
+        raise CortiqError(f"{stage.name}: the ranks ran digest {done['digest']}, this process planned {pl.digest}")
+    if not pl.ready():
+        raise CortiqError(f"{pl.out}: the {stage.name} stage's ranks exited without completing it")
+    return _result(pl, reused=bool(done["reused"]))
+
+
+# ── a stage relaunched under torchrun: the job the ranks get, what they hand back ──
+
+#: the files of a relaunched run, in a folder of its own: the job (written by the
+#: caller), rank 0's logger calls (JSONL) and outcome, and a line per failed rank
+JOB, LOG, RESULT = "job.json", "log.jsonl", "result.json"
+JOB_VERSION = 1
+
+
+def _job_value(x, where: str):
+    """`x` as JSON values: a dataclass as its dict, a path as its string; anything else is refused."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        x = dataclasses.asdict(x)
+    if isinstance(x, os.PathLike):
+        return os.fspath(x)
+    if isinstance(x, dict):
+        return {str(k): _job_value(v, f"{where}.{k}") for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_job_value(v, f"{where}[{i}]") for i, v in enumerate(x)]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise CortiqError(f"parameter {where}: a {type(x).__name__} cannot be handed to the ranks (paths, settings and "
+                      f"plain values only)")
+
+
+def _stage_ref(stage: Stage) -> dict:
+    """Where a rank finds `stage`: the module its `make` lives in, and its name there."""
+    mod = stage.make.__module__
+    if find_stage(mod, stage.name) is not stage:
+        raise CortiqError(f"{stage.name}: not a module-level stage of {mod}; it cannot run under torchrun")
+    return {"module": mod, "name": stage.name}
+
+
+def find_stage(module: str, name: str) -> Stage | None:
+    """The stage called `name` among `module`'s globals (None when it has none)."""
+    m = importlib.import_module(module)
+    for v in vars(m).values():
+        if isinstance(v, Stage) and v.name == name:
+            return v
+    return None
+
+
+def job_params(stage: Stage, params: dict) -> dict:
+    """The parameters as the job file holds them (what `Stage.params` builds the same settings from)."""
+    return {k: _job_value(v, f"{stage.name}.{k}") for k, v in params.items()}
+
+
+def write_job(d: Path, stage: Stage, root, progress: bool, params: dict) -> Path:
+    """The job file of one relaunched stage run in the folder `d`."""
+    job = {"version": JOB_VERSION, "stage": _stage_ref(stage), "root": os.fspath(Path(root).resolve()),
+           "progress": bool(progress), "params": job_params(stage, params)}
+    path = Path(d) / JOB
+    path.write_text(json.dumps(job, indent=1, allow_nan=True))
+    return path
+
+
+def read_job(path: Path) -> tuple[Stage, str, bool, dict]:
+    """(stage, root, progress, params) of a job file."""
+    try:
+        job = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise CortiqError(f"{path}: not a stage job ({e})") from None
+    if not isinstance(job, dict) or job.get("version") != JOB_VERSION:
+        raise CortiqError(f"{path}: not a stage job of version {JOB_VERSION}")
+    ref = job["stage"]
+    stage = find_stage(ref["module"], ref["name"])
+    if stage is None:
+        raise CortiqError(f"{path}: no stage {ref['name']!r} in {ref['module']}")
+    return stage, job["root"], job["progress"], job["params"]
+
+
+def error_file(d: Path, rank: int) -> Path:
+    """Where rank `rank` of a relaunched run leaves its error (one line)."""
+    return Path(d) / f"error-{rank}.txt"
+
+
+def rank_errors(d: Path) -> str:
+    """The errors the ranks left in `d`, in rank order, the ranks that met the same
+    one named together: 'ranks 0, 1: ERROR; rank 2: ...' ('' when none did)."""
+    found = sorted(Path(d).glob("error-*.txt"), key=lambda p: int(p.stem.split("-")[1]))
+    by: dict[str, list[str]] = {}
+    for p in found:
+        by.setdefault(p.read_text().strip(), []).append(p.stem.split("-")[1])
+    return "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {e}" for e, r in by.items())
+
+
+def write_text(path: Path, text: str) -> None:
+    """`text` into `path` whole: written to `.partial`, then renamed."""
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _finish(stage: Stage, pl: Plan, report) -> None:

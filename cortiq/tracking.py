@@ -9,7 +9,11 @@ so a cached task's metrics can be logged from its result.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Protocol
+
+from .errors import CortiqError
 
 
 class Logger(Protocol):
@@ -64,6 +68,51 @@ class MemoryLogger:
 
 
 NULL = NullLogger()
+
+
+class JsonlLogger:
+    """Appends every call as one JSON line to a file: the logger of a process
+    that cannot reach its caller's (rank 0 of a stage run under torchrun); the
+    caller plays the file into its own logger with `replay`. A line is written
+    and closed per call, so a killed process leaves every call but a torn last line."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+
+    def _put(self, call: str, **args) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"call": call, **args}, default=str) + "\n")
+
+    def log_params(self, params):
+        self._put("log_params", params=dict(params))
+
+    def log_metrics(self, metrics, step=None):
+        self._put("log_metrics", metrics={k: float(v) for k, v in metrics.items()}, step=step)
+
+    def log_artifact(self, path, artifact_path=None):
+        self._put("log_artifact", path=os.fspath(path), artifact_path=artifact_path)
+
+    def set_tags(self, tags):
+        self._put("set_tags", tags=dict(tags))
+
+
+def replay(path: str | os.PathLike, logger: Logger) -> int:
+    """Play the calls a `JsonlLogger` wrote to `path` into `logger`, in order
+    (none when the file is absent; a torn last line is dropped). -> calls played."""
+    try:
+        with open(path) as f:
+            lines = f.read().split("\n")
+    except FileNotFoundError:
+        return 0
+    n = 0
+    for line in lines[:-1]:  # the text after the last newline is empty, or torn
+        rec = json.loads(line)
+        call = rec.pop("call")
+        if call not in ("log_params", "log_metrics", "log_artifact", "set_tags"):
+            raise CortiqError(f"{path}: unknown logger call {call!r}")
+        getattr(logger, call)(**rec)
+        n += 1
+    return n
 
 
 class Scoped:

@@ -3,7 +3,9 @@
 `stage_task(stage)` is a task named after the stage that calls
 `cortiq.pipeline.run`; the runner's cache (the stage outputs, named by digest)
 is the only cache, shared with the command line. A reused output puts the task
-run in the Cached state. Prefect persists no result: its result records name
+run in the Cached state. A stage whose settings say gpus > 1 runs as that many
+processes under torchrun (the runner relaunches it and plays rank 0's metrics
+into the task's logger). Prefect persists no result: its result records name
 their own serializer, pickle included, so a file replaced under the cortiq
 home would run code when read back; nothing under the home is unpickled.
 """

@@ -20,7 +20,7 @@ import pyarrow as pa
 import torch
 
 from .. import dist, store, tracking
-from ..pipeline import Stage
+from ..pipeline import Stage, settings_gpus
 from .rows import RowWriter, WindowRows, open_split
 from .settings import HealSettings, mem_budget_bytes, resolve_device
 from .targets import SPLITS, window_sets
@@ -104,7 +104,7 @@ def prefix_cache(student_cmf, tdata_dir, settings: HealSettings, out, logger: tr
 PREFIX = Stage("prefix", str(VERSION),
                lambda out, ctx, student, tdata, settings: prefix_cache(student, tdata, settings, out, ctx.logger,
                                                                       ctx.progress, ctx.digest),
-               HealSettings, ("student", "tdata"), key=lambda p: p["settings"].prefix_key(),
+               HealSettings, ("student", "tdata"), key=lambda p: p["settings"].prefix_key(), gpus=settings_gpus,
                doc="the frozen layers' output, once per window (f32, f16 or not cached, by the memory budget)")
 
 

@@ -13,7 +13,7 @@ import torch
 from .. import dist, pipeline, store, tracking
 from ..errors import CortiqError
 from ..measure import gap_recovered, score  # noqa: F401  (heal's names for them)
-from ..pipeline import Stage
+from ..pipeline import Stage, settings_gpus
 from . import prefix as prefix_mod
 from . import targets as targets_mod
 from .settings import HealSettings, resolve_compute, resolve_device
@@ -272,7 +272,7 @@ def _export(out, ctx, student, teacher, train, prefix, settings) -> dict:
 
 
 TRAIN = Stage("train", TRAIN_VERSION, _train, HealSettings, ("student", "targets", "prefix", "tdata"),
-              key=lambda p: _train_key(p["settings"]),
+              key=lambda p: _train_key(p["settings"]), gpus=settings_gpus,
               doc="the student's tail trained on the targets; the best held-out weights kept; resumes from its checkpoint")
 HEAL = Stage("heal", VERSION, _export, HealSettings, ("student", "train"), key=lambda p: {"codec": "keep"},
              output="cmf", doc="the healed CMF: the student with the trained weights, in its codecs, provenance `heal`")

@@ -29,7 +29,7 @@ import torch
 from .. import store, tracking
 from ..errors import CortiqError
 from .. import dist
-from ..pipeline import Stage
+from ..pipeline import Stage, settings_gpus
 from .rows import RowWriter, WindowRows, open_split
 from .settings import HealSettings
 
@@ -285,7 +285,7 @@ TARGETS = Stage("targets", str(VERSION),
                 lambda out, ctx, teacher, tdata, settings: teacher_targets(teacher, tdata, settings, out, ctx.logger,
                                                                           ctx.progress, ctx.digest),
                 HealSettings, ("teacher", "tdata"), key=lambda p: p["settings"].targets_key(),
-                normalize=_no_teacher_for_ce1,
+                normalize=_no_teacher_for_ce1, gpus=settings_gpus,
                 doc="the teacher's sparse next-token distribution per row (ce-mixed, weight-scaled), train and val")
 
 

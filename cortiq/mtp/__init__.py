@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .. import dist, tracking
 from ..errors import CortiqError
-from ..pipeline import Stage
+from ..pipeline import Stage, settings_gpus
 from .settings import PRESETS, MtpSettings
 
 __all__ = ["MtpSettings", "trunk_pass", "mtp_heal", "recode_draft", "mtp_init", "resolve", "measure_text",
@@ -493,7 +493,8 @@ def _trunk_stage(out, ctx, model, tdata, settings) -> dict:
 
     out.mkdir(parents=True, exist_ok=True)
     rep = trunk_pass(Path(model), str(tdata), settings, out)
-    store.finish_dir(out, {"stage": TRUNK.name, "digest": ctx.digest, "report": rep})
+    if dist.is_main():  # across ranks, rank 0 finishes the directory the ranks' shards went into
+        store.finish_dir(out, {"stage": TRUNK.name, "digest": ctx.digest, "report": rep})
     return rep
 
 
@@ -515,6 +516,7 @@ def _mtp_stage(out, ctx, model, tdata, trunk, settings) -> dict:
 MTP_INIT = Stage("mtp_init", "1", _init_stage, None, ("model",), key=lambda p: None, output="cmf",
                   doc="the model plus a fresh draft block (for a source that has none)")
 TRUNK = Stage("trunk", str(VERSION), _trunk_stage, MtpSettings, ("model", "tdata"), key=_trunk_key,
-               doc="the trunk's last hidden rows and next-token top-k per window (what the draft trains on)")
+               doc="the trunk's last hidden rows and next-token top-k per window (what the draft trains on)",
+               gpus=settings_gpus)
 MTP = Stage("mtp", str(VERSION), _mtp_stage, MtpSettings, ("model", "tdata", "trunk"), output="cmf",
-             doc="the draft trained on the trunk's own predictions, measured before and after")
+             doc="the draft trained on the trunk's own predictions, measured before and after", gpus=settings_gpus)

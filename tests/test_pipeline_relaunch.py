@@ -1,0 +1,140 @@
+"""What a stage relaunched under torchrun is handed and hands back, without
+starting any rank: every stage's settings survive the JSON job exactly (the
+same settings, the same digest), what cannot travel as JSON is refused in one
+line, rank 0's logger calls replay into the caller's logger as they were made,
+and the ranks' errors read as one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from cortiq import pipeline, pipeline_worker, tracking
+from cortiq.errors import CortiqError
+
+from test_settings_meta import _variants
+
+#: the modules that declare the pipeline's stages
+MODULES = ["cortiq.compress.stages", "cortiq.data.build", "cortiq.heal.targets", "cortiq.heal.prefix",
+           "cortiq.heal.stages", "cortiq.mtp", "cortiq.measure", "cortiq.convert"]
+
+
+def _stages() -> list[pipeline.Stage]:
+    import importlib
+
+    out = []
+    for m in MODULES:
+        out += [v for v in vars(importlib.import_module(m)).values() if isinstance(v, pipeline.Stage)]
+    return out
+
+
+def test_the_stages_that_run_on_several_ranks_say_so():
+    many = {s.name for s in _stages() if s.gpus is not None}
+    assert many == {"targets", "prefix", "train", "trunk", "mtp"}
+    for s in _stages():  # and every stage is found again by the name and module its job gives
+        assert pipeline.find_stage(**pipeline._stage_ref(s)) is s
+
+
+@pytest.mark.parametrize("stage", [s for s in _stages() if s.settings is not None], ids=lambda s: s.name)
+def test_every_stages_settings_survive_the_job_file_exactly(stage, tmp_path):
+    inputs = {n: {"digest": f"d-{n}"} for n in stage.inputs}
+    seen = 0
+    for name, obj in [("defaults", stage.settings())] + list(_variants(stage.settings)):
+        params = {**inputs, "settings": obj, "where": tmp_path / "x"}
+        job = pipeline.write_job(tmp_path, stage, tmp_path, False, params)
+        got, root, progress, back = pipeline.read_job(job)
+        assert got is stage and root == str(tmp_path.resolve()) and progress is False
+        assert back["where"] == str(tmp_path / "x")
+        built = stage.params(back)["settings"]
+        assert type(built) is stage.settings and built == obj, name
+        assert dataclasses.asdict(built) == dataclasses.asdict(obj), name
+        if stage.gpus is not None:  # the stages that relaunch: the ranks run the digest this process planned
+            assert pipeline.digest_of(stage, **back) == pipeline.digest_of(stage, **params), name
+        seen += 1
+    assert seen > len(dataclasses.fields(stage.settings)) // 2
+
+
+def test_a_parameter_that_is_not_json_is_refused_in_one_line():
+    from cortiq.heal.settings import HealSettings
+    from cortiq.heal.stages import TRAIN
+
+    with pytest.raises(CortiqError) as e:
+        pipeline.job_params(TRAIN, {"settings": HealSettings(), "student": {"x": [1, object()]}})
+    assert str(e.value) == ("parameter train.student.x[1]: a object cannot be handed to the ranks (paths, settings "
+                            "and plain values only)")
+
+
+def test_a_stage_not_declared_in_a_module_cannot_be_relaunched():
+    from cortiq.heal.stages import TRAIN
+
+    copy = dataclasses.replace(TRAIN, name="train-copy")
+    with pytest.raises(CortiqError, match=r"^train-copy: not a module-level stage of cortiq.heal.stages; "):
+        pipeline._stage_ref(copy)
+
+
+def test_a_job_file_of_another_kind_is_one_line(tmp_path):
+    bad = tmp_path / "job.json"
+    bad.write_text(json.dumps({"version": 99}))
+    with pytest.raises(CortiqError, match=rf"^{bad}: not a stage job of version 1$"):
+        pipeline.read_job(bad)
+    bad.write_text("{")
+    with pytest.raises(CortiqError, match=rf"^{bad}: not a stage job \("):
+        pipeline.read_job(bad)
+    bad.write_text(json.dumps({"version": 1, "stage": {"module": "cortiq.heal.stages", "name": "nope"}}))
+    with pytest.raises(CortiqError, match=rf"^{bad}: no stage 'nope' in cortiq.heal.stages$"):
+        pipeline.read_job(bad)
+
+
+def _calls(log):
+    log.log_params({"heal.lr": 0.003, "heal.memory": "auto", "heal.taps": None})
+    for step in range(1, 4):
+        log.log_metrics({"loss": 1.0 / step, "lr": 1e-3 * step}, step=step)
+    log.log_metrics({"heldout": 0.25})
+    log.set_tags({"kind": "x"})
+    log.log_artifact("/tmp/out.cmf", "models")
+
+
+def test_jsonl_logger_replays_every_call_in_order(tmp_path):
+    direct = tracking.MemoryLogger()
+    _calls(direct)
+    f = tmp_path / "log.jsonl"
+    _calls(tracking.JsonlLogger(f))
+    back = tracking.MemoryLogger()
+    assert tracking.replay(f, back) == 7
+    assert (back.params, back.metrics, back.tags, back.artifacts) == (direct.params, direct.metrics, direct.tags,
+                                                                      direct.artifacts)
+    # scoped on replay as the caller's logger scopes what a stage logs in process
+    scoped = tracking.MemoryLogger()
+    tracking.replay(f, tracking.scoped(scoped, "train."))
+    assert scoped.series("train.loss") == direct.series("loss")
+    # a killed rank's torn last line is dropped; no file, no call
+    with open(f, "a") as h:
+        h.write('{"call": "log_metrics", "metr')
+    again = tracking.MemoryLogger()
+    assert tracking.replay(f, again) == 7 and again.metrics == direct.metrics
+    assert tracking.replay(tmp_path / "none.jsonl", again) == 0
+
+
+def test_the_ranks_errors_read_as_one_line(tmp_path):
+    assert pipeline.rank_errors(tmp_path) == ""
+    for r, msg in [(2, "x.cmf: bad"), (0, "x.cmf: bad"), (1, "RuntimeError: boom"), (10, "x.cmf: bad")]:
+        pipeline.error_file(tmp_path, r).write_text(msg)
+    assert pipeline.rank_errors(tmp_path) == "ranks 0, 2, 10: x.cmf: bad; rank 1: RuntimeError: boom"
+
+
+def test_the_injected_failure_names_a_stage_and_optionally_a_rank(monkeypatch):
+    monkeypatch.setenv(pipeline.FAIL_ENV, "train")
+    assert pipeline._injected("train", 0) and pipeline._injected("train", 1) and not pipeline._injected("heal", 0)
+    monkeypatch.setenv(pipeline.FAIL_ENV, "train@1")
+    assert pipeline._injected("train", 1) and not pipeline._injected("train", 0)
+
+
+def test_the_worker_refuses_to_run_outside_torchrun(tmp_path, monkeypatch, capsys):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    assert pipeline_worker.main([str(tmp_path / "job.json")]) == 2
+    assert capsys.readouterr().err.startswith("cortiq.pipeline_worker: runs one rank of a stage under torchrun")
+    assert not Path(tmp_path / "job.json").exists()
