@@ -326,13 +326,6 @@ def rank_errors(d: Path) -> str:
     return "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {e}" for e, r in by.items())
 
 
-def write_text(path: Path, text: str) -> None:
-    """`text` into `path` whole: written to `.partial`, then renamed."""
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _finish(stage: Stage, pl: Plan, report) -> None:
     """Check the stage left a complete output, then write its report (last)."""
     if report is None:
@@ -344,9 +337,7 @@ def _finish(stage: Stage, pl: Plan, report) -> None:
     if stage.output != "cmf" and not store.is_complete(pl.out):
         raise CortiqError(f"{pl.out}: the {stage.name} stage returned without finishing its output (no meta.json)")
     pl.report.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pl.report.with_name(pl.report.name + ".partial")
-    tmp.write_text(json.dumps(report, indent=1, sort_keys=True, default=_jsonable))
-    os.replace(tmp, pl.report)
+    store.write_text(pl.report, json.dumps(report, indent=1, sort_keys=True, default=_jsonable))
 
 
 def _result(pl: Plan, reused: bool) -> dict:

@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from . import dist, pipeline, tracking
+from . import dist, pipeline, store, tracking
 from .errors import CortiqError
 
 
@@ -38,14 +38,14 @@ def main(argv: list[str] | None = None) -> int:
         logger = tracking.JsonlLogger(d / pipeline.LOG) if dist.is_main() else tracking.NULL
         r = pipeline.run(stage, root, logger, progress, **params)
         if dist.is_main():
-            pipeline.write_text(d / pipeline.RESULT, json.dumps({"digest": r["digest"], "reused": r["reused"]}))
+            store.write_text(d / pipeline.RESULT, json.dumps({"digest": r["digest"], "reused": r["reused"]}))
     except CortiqError as e:
         # one line, said once by the caller (every rank may meet the same bad input)
-        pipeline.write_text(pipeline.error_file(d, dist.rank()), str(e))
+        store.write_text(pipeline.error_file(d, dist.rank()), str(e))
         return 1
     except BaseException as e:
         # a bug, or a failure injected by a test: the traceback goes to stderr, its last line to the caller
-        pipeline.write_text(pipeline.error_file(d, dist.rank()), f"{type(e).__name__}: {e}".splitlines()[0])
+        store.write_text(pipeline.error_file(d, dist.rank()), f"{type(e).__name__}: {e}".splitlines()[0])
         raise
     finally:
         dist.finish()

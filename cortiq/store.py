@@ -181,6 +181,14 @@ def write_arrow(path: str | os.PathLike, table: pa.Table) -> None:
     os.replace(tmp, path)
 
 
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """`text` into `path` whole (written to `.partial`, then renamed)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def read_arrow(path: str | os.PathLike) -> pa.Table:
     """An Arrow IPC file, memory-mapped (columns are views of the map)."""
     try:

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import tracking
+from .. import dist, tracking
 from ..errors import CortiqError
 from . import memory as mem
 from .loss import dense_kl, topk_kl, topk_rest_kl
@@ -289,8 +289,6 @@ def memory_plan(tail: StudentTail, s: HealSettings, device) -> mem.Plan:
             budget = f" (device_mem_gb {s.device_mem_gb:g} less {there / mem.GiB:.1f} GiB already there)"
         elif device.type == "cuda":
             allow, budget = mem.FIT_SHARE * mem.free_bytes(device), f" ({mem.FIT_SHARE:.0%} of the free memory)"
-    from .. import dist
-
     return mem.choose(s.memory, s.memory_parts(), shape, s.micro_windows(), allow, mem.have_adam8,
                       s.checkpoint_layers, budget, say=dist.is_main())  # one line, not one per rank
 
@@ -332,7 +330,6 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
     several processes; by default it is made here from `s.shard` (one process: as is)."""
     from tqdm import tqdm
 
-    from .. import dist
     from .parallel import prepare
 
     progress = progress and dist.is_main()  # one bar, not one per rank
