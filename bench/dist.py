@@ -122,13 +122,18 @@ def main():
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--compile", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--runs", default="1:auto,2:auto",
-                    help="the heal runs, comma-separated GPUS:SHARD[:keep|:reshard] (shard auto|ddp|fsdp; keep/reshard: "
-                         "FSDP2 keeps each layer's gathered weights for its backward, or gathers them again)")
+                    help="the heal runs, comma-separated GPUS:SHARD[:keep|:reshard][:uN] (shard auto|ddp|fsdp; "
+                         "keep/reshard: FSDP2 keeps each layer's gathered weights for its backward, or gathers them "
+                         "again; uN: N decoder layers an FSDP2 unit when kept)")
     ap.add_argument("--big-runs", default="1,0", help="the 8B step: compiled layers (1) then, if that fails, eager (0)")
+    ap.add_argument("--big-gpus", type=int, default=0, help="GPUs of the sharded step (0: --gpus); on 1 it is "
+                    "still sharded by FSDP2 (a one-rank mesh: its hooks, its code paths)")
+    ap.add_argument("--big-memory", default="auto", help="the sharded step's heal memory setting (e.g. checkpoint)")
     ap.add_argument("--profile", action="store_true",
                     help="rank 0 profiles three steps of each heal run: per step, GPU busy, NCCL exposed, idle, top kernels")
     ap.add_argument("--shard", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--keep", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--units", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.tiny:
         a.geom, a.big, a.tokens, a.window, a.batch, a.steps, a.eval_every = "tiny", "tiny", 12_000, 32, 4, 6, 2
@@ -160,16 +165,19 @@ def main():
               "--big", a.big, "--big-window", str(a.big_window), "--big-batch", str(a.big_batch)]
     rows = []
     for i, spec in enumerate(r for r in a.runs.split(",") if r):
-        n, shard, keep = (spec.split(":") + ["", ""])[:3]
+        n, shard, *opts = spec.split(":") + ["auto"] * (":" not in spec)
         n = int(n)
+        keep = next((o for o in opts if o in ("keep", "reshard")), "")
+        units = next((int(o[1:]) for o in opts if o.startswith("u")), 0)
         res = out / f"heal-{i}.json"
         res.unlink(missing_ok=True)
         t1 = time.time()
         rc = torchrun(n, ["--worker", "heal", "--result", str(res), "--compile", str(int(cuda)), "--shard", shard,
-                          "--keep", keep, *common] + (["--cpu"] if a.cpu else []) + (["--profile"] if a.profile else []),
+                          "--keep", keep, "--units", str(units), *common] + (["--cpu"] if a.cpu else []) + (["--profile"] if a.profile else []),
                       env, 300)
         row = json.loads(res.read_text()) if res.exists() else {"error": f"exit {rc}"}
-        row.update({"part": f"heal {a.geom}" + (f" {shard}" if shard != "auto" else "") + (f" {keep}" if keep else ""),
+        row.update({"part": f"heal {a.geom}" + (f" {shard}" if shard != "auto" else "") + (f" {keep}" if keep else "")
+                    + (f" u{units}" if units else ""),
                     "gpus": n, "wall_s": time.time() - t1})
         rows.append(row)
         log(json.dumps({k: v for k, v in row.items() if k != "profile"})[:400])
@@ -177,10 +185,12 @@ def main():
         res = out / "big.json"
         res.unlink(missing_ok=True)
         t1 = time.time()
-        rc = torchrun(a.gpus, ["--worker", "big", "--result", str(res), "--compile", str(compile_), *common]
-                      + (["--cpu"] if a.cpu else []), env, 300)
+        big_gpus = a.big_gpus or a.gpus
+        rc = torchrun(big_gpus, ["--worker", "big", "--result", str(res), "--compile", str(compile_),
+                                 "--big-memory", a.big_memory, *common] + (["--cpu"] if a.cpu else []), env, 300)
         row = json.loads(res.read_text()) if res.exists() else {"error": f"exit {rc}"}
-        row.update({"part": f"fsdp step {a.big}" + ("" if compile_ else " (eager)"), "gpus": a.gpus,
+        row.update({"part": f"fsdp step {a.big}" + ("" if compile_ else " (eager)")
+                    + (f" {a.big_memory}" if a.big_memory != "auto" else ""), "gpus": big_gpus,
                     "wall_s": time.time() - t1})
         rows.append(row)
         log(json.dumps(row)[:400])
@@ -320,6 +330,8 @@ def worker_heal(a) -> int:
     n = dist.world()
     if a.keep:
         parallel.KEEP_GATHERED_SHARE = 1.0 if a.keep == "keep" else 0.0
+    if a.units:
+        parallel.UNIT_LAYERS = a.units
     work = Path(a.work)
     td = Path(a.data)
     from cortiq.data import Tdata, windows
@@ -338,7 +350,7 @@ def worker_heal(a) -> int:
         torch.cuda.reset_peak_memory_stats()
     log_ = MemoryLogger()
     trace = Path(a.result).with_suffix(".trace.json")
-    work_dir = work / f"train-{n}gpu-{a.shard}-{a.keep}"
+    work_dir = work / f"train-{n}gpu-{a.shard}-{a.keep}-u{a.units}"
     if a.profile and dist.is_main() and torch.cuda.is_available():
         from torch.profiler import ProfilerActivity, profile, schedule
 
@@ -369,7 +381,7 @@ def worker_big(a) -> int:
     import pyarrow as pa
 
     from cortiq import dist
-    from cortiq.heal.parallel import prepare
+    from cortiq.heal.parallel import Plan, prepare
     from cortiq.heal.rows import WindowRows
     from cortiq.heal.settings import HealSettings
     from cortiq.heal.train import SplitData, StudentTail, fit, train_index, val_index
@@ -378,7 +390,7 @@ def worker_big(a) -> int:
 
     dist.init()
     dev = torch.device("cpu") if a.cpu else dist.device("cuda")
-    g = BIG[a.big]
+    g = BIG.get(a.big) or GEOMS[a.big]
     arch = arch_of(g)
     arch.mtp_layers = 0
     torch.manual_seed(0)  # every rank builds the same weights
@@ -389,9 +401,16 @@ def worker_big(a) -> int:
             torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
     cdt = torch.float32 if a.cpu else torch.bfloat16
     s = HealSettings(window=a.big_window, batch=a.big_batch, epochs=2.0, eval_every=10**6, checkpoint_every=0, lr=1e-5,
-                     topk=32, shard="fsdp", compile=bool(a.compile), device=str(dev), gpus=dist.world())
+                     topk=32, shard="fsdp", compile=bool(a.compile), device=str(dev), gpus=dist.world(),
+                     memory=a.big_memory)
     tail = StudentTail(model, 0, False, drop_prefix=False)
-    plan = prepare(tail, s, dev, cdt, compile=bool(a.compile) and dev.type == "cuda")
+    compiled = bool(a.compile) and dev.type == "cuda"
+    if dist.world() > 1:
+        plan = prepare(tail, s, dev, cdt, compile=compiled)
+    else:  # one rank sharded all the same: FSDP2's hooks around the (compiled, checkpointed) layers
+        if compiled:
+            tail.model.compile_layers()
+        plan = Plan(tail, "fsdp", dev, cdt).wrap()
 
     T, B, k, V = a.big_window, a.big_batch, 32, g["vocab"]
     rng = np.random.default_rng(0)

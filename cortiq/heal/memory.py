@@ -239,8 +239,16 @@ def make_optimizer(groups: list[dict], lr: float, device: torch.device, adam8: b
     (AdamW8bit, weight decay 0: the same update rule). Both keep `group["layer"]`."""
     if adam8:
         return adam8_class()(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    # fused: one kernel for every parameter's update on CUDA (same arithmetic)
-    return torch.optim.Adam(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type == "cuda")
+    # fused (on CUDA and on a CPU alike): one kernel for every parameter's update,
+    # the same arithmetic, and a non-finite step skipped on the device (found_inf)
+    return torch.optim.Adam(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type in ("cuda", "cpu"))
+
+
+def skips_on_device(opt: torch.optim.Optimizer) -> bool:
+    """Whether `opt` takes a device flag that skips its step (`opt.found_inf`, 1.0:
+    skip; torch's fused Adam), so the step can be launched before the host knows
+    whether the loss was finite."""
+    return type(opt) is torch.optim.Adam and bool(opt.defaults.get("fused"))
 
 
 def optimizer_kind(opt: torch.optim.Optimizer) -> str:

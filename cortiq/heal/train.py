@@ -143,9 +143,23 @@ class StudentTail:
         self.collect(mark=True)
         if not self.params:
             raise CortiqError(f"heal: nothing to train from layer {train_from} (ffn_only={ffn_only})")
-        #: how many trained layers, from the lowest, recompute their activations in the backward
-        #: (memory "checkpoint"; 0: none)
-        self.checkpointed = 0
+        self.checkpointed = 0  # (a model reused from another tail may carry its marks)
+
+    @property
+    def checkpointed(self) -> int:
+        """How many trained layers, from the lowest, recompute their activations
+        in the backward (memory "checkpoint"; 0: none). The lowest: the backward
+        reaches them last, when the upper layers' activations are already freed,
+        so their recompute adds to the gradients alone, never to the forward's
+        peak (checkpointing the top ones would recompute them while every lower
+        layer's activations are still held)."""
+        return self._checkpointed
+
+    @checkpointed.setter
+    def checkpointed(self, k: int) -> None:
+        self._checkpointed = k = min(k, self.num_layers - self.train_from)
+        for i in range(self.train_from, self.num_layers):
+            self.model.layers[i].recompute = i < self.train_from + k
 
     def collect(self, mark: bool = False) -> None:
         """The trained parameters by layer (again after sharding replaced them); `mark`: they require grad."""
@@ -172,22 +186,7 @@ class StudentTail:
         return self.run_tail(h0) if self.wrapped is None else self.wrapped(h0)
 
     def run_tail(self, h0: torch.Tensor) -> torch.Tensor:
-        lo, k = self.train_from, min(self.checkpointed, self.num_layers - self.train_from)
-        h = h0
-        if k and torch.is_grad_enabled():
-            # one checkpoint per layer: only its input [B, T, H] is saved, the rest is
-            # recomputed in the backward (non-reentrant: works under autocast, with
-            # compiled layers and with inputs that need no gradient). The lowest layers:
-            # the backward reaches them last, when the upper layers' activations are
-            # already freed, so their recompute adds to the gradients alone, never to
-            # the forward's peak (checkpointing the top ones would recompute them while
-            # every lower layer's activations are still held)
-            from torch.utils.checkpoint import checkpoint
-
-            for i in range(lo, lo + k):  # a loop over layers, a few dozen
-                h = checkpoint(self.model.run_layers, h, i, i + 1, use_reentrant=False)  # [B, T, H]
-            lo += k
-        h = self.model.run_layers(h, lo, self.num_layers)  # [B, T, H]
+        h = self.model.run_layers(h0, self.train_from, self.num_layers)  # [B, T, H]
         return self.model.model.norm(h)
 
     def set_active(self, lowest: int) -> None:
@@ -354,6 +353,7 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
     tail.checkpointed = mplan.layers
     micro = s.micro_windows() if "micro" in mplan else 0
     opt = mem.make_optimizer(groups, s.lr, device, adam8="adam8" in mplan)
+    on_device = mem.skips_on_device(opt)
     named = tail.named()
     trained = sum(p.numel() for _, p in named)
 
@@ -387,7 +387,15 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
         plan.save(work_dir, {"key": key, "order_rng": order.rng, "order_perm": list(order.perm), "state": st, "e0": e0,
                              "best_loss": best_loss, "best_step": best_step, "best_state": best_state}, opt)
 
+    def set_rate(step: int, lowest: int) -> float:
+        """Each group's rate for update number `step` (the schedule; Genesis: each layer's decay)."""
+        lr = s.lr * lr_shape(step, total_steps, s.warm, s.genesis)
+        for g in opt.param_groups:
+            mem.set_lr(g, lr * (genesis_decay(g["layer"], lowest, step // nb) if s.genesis else 1.0))
+        return lr
+
     params = [p for _, p in named]
+    lowest = tail.train_from
     bar = tqdm(total=total_steps, initial=st["done"], desc="heal", unit="step", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
     ahead = Ahead(train, device)
@@ -414,9 +422,18 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
             for p in params:
                 if p.grad is not None:
                     p.grad.div_(st["scale"])
-        gn = plan.clip(params, s.clip)
+        gn = plan.clip(params, s.clip)  # [] on the device
+        lt = plan.sum_(loss)  # [] the whole batch's loss, alike on every rank
         st["cursor"] += 1
-        lv = plan.sum_(float(loss.detach()))  # the whole batch's, alike on every rank
+        if on_device:
+            # launched before the loss and the norm reach the host: the host waits for
+            # them once the update is queued behind the backward, not before (on two
+            # H200s the wait before it left the GPU idle ~6 ms a step), and the fused
+            # Adam skips a non-finite step itself (found_inf: no update, step count kept)
+            opt.found_inf = (~(torch.isfinite(gn) & torch.isfinite(lt))).float()
+            lr = set_rate(done + 1, lowest)
+            opt.step()
+        lv, gn = torch.stack([lt.float(), gn.float()]).tolist()  # one wait for both
         if not (math.isfinite(lv) and math.isfinite(gn)):
             opt.zero_grad(set_to_none=True)
             st["skipped"] += 1
@@ -427,11 +444,9 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
             continue
         done += 1
         st["done"] = done
-        shape = lr_shape(done, total_steps, s.warm, s.genesis)
-        lr = s.lr * shape
-        for g in opt.param_groups:
-            mem.set_lr(g, lr * (genesis_decay(g["layer"], lowest, done // nb) if s.genesis else 1.0))
-        opt.step()
+        if not on_device:
+            lr = set_rate(done, lowest)
+            opt.step()
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         st["step_secs"] += dt

@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..arch import FULL, LINEAR, Arch
 from ..errors import CortiqError
@@ -182,7 +183,22 @@ class DecoderLayer(nn.Module):
     def new_state(self):
         return KVState() if self.kind == FULL else GDNState()
 
+    #: recompute this layer's activations in the backward instead of keeping them
+    #: (heal's memory "checkpoint": only the input [B, T, H] is saved). Inside the
+    #: forward, so whatever wraps the layer's call (FSDP2's hooks, the compiled
+    #: region of `compile_layers`) stays outside the checkpoint: a checkpoint
+    #: around FSDP2's hooks and a compiled layer recomputed other tensors than its
+    #: forward saved at an 8B geometry on two H200s (torch 2.11)
+    recompute = False
+
     def forward(self, h, cos, sin, state=None):
+        if self.recompute and state is None and torch.is_grad_enabled():
+            # non-reentrant: works under autocast, under torch.compile, and with
+            # inputs that need no gradient
+            return checkpoint(self._forward, h, cos, sin, use_reentrant=False)  # [B, T, H]
+        return self._forward(h, cos, sin, state)
+
+    def _forward(self, h, cos, sin, state=None):
         x = self.input_layernorm(h)
         if self.kind == FULL:
             h = h + self.self_attn(x, cos, sin, state)

@@ -112,6 +112,38 @@ def test_non_finite_steps_abort_after_twenty(tmp_path):
         fit(tail, tr, va, _settings(epochs=10.0), tmp_path, CPU, torch.float32, progress=False)
 
 
+def test_a_non_finite_step_skipped_on_the_device_equals_the_host_skip(tmp_path, monkeypatch):
+    # window 0's targets are NaN: the step of its batch is skipped once an epoch. The fused Adam
+    # is launched before the host reads the loss (found_inf skips it on the device); the host
+    # path reads first and does not call it. Same weights, same Adam state, same steps
+    from cortiq.heal import memory as mem
+
+    def run(on_device: bool, sub: str):
+        monkeypatch.setattr(mem, "skips_on_device", lambda opt: on_device)
+        tail, tr, va = _setup()
+        part = tr.tprobs.parts[0].copy()
+        part[0] = float("nan")
+        tr.tprobs.parts[0] = part
+        rep = fit(tail, tr, va, _settings(epochs=3.0), tmp_path / sub, CPU, torch.float32, key="k", progress=False)
+        return rep, tail.state()
+
+    dev, dev_w = run(True, "a")
+    host, host_w = run(False, "b")
+    # 18 updates; a skipped batch does not count, so the run reads a fourth epoch's batches too
+    assert dev["metrics"]["skipped"] == host["metrics"]["skipped"] == 4
+    assert dev["metrics"]["steps"] == host["metrics"]["steps"] == 18
+    assert [(h["step"], h["loss"], h["lr"]) for h in dev["history"]] == \
+        [(h["step"], h["loss"], h["lr"]) for h in host["history"]]
+    for n, w in host_w.items():
+        assert torch.equal(dev_w[n], w), n
+    # the checkpoints' Adam state too: a step skipped on the device kept its step count
+    a = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=True)["optim"]["state"]
+    b = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=True)["optim"]["state"]
+    for i in b:
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a[i][k], b[i][k]), (i, k)
+
+
 def test_fewer_train_windows_than_a_batch(tmp_path):
     tail, tr, va = _setup(n_train=3)
     with pytest.raises(CortiqError, match="fewer than one batch of 4"):
