@@ -332,6 +332,9 @@ def worker_heal(a) -> int:
         parallel.KEEP_GATHERED_SHARE = 1.0 if a.keep == "keep" else 0.0
     if a.units:
         parallel.UNIT_LAYERS = a.units
+    if n == 1 and a.shard in ("ddp", "fsdp"):
+        # one rank wrapped all the same (a one-rank mesh): the wrapper's own cost, no communication
+        parallel.choose = lambda kind, tail, device: a.shard
     work = Path(a.work)
     td = Path(a.data)
     from cortiq.data import Tdata, windows

@@ -45,9 +45,11 @@ FIT_SHARE = 0.5
 #: forward to its backward (one all-gather a step instead of two; the whole tail's compute weights stay)
 KEEP_GATHERED_SHARE = 0.1
 #: decoder layers per FSDP2 unit (one all-gather, one reduce-scatter, one set of hooks) when the gathered
-#: weights are kept: FSDP2's hooks cost ~1 ms of CPU a unit, as long as a 1.7B layer's forward at 8192
-#: tokens a GPU on an H200, so units of one layer left the GPU waiting on the CPU
-UNIT_LAYERS = 2
+#: weights are kept. FSDP2's hooks cost ~1 ms of CPU a unit, about a 1.7B layer's forward at 8192 tokens
+#: on an H200, so units of one layer leave the GPU waiting on the CPU: a one-rank FSDP2 heal of the
+#: Qwen3-1.7B geometry (16 windows of 512, bench/dist.py) left it idle 33 ms a step with units of one
+#: layer, 15 ms with units of four
+UNIT_LAYERS = 4
 
 
 def is_dtensor(t) -> bool:

@@ -76,32 +76,47 @@ class SplitData:
 
 
 class Ahead:
-    """The next batch on its way to the device while this step computes: on
-    CUDA its host gather and copy are issued on a side stream right after the
-    step's backward is launched; elsewhere a batch is simply read when asked."""
+    """The next batch on its way to the device while this step computes: its
+    host gather (numpy), pinning and copy run on a worker thread, issued right
+    after the step's backward is launched, so the main thread goes on launching
+    the step's kernels (on two H200s the main thread is the bottleneck of a
+    sharded step, and pinning a batch there cost it ~4 ms); on CUDA the copy goes
+    on a side stream that the step's stream waits for when the batch is taken."""
 
     def __init__(self, data: SplitData, device):
+        from concurrent.futures import ThreadPoolExecutor
+
         self.data, self.device = data, torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.pending: tuple[int, tuple] | None = None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="cortiq-ahead")
+        self.pending = None  # (batch number, future of its tensors)
+
+    def _load(self, b: int) -> tuple:
+        if self.stream is None:
+            return self.data.batch(b, self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            return self.data.batch(b, self.device)
 
     def prefetch(self, b: int) -> None:
-        if self.stream is None:
-            return
-        with torch.cuda.stream(self.stream):
-            self.pending = (b, self.data.batch(b, self.device))
+        self.pending = (b, self.pool.submit(self._load, b))
 
     def get(self, b: int) -> tuple:
-        if self.pending is None or self.pending[0] != b:
-            self.pending = None
+        pending, self.pending = self.pending, None
+        if pending is None or pending[0] != b:
+            if pending is not None:
+                pending[1].result()  # a stale one is finished (its copies queued), then dropped
             return self.data.batch(b, self.device)
-        out, self.pending = self.pending[1], None
-        cur = torch.cuda.current_stream(self.device)
-        cur.wait_stream(self.stream)
-        for t in out:
-            if isinstance(t, torch.Tensor):
-                t.record_stream(cur)  # allocated on the side stream, used on this one
+        out = pending[1].result()
+        if self.stream is not None:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_stream(self.stream)  # the thread has queued its copies: this waits for them
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    t.record_stream(cur)  # allocated on the side stream, used on this one
         return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def train_index(n: int, batch: int) -> np.ndarray:
@@ -399,73 +414,76 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
     bar = tqdm(total=total_steps, initial=st["done"], desc="heal", unit="step", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
     ahead = Ahead(train, device)
-    while st["done"] < total_steps:
-        epoch_pos = st["cursor"] % nb
-        if epoch_pos == 0:
-            # a checkpoint is taken after the cursor moves, so a resumed run
-            # at an epoch boundary shuffles here just as the first run did
-            order.shuffle()
-        b = order.perm[epoch_pos]
-        done = st["done"]
-        epoch = done // nb
-        if s.genesis:
-            lowest = genesis_from(epoch, tail.num_layers, tail.train_from)
-            tail.set_active(lowest)
-            plan.following()
-        t0 = time.perf_counter()
-        # this rank's share of the whole batch's mean (plan.grad_scale: DDP averages over ranks, the loss is a sum)
-        loss = step_backward(tail, ahead.get(b), micro, s.head_chunk, device, cdt, obj, st["scale"] * plan.grad_scale,
-                             plan.nosync)
-        if epoch_pos + 1 < nb:  # the next batch of this epoch's order, while the GPU works
-            ahead.prefetch(order.perm[epoch_pos + 1])
-        if st["scale"] != 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.div_(st["scale"])
-        gn = plan.clip(params, s.clip)  # [] on the device
-        lt = plan.sum_(loss)  # [] the whole batch's loss, alike on every rank
-        st["cursor"] += 1
-        if on_device:
-            # launched before the loss and the norm reach the host: the host waits for
-            # them once the update is queued behind the backward, not before (on two
-            # H200s the wait before it left the GPU idle ~6 ms a step), and the fused
-            # Adam skips a non-finite step itself (found_inf: no update, step count kept)
-            opt.found_inf = (~(torch.isfinite(gn) & torch.isfinite(lt))).float()
-            lr = set_rate(done + 1, lowest)
-            opt.step()
-        lv, gn = torch.stack([lt.float(), gn.float()]).tolist()  # one wait for both
-        if not (math.isfinite(lv) and math.isfinite(gn)):
+    try:
+        while st["done"] < total_steps:
+            epoch_pos = st["cursor"] % nb
+            if epoch_pos == 0:
+                # a checkpoint is taken after the cursor moves, so a resumed run
+                # at an epoch boundary shuffles here just as the first run did
+                order.shuffle()
+            b = order.perm[epoch_pos]
+            done = st["done"]
+            epoch = done // nb
+            if s.genesis:
+                lowest = genesis_from(epoch, tail.num_layers, tail.train_from)
+                tail.set_active(lowest)
+                plan.following()
+            t0 = time.perf_counter()
+            # this rank's share of the whole batch's mean (plan.grad_scale: DDP averages over ranks, the loss is a sum)
+            loss = step_backward(tail, ahead.get(b), micro, s.head_chunk, device, cdt, obj, st["scale"] * plan.grad_scale,
+                                 plan.nosync)
+            if epoch_pos + 1 < nb:  # the next batch of this epoch's order, while the GPU works
+                ahead.prefetch(order.perm[epoch_pos + 1])
+            if st["scale"] != 1.0:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.div_(st["scale"])
+            gn = plan.clip(params, s.clip)  # [] on the device
+            lt = plan.sum_(loss)  # [] the whole batch's loss, alike on every rank
+            st["cursor"] += 1
+            if on_device:
+                # launched before the loss and the norm reach the host: the host waits for
+                # them once the update is queued behind the backward, not before (on two
+                # H200s the wait before it left the GPU idle ~6 ms a step), and the fused
+                # Adam skips a non-finite step itself (found_inf: no update, step count kept)
+                opt.found_inf = (~(torch.isfinite(gn) & torch.isfinite(lt))).float()
+                lr = set_rate(done + 1, lowest)
+                opt.step()
+            lv, gn = torch.stack([lt.float(), gn.float()]).tolist()  # one wait for both
+            if not (math.isfinite(lv) and math.isfinite(gn)):
+                opt.zero_grad(set_to_none=True)
+                st["skipped"] += 1
+                if cdt == torch.float16:
+                    st["scale"] = max(st["scale"] / 2, 1.0)
+                if st["skipped"] >= MAX_SKIPPED:
+                    raise CortiqError(f"heal: {MAX_SKIPPED} non-finite steps (last at step {done + 1}); lower lr or use f32/bf16 compute")
+                continue
+            done += 1
+            st["done"] = done
+            if not on_device:
+                lr = set_rate(done, lowest)
+                opt.step()
             opt.zero_grad(set_to_none=True)
-            st["skipped"] += 1
-            if cdt == torch.float16:
-                st["scale"] = max(st["scale"] / 2, 1.0)
-            if st["skipped"] >= MAX_SKIPPED:
-                raise CortiqError(f"heal: {MAX_SKIPPED} non-finite steps (last at step {done + 1}); lower lr or use f32/bf16 compute")
-            continue
-        done += 1
-        st["done"] = done
-        if not on_device:
-            lr = set_rate(done, lowest)
-            opt.step()
-        opt.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        st["step_secs"] += dt
-        st["history"].append({"step": done, "loss": lv, "lr": lr, "grad_norm": gn})
-        logger.log_metrics({"loss": lv, "lr": lr, "grad_norm": gn, "tokens_per_s": tokens / max(dt, 1e-9)},
-                           step=done)
-        bar.update(1)
-        bar.set_postfix(loss=f"{lv:.4f}", lr=f"{lr:.2e}", s_step=f"{st['step_secs'] / done:.2f}", refresh=False)
-        if done % s.eval_every == 0 or done == total_steps:
-            e = heldout()
-            st["evals"].append({"step": done, "heldout": e})
-            logger.log_metrics({"heldout": e}, step=done)
-            if e < best_loss:
-                best_loss, best_step, best_state = e, done, plan.snapshot()
-            if progress:
-                bar.write(f"  step {done}: held-out loss {e:.5f} (best {best_loss:.5f} at step {best_step})",
-                          file=sys.stderr)
-        if s.checkpoint_every and (done % s.checkpoint_every == 0 or done == total_steps):
-            checkpoint()
+            dt = time.perf_counter() - t0
+            st["step_secs"] += dt
+            st["history"].append({"step": done, "loss": lv, "lr": lr, "grad_norm": gn})
+            logger.log_metrics({"loss": lv, "lr": lr, "grad_norm": gn, "tokens_per_s": tokens / max(dt, 1e-9)},
+                               step=done)
+            bar.update(1)
+            bar.set_postfix(loss=f"{lv:.4f}", lr=f"{lr:.2e}", s_step=f"{st['step_secs'] / done:.2f}", refresh=False)
+            if done % s.eval_every == 0 or done == total_steps:
+                e = heldout()
+                st["evals"].append({"step": done, "heldout": e})
+                logger.log_metrics({"heldout": e}, step=done)
+                if e < best_loss:
+                    best_loss, best_step, best_state = e, done, plan.snapshot()
+                if progress:
+                    bar.write(f"  step {done}: held-out loss {e:.5f} (best {best_loss:.5f} at step {best_step})",
+                              file=sys.stderr)
+            if s.checkpoint_every and (done % s.checkpoint_every == 0 or done == total_steps):
+                checkpoint()
+    finally:
+        ahead.close()
     bar.close()
     plan.restore(best_state)
     if s.genesis:
