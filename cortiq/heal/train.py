@@ -174,7 +174,13 @@ class StudentTail:
     def checkpointed(self, k: int) -> None:
         self._checkpointed = k = min(k, self.num_layers - self.train_from)
         for i in range(self.train_from, self.num_layers):
-            self.model.layers[i].recompute = i < self.train_from + k
+            layer, mark = self.model.layers[i], i < self.train_from + k
+            if not hasattr(layer, "recompute"):  # a layer that would ignore the mark saves nothing
+                if mark:
+                    raise CortiqError(f"heal: {type(layer).__name__} layers cannot recompute their activations; "
+                                      "use memory plain or micro")
+                continue
+            layer.recompute = mark
 
     def collect(self, mark: bool = False) -> None:
         """The trained parameters by layer (again after sharding replaced them); `mark`: they require grad."""

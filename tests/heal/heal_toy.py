@@ -5,6 +5,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from cortiq.heal.rows import WindowRows
 from cortiq.heal.targets import mix_targets
@@ -27,7 +28,15 @@ class Block(nn.Module):
         self.mix = nn.Linear(h, h, bias=False)
         self.mlp = Mlp(h)
 
+    #: heal's memory "checkpoint" as the real decoder layer does it (cortiq.model.decoder)
+    recompute = False
+
     def forward(self, x):
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x):
         # a causal running mean stands in for attention
         c = x.cumsum(1) / torch.arange(1, x.shape[1] + 1, dtype=x.dtype, device=x.device)[None, :, None]
         x = x + torch.tanh(self.mix(c))

@@ -104,7 +104,11 @@ def _fit(rank, work, kw, kill_at, out):
         from cortiq.heal import parallel
 
         parallel.KEEP_GATHERED_SHARE = kw.pop("keep_share")
+    compiled = kw.pop("compiled", False)
     tail, tr, va = _setup()
+    if compiled:  # dynamo + AOT autograd (no C++ build), FSDP2's hooks around each compiled layer
+        for layer in tail.model.layers:
+            layer.compile(backend="aot_eager", dynamic=False)
     try:
         rep = fit(tail, tr, va, _settings(**kw), work, CPU, torch.float32, key="k",
                   logger=_KillAt(kill_at) if kill_at else NULL, progress=False)
@@ -125,16 +129,20 @@ def _same_run(a, b, state_b):
         torch.testing.assert_close(t, state_b[n], rtol=1e-4, atol=1e-5, msg=n)
 
 
-@pytest.mark.parametrize("shard,genesis,memory,keep", [
-    ("ddp", False, "plain", 0.1), ("ddp", True, "plain", 0.1), ("fsdp", False, "plain", 0.1),
-    ("ddp", False, "micro", 0.1), ("fsdp", False, "checkpoint+micro", 0.0)])
-def test_two_ranks_train_as_one_with_the_same_global_batch(tmp_path, shard, genesis, memory, keep):
+@pytest.mark.parametrize("shard,genesis,memory,keep,compiled", [
+    ("ddp", False, "plain", 0.1, False), ("ddp", True, "plain", 0.1, False), ("fsdp", False, "plain", 0.1, False),
+    ("ddp", False, "micro", 0.1, False), ("fsdp", False, "checkpoint+micro", 0.0, False),
+    ("fsdp", False, "checkpoint", 0.1, True)])
+def test_two_ranks_train_as_one_with_the_same_global_batch(tmp_path, shard, genesis, memory, keep, compiled):
     # micro: each rank's 2 windows in 2 micro-batches (DDP reduces once, after the second);
-    # keep 0: FSDP2 frees each layer's gathered weights after its forward, gathers them again in the backward
+    # keep 0: FSDP2 frees each layer's gathered weights after its forward, gathers them again in the backward;
+    # keep 0.1 (a CPU's memory): the 3 layers are one FSDP2 unit; compiled: each layer's checkpoint inside
+    # its compiled forward, FSDP2's hooks outside
     tail, tr, va = _setup()
     ref = fit(tail, tr, va, _settings(genesis=genesis), tmp_path / "one", CPU, torch.float32, key="k", progress=False)
     ref["state"] = tail.state()
-    kw = {"shard": shard, "genesis": genesis, "memory": memory, "micro_batch": 1, "keep_share": keep}
+    kw = {"shard": shard, "genesis": genesis, "memory": memory, "micro_batch": 1, "keep_share": keep,
+          "compiled": compiled}
     run_ranks(_fit, 2, tmp_path / "two", kw, 0, tmp_path / "two.pt", tmp=tmp_path)
     two = torch.load(tmp_path / "two.pt", weights_only=True)
     assert len(two["history"]) == 18

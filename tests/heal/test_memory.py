@@ -84,25 +84,43 @@ def test_checkpointed_layers_give_the_plain_values_and_gradients(cdt):
 
 
 def test_checkpointed_compiled_layers_give_the_plain_gradients():
-    # the layers compiled (dynamo + AOT autograd, no C++ build) under the checkpoint's saved-tensor hooks
+    # the layers compiled (dynamo + AOT autograd, no C++ build) with the checkpoint inside their
+    # compiled forward: the compiled region saves fewer tensors, and the gradients are the plain ones
     torch._dynamo.reset()
-    tail = StudentTail(ToyLM(hidden=16, seed=1), 1, ffn_only=False, drop_prefix=False)
-    teacher = ToyLM(hidden=16, seed=0)
-    data = toy_split(teacher, 4, 9, 4, 5, seed=2)
-    ids, h0, tid, tp, tot = data.batch(0, CPU)
-    _zero(tail)
-    batch_loss(tail, ids, h0, tid, tp, 6, CPU, torch.float32).backward()
-    plain = _grads(tail)
+    tail = _causal_tail(train_from=1, layers=3)
+    V = tail.model.head_weight.shape[0]
+    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(1))
+    tid, tp = _targets(V, 2 * 9, 5)
     for layer in tail.model.layers:
         layer.compile(backend="aot_eager", dynamic=False)
-    tail.checkpointed = len(tail.params)
-    _zero(tail)
-    batch_loss(tail, ids, h0, tid, tp, 6, CPU, torch.float32).backward()
-    got = _grads(tail)
+    out, saved = {}, {}
+    for ck in (0, len(tail.params)):
+        tail.checkpointed = ck
+        _zero(tail)
+        n = [0]
+
+        def pack(t, n=n):
+            n[0] += 1
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = batch_loss(tail, ids, None, tid, tp, 6, CPU, torch.float32)
+        loss.backward()
+        out[ck], saved[ck] = _grads(tail), n[0]
+    plain, got = out[0], out[len(tail.params)]
+    assert saved[len(tail.params)] < saved[0] - 5, saved
     assert set(got) == set(plain)
     for n, g in plain.items():
         torch.testing.assert_close(got[n], g, rtol=1e-5, atol=1e-6, msg=n)
     torch._dynamo.reset()
+
+
+def test_a_layer_that_cannot_recompute_is_refused():
+    tail = StudentTail(ToyLM(seed=1), 1, ffn_only=False, drop_prefix=False)
+    tail.model.layers[2] = torch.nn.Linear(16, 16)  # no `recompute`: it would keep its activations
+    tail.checkpointed = 1  # layer 1 (a toy block) can
+    with pytest.raises(CortiqError, match=r"^heal: Linear layers cannot recompute their activations; use memory "):
+        tail.checkpointed = 2
 
 
 @pytest.mark.parametrize("micro", [1, 3, 5])
