@@ -41,6 +41,12 @@ CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_DIR = "checkpoint.dcp"
 #: share of one device's memory the whole-tail (ddp) plan may fill with weights, gradients and Adam state
 FIT_SHARE = 0.5
+#: trained weights from which `shard: auto` picks FSDP2 over DDP where both fit. One rank wrapped each
+#: way (bench/dist.py, one H200, 16 windows of 512 a step, where the step of two GPUs is CPU-bound):
+#: at the Qwen3-1.7B geometry (1.4B trained) DDP ran at 0.87x the unwrapped step, FSDP2 at 0.95x, and
+#: on two H200s FSDP2 was the faster (1.69x against 1.56x) in 0.58x the memory; at Qwen3-0.6B (0.44B)
+#: FSDP2's per-unit hooks weigh more against the smaller layers: DDP 0.89x, FSDP2 0.69x
+FSDP_FROM = 1_000_000_000
 #: share of one device's memory under which FSDP2 keeps each layer's gathered bf16 weights from its
 #: forward to its backward (one all-gather a step instead of two; the whole tail's compute weights stay)
 KEEP_GATHERED_SHARE = 0.1
@@ -95,22 +101,24 @@ def device_bytes(device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def choose(kind: str, tail, device) -> str:
-    """"single" for one process; else "ddp" or "fsdp" as asked; "auto": ddp when
-    the trained weights with their gradients and Adam state (16 bytes each) and
-    the rest of the model (4 bytes a weight) take at most FIT_SHARE of a device."""
+def choose(kind: str, tail, device, genesis: bool = False) -> str:
+    """"single" for one process; else "ddp" or "fsdp" as asked; "auto": fsdp on
+    CUDA when the trained weights number at least FSDP_FROM, or when with their
+    gradients and Adam state (16 bytes each) and the rest of the model (4 bytes a
+    weight) they take more than FIT_SHARE of a device; else ddp (and ddp for
+    Genesis, which FSDP2 does not follow)."""
     if kind not in SHARDS:
         raise CortiqError(f"heal settings: shard {kind!r} is not one of {', '.join(SHARDS)}")
     if not dist.active():
         return "single"
     if kind != "auto":
         return kind
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or genesis:
         return "ddp"
     trained = sum(p.numel() for _, p in tail.named())
     total = sum(p.numel() for p in tail.model.parameters())
     need = 16 * trained + 4 * (total - trained)
-    return "ddp" if need <= FIT_SHARE * device_bytes(device) else "fsdp"
+    return "fsdp" if trained >= FSDP_FROM or need > FIT_SHARE * device_bytes(device) else "ddp"
 
 
 class Plan:
@@ -347,7 +355,7 @@ def prepare(tail, s, device, cdt, compile: bool = False) -> Plan:
     if compile:
         # each layer compiled before it is wrapped: the order torch's own tests of fully_shard use
         tail.model.compile_layers()
-    return Plan(tail, choose(s.shard, tail, device), device, cdt, s.genesis).wrap()
+    return Plan(tail, choose(s.shard, tail, device, s.genesis), device, cdt, s.genesis).wrap()
 
 
 # ── one-process checkpoints ─────────────────────────────────────────────

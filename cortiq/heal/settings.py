@@ -143,9 +143,11 @@ class HealSettings:
                            "(the same steps and results as one GPU)", lo=1)
     #: how training spreads over more than one GPU: "ddp" (each holds the trained layers whole),
     #: "fsdp" (weights, gradients and Adam state split across GPUs: a tail too big for one),
-    #: "auto" (ddp when the tail with its Adam state takes at most half of one GPU)
+    #: "auto" (fsdp on GPUs from 1B trained weights, or when the tail with its Adam state takes
+    #: more than half of one GPU; else ddp; ddp for Genesis: cortiq.heal.parallel says why)
     shard: str = setting("auto", "how training spreads over GPUs: ddp (each GPU holds the trained layers), fsdp "
-                                 "(weights, gradients and Adam state split), auto (ddp when they fit half a GPU)",
+                                 "(weights, gradients and Adam state split), auto (fsdp from 1B trained weights "
+                                 "or when they do not fit half a GPU, else ddp)",
                          choices=SHARDS)
 
     def __post_init__(self):
