@@ -334,7 +334,7 @@ def worker_heal(a) -> int:
         parallel.UNIT_LAYERS = a.units
     if n == 1 and a.shard in ("ddp", "fsdp"):
         # one rank wrapped all the same (a one-rank mesh): the wrapper's own cost, no communication
-        parallel.choose = lambda kind, tail, device: a.shard
+        parallel.choose = lambda kind, tail, device, genesis=False: a.shard
     work = Path(a.work)
     td = Path(a.data)
     from cortiq.data import Tdata, windows

@@ -8,11 +8,11 @@ calls the few hooks of `Plan` and is otherwise the same for one process.
   process's gradient and the loss curve is the same.
 - "ddp": torch's DistributedDataParallel over the trained layers (each rank
   holds them whole; the gradients are averaged, hence the loss is scaled by
-  the number of ranks). For a tail whose weights, gradients and Adam state fit
-  one device.
-- "fsdp": FSDP2 (`fully_shard`) on each trained layer and on the tail: the
-  weights, gradients and Adam state are split across ranks (bf16 parameters in
-  compute, f32 gradient reduction); for a tail too big for one device.
+  the number of ranks). For a smaller tail that fits one device.
+- "fsdp": FSDP2 (`fully_shard`) on units of trained layers and on the tail:
+  the weights, gradients and Adam state are split across ranks (bf16
+  parameters in compute, f32 residual stream and gradient reduction); for a
+  tail of 1B weights and more, or one too big for one device (`choose`).
 - Checkpoints: `torch.distributed.checkpoint` (one directory, each rank writing
   its shard of each tensor), resharded on load, so a run killed on N ranks
   resumes on M (one included); a single process writes and reads the plain
@@ -165,7 +165,10 @@ class Plan:
                               "does not follow: use shard ddp (or one GPU)")
         mesh = init_device_mesh(self.device.type, (self.world,))
         low = None if self.cdt == torch.float32 else self.cdt
-        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+        # the inputs stay as they come (f32): FSDP2's default casts each unit's input to the bf16 of its
+        # weights, which would carry the residual stream between units in bf16, where one GPU's
+        # autocast keeps it in f32
+        mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32, cast_forward_inputs=False)
         root = _Trained(self.tail)
         reshard = not self.keep_gathered()
         per = UNIT_LAYERS if not reshard else 1
