@@ -16,6 +16,7 @@ weight decay 0, i.e. Adam) are 2 B per trained weight instead of 8.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 
@@ -249,6 +250,32 @@ def skips_on_device(opt: torch.optim.Optimizer) -> bool:
     skip; torch's fused Adam), so the step can be launched before the host knows
     whether the loss was finite."""
     return type(opt) is torch.optim.Adam and bool(opt.defaults.get("fused"))
+
+
+def update(opt: torch.optim.Optimizer, loss: torch.Tensor, grad_norm: torch.Tensor, set_rate) -> tuple:
+    """One update of `opt` unless the step's loss or gradient norm ([] tensors on
+    the device, the gradients already clipped) is not finite. `set_rate()` sets
+    the rate of the update and returns it. -> (loss, norm, rate) read on the
+    host; rate None: the step was skipped (the caller clears the gradients).
+
+    With a fused Adam the update is launched before the host reads the two
+    values, its kernels queued behind the backward, and skipped on the device
+    when they are not finite (found_inf: no update, step count kept); the host
+    waits once, after. (On two H200s, waiting before the update left the GPU
+    idle ~6 ms a step.) Other optimizers read first and step after."""
+    on_device = skips_on_device(opt)
+    rate = None
+    if on_device:
+        opt.found_inf = (~(torch.isfinite(grad_norm) & torch.isfinite(loss))).float()
+        rate = set_rate()
+        opt.step()
+    lv, gn = torch.stack([loss.float(), grad_norm.float()]).tolist()  # one wait for both
+    if not (math.isfinite(lv) and math.isfinite(gn)):
+        return lv, gn, None
+    if not on_device:
+        rate = set_rate()
+        opt.step()
+    return lv, gn, rate
 
 
 def optimizer_kind(opt: torch.optim.Optimizer) -> str:

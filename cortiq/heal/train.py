@@ -374,7 +374,6 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
     tail.checkpointed = mplan.layers
     micro = s.micro_windows() if "micro" in mplan else 0
     opt = mem.make_optimizer(groups, s.lr, device, adam8="adam8" in mplan)
-    on_device = mem.skips_on_device(opt)
     named = tail.named()
     trained = sum(p.numel() for _, p in named)
 
@@ -447,16 +446,8 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
             gn = plan.clip(params, s.clip)  # [] on the device
             lt = plan.sum_(loss)  # [] the whole batch's loss, alike on every rank
             st["cursor"] += 1
-            if on_device:
-                # launched before the loss and the norm reach the host: the host waits for
-                # them once the update is queued behind the backward, not before (on two
-                # H200s the wait before it left the GPU idle ~6 ms a step), and the fused
-                # Adam skips a non-finite step itself (found_inf: no update, step count kept)
-                opt.found_inf = (~(torch.isfinite(gn) & torch.isfinite(lt))).float()
-                lr = set_rate(done + 1, lowest)
-                opt.step()
-            lv, gn = torch.stack([lt.float(), gn.float()]).tolist()  # one wait for both
-            if not (math.isfinite(lv) and math.isfinite(gn)):
+            lv, gn, lr = mem.update(opt, lt, gn, lambda: set_rate(done + 1, lowest))
+            if lr is None:  # not finite: skipped
                 opt.zero_grad(set_to_none=True)
                 st["skipped"] += 1
                 if cdt == torch.float16:
@@ -466,9 +457,6 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
                 continue
             done += 1
             st["done"] = done
-            if not on_device:
-                lr = set_rate(done, lowest)
-                opt.step()
             opt.zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
             st["step_secs"] += dt

@@ -341,6 +341,7 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
     from tqdm import tqdm
 
     from ..errors import CortiqError
+    from ..heal.memory import make_optimizer, update
     from ..heal.train import MAX_SKIPPED
 
     model = ch.model
@@ -349,7 +350,7 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
     params = trained_params(model, s.train_input)
     for _, p in params:
         p.requires_grad_(True)
-    opt = torch.optim.Adam([p for _, p in params], lr=s.lr, betas=(0.9, 0.999), eps=1e-8)
+    opt = make_optimizer([{"params": [p for _, p in params]}], s.lr, params[0][1].device, adam8=False)
     g = torch.Generator().manual_seed(s.seed)
     val = ch.held.nonzero().flatten()
     train_idx = (~ch.held).nonzero().flatten()
@@ -359,6 +360,13 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
     batches = [train_idx[i * s.batch : (i + 1) * s.batch] for i in range(nb)]
     jobs = [(b, k) for b in range(nb) for k in range(len(ch.kinds))]
     total = max(math.ceil(s.epochs * len(jobs)), 1)
+
+    def set_rate(step: int) -> float:
+        lr = s.lr * lr_shape(step, total, s.warm)
+        for grp in opt.param_groups:
+            grp["lr"] = lr
+        return lr
+
     if not dist.is_main():
         say = logger = None  # rank 0 speaks for all
     bar = tqdm(total=total, desc="mtp heal", unit="step", file=sys.stderr, dynamic_ncols=True,
@@ -391,9 +399,9 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             sum_grads(params)
-            gn = float(torch.nn.utils.clip_grad_norm_([p for _, p in params], s.clip))
-            lv = dist.sum_(float(loss.detach()))
-            if not (math.isfinite(lv) and math.isfinite(gn)):
+            gn = torch.nn.utils.clip_grad_norm_([p for _, p in params], s.clip)  # [] on the device
+            lv, gn, lr = update(opt, dist.sum_(loss.detach().clone()), gn, lambda: set_rate(done + 1))
+            if lr is None:  # not finite: skipped
                 opt.zero_grad(set_to_none=True)
                 skipped += 1
                 if skipped >= MAX_SKIPPED:
@@ -402,10 +410,6 @@ def train(ch: Chain, s, logger=None, say=print) -> dict:
                                       f"lower lr (now {s.lr:g}) or check the model for inf/nan weights")
                 continue
             done += 1
-            lr = s.lr * lr_shape(done, total, s.warm)
-            for grp in opt.param_groups:
-                grp["lr"] = lr
-            opt.step()
             bar.update(1)
             bar.set_postfix(loss=f"{lv:.4f}", hold=shown, dpr=f"{best['dpr']:.3f}", refresh=False)
             rec = {"step": done, "loss": lv, "lr": lr, "grad_norm": gn, "kind": kind}
