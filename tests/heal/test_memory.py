@@ -49,6 +49,22 @@ def _targets(V, n, k, seed=0):
     return tid, tp / tp.sum(1, keepdim=True).clamp_min(1e-9)
 
 
+def _checkpointed_step(tail, ck, ids, tid, tp, chunk, cdt):
+    """(loss, gradients, how many tensors the forward saved for the backward) with `ck` layers recomputed."""
+    tail.checkpointed = ck
+    _zero(tail)
+    n = [0]
+
+    def pack(t):
+        n[0] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = batch_loss(tail, ids, None, tid, tp, chunk, CPU, cdt)
+    loss.backward()
+    return loss.detach(), _grads(tail), n[0]
+
+
 @pytest.mark.parametrize("cdt", [torch.float32, torch.bfloat16])
 def test_checkpointed_layers_give_the_plain_values_and_gradients(cdt):
     # 3 trained layers over a frozen one, 3 windows of 11 tokens, head chunks of 7 rows:
@@ -61,18 +77,7 @@ def test_checkpointed_layers_give_the_plain_values_and_gradients(cdt):
     tid, tp = _targets(V, B * T, k)
     out, saved = {}, {}
     for ck in range(L + 1):
-        tail.checkpointed = ck
-        _zero(tail)
-        n = [0]
-
-        def pack(t, n=n):
-            n[0] += 1
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = batch_loss(tail, ids, None, tid, tp, 7, CPU, cdt)
-        loss.backward()
-        out[ck], saved[ck] = (loss.detach(), _grads(tail)), n[0]
+        *out[ck], saved[ck] = _checkpointed_step(tail, ck, ids, tid, tp, 7, cdt)
     # each recomputed layer keeps its input instead of its activations: fewer saved with each
     assert all(saved[c] < saved[c - 1] - 5 for c in range(1, L + 1)), saved
     assert len(out[0][1]) == sum(len(ps) for ps in tail.params.values())
@@ -95,18 +100,7 @@ def test_checkpointed_compiled_layers_give_the_plain_gradients():
         layer.compile(backend="aot_eager", dynamic=False)
     out, saved = {}, {}
     for ck in (0, len(tail.params)):
-        tail.checkpointed = ck
-        _zero(tail)
-        n = [0]
-
-        def pack(t, n=n):
-            n[0] += 1
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = batch_loss(tail, ids, None, tid, tp, 6, CPU, torch.float32)
-        loss.backward()
-        out[ck], saved[ck] = _grads(tail), n[0]
+        _, out[ck], saved[ck] = _checkpointed_step(tail, ck, ids, tid, tp, 6, torch.float32)
     plain, got = out[0], out[len(tail.params)]
     assert saved[len(tail.params)] < saved[0] - 5, saved
     assert set(got) == set(plain)
