@@ -8,12 +8,15 @@ fully sharded step of an 8B geometry, in one call.
    perturbed to make the student) is healed on the pydoc text by the library's
    own stages under torchrun: the teacher top-k pass (each rank its share of
    the windows, Arrow shards) and training of every layer (each rank its share
-   of every global batch; DDP), first on 1 GPU, then on 2, same data, same
-   steps, same global batch. Printed: the held-out loss at each evaluation
+   of every global batch; `shard` auto: FSDP2 at this size), first on 1 GPU,
+   then on 2, same data, same steps, same global batch. `--runs` names other
+   wrappings (ddp, fsdp keep/reshard, units of N layers), and on one GPU wraps
+   one rank all the same (the wrapper's CPU cost without communication). Printed: the held-out loss at each evaluation
    both ways and the training tokens/s (median step after the compile
    warm-up), with the 2-GPU speed-up (target ≥ 1.8×).
 2. A Qwen3-8B geometry (hidden 4096, 36 layers, MLP 12288, untied head) built
-   in place on each rank and trained for two steps with FSDP2 (f32 master
+   in place on each rank (`--big`, `--big-gpus`, `--big-memory` choose another
+   size, GPU count or memory plan) and trained for two steps with FSDP2 (f32 master
    weights split across the GPUs, bf16 compute, f32 gradient reduction) on
    random targets: the step time and the peak memory of each GPU.
 
