@@ -76,29 +76,31 @@ class SplitData:
 
 
 class Ahead:
-    """The next batch on its way to the device while this step computes: its
+    """The next batch on its way to a CUDA device while this step computes: its
     host gather (numpy), pinning and copy run on a worker thread, issued right
     after the step's backward is launched, so the main thread goes on launching
     the step's kernels (on two H200s the main thread is the bottleneck of a
-    sharded step, and pinning a batch there cost it ~4 ms); on CUDA the copy goes
-    on a side stream that the step's stream waits for when the batch is taken."""
+    sharded step, and pinning a batch there cost it ~4 ms); the copy goes on a
+    side stream that the step's stream waits for when the batch is taken.
+    Elsewhere a batch is read when asked (a CPU has no copy to hide, and its
+    ops stay on the main thread's own intra-op threads)."""
 
     def __init__(self, data: SplitData, device):
         from concurrent.futures import ThreadPoolExecutor
 
         self.data, self.device = data, torch.device(device)
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="cortiq-ahead")
+        cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if cuda else None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="cortiq-ahead") if cuda else None
         self.pending = None  # (batch number, future of its tensors)
 
     def _load(self, b: int) -> tuple:
-        if self.stream is None:
-            return self.data.batch(b, self.device)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             return self.data.batch(b, self.device)
 
     def prefetch(self, b: int) -> None:
-        self.pending = (b, self.pool.submit(self._load, b))
+        if self.pool is not None:
+            self.pending = (b, self.pool.submit(self._load, b))
 
     def get(self, b: int) -> tuple:
         pending, self.pending = self.pending, None
@@ -107,16 +109,16 @@ class Ahead:
                 pending[1].result()  # a stale one is finished (its copies queued), then dropped
             return self.data.batch(b, self.device)
         out = pending[1].result()
-        if self.stream is not None:
-            cur = torch.cuda.current_stream(self.device)
-            cur.wait_stream(self.stream)  # the thread has queued its copies: this waits for them
-            for t in out:
-                if isinstance(t, torch.Tensor):
-                    t.record_stream(cur)  # allocated on the side stream, used on this one
+        cur = torch.cuda.current_stream(self.device)
+        cur.wait_stream(self.stream)  # the thread has queued its copies: this waits for them
+        for t in out:
+            if isinstance(t, torch.Tensor):
+                t.record_stream(cur)  # allocated on the side stream, used on this one
         return out
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def train_index(n: int, batch: int) -> np.ndarray:

@@ -166,3 +166,4 @@ def test_a_batch_fetched_ahead_equals_one_read_when_asked(device):
             assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
     ahead.prefetch(2)
     assert len(ahead.get(1)) == 5 and ahead.pending is None  # a stale prefetch is dropped, not handed out
+    ahead.close()
