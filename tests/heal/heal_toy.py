@@ -28,13 +28,16 @@ class Block(nn.Module):
         self.mix = nn.Linear(h, h, bias=False)
         self.mlp = Mlp(h)
 
-    #: heal's memory "checkpoint" as the real decoder layer does it (cortiq.model.decoder)
+    #: heal's memory "checkpoint" and the compiled body as the real decoder layer has them
+    #: (cortiq.model.decoder.DecoderLayer)
     recompute = False
+    compiled = None
 
     def forward(self, x):
+        body = self.compiled or self._forward
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+            return checkpoint(body, x, use_reentrant=False)
+        return body(x)
 
     def _forward(self, x):
         # a causal running mean stands in for attention

@@ -108,7 +108,7 @@ def _fit(rank, work, kw, kill_at, out):
     tail, tr, va = _setup()
     if compiled:  # dynamo + AOT autograd (no C++ build), FSDP2's hooks around each compiled layer
         for layer in tail.model.layers:
-            layer.compile(backend="aot_eager", dynamic=False)
+            layer.compiled = torch.compile(layer._forward, backend="aot_eager", dynamic=False)
     try:
         rep = fit(tail, tr, va, _settings(**kw), work, CPU, torch.float32, key="k",
                   logger=_KillAt(kill_at) if kill_at else NULL, progress=False)
@@ -136,8 +136,8 @@ def _same_run(a, b, state_b):
 def test_two_ranks_train_as_one_with_the_same_global_batch(tmp_path, shard, genesis, memory, keep, compiled):
     # micro: each rank's 2 windows in 2 micro-batches (DDP reduces once, after the second);
     # keep 0: FSDP2 frees each layer's gathered weights after its forward, gathers them again in the backward;
-    # keep 0.1 (a CPU's memory): the 3 layers are one FSDP2 unit; compiled: each layer's checkpoint inside
-    # its compiled forward, FSDP2's hooks outside
+    # keep 0.1 (a CPU's memory): the 3 layers are one FSDP2 unit; compiled: each layer's checkpoint around
+    # its compiled body, FSDP2's hooks outside both
     tail, tr, va = _setup()
     ref = fit(tail, tr, va, _settings(genesis=genesis), tmp_path / "one", CPU, torch.float32, key="k", progress=False)
     ref["state"] = tail.state()

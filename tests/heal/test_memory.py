@@ -5,6 +5,7 @@ estimate."""
 
 import importlib.util
 import re
+import shutil
 import sys
 
 import pytest
@@ -88,19 +89,24 @@ def test_checkpointed_layers_give_the_plain_values_and_gradients(cdt):
             torch.testing.assert_close(out[ck][1][n], g, rtol=1e-6, atol=1e-7, msg=f"{ck} layers: {n}")
 
 
-def test_checkpointed_compiled_layers_give_the_plain_gradients():
-    # the layers compiled (dynamo + AOT autograd, no C++ build) with the checkpoint inside their
-    # compiled forward: the compiled region saves fewer tensors, and the gradients are the plain ones
+@pytest.mark.parametrize("backend,cdt", [
+    ("aot_eager", torch.float32),
+    pytest.param("inductor", torch.bfloat16, marks=pytest.mark.skipif(
+        shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor on a CPU needs a C++ compiler"))])
+def test_checkpointed_compiled_layers_give_the_plain_gradients(backend, cdt):
+    # the layers' bodies compiled as compile_layers does, the checkpoint around them: fewer tensors
+    # saved, and the gradients are the plain ones. Inductor under bf16 autocast is the case that
+    # matters: with the checkpoint inside the compiled region instead (the module's call compiled),
+    # its recompute gave gradients 22% off here on a CPU, ~8% off on an H200
     torch._dynamo.reset()
     tail = _causal_tail(train_from=1, layers=3)
     V = tail.model.head_weight.shape[0]
-    ids = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(1))
-    tid, tp = _targets(V, 2 * 9, 5)
-    for layer in tail.model.layers:
-        layer.compile(backend="aot_eager", dynamic=False)
+    ids = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(1))
+    tid, tp = _targets(V, 2 * 16, 5)
+    tail.model.compile_layers(backend=backend)
     out, saved = {}, {}
     for ck in (0, len(tail.params)):
-        _, out[ck], saved[ck] = _checkpointed_step(tail, ck, ids, tid, tp, 6, torch.float32)
+        _, out[ck], saved[ck] = _checkpointed_step(tail, ck, ids, tid, tp, 7, cdt)
     plain, got = out[0], out[len(tail.params)]
     assert saved[len(tail.params)] < saved[0] - 5, saved
     assert set(got) == set(plain)
