@@ -191,8 +191,10 @@ class DecoderLayer(nn.Module):
     #:   than the forward did (CheckpointError, "different metadata") at the 1.7B
     #:   and 8B geometries on H200s (torch 2.11);
     #: - a checkpoint inside the compiled region (the module's call compiled)
-    #:   gave gradients ~8% off the plain step's on an H200 (bf16, inductor),
-    #:   where a checkpoint around the compiled body gives the plain ones.
+    #:   gave gradients ~8% off the plain step's on an H200 under bf16 autocast
+    #:   (inductor), 22% off on a CPU; around the compiled body the recompute
+    #:   runs the same compiled graph, and the CPU gives the plain gradients
+    #:   exactly (tests/heal/test_memory.py).
     recompute = False
     #: `_forward` compiled by `CausalLM.compile_layers`, else None (eager)
     compiled = None
