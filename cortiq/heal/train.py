@@ -441,10 +441,8 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
                                  plan.nosync)
             if epoch_pos + 1 < nb:  # the next batch of this epoch's order, while the GPU works
                 ahead.prefetch(order.perm[epoch_pos + 1])
-            if st["scale"] != 1.0:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad.div_(st["scale"])
+            if st["scale"] != 1.0:  # f16: the loss scale off the gradients, one multi-tensor kernel
+                torch._foreach_div_([p.grad for p in params if p.grad is not None], st["scale"])
             gn = plan.clip(params, s.clip)  # [] on the device
             lt = plan.sum_(loss)  # [] the whole batch's loss, alike on every rank
             st["cursor"] += 1

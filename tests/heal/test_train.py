@@ -144,6 +144,24 @@ def test_a_non_finite_step_skipped_on_the_device_equals_the_host_skip(tmp_path, 
             assert torch.equal(a[i][k], b[i][k]), (i, k)
 
 
+def test_f16_loss_scale_comes_off_the_gradients(tmp_path, monkeypatch):
+    # f16 compute scales the loss by F16_SCALE and divides the gradients back: the gradient norms
+    # and losses are the unscaled run's (a power of two scales exactly, bar f16 rounding)
+    from cortiq.heal import train as T
+
+    runs, big = {}, T.F16_SCALE
+    assert big > 1
+    for scale in (big, 1.0):
+        monkeypatch.setattr(T, "F16_SCALE", scale)
+        tail, tr, va = _setup()
+        runs[scale] = fit(tail, tr, va, _settings(), tmp_path / str(scale), CPU, torch.float16, progress=False)
+    a, b = runs[big]["history"], runs[1.0]["history"]
+    assert len(a) == len(b) == 12 and runs[big]["metrics"]["skipped"] == 0
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(torch.tensor([h[key] for h in a]), torch.tensor([h[key] for h in b]),
+                                   rtol=2e-2, atol=1e-4, msg=key)
+
+
 def test_fewer_train_windows_than_a_batch(tmp_path):
     tail, tr, va = _setup(n_train=3)
     with pytest.raises(CortiqError, match="fewer than one batch of 4"):
