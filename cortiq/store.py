@@ -161,9 +161,7 @@ def stage_dir(final: str | os.PathLike, meta: dict) -> Iterator[Path]:
         part.mkdir(parents=True)
         try:
             yield part
-            tmp = part / (META + ".tmp")
-            tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
-            os.replace(tmp, part / META)
+            write_text(part / META, _meta_json(meta))
             if final.exists():
                 shutil.rmtree(final)
             os.replace(part, final)
@@ -209,7 +207,8 @@ def finish_dir(d: str | os.PathLike, meta: dict) -> None:
     """Mark a directory filled in place (a resumable stage's work directory,
     whose checkpoints must outlive a failed run) as finished: `meta.json`,
     written atomically, last."""
-    d = Path(d)
-    tmp = d / (META + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, d / META)
+    write_text(Path(d) / META, _meta_json(meta))
+
+
+def _meta_json(meta: dict) -> str:
+    return json.dumps(meta, indent=2, sort_keys=True, default=str)

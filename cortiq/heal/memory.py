@@ -16,6 +16,7 @@ weight decay 0, i.e. Adam) are 2 B per trained weight instead of 8.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -187,10 +188,12 @@ def choose(memory: str, parts: tuple[str, ...] | None, sh: StepShape, micro_wind
         if step_bytes(sh, ps, micro_windows, k) <= allow:
             fits.append(Plan(ps, k, L))
     fits.sort(key=lambda p: (p.cost(), len(p.parts)))
+    # torchao asked at most once, and only when a plan needs it
+    have = functools.cache(lambda: bool(adam8_available() if callable(adam8_available) else adam8_available))
     avail = None
     for plan in fits:
         if "adam8" in plan:
-            avail = (adam8_available() if callable(adam8_available) else adam8_available) if avail is None else avail
+            avail = have()
             if not avail:
                 continue
         if say:
@@ -198,7 +201,7 @@ def choose(memory: str, parts: tuple[str, ...] | None, sh: StepShape, micro_wind
                  "" if avail is None or avail else "; 8-bit Adam moments would cost less time but torchao does not "
                  "load here (pip install 'cortiq[lean]')")
         return plan
-    avail = (adam8_available() if callable(adam8_available) else adam8_available) if avail is None else avail
+    avail = have()
     plan = Plan(tuple(p for p in LEAN if p != "adam8" or avail), L, L)
     if say:
         _say(plan, sh, micro_windows, allow, budget, False,

@@ -172,17 +172,16 @@ class Plan:
         root = _Trained(self.tail)
         reshard = not self.keep_gathered()
         per = UNIT_LAYERS if not reshard else 1
-        units = []
+        units = []  # each unit's first layer (a unit's modules share its FSDP2 state)
         for a in range(0, len(root.layers), per):  # a loop over units of layers, a few dozen
             group = list(root.layers[a : a + per])
-            units.append(fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=mp,
-                                     reshard_after_forward=reshard))
+            fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+            units.append(group[0])
         fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         # each unit's all-gather issued from the CPU as soon as the unit before has its weights,
         # rather than when the CPU reaches the next unit's hook
         for unit, after in zip(units, units[1:]):
-            first = unit[0] if isinstance(unit, list) else unit
-            first.set_modules_to_forward_prefetch([after[0] if isinstance(after, list) else after])
+            unit.set_modules_to_forward_prefetch([after])
         self.module = root
         self.tail.wrapped = root
         self.tail.collect()  # fully_shard put new (sharded) parameters in place of the old

@@ -165,6 +165,18 @@ class MLP(nn.Module):
         return self.down_proj(a)
 
 
+def run_body(layer: nn.Module, *args):
+    """`layer`'s body on `args`: the compiled one when `layer.compiled` is set, else
+    `layer._forward`; wrapped in a checkpoint when `layer.recompute` is set and a
+    gradient is being recorded (non-reentrant: works under autocast, with compiled
+    bodies and with inputs that need no gradient). See DecoderLayer.recompute for
+    why the checkpoint sits here."""
+    body = layer.compiled or layer._forward
+    if layer.recompute and torch.is_grad_enabled():
+        return checkpoint(body, *args, use_reentrant=False)
+    return body(*args)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: h + mixer(norm(h)), then + mlp(norm(h))."""
 
@@ -200,12 +212,9 @@ class DecoderLayer(nn.Module):
     compiled = None
 
     def forward(self, h, cos, sin, state=None):
-        body = self.compiled or self._forward
-        if self.recompute and state is None and torch.is_grad_enabled():
-            # non-reentrant: works under autocast, with compiled bodies and with
-            # inputs that need no gradient
-            return checkpoint(body, h, cos, sin, use_reentrant=False)  # [B, T, H]
-        return body(h, cos, sin, state)
+        if state is None:
+            return run_body(self, h, cos, sin)  # [B, T, H]
+        return (self.compiled or self._forward)(h, cos, sin, state)  # decoding: never recomputed
 
     def _forward(self, h, cos, sin, state=None):
         x = self.input_layernorm(h)

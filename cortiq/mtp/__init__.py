@@ -353,9 +353,9 @@ def write_dump(ch, f, d, model) -> None:
             "chain": ch.chain, "hidden": a.hidden_size, "vocab": a.vocab_size, "norm_eps": a.rms_norm_eps,
             "gemma_norm": a.norm_style == "offset", "heldout": "window index % 10 == 9" if not bool(ch.held.all()) else "all",
             "trunk": ch.names, "model": str(f.path)}
-    tmp = d / "meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2))
-    os.replace(tmp, d / "meta.json")
+    from .. import store
+
+    store.write_text(d / "meta.json", json.dumps(meta, indent=2))
 
 
 def dump_chain(ch, d) -> None:

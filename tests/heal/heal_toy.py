@@ -5,11 +5,11 @@ import numpy as np
 import pyarrow as pa
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from cortiq.heal.rows import WindowRows
 from cortiq.heal.targets import mix_targets
 from cortiq.heal.train import SplitData, train_index, val_index
+from cortiq.model.decoder import run_body
 
 
 class Mlp(nn.Module):
@@ -28,16 +28,12 @@ class Block(nn.Module):
         self.mix = nn.Linear(h, h, bias=False)
         self.mlp = Mlp(h)
 
-    #: heal's memory "checkpoint" and the compiled body as the real decoder layer has them
-    #: (cortiq.model.decoder.DecoderLayer)
+    #: heal's memory "checkpoint" and the compiled body, run as the real decoder layer runs them
     recompute = False
     compiled = None
 
     def forward(self, x):
-        body = self.compiled or self._forward
-        if self.recompute and torch.is_grad_enabled():
-            return checkpoint(body, x, use_reentrant=False)
-        return body(x)
+        return run_body(self, x)
 
     def _forward(self, x):
         # a causal running mean stands in for attention
