@@ -356,7 +356,7 @@ def prepare(tail, s, device, cdt, compile: bool = False) -> Plan:
     """The plan for this process (settings `s.shard`), wrapped; the decoder layers compiled when asked."""
     if compile:
         # each layer compiled before it is wrapped: the order torch's own tests of fully_shard use
-        tail.model.compile_layers()
+        tail.model.compile_layers(tail.running)
     return Plan(tail, choose(s.shard, tail, device, s.genesis), device, cdt, s.genesis).wrap()
 
 

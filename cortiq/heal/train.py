@@ -148,6 +148,7 @@ class StudentTail:
         self.model = model
         self.train_from = train_from
         self.num_layers = len(model.layers)
+        self.drop_prefix = drop_prefix
         if drop_prefix:
             # the cache replaces them: the student holds only the tail
             for i in range(train_from):
@@ -197,6 +198,12 @@ class StudentTail:
             self.params.setdefault(layer, []).append((name, p))
             if mark:
                 p.requires_grad_(True)
+
+    @property
+    def running(self) -> range:
+        """The trunk layers this tail runs: all of them, or only the trained
+        ones when the cached prefix replaced the layers below them."""
+        return range(self.train_from if self.drop_prefix else 0, self.num_layers)
 
     def named(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [np_ for l in sorted(self.params) for np_ in self.params[l]]

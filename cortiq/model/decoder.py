@@ -394,12 +394,16 @@ class CausalLM(nn.Module):
             ids[s : s + chunk] = idx
         return ids.view(B, T, k), probs.view(B, T, k)
 
-    def compile_layers(self, **kw) -> "CausalLM":
+    def compile_layers(self, layers=None, **kw) -> "CausalLM":
         """torch.compile each decoder layer on its own (regional compilation:
         one graph per layer kind, reused by every layer of that kind). On the
         H200 this fuses the norms, RoPE, SwiGLU and residual adds: the trunk
         forward of a Qwen3-1.7B geometry went from 80.8 to 44.3 ms per 8192
-        tokens (bench/variants.py). CUDA runs use it; the CPU path stays eager."""
+        tokens (bench/variants.py). CUDA runs use it; the CPU path stays eager.
+
+        `layers`: the indices of the trunk layers that will run (default all).
+        A heal whose frozen prefix is cached holds placeholders where the
+        prefix layers were; they never run, so they are not compiled."""
         kw.setdefault("dynamic", False)
         import torch._dynamo
 
@@ -409,7 +413,8 @@ class CausalLM(nn.Module):
         cfg = torch._dynamo.config
         name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
         setattr(cfg, name, max(getattr(cfg, name), 64))
-        for layer in list(self.layers) + ([] if self.mtp is None else list(self.mtp.layers)):
+        trunk = list(self.layers) if layers is None else [self.layers[i] for i in layers]
+        for layer in trunk + ([] if self.mtp is None else list(self.mtp.layers)):
             # the body, not the module's call: hooks on the call (FSDP2's) and the
             # layer's checkpoint stay outside the compiled region (DecoderLayer.recompute)
             layer.compiled = torch.compile(layer._forward, **kw)

@@ -185,3 +185,40 @@ def test_a_batch_fetched_ahead_equals_one_read_when_asked(device):
     ahead.prefetch(2)
     assert len(ahead.get(1)) == 5 and ahead.pending is None  # a stale prefetch is dropped, not handed out
     ahead.close()
+
+
+@pytest.mark.skipif(__import__("shutil").which("g++") is None and __import__("shutil").which("c++") is None,
+                    reason="inductor on a CPU needs a C++ compiler")
+def test_a_cached_prefix_heals_with_compiled_layers_as_eager(tmp_path):
+    # the frozen-prefix heal (train_from > 0, the prefix's rows cached) with the decoder layers
+    # compiled by inductor, as a CUDA heal runs it: the dropped prefix layers are placeholders that
+    # never run, so compiling them must not be tried (it failed on `_Dropped._forward`); the
+    # compiled run's losses are the eager run's
+    from cortiq.heal.parallel import prepare
+    from cortiq.model import CausalLM
+    from heal_models import arch
+
+    def setup():
+        torch.manual_seed(0)
+        teacher, student = CausalLM(arch(layers=3)), CausalLM(arch(layers=3))
+        tail = StudentTail(student, 2, False, drop_prefix=False)
+        tr = toy_split(teacher, 12, 8, 4, 5, seed=2, prefix_of=(tail,))
+        va = toy_split(teacher, 4, 8, 4, 5, seed=3, train=False, prefix_of=(tail,))
+        return StudentTail(student, 2, False, drop_prefix=True), tr, va
+
+    s = _settings(train_from=2, epochs=1.0, eval_every=1)
+    runs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        tail, tr, va = setup()
+        plan = prepare(tail, s, CPU, torch.float32, compile=compiled)
+        assert all(getattr(tail.model.layers[i], "compiled", None) is None for i in range(2))  # placeholders: not compiled
+        assert all((tail.model.layers[i].compiled is not None) == compiled for i in range(2, 3))  # the trained layer
+        runs[compiled] = fit(tail, tr, va, s, tmp_path / str(compiled), CPU, torch.float32, progress=False, plan=plan)
+    torch._dynamo.reset()
+    eager, comp = runs[False], runs[True]
+    assert len(comp["history"]) == len(eager["history"]) == 3
+    torch.testing.assert_close(torch.tensor([h["loss"] for h in comp["history"]]),
+                               torch.tensor([h["loss"] for h in eager["history"]]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.tensor([e["heldout"] for e in comp["evals"]]),
+                               torch.tensor([e["heldout"] for e in eager["evals"]]), rtol=1e-4, atol=1e-5)
