@@ -170,6 +170,36 @@ def stage_dir(final: str | os.PathLike, meta: dict) -> Iterator[Path]:
             raise
 
 
+def _same_place(a: Path, b: Path) -> bool:
+    """Whether two paths name one file or folder: the same path once `..` and symlinks are
+    resolved, or the same inode (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def check_output(out: str | os.PathLike, inputs, folder: bool = False) -> None:
+    """Refuse an output that is one of the command's inputs, before any work.
+
+    Every writer replaces its output by a rename, so an output that is an input, under
+    another spelling (`..`, a symlink, a hard link), would silently replace that input.
+    With `folder` (the output is a directory that replacing deletes whole), an input
+    inside it is refused too. `inputs` may hold None (an optional input not given)."""
+    out = Path(out)
+    for i in inputs:
+        if i is None:
+            continue
+        i = Path(i)
+        if _same_place(out, i):
+            raise CortiqError(f"{out}: the output is the input {i}; give another output path")
+        if folder and os.path.realpath(i).startswith(os.path.realpath(out) + os.sep):
+            raise CortiqError(f"{out}: the output folder holds the input {i}; replacing it would delete that input")
+
+
 def write_arrow(path: str | os.PathLike, table: pa.Table) -> None:
     """An Arrow IPC file (written to `.partial`, then renamed)."""
     path = Path(path)

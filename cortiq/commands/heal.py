@@ -40,6 +40,9 @@ def run(args) -> int:
     from ..heal.settings import HealSettings
     from ..settings_meta import from_args
 
+    from ..store import check_output
+
+    check_output(args.out, [args.student, args.teacher, args.data, args.eval_data])
     s = from_args(HealSettings, args)
     if args.teacher is None and s.ce < 1.0:
         from ..errors import CortiqError

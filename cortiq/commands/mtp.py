@@ -46,7 +46,10 @@ def run(args) -> int:
 
     from ..mtp import MtpSettings, mtp_heal, mtp_init
     from ..settings_meta import from_args
+    from ..store import check_output
 
+    data = [] if args.mtp_command == "init" else [x.rpartition("@")[0] or x for x in args.data.split(",")]
+    check_output(args.out, [args.model, *data])
     if args.mtp_command == "init":
         rep = mtp_init(args.model, args.out)
         print(f"{rep['out']}: fresh MTP block from layer {rep['layer']}", file=sys.stderr)

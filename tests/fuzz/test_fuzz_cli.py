@@ -226,3 +226,78 @@ def test_binary_text_and_a_pipe_as_data(cortiq, valid, tmp_path):
     os.mkfifo(tmp_path / "fifo")
     assert_clean_failure(cortiq.run(["nll", tmp_path / "m.cmf", tmp_path / "fifo", "--device", "cpu"], tmp_path,
                                     timeout=10), r"fifo: not a regular file or a directory")
+
+
+# ── an output that is an input ──────────────────────────────────────────
+
+#: command → its argv given the input model M, a text file T and the output O
+WRITERS = {
+    "recode": lambda m, t, o: ["recode", m, o, "--codec", "q8"],
+    "convert": lambda m, t, o: ["convert", m, o],
+    "export hf": lambda m, t, o: ["export", m, "--to", "hf", o],
+    "export gguf": lambda m, t, o: ["export", m, "--to", "gguf", o],
+    "compress": lambda m, t, o: ["compress", m, "--data", "td", "--out", o],
+    "heal": lambda m, t, o: ["heal", m, "--teacher", m, "--data", "td", "--out", o],
+    "mtp heal": lambda m, t, o: ["mtp", "heal", m, "--data", "td@64", "--out", o],
+    "mtp init": lambda m, t, o: ["mtp", "init", m, "--out", o],
+    "data build": lambda m, t, o: ["data", "build", t, "--tokenizer", m, "--out", o],
+}
+
+
+def _spelled(spelling: str, target: Path) -> Path:
+    """Another name of `target`: itself, through `..`, a symlink or a hard link."""
+    d = target.parent
+    if spelling == "same":
+        return target
+    if spelling == "dotdot":
+        (d / "sub").mkdir(exist_ok=True)
+        return d / "sub" / ".." / target.name
+    alias = d / ("alias" + target.suffix)
+    alias.unlink(missing_ok=True)
+    alias.symlink_to(target.name) if spelling == "symlink" else os.link(target, alias)
+    return alias
+
+
+@pytest.mark.parametrize("spelling", ["same", "dotdot", "symlink", "hardlink"])
+@pytest.mark.parametrize("cmd", sorted(WRITERS))
+def test_an_output_that_is_the_input_is_refused(cmd, spelling, cortiq, valid, tmp_path):
+    raw, text = valid
+    m = tmp_path / "m.cmf"
+    m.write_bytes(raw)
+    t = tmp_path / "t.txt"
+    t.write_text(TEXT)
+    target = t if cmd == "data build" else m
+    out = _spelled(spelling, target)
+    r = cortiq.run(WRITERS[cmd](m, t, out), tmp_path)
+    assert_clean_failure(r, r"the output is the input")
+    assert m.read_bytes() == raw and t.read_text() == TEXT and not leftovers(tmp_path)
+
+
+def test_data_build_into_a_folder_holding_its_source(cortiq, valid, tmp_path):
+    raw, _ = valid
+    (tmp_path / "m.cmf").write_bytes(raw)
+    (tmp_path / "td").mkdir()
+    (tmp_path / "td" / "t.txt").write_text(TEXT)
+    r = cortiq.run(["data", "build", tmp_path / "td" / "t.txt", "--tokenizer", tmp_path / "m.cmf", "--out",
+                    tmp_path / "td"], tmp_path)
+    assert_clean_failure(r, r"td: the output folder holds the input .*t.txt")
+    assert (tmp_path / "td" / "t.txt").read_text() == TEXT
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+@pytest.mark.parametrize("case", ["NaN weight", "name climbs out", "name is absolute", "name unknown",
+                                  "shape not the arch's", "bad tokenizer json", "trailing bytes"])
+def test_export_writes_only_what_loads(case, fmt, cortiq, valid, tmp_path):
+    raw, _ = valid
+    bad = tmp_path / "bad.cmf"
+    bad.write_bytes(mutated(raw, case))
+    out = tmp_path / ("out" if fmt == "hf" else "out.gguf")
+    assert_clean_failure(cortiq.run(["export", bad, "--to", fmt, out], tmp_path), CMF_CASES[case][2], out=out)
+
+
+def test_the_valid_file_exports(cortiq, valid, tmp_path):
+    raw, _ = valid
+    (tmp_path / "m.cmf").write_bytes(raw)
+    for fmt, out in (("hf", tmp_path / "hf"), ("gguf", tmp_path / "m.gguf")):
+        r = cortiq.run(["export", tmp_path / "m.cmf", "--to", fmt, out], tmp_path)
+        assert r.rc == 0, str(r)
