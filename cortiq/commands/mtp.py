@@ -48,7 +48,9 @@ def run(args) -> int:
     from ..settings_meta import from_args
     from ..store import check_output
 
-    data = [] if args.mtp_command == "init" else [x.rpartition("@")[0] or x for x in args.data.split(",")]
+    from ..data.windows import parse_spec
+
+    data = [] if args.mtp_command == "init" else [path for path, _ in parse_spec(args.data)]
     check_output(args.out, [args.model, *data])
     if args.mtp_command == "init":
         rep = mtp_init(args.model, args.out)

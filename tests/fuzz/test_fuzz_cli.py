@@ -301,3 +301,96 @@ def test_the_valid_file_exports(cortiq, valid, tmp_path):
     for fmt, out in (("hf", tmp_path / "hf"), ("gguf", tmp_path / "m.gguf")):
         r = cortiq.run(["export", tmp_path / "m.cmf", "--to", fmt, out], tmp_path)
         assert r.rc == 0, str(r)
+
+
+# ── bounds, checked before any work ─────────────────────────────────────
+
+@pytest.fixture(scope="module")
+def built(cortiq, valid, tmp_path_factory):
+    """The valid model and a tdata directory built from its text."""
+    raw, _ = valid
+    d = tmp_path_factory.mktemp("built")
+    (d / "m.cmf").write_bytes(raw)
+    (d / "t.txt").write_text("\n\n".join(f"{TEXT} {i}" for i in range(40)))
+    r = cortiq.run(["data", "build", d / "t.txt", "--tokenizer", d / "m.cmf", "--out", d / "td",
+                    "--record-tokens", "64"], d)
+    assert r.rc == 0, str(r)
+    return d
+
+
+def test_more_ranks_than_cores_is_refused(cortiq, built, tmp_path):
+    r = cortiq.run(["heal", built / "m.cmf", "--teacher", built / "m.cmf", "--data", built / "td", "--out",
+                    tmp_path / "h.cmf", "--device", "cpu", "--gpus", "99", "--window", "16", "--batch", "2"], tmp_path)
+    assert_clean_failure(r, r"gpus 99: no CUDA device here, and the CPU ranks \(gloo\) are at most one per core: "
+                            r"this machine has \d+", out=tmp_path / "h.cmf")
+
+
+@pytest.mark.parametrize("spec, bad", [("td@-5", "-5"), ("td@lots", "lots")])
+def test_mtp_heal_blames_the_token_count(spec, bad, cortiq, built, tmp_path):
+    r = cortiq.run(["mtp", "heal", built / "m.cmf", "--data", spec, "--out", tmp_path / "o.cmf"], built)
+    assert_clean_failure(r, rf"data spec '{spec}': the token count '{bad}' is not a positive integer",
+                         out=tmp_path / "o.cmf")
+
+
+def test_serve_refuses_a_context_past_the_model(cortiq, valid, tmp_path):
+    raw, _ = valid
+    (tmp_path / "m.cmf").write_bytes(raw)
+    r = cortiq.run(["serve", tmp_path / "m.cmf", "--device", "cpu", "--max-len", "100000000", "--port", "0"], tmp_path)
+    assert_clean_failure(r, r"m.cmf: --max-len 100000000 is past the model's context of 64 tokens")
+
+
+def test_serve_refuses_a_kv_cache_past_the_memory(cortiq, tmp_path):
+    ts = model_tensors()
+    from fuzz_gen import ARCH
+
+    import dataclasses
+
+    from cortiq.cmf import new_doc, specs_from_tensors, write_cmf
+    from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
+
+    long = dataclasses.replace(ARCH, max_position_embeddings=1 << 26)
+    m = write_cmf(tmp_path / "m.cmf", new_doc(long, tokenizer_doc(byte_tokenizer_json(), [256])),
+                  specs_from_tensors(ts.items(), "f32"))
+    r = cortiq.run(["serve", m, "--device", "cpu", "--max-len", str(1 << 26), "--max-batch", "256", "--port", "0"],
+                   tmp_path)
+    assert_clean_failure(r, r"serve: the KV cache of 256 slots x 67108864 tokens needs [\d.]+ GB, cpu has [\d.]+ GB "
+                            r"free: lower --max-len or --max-batch")
+
+
+# ── data and settings ───────────────────────────────────────────────────
+
+def _build(cortiq, d: Path, src, *extra):
+    return cortiq.run(["data", "build", src, "--tokenizer", d / "m.cmf", "--out", d / "out", *extra], d)
+
+
+@pytest.mark.parametrize("fractions", ["nan,0.5,0.5", "inf,0,0", "0.5,nan,0.5"])
+def test_fractions_that_are_not_numbers(fractions, cortiq, built):
+    assert_clean_failure(_build(cortiq, built, built / "t.txt", "--fractions", fractions),
+                         r"split fractions must be three non-negative numbers summing to 1", out=built / "out")
+
+
+@pytest.mark.parametrize("rid", [{"a": 1}, [1], True, 1.5])
+def test_a_jsonl_id_that_is_not_a_name(rid, cortiq, built):
+    src = built / "ids.jsonl"
+    src.write_text(json.dumps({"id": rid, "text": "hello there"}) + "\n")
+    assert_clean_failure(_build(cortiq, built, src), r"ids.jsonl:1: 'id' must be a string or an integer, not",
+                         out=built / "out")
+
+
+def test_a_fifo_source_is_not_a_regular_file(cortiq, built, tmp_path):
+    os.mkfifo(tmp_path / "pipe.txt")
+    assert_clean_failure(_build(cortiq, built, tmp_path / "pipe.txt"), r"pipe.txt: not a regular file",
+                         out=built / "out")
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl"])
+def test_a_huge_line_is_refused_while_read(kind, cortiq, built, tmp_path):
+    """20 MB on one line, far past max_tokens: refused in bounded time and memory (the case's
+    cap), not tokenized whole first."""
+    word = "abcdefghij" * 2_000_000
+    src = tmp_path / f"huge.{kind}"
+    src.write_text(word if kind == "txt" else json.dumps({"text": word}) + "\n")
+    r = _build(cortiq, built, src, "--max-tokens", "1024", "--record-tokens", "512")
+    assert_clean_failure(r, r"more than max_tokens 1024 tokens" if kind == "txt" else
+                         r"huge.jsonl:1: a line of more than \d+ characters: its record would be over max_tokens",
+                         out=built / "out")
