@@ -607,7 +607,9 @@ def write_cmf(
         for part in partials:
             part.unlink(missing_ok=True)
         if isinstance(e, OSError):
-            raise CortiqError(f"{path}: cannot write ({e.strerror or e})") from None
+            from .store import write_error
+
+            raise write_error(path, e) from None
         raise
     return path
 

@@ -35,6 +35,7 @@ Qwen3 and is left out (`export_gguf` returns the names it left out).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import store
 from ..cmf import CmfFile, open_cmf
 from ..convert.gguf import _LAYER, _LLAMA3_SPLIT, _QWEN2_SPLIT, _TOP, _permute
 from ..errors import CortiqError
@@ -268,8 +270,11 @@ def export_gguf(model: str | os.PathLike | CmfFile, out_file: str | os.PathLike,
                 progress(gname)
         w.close()
         os.replace(tmp, out)
-    except BaseException:
-        w.close()
+    except BaseException as e:
+        with contextlib.suppress(OSError):  # a full disk fails the flush again
+            w.close()
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and store.is_full(e):
+            raise store.write_error(out, e) from None
         raise
     return out, left

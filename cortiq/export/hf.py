@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from .. import store
 from ..arch import Arch
 from ..cmf import CmfFile, open_cmf
 from ..errors import CortiqError
@@ -339,7 +340,9 @@ def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dt
         if out.exists():
             out.rmdir()  # empty, checked above
         tmp.rename(out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and store.is_full(e):
+            raise store.write_error(out, e) from None
         raise
     return out

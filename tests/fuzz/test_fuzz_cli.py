@@ -394,3 +394,33 @@ def test_a_huge_line_is_refused_while_read(kind, cortiq, built, tmp_path):
     assert_clean_failure(r, r"more than max_tokens 1024 tokens" if kind == "txt" else
                          r"huge.jsonl:1: a line of more than \d+ characters: its record would be over max_tokens",
                          out=built / "out")
+
+
+# ── a full disk ─────────────────────────────────────────────────────────
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 4 KiB tmpfs (root only; skipped elsewhere): every write of a model fills it."""
+    import subprocess
+
+    d = tmp_path / "full"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], check=False)
+
+
+@pytest.mark.parametrize("cmd", ["export hf", "export gguf", "recode", "data build", "heal"])
+def test_a_full_disk_names_the_file(cmd, cortiq, built, full_disk):
+    m, out = built / "m.cmf", full_disk / ("out" if cmd in ("export hf", "data build") else "out.x")
+    argv = {"export hf": ["export", m, "--to", "hf", out], "export gguf": ["export", m, "--to", "gguf", out],
+            "recode": ["recode", m, out, "--codec", "f32"],
+            "data build": ["data", "build", built / "t.txt", "--tokenizer", m, "--out", out, "--record-tokens", "64"],
+            "heal": ["heal", m, "--teacher", m, "--data", built / "td", "--out", out, "--work", built / "work",
+                     "--device", "cpu", "--window", "16", "--batch", "2", "--epochs", "0.2", "--topk", "4", "--no-score", "--quiet"]}[cmd]
+    r = cortiq.run(argv, built, timeout=60)
+    assert_clean_failure(r, rf"{out}(\.partial/\S+)?: no space left on device while writing", out=out)
+    assert list(full_disk.iterdir()) == []
