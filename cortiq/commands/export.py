@@ -71,9 +71,6 @@ def run(args) -> int:
         raise CortiqError(f"--to {fmt}: the format is hf or gguf")
     check_output(out, [args.model], folder=fmt == "hf")
     f = open_cmf(args.model)
-    from ..model import verify_file
-
-    verify_file(f)  # what cortiq would refuse to load is not written out for others to load
     with tqdm(desc=f"export {Path(args.model).name}", total=len(f.names), unit=" tensors", file=sys.stderr,
               leave=False, disable=None) as bar:
         def progress(_name):

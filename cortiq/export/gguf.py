@@ -47,6 +47,7 @@ from .. import store
 from ..cmf import CmfFile, open_cmf
 from ..convert.gguf import _LAYER, _LLAMA3_SPLIT, _QWEN2_SPLIT, _TOP, _permute
 from ..errors import CortiqError
+from ..model import verify_file
 
 #: families llama.cpp runs that cortiq writes (its `general.architecture` names)
 SUPPORTED = ("llama", "qwen2", "qwen3")
@@ -205,6 +206,7 @@ def export_gguf(model: str | os.PathLike | CmfFile, out_file: str | os.PathLike,
 
     f = model if isinstance(model, CmfFile) else open_cmf(model)
     out = Path(out_file)
+    verify_file(f)  # what cortiq would refuse to load is not written out for others to load
     arch = f.arch
     if arch.arch_name not in SUPPORTED:
         raise CortiqError(f"{f.path}: llama.cpp does not run {arch.arch_name!r} models as cortiq writes them; "

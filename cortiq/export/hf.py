@@ -51,6 +51,7 @@ from .. import store
 from ..arch import Arch
 from ..cmf import CmfFile, open_cmf
 from ..errors import CortiqError
+from ..model import verify_file
 
 #: cortiq family → (HF model_type, transformers class)
 FAMILIES = {
@@ -284,6 +285,7 @@ def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dt
     `out_dir.partial` and renamed when complete."""
     f = model if isinstance(model, CmfFile) else open_cmf(model)
     out = Path(out_dir)
+    verify_file(f)  # what cortiq would refuse to load is not written out for others to load
     if dtype not in DTYPES:
         raise CortiqError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     arch = f.arch
