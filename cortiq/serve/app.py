@@ -2,9 +2,11 @@
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 (`stream: true` answers as server-sent events, ending with `data: [DONE]`).
-Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
-400 for a request the server cannot serve as asked, 404 for another model
-name, 413 for a body over the limit, 429 when the waiting queue is full.
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}},
+the framework's own included: 400 for a request the server cannot serve as
+asked (a body that is not a UTF-8 JSON object of exactly the declared types:
+nothing is coerced), 404 for another model name or an unknown path, 405 for a
+wrong method, 413 for a body over the limit, 429 when the waiting queue is full.
 This module imports fastapi: only the serve command imports it.
 """
 
