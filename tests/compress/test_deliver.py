@@ -24,3 +24,24 @@ def test_a_stale_output_is_replaced(tmp_path):
     out.write_bytes(b"old")
     deliver({"path": str(entry)}, out)
     assert out.read_bytes() == b"new" and not (tmp_path / "cr.cmf.partial").exists()
+
+
+def test_compress_run_twice_to_one_output(tmp_path, capsys):
+    """The command line itself: the second run reuses every stage and leaves cr.cmf alone."""
+    from tiny import llama_arch, write_corpus, write_random
+
+    from cortiq.cli import main
+    from cortiq.data.build import build
+    from cortiq.data.settings import BuildSettings
+
+    model = write_random(tmp_path / "m.cmf", llama_arch(32, 64, 2), 0)
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    build([str(corpus)], model, tmp_path / "td", BuildSettings(record_tokens=64, fractions=(0.6, 0.2, 0.2)))
+    out = tmp_path / "cr.cmf"
+    argv = ["compress", str(model), "--data", str(tmp_path / "td"), "--out", str(out), "--keep-frac", "0.5",
+            "--masks-max-steps", "4", "--masks-window", "32", "--masks-batch", "2", "--masks-eval-every", "2",
+            "--work", str(tmp_path / "work")]
+    assert main(argv) == 0
+    first = out.read_bytes()
+    assert main(argv) == 0
+    assert out.read_bytes() == first and not list(tmp_path.rglob("*.partial"))
