@@ -51,6 +51,9 @@ def _build(args) -> int:
     sources = list(args.sources) + [f"corpus:{c}" for c in args.corpus]
     if not sources:
         raise CortiqError("data build: no sources (give SRC files or --corpus NAME)")
+    from ..store import check_output
+
+    check_output(args.out, [*args.sources, args.tokenizer], folder=True)
     settings = from_args(BuildSettings, args)
     bar = tqdm(desc="data build", unit="step", file=sys.stderr, leave=False, disable=None)  # None: off when not a terminal
 

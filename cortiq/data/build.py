@@ -42,26 +42,40 @@ def _cut_at(text: str, pattern: re.Pattern) -> list[str]:
     return [p for p in out if p]
 
 
-def _count(tok, texts: list[str]) -> list[int]:
-    return [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)] if texts else []
+def chars_per_token(tok) -> int:
+    """At most this many characters of text make one token: the longest vocabulary entry, four
+    times over (a normalizer may compose several characters into one). A text longer than n
+    times it holds more than n tokens, known without tokenizing it."""
+    return 4 * max(len(t) for t in tok.get_vocab(with_added_tokens=True))
 
 
-def cut_text(tok, text: str, record_tokens: int) -> list[str]:
+def _count(tok, texts: list[str], limit: int, span: int) -> list[int]:
+    """Token counts of `texts`; a text too long to have at most `limit` tokens counts limit + 1,
+    untokenized (so no text of more than limit * span characters is ever tokenized here)."""
+    short = [t for t in texts if len(t) <= limit * span]
+    counts = iter([len(e.ids) for e in tok.encode_batch(short, add_special_tokens=False)] if short else [])
+    return [next(counts) if len(t) <= limit * span else limit + 1 for t in texts]
+
+
+def cut_text(tok, text: str, record_tokens: int, span: int | None = None) -> list[str]:
     """Contiguous pieces of `text` (they join back to it exactly), each up to ~record_tokens tokens:
-    whole paragraphs packed together; a paragraph alone over the limit is cut at lines, then sentences."""
+    whole paragraphs packed together; a paragraph alone over the limit is cut at lines, then sentences.
+    A piece is tokenized only when it is short enough to be within the limit (`span`:
+    chars_per_token), so the work is bounded by the record size, not by the longest line."""
+    span = span or chars_per_token(tok)
     paras = _cut_at(text, _PARA_END)
-    counts = _count(tok, paras)
+    counts = _count(tok, paras, record_tokens, span)
     pieces: list[tuple[str, int]] = []
     for p, c in zip(paras, counts):
         if c <= record_tokens:
             pieces.append((p, c))
             continue
-        for line, lc in zip(lines := _cut_at(p, _LINE_END), _count(tok, lines)):
+        for line, lc in zip(lines := _cut_at(p, _LINE_END), _count(tok, lines, record_tokens, span)):
             if lc <= record_tokens:
                 pieces.append((line, lc))
             else:
                 sents = _cut_at(line, _SENT_END)
-                pieces += list(zip(sents, _count(tok, sents)))
+                pieces += list(zip(sents, _count(tok, sents, record_tokens, span)))
     out, cur, n = [], [], 0
     for p, c in pieces:
         if cur and n + c > record_tokens:
@@ -158,12 +172,13 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
     bos_id = tdoc.get("bos_id")
     vocab = cmf.arch.vocab_size
 
+    span = chars_per_token(tok)
     items: list[Item] = []
     docs: list[Document] = []
     for s in sources:
         if progress:
             progress(f"reading {s}")
-        i, d = read_source(s, settings.category)
+        i, d = read_source(s, settings.category, max_chars=settings.max_tokens * span)
         items += i
         docs += d
     if not items and not docs:
@@ -179,7 +194,7 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
     # (prompt, answer, where, bos?) per record; text records are all answer, scored from their second token
     rids, splits_given, cats, wheres, prompts, answers, use_bos = [], [], [], [], [], [], []
     for d in docs:
-        for k, piece in enumerate(cut_text(tok, d.text, settings.record_tokens)):
+        for k, piece in enumerate(cut_text(tok, d.text, settings.record_tokens, span)):
             rids.append(f"{d.stem}:{k}")
             splits_given.append(None)
             cats.append(d.category)
@@ -214,6 +229,10 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
             raise CortiqError(f"{w}: record id {rid!r} already used at {seen[rid]}")
         seen[rid] = w
 
+    for i in range(len(rids)):  # refused untokenized: too many characters to be within max_tokens
+        if len(prompts[i]) + len(answers[i]) > settings.max_tokens * span:
+            raise CortiqError(f"{wheres[i]}: record {rids[i]!r} has more than max_tokens {settings.max_tokens} tokens "
+                              f"({len(prompts[i]) + len(answers[i])} characters)")
     if progress:
         progress(f"tokenizing {len(rids)} records")
     p_enc = tok.encode_batch(prompts, add_special_tokens=False)

@@ -50,7 +50,7 @@ class BuildSettings:
 
     def __post_init__(self):
         self.fractions = tuple(float(f) for f in self.fractions)
-        if len(self.fractions) != 3 or any(f < 0 for f in self.fractions) or abs(sum(self.fractions) - 1) > 1e-6:
+        if len(self.fractions) != 3 or not all(f >= 0 for f in self.fractions) or not abs(sum(self.fractions) - 1) <= 1e-6:
             raise CortiqError(f"split fractions must be three non-negative numbers summing to 1, not {self.fractions}")
         if self.fractions[0] == 0:
             raise CortiqError("the train fraction must be positive")
