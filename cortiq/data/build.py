@@ -21,7 +21,7 @@ from ..pipeline import Stage
 from .settings import BuildSettings
 from .chats import chat_parts
 from .sources import Document, Item, read_source
-from .tdata import ARROW, SPLITS, STAGE, VERSION, Record, Tdata, records_table, tokenizer_digest
+from .tdata import SPLITS, STAGE, VERSION, Record, Tdata, tokenizer_digest, write_tdata
 
 
 # ── cutting plain text ───────────────────────────────────────────────────
@@ -247,19 +247,13 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
                                   f"{settings.fractions[1]:g}/{settings.fractions[2]:g} left none there "
                                   f"(more data, other --fractions, or name splits in the JSONL)")
 
-    table = records_table(records)
     digest = build_digest(sources, tokenizer, settings)
     meta = {
         "stage": STAGE, "version": VERSION, "digest": digest, "settings": asdict(settings),
         "inputs": {"sources": list(sources), "tokenizer": str(tokenizer)},
         "tokenizer_digest": tokenizer_digest(tdoc["json"]), "vocab_size": vocab, "eos_id": eos_id, "bos_id": bos_id,
     }
-    out = Path(out)
-    with store.stage_dir(out, meta) as part:
-        store.write_arrow(part / ARROW, table)
-        td = Tdata(part, meta, table)
-        meta["counts"] = td.counts()  # the dict stage_dir writes last
-    return Tdata.open(out)
+    return write_tdata(out, records, meta)
 
 
 # ── the stage, declared once (cortiq.pipeline runs it for the flows) ──

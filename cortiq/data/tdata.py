@@ -95,6 +95,16 @@ def records_table(records: list[Record]) -> pa.Table:
     }, schema=SCHEMA)
 
 
+def write_tdata(out: str | os.PathLike, records: list[Record], meta: dict) -> "Tdata":
+    """The tdata directory `out` of `records` (written to `.partial`, renamed); `meta` gets the
+    counts and is written last as meta.json."""
+    table = records_table(records)
+    with store.stage_dir(out, meta) as part:
+        store.write_arrow(part / ARROW, table)
+        meta["counts"] = Tdata(part, meta, table).counts()  # the dict stage_dir writes last
+    return Tdata.open(out)
+
+
 class Tdata:
     """A finished tdata stage directory, memory-mapped.
 
