@@ -102,12 +102,13 @@ class SelfGenSettings:
 # ── the generator ────────────────────────────────────────────────────────
 
 
-def generate_rows(model, prompts: Iterable[Sequence[int]], max_new: int, *, temperature: float = 0.0,
+def generate_rows(model, prompts: Iterable[Sequence[int]], max_new: int | Sequence[int], *, temperature: float = 0.0,
                   eos_ids: Sequence[int] = (), total: int | None = None, slots: int = DEFAULT_SLOTS,
                   max_prompt: int | None = None, seed: int = 0, block: int = BLOCK, graphs: bool | None = None,
                   progress: bool = False, desc: str = "generate") -> list[np.ndarray]:
     """The model's continuation of each prompt, decoded in one continuously refilled batch
-    (module docstring). A row ends after an EOS id (kept) or `max_new` tokens. With `total`,
+    (module docstring). A row ends after an EOS id (kept) or `max_new` tokens (one for all,
+    or one per prompt of a list). With `total`,
     prompts are drawn only while the generated tokens (counting each live row's whole
     budget) stay under it, and the last row's budget is cut, so the rows hold exactly
     `total` tokens (fewer only when the prompts run out); `prompts` may then be an endless
@@ -119,8 +120,12 @@ def generate_rows(model, prompts: Iterable[Sequence[int]], max_new: int, *, temp
 
     from ..model.decode import DecodeEngine
 
-    if max_new < 1:
-        raise CortiqError(f"generate: max_new {max_new}, need at least 1")
+    budgets = None if isinstance(max_new, int) else [int(b) for b in max_new]
+    if budgets is not None and (not isinstance(prompts, Sequence) or len(budgets) != len(prompts)):
+        raise CortiqError(f"generate: {len(budgets)} budgets for {'an iterator of' if not isinstance(prompts, Sequence) else len(prompts)} prompts")
+    top = max(budgets, default=1) if budgets is not None else max_new
+    if min(budgets or [max_new]) < 1:
+        raise CortiqError(f"generate: max_new {min(budgets or [max_new])}, need at least 1")
     if isinstance(prompts, Sequence):
         if max_prompt is None:
             max_prompt = max((len(p) for p in prompts), default=1)
@@ -130,7 +135,7 @@ def generate_rows(model, prompts: Iterable[Sequence[int]], max_new: int, *, temp
     if total is not None:
         slots = max(1, min(slots, total))
     it: Iterator = iter(prompts)
-    eng = DecodeEngine(model, slots=slots, max_len=max_prompt + max_new + block + 1, sampling=temperature > 0,
+    eng = DecodeEngine(model, slots=slots, max_len=max_prompt + top + block + 1, sampling=temperature > 0,
                        graphs=graphs, seed=seed)
     eos = np.asarray(sorted({int(e) for e in eos_ids}), dtype=np.int64)
     S = eng.S
@@ -142,6 +147,7 @@ def generate_rows(model, prompts: Iterable[Sequence[int]], max_new: int, *, temp
                disable=not progress)
     buf = torch.empty(block, S, dtype=torch.long, device=eng.dev)
     exhausted = False
+    drawn = 0
 
     def finish(s: int) -> None:
         nonlocal committed
@@ -159,19 +165,20 @@ def generate_rows(model, prompts: Iterable[Sequence[int]], max_new: int, *, temp
         bar.update(len(take))
 
     def refill() -> None:
-        nonlocal exhausted, committed
+        nonlocal exhausted, committed, drawn
         while not exhausted:
             take: list[tuple[int, list[int], int]] = []  # (slot, prompt, budget)
             width = 0
             for s in np.flatnonzero(row < 0).tolist():
-                b = max_new if total is None else min(max_new, total - committed)
-                if b <= 0:
+                if total is not None and total - committed <= 0:
                     break
                 try:
                     p = [int(t) for t in next(it)]
                 except StopIteration:
                     exhausted = True
                     break
+                b = budgets[drawn] if budgets is not None else max_new
+                b = b if total is None else min(b, total - committed)
                 if not p or len(p) > max_prompt:
                     raise CortiqError(f"generate: a prompt of {len(p)} tokens (need 1 to {max_prompt})")
                 if take and max(width, len(p)) * (len(take) + 1) > PREFILL_TOKENS:
@@ -179,6 +186,7 @@ def generate_rows(model, prompts: Iterable[Sequence[int]], max_new: int, *, temp
                     take, width = [], 0
                 take.append((s, p, b))
                 committed += b
+                drawn += 1
                 width = max(width, len(p))
             if not take:
                 return
