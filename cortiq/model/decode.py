@@ -322,7 +322,7 @@ class DecodeEngine:
         of each length together; an engine with a draft prefills slot by slot."""
         slots, prompts = [int(s) for s in slots], [[int(t) for t in p] for p in prompts]
         if len(slots) != len(prompts) or len(set(slots)) != len(slots):
-            raise CortiqError(f"decode engine: {len(slots)} slots (distinct) for {len(prompts)} prompts")
+            raise CortiqError(f"decode engine: slots {slots} for {len(prompts)} prompts (one distinct slot each)")
         if self.k:
             return [self.prefill(s, p, temperature) for s, p in zip(slots, prompts)]
         for s, p in zip(slots, prompts):
