@@ -52,27 +52,6 @@ def sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def tiny_model(path: Path) -> Path:
-    """A tiny random model with a byte tokenizer and a chat template (the --tiny smoke test)."""
-    from cortiq.arch import Arch
-    from cortiq.cmf import new_doc, specs_from_tensors, write_cmf
-    from cortiq.model.decoder import CausalLM
-    from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
-
-    torch.manual_seed(0)
-    arch = Arch(arch_name="llama", vocab_size=259, hidden_size=64, num_layers=2, intermediate_sizes=[128, 128],
-                num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                max_position_embeddings=1024)
-    m = CausalLM(arch)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if p.dim() == 1 else torch.randn_like(p) * (0.3 if "embed" in n else 0.15))
-    tpl = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    doc = new_doc(arch, tokenizer_doc(byte_tokenizer_json(), [256], chat_template=tpl))
-    write_cmf(path, doc, specs_from_tensors(m.state_dict().items(), "f32"))
-    return path
-
-
 @torch.no_grad()
 def old_continue_batch(model, prompts: torch.Tensor, new: int) -> torch.Tensor:
     """The draft's generator before cortiq.data.selfgen (kept here as the baseline): prompts
@@ -137,7 +116,11 @@ def main(argv=None) -> int:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     if tiny:
-        path = tiny_model(work / "tiny.cmf")
+        from mtp import tiny_model  # bench/mtp.py's tiny random model (byte tokenizer, no chat template)
+
+        path = work / "tiny.cmf"
+        if not path.exists():
+            tiny_model(path)
     elif a.model:
         path = Path(a.model)
     elif a.gguf:

@@ -257,3 +257,27 @@ def test_measure_text_and_heldout_windows_refuse_bad_input(fresh):
         measure_text(m, [[1, 2, 3], [4, 5]], [2])
     with pytest.raises(CortiqError, match="no mtp heal in its provenance"):
         heldout_windows(m, f)
+
+
+def test_retrain_trains_on_the_data_and_the_trunks_continuations_of_a_share_of_its_prompts(fresh, tmp_path):
+    """generate off: the data's windows, and beside them (NAME.gen) the trunk's greedy continuations
+    of an even gen_share of their prompts, each keeping its window's held-out flag."""
+    from cortiq.model.generate import generate
+    from cortiq.mtp import _sets
+    from cortiq.mtp.selfgen import chat_rows
+
+    init, data = fresh
+    f = open_cmf(init)
+    m = load_model(f)
+    s = resolve(f, tiny_settings(preset="retrain", gen_share=0.25, gen_cache=str(tmp_path / "gen")))
+    assert not s.generate
+    sets, info = _sets(m, f, str(data), s)
+    assert [p.name for p in sets] == ["g", "g.gen"] and not info[0]["read_back"]
+    src, gen = sets
+    pick = chat_rows(len(src), 0.25)
+    assert len(gen) == int(pick.sum()) == round(len(src) * 0.25) and np.array_equal(gen.held, src.held[pick])
+    for w, g, n in list(zip(src.ids[pick], gen.ids, gen.lengths))[:3]:
+        assert g[:8].tolist() == w[:8].tolist()
+        assert g[8:n].tolist() == generate(m, w[:8].tolist(), max_new=40, eos_ids=[EOS]).tokens
+    # off: the data alone
+    assert [p.name for p in _sets(m, f, str(data), resolve(f, tiny_settings(preset="retrain", gen_share=0.0)))[0]] == ["g"]
