@@ -83,12 +83,16 @@ def generate_rows(model, prompts: Iterable[Sequence[int]], max_new: int | Sequen
         if max_prompt is None:
             max_prompt = max((len(p) for p in prompts), default=1)
         slots = max(1, min(slots, len(prompts)))
+        # the longest row (a prompt and its own budget), not the longest prompt plus the largest budget
+        room = max((len(p) + (budgets[i] if budgets is not None else max_new) for i, p in enumerate(prompts)), default=2)
     elif max_prompt is None:
         raise CortiqError("generate: an iterator of prompts needs max_prompt")
+    else:
+        room = max_prompt + top
     if total is not None:
         slots = max(1, min(slots, total))
     it: Iterator = iter(prompts)
-    eng = DecodeEngine(model, slots=slots, max_len=max_prompt + top + block + 1, sampling=temperature > 0,
+    eng = DecodeEngine(model, slots=slots, max_len=room + block + 1, sampling=temperature > 0,
                        graphs=graphs, seed=seed)
     eos = np.asarray(sorted({int(e) for e in eos_ids}), dtype=np.int64)
     S = eng.S
