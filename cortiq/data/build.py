@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -20,26 +19,11 @@ from ..errors import CortiqError
 from ..pipeline import Stage
 from .settings import BuildSettings
 from .chats import chat_parts
-from .sources import Document, Item, read_source
-from .tdata import SPLITS, STAGE, VERSION, Record, Tdata, tokenizer_digest, write_tdata
+from .sources import _LINE_END, _PARA_END, _SENT_END, Document, Item, _cut_at, read_source
+from .tdata import SPLITS, STAGE, VERSION, Record, Tdata, assign_splits, tokenizer_digest, write_tdata
 
 
 # ── cutting plain text ───────────────────────────────────────────────────
-
-_PARA_END = re.compile(r"\n[ \t]*\n(?:[ \t]*\n)*")  # blank lines end a paragraph (the next one keeps its indent)
-_LINE_END = re.compile(r"\n")
-_SENT_END = re.compile(r"(?<=[.!?;:])\s+")
-
-
-def _cut_at(text: str, pattern: re.Pattern) -> list[str]:
-    """`text` cut just after each match of `pattern`: the pieces join back to `text`."""
-    out, at = [], 0
-    for m in pattern.finditer(text):
-        if m.end() > at and m.end() < len(text):
-            out.append(text[at:m.end()])
-            at = m.end()
-    out.append(text[at:])
-    return [p for p in out if p]
 
 
 def _count(tok, texts: list[str]) -> list[int]:
@@ -71,22 +55,6 @@ def cut_text(tok, text: str, record_tokens: int) -> list[str]:
         n += c
     if cur:
         out.append("".join(cur))
-    return out
-
-
-# ── splits ───────────────────────────────────────────────────────────────
-
-
-def hash_unit(rid: str) -> float:
-    """Where `rid` falls in [0, 1): the first 8 bytes of its sha256 (apart from the FNV stream order)."""
-    return int.from_bytes(hashlib.sha256(rid.encode("utf-8")).digest()[:8], "big") / 2.0**64
-
-
-def assign_splits(rids: list[str], given: list[str | None], fractions: tuple[float, float, float]) -> list[str]:
-    edges = np.cumsum(fractions)[:-1]  # [2]
-    out = []
-    for rid, g in zip(rids, given):
-        out.append(g if g is not None else SPLITS[int(np.searchsorted(edges, hash_unit(rid), side="right"))])
     return out
 
 

@@ -246,8 +246,7 @@ class Openings:
 
     def __init__(self, f, s: SelfGenSettings):
         from ..tokenizer import from_doc
-        from .build import _PARA_END, _cut_at
-        from .sources import corpus_documents
+        from .sources import _PARA_END, _cut_at, corpus_documents
 
         doc = f.tokenizer or {}
         self.tok = tok = from_doc(doc, str(f.path))
@@ -295,8 +294,7 @@ def _make(out, ctx, model, settings: SelfGenSettings) -> dict:
     from ..cmf import open_cmf
     from ..devices import resolve_compute, resolve_device
     from ..model import load_model
-    from .build import assign_splits
-    from .tdata import STAGE, VERSION as TDATA_VERSION, Record, tokenizer_digest, write_tdata
+    from .tdata import STAGE, VERSION as TDATA_VERSION, Record, assign_splits, tokenizer_digest, write_tdata
 
     s = settings
     f = open_cmf(model)
