@@ -11,13 +11,13 @@ whole call, engine construction and CUDA-graph capture included):
 - `selfgen S`: SELFGEN's generation as the stage runs it (its default openings
   mix of BOS, chat requests and corpus prefixes, temperature 1, rows of up to
   --max-new tokens ending at EOS, --tokens in all) at S slots, for each S of --slots;
-- `old continue_batch` / `new, same prompts`: the draft's old generator
+- `old continue_batch` / `new, same prompts (greedy)`: the draft's old generator
   (cortiq.mtp.selfgen.continue_batch until it was replaced: one eager step per
   token for all rows, prompts of one length, no EOS) on --old-rows prompts of
   64 pydoc tokens continued by --max-new tokens, and the new generator on the
   same prompts with the same budgets (greedy, EOS ignored, so both make the same
   number of tokens);
-- `old generate_answers` / `new, same prompts`: `data build --generate-with`'s
+- `old generate_answers` / `new, same requests (batched)`: `data build --generate-with`'s
   old loop (the plain decoder, one prompt at a time, greedy, EOS stops) on
   --answers chat requests, and the new generator on the same requests (one batch).
 Then a sample: the start of a few generated rows of each opening kind.
@@ -178,19 +178,19 @@ def main(argv=None) -> int:
     _, secs = timed(lambda: old_continue_batch(model, pr, max_new), dev)
     row("old continue_batch", len(pr) * max_new, secs, slots=len(pr))
     new, secs = timed(lambda: generate_rows(model, pr.tolist(), max_new, slots=len(pr)), dev)
-    row("new, same prompts", sum(len(x) for x in new), secs, slots=len(pr))
+    row("new, same prompts (greedy)", sum(len(x) for x in new), secs, slots=len(pr))
 
     # ── data build --generate-with's old loop: one prompt at a time ──
     reqs = chat_openings(f, tok, str(path))[::37][:answers]
     plain, secs = timed(lambda: [generate(model, p, max_new=answer_tokens, eos_ids=eos).tokens for p in reqs], dev)
     row("old generate_answers", sum(len(x) for x in plain), secs, slots=1)
     new, secs = timed(lambda: generate_rows(model, reqs, answer_tokens, eos_ids=eos, slots=len(reqs)), dev)
-    row("new, same prompts ", sum(len(x) for x in new), secs, slots=len(reqs))
+    row("new, same requests (batched)", sum(len(x) for x in new), secs, slots=len(reqs))
 
     print(f"\nself-generated text, {path.name} on {dev} ({str(dt).removeprefix('torch.')}), max_new {max_new}\n")
-    print(f"{'row':<24}{'slots':>7}{'tokens':>10}{'seconds':>10}{'tok/s':>12}")
+    print(f"{'row':<32}{'slots':>7}{'tokens':>10}{'seconds':>10}{'tok/s':>12}")
     for r in rows:
-        print(f"{r['row']:<24}{r['slots']:>7}{r['tokens']:>10}{r['seconds']:>10.2f}{r['tok_s']:>12,.0f}")
+        print(f"{r['row']:<32}{r['slots']:>7}{r['tokens']:>10}{r['seconds']:>10.2f}{r['tok_s']:>12,.0f}")
     for kind, xs in texts.items():
         print(f"\n── {kind} openings ──")
         for x in xs:
