@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -20,26 +19,11 @@ from ..errors import CortiqError
 from ..pipeline import Stage
 from .settings import BuildSettings
 from .chats import chat_parts
-from .sources import Document, Item, read_source
-from .tdata import ARROW, SPLITS, STAGE, VERSION, Record, Tdata, records_table, tokenizer_digest
+from .sources import _LINE_END, _PARA_END, _SENT_END, Document, Item, _cut_at, read_source
+from .tdata import SPLITS, STAGE, VERSION, Record, Tdata, assign_splits, tokenizer_digest, write_tdata
 
 
 # ── cutting plain text ───────────────────────────────────────────────────
-
-_PARA_END = re.compile(r"\n[ \t]*\n(?:[ \t]*\n)*")  # blank lines end a paragraph (the next one keeps its indent)
-_LINE_END = re.compile(r"\n")
-_SENT_END = re.compile(r"(?<=[.!?;:])\s+")
-
-
-def _cut_at(text: str, pattern: re.Pattern) -> list[str]:
-    """`text` cut just after each match of `pattern`: the pieces join back to `text`."""
-    out, at = [], 0
-    for m in pattern.finditer(text):
-        if m.end() > at and m.end() < len(text):
-            out.append(text[at:m.end()])
-            at = m.end()
-    out.append(text[at:])
-    return [p for p in out if p]
 
 
 def chars_per_token(tok) -> int:
@@ -85,22 +69,6 @@ def cut_text(tok, text: str, record_tokens: int, span: int | None = None) -> lis
         n += c
     if cur:
         out.append("".join(cur))
-    return out
-
-
-# ── splits ───────────────────────────────────────────────────────────────
-
-
-def hash_unit(rid: str) -> float:
-    """Where `rid` falls in [0, 1): the first 8 bytes of its sha256 (apart from the FNV stream order)."""
-    return int.from_bytes(hashlib.sha256(rid.encode("utf-8")).digest()[:8], "big") / 2.0**64
-
-
-def assign_splits(rids: list[str], given: list[str | None], fractions: tuple[float, float, float]) -> list[str]:
-    edges = np.cumsum(fractions)[:-1]  # [2]
-    out = []
-    for rid, g in zip(rids, given):
-        out.append(g if g is not None else SPLITS[int(np.searchsorted(edges, hash_unit(rid), side="right"))])
     return out
 
 
@@ -266,19 +234,13 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
                                   f"{settings.fractions[1]:g}/{settings.fractions[2]:g} left none there "
                                   f"(more data, other --fractions, or name splits in the JSONL)")
 
-    table = records_table(records)
     digest = build_digest(sources, tokenizer, settings)
     meta = {
         "stage": STAGE, "version": VERSION, "digest": digest, "settings": asdict(settings),
         "inputs": {"sources": list(sources), "tokenizer": str(tokenizer)},
         "tokenizer_digest": tokenizer_digest(tdoc["json"]), "vocab_size": vocab, "eos_id": eos_id, "bos_id": bos_id,
     }
-    out = Path(out)
-    with store.stage_dir(out, meta) as part:
-        store.write_arrow(part / ARROW, table)
-        td = Tdata(part, meta, table)
-        meta["counts"] = td.counts()  # the dict stage_dir writes last
-    return Tdata.open(out)
+    return write_tdata(out, records, meta)
 
 
 # ── the stage, declared once (cortiq.pipeline runs it for the flows) ──

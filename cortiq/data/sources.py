@@ -7,6 +7,7 @@ error messages). Plain text is cut later, once token counts are known.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,3 +182,21 @@ def read_source(src: str, category: str | None, max_chars: int | None = None) ->
         else:
             docs.append(read_text(p, category))
     return items, docs
+
+
+# ── cutting plain text (the build's records, the self-generated openings' paragraphs) ──
+
+_PARA_END = re.compile(r"\n[ \t]*\n(?:[ \t]*\n)*")  # blank lines end a paragraph (the next one keeps its indent)
+_LINE_END = re.compile(r"\n")
+_SENT_END = re.compile(r"(?<=[.!?;:])\s+")
+
+
+def _cut_at(text: str, pattern: re.Pattern) -> list[str]:
+    """`text` cut just after each match of `pattern`: the pieces join back to `text`."""
+    out, at = [], 0
+    for m in pattern.finditer(text):
+        if m.end() > at and m.end() < len(text):
+            out.append(text[at:m.end()])
+            at = m.end()
+    out.append(text[at:])
+    return [p for p in out if p]
