@@ -258,6 +258,7 @@ class DecodeEngine:
         if sampling and self.graphs:
             torch.cuda.manual_seed(seed)  # captured RNG draws from the default CUDA generator
         self._hi = [0] * slots  # host-side upper bound of each slot's length
+        self.hi_reads = 0  # times that bound was read back from the device (it is exact then)
         self._on = [False] * slots
         self._g_step = self._g_spec = None
         self.buckets = sorted(set(buckets or [])) or [slots]
@@ -333,6 +334,7 @@ class DecodeEngine:
         if not any(self._on[s] and self._hi[s] + need + self.k > self.max_len for s in range(self.S)):
             return
         self._hi = self.pos.tolist()  # the bound was loose (rejected drafts): read the exact lengths
+        self.hi_reads += 1
         for s in range(self.S):
             if self._on[s] and self._hi[s] + need + self.k > self.max_len:
                 raise CortiqError(f"decode engine: slot {s} is full ({self._hi[s]} of max_len {self.max_len} positions)")
