@@ -714,3 +714,123 @@ class PrefillJob:
         eng.active[slot] = True
         eng._hi[slot], eng._on[slot] = n, True
         return int(first)
+
+
+class StagedPrefill:
+    """Prompts prefilled by captured graphs (attention-only models): a one-slot staging
+    engine runs a prompt up to `max(sizes)` tokens at a time through the engine's own trunk
+    (the chunk padded to the next of `sizes`; the padded rows lie past the prompt, where
+    the next chunk or step overwrites them before anything reads them), the draft's rows
+    with it, and on the last chunk the first token and the first round's drafts; `install`
+    then copies the staging slot into a slot of `eng`. A prompt costs one replay per chunk
+    and a few copies instead of the reference forward's thousands of launches.
+
+    One prompt at a time: a job's chunks must run back to back (`job(...).run()` until it
+    returns the first token) before another job starts."""
+
+    def __init__(self, eng: DecodeEngine, sizes=(16, 32, 64, 128, 256)):
+        if eng.lin_idx:
+            raise CortiqError("decode engine: staged prefill runs attention-only models (a GDN layer's state "
+                              "needs the reference forward)")
+        self.eng = eng
+        self.sizes = sorted(sizes)
+        C = self.sizes[-1]
+        st = self.st = DecodeEngine(eng.model, slots=1, max_len=eng.max_len, draft=eng.k, graphs=False)
+        dev = eng.dev
+        z = lambda *s, dtype=torch.long: torch.zeros(*s, dtype=dtype, device=dev)  # noqa: E731
+        self.tok, self.nxt = z(1, C), z(1, C)  # the chunk's tokens and the token after each
+        self.start, self.nreal, self.final = z(1), z(1), z(1, dtype=torch.bool)
+        self.first = z(1)
+        self.row = torch.zeros(1, eng.arch.hidden_size, dtype=eng.dt, device=dev)  # the prompt's last final row
+        st.active.fill_(True)
+        self.graphs = {}
+        if eng.graphs:
+            pool = torch.cuda.graph_pool_handle()
+            for c in reversed(self.sizes):
+                self.graphs[c] = st._capture(lambda c=c: self._chunk(c), pool)
+
+    def _chunk(self, c: int):
+        st = self.st
+        tok, nxt = self.tok[:, :c], self.nxt[:, :c]
+        H, _ = st._trunk(tok, self.start)  # [1, c, H]: K, V rows start..start+c-1
+        last = H[0].index_select(0, self.nreal - 1)[None]  # [1, 1, H]
+        first = st._pick(last)[:, 0]  # [1]
+        if st.k:
+            st._mtp(H, nxt, self.start)  # the draft's rows of the chunk (its last real one is redone below)
+            # the last real row reads the token after it: the next chunk's first, or on the last
+            # chunk the first decided token; that row is chain step 0 of the first round
+            after = torch.where(self.final, first, nxt[0].index_select(0, self.nreal - 1))
+            out0 = st._mtp(last, after[:, None], self.start + self.nreal - 1)
+            st.mtp_last.copy_(out0)
+            st._chain(out0, self.start + self.nreal)
+        self.first.copy_(first)
+        self.row.copy_(last[0])
+
+    def job(self, slot: int, ids, chunk: int = 0) -> "StagedJob":
+        return StagedJob(self, slot, ids, chunk)
+
+    def install(self, slot: int, n: int) -> int:
+        """The staged prompt of n tokens into `slot` of the engine, active -> its first token."""
+        e, st = self.eng, self.st
+        e.K[:, slot, :, :n].copy_(st.K[:, 0, :, :n])
+        e.V[:, slot, :, :n].copy_(st.V[:, 0, :, :n])
+        if e.k:
+            e.MK[slot, :, : n + e.k].copy_(st.MK[0, :, : n + e.k])
+            e.MV[slot, :, : n + e.k].copy_(st.MV[0, :, : n + e.k])
+            e.drafts[slot].copy_(st.drafts[0])
+            e.mtp_last[slot].copy_(st.mtp_last[0])
+        if hasattr(e, "serve_rows"):
+            e.serve_rows[slot].copy_(self.row[0])
+        e.temp[slot] = 0.0
+        e.pend[slot: slot + 1].copy_(self.first)
+        e.pos[slot] = n
+        e.active[slot] = True
+        e._hi[slot], e._on[slot] = n, True
+        return int(self.first[0])
+
+
+class StagedJob:
+    """One prompt through `StagedPrefill`: `run()` -> None per chunk, then the first token."""
+
+    def __init__(self, sp: StagedPrefill, slot: int, ids, chunk: int):
+        ids = [int(t) for t in ids]
+        e = sp.eng
+        if not 0 <= slot < e.S:
+            raise CortiqError(f"decode engine: slot {slot} outside 0..{e.S - 1}")
+        if not ids:
+            raise CortiqError("generate: empty prompt")
+        if len(ids) + e.k + 1 > e.max_len:
+            raise CortiqError(f"decode engine: a prompt of {len(ids)} tokens leaves no room in max_len {e.max_len}")
+        self.sp, self.slot, self.ids, self.n = sp, slot, ids, len(ids)
+        self.chunk = min(chunk, sp.sizes[-1]) if chunk > 0 else sp.sizes[-1]
+        self.at = 0
+        self.first: int | None = None
+
+    @property
+    def left(self) -> int:
+        return self.n - self.at
+
+    @torch.no_grad()
+    def run(self) -> int | None:
+        if self.first is not None:
+            return self.first
+        sp, ids, n = self.sp, self.ids, self.n
+        a, b = self.at, min(self.at + self.chunk, n)
+        L = b - a
+        c = next(s for s in sp.sizes if s >= L)
+        after = ids[a + 1: b + 1]
+        sp.tok[0, :L].copy_(torch.tensor(ids[a:b]))
+        sp.nxt[0, :L].copy_(torch.tensor(after + [0] * (L - len(after))))
+        sp.start.fill_(a)
+        sp.nreal.fill_(L)
+        sp.final.fill_(b == n)
+        g = sp.graphs.get(c)
+        if g is not None:
+            g.replay()
+        else:
+            sp._chunk(c)
+        self.at = b
+        if b < n:
+            return None
+        self.first = sp.install(self.slot, n)
+        return self.first

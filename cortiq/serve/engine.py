@@ -268,6 +268,10 @@ class DecodeAdapter(Engine):
         super().__init__(model, max_batch, max_len, draft)
         self.eng = _row_keeping_engine()(model, slots=max_batch, max_len=max_len, draft=draft, sampling=False,
                                          graphs=graphs, buckets=buckets or bucket_sizes(max_batch))
+        from ..model.decode import StagedPrefill
+
+        # prompts by captured chunk graphs where the model allows (attention only)
+        self.staged = None if self.eng.lin_idx else StagedPrefill(self.eng)
         # the engine keeps room for a verify block of draft+1 past every slot's next step
         self.max_len = max_len - draft
         self.lens = [0] * max_batch
@@ -387,7 +391,7 @@ class _AdapterPrefill:
 
     def __init__(self, ad: DecodeAdapter, slot: int, ids: list[int], chunk: int):
         self.ad, self.slot, self.n = ad, slot, len(ids)
-        self.job = ad.eng.prefill_job(slot, ids, 0.0, chunk)
+        self.job = ad.staged.job(slot, ids, chunk) if ad.staged else ad.eng.prefill_job(slot, ids, 0.0, chunk)
 
     @property
     def left(self) -> int:

@@ -74,6 +74,31 @@ def test_chunked_prefill_equals_the_whole_prompt():
         assert parts.spec_step()[0][1].tolist() == whole.spec_step()[0][1].tolist()
 
 
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_staged_prefill_equals_the_reference_prefill(chunk):
+    """A prompt through the staging slot's chunk steps (padded to a size), copied into a slot,
+    leaves that slot as the reference prefill does: first token, drafts, caches, later rounds."""
+    from cortiq.model.decode import StagedPrefill
+
+    m = random_model(arch("qwen3"), mix=0.5)
+    ref = DecodeEngine(m, slots=3, max_len=48, draft=2)
+    eng = DecodeEngine(m, slots=3, max_len=48, draft=2)
+    sp = StagedPrefill(eng, sizes=(4, 8))
+    for slot, p in [(2, PROMPTS[5]), (0, PROMPTS[1]), (1, PROMPTS[2])]:
+        first = ref.prefill(slot, p)
+        job, runs = sp.job(slot, p, chunk), 1
+        while (got := job.run()) is None:
+            runs += 1
+        assert got == first and runs == -(-len(p) // (min(chunk, 8) if chunk else 8))
+        n = len(p)
+        torch.testing.assert_close(eng.K[:, slot, :, :n], ref.K[:, slot, :, :n], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(eng.MK[slot, :, : n + 1], ref.MK[slot, :, : n + 1], rtol=1e-4, atol=1e-4)
+        assert eng.drafts[slot].tolist() == ref.drafts[slot].tolist() and eng.pos.tolist() == ref.pos.tolist()
+    for _ in range(6):
+        a, b = eng.spec_step(), ref.spec_step()
+        assert a[1].tolist() == b[1].tolist() and a[0].tolist() == b[0].tolist()
+
+
 def test_adapter_runs_the_smallest_bucket_and_decodes_as_alone():
     m = random_model(arch("llama"))
     eng = DecodeAdapter(m, max_batch=8, max_len=64)
