@@ -67,8 +67,10 @@ class IncrementalText:
 
     @staticmethod
     def add_many(texts: Sequence["IncrementalText"], tokens: Sequence[int]) -> list[str]:
-        """`texts[i].add(tokens[i])` for every i, with one batched decode call for all of
-        them (the texts share one tokenizer) -> the pieces, in order."""
+        """`texts[i].add(tokens[i])` for every i (the texts share one tokenizer) -> the pieces,
+        in order. The windows are gathered first and decoded in one pass; one `decode` call
+        per window, since for windows of a few tokens the tokenizer's `decode_batch` measured
+        slower than the calls it replaces (64 windows: 187 µs against 152 µs)."""
         out = [""] * len(texts)
         live = [i for i, x in enumerate(texts) if not x.stopped]
         if not live:
@@ -78,10 +80,8 @@ class IncrementalText:
             x = texts[i]
             x.ids.append(int(tokens[i]))
             windows += [x.ids[x.prefix : x.read], x.ids[x.prefix :]]
-        tok = texts[live[0]].tok
-        batch = getattr(tok, "decode_batch", None)
-        dec = batch(windows, skip_special_tokens=True) if batch else [tok.decode(w, skip_special_tokens=True)
-                                                                       for w in windows]
+        decode = texts[live[0]]._decode
+        dec = [decode(w) for w in windows]
         for j, i in enumerate(live):
             texts[i]._apply(dec[2 * j], dec[2 * j + 1], False)
             out[i] = texts[i]._emit()
