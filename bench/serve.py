@@ -9,8 +9,8 @@ clients (the official `openai` client, async), plain, speculative and auto
 
 Each mode and prompt kind starts its own server (a subprocess on a free
 127.0.0.1 port, --max-batch = the most clients), warms it up, then for each
-client count C runs C clients that each send --requests streaming requests
-one after another (temperature 0; EOS ends an answer early). Prompt kinds,
+client count C runs C clients (shared out over --client-procs processes)
+that each send --requests streaming requests one after another (temperature 0; EOS ends an answer early). Prompt kinds,
 both from sources a draft trained on a novel, plays or the pydoc text never
 saw: `chat` (questions in the model's chat template, /v1/chat/completions)
 and `text` (windows of --prompt-tokens tokens of Python standard-library
@@ -198,7 +198,8 @@ def pick(prompts: list, clients: int, requests: int, offset: int) -> list[list]:
     return [[prompts[(offset + c * requests + r) % len(prompts)] for r in range(requests)] for c in range(clients)]
 
 
-async def level(url: str, model: str, kind: str, plan: list[list], max_tokens: int) -> dict:
+async def _clients(url: str, model: str, kind: str, plan: list[list], max_tokens: int) -> list[dict]:
+    """The clients of `plan` (one list of prompts each) in this process, concurrently."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
@@ -206,10 +207,50 @@ async def level(url: str, model: str, kind: str, plan: list[list], max_tokens: i
     async def worker(mine):
         return [await one(client, model, kind, p, max_tokens) for p in mine]
 
+    try:
+        return [x for xs in await asyncio.gather(*(worker(m) for m in plan)) for x in xs]
+    finally:
+        await client.close()
+
+
+def _clients_proc(args) -> list[dict]:
+    return asyncio.run(_clients(*args))
+
+
+def _warm_proc():
+    import openai  # noqa: F401  (imported before the clock starts)
+
+
+class Clients:
+    """Where the clients run: this process, or `procs` worker processes sharing them out
+    (one Python process parsing every stream of 32 fast clients can be the bottleneck)."""
+
+    def __init__(self, procs: int):
+        _warm_proc()
+        self.pool = None
+        if procs > 1:
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.pool = ProcessPoolExecutor(procs, initializer=_warm_proc)
+            list(self.pool.map(time.sleep, [0.0] * procs))
+        self.procs = procs
+
+    def run(self, url, model, kind, plan, max_tokens) -> list[dict]:
+        if self.pool is None or len(plan) < 2:
+            return asyncio.run(_clients(url, model, kind, plan, max_tokens))
+        parts = [plan[i:: self.procs] for i in range(self.procs) if plan[i:: self.procs]]
+        return [x for xs in self.pool.map(_clients_proc, [(url, model, kind, p, max_tokens) for p in parts])
+                for x in xs]
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def level(clients: Clients, url: str, model: str, kind: str, plan: list[list], max_tokens: int) -> dict:
     t0 = time.perf_counter()
-    res = [x for xs in await asyncio.gather(*(worker(m) for m in plan)) for x in xs]
+    res = clients.run(url, model, kind, plan, max_tokens)
     wall = time.perf_counter() - t0
-    await client.close()
     tokens = sum(r["tokens"] for r in res)
     tps = [r["stream_tps"] for r in res if r["stream_tps"] == r["stream_tps"]]
     return {"clients": len(plan), "requests": len(res), "seconds": wall, "req_s": len(res) / wall,
@@ -311,10 +352,13 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="each server writes its decode loop's profile")
     ap.add_argument("--profile-steps", type=int, default=20, help="--profile: turns under torch.profiler")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers row")
+    ap.add_argument("--client-procs", type=int, default=None,
+                    help="processes the clients are shared out over (default: 4 on a GPU, 1 on a CPU)")
     ap.add_argument("--out", default=None, help="write the figures (serve.json) and profiles here")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
+    args.client_procs = args.client_procs or (1 if args.cpu else 4)
     requests = args.requests or (1 if args.cpu else 4)
     max_tokens = args.max_tokens or (24 if args.cpu else 256)
     tmp = Path(tempfile.mkdtemp(prefix="cortiq-bench-serve-"))
@@ -335,6 +379,7 @@ def main() -> int:
     prompts = {"chat": QUESTIONS, "text": text_prompts(tok, max(16, biggest), args.prompt_tokens)}
     dev = ["--device", "cpu"] if args.cpu else []
     rows, spec_rate, plain_answers, banner, profiles = [], {}, {}, "", {}
+    pool = Clients(args.client_procs)
     for mode in args.modes.split(","):
         extra = {"plain": [], "speculative": ["--speculative", "--draft", str(args.draft)],
                  "auto": ["--speculative", "--draft", str(args.draft), "--spec-auto"]}[mode]
@@ -351,9 +396,9 @@ def main() -> int:
             banner = banner or line.split(", speculative")[0]
             print(f"[{tag}] {line}", file=sys.stderr, flush=True)
             try:
-                asyncio.run(level(srv.url, name, kind, pick(prompts[kind], 2, 1, 0), 8))  # warm-up
+                level(pool, srv.url, name, kind, pick(prompts[kind], 2, 1, 0), 8)  # warm-up
                 for c in clients:
-                    r = asyncio.run(level(srv.url, name, kind, pick(prompts[kind], c, requests, c), max_tokens))
+                    r = level(pool, srv.url, name, kind, pick(prompts[kind], c, requests, c), max_tokens)
                     answers = r.pop("answers")
                     if mode == "plain":
                         plain_answers.update(answers)
@@ -370,6 +415,7 @@ def main() -> int:
                 spec_rate[tag] = float(tail[-1].rsplit("(", 1)[1].split()[0])
             if args.profile and prof_path.exists():
                 profiles[tag] = json.loads(prof_path.read_text())
+    pool.close()
     hf_rows = {}
     if not args.no_hf:
         for kind in args.kinds.split(","):
@@ -383,7 +429,7 @@ def main() -> int:
                 hf_rows[kind] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
             print(f"[transformers-{kind}] {hf_rows[kind]}", file=sys.stderr, flush=True)
     print(f"\nbench/serve.py: {banner}; max_tokens {max_tokens}, {requests} requests per client, greedy, "
-          f"streaming (openai client), draft {args.draft}")
+          f"streaming (openai client, {args.client_procs} client processes), draft {args.draft}")
     print("| mode | prompts | clients | requests | req/s | tok/s | TTFT ms | stream tok/s | same | tok/round |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

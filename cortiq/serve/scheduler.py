@@ -307,7 +307,7 @@ class Scheduler:
     def _take(self, reqs: list, toks: list):
         """Newly decided tokens of running requests, in order; each ends at EOS, a stop
         string, max_tokens or a full context. The text of every request's j-th token is
-        decoded in one call for all of them."""
+        decoded in one pass over all of them."""
         t0 = time.perf_counter()
         eng = self.engine
         pieces = [[] for _ in reqs]
