@@ -96,6 +96,7 @@ class Engine(ABC):
         return self._pend
 
     def bucket_for(self, rows: int) -> int:
+        """The batch size a step over slots 0..rows-1 runs at (the policy times steps by it)."""
         return rows
 
     def fits(self, slots: Sequence[int], need: int) -> bool:
@@ -121,7 +122,7 @@ class Engine(ABC):
             new = [[t] for t in picked]
         for s, n in zip(slots, new):
             pend[s] = n[-1]
-        return Launched(slots, self.bucket_for(len(slots)), depth, new, time.perf_counter() - t0)
+        return Launched(slots, self.bucket_for(max(slots) + 1), depth, new, time.perf_counter() - t0)
 
     def _check_prompt(self, slot: int, ids: Sequence[int]):
         if not 0 <= slot < self.max_batch:
