@@ -733,7 +733,7 @@ class StagedPrefill:
             raise CortiqError("decode engine: staged prefill runs attention-only models (a GDN layer's state "
                               "needs the reference forward)")
         self.eng = eng
-        self.sizes = sorted(sizes)
+        self.sizes = sorted({min(int(c), eng.M) for c in sizes})  # a chunk never spans more positions than exist
         C = self.sizes[-1]
         st = self.st = DecodeEngine(eng.model, slots=1, max_len=eng.max_len, draft=eng.k, graphs=False)
         dev = eng.dev

@@ -84,6 +84,7 @@ def test_staged_prefill_equals_the_reference_prefill(chunk):
     ref = DecodeEngine(m, slots=3, max_len=48, draft=2)
     eng = DecodeEngine(m, slots=3, max_len=48, draft=2)
     sp = StagedPrefill(eng, sizes=(4, 8))
+    assert StagedPrefill(eng).sizes == [16, 32, 48]  # no chunk spans more positions than the cache has
     for slot, p in [(2, PROMPTS[5]), (0, PROMPTS[1]), (1, PROMPTS[2])]:
         first = ref.prefill(slot, p)
         job, runs = sp.job(slot, p, chunk), 1
