@@ -635,31 +635,18 @@ class DecodeEngine:
         return self.out_pred, self.out_n
 
 
-class PrefillJob:
-    """A prompt entering a slot a chunk at a time (`DecodeEngine.prefill_job`). Each `run()`
-    runs the next chunk through the reference forward, continuing one cache (and the draft's
-    rows over the same positions); the last one copies the caches into the slot, decides the
-    first token and the first round's drafts, activates the slot and returns that token
-    (None before). The same forward as a whole-prompt prefill, split at chunk boundaries."""
+class _PromptJob:
+    """A prompt entering slot `slot` of `eng` a chunk per `run()`: the checks and the count."""
 
-    def __init__(self, eng: DecodeEngine, slot: int, ids, temperature: float, chunk: int):
+    def __init__(self, eng: DecodeEngine, slot: int, ids):
         ids = [int(t) for t in ids]
         if not 0 <= slot < eng.S:
             raise CortiqError(f"decode engine: slot {slot} outside 0..{eng.S - 1}")
         if not ids:
             raise CortiqError("generate: empty prompt")
-        n = len(ids)
-        if n + eng.k + 1 > eng.max_len:
-            raise CortiqError(f"decode engine: a prompt of {n} tokens leaves no room in max_len {eng.max_len}")
-        if temperature > 0 and not eng.sampling:
-            raise CortiqError("decode engine: temperature > 0 needs an engine built with sampling=True")
-        if temperature < 0:
-            raise CortiqError(f"temperature {temperature}: must be ≥ 0")
-        self.eng, self.slot, self.n, self.temperature = eng, slot, n, temperature
-        self.chunk = chunk if chunk > 0 else n
-        self.t = torch.tensor([ids], device=eng.dev)
-        self.cache = eng.model.new_cache()
-        self.ms = KVState() if eng.k else None
+        if len(ids) + eng.k + 1 > eng.max_len:
+            raise CortiqError(f"decode engine: a prompt of {len(ids)} tokens leaves no room in max_len {eng.max_len}")
+        self.slot, self.ids, self.n = slot, ids, len(ids)
         self.at = 0
         self.first: int | None = None
 
@@ -667,6 +654,26 @@ class PrefillJob:
     def left(self) -> int:
         """Prompt tokens not yet run."""
         return self.n - self.at
+
+
+class PrefillJob(_PromptJob):
+    """A prompt entering a slot a chunk at a time (`DecodeEngine.prefill_job`). Each `run()`
+    runs the next chunk through the reference forward, continuing one cache (and the draft's
+    rows over the same positions); the last one copies the caches into the slot, decides the
+    first token and the first round's drafts, activates the slot and returns that token
+    (None before). The same forward as a whole-prompt prefill, split at chunk boundaries."""
+
+    def __init__(self, eng: DecodeEngine, slot: int, ids, temperature: float, chunk: int):
+        super().__init__(eng, slot, ids)
+        if temperature > 0 and not eng.sampling:
+            raise CortiqError("decode engine: temperature > 0 needs an engine built with sampling=True")
+        if temperature < 0:
+            raise CortiqError(f"temperature {temperature}: must be ≥ 0")
+        self.eng, self.temperature = eng, temperature
+        self.chunk = chunk if chunk > 0 else self.n
+        self.t = torch.tensor([self.ids], device=eng.dev)
+        self.cache = eng.model.new_cache()
+        self.ms = KVState() if eng.k else None
 
     @torch.no_grad()
     def run(self) -> int | None:
@@ -789,26 +796,13 @@ class StagedPrefill:
         return int(self.first[0])
 
 
-class StagedJob:
+class StagedJob(_PromptJob):
     """One prompt through `StagedPrefill`: `run()` -> None per chunk, then the first token."""
 
     def __init__(self, sp: StagedPrefill, slot: int, ids, chunk: int):
-        ids = [int(t) for t in ids]
-        e = sp.eng
-        if not 0 <= slot < e.S:
-            raise CortiqError(f"decode engine: slot {slot} outside 0..{e.S - 1}")
-        if not ids:
-            raise CortiqError("generate: empty prompt")
-        if len(ids) + e.k + 1 > e.max_len:
-            raise CortiqError(f"decode engine: a prompt of {len(ids)} tokens leaves no room in max_len {e.max_len}")
-        self.sp, self.slot, self.ids, self.n = sp, slot, ids, len(ids)
+        super().__init__(sp.eng, slot, ids)
+        self.sp = sp
         self.chunk = min(chunk, sp.sizes[-1]) if chunk > 0 else sp.sizes[-1]
-        self.at = 0
-        self.first: int | None = None
-
-    @property
-    def left(self) -> int:
-        return self.n - self.at
 
     @torch.no_grad()
     def run(self) -> int | None:
