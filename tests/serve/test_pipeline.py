@@ -199,3 +199,24 @@ def test_add_many_equals_add_and_events_merge():
     ev = merged(Event(text="a", tokens=1), iter([Event(text="b", tokens=2), Event(text="c", finish="stop", tokens=3),
                                                  Event(text="never")]))
     assert (ev.text, ev.finish, ev.tokens) == ("abc", "stop", 3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["plain", "auto"])
+def test_the_pipelined_scheduler_with_captured_graphs_answers_greedy(mode):
+    """On CUDA (f32): bucket graphs, staged prefill graphs, steps launched ahead of the host."""
+    m = random_model(arch("llama"), mix=0.5, seed=2).to("cuda")
+    tok = _tok()
+    draft = 3 if mode == "auto" else 0
+    eng = DecodeAdapter(m, 4, 64, draft=draft)
+    assert eng.eng.graphs and eng.staged.graphs
+    sched = Scheduler(eng, tok, [EOS], speculative=bool(draft), spec_auto=bool(draft), prefill_chunk=5).start()
+    try:
+        max_tokens = [12, 5, 20, 9, 1, 16, 7, 11]
+        got = _serve(sched, PROMPTS, max_tokens, starts=[0, 0, 0, 1, 1, 2, 4, 4])
+    finally:
+        sched.stop()
+    for p, n, (text, end, late) in zip(PROMPTS, max_tokens, got):
+        assert late == [] and text == tok.decode(generate(m, p, max_new=n, eos_ids=[EOS]).tokens,
+                                                 skip_special_tokens=True)
