@@ -223,13 +223,11 @@ class _DecodeLaunched(Launched):
     def wait(self):
         if self.new is not None:
             return self.new
-        import time
-
         if self.done is not None:  # CUDA: the end event, then the step's device time
             self.done.synchronize()
             self.seconds = self.t0.elapsed_time(self.done) / 1000
-        else:
-            self.seconds = time.perf_counter() - self.t0
+        else:  # the eager step's own time, taken at launch
+            self.seconds = self.t0
         slots, ad = self.slots, self.ad
         if self.depth:
             pred, n = self.bufs[1][: self.bucket].tolist(), self.bufs[2][: self.bucket].tolist()
@@ -374,6 +372,8 @@ class DecodeAdapter(Engine):
             bufs[0][:b].copy_(out[:b], non_blocking=True)
         if done is not None:
             done.record()
+        else:  # eager: the step has run; its time is the call's
+            t0 = time.perf_counter() - t0
         return _DecodeLaunched(self, slots, b, depth, bufs, done, t0, [self.gen[s] for s in slots])
 
     def release(self, slot):
