@@ -139,27 +139,33 @@ def _serve(sched, prompts, max_tokens, starts):
     return out
 
 
-@pytest.mark.parametrize("mode,engine", [("plain", "decode"), ("speculative", "decode"), ("auto", "decode"),
-                                         ("auto", "loop"), ("plain-sync", "decode")])
-def test_the_scheduler_answers_plain_greedy_decoding(mode, engine):
-    """Concurrent requests joining and leaving, prompts prefilled 3 tokens a turn: every answer is
-    plain greedy decoding's, token for token, in plain, speculative and auto modes."""
-    m = random_model(arch("llama"), mix=0.5, seed=2)
-    tok = _tok()
-    draft = 0 if mode.startswith("plain") else 3
-    eng = (DecodeAdapter if engine == "decode" else LoopEngine)(m, 4, 64, draft=draft)
-    sched = Scheduler(eng, tok, [EOS], speculative=bool(draft), spec_auto=mode == "auto", prefill_chunk=3,
-                      overlap=mode != "plain-sync").start()
+def _answers_greedy(m, eng, tok, **kw):
+    """Eight requests through a scheduler on `eng`, joining and leaving: each answer (text, end,
+    token count) is plain greedy decoding's, and nothing reaches a request after its end."""
+    sched = Scheduler(eng, tok, [EOS], **kw).start()
     try:
         max_tokens = [12, 5, 20, 9, 1, 16, 7, 11]
         got = _serve(sched, PROMPTS, max_tokens, starts=[0, 0, 0, 1, 1, 2, 4, 4])
     finally:
         sched.stop()
     for p, n, (text, end, late) in zip(PROMPTS, max_tokens, got):
-        assert late == []  # nothing reaches a request after its end event (a step in flight is dropped)
+        assert late == []  # a step in flight for an ended request is dropped
         want = generate(m, p, max_new=n, eos_ids=[EOS]).tokens
         assert text == tok.decode(want, skip_special_tokens=True)
         assert end.tokens == len(want) and end.finish == ("stop" if want[-1] == EOS else "length")
+    return sched
+
+
+@pytest.mark.parametrize("mode,engine", [("plain", "decode"), ("speculative", "decode"), ("auto", "decode"),
+                                         ("auto", "loop"), ("plain-sync", "decode")])
+def test_the_scheduler_answers_plain_greedy_decoding(mode, engine):
+    """Concurrent requests joining and leaving, prompts prefilled 3 tokens a turn: every answer is
+    plain greedy decoding's, token for token, in plain, speculative and auto modes."""
+    m = random_model(arch("llama"), mix=0.5, seed=2)
+    draft = 0 if mode.startswith("plain") else 3
+    eng = (DecodeAdapter if engine == "decode" else LoopEngine)(m, 4, 64, draft=draft)
+    sched = _answers_greedy(m, eng, _tok(), speculative=bool(draft), spec_auto=mode == "auto", prefill_chunk=3,
+                            overlap=mode != "plain-sync")
     if draft:
         assert sched.stats["rounds"] > 0
     if mode == "auto":
@@ -207,16 +213,7 @@ def test_add_many_equals_add_and_events_merge():
 def test_the_pipelined_scheduler_with_captured_graphs_answers_greedy(mode):
     """On CUDA (f32): bucket graphs, staged prefill graphs, steps launched ahead of the host."""
     m = random_model(arch("llama"), mix=0.5, seed=2).to("cuda")
-    tok = _tok()
     draft = 3 if mode == "auto" else 0
     eng = DecodeAdapter(m, 4, 64, draft=draft)
     assert eng.eng.graphs and eng.staged.graphs
-    sched = Scheduler(eng, tok, [EOS], speculative=bool(draft), spec_auto=bool(draft), prefill_chunk=5).start()
-    try:
-        max_tokens = [12, 5, 20, 9, 1, 16, 7, 11]
-        got = _serve(sched, PROMPTS, max_tokens, starts=[0, 0, 0, 1, 1, 2, 4, 4])
-    finally:
-        sched.stop()
-    for p, n, (text, end, late) in zip(PROMPTS, max_tokens, got):
-        assert late == [] and text == tok.decode(generate(m, p, max_new=n, eos_ids=[EOS]).tokens,
-                                                 skip_special_tokens=True)
+    _answers_greedy(m, eng, _tok(), speculative=bool(draft), spec_auto=bool(draft), prefill_chunk=5)
