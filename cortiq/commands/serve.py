@@ -58,7 +58,10 @@ def load(model_path: str, s):
     bos_id = doc.get("bos_id")
     bos = tok.id_to_token(bos_id) if bos_id is not None else ""
     eos = tok.id_to_token(eos_ids[0]) if eos_ids else ""
-    sched = Scheduler(engine, tok, eos_ids, speculative=s.speculative, max_waiting=s.max_waiting)
+    sched = Scheduler(engine, tok, eos_ids, speculative=s.speculative, max_waiting=s.max_waiting,
+                      spec_auto=s.spec_auto, prefill_chunk=s.prefill_chunk)
+    if s.profile and s.profile_steps:
+        sched.trace(s.profile_steps, str(Path(s.profile).with_suffix(".trace.json")))
     name = s.model_name or Path(model_path).name.removesuffix(".cmf")
     # the engine's own limit: a speculative engine keeps room for a verify block past every slot
     served = Served(sched, tok, name, engine.max_len, doc.get("chat_template"), bos or "", eos or "",
@@ -117,9 +120,10 @@ def run(args) -> int:
         raise CortiqError(f"serve: cannot listen on {s.host}:{s.port}: {e.strerror}") from None
     host, port = sock.getsockname()[:2]
     eng = served.scheduler.engine
+    auto = ", auto" if s.spec_auto else ""
     print(f"cortiq serve: {served.model_id} on {dev} ({str(dt).removeprefix('torch.')}), "
           f"{type(eng).__name__} x{eng.max_batch}, context {served.max_len}"
-          f"{f', speculative (draft {eng.draft})' if eng.draft else ''}", file=sys.stderr)
+          f"{f', speculative (draft {eng.draft}{auto})' if eng.draft else ''}", file=sys.stderr)
     print(f"cortiq serve: listening on http://{host if ':' not in host else f'[{host}]'}:{port}/v1", file=sys.stderr,
           flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=s.shutdown_timeout,
@@ -133,4 +137,14 @@ def run(args) -> int:
     spec = (f", {st['rounds']} speculative rounds ({st['round_tokens'] / st['rounds']:.2f} tokens a round)"
             if st["rounds"] else "")
     print(f"cortiq serve: stopped after {st['requests']} requests, {st['tokens']} tokens{spec}", file=sys.stderr)
+    if s.profile:
+        import json
+        import os
+        from pathlib import Path
+
+        prof = {**served.scheduler.profile(), **served.profile}
+        out = Path(s.profile)
+        tmp = out.with_name(out.name + ".partial")
+        tmp.write_text(json.dumps(prof, indent=2))
+        os.replace(tmp, out)
     return 0

@@ -184,7 +184,7 @@ class DecodeEngine:
     """Static-cache decoding over `slots` independent sequences (module docstring: the API)."""
 
     def __init__(self, model, slots: int = 1, max_len: int = 1024, draft: int = 0, sampling: bool = False,
-                 graphs: bool | None = None, seed: int = 0):
+                 graphs: bool | None = None, seed: int = 0, buckets: list[int] | None = None):
         arch = model.arch
         if slots < 1:
             raise CortiqError(f"decode engine: {slots} slots, need at least 1")
@@ -239,6 +239,9 @@ class DecodeEngine:
                 self.mtp_att = _Attn(mtp.layers[0])
                 self.mtp_e, self.mtp_h, self.mtp_out = _Norm(mtp.enorm), _Norm(mtp.hnorm), _Norm(mtp.norm)
                 self.MK, self.MV = z(slots, hkv, M, D), z(slots, hkv, M, D)
+                # the draft's output row the next chain starts from (kept so a step that skipped
+                # the chain can have it run later: `spec_on` after `step_on(chain=False)`)
+                self.mtp_last = z(slots, 1, arch.hidden_size)
             # per-slot state
             self.pend = z(slots, dtype=torch.long)
             self.pos = z(slots, dtype=torch.long)  # tokens the trunk has seen = position of the pending token
@@ -258,59 +261,39 @@ class DecodeEngine:
         if sampling and self.graphs:
             torch.cuda.manual_seed(seed)  # captured RNG draws from the default CUDA generator
         self._hi = [0] * slots  # host-side upper bound of each slot's length
+        self.hi_reads = 0  # times that bound was read back from the device (it is exact then)
         self._on = [False] * slots
         self._g_step = self._g_spec = None
+        self.buckets = sorted(set(buckets or [])) or [slots]
+        if self.buckets[-1] != slots or self.buckets[0] < 1:
+            raise CortiqError(f"decode engine: buckets {self.buckets} must lie in 1..{slots} and end at {slots}")
+        self._views: dict[int, "DecodeEngine"] = {}
+        self._bucket_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._stale = False  # a step skipped the chain: the drafts are not those of the current rows
         if self.graphs:
-            self._g_step = self._capture(self._plain)
-            if draft:
-                self._g_spec = self._capture(self._spec)
+            if buckets:
+                self._capture_buckets()
+                self._g_step = self._bucket_graphs[("plain", slots, True)]
+                self._g_spec = self._bucket_graphs.get(("spec", slots, draft))
+            else:
+                self._g_step = self._capture(self._plain)
+                if draft:
+                    self._g_spec = self._capture(self._spec)
 
     # ── public API ──
     @torch.no_grad()
     def prefill(self, slot: int, ids, temperature: float = 0.0) -> int:
-        ids = [int(t) for t in ids]
-        if not 0 <= slot < self.S:
-            raise CortiqError(f"decode engine: slot {slot} outside 0..{self.S - 1}")
-        if not ids:
-            raise CortiqError("generate: empty prompt")
-        n = len(ids)
-        if n + self.k + 1 > self.max_len:
-            raise CortiqError(f"decode engine: a prompt of {n} tokens leaves no room in max_len {self.max_len}")
-        if temperature > 0 and not self.sampling:
-            raise CortiqError("decode engine: temperature > 0 needs an engine built with sampling=True")
-        if temperature < 0:
-            raise CortiqError(f"temperature {temperature}: must be ≥ 0")
-        m = self.model
-        cache = m.new_cache()
-        t = torch.tensor([ids], device=self.dev)
-        H, _ = m.forward_hidden(t, cache=cache)  # [1, n, H]
-        for i in self.attn_idx:
-            st, j = cache.states[i], self.slot_of[i]
-            self.K[j, slot, :, :n] = st.k[0]
-            self.V[j, slot, :, :n] = st.v[0]
-        for i in self.lin_idx:
-            st, j = cache.states[i], self.slot_of[i]
-            self.conv[j, slot] = st.conv[0]
-            self.rec[j, slot] = st.rec[0]
-        self.temp[slot] = temperature
-        first = self._pick(H[:, -1:], self.temp[slot: slot + 1])[0, 0]
-        if self.k:  # the draft's rows 0..n-2 of the prompt, then the first round's chain from row n-1
-            ms = KVState()
-            if n > 1:
-                m.mtp_forward(H[:, :-1], t[:, 1:], 0, ms)
-            xh, xt = H[:, -1:], first.view(1, 1)
-            base, which = torch.tensor([n], device=self.dev), torch.tensor([slot], device=self.dev)
-            for j in range(self.k):
-                xh = m.mtp_forward(xh, xt, n - 1 + j, ms)
-                xt = self._draft_pick(xh, j, base, which)  # [1, 1]
-                self.drafts[slot, j] = xt[0, 0]
-            self.MK[slot, :, : n - 1 + self.k] = ms.k[0]
-            self.MV[slot, :, : n - 1 + self.k] = ms.v[0]
-        self.pend[slot] = first
-        self.pos[slot] = n
-        self.active[slot] = True
-        self._hi[slot], self._on[slot] = n, True
-        return int(first)
+        job = self.prefill_job(slot, ids, temperature)
+        first = None
+        while first is None:
+            first = job.run()
+        return first
+
+    def prefill_job(self, slot: int, ids, temperature: float = 0.0, chunk: int = 0) -> "PrefillJob":
+        """`prefill` a chunk of `chunk` prompt tokens per `run()` (0: all at once), so a
+        caller can interleave a long prompt's forwards with other slots' steps. The slot
+        stays inactive (and its caches unread) until the last chunk installs it."""
+        return PrefillJob(self, slot, ids, temperature, chunk)
 
     @torch.no_grad()
     def prefill_many(self, slots, prompts, temperature: float = 0.0) -> list[int]:
@@ -439,11 +422,12 @@ class DecodeEngine:
         if not any(self._on[s] and self._hi[s] + need + self.k > self.max_len for s in range(self.S)):
             return
         self._hi = self.pos.tolist()  # the bound was loose (rejected drafts): read the exact lengths
+        self.hi_reads += 1
         for s in range(self.S):
             if self._on[s] and self._hi[s] + need + self.k > self.max_len:
                 raise CortiqError(f"decode engine: slot {s} is full ({self._hi[s]} of max_len {self.max_len} positions)")
 
-    def _capture(self, fn):
+    def _capture(self, fn, pool=None):
         """Warm up on a side stream (lazy cuBLAS/attention workspaces), then record one call.
         Done at construction, while every slot is inactive: the warm-up only writes masked rows."""
         s = torch.cuda.Stream(self.dev)
@@ -453,7 +437,7 @@ class DecodeEngine:
                 fn()
         torch.cuda.current_stream(self.dev).wait_stream(s)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g), torch.no_grad():
+        with torch.cuda.graph(g, pool=pool), torch.no_grad():
             fn()
         torch.cuda.synchronize(self.dev)
         return g
@@ -607,34 +591,328 @@ class DecodeEngine:
             drafts.append(d)
         self.drafts.copy_(torch.where(self.active[:, None], torch.cat(drafts, 1), self.drafts))
 
-    def _plain(self):
+    def _plain(self, chain: bool = True):
         act = self.active
         tok = self.pend[:, None]  # [S, 1]
         H, pending = self._trunk(tok, self.pos)
         nxt = self._pick(H, self.temp)  # [S, 1]
         self._commit(pending, torch.zeros_like(self.pos))
         if self.k:  # keep the draft ready: its row for the token just decided, then the chain
-            self._chain(self._mtp(H, nxt, self.pos), self.pos + 1)
+            out0 = self._mtp(H, nxt, self.pos)
+            self.mtp_last.copy_(out0)
+            if chain:
+                self._chain(out0, self.pos + 1)
         self.pend.copy_(torch.where(act, nxt[:, 0], self.pend))
         self.pos.add_(act.long())
         self.out_tok.copy_(torch.where(act, nxt[:, 0], -1))
 
-    def _spec(self):
-        """One round. At its start a slot's trunk has seen positions 0..n-1 (n = pos), its
-        pending token n and the k drafts after it are decided, and the draft's rows up to
-        n-1 read the trunk's own rows (rows past them, the chain's guesses)."""
+    def _spec(self, depth: int | None = None):
+        """One round, verifying the first `depth` drafts (default all k). At its start a slot's
+        trunk has seen positions 0..n-1 (n = pos), its pending token n and the k drafts after it
+        are decided, and the draft's rows up to n-1 read the trunk's own rows (rows past them,
+        the chain's guesses)."""
+        d = self.k if depth is None else depth
         act, pos = self.active, self.pos
-        block = torch.cat([self.pend[:, None], self.drafts], 1)  # [S, k+1] at positions n..n+k
+        block = torch.cat([self.pend[:, None], self.drafts[:, :d]], 1)  # [S, d+1] at positions n..n+d
         Hv, pending = self._trunk(block, pos)
-        pred = self._pick(Hv)  # [S, k+1]: the trunk's token after each block token
+        pred = self._pick(Hv)  # [S, d+1]: the trunk's token after each block token
         a = (block[:, 1:] == pred[:, :-1]).long().cumprod(1).sum(1)  # [S] drafts accepted
         self._commit(pending, a)
-        # the draft's rows n..n+k from the trunk's rows and tokens: rows ≤ n+a are the accepted
+        # the draft's rows n..n+d from the trunk's rows and tokens: rows ≤ n+a are the accepted
         # ones, row n+a is the next round's chain step 0 (rows past it are overwritten before use)
         out = self._mtp(Hv, pred, pos)
-        self._chain(out[self.slot_ar, a][:, None], pos + a + 1)
+        row = out[self.slot_ar, a][:, None]
+        self.mtp_last.copy_(row)
+        self._chain(row, pos + a + 1)
         self.pend.copy_(torch.where(act, pred[self.slot_ar, a], self.pend))
         n = (a + 1) * act.long()
         self.pos.add_(n)
-        self.out_pred.copy_(pred)
+        self.out_pred[:, : d + 1].copy_(pred)
         self.out_n.copy_(n)
+
+    # ── steps over the first b slots (bucketed batch sizes) ──
+    # Buffers whose first (or, for the layer-stacked caches, second) dimension is the slot: a
+    # bucket's view slices them, so its step reads and writes the same storage for slots < b.
+    _SLOT_DIM0 = ("pend", "pos", "drafts", "active", "temp", "out_tok", "out_pred", "out_n", "MK", "MV",
+                  "mtp_last", "serve_rows")
+    _SLOT_DIM1 = ("K", "V", "conv", "rec")
+
+    def bucket_for(self, rows: int) -> int:
+        """The smallest bucket holding slots 0..rows-1."""
+        for b in self.buckets:
+            if b >= rows:
+                return b
+        raise CortiqError(f"decode engine: {rows} rows, the largest bucket is {self.buckets[-1]}")
+
+    def _view(self, b: int) -> "DecodeEngine":
+        """This engine restricted to slots 0..b-1: the same weights and storage, S = b."""
+        if b == self.S:
+            return self
+        v = self._views.get(b)
+        if v is None:
+            import copy
+
+            v = copy.copy(self)
+            v.S, v.slot_ar, v._views = b, self.slot_ar[:b], {}
+            for name in self._SLOT_DIM0:
+                if hasattr(self, name):
+                    setattr(v, name, getattr(self, name)[:b])
+            for name in self._SLOT_DIM1:
+                if hasattr(self, name):
+                    setattr(v, name, getattr(self, name)[:, :b])
+            self._views[b] = v
+        return v
+
+    def _capture_buckets(self):
+        """One graph per bucket and kind of step, sharing one memory pool (they replay one at a
+        time and keep nothing between replays but the engine's own buffers)."""
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.buckets):
+            v = self._view(b)
+            self._bucket_graphs[("plain", b, True)] = self._capture(v._plain, pool)
+            if self.k:
+                self._bucket_graphs[("plain", b, False)] = self._capture(lambda v=v: v._plain(False), pool)
+                for d in range(1, self.k + 1):
+                    self._bucket_graphs[("spec", b, d)] = self._capture(lambda v=v, d=d: v._spec(d), pool)
+
+    def _check_rows(self, b: int) -> None:
+        if b not in self.buckets:
+            raise CortiqError(f"decode engine: {b} rows is not a bucket ({self.buckets})")
+        if any(self._on[b:]):
+            raise CortiqError(f"decode engine: slot {self._on.index(True, b)} is active outside the first {b}")
+
+    @torch.no_grad()
+    def step_on(self, b: int, chain: bool = True) -> torch.Tensor:
+        """`step()` over slots 0..b-1 (b a bucket; no active slot past them); rows past b of
+        the output are left as they were. chain=False skips the draft's chain (the
+        draft-layer row is still written): a plain step at plain cost, and the next
+        `spec_on` chains first."""
+        self._check_rows(b)
+        self._room(1)
+        g = self._bucket_graphs.get(("plain", b, bool(chain) or not self.k))
+        if g is not None:
+            g.replay()
+        else:
+            self._view(b)._plain(chain)
+        if self.k:
+            self._stale = not chain
+        for s in range(b):
+            self._hi[s] += self._on[s]
+        return self.out_tok
+
+    @torch.no_grad()
+    def spec_on(self, b: int, depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`spec_step()` over slots 0..b-1, verifying `depth` drafts (1..k, default k):
+        pred[s, :n[s]] with n ≤ depth+1 (columns past depth+1 are stale)."""
+        d = self.k if depth is None else depth
+        if not 1 <= d <= self.k:
+            raise CortiqError(f"decode engine: depth {d} outside 1..{self.k}")
+        self._check_rows(b)
+        self._room(d + 1)
+        v = self._view(b)
+        if self._stale:  # the steps since the last chain left the drafts behind: chain from the kept rows
+            v._chain(v.mtp_last, v.pos)
+            self._stale = False
+        g = self._bucket_graphs.get(("spec", b, d))
+        if g is not None:
+            g.replay()
+        else:
+            v._spec(d)
+        for s in range(b):
+            self._hi[s] += (d + 1) * self._on[s]
+        return self.out_pred, self.out_n
+
+
+class _PromptJob:
+    """A prompt entering slot `slot` of `eng` a chunk per `run()`: the checks and the count."""
+
+    def __init__(self, eng: DecodeEngine, slot: int, ids):
+        ids = [int(t) for t in ids]
+        if not 0 <= slot < eng.S:
+            raise CortiqError(f"decode engine: slot {slot} outside 0..{eng.S - 1}")
+        if not ids:
+            raise CortiqError("generate: empty prompt")
+        if len(ids) + eng.k + 1 > eng.max_len:
+            raise CortiqError(f"decode engine: a prompt of {len(ids)} tokens leaves no room in max_len {eng.max_len}")
+        self.slot, self.ids, self.n = slot, ids, len(ids)
+        self.at = 0
+        self.first: int | None = None
+
+    @property
+    def left(self) -> int:
+        """Prompt tokens not yet run."""
+        return self.n - self.at
+
+
+class PrefillJob(_PromptJob):
+    """A prompt entering a slot a chunk at a time (`DecodeEngine.prefill_job`). Each `run()`
+    runs the next chunk through the reference forward, continuing one cache (and the draft's
+    rows over the same positions); the last one copies the caches into the slot, decides the
+    first token and the first round's drafts, activates the slot and returns that token
+    (None before). The same forward as a whole-prompt prefill, split at chunk boundaries."""
+
+    def __init__(self, eng: DecodeEngine, slot: int, ids, temperature: float, chunk: int):
+        super().__init__(eng, slot, ids)
+        if temperature > 0 and not eng.sampling:
+            raise CortiqError("decode engine: temperature > 0 needs an engine built with sampling=True")
+        if temperature < 0:
+            raise CortiqError(f"temperature {temperature}: must be ≥ 0")
+        self.eng, self.temperature = eng, temperature
+        self.chunk = chunk if chunk > 0 else self.n
+        self.t = torch.tensor([self.ids], device=eng.dev)
+        self.cache = eng.model.new_cache()
+        self.ms = KVState() if eng.k else None
+
+    @torch.no_grad()
+    def run(self) -> int | None:
+        eng, m, n, t = self.eng, self.eng.model, self.n, self.t
+        if self.first is not None:
+            return self.first
+        a, b = self.at, min(self.at + self.chunk, n)
+        H, _ = m.forward_hidden(t[:, a:b], cache=self.cache)  # [1, b-a, H]
+        if eng.k:  # the draft's rows a..e-1: each reads its trunk row and the prompt token after it
+            e = min(b, n - 1)
+            if e > a:
+                m.mtp_forward(H[:, : e - a], t[:, a + 1 : e + 1], a, self.ms)
+        self.at = b
+        if b < n:
+            return None
+        self.first = self._install(H[:, -1:])
+        return self.first
+
+    def _install(self, h_last) -> int:
+        eng, m, n, slot, cache = self.eng, self.eng.model, self.n, self.slot, self.cache
+        for i in eng.attn_idx:
+            st, j = cache.states[i], eng.slot_of[i]
+            eng.K[j, slot, :, :n] = st.k[0]
+            eng.V[j, slot, :, :n] = st.v[0]
+        for i in eng.lin_idx:
+            st, j = cache.states[i], eng.slot_of[i]
+            eng.conv[j, slot] = st.conv[0]
+            eng.rec[j, slot] = st.rec[0]
+        eng.temp[slot] = self.temperature
+        first = eng._pick(h_last, eng.temp[slot: slot + 1])[0, 0]
+        if eng.k:  # the first round's chain from row n-1
+            ms = self.ms
+            xh, xt = h_last, first.view(1, 1)
+            base, which = torch.tensor([n], device=eng.dev), torch.tensor([slot], device=eng.dev)
+            for j in range(eng.k):
+                xh = m.mtp_forward(xh, xt, n - 1 + j, ms)
+                if j == 0:
+                    eng.mtp_last[slot] = xh[0]
+                xt = eng._draft_pick(xh, j, base, which)  # [1, 1]
+                eng.drafts[slot, j] = xt[0, 0]
+            eng.MK[slot, :, : n - 1 + eng.k] = ms.k[0]
+            eng.MV[slot, :, : n - 1 + eng.k] = ms.v[0]
+        eng.pend[slot] = first
+        eng.pos[slot] = n
+        eng.active[slot] = True
+        eng._hi[slot], eng._on[slot] = n, True
+        return int(first)
+
+
+class StagedPrefill:
+    """Prompts prefilled by captured graphs (attention-only models): a one-slot staging
+    engine runs a prompt up to `max(sizes)` tokens at a time through the engine's own trunk
+    (the chunk padded to the next of `sizes`; the padded rows lie past the prompt, where
+    the next chunk or step overwrites them before anything reads them), the draft's rows
+    with it, and on the last chunk the first token and the first round's drafts; `install`
+    then copies the staging slot into a slot of `eng`. A prompt costs one replay per chunk
+    and a few copies instead of the reference forward's thousands of launches.
+
+    One prompt at a time: a job's chunks must run back to back (`job(...).run()` until it
+    returns the first token) before another job starts."""
+
+    def __init__(self, eng: DecodeEngine, sizes=(16, 32, 64, 128, 256)):
+        if eng.lin_idx:
+            raise CortiqError("decode engine: staged prefill runs attention-only models (a GDN layer's state "
+                              "needs the reference forward)")
+        self.eng = eng
+        self.sizes = sorted({min(int(c), eng.M) for c in sizes})  # a chunk never spans more positions than exist
+        C = self.sizes[-1]
+        st = self.st = DecodeEngine(eng.model, slots=1, max_len=eng.max_len, draft=eng.k, graphs=False)
+        dev = eng.dev
+        z = lambda *s, dtype=torch.long: torch.zeros(*s, dtype=dtype, device=dev)  # noqa: E731
+        self.tok, self.nxt = z(1, C), z(1, C)  # the chunk's tokens and the token after each
+        self.start, self.nreal, self.final = z(1), z(1), z(1, dtype=torch.bool)
+        self.first = z(1)
+        self.row = torch.zeros(1, eng.arch.hidden_size, dtype=eng.dt, device=dev)  # the prompt's last final row
+        st.active.fill_(True)
+        self.graphs = {}
+        if eng.graphs:
+            pool = torch.cuda.graph_pool_handle()
+            for c in reversed(self.sizes):
+                self.graphs[c] = st._capture(lambda c=c: self._chunk(c), pool)
+
+    def _chunk(self, c: int):
+        st = self.st
+        tok, nxt = self.tok[:, :c], self.nxt[:, :c]
+        H, _ = st._trunk(tok, self.start)  # [1, c, H]: K, V rows start..start+c-1
+        last = H[0].index_select(0, self.nreal - 1)[None]  # [1, 1, H]
+        first = st._pick(last)[:, 0]  # [1]
+        if st.k:
+            st._mtp(H, nxt, self.start)  # the draft's rows of the chunk (its last real one is redone below)
+            # the last real row reads the token after it: the next chunk's first, or on the last
+            # chunk the first decided token; that row is chain step 0 of the first round
+            after = torch.where(self.final, first, nxt[0].index_select(0, self.nreal - 1))
+            out0 = st._mtp(last, after[:, None], self.start + self.nreal - 1)
+            st.mtp_last.copy_(out0)
+            st._chain(out0, self.start + self.nreal)
+        self.first.copy_(first)
+        self.row.copy_(last[0])
+
+    def job(self, slot: int, ids, chunk: int = 0) -> "StagedJob":
+        return StagedJob(self, slot, ids, chunk)
+
+    def install(self, slot: int, n: int) -> int:
+        """The staged prompt of n tokens into `slot` of the engine, active -> its first token."""
+        e, st = self.eng, self.st
+        e.K[:, slot, :, :n].copy_(st.K[:, 0, :, :n])
+        e.V[:, slot, :, :n].copy_(st.V[:, 0, :, :n])
+        if e.k:
+            e.MK[slot, :, : n + e.k].copy_(st.MK[0, :, : n + e.k])
+            e.MV[slot, :, : n + e.k].copy_(st.MV[0, :, : n + e.k])
+            e.drafts[slot].copy_(st.drafts[0])
+            e.mtp_last[slot].copy_(st.mtp_last[0])
+        if hasattr(e, "serve_rows"):
+            e.serve_rows[slot].copy_(self.row[0])
+        e.temp[slot] = 0.0
+        e.pend[slot: slot + 1].copy_(self.first)
+        e.pos[slot] = n
+        e.active[slot] = True
+        e._hi[slot], e._on[slot] = n, True
+        return int(self.first[0])
+
+
+class StagedJob(_PromptJob):
+    """One prompt through `StagedPrefill`: `run()` -> None per chunk, then the first token."""
+
+    def __init__(self, sp: StagedPrefill, slot: int, ids, chunk: int):
+        super().__init__(sp.eng, slot, ids)
+        self.sp = sp
+        self.chunk = min(chunk, sp.sizes[-1]) if chunk > 0 else sp.sizes[-1]
+
+    @torch.no_grad()
+    def run(self) -> int | None:
+        if self.first is not None:
+            return self.first
+        sp, ids, n = self.sp, self.ids, self.n
+        a, b = self.at, min(self.at + self.chunk, n)
+        L = b - a
+        c = next(s for s in sp.sizes if s >= L)
+        after = ids[a + 1: b + 1]
+        sp.tok[0, :L].copy_(torch.tensor(ids[a:b]))
+        sp.nxt[0, :L].copy_(torch.tensor(after + [0] * (L - len(after))))
+        sp.start.fill_(a)
+        sp.nreal.fill_(L)
+        sp.final.fill_(b == n)
+        g = sp.graphs.get(c)
+        if g is not None:
+            g.replay()
+        else:
+            sp._chunk(c)
+        self.at = b
+        if b < n:
+            return None
+        self.first = sp.install(self.slot, n)
+        return self.first

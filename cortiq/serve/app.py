@@ -17,7 +17,7 @@ import json
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from .chat import ChatError, render_chat
-from .scheduler import Busy, Event, Request as GenRequest, Scheduler
+from .scheduler import Busy, Event, Outbox, Request as GenRequest, Scheduler, merged
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 256
@@ -45,6 +45,8 @@ class Served:
     bos: str = ""
     eos: str = ""
     max_body: int = 1 << 20
+    #: the HTTP side's share of a profile: seconds writing SSE chunks, chunks, loop wake-ups
+    profile: dict = field(default_factory=lambda: {"sse_seconds": 0.0, "sse_chunks": 0})
 
 
 class ApiError(Exception):
@@ -254,11 +256,22 @@ def build_app(served: Served) -> FastAPI:
         return {"prompt_tokens": len(req.ids), "completion_tokens": ev.tokens,
                 "total_tokens": len(req.ids) + ev.tokens}
 
+    outboxes: dict = {}
+
+    def _queue_nowait(q):
+        while not q.empty():
+            yield q.get_nowait()
+
     async def _events(req: GenRequest):
-        """Submit `req` and yield its events; a consumer that goes away cancels it."""
+        """Submit `req` and yield its events (those that queued up while the consumer was
+        busy as one); a consumer that goes away cancels it."""
         loop = asyncio.get_running_loop()
+        box = outboxes.get(loop)
+        if box is None:
+            box = outboxes[loop] = Outbox(loop)
+            served.profile["outbox"] = box.stats
         q: asyncio.Queue[Event] = asyncio.Queue()
-        req.sink = lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev)
+        req.sink = lambda ev: box.post(q, ev)
         try:
             sched.submit(req)
         except Busy as e:
@@ -266,7 +279,7 @@ def build_app(served: Served) -> FastAPI:
                            kind="server_error") from None
         try:
             while True:
-                ev = await q.get()
+                ev = merged(await q.get(), _queue_nowait(q))
                 yield ev
                 if ev.finish:
                     return
@@ -326,7 +339,11 @@ def build_app(served: Served) -> FastAPI:
                         yield _sse(_error_body(ev.error, "server_error"))
                         break
                     if ev.text:
-                        yield _sse({**head, "object": chunk, "choices": [choice(ev.text, None, False)]})
+                        t0 = time.perf_counter()
+                        line = _sse({**head, "object": chunk, "choices": [choice(ev.text, None, False)]})
+                        served.profile["sse_seconds"] += time.perf_counter() - t0
+                        served.profile["sse_chunks"] += 1
+                        yield line
                     if ev.finish:
                         yield _sse({**head, "object": chunk, "choices": [choice(None, ev.finish, True)]})
                         if include_usage:

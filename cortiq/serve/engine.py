@@ -14,6 +14,21 @@ A slot holds one sequence. The server's scheduler only uses this interface:
 `steps_all`: True when step and speculate must be given every active slot
 (the engine advances all of them together).
 
+The scheduler's pipelined interface, on top of those:
+
+    prefill_job(slot, ids, chunk)  a prompt a chunk per `run()` (None, then the logits [V])
+    set_pending(slot, tok)      the token the slot's next step feeds (a sampled first token)
+    launch(slots, depth, sample)
+                                one step (depth 0) or a speculative round verifying `depth`
+                                drafts for the slots, each feeding its pending token; rows in
+                                `sample` ({slot: (temperature, top_p, u)}) sample their next
+                                token, the others take the argmax -> a `Launched` whose
+                                `wait()` gives each slot's new tokens; the engine keeps each
+                                slot's last new token as its pending one, so the next launch
+                                needs nothing back from the host (the decode adapter returns
+                                before the device has finished)
+    fits(slots, need)           every slot has room for `need` more positions past the launched ones
+
 Two implementations:
 - `DecodeAdapter`: cortiq.model.decode.DecodeEngine behind this interface
   (preallocated KV and Gated DeltaNet state per slot, one batched forward
@@ -58,7 +73,8 @@ class Engine(ABC):
     def step(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor: ...
 
     @abstractmethod
-    def speculate(self, slots: Sequence[int], tokens: Sequence[int]) -> list[list[int]]: ...
+    def speculate(self, slots: Sequence[int], tokens: Sequence[int], depth: int = 0) -> list[list[int]]:
+        """depth: drafts verified this round (0: all `draft`)."""
 
     @abstractmethod
     def release(self, slot: int) -> None: ...
@@ -66,11 +82,76 @@ class Engine(ABC):
     @abstractmethod
     def length(self, slot: int) -> int: ...
 
+    # ── the pipelined interface (a synchronous default over the methods above) ──
+    def prefill_job(self, slot: int, ids: Sequence[int], chunk: int = 0):
+        self._check_prompt(slot, ids)
+        return _WholePrefill(self, slot, list(ids))
+
+    def set_pending(self, slot: int, tok: int) -> None:
+        self._pending()[slot] = int(tok)
+
+    def _pending(self) -> dict:
+        if not hasattr(self, "_pend"):
+            self._pend = {}
+        return self._pend
+
+    def bucket_for(self, rows: int) -> int:
+        """The batch size a step over slots 0..rows-1 runs at (the policy times steps by it)."""
+        return rows
+
+    def fits(self, slots: Sequence[int], need: int) -> bool:
+        return all(self.length(s) + need <= self.max_len for s in slots)
+
+    def launch(self, slots: Sequence[int], depth: int = 0, sample: dict | None = None,
+               chain: bool = True) -> Launched:
+        """(chain: whether a plain step also drafts for the next round; engines that always do ignore it)"""
+        import time
+
+        from .sampling import choose
+
+        pend = self._pending()
+        toks = [pend[s] for s in slots]
+        t0 = time.perf_counter()
+        if depth:
+            new = self.speculate(slots, toks, depth)
+        else:
+            logits = self.step(slots, toks)
+            rows = [(sample or {}).get(s, (0.0, 1.0, 0.0)) for s in slots]
+            picked = choose(logits, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                            self.picked).tolist()
+            new = [[t] for t in picked]
+        for s, n in zip(slots, new):
+            pend[s] = n[-1]
+        return Launched(slots, self.bucket_for(max(slots) + 1), depth, new, time.perf_counter() - t0)
+
     def _check_prompt(self, slot: int, ids: Sequence[int]):
         if not 0 <= slot < self.max_batch:
             raise CortiqError(f"engine: slot {slot} outside 0..{self.max_batch - 1}")
         if not ids or len(ids) >= self.max_len:
             raise CortiqError(f"engine: a prompt of {len(ids)} tokens (1..{self.max_len - 1} fit)")
+
+
+class Launched:
+    """A launched step: `wait()` -> each slot's new tokens (list per slot, in launch order);
+    `seconds` (after wait): the step's own time (device time on CUDA)."""
+
+    def __init__(self, slots, bucket: int, depth: int, new=None, seconds: float = 0.0):
+        self.slots, self.bucket, self.depth = list(slots), bucket, depth
+        self.new, self.seconds = new, seconds
+
+    def wait(self) -> list[list[int]]:
+        return self.new
+
+
+class _WholePrefill:
+    """A prompt prefilled in one go (engines without chunked prefill)."""
+
+    def __init__(self, eng, slot, ids):
+        self.eng, self.slot, self.ids, self.left = eng, slot, ids, len(ids)
+
+    def run(self):
+        self.left = 0
+        return self.eng.prefill(self.slot, self.ids)
 
 
 def make_engine(model, max_batch: int, max_len: int, draft: int = 0, kind: str = "auto") -> Engine:
@@ -96,12 +177,19 @@ def _row_keeping_engine():
             self._prefill_slot = None
             super().__init__(model, slots=slots, **kw)
 
-        def prefill(self, slot, ids, temperature=0.0):
-            self._prefill_slot = slot
-            try:
-                return super().prefill(slot, ids, temperature)
-            finally:
-                self._prefill_slot = None
+        def prefill_job(self, slot, ids, temperature=0.0, chunk=0):
+            job = super().prefill_job(slot, ids, temperature, chunk)
+            run = job.run
+
+            def run_keeping():  # the last chunk's pick is the prefill's: keep that slot's row
+                self._prefill_slot = slot
+                try:
+                    return run()
+                finally:
+                    self._prefill_slot = None
+
+            job.run = run_keeping
+            return job
 
         def _pick(self, h, temp=None):
             if temp is not None:  # the trunk's next-token choice: h [S, 1, H], or [1, 1, H] in prefill
@@ -114,6 +202,48 @@ def _row_keeping_engine():
     return RowKeeping
 
 
+def bucket_sizes(slots: int) -> list[int]:
+    """Batch sizes a step is built for: 1, 2, 4, ... below `slots`, then `slots`."""
+    out, b = [], 1
+    while b < slots:
+        out.append(b)
+        b *= 2
+    return out + [slots]
+
+
+class _DecodeLaunched(Launched):
+    """A decode-adapter step in flight: its tokens are being copied into pinned host
+    buffers behind the step on the device's stream; `wait()` waits for that copy only."""
+
+    def __init__(self, ad: "DecodeAdapter", slots, bucket, depth, bufs, done, t0, gens):
+        super().__init__(slots, bucket, depth)
+        self.ad, self.bufs, self.done, self.t0, self.gens = ad, bufs, done, t0, gens
+        self.hi_reads = ad.eng.hi_reads
+
+    def wait(self):
+        if self.new is not None:
+            return self.new
+        if self.done is not None:  # CUDA: the end event, then the step's device time
+            self.done.synchronize()
+            self.seconds = self.t0.elapsed_time(self.done) / 1000
+        else:  # the eager step's own time, taken at launch
+            self.seconds = self.t0
+        slots, ad = self.slots, self.ad
+        if self.depth:
+            pred, n = self.bufs[1][: self.bucket].tolist(), self.bufs[2][: self.bucket].tolist()
+            self.new = [pred[s][: n[s]] for s in slots]
+        else:
+            tok = self.bufs[0][: self.bucket].tolist()
+            self.new = [[tok[s]] for s in slots]
+        hi, exact = ad.eng._hi, ad.eng.hi_reads != self.hi_reads
+        for s, g, new in zip(slots, self.gens, self.new):
+            if ad.gen[s] == g:  # the slot still holds the request this step advanced
+                ad.lens[s] += len(new)
+                if not exact:  # the bound counted every draft as kept (unless it was read back since)
+                    hi[s] -= self.depth + 1 - len(new)
+        return self.new
+
+
 class DecodeAdapter(Engine):
     """cortiq.model.decode.DecodeEngine behind this interface. That engine
     keeps each slot's pending token and advances every active slot at once;
@@ -121,19 +251,39 @@ class DecodeAdapter(Engine):
     first sets the pending tokens to the scheduler's, and the logits come from
     the trunk's last hidden row per slot through the head. `picked` holds the
     engine's own greedy tokens of the last call, which the scheduler takes
-    for greedy requests (the same argmax, from the engine's own product)."""
+    for greedy requests (the same argmax, from the engine's own product).
+
+    `launch` (the scheduler's path) feeds nothing from the host: greedy rows'
+    pending tokens are the engine's own, sampled rows' are chosen on the device
+    from the step's logits and written back there. A step runs over the
+    smallest bucket of slots 0..b-1 holding every active slot (one captured
+    graph per bucket on CUDA), its new tokens go to pinned host memory by a
+    non-blocking copy, and an event marks when they are there."""
 
     steps_all = True
 
-    def __init__(self, model, max_batch: int, max_len: int, draft: int = 0, graphs: bool | None = None):
+    def __init__(self, model, max_batch: int, max_len: int, draft: int = 0, graphs: bool | None = None,
+                 buckets: list[int] | None = None):
         super().__init__(model, max_batch, max_len, draft)
         self.eng = _row_keeping_engine()(model, slots=max_batch, max_len=max_len, draft=draft, sampling=False,
-                                         graphs=graphs)
+                                         graphs=graphs, buckets=buckets or bucket_sizes(max_batch))
+        from ..model.decode import StagedPrefill
+
+        # prompts by captured chunk graphs where the model allows (attention only)
+        self.staged = None if self.eng.lin_idx else StagedPrefill(self.eng)
         # the engine keeps room for a verify block of draft+1 past every slot's next step
         self.max_len = max_len - draft
         self.lens = [0] * max_batch
+        self.gen = [0] * max_batch  # bumped when a slot changes hands (late results skip it)
         self.on: set[int] = set()
         self.picked: torch.Tensor | None = None
+        self.cuda = self.device.type == "cuda"
+        pin = dict(pin_memory=True) if self.cuda else {}
+        # a ring of host buffers: a launched step's tokens stay readable while the next runs
+        self._ring = [(torch.zeros(max_batch, dtype=torch.long, **pin),
+                       torch.zeros(max_batch, draft + 1, dtype=torch.long, **pin),
+                       torch.zeros(max_batch, dtype=torch.long, **pin)) for _ in range(3)]
+        self._next = 0
 
     def _logits(self, slots_t):
         return self.model.logits(self.eng.serve_rows[slots_t]).float()  # [B, V]
@@ -145,39 +295,120 @@ class DecodeAdapter(Engine):
         self.eng.pend[slots_t] = torch.tensor(list(tokens), device=self.device)
         return slots_t
 
+    def _rows(self) -> int:
+        return self.eng.bucket_for(max(self.on) + 1)
+
     @torch.no_grad()
     def prefill(self, slot, ids):
+        job = self.prefill_job(slot, ids)
+        out = None
+        while out is None:
+            out = job.run()
+        return out
+
+    def prefill_job(self, slot, ids, chunk: int = 0):
         self._check_prompt(slot, ids)
-        first = self.eng.prefill(slot, list(ids), 0.0)
-        self.lens[slot] = len(ids)
-        self.on.add(slot)
-        self.picked = torch.tensor([first], device=self.device)
-        return self._logits(torch.tensor([slot], device=self.device))[0]
+        return _AdapterPrefill(self, slot, list(ids), chunk)
+
+    def set_pending(self, slot, tok):
+        self.eng.pend[slot] = int(tok)
 
     @torch.no_grad()
     def step(self, slots, tokens):
         slots_t = self._feed(slots, tokens)
-        self.picked = self.eng.step()[slots_t]
+        self.picked = self.eng.step_on(self._rows())[slots_t]
         for s in slots:
             self.lens[s] += 1
         return self._logits(slots_t)
 
     @torch.no_grad()
-    def speculate(self, slots, tokens):
+    def speculate(self, slots, tokens, depth: int = 0):
         slots_t = self._feed(slots, tokens)
-        pred, n = self.eng.spec_step()
+        pred, n = self.eng.spec_on(self._rows(), depth or None)
         p, k = pred[slots_t].tolist(), n[slots_t].tolist()
         for s, ki in zip(slots, k):
             self.lens[s] += ki
         return [row[:ki] for row, ki in zip(p, k)]
 
+    def bucket_for(self, rows: int) -> int:
+        return self.eng.bucket_for(rows)
+
+    def fits(self, slots, need):
+        hi = self.eng._hi  # the engine's host-side bound, launched steps included
+        return all(hi[s] + need <= self.max_len for s in slots)
+
+    @torch.no_grad()
+    def launch(self, slots, depth: int = 0, sample: dict | None = None, chain: bool = True) -> Launched:
+        import time
+
+        from .sampling import choose
+
+        if set(slots) != self.on:
+            raise CortiqError(f"engine: steps every active slot together ({sorted(self.on)}), not {sorted(slots)}")
+        b = self._rows()
+        eng = self.eng
+        t0 = done = None
+        if self.cuda:
+            t0, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+        else:
+            t0 = time.perf_counter()
+        bufs = self._ring[self._next]
+        self._next = (self._next + 1) % len(self._ring)
+        if depth:
+            pred, n = eng.spec_on(b, depth)
+            bufs[1][:b].copy_(pred[:b], non_blocking=True)
+            bufs[2][:b].copy_(n[:b], non_blocking=True)
+        else:
+            out = eng.step_on(b, chain=chain)
+            if sample:  # those rows' tokens from the step's logits, decided on the device
+                ss = list(sample)
+                st = torch.tensor(ss, device=self.device)
+                rows = [sample[s] for s in ss]
+                tok = choose(self._logits(st), [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                             out[st])
+                eng.pend[st] = tok
+                out[st] = tok
+            bufs[0][:b].copy_(out[:b], non_blocking=True)
+        if done is not None:
+            done.record()
+        else:  # eager: the step has run; its time is the call's
+            t0 = time.perf_counter() - t0
+        return _DecodeLaunched(self, slots, b, depth, bufs, done, t0, [self.gen[s] for s in slots])
+
     def release(self, slot):
         self.eng.release(slot)
         self.on.discard(slot)
         self.lens[slot] = 0
+        self.gen[slot] += 1
 
     def length(self, slot):
         return self.lens[slot]
+
+
+class _AdapterPrefill:
+    """The decode engine's chunked prefill; the last `run()` gives the logits [V] and
+    activates the slot."""
+
+    def __init__(self, ad: DecodeAdapter, slot: int, ids: list[int], chunk: int):
+        self.ad, self.slot, self.n = ad, slot, len(ids)
+        self.job = ad.staged.job(slot, ids, chunk) if ad.staged else ad.eng.prefill_job(slot, ids, 0.0, chunk)
+
+    @property
+    def left(self) -> int:
+        return self.job.left
+
+    @torch.no_grad()
+    def run(self):
+        first = self.job.run()
+        if first is None:
+            return None
+        ad, slot = self.ad, self.slot
+        ad.gen[slot] += 1
+        ad.lens[slot] = self.n
+        ad.on.add(slot)
+        ad.picked = torch.tensor([first], device=ad.device)
+        return ad._logits(torch.tensor([slot], device=ad.device))[0]
 
 
 class LoopEngine(Engine):
@@ -218,12 +449,12 @@ class LoopEngine(Engine):
         return self.model.logits(torch.stack(rows)).float()
 
     @torch.no_grad()
-    def speculate(self, slots, tokens):
-        return [self._round(s, t) for s, t in zip(slots, tokens)]
+    def speculate(self, slots, tokens, depth: int = 0):
+        return [self._round(s, t, depth or self.draft) for s, t in zip(slots, tokens)]
 
-    def _round(self, slot: int, tok: int) -> list[int]:
-        """One draft-and-verify round of one slot, as model.generate.generate_speculative runs it."""
-        m, dev, k = self.model, self.device, self.draft
+    def _round(self, slot: int, tok: int, k: int) -> list[int]:
+        """One draft-and-verify round of one slot (k drafts), as model.generate.generate_speculative runs it."""
+        m, dev = self.model, self.device
         cache, h_prev = self.caches[slot], self.h_last[slot]
         n = cache.seen
         if n + k + 1 > self.max_len:

@@ -24,10 +24,10 @@ def choose(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[f
     renormalised; the token whose cumulative mass first exceeds u_b·mass."""
     dev = logits.device
     B = logits.shape[0]
-    t = torch.tensor(list(temperature), dtype=torch.float32, device=dev)  # [B]
     greedy = logits.argmax(-1) if greedy is None else greedy.to(dev)  # [B]
-    if bool((t <= 0).all()):
+    if all(x <= 0 for x in temperature):  # decided on the host: no wait for the device
         return greedy
+    t = torch.tensor(list(temperature), dtype=torch.float32, device=dev)  # [B]
     tp = torch.tensor(list(top_p), dtype=torch.float32, device=dev)[:, None]  # [B, 1]
     uu = torch.tensor(list(u), dtype=torch.float32, device=dev)[:, None]
     p = torch.softmax(logits.float() / t.clamp_min(1e-6)[:, None], -1)  # [B, V]

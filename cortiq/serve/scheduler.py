@@ -1,11 +1,23 @@
 """Continuous batching: one thread owns the engine; requests join free slots
 and leave between steps, so a new request never waits for the others to end.
 
-Each turn of the loop: admit waiting requests into free slots (a prefill each,
-which decides their first token), then one batched forward for every running
-request — with `speculative`, greedy requests take a draft-and-verify round
-together and sampling requests a plain step together — then the decided
-tokens go to each request's text, and finished requests give their slot back.
+Each turn of the loop: admit waiting requests into free slots and run their
+prompts a chunk at a time (at most `prefill_chunk` prompt tokens a turn, so a
+long prompt does not stall the running requests; the last chunk decides the
+first token), then launch one batched forward for every running request —
+with `speculative`, greedy requests take a draft-and-verify round together
+and sampling requests a plain step together — and only then handle the
+previous step's tokens: their text, stop checks and the events to each
+request's consumer. The engine keeps each slot's next token on its device,
+so the next step is under way while the host does that work.
+
+A request whose last token is in a step still running gets that step's
+tokens dropped (it has ended); a step is launched ahead only when every
+running request has room for it, else the loop first takes the running one.
+
+With `spec_auto`, a `DepthPolicy` picks each step between a plain step and
+rounds of 1..draft drafts, from the measured step times and each request's
+recent acceptance.
 
 The HTTP side talks to it through `submit` (thread-safe) and reads `Event`s
 from an asyncio queue the scheduler fills through the request's event loop.
@@ -19,8 +31,11 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+import time
+
 from ..errors import CortiqError
 from .detok import IncrementalText
+from .policy import DepthPolicy
 from .sampling import choose
 
 
@@ -54,6 +69,8 @@ class Request:
     text: IncrementalText | None = None
     rng: random.Random | None = None
     spec: bool = False  # runs draft-and-verify rounds
+    acc: float = 0.0  # recent drafts accepted and looked at (decaying sums): its acceptance
+    tries: float = 0.0
 
     def cancel(self):
         """Safe from any thread: the scheduler drops the request before its next step."""
@@ -65,20 +82,68 @@ class Busy(CortiqError):
 
 
 class Scheduler:
-    def __init__(self, engine, tokenizer, eos_ids=(), speculative: bool = False, max_waiting: int = 256):
+    def __init__(self, engine, tokenizer, eos_ids=(), speculative: bool = False, max_waiting: int = 256,
+                 spec_auto: bool = False, prefill_chunk: int = 0, overlap: bool = True):
         self.engine = engine
         self.tok = tokenizer
         self.eos = set(int(i) for i in eos_ids)
         self.speculative = bool(speculative and engine.draft)
+        self.policy = DepthPolicy(engine.draft) if (self.speculative and spec_auto) else None
+        self.prefill_chunk = prefill_chunk
+        self.overlap = overlap
         self.max_waiting = max_waiting
         self.waiting: deque[Request] = deque()
         self.active: dict[int, Request] = {}  # slot -> request
+        self.prefilling: list = []  # (request, prefill job), in arrival order
         self.free = list(range(engine.max_batch))
         self.cond = threading.Condition()
         self.stopping = False
         self.thread: threading.Thread | None = None
         #: counters for logs and benchmarks
         self.stats = {"steps": 0, "rounds": 0, "round_tokens": 0, "tokens": 0, "requests": 0}
+        #: host seconds of the loop by part, and device seconds of the steps (profiles read them)
+        self.prof = {"prefill": 0.0, "launch": 0.0, "wait": 0.0, "text": 0.0, "send": 0.0, "device": 0.0,
+                     "turns": 0, "loop": 0.0}
+        #: `trace(steps, path)`: torch.profiler over that many turns once the batch is full
+        self._trace_steps, self._trace_path, self._tracer, self._traced = 0, "", None, 0
+        self.trace_table = ""
+
+    def trace(self, steps: int, path: str) -> None:
+        """Record `steps` turns under torch.profiler, starting at the first turn with every
+        slot running; the Chrome trace goes to `path`, the operator table to `trace_table`."""
+        self._trace_steps, self._trace_path = steps, path
+
+    def _trace_turn(self):
+        if not self._trace_steps:
+            return
+        if self._tracer is None:
+            if len(self.active) < self.engine.max_batch:
+                return
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.engine.device.type == "cuda" else [])
+            self._tracer = profile(activities=acts)
+            self._tracer.__enter__()
+            return
+        self._traced += 1
+        if self._traced >= self._trace_steps:
+            tr, self._tracer, self._trace_steps = self._tracer, None, 0
+            tr.__exit__(None, None, None)
+            key = "self_cuda_time_total" if self.engine.device.type == "cuda" else "self_cpu_time_total"
+            self.trace_table = tr.key_averages().table(sort_by=key, row_limit=25)
+            if self._trace_path:
+                tr.export_chrome_trace(self._trace_path)
+
+    def profile(self) -> dict:
+        """The loop's time by part (host seconds; `device`: the steps' own time), the counters,
+        and the policy's choices and step times."""
+        out = {"host_seconds": {k: round(v, 4) for k, v in self.prof.items() if isinstance(v, float)},
+               "turns": self.prof["turns"], "stats": dict(self.stats)}
+        if self.policy is not None:
+            out["policy"] = self.policy.summary()
+        if self.trace_table:
+            out["torch_profiler"] = self.trace_table
+        return out
 
     # ── the HTTP side ──
     def submit(self, req: Request) -> None:
@@ -107,84 +172,181 @@ class Scheduler:
 
     # ── the loop ──
     def _loop(self):
+        flight = None  # the launched step whose tokens are not yet handled
         try:
             while True:
                 with self.cond:
-                    while not self.stopping and not self.waiting and not self.active:
+                    while not (self.stopping or self.waiting or self.active or self.prefilling or flight):
                         self.cond.wait()
                     if self.stopping:
                         break
                     admit = []
                     while self.waiting and len(admit) < len(self.free):
                         admit.append(self.waiting.popleft())
+                t0 = time.perf_counter()
                 try:
-                    self._turn(admit)
+                    flight = self._turn(admit, flight)
                 except Exception as e:  # an engine failure ends the running requests, not the server
                     print(f"cortiq serve: decoding failed: {type(e).__name__}: {e}", file=sys.stderr)
-                    for r in list(self.active.values()) + [r for r in admit if r.slot < 0]:
+                    flight = None
+                    for r in (list(self.active.values()) + [r for r, _ in self.prefilling]
+                              + [r for r in admit if r.slot < 0]):
                         self._end(r, "error", f"decoding failed: {e}")
+                    self.prefilling.clear()
+                self.prof["loop"] += time.perf_counter() - t0
+                self.prof["turns"] += 1
+                self._trace_turn()
         finally:
             with self.cond:
-                rest = list(self.waiting) + list(self.active.values())
+                rest = list(self.waiting) + list(self.active.values()) + [r for r, _ in self.prefilling]
                 self.waiting.clear()
+                self.prefilling.clear()
             for r in rest:
                 self._end(r, "error", "the server is shutting down")
 
-    def _turn(self, admit):
-        eng = self.engine
+    def _turn(self, admit, flight):
+        eng, prof = self.engine, self.prof
+        t0 = time.perf_counter()
         for r in admit:
             if r.cancelled:
                 continue
             r.slot = self.free.pop(0)
-            self.active[r.slot] = r
             r.spec = self.speculative and r.temperature <= 0
-            logits = eng.prefill(r.slot, r.ids)
-            tok = int(choose(logits[None], [r.temperature], [r.top_p], [r.rng.random()], eng.picked)[0])
-            self.stats["requests"] += 1
-            self._take(r, [tok])
+            self.prefilling.append((r, eng.prefill_job(r.slot, r.ids, self.prefill_chunk)))
+        self._prefill()
+        prof["prefill"] += time.perf_counter() - t0
         for r in [r for r in self.active.values() if r.cancelled]:
             self._end(r, None)
-        # a speculative round when every running request is greedy and has room for one, else a
-        # plain step for all (a sampling request needs its own distribution each token; a greedy
-        # request's plain step decides the same tokens)
-        running = list(self.active.values())
-        room = eng.max_len - eng.draft - 1
-        if running and all(r.spec and eng.length(r.slot) <= room for r in running):
-            plain, spec = [], running
-        else:
-            plain, spec = running, []
-        if plain:
-            logits = eng.step([r.slot for r in plain], [r.next_tok for r in plain])  # [B, V]
-            toks = choose(logits, [r.temperature for r in plain], [r.top_p for r in plain],
-                          [r.rng.random() for r in plain], eng.picked).tolist()
-            self.stats["steps"] += 1
-            for r, t in zip(plain, toks):
-                self._take(r, [t])
-        if spec:
-            new = eng.speculate([r.slot for r in spec], [r.next_tok for r in spec])
-            self.stats["rounds"] += len(spec)
-            for r, toks in zip(spec, new):
-                self.stats["round_tokens"] += len(toks)
-                self._take(r, toks)
+        nxt = self._launch(ahead=flight is not None)
+        if nxt is None and flight is not None:  # no room to run ahead: take the running step first
+            self._finish(flight)
+            flight = None
+            nxt = self._launch(ahead=False)
+        if flight is not None:
+            self._finish(flight)
+        if nxt is not None and not self.overlap:
+            self._finish(nxt)
+            nxt = None
+        return nxt
 
-    def _take(self, r: Request, toks: list[int]):
-        """Newly decided tokens of a running request, in order; ends it at EOS,
-        a stop string, max_tokens or a full context."""
-        pieces = []
-        for t in toks:
-            r.n_out += 1
-            self.stats["tokens"] += 1
-            if t in self.eos:
-                return self._end(r, "stop", "", pieces)
-            pieces.append(r.text.add(t))
-            if r.text.stopped:
-                return self._end(r, "stop", "", pieces)
-            if r.n_out >= r.max_tokens or self.engine.length(r.slot) + 1 > self.engine.max_len:
-                return self._end(r, "length", "", pieces)
-        r.next_tok = toks[-1]
-        text = "".join(pieces)
-        if text:
-            self._send(r, Event(text=text, tokens=r.n_out))
+    def _prefill(self):
+        """Prompt chunks of the prefilling requests, oldest first, up to prefill_chunk tokens
+        (at least one chunk); a finished prompt decides its request's first token."""
+        eng, budget = self.engine, self.prefill_chunk or float("inf")
+        while self.prefilling and budget > 0:
+            r, job = self.prefilling[0]
+            if r.cancelled:
+                self.prefilling.pop(0)
+                self._end(r, None)
+                continue
+            left = job.left
+            logits = job.run()
+            budget -= left - job.left
+            if logits is None:
+                continue
+            self.prefilling.pop(0)
+            self.active[r.slot] = r
+            tok = int(choose(logits[None], [r.temperature], [r.top_p], [r.rng.random()], eng.picked)[0])
+            eng.set_pending(r.slot, tok)
+            self.stats["requests"] += 1
+            self._take([r], [[tok]])
+
+    def _depth(self, running) -> int:
+        """Drafts the next round verifies (0: a plain step)."""
+        if not (self.speculative and all(r.spec for r in running)):
+            return 0
+        if self.policy is None:
+            return self.engine.draft
+        bucket = self.engine.bucket_for(max(r.slot for r in running) + 1)
+        prior = self.policy.alpha
+        return self.policy.choose(bucket, [(r.acc + 2 * prior) / (r.tries + 2) for r in running])
+
+    def _launch(self, ahead: bool):
+        """Launch the next step of the running requests -> (the step, its requests), or None
+        (nothing runs, or `ahead` and a request may not have room for it)."""
+        running = list(self.active.values())
+        if not running:
+            return None
+        eng = self.engine
+        slots = [r.slot for r in running]
+        depth = self._depth(running)
+        if depth and not eng.fits(slots, depth + 1):
+            depth = 0
+        if ahead and not eng.fits(slots, 1):
+            return None
+        t0 = time.perf_counter()
+        sample = {r.slot: (r.temperature, r.top_p, r.rng.random()) for r in running if r.temperature > 0}
+        step = eng.launch(slots, depth, sample, chain=self.policy is None)
+        self.prof["launch"] += time.perf_counter() - t0
+        return step, running
+
+    def _finish(self, flight):
+        """The tokens of a launched step, to its requests (those still running)."""
+        step, reqs = flight
+        t0 = time.perf_counter()
+        new = step.wait()
+        t1 = time.perf_counter()
+        self.prof["wait"] += t1 - t0
+        self.prof["device"] += step.seconds
+        if step.depth:
+            self.stats["rounds"] += len(reqs)
+            self.stats["round_tokens"] += sum(len(t) for t in new)
+        else:
+            self.stats["steps"] += 1
+        pol = self.policy
+        if pol is not None:
+            pol.record(step.bucket, step.depth, step.seconds)
+            if step.depth:
+                for r, toks in zip(reqs, new):
+                    tries = pol.accepted(len(toks) - 1, step.depth)
+                    r.acc = 0.9 * r.acc + len(toks) - 1
+                    r.tries = 0.9 * r.tries + tries
+        keep = [i for i, r in enumerate(reqs) if r.slot >= 0 and not r.cancelled]
+        self._take([reqs[i] for i in keep], [new[i] for i in keep])
+
+    def _take(self, reqs: list, toks: list):
+        """Newly decided tokens of running requests, in order; each ends at EOS, a stop
+        string, max_tokens or a full context. The text of every request's j-th token is
+        decoded in one pass over all of them."""
+        t0 = time.perf_counter()
+        eng = self.engine
+        pieces = [[] for _ in reqs]
+        ended: list = []  # (request, finish, pieces)
+        alive, j = list(range(len(reqs))), 0
+        while alive:
+            adding = []
+            for i in alive:
+                r = reqs[i]
+                r.n_out += 1
+                self.stats["tokens"] += 1
+                if toks[i][j] in self.eos:
+                    ended.append((r, "stop", pieces[i]))
+                else:
+                    adding.append(i)
+            texts = IncrementalText.add_many([reqs[i].text for i in adding], [toks[i][j] for i in adding])
+            alive = []
+            for i, piece in zip(adding, texts):
+                r = reqs[i]
+                pieces[i].append(piece)
+                if r.text.stopped:
+                    ended.append((r, "stop", pieces[i]))
+                elif r.n_out >= r.max_tokens or eng.length(r.slot) + 1 > eng.max_len:
+                    ended.append((r, "length", pieces[i]))
+                elif j + 1 < len(toks[i]):
+                    alive.append(i)
+            j += 1
+        t1 = time.perf_counter()
+        done = {id(r) for r, _, _ in ended}
+        for r, finish, ps in ended:
+            self._end(r, finish, "", ps)
+        for i, r in enumerate(reqs):
+            if id(r) not in done:
+                r.next_tok = toks[i][-1]
+                text = "".join(pieces[i])
+                if text:
+                    self._send(r, Event(text=text, tokens=r.n_out))
+        self.prof["text"] += t1 - t0
+        self.prof["send"] += time.perf_counter() - t1
 
     def _end(self, r: Request, finish: str | None, error: str = "", pieces=()):
         """Release the slot and send the last text and the end event (none when cancelled)."""
@@ -203,6 +365,49 @@ class Scheduler:
     def _send(r: Request, ev: Event):
         if r.sink is not None:
             r.sink(ev)
+
+
+class Outbox:
+    """Events from the scheduler thread to one asyncio loop, with one wake-up of the loop for
+    everything posted since its last drain (not one per event): `post` is thread-safe."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.items: list = []
+        self.lock = threading.Lock()
+        self.armed = False
+        self.stats = {"wakeups": 0, "events": 0}
+
+    def post(self, queue, ev: Event) -> None:
+        with self.lock:
+            self.items.append((queue, ev))
+            if self.armed:
+                return
+            self.armed = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self):
+        with self.lock:
+            items, self.items, self.armed = self.items, [], False
+        self.stats["wakeups"] += 1
+        self.stats["events"] += len(items)
+        for q, ev in items:
+            q.put_nowait(ev)
+
+
+def merged(first: Event, more) -> Event:
+    """One event for `first` and the events queued behind it (`more`: an iterator that
+    ends when none is left), stopping at an end event: their text joined."""
+    if first.finish:
+        return first
+    texts, ev = [first.text], first
+    for ev in more:
+        texts.append(ev.text)
+        if ev.finish:
+            break
+    if len(texts) == 1:
+        return first
+    return Event(text="".join(texts), finish=ev.finish, tokens=ev.tokens, error=ev.error)
 
 
 def collect(sched: Scheduler, req: Request, timeout: float = 600.0) -> tuple[str, Event]:

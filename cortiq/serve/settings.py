@@ -30,6 +30,13 @@ class ServeSettings:
     speculative: bool = setting(False, "speculative decoding with the model's MTP draft (greedy requests)")
     #: tokens the MTP chain drafts per round
     draft: int = setting(1, "--speculative: tokens drafted per round", lo=1)
+    #: choose each step between a plain step and a round of 1..draft drafts, from the measured
+    #: step times and each request's recent acceptance (so a large batch or a draft that is
+    #: rarely right runs plain steps); off: every all-greedy step is a round of `draft`
+    spec_auto: bool = setting(False, "--speculative: choose plain or a depth 1..draft each step (measured)")
+    #: prompt tokens run per scheduler turn (a long prompt takes several turns, between the
+    #: running requests' steps, so they do not stall); 0 = a whole prompt at once
+    prefill_chunk: int = setting(256, "prompt tokens prefilled per step (0: whole prompts)", lo=0)
     #: "decode" (= auto): static buffers, one batched forward, CUDA graphs on CUDA; "loop": the
     #: model's own cache and one forward per slot (the plain reference)
     engine: str = setting("auto", "decoding engine (auto: decode)", choices=("auto", "decode", "loop"))
@@ -37,6 +44,14 @@ class ServeSettings:
     device: str = setting("auto", "device: auto (CUDA when present), cpu, cuda, cuda:N")
     #: compute dtype; auto = bf16 on CUDA, f32 on CPU
     dtype: str = setting("auto", "compute dtype (auto: bf16 on CUDA, f32 else)", choices=COMPUTE)
+
+    # ── profiling ──
+    #: at shutdown, write where the decode loop's time went (JSON: host seconds by part, device
+    #: seconds of the steps, steps, tokens) to this path; "" = none
+    profile: str = setting("", "write the decode loop's time breakdown here at shutdown (JSON)")
+    #: with `profile`, also record this many steps under torch.profiler (the table of the top
+    #: operators goes into the JSON and a Chrome trace next to it); 0 = none
+    profile_steps: int = setting(0, "--profile: steps recorded by torch.profiler too", lo=0)
 
     # ── limits ──
     #: largest request body accepted (413 above)

@@ -20,9 +20,11 @@ from serve_helpers import CHATML, EOS, Server
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module", params=["plain", "speculative"])
+@pytest.fixture(scope="module", params=["plain", "speculative", "auto"])
 def server(request, served_model, tmp_path_factory):
-    extra = ["--speculative", "--draft", "2"] if request.param == "speculative" else []
+    extra = {"plain": [], "speculative": ["--speculative", "--draft", "2"],
+             # speculation chosen per step, prompts prefilled 4 tokens a turn
+             "auto": ["--speculative", "--draft", "2", "--spec-auto", "--prefill-chunk", "4"]}[request.param]
     srv = Server(served_model, tmp_path_factory.mktemp("log") / "serve.log", "--max-batch", "3", "--max-len", "200",
                  "--max-body-kb", "16", *extra)
     yield srv
@@ -30,7 +32,7 @@ def server(request, served_model, tmp_path_factory):
     log = srv.log.read_text()
     assert rc == 0, log  # SIGTERM is a clean shutdown
     assert "cortiq serve: stopped after" in log and "Traceback" not in log
-    assert ("speculative rounds" in log) == (request.param == "speculative")
+    assert ("speculative rounds" in log) == (request.param != "plain")
 
 
 @pytest.fixture(scope="module")

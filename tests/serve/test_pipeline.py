@@ -1,0 +1,219 @@
+"""The pipelined scheduler (next step launched before the last one's tokens are handled),
+bucketed steps, chunked prefill and speculation that decides per step give plain greedy
+decoding's tokens, whatever joins and leaves; the pieces they are built of."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from cortiq.model.decode import DecodeEngine
+from cortiq.model.generate import generate
+from cortiq.serve.detok import IncrementalText
+from cortiq.serve.engine import DecodeAdapter, LoopEngine, bucket_sizes
+from cortiq.serve.policy import DepthPolicy, expected_tokens
+from cortiq.serve.scheduler import Event, Request, Scheduler, collect, merged
+from cortiq.tokenizer import byte_tokenizer_json
+
+from serve_helpers import EOS, arch, drive, random_model
+
+PROMPTS = [[5, 17, 200, 3, 99, 41, 7], [1], [250, 251, 2, 9, 9, 9, 9, 9, 9, 9, 9, 9, 33], [64, 65], [3, 1, 2],
+           [0, 3, 1, 2, 2, 1, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 8], [2, 0], [9, 9, 8]]
+
+
+def _tok():
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(byte_tokenizer_json())
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(1) == [1] and bucket_sizes(8) == [1, 2, 4, 8] and bucket_sizes(12) == [1, 2, 4, 8, 12]
+
+
+@pytest.mark.parametrize("kind", ["llama", "hybrid"])
+def test_a_bucket_step_equals_the_full_step(kind):
+    """Slots 0..b-1 stepped as a bucket give the tokens (and leave the state) of a step over every slot."""
+    m = random_model(arch(kind), mix=0.5)
+    a, b = (DecodeEngine(m, slots=8, max_len=48, draft=2, buckets=bucket_sizes(8)) for _ in range(2))
+    for e in (a, b):
+        for s, p in enumerate(PROMPTS[:3]):
+            e.prefill(s, p)
+    for i in range(6):
+        if i % 3 == 2:
+            pa, na = a.spec_on(4, 1 + i % 2)
+            pb, nb = b.spec_on(8, 1 + i % 2)
+            assert torch.equal(na[:3], nb[:3]) and all(pa[s, : na[s]].tolist() == pb[s, : nb[s]].tolist()
+                                                      for s in range(3))
+        else:
+            assert a.step_on(4, chain=i % 2 == 0)[:3].tolist() == b.step_on(8, chain=i % 2 == 0)[:3].tolist()
+    assert a.pos.tolist() == b.pos.tolist()
+    with pytest.raises(Exception, match="active outside the first 2"):
+        a.step_on(2)
+    with pytest.raises(Exception, match="not a bucket"):
+        a.step_on(3)
+
+
+def test_chunked_prefill_equals_the_whole_prompt():
+    m = random_model(arch("llama"), mix=0.5)
+    whole = DecodeEngine(m, slots=2, max_len=48, draft=2)
+    parts = DecodeEngine(m, slots=2, max_len=48, draft=2)
+    p = PROMPTS[5]
+    first = whole.prefill(1, p)
+    job = parts.prefill_job(1, p, chunk=4)
+    runs = []
+    while (got := job.run()) is None:
+        runs.append(job.left)
+        assert not parts.active[1]  # the slot is installed by the last chunk only
+    assert got == first and runs == [15, 11, 7, 3]
+    torch.testing.assert_close(parts.drafts[1], whole.drafts[1])
+    torch.testing.assert_close(parts.MK[1, :, : len(p) + 1], whole.MK[1, :, : len(p) + 1], rtol=1e-5, atol=1e-5)
+    for _ in range(5):
+        assert parts.spec_step()[0][1].tolist() == whole.spec_step()[0][1].tolist()
+
+
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_staged_prefill_equals_the_reference_prefill(chunk):
+    """A prompt through the staging slot's chunk steps (padded to a size), copied into a slot,
+    leaves that slot as the reference prefill does: first token, drafts, caches, later rounds."""
+    from cortiq.model.decode import StagedPrefill
+
+    m = random_model(arch("qwen3"), mix=0.5)
+    ref = DecodeEngine(m, slots=3, max_len=48, draft=2)
+    eng = DecodeEngine(m, slots=3, max_len=48, draft=2)
+    sp = StagedPrefill(eng, sizes=(4, 8))
+    assert StagedPrefill(eng).sizes == [16, 32, 48]  # no chunk spans more positions than the cache has
+    for slot, p in [(2, PROMPTS[5]), (0, PROMPTS[1]), (1, PROMPTS[2])]:
+        first = ref.prefill(slot, p)
+        job, runs = sp.job(slot, p, chunk), 1
+        while (got := job.run()) is None:
+            runs += 1
+        assert got == first and runs == -(-len(p) // (min(chunk, 8) if chunk else 8))
+        n = len(p)
+        torch.testing.assert_close(eng.K[:, slot, :, :n], ref.K[:, slot, :, :n], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(eng.MK[slot, :, : n + 1], ref.MK[slot, :, : n + 1], rtol=1e-4, atol=1e-4)
+        assert eng.drafts[slot].tolist() == ref.drafts[slot].tolist() and eng.pos.tolist() == ref.pos.tolist()
+    for _ in range(6):
+        a, b = eng.spec_step(), ref.spec_step()
+        assert a[1].tolist() == b[1].tolist() and a[0].tolist() == b[0].tolist()
+
+
+def test_adapter_runs_the_smallest_bucket_and_decodes_as_alone():
+    m = random_model(arch("llama"))
+    eng = DecodeAdapter(m, max_batch=8, max_len=64)
+    seen = []
+    step_on = eng.eng.step_on
+    eng.eng.step_on = lambda b, chain=True: (seen.append(b), step_on(b, chain))[1]
+    # prompts join into the lowest free slot and leave: live rows span 1 to 8 slots
+    got, _ = drive(eng, PROMPTS, max_new=8, joins=[0, 0, 1, 3, 3, 3, 3, 9])
+    for p, g in zip(PROMPTS, got):
+        assert g == generate(m, p, max_new=8).tokens
+    assert 1 in seen and 8 in seen and set(seen) <= {1, 2, 4, 8}
+
+
+def _serve(sched, prompts, max_tokens, starts):
+    """Each prompt submitted from its own thread after waiting for `starts[i]` other answers
+    -> (text, end event, every event the request got)."""
+    out = [None] * len(prompts)
+    ends = threading.Semaphore(0)
+
+    def one(i):
+        for _ in range(starts[i]):
+            ends.acquire()
+        events = []
+        req = Request(ids=list(prompts[i]), max_tokens=max_tokens[i])
+        text, end = collect(sched, req, timeout=120)
+        sink = req.sink
+        req.sink = lambda ev: (events.append(ev), sink(ev))
+        out[i] = (text, end, events)
+        for _ in range(len(prompts)):
+            ends.release()
+
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(180)
+    return out
+
+
+def _answers_greedy(m, eng, tok, **kw):
+    """Eight requests through a scheduler on `eng`, joining and leaving: each answer (text, end,
+    token count) is plain greedy decoding's, and nothing reaches a request after its end."""
+    sched = Scheduler(eng, tok, [EOS], **kw).start()
+    try:
+        max_tokens = [12, 5, 20, 9, 1, 16, 7, 11]
+        got = _serve(sched, PROMPTS, max_tokens, starts=[0, 0, 0, 1, 1, 2, 4, 4])
+    finally:
+        sched.stop()
+    for p, n, (text, end, late) in zip(PROMPTS, max_tokens, got):
+        assert late == []  # a step in flight for an ended request is dropped
+        want = generate(m, p, max_new=n, eos_ids=[EOS]).tokens
+        assert text == tok.decode(want, skip_special_tokens=True)
+        assert end.tokens == len(want) and end.finish == ("stop" if want[-1] == EOS else "length")
+    return sched
+
+
+@pytest.mark.parametrize("mode,engine", [("plain", "decode"), ("speculative", "decode"), ("auto", "decode"),
+                                         ("auto", "loop"), ("plain-sync", "decode")])
+def test_the_scheduler_answers_plain_greedy_decoding(mode, engine):
+    """Concurrent requests joining and leaving, prompts prefilled 3 tokens a turn: every answer is
+    plain greedy decoding's, token for token, in plain, speculative and auto modes."""
+    m = random_model(arch("llama"), mix=0.5, seed=2)
+    draft = 0 if mode.startswith("plain") else 3
+    eng = (DecodeAdapter if engine == "decode" else LoopEngine)(m, 4, 64, draft=draft)
+    sched = _answers_greedy(m, eng, _tok(), speculative=bool(draft), spec_auto=mode == "auto", prefill_chunk=3,
+                            overlap=mode != "plain-sync")
+    if draft:
+        assert sched.stats["rounds"] > 0
+    if mode == "auto":
+        assert sum(sched.policy.chosen) > 0 and sched.profile()["policy"]["step_ms"]
+
+
+def test_depth_policy_takes_what_pays():
+    pol = DepthPolicy(3, explore=1000)
+    tried = []
+    for _ in range(8):  # each depth is timed twice first; cheap verify rounds
+        tried.append(pol.choose(8, [0.9] * 8))
+        pol.record(8, tried[-1], 1.0 + 0.1 * tried[-1])
+    assert tried == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert pol.choose(8, [0.9] * 8) == 3
+    assert pol.choose(8, [0.05] * 8) == 0  # drafts rarely right: plain
+    for d, t in enumerate([1.0, 2.0, 3.0, 4.0]):  # a compute-bound batch: a verify costs its rows
+        for _ in range(10):
+            pol.record(8, d, t)
+    assert pol.choose(8, [0.9] * 8) == 0
+    assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(0.0, 3) == 1.0
+
+
+def test_add_many_equals_add_and_events_merge():
+    tok = _tok()
+    texts = ["héllo wörld ✓", "plain ascii", "日本語のテキスト", "stop here: END no"]
+    ids = [tok.encode(t).ids for t in texts]
+    one = [IncrementalText(tok, ["END"] if i == 3 else []) for i in range(4)]
+    many = [IncrementalText(tok, ["END"] if i == 3 else []) for i in range(4)]
+    a, b = [[] for _ in texts], [[] for _ in texts]
+    for j in range(max(map(len, ids))):
+        rows = [i for i in range(4) if j < len(ids[i])]
+        for i in rows:
+            a[i].append(one[i].add(ids[i][j]))
+        for i, piece in zip(rows, IncrementalText.add_many([many[i] for i in rows], [ids[i][j] for i in rows])):
+            b[i].append(piece)
+    assert a == b and ["".join(x) + y.finish() for x, y in zip(b, many)] == texts[:3] + ["stop here: "]
+    ev = merged(Event(text="a", tokens=1), iter([Event(text="b", tokens=2), Event(text="c", finish="stop", tokens=3),
+                                                 Event(text="never")]))
+    assert (ev.text, ev.finish, ev.tokens) == ("abc", "stop", 3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["plain", "auto"])
+def test_the_pipelined_scheduler_with_captured_graphs_answers_greedy(mode):
+    """On CUDA (f32): bucket graphs, staged prefill graphs, steps launched ahead of the host."""
+    m = random_model(arch("llama"), mix=0.5, seed=2).to("cuda")
+    draft = 3 if mode == "auto" else 0
+    eng = DecodeAdapter(m, 4, 64, draft=draft)
+    assert eng.eng.graphs and eng.staged.graphs
+    _answers_greedy(m, eng, _tok(), speculative=bool(draft), spec_auto=bool(draft), prefill_chunk=5)
