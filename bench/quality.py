@@ -452,7 +452,7 @@ def panel_sets(cache: Path, source: Path, tiny: bool) -> dict[str, Path]:
         if not store.is_complete(d):
             if name == "heal":
                 bs = BuildSettings(record_tokens=512, fractions=(0.8, 0.1, 0.1) if tiny else (0.94, 0.03, 0.03),
-                                   max_total_tokens=30000 if tiny else 0)
+                                   max_total_tokens=12000 if tiny else 0)
             elif name == "pydoc":
                 # cut and split as a corpus:pydoc retain source is (the split goes by a hash of the
                 # record id), so its test split is text the retain data never trained on
@@ -472,10 +472,10 @@ def panel_rows(tiny: bool, retain: list[str]):
     from cortiq.data.settings import RetainSettings
 
     small = dict(masks=MaskSettings(max_steps=12, window=64, batch=2, val_windows=4, eval_every=4)) if tiny else {}
-    hw = dict(window=64, batch=4, eval_every=5, head_chunk=1024) if tiny else dict(head_chunk=8192)
-    budget = dict(tokens=20000) if tiny else {}
+    hw = dict(window=64, batch=4, eval_every=4, head_chunk=1024) if tiny else dict(head_chunk=8192)
+    budget = dict(tokens=4096) if tiny else {}
     c = CompressSettings(**small)
-    rs = RetainSettings(sources=retain, tokens=20000 if tiny else 1_000_000)
+    rs = RetainSettings(sources=retain, tokens=8000 if tiny else 1_000_000)
     new = HealSettings(**hw, **budget)
     return [
         ("today's defaults (1 epoch, no retain)", c, None, HealSettings(**hw, epochs=1.0, patience=0)),
