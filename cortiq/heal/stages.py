@@ -218,8 +218,15 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
     if retain is not None and retain.sources:
         from ..data.retain import cli_runner, with_retain
 
-        tdata_dir, panel = with_retain(user_data, teacher or student_cmf, retain, cli_runner(work, logger, progress),
-                                       work, logger, progress)
+        def mixed():
+            return with_retain(user_data, teacher or student_cmf, retain, cli_runner(work, logger, progress), work,
+                               logger, progress)
+
+        if dist.active():  # the data stages run in one process: rank 0 makes them, the others then reuse them
+            if dist.is_main():
+                mixed()
+            dist.barrier()
+        tdata_dir, panel = mixed()
         check_inputs(student_cmf, teacher, tdata_dir, s)
 
     def step(stage, **params):
