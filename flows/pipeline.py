@@ -225,6 +225,11 @@ def finish(st: Stages, label: str, model: str, register: bool = True) -> dict:
     set's model in the registry (`champion` moves only on a better test NLL).
     Returns the summary."""
     st.artifacts({label: model})
+    g = gap(st)
+    if g is not None:  # both named texts, as the summary and the registry report them
+        from .tracking import log_json
+
+        log_json(st.log, "texts.json", g["texts"], "provenance")
     if register:
         from .registry import register_final
 
