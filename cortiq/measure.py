@@ -60,6 +60,44 @@ def gap_recovered(nll: dict) -> float | None:
     return (nll["student"] - nll["healed"]) / (nll["student"] - nll["source"])
 
 
+def text_gap(text: str, nll: dict) -> dict:
+    """One named text's line of a report: the NLLs ({source, student, healed}, those
+    present), each model's excess NLL over the source, and the gap recovered."""
+    out: dict = {"text": text, "nll": dict(nll)}
+    if "source" in nll:
+        out["excess"] = {k: v - nll["source"] for k, v in nll.items() if k != "source"}
+    g = gap_recovered(nll) if "student" in nll and "healed" in nll else None
+    if g is not None:
+        out["gap_recovered"] = g
+    return out
+
+
+def panel_gap(parts: dict[str, dict]) -> dict | None:
+    """The general panel over its texts ({name: text_gap}): each model's NLL the mean over
+    the texts (each text counts once, whatever its length), with its excess and gap; the
+    texts themselves under `parts`. None with no text."""
+    if not parts:
+        return None
+    models = [m for m in next(iter(parts.values()))["nll"] if all(m in p["nll"] for p in parts.values())]
+    nll = {m: sum(p["nll"][m] for p in parts.values()) / len(parts) for m in models}
+    out = text_gap("general panel (held-out text of other sources, never trained on: " + ", ".join(parts) + ")", nll)
+    out["parts"] = parts
+    return out
+
+
+def gap_line(name: str, t: dict) -> str:
+    """A report's line of one named text: gap recovered and excess NLL over the source."""
+    ex = t.get("excess") or {}
+    bits = []
+    if "gap_recovered" in t:
+        bits.append(f"gap recovered {t['gap_recovered']:.1%}")
+    if "healed" in ex:
+        bits.append(f"excess NLL over the source {ex['healed']:+.4f}" +
+                    (f" (pruned {ex['student']:+.4f})" if "student" in ex else ""))
+    return f"{name}: " + (", ".join(bits) or "NLL " + "  ".join(f"{k} {v:.4f}" for k, v in t["nll"].items())) + \
+        f", on {t['text']}"
+
+
 def recode(src_cmf, out_cmf, codec: str, provenance: dict | None = None, verify: bool = True, finite: bool = True,
            progress=None) -> Path:
     """`src_cmf` with every tensor in the codec `codecs.choose` gives it for

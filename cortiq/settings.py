@@ -36,6 +36,7 @@ STAGE_SETTINGS = {
     "compress": ("cortiq.compress.settings", "CompressSettings"),
     "heal": ("cortiq.heal.settings", "HealSettings"),
     "mtp": ("cortiq.mtp.settings", "MtpSettings"),
+    "retain": ("cortiq.data.settings", "RetainSettings"),
 }
 
 #: keys a stage group holds beside its dataclass's fields (the data group names its sources)
@@ -135,6 +136,9 @@ class PipelineSettings:
     heal: dict = field(default_factory=dict)
     #: cortiq.mtp.settings.MtpSettings: draft head healing
     mtp: dict = field(default_factory=dict)
+    #: cortiq.data.settings.RetainSettings: retain text mixed into the masks, Grams and heal; its test splits
+    #: are the general panel every report scores
+    retain: dict = field(default_factory=dict)
     #: run the MTP heal (needs a source with an MTP block, or one is initialised; see cortiq.mtp)
     mtp_enabled: bool = setting(True, "heal the MTP draft (a source without one gets a fresh one)")
     # ── score and re-encode ──

@@ -16,7 +16,7 @@ from cortiq.data.build import DATA
 from cortiq.heal.prefix import PREFIX
 from cortiq.heal.stages import HEAL, TRAIN
 from cortiq.heal.targets import TARGETS
-from cortiq.measure import REENCODE, SCORE, gap_recovered
+from cortiq.measure import REENCODE, SCORE, panel_gap, text_gap
 from cortiq.mtp import MTP, MTP_INIT, TRUNK
 from cortiq.mtp.init import has_draft
 from cortiq.pipeline import plain
@@ -45,29 +45,69 @@ def score(st: Stages, s: PipelineSettings, label: str, model: str, tdata: str, s
                   settings={"window": s.score_window, "max_tokens": s.score_tokens, "loss_on": "answer", "split": split})
 
 
+def retained(st: Stages, s: PipelineSettings, source: str, tdata: str) -> tuple[str, dict]:
+    """(the tdata the masks, Grams and heal read: the user's data with the retain sources mixed in, or
+    the user's alone; {name: retain tdata}, whose test splits are the general panel). Made once a run."""
+    memo = getattr(st, "retained", None)
+    if memo is None:
+        from cortiq.data.retain import with_retain
+
+        memo = st.retained = with_retain(tdata, source, s.stage("retain"),
+                                         lambda stage, key=None, **p: st.run(stage, key, **p), st.out_root,
+                                         progress=False)
+    return memo
+
+
 def metric(st: Stages, key: str, name: str) -> float | None:
     """A finished stage's report metric (None while the stage has not run)."""
     v = (((st.results.get(key) or {}).get("report") or {}).get("metrics") or {}).get(name)
     return None if v is None else float(v)
 
 
-def gap(st: Stages) -> dict | None:
-    """The share of the pruning's NLL loss the heal won back, once source, pruned
-    and healed are scored: on the held-out text of another source when the
-    parameter set names one (data.eval_sources, scored as score.eval.*), else on
-    the data's own test split. {"text", "nll", "gap_recovered"}."""
-    ev = st.settings.extra("data", "eval_sources")
-    pre = "score.eval." if ev else "score."
+def _nll3(st: Stages, pre: str) -> dict | None:
     nll = {name: metric(st, f"{pre}{label}", "nll")
            for name, label in (("source", "source"), ("student", "pruned"), ("healed", "healed"))}
-    if any(v is None for v in nll.values()):
+    return None if any(v is None for v in nll.values()) else nll
+
+
+def texts(st: Stages) -> dict:
+    """The two named texts every report shows, once source, pruned and healed are scored:
+    "data" (the test split of the parameter set's data) and "panel" (the general panel: the
+    retain sources' test splits, scored as score.panel.NAME.*, and data.eval_sources, scored
+    as score.eval.*; text no stage trained on), each with its NLLs, excess and gap."""
+    out = {}
+    nll = _nll3(st, "score.")
+    if nll is not None:
+        out["data"] = text_gap("test split of the parameter set's data (in-domain)", nll)
+    parts = {}
+    for name in dict.fromkeys(k.split(".")[2] for k in st.results if k.startswith("score.panel.")):
+        nll = _nll3(st, f"score.panel.{name}.")
+        if nll is not None:
+            parts[name] = text_gap(f"the test split of the retain source {name}", nll)
+    ev = st.settings.extra("data", "eval_sources")
+    nll = _nll3(st, "score.eval.") if ev else None
+    if nll is not None:
+        parts["eval"] = text_gap(f"held-out text of another source: {', '.join(ev)}", nll)
+    if parts:
+        out["panel"] = panel_gap(parts)
+    return out
+
+
+def gap(st: Stages) -> dict | None:
+    """The share of the pruning's NLL loss the heal won back: on the general panel when the
+    parameter set has one (retain sources, data.eval_sources), else on the data's own test
+    split. {"text", "nll", "gap_recovered", "excess", "texts": both named texts}."""
+    t = texts(st)
+    g = t.get("panel") or t.get("data")
+    if g is None:
         return None
-    text = f"held-out text of another source: {', '.join(ev)}" if ev else "test split of the parameter set's data (in-domain)"
-    return {"text": text, "nll": nll, "gap_recovered": gap_recovered(nll)}
+    return {"gap_recovered": None, **g, "texts": t}
 
 
 def log_gap(st: Stages) -> None:
-    """heal.gap_recovered and the three NLLs it comes from as MLflow metrics; the tag heal.gap_text says on which text."""
+    """heal.gap_recovered and the three NLLs it comes from as MLflow metrics, the tag heal.gap_text
+    saying on which text; and per named text (data, panel) heal.<text>.gap_recovered and
+    heal.<text>.excess_nll (the healed model's NLL over the source's), the tag heal.<text>_text."""
     g = gap(st)
     if g is None:
         return
@@ -75,13 +115,18 @@ def log_gap(st: Stages) -> None:
     st.log.log_metrics({"heal.nll.source": n["source"], "heal.nll.pruned": n["student"], "heal.nll.healed": n["healed"],
                         **({} if g["gap_recovered"] is None else {"heal.gap_recovered": g["gap_recovered"]})})
     st.log.set_tags({"heal.gap_text": g["text"]})
+    for name, t in g["texts"].items():
+        vals = {f"heal.{name}.gap_recovered": t.get("gap_recovered"), f"heal.{name}.excess_nll": t["excess"]["healed"],
+                **{f"heal.{name}.{p}.excess_nll": q["excess"]["healed"] for p, q in t.get("parts", {}).items()}}
+        st.log.log_metrics({k: v for k, v in vals.items() if v is not None})
+        st.log.set_tags({f"heal.{name}_text": t["text"]})
 
 
 def student(st: Stages, s: PipelineSettings) -> tuple[str, str, str]:
     """source → data → compress: (source CMF, tdata, the student), every flow's opening."""
     source = model_source(st, s)
     tdata = data(st, s, source)
-    return source, tdata, compress(st, s, source, tdata)
+    return source, tdata, compress(st, s, source, retained(st, s, source, tdata)[0])
 
 
 def through_heal(st: Stages, s: PipelineSettings) -> tuple[str, str]:
@@ -91,12 +136,17 @@ def through_heal(st: Stages, s: PipelineSettings) -> tuple[str, str]:
 
 
 def healed_and_scored(st: Stages, s: PipelineSettings, source: str, pruned: str, tdata: str) -> str:
-    """heal → score source, pruned and healed on the same test split, and on every
-    record of data.eval_sources when given (text no stage trained on): the healed model."""
-    healed = heal(st, s, source, pruned, tdata)
+    """heal (on the data with the retain sources mixed in) → score source, pruned and healed on the
+    data's test split, on each retain source's test split (the general panel), and on every record of
+    data.eval_sources when given (text no stage trained on): the healed model."""
+    mixed, panel = retained(st, s, source, tdata)
+    healed = heal(st, s, source, pruned, mixed)
     models = (("source", source), ("pruned", pruned), ("healed", healed))
     for label, model in models:
         score(st, s, label, model, tdata)
+    for name, d in panel.items():
+        for label, model in models:
+            score(st, s, f"panel.{name}.{label}", model, d)
     ev = s.extra("data", "eval_sources")
     if ev:
         etd = st.run(DATA, "data.eval", sources=ev, model=source, settings=plain(s.stage("data")))["path"]
@@ -175,6 +225,11 @@ def finish(st: Stages, label: str, model: str, register: bool = True) -> dict:
     set's model in the registry (`champion` moves only on a better test NLL).
     Returns the summary."""
     st.artifacts({label: model})
+    g = gap(st)
+    if g is not None:  # both named texts, as the summary and the registry report them
+        from .tracking import log_json
+
+        log_json(st.log, "texts.json", g["texts"], "provenance")
     if register:
         from .registry import register_final
 

@@ -127,9 +127,14 @@ def register_final(st, model: str | Path) -> dict:
 
     g = gap(st)
     s = st.settings
+    # both named texts: the data's own test split and the general panel (each text's gap and excess NLL)
+    tags = {}
+    for name, t in ((g or {}).get("texts") or {}).items():
+        tags.update({f"{name}_text": t["text"], f"{name}_excess_nll": _fmt(t["excess"]["healed"]),
+                     f"{name}_gap_recovered": _fmt(t.get("gap_recovered"))})
     out = register(st.log.client, s.name, st.log.run_id, model, s.run.artifact_limit_mb, metric(st, "score.healed", "nll"),
                    (st.results.get("data") or {}).get("digest", ""), g and g["gap_recovered"],
-                   metric(st, "mtp", "drafts_per_round_after"))
+                   metric(st, "mtp", "drafts_per_round_after"), tags)
     print(f"registered {out['name']} v{out['version']}" + (" (champion)" if out["champion"] else "") + f": {out['reason']}")
     return out
 

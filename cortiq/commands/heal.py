@@ -30,6 +30,23 @@ def add_arguments(p):
     p.add_argument("--no-score", action="store_true", help="skip scoring source, student and healed (test split and --eval-data)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_settings(p, HealSettings, title="heal settings")
+    add_retain(p)
+
+
+def add_retain(p):
+    """The retain data's options (--retain-sources, --retain-share, ...): the parameter files' retain group."""
+    from ..data.settings import RetainSettings
+    from ..settings_meta import add_arguments as add_settings
+
+    add_settings(p, RetainSettings, prefix="retain.", title="retain data (mixed into every batch; its test splits "
+                                                           "make the general panel)")
+
+
+def retain_args(args):
+    from ..data.settings import RetainSettings
+    from ..settings_meta import from_args
+
+    return from_args(RetainSettings, args, prefix="retain.")
 
 
 def run(args) -> int:
@@ -56,7 +73,8 @@ def run(args) -> int:
     dist.init()
     try:
         rep = heal(args.student, args.teacher, args.data, s, args.out, work_dir=args.work, progress=not args.quiet,
-                   score_split=None if args.no_score else "test", eval_data=None if args.no_score else args.eval_data)
+                   score_split=None if args.no_score else "test", eval_data=None if args.no_score else args.eval_data,
+                   retain=retain_args(args))
     finally:
         dist.finish()
     if rep is None:  # another rank than 0: rank 0 reports
@@ -66,15 +84,21 @@ def run(args) -> int:
           f"(best step {m['best_step']} of {m['steps']}, {m['sec_per_step']:.2f} s/step)")
     if "nll" in rep and "eval_nll" in rep:
         print("test NLL (heal data): " + "  ".join(f"{k} {v:.4f}" for k, v in rep["nll"].items()))
+    from ..measure import gap_line
+
     gap = rep.get("gap")
+    texts = rep.get("texts") or {}
     if gap:
         names = {"source": "source", "student": "pruned", "healed": "healed"}
         line = "NLL on " + gap["text"] + ": " + "  ".join(f"{names[k]} {v:.4f}" for k, v in gap["nll"].items())
         if "gap_recovered" in gap:
             line += f"  (gap recovered {gap['gap_recovered']:.1%})"
         print(line)
+    for name, label in (("data", "your data"), ("panel", "general panel")):
+        if name in texts:
+            print(gap_line(label, texts[name]))
     # whole or not at all, and a full disk named (a half-written report would read as finished)
     write_text(str(args.out) + ".report.json", json.dumps({"metrics": m, "nll": rep.get("nll"),
-                                                           "eval_nll": rep.get("eval_nll"), "gap": gap,
+                                                           "eval_nll": rep.get("eval_nll"), "gap": gap, "texts": texts,
                                                            "evals": rep["evals"]}, indent=2))
     return 0

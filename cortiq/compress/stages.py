@@ -354,13 +354,15 @@ GPTQ = Stage("gptq", VERSIONS["gptq"], _gptq, GptqSettings, ("model", "grams"), 
 
 
 def compress(source_cmf, tdata_dir, settings: CompressSettings, out_cmf, logger: tracking.Logger = tracking.NULL,
-             work=None, log=None) -> dict:
+             work=None, log=None, retain=None) -> dict:
     """masks → grams (when the fold repairs, ranks without masks, or GPTQ
     needs them) → fold → gptq through the stage runner, each stage reused
     when its output under `work` (default: the cortiq home's work/, where the
     flows keep theirs too) is complete; the student is then put at `out_cmf`.
-    Returns every stage's report."""
+    `retain` (cortiq.data.settings.RetainSettings) mixes retain text into the
+    data the masks and Grams see. Returns every stage's report."""
     from .. import pipeline
+    from ..data.retain import cli_runner, with_retain
 
     s = settings
     _resources(s.device, s.compute_dtype)  # a bad device fails here, before any stage runs
@@ -376,6 +378,9 @@ def compress(source_cmf, tdata_dir, settings: CompressSettings, out_cmf, logger:
         return r["path"]
 
     rep: dict = {"stages": {}}
+    if retain is not None and retain.sources:
+        tdata_dir, panel = with_retain(tdata_dir, source_cmf, retain, cli_runner(root, logger), root, logger)
+        say(f"retain: {', '.join(panel)} mixed in at {retain.share:.0%} -> {tdata_dir}")
     masks_dir = grams_dir = None
     if s.learn_masks:
         masks_dir = step(MASKS, model=source_cmf, tdata=tdata_dir, settings=s.masks, compute_dtype=s.compute_dtype, **how)

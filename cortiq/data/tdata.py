@@ -232,9 +232,12 @@ class Tdata:
         A token weighs 1 when it is scored: in `answer` mode from its record's
         `first` on, in `all` mode every token but its record's first (nothing
         inside a record predicts it). `order`: "hash" (FNV-1a of the rid) or "file"."""
+        return self.stream_rows(self.hash_order(split) if order == "hash" else self.indices(split), loss_on)
+
+    def stream_rows(self, rows: np.ndarray, loss_on: str = "answer") -> tuple[np.ndarray, np.ndarray]:
+        """`stream` of the records `rows`, in the order given: (ids [n] int64, weight [n] float32)."""
         if loss_on not in LOSS_ON:
             raise CortiqError(f"loss_on must be one of {', '.join(LOSS_ON)}, not {loss_on!r}")
-        rows = self.hash_order(split) if order == "hash" else self.indices(split)
         ids, pos, _ = self.flat(rows)
         if loss_on == "answer":
             first = np.repeat(self._first[rows], self.lengths(rows))  # [n]

@@ -39,6 +39,10 @@ class Windows:
     #: [N, T] float32 each row's weight: 1 when its next token is scored, else 0
     weight: np.ndarray
     pad_id: int
+    #: [N] int64 the source of each window (0: the user's data, 1..: retain sources), or None for one source
+    source: np.ndarray | None = None
+    #: the sources' names, by index
+    names: tuple[str, ...] = ()
 
     @property
     def T(self) -> int:
@@ -109,9 +113,15 @@ def cut_windows_reference(ids: np.ndarray, weight: np.ndarray, T: int, pad_id: i
 
 
 def windows(td: Tdata, split: str, T: int, pad_id: int | None = None, loss_on: str = "answer") -> Windows:
-    """The windows of `split` (records in FNV-1a order of their rids); `pad_id` defaults to the EOS id."""
+    """The windows of `split` (records in FNV-1a order of their rids); `pad_id` defaults to the EOS id.
+    A mix of retain data (cortiq.data.retain) is cut source by source and interleaved at its shares."""
+    pad = td.eos_id if pad_id is None else int(pad_id)
+    if td.meta.get("mix"):
+        from .retain import mix_windows
+
+        return mix_windows(td, split, T, pad, loss_on)
     ids, weight = td.stream(split, loss_on)
-    return cut_windows(ids, weight, T, td.eos_id if pad_id is None else int(pad_id))
+    return cut_windows(ids, weight, T, pad)
 
 
 # ── packed windows (MTP) ─────────────────────────────────────────────────

@@ -20,6 +20,8 @@ TARGETS = ("topk", "topk+rest", "sampled", "full")
 MEMORY_PARTS = ("checkpoint", "micro", "adam8")
 #: how training spreads over GPUs (see `HealSettings.shard`)
 SHARDS = ("auto", "ddp", "fsdp")
+#: how a heal with retain data mixes its sources (see `HealSettings.mix`)
+MIXES = ("fixed", "dynamic")
 
 
 @dataclass
@@ -69,8 +71,28 @@ class HealSettings:
                            choices=("answer", "all"))
 
     # ── the run ──
-    #: passes over the train windows (fractions allowed)
-    epochs: float = setting(1.0, "passes over the train windows (fractions allowed)", gt=0, **EPOCHS)
+    #: passes over the train windows (fractions allowed); 0: as many as `tokens` takes
+    epochs: float = setting(0.0, "passes over the train windows, fractions allowed (0: as many as --tokens "
+                                 "takes)", lo=0, **EPOCHS)
+    #: the heal's budget in train tokens (steps × batch × window) when `epochs` is 0, the
+    #: windows repeating as often as it takes: one pass over a novel (24 steps) had not
+    #: converged, and a 135M model's heal levels off within 2M tokens (bench/QUALITY.md)
+    tokens: int = setting(2_000_000, "heal budget in train tokens when --epochs is 0 (the data repeats as needed)",
+                          lo=1, metavar="N")
+    #: stop when this many held-out evaluations in a row did not lower the best held-out loss
+    #: by `min_improve` of it (0: run the whole budget); the best checkpoint is kept either way
+    patience: int = setting(4, "stop after this many held-out evaluations in a row without a better loss "
+                               "(0: never stop early)", lo=0)
+    #: the relative drop of the best held-out loss an evaluation must make to count as better
+    min_improve: float = setting(0.002, "relative drop of the best held-out loss that counts as better "
+                                        "(the plateau stop)", lo=0, lt=1)
+    #: with retain data: "fixed" (every batch holds each source at its share), "dynamic" (the
+    #: shares move toward the sources whose held-out KL to the teacher is largest at each
+    #: evaluation, an exponentiated update as in Sheared-LLaMA's dynamic batch loading)
+    mix: str = setting("fixed", "batch mix of the data's sources with retain data: fixed (their shares) or "
+                                "dynamic (toward the largest held-out gap to the teacher)", choices=MIXES)
+    #: step size of the dynamic mix: shares scale by exp(mix_lr · gap / mean gap) per evaluation
+    mix_lr: float = setting(1.0, "step size of the dynamic mix's exponentiated update", gt=0, hi=10)
     #: peak learning rate (Adam). Swept at 1M tokens, sampled, ce 0, 16 windows
     #: of 512 a step: 2e-4 recovered 85 % on unseen plays / 33 % on pydoc,
     #: 6e-4 97 % / 36 %, 1.5e-3 103 % / 23 %; 6e-4 gives up 5 points on the

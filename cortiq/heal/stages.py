@@ -12,7 +12,7 @@ import torch
 
 from .. import dist, pipeline, store, tracking
 from ..errors import CortiqError
-from ..measure import gap_recovered, score  # noqa: F401  (heal's names for them)
+from ..measure import gap_recovered, panel_gap, score, text_gap  # noqa: F401  (heal's names for them)
 from ..pipeline import Stage, settings_gpus
 from . import prefix as prefix_mod
 from . import targets as targets_mod
@@ -75,7 +75,7 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
 
     from ..model import load_model
     from .parallel import prepare
-    from .train import Objective, SplitData, StudentTail, fit, train_index, val_index
+    from .train import Objective, SplitData, StudentTail, fit, train_index, val_index, val_index_by_source
 
     s = settings
     work_dir = Path(work_dir)
@@ -94,9 +94,16 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
     for split, w in wins.items():
         if len(tg.ids[split]) != len(w):
             raise CortiqError(f"{targets_dir}: {len(tg.ids[split])} {split} windows, the data has {len(w)}: targets of other data")
-        index = train_index(len(w), s.batch) if split == "train" else val_index(len(w), s.batch)
         h0 = pre.h[split] if pre is not None and pre.cached else None
-        splits[split] = SplitData(w.ids, tg.ids[split], tg.probs[split], tg.total[split], index, h0)
+        source = w.source
+        if split == "train":
+            index = train_index(len(w), s.batch)
+        elif source is not None:  # one source a batch: each source's held-out loss apart
+            index, source = val_index_by_source(source, s.batch)
+        else:
+            index = val_index(len(w), s.batch)
+        splits[split] = SplitData(w.ids, tg.ids[split], tg.probs[split], tg.total[split], index, h0,
+                                  source=source, names=w.names)
     cached = splits["train"].h0 is not None
     model = load_model(student_cmf, dtype=torch.float32, device="cpu")
     tail = StudentTail(model, s.train_from, s.ffn_only, drop_prefix=cached)
@@ -172,8 +179,12 @@ def export(student_cmf, trained, out, provenance: dict, codec: str = "keep") -> 
     return export_model(model, student_cmf, out, codec=codec, provenance_stage="heal", provenance=provenance)
 
 
+#: scored tokens of each panel text the heal command scores (the leading records that hold them)
+PANEL_TOKENS = 32768
+
+
 def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,
-         work_dir=None, progress: bool = True, score_split: str | None = "test", eval_data=None) -> dict:
+         work_dir=None, progress: bool = True, score_split: str | None = "test", eval_data=None, retain=None) -> dict:
     """Targets, prefix, training, scoring and export in one call (the CLI's);
     every step's output under `work_dir` is reused when complete, and training
     resumes from its last checkpoint.
@@ -183,6 +194,12 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
     record of it; the gap recovered is reported on `eval_data` when given (the
     heal data's own test split rewards adapting to that text, which is not
     recovery), and goes into the healed model's provenance with its NLLs.
+
+    `retain` (cortiq.data.settings.RetainSettings) mixes retain text into the
+    train and val windows; the test splits of its sources, with `eval_data`,
+    make the general panel. Two named texts are reported (`texts`): the heal
+    data's own `score_split` ("data") and the panel ("panel"), each with the
+    NLLs, the excess NLL over the source and the gap recovered.
 
     Under torchrun (cortiq.dist) every rank calls it: the passes and training
     split across ranks, rank 0 scores and exports; the others return None."""
@@ -197,6 +214,20 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
     work = Path(work_dir) if work_dir is not None else store.home() / "work"
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    user_data, panel = tdata_dir, {}
+    if retain is not None and retain.sources:
+        from ..data.retain import cli_runner, with_retain
+
+        def mixed():
+            return with_retain(user_data, teacher or student_cmf, retain, cli_runner(work, logger, progress), work,
+                               logger, progress)
+
+        if dist.active():  # the data stages run in one process: rank 0 makes them, the others then reuse them
+            if dist.is_main():
+                mixed()
+            dist.barrier()
+        tdata_dir, panel = mixed()
+        check_inputs(student_cmf, teacher, tdata_dir, s)
 
     def step(stage, **params):
         return pipeline.run(stage, work, tracking.scoped(logger, f"{stage.name}."), progress, settings=s, **params)
@@ -218,31 +249,42 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
               "history": rep["history"], "evals": rep["evals"], "out": str(out), "work": str(work),
               "memory": rep["memory"]}
     block = provenance_block(rep, s, teacher, prep["dtype"])
-    if score_split or eval_data is not None:
+    if score_split or eval_data is not None or panel:
         healed = healed_model(student_cmf, Path(trained["path"]) / TRAINED)
         models = {"student": student_cmf, "healed": healed}
         if teacher is not None:
             models = {"source": teacher, **models}
-        gap = None
+        texts, parts = {}, {}
         if score_split:
-            nll = score(models, tdata_dir, score_split, s.loss_on, s.device, progress=progress)
+            nll = score(models, user_data, score_split, s.loss_on, s.device, progress=progress)
             report["nll"] = nll
             report["metrics"].update({f"nll.{k}": v for k, v in nll.items()})
             logger.log_metrics({f"heal.nll.{k}": v for k, v in nll.items()})
-            gap = {"text": f"the {score_split} split of the heal data {tdata_dir} (in-domain)", "nll": nll}
+            texts["data"] = text_gap(f"the {score_split} split of the heal data {user_data} (in-domain)", nll)
+        for name, d in panel.items():
+            nll = score(models, d, "test", s.loss_on, s.device, progress=progress, max_tokens=PANEL_TOKENS)
+            parts[name] = text_gap(f"the test split of the retain source {name} (never trained on)", nll)
         if eval_data is not None:
             nll = score(models, eval_data, None, s.loss_on, s.device, progress=progress)
             report["eval_nll"] = nll
             report["metrics"].update({f"eval_nll.{k}": v for k, v in nll.items()})
             logger.log_metrics({f"heal.eval_nll.{k}": v for k, v in nll.items()})
-            gap = {"text": f"{eval_data} (held-out text of another source)", "nll": nll}
-        g = gap_recovered(gap["nll"])
-        if g is not None:
-            gap["gap_recovered"] = g
-            report["metrics"]["gap_recovered"] = g
-            logger.log_metrics({"heal.gap_recovered": g})
-        report["gap"] = gap
-        block["gap"] = gap
+            parts[Path(eval_data).name] = text_gap(f"{eval_data} (held-out text of another source)", nll)
+        if parts:
+            texts["panel"] = panel_gap(parts)
+        for name, t in texts.items():
+            got = {f"{name}.gap_recovered": t.get("gap_recovered"), f"{name}.excess_nll": (t.get("excess") or {}).get("healed")}
+            got.update({f"{name}.{p}.excess_nll": (q.get("excess") or {}).get("healed") for p, q in t.get("parts", {}).items()})
+            got = {k: v for k, v in got.items() if v is not None}
+            report["metrics"].update(got)
+            logger.log_metrics({f"heal.{k}": v for k, v in got.items()})
+        # the one gap of earlier reports: the panel's when there is one (recovery, not adaptation)
+        gap = texts.get("panel") or texts.get("data")
+        if gap is not None and "gap_recovered" in gap:
+            report["metrics"]["gap_recovered"] = gap["gap_recovered"]
+            logger.log_metrics({"heal.gap_recovered": gap["gap_recovered"]})
+        report["gap"], report["texts"] = gap, texts
+        block["gap"], block["texts"] = gap, texts
         del healed
     export(student_cmf, Path(trained["path"]) / TRAINED, out, block)
     logger.log_artifact(str(out))

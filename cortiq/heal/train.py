@@ -14,6 +14,7 @@ best so far) lets a killed run continue to the same end.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 import time
@@ -53,6 +54,10 @@ class SplitData:
     #: [n_batches, global batch]: the whole batches when `index` holds this rank's share of each
     #: (a share's loss is divided by its whole batch's row weight: see cortiq.heal.parallel)
     group: np.ndarray | None = None
+    #: with retain data: [N] the source of each window (train), [n_batches] of each batch (val,
+    #: whose batches hold one source each), and the sources' names
+    source: np.ndarray | None = None
+    names: tuple[str, ...] = ()
 
     @property
     def n_batches(self) -> int:
@@ -131,6 +136,25 @@ def val_index(n: int, batch: int) -> np.ndarray:
     """Val batches: at least one when any window exists (the tail repeats)."""
     nb = max(n // batch, int(n > 0))
     return (np.arange(nb * batch, dtype=np.int64) % max(n, 1)).reshape(nb, batch)
+
+
+def val_index_by_source(source: np.ndarray, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Val batches of one source each (the held-out loss of every source apart):
+    (index [n_batches, batch], the source of each batch [n_batches])."""
+    idx, src = [], []
+    for k in np.unique(source):  # sources, a handful
+        mine = np.flatnonzero(source == k)
+        rows = mine[val_index(len(mine), batch)]
+        idx.append(rows)
+        src.append(np.full(len(rows), k, dtype=np.int64))
+    return np.concatenate(idx), np.concatenate(src)
+
+
+def total_steps_of(s: HealSettings, n_batches: int, step_tokens: int) -> int:
+    """The run's steps: `epochs` passes over the batches, or (epochs 0) the `tokens` budget."""
+    if s.epochs > 0:
+        return max(1, math.ceil(s.epochs * n_batches))
+    return max(1, math.ceil(s.tokens / max(step_tokens, 1)))
 
 
 # ── the student's trained tail ──────────────────────────────────────────
@@ -365,6 +389,7 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
     if plan is None:
         plan = prepare(tail, s, device, cdt)
     tokens = train.index.shape[1] * train.ids.shape[1]  # a whole step's, over every rank
+    whole = train  # the global batches the dynamic mix composes, before each rank takes its share
     train, val = plan.local(train), plan.local(val)
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -373,7 +398,12 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
         raise CortiqError(f"heal: {len(train.ids)} train windows of {s.window} tokens, fewer than one batch of {s.batch}")
     if val.n_batches < 1:
         raise CortiqError("heal: the val split has no scored window")
-    total_steps = max(1, math.ceil(s.epochs * nb))
+    total_steps = total_steps_of(s, nb, tokens)
+    mixer = None
+    if s.mix == "dynamic" and whole.source is not None and len(whole.names) > 1:
+        from .mix import Mixer
+
+        mixer = Mixer(whole.source, len(whole.names), s.seed, s.mix_lr)
     layers = sorted(tail.params)
     groups = [{"params": [p for _, p in tail.params[l]], "lr": s.lr, "layer": l} for l in layers]
     mplan = memory_plan(tail, s, device)
@@ -386,18 +416,30 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
     named = tail.named()
     trained = sum(p.numel() for _, p in named)
 
-    def heldout() -> float:
-        num, den = 0.0, 0.0
+    K = len(val.names) if val.source is not None else 0
+
+    def heldout() -> tuple[float, dict]:
+        """The held-out loss, and with retain data each source's ({name: loss})."""
+        num, den = np.zeros(max(K, 1)), np.zeros(max(K, 1))
         with torch.no_grad():
             for b in range(val.n_batches):
                 ids, h0, tid, tp, tot = val.batch(b, device)
-                num += float(batch_loss(tail, ids, h0, tid, tp, s.head_chunk, device, cdt, obj))
-                den += tot  # the whole batch's: each rank's share of it sums to it
-        return plan.sum_(num) / max(den, 1e-9)
+                k = int(val.source[b]) if K else 0
+                num[k] += float(batch_loss(tail, ids, h0, tid, tp, s.head_chunk, device, cdt, obj))
+                den[k] += tot  # the whole batch's: each rank's share of it sums to it
+        num = np.array([plan.sum_(float(x)) for x in num])
+        per = {name: float(num[k] / den[k]) for k, name in enumerate(val.names) if den[k] > 0} if K else {}
+        return float(num.sum() / max(den.sum(), 1e-9)), per
+
+    def eval_row(step: int, e: float, per: dict) -> dict:
+        row = {"step": step, "heldout": e, **{f"heldout.{n}": v for n, v in per.items()}}
+        if mixer is not None:
+            row.update({f"mix.{n}": float(w) for n, w in zip(whole.names, mixer.w)})
+        return row
 
     order = Order(nb, s.seed)
     st = {"done": 0, "cursor": 0, "skipped": 0, "scale": F16_SCALE if cdt == torch.float16 else 1.0,
-          "step_secs": 0.0, "history": [], "evals": []}
+          "step_secs": 0.0, "history": [], "evals": [], "stale": 0, "stopped": 0, "mix": None}
     resumed = False
     ck = plan.resume(work_dir, key, opt)  # weights, optimizer and RNG loaded when it is this run's
     if ck is not None:
@@ -405,14 +447,20 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
         for k_ in st:
             st[k_] = ck["state"][k_]
         e0, best_loss, best_step, best_state = ck["e0"], ck["best_loss"], ck["best_step"], ck["best_state"]
+        if mixer is not None:
+            mixer.load(st["mix"])
         resumed = True
     if not resumed:
-        e0 = heldout()
+        e0, per = heldout()
         best_loss, best_step, best_state = e0, 0, plan.snapshot()
-        st["evals"].append({"step": 0, "heldout": e0})
-        logger.log_metrics({"heldout": e0}, step=0)
+        if mixer is not None:
+            mixer.update([per.get(n, 0.0) for n in whole.names])
+        row = eval_row(0, e0, per)
+        st["evals"].append(row)
+        logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=0)
 
     def checkpoint():
+        st["mix"] = None if mixer is None else mixer.state()
         plan.save(work_dir, {"key": key, "order_rng": order.rng, "order_perm": list(order.perm), "state": st, "e0": e0,
                              "best_loss": best_loss, "best_step": best_step, "best_state": best_state}, opt)
 
@@ -429,7 +477,7 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
                dynamic_ncols=True)
     ahead = Ahead(train, device)
     try:
-        while st["done"] < total_steps:
+        while st["done"] < total_steps and not st["stopped"]:
             epoch_pos = st["cursor"] % nb
             if epoch_pos == 0:
                 # a checkpoint is taken after the cursor moves, so a resumed run
@@ -444,9 +492,13 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
                 plan.following()
             t0 = time.perf_counter()
             # this rank's share of the whole batch's mean (plan.grad_scale: DDP averages over ranks, the loss is a sum)
-            loss = step_backward(tail, ahead.get(b), micro, s.head_chunk, device, cdt, obj, st["scale"] * plan.grad_scale,
+            if mixer is not None:  # this step's windows by the current shares (each rank its share of them)
+                batch = plan.local(dataclasses.replace(whole, index=mixer.batch(whole.index.shape[1])[None])).batch(0, device)
+            else:
+                batch = ahead.get(b)
+            loss = step_backward(tail, batch, micro, s.head_chunk, device, cdt, obj, st["scale"] * plan.grad_scale,
                                  plan.nosync)
-            if epoch_pos + 1 < nb:  # the next batch of this epoch's order, while the GPU works
+            if mixer is None and epoch_pos + 1 < nb:  # the next batch of this epoch's order, while the GPU works
                 ahead.prefetch(order.perm[epoch_pos + 1])
             if st["scale"] != 1.0:  # f16: the loss scale off the gradients, one multi-tensor kernel
                 torch._foreach_div_([p.grad for p in params if p.grad is not None], st["scale"])
@@ -473,15 +525,22 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
             bar.update(1)
             bar.set_postfix(loss=f"{lv:.4f}", lr=f"{lr:.2e}", s_step=f"{st['step_secs'] / done:.2f}", refresh=False)
             if done % s.eval_every == 0 or done == total_steps:
-                e = heldout()
-                st["evals"].append({"step": done, "heldout": e})
-                logger.log_metrics({"heldout": e}, step=done)
+                e, per = heldout()
+                # the plateau stop: an evaluation counts as better when it lowers the best by min_improve of it
+                st["stale"] = 0 if e < best_loss * (1.0 - s.min_improve) else st["stale"] + 1
                 if e < best_loss:
                     best_loss, best_step, best_state = e, done, plan.snapshot()
+                if mixer is not None:
+                    mixer.update([per.get(n, 0.0) for n in whole.names])
+                row = eval_row(done, e, per)
+                st["evals"].append(row)
+                logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=done)
+                if s.patience and st["stale"] >= s.patience and done < total_steps:
+                    st["stopped"] = done
                 if progress:
-                    bar.write(f"  step {done}: held-out loss {e:.5f} (best {best_loss:.5f} at step {best_step})",
-                              file=sys.stderr)
-            if s.checkpoint_every and (done % s.checkpoint_every == 0 or done == total_steps):
+                    bar.write(f"  step {done}: held-out loss {e:.5f} (best {best_loss:.5f} at step {best_step})"
+                              + ("; plateau, stopping" if st["stopped"] else ""), file=sys.stderr)
+            if s.checkpoint_every and (done % s.checkpoint_every == 0 or done == total_steps or st["stopped"]):
                 checkpoint()
     finally:
         ahead.close()
@@ -493,7 +552,8 @@ def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, wo
     return {
         "metrics": {"heldout_start": e0, "heldout_best": best_loss, "best_step": best_step, "steps": steps,
                     "skipped": st["skipped"], "sec_per_step": st["step_secs"] / max(steps, 1),
-                    "trained_weights": trained, "total_steps": total_steps},
+                    "trained_weights": trained, "total_steps": total_steps, "tokens": steps * tokens,
+                    "stopped_at": st["stopped"]},
         "history": st["history"], "evals": st["evals"], "memory": str(mplan),
     }
 

@@ -32,9 +32,20 @@ def print_summary(s: dict, out=sys.stdout) -> None:
     if nll:
         w(f"{'model':<12}{'test NLL':>10}{'MB':>10}\n")
         for k, v in nll.items():
-            w(f"{k:<12}{_fmt(v):>10}{_fmt((size.get(k) or 0) / 1e6, '.1f'):>10}\n")
+            if "." not in k:  # the data's own test split; the panel's texts follow as lines of their own
+                w(f"{k:<12}{_fmt(v):>10}{_fmt((size.get(k) or 0) / 1e6, '.1f'):>10}\n")
     g = s.get("gap")
-    if g and g.get("gap_recovered") is not None:
+    texts = (g or {}).get("texts") or {}
+    if texts:
+        from cortiq.measure import gap_line
+
+        w("\n")
+        for name, label in (("data", "your data"), ("panel", "general panel")):
+            if name in texts:
+                w(gap_line(label, texts[name]) + "\n")
+                for part, t in texts[name].get("parts", {}).items():
+                    w("  " + gap_line(part, t) + "\n")
+    elif g and g.get("gap_recovered") is not None:
         w(f"\ngap recovered {g['gap_recovered']:.1%}, on the {g['text']}\n")
     d = s.get("drafts_per_round")
     if d:

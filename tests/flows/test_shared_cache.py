@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from cortiq.cli import main
 from cortiq.data.build import build
 from cortiq.data.settings import BuildSettings
@@ -42,3 +44,32 @@ def test_a_changed_setting_recomputes_exactly_the_stages_downstream(tiny, tiny_p
     assert again["states"] == {"data": "Cached", "masks": "Cached", "fold": "Cached", "targets": "Cached",
                                "prefix": "Cached", "train": "Completed", "heal": "Completed",
                                "score.source": "Cached", "score.pruned": "Cached", "score.healed": "Completed"}
+
+
+def test_a_changed_retain_setting_reruns_exactly_the_stages_it_feeds(tiny, tiny_params):
+    from mlflow.tracking import MlflowClient
+
+    other = tiny["dir"] / "other.txt"
+    other.write_text("\n\n".join(f"record {i}: the quick brown fox jumps over the lazy dog " * 3 for i in range(40)))
+    retain = tiny["dir"] / "other.tdata"
+    build([str(other)], tiny["model"], retain, BuildSettings(record_tokens=64, fractions=(0.6, 0.2, 0.2)))
+    p = tiny_params(tiny)
+    p["heal"]["train_from"] = 1
+    p["retain"] = {"sources": [str(retain)], "share": 0.5}
+    first = heal(p)
+    assert set(first["states"].values()) == {"Completed"}
+    assert {"mix", "score.panel.other.source", "score.panel.other.pruned", "score.panel.other.healed"} <= set(first["states"])
+    texts = first["gap"]["texts"]
+    assert texts["data"]["text"].startswith("test split") and list(texts["panel"]["parts"]) == ["other"]
+    assert first["gap"]["text"].startswith("general panel")
+    run = MlflowClient(tracking_uri=first["tracking_uri"]).get_run(first["mlflow_run_id"])
+    for name in ("data", "panel"):
+        assert run.data.metrics[f"heal.{name}.excess_nll"] == pytest.approx(texts[name]["excess"]["healed"])
+        assert run.data.tags[f"heal.{name}_text"] == texts[name]["text"]
+    p["retain"]["share"] = 0.3  # what every stage reading the mix sees, not the user's data nor the panel
+    again = heal(p)
+    st = again["states"]
+    assert {k: st[k] for k in ("data", "score.source", "score.panel.other.source")} == {k: "Cached" for k in
+                                                                                     ("data", "score.source", "score.panel.other.source")}
+    assert {k: st[k] for k in ("mix", "masks", "fold", "targets", "prefix", "train", "heal")} == \
+        {k: "Completed" for k in ("mix", "masks", "fold", "targets", "prefix", "train", "heal")}

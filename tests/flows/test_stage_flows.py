@@ -28,8 +28,12 @@ def test_compress_then_heal_then_the_whole_pipeline_share_the_cache(tiny, tiny_p
     assert {"data.eval", "score.eval.source", "score.eval.pruned", "score.eval.healed"} <= set(b["states"])
     n = {k: b["nll"][f"eval.{k}"] for k in ("source", "pruned", "healed")}
     assert n["source"] != b["nll"]["source"]  # another text, another score
-    assert b["gap"]["text"] == f"held-out text of another source: {other}"
+    # the general panel (here that one text) and the data's own test split, each named
+    assert b["gap"]["text"].startswith("general panel")
+    assert b["gap"]["texts"]["panel"]["parts"]["eval"]["text"] == f"held-out text of another source: {other}"
+    assert b["gap"]["texts"]["data"]["text"].startswith("test split")
     assert b["gap"]["gap_recovered"] == (n["pruned"] - n["healed"]) / (n["pruned"] - n["source"])
+    assert b["gap"]["texts"]["panel"]["excess"]["healed"] == n["healed"] - n["source"]
     del p["data"]["eval_sources"]
 
     c = compress_and_heal(p)

@@ -8,16 +8,20 @@ from cortiq.cmf import open_cmf
 from heal_models import arch, perturbed, random_weights, save, tdata
 
 
-def test_cli_heals_and_reports(tmp_path, capsys):
+def _models(tmp_path):
+    """(teacher, student, heal tdata): a tiny model, a perturbed copy of it, a small text."""
     a = arch()
     w = random_weights(a)
     teacher = save(tmp_path / "t.cmf", a, w)
-    student = save(tmp_path / "s.cmf", a, perturbed(w))
-    td = tdata(tmp_path, teacher, chars=4000)
+    return teacher, save(tmp_path / "s.cmf", a, perturbed(w)), tdata(tmp_path, teacher, chars=4000)
+
+
+def test_cli_heals_and_reports(tmp_path, capsys):
+    teacher, student, td = _models(tmp_path)
     out = tmp_path / "h.cmf"
     rc = main(["heal", str(student), "--teacher", str(teacher), "--data", str(td), "--out", str(out), "--window", "32",
                "--batch", "4", "--topk", "8", "--lr", "3e-3", "--ce", "0.25", "--train-from", "1", "--ffn-only",
-               "--device", "cpu", "--quiet"])
+               "--tokens", "1536", "--device", "cpu", "--quiet"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "NLL on the test split of the heal data" in text and "gap recovered" in text
@@ -25,6 +29,29 @@ def test_cli_heals_and_reports(tmp_path, capsys):
     assert prov["ce"] == 0.25 and prov["settings"]["ffn_only"] and prov["prefix"] in ("f32", "f16")
     rep = json.loads((tmp_path / "h.cmf.report.json").read_text())
     assert rep["metrics"]["heldout_best"] <= rep["metrics"]["heldout_start"]
+
+
+def test_cli_with_retain_data_reports_the_data_and_the_general_panel_by_name(tmp_path, capsys):
+    from cortiq.data import BuildSettings, build
+
+    teacher, student, td = _models(tmp_path)
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(f"def f{i}(x):\n    return x * {i} + 1" for i in range(80)))
+    retain = build([str(other)], teacher, tmp_path / "code.tdata", BuildSettings(record_tokens=64)).path
+    out = tmp_path / "h.cmf"
+    rc = main(["heal", str(student), "--teacher", str(teacher), "--data", str(td), "--out", str(out), "--window", "32",
+               "--batch", "4", "--topk", "8", "--lr", "3e-3", "--tokens", "1536", "--eval-every", "4", "--device", "cpu",
+               "--retain-sources", str(retain), "--retain-share", "0.5", "--work", str(tmp_path / "work"), "--quiet"])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].startswith("your data: gap recovered") and "excess NLL over the source" in lines[-2]
+    assert lines[-1].startswith("general panel: ") and "code" in lines[-1] and "excess NLL over the source" in lines[-1]
+    rep = json.loads((tmp_path / "h.cmf.report.json").read_text())
+    panel = rep["texts"]["panel"]
+    assert list(panel["parts"]) == ["code"]
+    assert panel["excess"]["healed"] == panel["nll"]["healed"] - panel["nll"]["source"]
+    assert all("heldout.code" in e and "heldout.data" in e for e in rep["evals"])
+    assert open_cmf(out).provenance["heal"]["texts"]["panel"]["parts"]["code"]["nll"] == panel["parts"]["code"]["nll"]
 
 
 def test_cli_bad_input_is_one_line(tmp_path, capsys):

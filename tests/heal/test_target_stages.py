@@ -115,10 +115,12 @@ def test_gap_is_reported_on_other_text_when_given(tmp_path, models, capsys):
                "--batch", "4", "--topk", "8", "--target", "sampled", "--lr", "3e-3", "--epochs", "1",
                "--eval-data", str(ev), "--device", "cpu", "--quiet"])
     assert rc == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith(f"NLL on {ev} (held-out text of another source): source ") and "gap recovered" in last
+    lines = capsys.readouterr().out.strip().splitlines()
+    # the two named texts last: the heal data's own test split, then the general panel (here the other text)
+    assert lines[-2].startswith("your data: gap recovered")
+    assert lines[-1].startswith("general panel: gap recovered") and lines[-1].endswith("never trained on: eval)")
     gap = open_cmf(out).provenance["heal"]["gap"]
-    assert gap["text"].startswith(str(ev))
+    assert gap["text"].startswith("general panel") and gap["parts"]["eval"]["text"].startswith(str(ev))
     # the NLLs recorded are those of the three model files on every record of the other text, as
     # `cortiq nll` scores them (the eval data is all train split)
     n = gap["nll"]

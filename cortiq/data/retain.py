@@ -1,0 +1,227 @@
+"""Retain data: text the smaller model must keep serving, mixed into the user's data.
+
+A compress or heal on the user's text alone ranks neurons by that text and
+heals on it, and the model loses what everything else needs. The mix puts a
+share of other text into every batch of the masks, the Grams and the heal:
+
+- `retain_tdata` makes one retain source a tdata directory: a bundled corpus
+  (built by the data stage with the source model's tokenizer), any tdata
+  directory, or `self` (the source model's own generations, a cached stage of
+  cortiq.data.selfgen);
+- the `mix` stage writes one tdata directory holding the user's records (all
+  splits) and each retain source's train and val records; its test records
+  stay out, never trained on: they are the general panel a report scores;
+- `mix_windows` (what `cortiq.data.windows` does with such a directory) cuts
+  each source's records into windows on their own, takes every user window
+  once and a seeded sample of each retain source's (repeated when it has too
+  few) so the counts per source over an epoch are exact, and interleaves them
+  evenly: any run of B consecutive windows holds each source's share of B to
+  within one window, so every batch of every stage sees the mix.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .. import store
+from ..errors import CortiqError
+from ..pipeline import Stage
+from .settings import SELF, BuildSettings, RetainSettings
+from .tdata import SPLITS, STAGE, VERSION, Record, Tdata, records_table
+from .windows import Windows, cut_windows
+
+#: the user's data among the mix's sources
+USER = "data"
+#: the splits of a retain source that join the mix (its test split is the panel)
+MIXED_SPLITS = ("train", "val")
+
+
+# ── counts and order ─────────────────────────────────────────────────────
+
+
+def mix_counts(n_user: int, pools: list[int], share: float, repeat: bool) -> list[int]:
+    """Windows per source: [n_user, c_1, ..., c_k]. The retain sources together get
+    round(n_user·share/(1−share)) (so they are `share` of the whole), split evenly,
+    the first ones taking one more when it does not divide; `repeat` False caps each
+    at its pool (a held-out split is not repeated). With no user windows, every
+    retain window of the split (without repeating)."""
+    k = len(pools)
+    if n_user == 0:
+        return [0, *pools] if not repeat else [0] * (k + 1)
+    total = int(round(n_user * share / (1.0 - share)))
+    each = [total // k + (i < total % k) for i in range(k)]
+    if not repeat:
+        each = [min(c, p) for c, p in zip(each, pools)]
+    return [n_user, *each]
+
+
+def interleave(counts: list[int]) -> np.ndarray:
+    """[Σ counts] the source of each position: source k's j-th item sits at (j + ½)/c_k
+    of the way, all sorted together (ties by source), so each source is spread evenly
+    and any run of B positions holds c_k·B/N of source k to within one."""
+    counts = [int(c) for c in counts]
+    labels = np.repeat(np.arange(len(counts), dtype=np.int64), counts)  # [N]
+    if not len(labels):
+        return labels
+    within = np.arange(len(labels), dtype=np.int64) - np.repeat(np.cumsum([0, *counts[:-1]]), counts)  # [N]
+    keys = (within + 0.5) / np.repeat(np.maximum(counts, 1), counts)
+    return labels[np.lexsort((labels, keys))]
+
+
+def draw(n_pool: int, count: int, seed: int, source: int, split: int) -> np.ndarray:
+    """[count] window numbers of one retain source: a seeded permutation of its
+    pool, repeated from the start as often as `count` needs."""
+    if count and not n_pool:
+        raise CortiqError("retain: a source with no windows cannot fill its share")
+    perm = np.random.default_rng([seed, source, split]).permutation(n_pool)
+    return np.resize(perm, count).astype(np.int64)
+
+
+def mix_windows(td: Tdata, split: str, T: int, pad_id: int, loss_on: str = "answer") -> Windows:
+    """The windows of `split` of a mix directory: each source's records (FNV order)
+    cut on their own, every user window once, each retain source's drawn to its
+    exact count (train: repeated as needed; val: at most its pool), interleaved."""
+    mix = td.meta["mix"]
+    names, bounds = list(mix["names"]), [int(x) for x in mix["rows"]] + [len(td)]
+    rows = td.hash_order(split)
+    per = []
+    for k in range(len(names)):
+        mine = rows[(rows >= bounds[k]) & (rows < bounds[k + 1])]
+        ids, weight = td.stream_rows(mine, loss_on)
+        per.append(cut_windows(ids, weight, T, pad_id))
+    train = split == "train"
+    counts = mix_counts(len(per[0]), [len(w) for w in per[1:]], float(mix["share"]), repeat=train)
+    for k in range(1, len(names)):
+        if train and counts[k] and not len(per[k]):
+            raise CortiqError(f"{td.path}: retain source {names[k]} has no train window of {T} tokens")
+    pick = [np.arange(counts[0], dtype=np.int64)] + [
+        draw(len(per[k]), counts[k], int(mix["seed"]), k, SPLITS.index(split)) for k in range(1, len(names))]
+    labels = interleave(counts)  # [N]
+    # position i takes the next unused window of its source: sources laid end to end, then gathered
+    slot = np.empty(len(labels), dtype=np.int64)
+    slot[np.argsort(labels, kind="stable")] = np.arange(len(labels), dtype=np.int64)
+
+    def cat(attr):
+        parts = [getattr(w, attr)[p] for w, p in zip(per, pick)]
+        return np.concatenate(parts)[slot] if len(labels) else np.zeros((0, T), getattr(per[0], attr).dtype)
+
+    return Windows(cat("ids"), cat("next"), cat("weight"), int(pad_id), labels, tuple(names))
+
+
+# ── the mix directory ────────────────────────────────────────────────────
+
+
+def source_name(spec: str) -> str:
+    """A retain source's short name in reports: pydoc, shakespeare, self, a tdata directory's name."""
+    if spec.startswith("corpus:"):
+        return spec.split(":", 1)[1]
+    if spec == SELF:
+        return SELF
+    return Path(spec).name.removesuffix(".tdata") or spec
+
+
+def mix_tdata(tdata_dir, retain: list, names: list[str], settings: RetainSettings, out, digest: str) -> dict:
+    """Write the mix directory `out`: the user's tdata records, then each retain tdata's
+    train and val records (rids prefixed by the source's name); meta `mix` says where
+    each source's records start, and the share and seed the windows are drawn with."""
+    user = Tdata.open(tdata_dir)
+    records = user.records()
+    starts = [0]
+    for path, name in zip(retain, names):
+        td = Tdata.open(path)
+        if td.meta["tokenizer_digest"] != user.meta["tokenizer_digest"]:
+            raise CortiqError(f"{path}: retain data tokenized with another tokenizer than {tdata_dir} "
+                              f"({td.meta['tokenizer_digest'][:12]} vs {user.meta['tokenizer_digest'][:12]})")
+        starts.append(len(records))
+        mine = [r for r in td.records() if r.split in MIXED_SPLITS]
+        if not any(r.split == "train" for r in mine):
+            raise CortiqError(f"{path}: retain source {name} has no train records")
+        records += [Record(f"retain/{name}/{r.rid}", r.split, r.category, r.ids, r.first) for r in mine]
+    table = records_table(records)
+    meta = {k: user.meta[k] for k in ("tokenizer_digest", "vocab_size", "eos_id", "bos_id")}
+    meta.update({"stage": STAGE, "version": VERSION, "digest": digest,
+                 "mix": {"names": [USER, *names], "rows": starts, "share": settings.share, "seed": settings.seed},
+                 "inputs": {"tdata": str(tdata_dir), "retain": [str(p) for p in retain]}})
+    with store.stage_dir(Path(out), meta) as part:
+        store.write_arrow(part / "tdata.arrow", table)
+        meta["counts"] = Tdata(part, meta, table).counts()
+    return {"metrics": {f"mix.records.{n}": float(b - a) for n, a, b in
+                        zip(meta["mix"]["names"], starts, starts[1:] + [len(records)])}}
+
+
+def _mix_key(p: dict) -> dict:
+    from ..pipeline import input_digest
+
+    s = p["settings"]
+    # the sources by content (their tokens and size enter through their own digests)
+    return {"share": s.share, "seed": s.seed, "names": list(p["names"]),
+            "retain": [input_digest(x) for x in p["retain"]]}
+
+
+MIX = Stage("mix", "1", lambda out, ctx, tdata, retain, names, settings:
+            mix_tdata(tdata, list(retain), list(names), settings, out, ctx.digest),
+            RetainSettings, ("tdata",), key=_mix_key,
+            doc="the user's data and the retain sources' train and val records in one tdata, drawn at their shares")
+
+
+# ── retain sources ───────────────────────────────────────────────────────
+
+#: run(stage, key, **params) -> the stage's result ({"path": ...}): cortiq.pipeline.run or a flow's task
+Runner = Callable[..., dict]
+
+
+def retain_tdata(spec: str, source_cmf, settings: RetainSettings, run: Runner, root, logger=None,
+                 progress: bool = True) -> str:
+    """The tdata directory of one retain source: `self` (the source model's own
+    generations, cortiq.data.selfgen's cached stage), `corpus:NAME` (the data stage
+    on the bundled corpus, the source's tokenizer), or a tdata directory as it is."""
+    if spec == SELF:
+        try:
+            from .selfgen import SelfGenSettings, self_tdata
+        except ImportError:
+            raise CortiqError("retain source self: this cortiq has no cortiq.data.selfgen") from None
+        from .. import tracking
+
+        gen = SelfGenSettings(seed=settings.seed, tokens=settings.tokens or SelfGenSettings().tokens)
+        return str(self_tdata(source_cmf, gen, root, logger=logger or tracking.NULL, progress=progress))
+    if spec.startswith("corpus:"):
+        from .build import DATA
+        from ..pipeline import plain
+
+        return run(DATA, f"retain.{source_name(spec)}", sources=[spec], model=str(source_cmf),
+                   settings=plain(BuildSettings(max_total_tokens=settings.tokens)))["path"]
+    if not os.path.isdir(spec):
+        raise CortiqError(f"retain source {spec}: not corpus:NAME, self, or a tdata directory")
+    Tdata.open(spec).check_tokenizer(source_cmf)
+    return spec
+
+
+def with_retain(tdata_dir, source_cmf, settings: RetainSettings, run: Runner, root, logger=None,
+                progress: bool = True) -> tuple[str, dict[str, str]]:
+    """(the tdata the masks, Grams and heal read: the mix, or `tdata_dir` itself with no
+    retain source; {name: retain tdata}, whose test splits make the general panel)."""
+    if not settings.sources:
+        return str(tdata_dir), {}
+    panel = {source_name(s): retain_tdata(s, source_cmf, settings, run, root, logger, progress)
+             for s in settings.sources}
+    if len(panel) != len(settings.sources):
+        raise CortiqError(f"retain settings: two sources share a name in {settings.sources}")
+    from ..pipeline import plain
+
+    mixed = run(MIX, "mix", tdata=str(tdata_dir), retain=list(panel.values()), names=list(panel),
+                settings=plain(settings))["path"]
+    return mixed, panel
+
+
+def cli_runner(root, logger=None, progress: bool = True) -> Runner:
+    """The Runner of the commands: cortiq.pipeline.run under `root`, the key ignored."""
+    from .. import pipeline, tracking
+
+    def run(stage, key=None, **params):
+        return pipeline.run(stage, root, logger or tracking.NULL, progress, **params)
+
+    return run

@@ -1,0 +1,110 @@
+"""Retain data: the mix's exact counts per source, its even spread over every batch, the held-out
+parts never in training, and the sources (corpus, tdata directory, self)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from cortiq.data import Tdata, build, windows
+from cortiq.data.retain import cli_runner, interleave, mix_counts, with_retain
+from cortiq.data.settings import BuildSettings, RetainSettings
+from cortiq.errors import CortiqError
+
+T = 16
+
+
+def _text(tmp_path, name, word, n=120):
+    p = tmp_path / f"{name}.txt"
+    p.write_text("\n\n".join(f"{word} {i} " * (3 + i % 5) for i in range(n)))
+    return p
+
+
+@pytest.fixture
+def mixed(tmp_path, tok_cmf):
+    user = build([str(_text(tmp_path, "user", "alpha"))], tok_cmf, tmp_path / "user.tdata",
+                 BuildSettings(record_tokens=40, fractions=(0.8, 0.1, 0.1)))
+    other = build([str(_text(tmp_path, "other", "beta", 200))], tok_cmf, tmp_path / "other.tdata",
+                  BuildSettings(record_tokens=40, fractions=(0.8, 0.1, 0.1)))
+
+    def make(share=0.4, seed=0, sources=None):
+        rs = RetainSettings(sources=sources or ["corpus:pydoc", str(other.path)], share=share, tokens=6000, seed=seed)
+        return user, with_retain(user.path, tok_cmf, rs, cli_runner(tmp_path / "work", progress=False), tmp_path / "work",
+                                 progress=False)
+    return make
+
+
+def test_counts_per_source_are_exact_over_an_epoch_and_every_batch_holds_the_share(mixed):
+    user, (mix_dir, panel) = mixed(share=0.4)
+    assert list(panel) == ["pydoc", "other"]
+    w = windows(Tdata.open(mix_dir), "train", T)
+    u = windows(user, "train", T)
+    want = mix_counts(len(u), [len(windows(Tdata.open(panel[k]), "train", T)) for k in panel], 0.4, True)
+    assert want[1] + want[2] == round(len(u) * 0.4 / 0.6) and abs(want[1] - want[2]) <= 1
+    assert np.bincount(w.source, minlength=3).tolist() == want
+    assert w.names == ("data", "pydoc", "other")
+    # the user's windows are all there, once each, in their own order
+    assert np.array_equal(w.ids[w.source == 0], u.ids) and np.array_equal(w.weight[w.source == 0], u.weight)
+    # any batch of B consecutive windows holds each source's share of B to within one window
+    N = len(w)
+    for B in (4, 7, 16):
+        runs = np.lib.stride_tricks.sliding_window_view(w.source, B)
+        for k, c in enumerate(want):
+            got = (runs == k).sum(1)
+            assert got.min() >= np.floor(c * B / N) - 1 and got.max() <= np.ceil(c * B / N) + 1
+
+
+def test_retain_windows_are_drawn_by_seed_and_the_panel_is_never_mixed_in(mixed):
+    user, (a, panel) = mixed(seed=0)
+    _, (b, _) = mixed(seed=0)
+    _, (c, _) = mixed(seed=1)
+    assert a == b and c != a
+    wa, wc = windows(Tdata.open(a), "train", T), windows(Tdata.open(c), "train", T)
+    assert np.array_equal(wa.source, wc.source) and not np.array_equal(wa.ids, wc.ids)
+    td = Tdata.open(a)
+    # the mix's test split is the user's alone: the retain sources' test records are the panel
+    assert sorted(r.rid for r in td.records("test")) == sorted(r.rid for r in user.records("test"))
+    mixed_rids = {r.rid for r in td.records()}
+    for name, p in panel.items():
+        for r in Tdata.open(p).records():
+            assert (f"retain/{name}/{r.rid}" in mixed_rids) == (r.split != "test")
+    # held-out loss sees the mix: retain val windows are in the val split, at most once each
+    v = windows(td, "val", T)
+    assert set(np.unique(v.source)) == {0, 1, 2}
+    for k, name in enumerate(panel, 1):
+        pool = windows(Tdata.open(panel[name]), "val", T)
+        mine = v.ids[v.source == k]
+        assert len(mine) <= len(pool) and len({x.tobytes() for x in mine}) == len(mine)
+
+
+def test_interleave_spreads_every_source_evenly():
+    lab = interleave([5, 3, 2])
+    assert np.bincount(lab).tolist() == [5, 3, 2]
+    assert interleave([4, 4]).tolist() == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert mix_counts(10, [100, 1], 0.5, True) == [10, 5, 5] and mix_counts(10, [100, 1], 0.5, False) == [10, 5, 1]
+
+
+def test_bad_retain_sources_say_so(tmp_path, mixed):
+    with pytest.raises(CortiqError, match="not corpus:NAME, self, or a tdata directory"):
+        mixed(sources=[str(tmp_path / "nowhere")])
+    with pytest.raises(CortiqError, match="named twice"):
+        RetainSettings(sources=["corpus:pydoc", "corpus:pydoc"])
+    with pytest.raises(CortiqError, match="share"):
+        RetainSettings(share=1.0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cortiq.data.selfgen") is None,
+                    reason="cortiq.data.selfgen (the source model's generations) is built on another branch")
+def test_self_retain_is_a_cached_tdata_of_the_source_model(tmp_path):
+    from data_helpers import tiny_model_cmf
+
+    model = tiny_model_cmf(tmp_path / "m.cmf")
+    user = build([str(_text(tmp_path, "user", "alpha"))], model, tmp_path / "user.tdata", BuildSettings(record_tokens=40))
+    rs = RetainSettings(sources=["self"], tokens=2000)
+    run = cli_runner(tmp_path / "work", progress=False)
+    mix, panel = with_retain(user.path, model, rs, run, tmp_path / "work", progress=False)
+    again, panel2 = with_retain(user.path, model, rs, run, tmp_path / "work", progress=False)
+    assert mix == again and panel == panel2
+    assert "self" in Tdata.open(mix).meta["mix"]["names"]
