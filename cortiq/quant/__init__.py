@@ -1,0 +1,224 @@
+"""Quantization of a final model into cortiq's block codecs by GPTQ (or AWQ-style
+scales and GPTQ) from calibration windows of its data.
+
+Two stages (cortiq.pipeline runs them for `cortiq recode` and the flows'
+re-encode stage):
+
+- `qgrams`: the Grams of every grouped linear input (cortiq.quant.layers) of
+  every decoder layer, taken layer by layer: layer i's Grams are captured on
+  the outputs of layers 0..i-1 already quantized (sequential GPTQ: each layer
+  corrects the error of those below it), then layer i is quantized and its
+  quantized outputs feed layer i+1. Keyed on the model's content, the data and
+  the settings; written as f32 (half the disk of f64), and the layers are
+  quantized from those f32 values, so the stage and `quantize` agree.
+- `quantize`: the model with every grouped weight's blocks from GPTQ on the
+  cached Grams (no forward pass), every other matrix round-to-nearest (as
+  `cortiq recode` writes it), in the codec's exact bytes: the GGUF export of
+  a q4 file is byte for byte its blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from .. import store, tracking
+from ..errors import CortiqError
+from ..pipeline import Stage
+from .settings import BLOCK_CODECS, METHODS, QuantSettings
+
+__all__ = ["QuantSettings", "METHODS", "BLOCK_CODECS", "QGRAMS", "QUANTIZE", "capture", "quantize", "requantize",
+           "uses_grams"]
+
+VERSION = "1"
+GRAMS_FILE = "qgrams.safetensors"
+
+
+def uses_grams(codec: str, s: QuantSettings) -> bool:
+    """True when writing `codec` with `s` takes the Grams (a block codec, GPTQ or AWQ)."""
+    return s.method != "rtn" and codec in BLOCK_CODECS
+
+
+def _check(codec: str, s: QuantSettings) -> None:
+    if not uses_grams(codec, s):
+        raise CortiqError(f"quantize: method {s.method} with codec {codec}: GPTQ and AWQ write "
+                          f"{', '.join(BLOCK_CODECS)} (use method rtn for the others)")
+
+
+def _layer_args(s: QuantSettings) -> dict:
+    return {"method": s.method, "block": s.block, "damp": s.damp, "act_order": s.act_order, "awq_grid": s.awq_grid}
+
+
+def _device(s: QuantSettings):
+    from ..devices import resolve_device
+
+    return resolve_device(s.device, "quant settings")
+
+
+def capture(model_cmf, tdata_dir, codec: str, s: QuantSettings, progress: bool = True) -> tuple[dict, dict, dict]:
+    """The sequential Gram capture: (report, meta.json, {"{layer}.{group}": G f32 [C, C]})."""
+    import torch
+    from tqdm import tqdm
+
+    from ..compress.grams import add_gram
+    from ..compress.stages import calibration_windows
+    from ..model import load_model
+    from .layers import _submodule, groups, quantize_layer
+
+    _check(codec, s)
+    ids, rows = calibration_windows(model_cmf, tdata_dir, s.window, s.max_windows)
+    dev = _device(s)
+    model = load_model(model_cmf, dtype=torch.float32, device=dev)
+    t0 = time.time()
+    out, report = {}, []
+    with torch.no_grad():
+        starts = range(0, ids.shape[0], s.batch)
+        keep = [rows[a : a + s.batch].to(dev) for a in starts]
+        # every window's hidden state, on the device: 64 windows of 256 at SmolLM2's width are 38 MB
+        h = [model.embed(ids[a : a + s.batch].to(dev)) for a in starts]
+        bar = tqdm(total=len(model.layers), desc=f"Grams and {s.method} → {codec}", unit="layer", file=sys.stderr,
+                   disable=not progress, leave=False)
+        for i, layer in enumerate(model.layers):
+            gs = groups(layer)
+            accs = {}
+            for g in gs:
+                C = int(_submodule(layer, g.hook).weight.shape[1])
+                accs[g.key] = torch.zeros(C, C, dtype=torch.float64, device=dev)
+            cur = {}
+
+            def hook(key):
+                return lambda mod, inp: add_gram(accs[key], inp[0], cur["keep"])
+
+            handles = [_submodule(layer, g.hook).register_forward_pre_hook(hook(g.key)) for g in gs]
+            try:
+                for k, hb in enumerate(h):
+                    cur["keep"] = keep[k]
+                    model.run_layers(hb, i, i + 1)
+            finally:
+                for hd in handles:
+                    hd.remove()
+            grams = {key: a.float() for key, a in accs.items()}
+            for key, G in grams.items():
+                if not bool((torch.diagonal(G) > 0).any()):
+                    raise CortiqError(f"{model_cmf}: layer {i} {key}: the calibration activations are all zero")
+                out[f"{i}.{key}"] = G.cpu().contiguous()
+            r = quantize_layer(layer, grams, codec, **_layer_args(s))
+            report += [{"layer": i, **row} for row in r.rows]
+            h = [model.run_layers(hb, i, i + 1) for hb in h]
+            bar.update(1)
+        bar.close()
+    count = int(rows.sum())
+    rep = {"metrics": {"qgram_rows": float(count), "qgram_sec": time.time() - t0}, "count": count,
+           "layers": report, "device": str(dev)}
+    meta = {"stage": QGRAMS.name, "version": VERSION, "settings": dataclasses.asdict(s), "codec": codec,
+            "inputs": [str(model_cmf), str(tdata_dir)], "report": rep}
+    return rep, meta, out
+
+
+def read_grams(grams_dir) -> dict[int, dict]:
+    """{layer: {group: G f32}} of a finished `qgrams` stage."""
+    from safetensors.torch import load_file
+
+    store.read_meta(grams_dir)  # a finished stage, or the one-line error
+    out: dict[int, dict] = {}
+    for k, v in load_file(str(Path(grams_dir) / GRAMS_FILE)).items():
+        layer, _, key = k.partition(".")
+        out.setdefault(int(layer), {})[key] = v
+    return out
+
+
+def quantize(model_cmf, grams_dir, codec: str, s: QuantSettings, out_cmf, progress: bool = True) -> dict:
+    """The `quantize` stage: `model_cmf` in `codec`, its grouped weights by GPTQ
+    (or AWQ) from the cached Grams, the norms AWQ scaled rewritten, every other
+    tensor as `cortiq recode` writes it; provenance `quantize`."""
+    import torch
+    from tqdm import tqdm
+
+    from .. import codecs
+    from ..cmf import Stored, copy_specs, open_cmf, with_provenance, write_cmf
+    from ..model import load_model
+    from .layers import groups, quantize_layer
+
+    _check(codec, s)
+    grams = read_grams(grams_dir)
+    src = open_cmf(model_cmf)
+    dev = _device(s)
+    model = load_model(model_cmf, dtype=torch.float32, device=dev)
+    if sorted(grams) != list(range(len(model.layers))):
+        raise CortiqError(f"{grams_dir}: Grams of layers {sorted(grams)[:4]}..., {model_cmf} has {len(model.layers)}")
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.ndim == 1}
+    replace, report = {}, []
+    for i, layer in enumerate(tqdm(model.layers, desc=f"{s.method} → {codec}", unit="layer", file=sys.stderr,
+                                   disable=not progress, leave=False)):
+        missing = [g.key for g in groups(layer) if g.key not in grams[i]]
+        if missing:
+            raise CortiqError(f"{grams_dir}: layer {i} has no Gram of {', '.join(missing)}")
+        r = quantize_layer(layer, grams[i], codec, **_layer_args(s))
+        report += [{"layer": i, **row} for row in r.rows]
+        for name, st in r.stored.items():
+            full = f"model.layers.{i}.{name}.weight"
+            replace[full] = (tuple(src.info(full).shape), lambda st=st: Stored(st))
+    # the vectors AWQ rescaled (RMSNorm weights), in their own plain codec
+    for n, p in model.named_parameters():
+        if p.ndim == 1 and not torch.equal(p.detach(), before[n]):
+            replace[n] = p.detach().float().cpu()
+
+    def codec_for(name, info):
+        return codec if name in replace and len(info.shape) == 2 else codecs.choose(codec, info.shape, info.codec)
+
+    doc = with_provenance({k: v for k, v in src.doc.items() if k not in ("codecs", "hashes", "shards")}, "quantize",
+                          {"codec": codec, "settings": dataclasses.asdict(s), "from": store.file_digest(model_cmf),
+                           "groups": report})
+    write_cmf(Path(out_cmf), doc, copy_specs(src, codec_for, replace))
+    err = sum(r["err"] for r in report)
+    rtn = sum(r["err_rtn"] for r in report)
+    return {"metrics": {"quant_err": err, "quant_err_rtn": rtn, "quant_over_rtn": err / max(rtn, 1e-30),
+                        "bytes": float(open_cmf(out_cmf).nbytes())},
+            "codec": codec, "method": s.method, "groups": report}
+
+
+# ── the stages, declared once ──
+
+def _qgrams(out, ctx, model, tdata, codec, settings):
+    from safetensors.torch import save_file
+
+    rep, meta, grams = capture(Path(model), Path(tdata), codec, settings, ctx.progress)
+    with store.stage_dir(out, {**meta, "digest": ctx.digest}) as d:
+        save_file(grams, str(d / GRAMS_FILE))
+    ctx.logger.log_metrics(rep["metrics"])
+    return {"metrics": rep["metrics"], "count": rep["count"]}
+
+
+def _quantize(out, ctx, model, grams, codec, settings):
+    rep = quantize(Path(model), Path(grams), codec, settings, out, ctx.progress)
+    ctx.logger.log_metrics({k: v for k, v in rep["metrics"].items() if k != "bytes"})
+    return rep
+
+
+def _key(p: dict) -> dict:
+    return p["settings"].grams_key(p["codec"])
+
+
+QGRAMS = Stage("qgrams", VERSION, _qgrams, QuantSettings, ("model", "tdata"), key=_key,
+               doc="Grams of every decoder layer's linear inputs over calibration windows, each layer's taken on "
+                   "the outputs of the layers below it already quantized")
+QUANTIZE = Stage("quantize", VERSION, _quantize, QuantSettings, ("model", "grams"), key=_key, output="cmf",
+                 doc="a model in a block codec (q4, q4_64, q8), its linear weights by GPTQ (or AWQ) from the Grams")
+
+
+def requantize(model_cmf, tdata_dir, codec: str, s: QuantSettings, work, logger: tracking.Logger = tracking.NULL,
+               progress: bool = True, log=None) -> dict:
+    """qgrams → quantize through the stage runner under `work` (each reused when
+    complete): {"path": the quantized model, "grams": {...}, "quantize": {...}}."""
+    from .. import pipeline
+
+    _check(codec, s)
+    say = log or (lambda m: print(m, file=sys.stderr))
+    params = {"codec": codec, "settings": s}
+    g = pipeline.run(QGRAMS, work, logger, progress, model=model_cmf, tdata=tdata_dir, **params)
+    if g["reused"]:
+        say(f"qgrams: reusing {g['path']}")
+    q = pipeline.run(QUANTIZE, work, logger, progress, model=model_cmf, grams=g["path"], **params)
+    return {"path": q["path"], "grams": g, "quantize": q}

@@ -1,0 +1,52 @@
+"""Settings of the quantization of a final model (`cortiq recode`, the flows' re-encode stage)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..settings_meta import BATCH, WINDOW, check, setting
+
+#: how the q4/q8 blocks of a model's linear weights are chosen
+METHODS = ("gptq", "rtn", "awq")
+#: the codecs GPTQ (and AWQ's scales) write; every other codec is round-to-nearest
+BLOCK_CODECS = ("q4", "q4_64", "q8")
+
+
+@dataclass
+class QuantSettings:
+    """Quantization of a model's linear weights into a block codec (q4, q4_64, q8)."""
+
+    #: "gptq": each linear weight of every decoder layer by GPTQ from the Grams of its inputs over calibration
+    #: windows of the data, layer by layer on the outputs of the layers already quantized; "awq": the same with
+    #: activation-aware per-input-channel scales searched first and folded into the op before (RMSNorm weight,
+    #: up_proj rows); "rtn": round-to-nearest, no data (the codec's own encode)
+    method: str = setting("gptq", "how the q4/q8 blocks are chosen: gptq (from the Grams of calibration windows, "
+                                  "layer by layer), awq (activation-aware scales folded into the op before, then "
+                                  "GPTQ), rtn (round-to-nearest, no data)", choices=METHODS)
+    # ── calibration (the windows the Grams are taken over) ──
+    window: int = setting(256, "tokens per calibration window", **WINDOW)
+    #: 64 windows of 256: 16k tokens, ten times the rows of SmolLM2's widest input (1536)
+    max_windows: int = setting(64, "most calibration windows (0: every train window)", lo=0)
+    batch: int = setting(4, "calibration windows per forward", **BATCH)
+    # ── GPTQ ──
+    block: int = setting(128, "GPTQ: columns per lazy-update block", lo=1)
+    damp: float = setting(0.01, "GPTQ: Hessian dampening, times the mean of its diagonal", gt=0)
+    act_order: bool = setting(False, "GPTQ: quantize columns by decreasing Hessian diagonal (static groups)")
+    # ── AWQ ──
+    #: exponents α tried per group of weights sharing an input, s = diag(G)^α (0: no scaling, plain GPTQ)
+    awq_grid: int = setting(11, "AWQ: exponents tried in [0, 1] (evenly spaced, 0 included)", lo=2, hi=101)
+    # ── resources (how, not what: outside every digest) ──
+    device: str = setting("auto", "where the calibration forward and GPTQ run: auto (CUDA when present), cpu, cuda, "
+                                  "cuda:N")
+
+    def __post_init__(self):
+        check(self, "quant settings")
+
+    def grams_key(self, codec: str) -> dict:
+        """What the cached Grams depend on: the calibration, and (sequential GPTQ: each layer's inputs come out of
+        the layers below, already quantized) how those layers were quantized."""
+        d = asdict(self)
+        d.pop("device")
+        if self.method != "awq":
+            d.pop("awq_grid")
+        return {**d, "codec": codec}
