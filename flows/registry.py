@@ -123,13 +123,18 @@ def register_final(st, model: str | Path) -> dict:
     test NLL is the healed model's (the draft does not change the trunk's
     logits), gap recovered as the flow reports it (flows.pipeline.gap), drafts
     per round from the MTP stage."""
-    from .pipeline import gap, metric
+    from .pipeline import codec_rows, gap, metric
 
     g = gap(st)
     s = st.settings
+    # each codec's NLL on the test split and on every panel text: codec.<c>.nll, codec.<c>.nll.<text>
+    tags = {}
+    for c, row in codec_rows(st).items():
+        tags[f"codec.{c}.nll"] = _fmt(row["nll"])
+        tags.update({f"codec.{c}.nll.{p}": _fmt(v) for p, v in row["panel"].items()})
     out = register(st.log.client, s.name, st.log.run_id, model, s.run.artifact_limit_mb, metric(st, "score.healed", "nll"),
                    (st.results.get("data") or {}).get("digest", ""), g and g["gap_recovered"],
-                   metric(st, "mtp", "drafts_per_round_after"))
+                   metric(st, "mtp", "drafts_per_round_after"), tags)
     print(f"registered {out['name']} v{out['version']}" + (" (champion)" if out["champion"] else "") + f": {out['reason']}")
     return out
 
