@@ -8,13 +8,14 @@ re-encode stage):
   every decoder layer, taken layer by layer: layer i's Grams are captured on
   the outputs of layers 0..i-1 already quantized (sequential GPTQ: each layer
   corrects the error of those below it), then layer i is quantized and its
-  quantized outputs feed layer i+1. Keyed on the model's content, the data and
-  the settings; written as f32 (half the disk of f64), and the layers are
-  quantized from those f32 values, so the stage and `quantize` agree.
-- `quantize`: the model with every grouped weight's blocks from GPTQ on the
-  cached Grams (no forward pass), every other matrix round-to-nearest (as
-  `cortiq recode` writes it), in the codec's exact bytes: the GGUF export of
-  a q4 file is byte for byte its blocks.
+  quantized outputs feed layer i+1. The quantization is thus made here, once:
+  the stage keeps the Grams (f32, `qgrams.safetensors`; the layers are
+  quantized from those f32 values, so the Grams re-quantize to the same
+  blocks) and each weight's blocks and each rescaled norm (`blocks.safetensors`).
+  Keyed on the model's content, the data and the settings.
+- `quantize`: the model file: those blocks for the grouped weights, every
+  other matrix round-to-nearest (as `cortiq recode` writes it), in the codec's
+  exact bytes, so the GGUF export of a q4 file is byte for byte its blocks.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ __all__ = ["QuantSettings", "METHODS", "BLOCK_CODECS", "QGRAMS", "QUANTIZE", "ca
 
 VERSION = "1"
 GRAMS_FILE = "qgrams.safetensors"
+BLOCKS_FILE = "blocks.safetensors"
 
 
 def uses_grams(codec: str, s: QuantSettings) -> bool:
@@ -57,8 +59,9 @@ def _device(s: QuantSettings):
     return resolve_device(s.device, "quant settings")
 
 
-def capture(model_cmf, tdata_dir, codec: str, s: QuantSettings, progress: bool = True) -> tuple[dict, dict, dict]:
-    """The sequential Gram capture: (report, meta.json, {"{layer}.{group}": G f32 [C, C]})."""
+def capture(model_cmf, tdata_dir, codec: str, s: QuantSettings, progress: bool = True) -> tuple[dict, dict, dict, dict]:
+    """The sequential Gram capture and quantization: (report, meta.json, {"{layer}.{group}": G f32 [C, C]},
+    {weight name: its codec bytes, rescaled norm name: its f32 values})."""
     import torch
     from tqdm import tqdm
 
@@ -72,7 +75,8 @@ def capture(model_cmf, tdata_dir, codec: str, s: QuantSettings, progress: bool =
     dev = _device(s)
     model = load_model(model_cmf, dtype=torch.float32, device=dev)
     t0 = time.time()
-    out, report = {}, []
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.ndim == 1}
+    out, blocks, report = {}, {}, []
     with torch.no_grad():
         starts = range(0, ids.shape[0], s.batch)
         keep = [rows[a : a + s.batch].to(dev) for a in starts]
@@ -106,15 +110,21 @@ def capture(model_cmf, tdata_dir, codec: str, s: QuantSettings, progress: bool =
                 out[f"{i}.{key}"] = G.cpu().contiguous()
             r = quantize_layer(layer, grams, codec, **_layer_args(s))
             report += [{"layer": i, **row} for row in r.rows]
+            blocks.update({f"model.layers.{i}.{name}.weight": st for name, st in r.stored.items()})
             h = [model.run_layers(hb, i, i + 1) for hb in h]
             bar.update(1)
         bar.close()
+    # the vectors AWQ rescaled (RMSNorm weights)
+    blocks.update({n: p.detach().float().cpu().contiguous() for n, p in model.named_parameters()
+                   if p.ndim == 1 and not torch.equal(p.detach(), before[n])})
     count = int(rows.sum())
-    rep = {"metrics": {"qgram_rows": float(count), "qgram_sec": time.time() - t0}, "count": count,
-           "layers": report, "device": str(dev)}
+    err, rtn = sum(r["err"] for r in report), sum(r["err_rtn"] for r in report)
+    rep = {"metrics": {"qgram_rows": float(count), "qgram_sec": time.time() - t0, "quant_err": err,
+                       "quant_err_rtn": rtn, "quant_over_rtn": err / max(rtn, 1e-30)},
+           "count": count, "groups": report, "device": str(dev)}
     meta = {"stage": QGRAMS.name, "version": VERSION, "settings": dataclasses.asdict(s), "codec": codec,
             "inputs": [str(model_cmf), str(tdata_dir)], "report": rep}
-    return rep, meta, out
+    return rep, meta, out, blocks
 
 
 def read_grams(grams_dir) -> dict[int, dict]:
@@ -130,53 +140,39 @@ def read_grams(grams_dir) -> dict[int, dict]:
 
 
 def quantize(model_cmf, grams_dir, codec: str, s: QuantSettings, out_cmf, progress: bool = True) -> dict:
-    """The `quantize` stage: `model_cmf` in `codec`, its grouped weights by GPTQ
-    (or AWQ) from the cached Grams, the norms AWQ scaled rewritten, every other
-    tensor as `cortiq recode` writes it; provenance `quantize`."""
-    import torch
-    from tqdm import tqdm
+    """The `quantize` stage: `model_cmf` in `codec`, its grouped weights in the
+    blocks the `qgrams` stage made, the norms AWQ rescaled rewritten, every
+    other tensor as `cortiq recode` writes it; provenance `quantize`."""
+    from safetensors.torch import load_file
 
     from .. import codecs
     from ..cmf import Stored, copy_specs, open_cmf, with_provenance, write_cmf
-    from ..model import load_model
-    from .layers import groups, quantize_layer
 
     _check(codec, s)
-    grams = read_grams(grams_dir)
+    meta = store.read_meta(grams_dir)
+    if meta.get("codec") != codec:
+        raise CortiqError(f"{grams_dir}: Grams and blocks made for {meta.get('codec')}, not {codec}")
     src = open_cmf(model_cmf)
-    dev = _device(s)
-    model = load_model(model_cmf, dtype=torch.float32, device=dev)
-    if sorted(grams) != list(range(len(model.layers))):
-        raise CortiqError(f"{grams_dir}: Grams of layers {sorted(grams)[:4]}..., {model_cmf} has {len(model.layers)}")
-    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.ndim == 1}
-    replace, report = {}, []
-    for i, layer in enumerate(tqdm(model.layers, desc=f"{s.method} → {codec}", unit="layer", file=sys.stderr,
-                                   disable=not progress, leave=False)):
-        missing = [g.key for g in groups(layer) if g.key not in grams[i]]
-        if missing:
-            raise CortiqError(f"{grams_dir}: layer {i} has no Gram of {', '.join(missing)}")
-        r = quantize_layer(layer, grams[i], codec, **_layer_args(s))
-        report += [{"layer": i, **row} for row in r.rows]
-        for name, st in r.stored.items():
-            full = f"model.layers.{i}.{name}.weight"
-            replace[full] = (tuple(src.info(full).shape), lambda st=st: Stored(st))
-    # the vectors AWQ rescaled (RMSNorm weights), in their own plain codec
-    for n, p in model.named_parameters():
-        if p.ndim == 1 and not torch.equal(p.detach(), before[n]):
-            replace[n] = p.detach().float().cpu()
+    made = load_file(str(Path(grams_dir) / BLOCKS_FILE))
+    unknown = sorted(set(made) - set(src.infos))
+    if unknown:
+        raise CortiqError(f"{grams_dir}: blocks of {unknown[0]}, which {model_cmf} does not have")
+    replace = {}
+    for name, t in made.items():
+        shape = tuple(src.info(name).shape)
+        replace[name] = (shape, lambda t=t: Stored(t)) if len(shape) == 2 else t
 
     def codec_for(name, info):
-        return codec if name in replace and len(info.shape) == 2 else codecs.choose(codec, info.shape, info.codec)
+        return codec if name in made and len(info.shape) == 2 else codecs.choose(codec, info.shape, info.codec)
 
+    rep = meta["report"]
     doc = with_provenance({k: v for k, v in src.doc.items() if k not in ("codecs", "hashes", "shards")}, "quantize",
                           {"codec": codec, "settings": dataclasses.asdict(s), "from": store.file_digest(model_cmf),
-                           "groups": report})
+                           "groups": rep["groups"]})
     write_cmf(Path(out_cmf), doc, copy_specs(src, codec_for, replace))
-    err = sum(r["err"] for r in report)
-    rtn = sum(r["err_rtn"] for r in report)
-    return {"metrics": {"quant_err": err, "quant_err_rtn": rtn, "quant_over_rtn": err / max(rtn, 1e-30),
-                        "bytes": float(open_cmf(out_cmf).nbytes())},
-            "codec": codec, "method": s.method, "groups": report}
+    m = {k: rep["metrics"][k] for k in ("quant_err", "quant_err_rtn", "quant_over_rtn")}
+    return {"metrics": {**m, "bytes": float(open_cmf(out_cmf).nbytes())}, "codec": codec, "method": s.method,
+            "groups": rep["groups"]}
 
 
 # ── the stages, declared once ──
@@ -184,9 +180,10 @@ def quantize(model_cmf, grams_dir, codec: str, s: QuantSettings, out_cmf, progre
 def _qgrams(out, ctx, model, tdata, codec, settings):
     from safetensors.torch import save_file
 
-    rep, meta, grams = capture(Path(model), Path(tdata), codec, settings, ctx.progress)
+    rep, meta, grams, blocks = capture(Path(model), Path(tdata), codec, settings, ctx.progress)
     with store.stage_dir(out, {**meta, "digest": ctx.digest}) as d:
         save_file(grams, str(d / GRAMS_FILE))
+        save_file(blocks, str(d / BLOCKS_FILE))
     ctx.logger.log_metrics(rep["metrics"])
     return {"metrics": rep["metrics"], "count": rep["count"]}
 
@@ -203,9 +200,9 @@ def _key(p: dict) -> dict:
 
 QGRAMS = Stage("qgrams", VERSION, _qgrams, QuantSettings, ("model", "tdata"), key=_key,
                doc="Grams of every decoder layer's linear inputs over calibration windows, each layer's taken on "
-                   "the outputs of the layers below it already quantized")
+                   "the outputs of the layers below it already quantized, and the blocks GPTQ (or AWQ) made of them")
 QUANTIZE = Stage("quantize", VERSION, _quantize, QuantSettings, ("model", "grams"), key=_key, output="cmf",
-                 doc="a model in a block codec (q4, q4_64, q8), its linear weights by GPTQ (or AWQ) from the Grams")
+                 doc="a model in a block codec (q4, q4_64, q8), its linear weights in the blocks GPTQ (or AWQ) made")
 
 
 def requantize(model_cmf, tdata_dir, codec: str, s: QuantSettings, work, logger: tracking.Logger = tracking.NULL,
