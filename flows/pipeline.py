@@ -154,10 +154,13 @@ def reencode(st: Stages, s: PipelineSettings, model: str, tdata: str, texts: dic
     """The model in each codec of the parameter set, each re-scored on the data's test split and on every
     record of each of `texts` ({name: tdata dir}: a general panel), as score.panel.<name>.reencode.<codec>.
     Block codecs are written by the quant group's method: GPTQ or AWQ from Grams over the data's calibration
-    windows (cached per model, data and settings), else round-to-nearest."""
+    windows (cached per model, data and settings), else round-to-nearest (and the codec a QAT heal wrote the
+    model in is copied as it is)."""
     q = s.stage("quant")
+    trained_in = s.stage("heal").qat_codec
     for codec in s.codecs:
-        if uses_grams(codec, q):
+        # a model healed against this codec is already in it: the re-encode copies its blocks as they are
+        if uses_grams(codec, q) and codec != trained_in:
             grams = st.run(QGRAMS, f"qgrams.{codec}", model=model, tdata=tdata, codec=codec, settings=plain(q))["path"]
             enc = st.run(QUANTIZE, f"reencode.{codec}", model=model, grams=grams, codec=codec, settings=plain(q))["path"]
         else:
