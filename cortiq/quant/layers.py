@@ -16,7 +16,9 @@ grouped-query attention one v channel feeds several heads' o channels, which
 a per-channel scale of o's input does not respect, so o is never scaled.
 For each scaled group the exponent is searched on the round-to-nearest error
 under G (cheap, vectorised over the grid), then GPTQ runs at that exponent and
-at α = 0; the scaled result is kept only when its error under G is lower.
+at α = 0; the scaled result is kept only when its error under G is lower. A
+group whose best GPTQ result has no lower error under G than round-to-nearest
+is written round-to-nearest.
 """
 
 from __future__ import annotations
@@ -141,6 +143,14 @@ def quantize_layer(layer, grams: dict[str, torch.Tensor], codec_name: str, metho
                 e = float(gram_error(W.double() - rs.weight.double() / s, G))
                 if e < best["err"]:
                     best = {"res": rs, "s": s, "alpha": alpha, "err": e}
+        if best["err"] >= err_rtn:
+            # GPTQ's greedy error feedback can lose to plain rounding under the very Gram it minimises (q4's
+            # coarse grid, outlier channels: measured on SmolLM2's layers); the group then stays round-to-nearest
+            for name, m in zip(g.mods, mods):
+                stored[name] = c.encode(m.weight.detach().float().cpu())
+                m.weight.copy_(c.roundtrip(m.weight.detach().float()).to(m.weight.dtype))
+            rows.append({"group": g.key, "method": "rtn", "alpha": 0.0, "err": err_rtn, "err_rtn": err_rtn})
+            continue
         r, s = best["res"], best["s"]
         if s is not None:
             kind, path = g.fold

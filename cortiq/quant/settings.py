@@ -31,7 +31,11 @@ class QuantSettings:
     # ── GPTQ ──
     block: int = setting(128, "GPTQ: columns per lazy-update block", lo=1)
     damp: float = setting(0.01, "GPTQ: Hessian dampening, times the mean of its diagonal", gt=0)
-    act_order: bool = setting(False, "GPTQ: quantize columns by decreasing Hessian diagonal (static groups)")
+    #: on: the grids come from the original weights (static groups), so the error feedback cannot widen a
+    #: group's range; measured on SmolLM2-135M's Grams (layers 3, 14, 27) its output error under the Gram was
+    #: 0.10-0.39x round-to-nearest's in q8 (0.13-0.42x without act-order) and 0.70-1.0x in q4 (0.80-7.9x without)
+    act_order: bool = setting(True, "GPTQ: quantize columns by decreasing Hessian diagonal, grids from the "
+                                    "original weights (--no-act-order: grids as GPTQ reaches each group)")
     # ── AWQ ──
     #: exponents α tried per group of weights sharing an input, s = diag(G)^α (0: no scaling, plain GPTQ)
     awq_grid: int = setting(11, "AWQ: exponents tried in [0, 1] (evenly spaced, 0 included)", lo=2, hi=101)
