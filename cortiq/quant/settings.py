@@ -32,8 +32,10 @@ class QuantSettings:
     block: int = setting(128, "GPTQ: columns per lazy-update block", lo=1)
     damp: float = setting(0.01, "GPTQ: Hessian dampening, times the mean of its diagonal", gt=0)
     #: on: the grids come from the original weights (static groups), so the error feedback cannot widen a
-    #: group's range; measured on SmolLM2-135M's Grams (layers 3, 14, 27) its output error under the Gram was
-    #: 0.10-0.39x round-to-nearest's in q8 (0.13-0.42x without act-order) and 0.70-1.0x in q4 (0.80-7.9x without)
+    #: group's range; measured on the bundled SmolLM2-135M's weights and Grams (layers 3, 14, 27) in q8, its
+    #: output error under the Gram was 0.10-0.39x round-to-nearest's, 0.13-0.42x without act-order (that
+    #: model's matrices already sit on a 4-bit grid of 32, which q4's rounding reproduces: no q4 measure there;
+    #: a healed model's are off it)
     act_order: bool = setting(True, "GPTQ: quantize columns by decreasing Hessian diagonal, grids from the "
                                     "original weights (--no-act-order: grids as GPTQ reaches each group)")
     # ── AWQ ──
