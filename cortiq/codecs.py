@@ -62,6 +62,12 @@ class Codec:
         """Per-element bound on |decode(encode(x)) − x| (for tests and checks)."""
         raise NotImplementedError
 
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """decode(encode(x)) as f32 of x's shape, on x's device and without the
+        byte packing: the values a model stored in this codec computes with
+        (quantization-aware training runs its forward on them)."""
+        return self.decode(self.encode(x.detach().cpu()), tuple(x.shape)).to(x.device)
+
     def bytes_per_weight(self) -> float:
         return self.nbytes((1 << 20,)) / float(1 << 20)
 
@@ -83,6 +89,9 @@ class _Plain(Codec):
         if self.dtype != torch.float32 and x.numel() and bool((x.abs() > big).any()):
             raise CodecError(f"{self.name}: values beyond ±{big:g} do not fit")
         return x.to(self.dtype).contiguous()
+
+    def roundtrip(self, x):
+        return x.detach().to(self.dtype).to(torch.float32)
 
     def decode(self, stored, shape):
         if stored.dtype != self.dtype:
@@ -157,6 +166,12 @@ class _Q8(Codec):
     def encode(self, x):
         return self.pack(*self.quantize(_blocks(x, self.block)))
 
+    def roundtrip(self, x):
+        q, scale = self.quantize(_blocks(x, self.block))
+        # decode's arithmetic: f32 codes times the f16 scale widened to f32
+        v = q.to(torch.float32) * scale.to(torch.float32)[:, None]
+        return v.reshape(-1)[: x.numel()].reshape(x.shape)
+
     def decode(self, stored, shape):
         n = _n_blocks(shape, self.block)
         if stored.dtype != torch.uint8 or stored.numel() != n * (2 + self.block):
@@ -205,6 +220,12 @@ class _Q4(Codec):
 
     def encode(self, x):
         return self.pack(*self.quantize(_blocks(x, self.block)))
+
+    def roundtrip(self, x):
+        q, scale, lo = self.quantize(_blocks(x, self.block))
+        # decode's arithmetic: min + codes · scale, all in f32
+        v = lo.to(torch.float32)[:, None] + q.to(torch.float32) * scale.to(torch.float32)[:, None]
+        return v.reshape(-1)[: x.numel()].reshape(x.shape)
 
     def decode(self, stored, shape):
         n = _n_blocks(shape, self.block)

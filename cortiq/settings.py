@@ -5,7 +5,7 @@ top-level keys are the groups below. Loading checks every key: an unknown one
 is an error that names the file and suggests the nearest known key
 ("deployments/params/demo.yaml: unknown key heal.lrr (did you mean heal.lr?)").
 
-The stage groups (`data`, `compress`, `heal`, `mtp`) are the stages' own
+The stage groups (`data`, `compress`, `heal`, `mtp`, `quant`) are the stages' own
 settings dataclasses (cortiq/<stage>/settings.py); here they are kept as plain
 dicts checked against those dataclasses' fields, so that a stage's defaults
 live in one place and the digest of a stage output depends only on what the
@@ -37,6 +37,7 @@ STAGE_SETTINGS = {
     "heal": ("cortiq.heal.settings", "HealSettings"),
     "mtp": ("cortiq.mtp.settings", "MtpSettings"),
     "retain": ("cortiq.data.settings", "RetainSettings"),
+    "quant": ("cortiq.quant.settings", "QuantSettings"),
 }
 
 #: keys a stage group holds beside its dataclass's fields (the data group names its sources)
@@ -139,6 +140,8 @@ class PipelineSettings:
     #: cortiq.data.settings.RetainSettings: retain text mixed into the masks, Grams and heal; its test splits
     #: are the general panel every report scores
     retain: dict = field(default_factory=dict)
+    #: cortiq.quant.settings.QuantSettings: how the re-encode writes the block codecs (GPTQ, AWQ or round-to-nearest)
+    quant: dict = field(default_factory=dict)
     #: run the MTP heal (needs a source with an MTP block, or one is initialised; see cortiq.mtp)
     mtp_enabled: bool = setting(True, "heal the MTP draft (a source without one gets a fresh one)")
     # ── score and re-encode ──

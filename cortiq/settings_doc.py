@@ -15,7 +15,8 @@ from .settings_meta import table
 
 #: stage group -> the command whose options are that group's settings
 STAGE_COMMANDS = {"data": "cortiq data build", "compress": "cortiq compress", "heal": "cortiq heal",
-                  "mtp": "cortiq mtp heal", "retain": "cortiq compress --retain-*, cortiq heal --retain-*"}
+                  "mtp": "cortiq mtp heal", "retain": "cortiq compress --retain-*, cortiq heal --retain-*",
+                  "quant": "cortiq recode --data"}
 
 #: commands with settings of their own (not a parameter file's): command -> (module, dataclass)
 COMMAND_SETTINGS = {

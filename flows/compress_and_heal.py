@@ -30,7 +30,7 @@ def compress_and_heal(params: str | dict = "deployments/params/demo.yaml") -> di
         # mtp heal: the draft head retrained on the healed trunk; hold rates before / after
         if s.mtp_enabled:
             final = P.mtp(st, s, final, tdata)
-        # re-encode: the final model in each codec, each re-measured
-        P.reencode(st, s, final, tdata)
+        # re-encode: the final model in each codec, each re-measured on the test split and the held-out texts
+        P.reencode(st, s, final, tdata, P.panels(st))
         # the final model logged and registered (`champion` moves only on a better test NLL)
         return P.finish(st, "healed", final)

@@ -20,6 +20,7 @@ from cortiq.measure import REENCODE, SCORE, panel_gap, text_gap
 from cortiq.mtp import MTP, MTP_INIT, TRUNK
 from cortiq.mtp.init import has_draft
 from cortiq.pipeline import plain
+from cortiq.quant import QGRAMS, QUANTIZE, uses_grams
 from cortiq.settings import PipelineSettings
 from cortiq.tracking import flatten
 
@@ -192,11 +193,50 @@ def mtp(st: Stages, s: PipelineSettings, model: str, tdata: str) -> str:
     return st.run(MTP, model=model, tdata=tdata, trunk=trunk, settings=m)["path"]
 
 
-def reencode(st: Stages, s: PipelineSettings, model: str, tdata: str) -> None:
-    """The model in each codec of the parameter set, each re-scored."""
+def panels(st: Stages) -> dict[str, tuple[str, str]]:
+    """The held-out texts besides the data's own test split that every codec is scored on,
+    {name: (tdata, split)}: each retain source's test split (the general panel, never trained on)
+    and every record of data.eval_sources when the parameter set names one."""
+    memo = getattr(st, "retained", None)
+    out = {name: (d, "test") for name, d in (memo[1] if memo else {}).items()}
+    ev = st.results.get("data.eval")
+    if ev:
+        out["eval"] = (ev["path"], "all")
+    return out
+
+
+def reencode(st: Stages, s: PipelineSettings, model: str, tdata: str,
+             texts: dict[str, tuple[str, str]] | None = None) -> None:
+    """The model in each codec of the parameter set, each re-scored on the data's test split and on each
+    of `texts` ({name: (tdata dir, split)}: the general panel), as score.panel.<name>.reencode.<codec>.
+    Block codecs are written by the quant group's method: GPTQ or AWQ from Grams over the data's calibration
+    windows (cached per model, data and settings), else round-to-nearest (and the codec a QAT heal wrote the
+    model in is copied as it is)."""
+    q = s.stage("quant")
+    trained_in = s.stage("heal").qat_codec
     for codec in s.codecs:
-        enc = st.run(REENCODE, f"reencode.{codec}", model=model, codec=codec)["path"]
+        # a model healed against this codec is already in it: the re-encode copies its blocks as they are
+        if uses_grams(codec, q) and codec != trained_in:
+            grams = st.run(QGRAMS, f"qgrams.{codec}", model=model, tdata=tdata, codec=codec, settings=plain(q))["path"]
+            enc = st.run(QUANTIZE, f"reencode.{codec}", model=model, grams=grams, codec=codec, settings=plain(q))["path"]
+        else:
+            enc = st.run(REENCODE, f"reencode.{codec}", model=model, codec=codec)["path"]
         score(st, s, f"reencode.{codec}", enc, tdata)
+        for name, (td, split) in (texts or {}).items():
+            score(st, s, f"panel.{name}.reencode.{codec}", enc, td, split=split)
+
+
+def codec_rows(st: Stages) -> dict:
+    """{codec: {"bytes", "nll" (the data's test split), "method" (gptq, awq; rtn for the round-to-nearest
+    re-encode, which is also what a plain codec's is), "panel": {text: nll}}} of the re-encode stages run."""
+    r = st.results
+    m = functools.partial(metric, st)
+    names = sorted({k.removeprefix("score.panel.").split(".reencode.")[0] for k in r if k.startswith("score.panel.")})
+    return {k.removeprefix("reencode."): {"bytes": m(k, "bytes"), "nll": m(f"score.{k}", "nll"),
+                                         "method": (r[k].get("report") or {}).get("method", "rtn"),
+                                         "panel": {p: m(f"score.panel.{p}.{k}", "nll") for p in names
+                                                   if f"score.panel.{p}.{k}" in r}}
+            for k in r if k.startswith("reencode.")}
 
 
 class run_tracked:
@@ -248,8 +288,7 @@ def summary(st: Stages) -> dict:
         "nll": {k.removeprefix("score."): m(k, "nll") for k in r if k.startswith("score.") and "reencode." not in k},
         "gap": gap(st),
         "bytes": {k.removeprefix("score."): m(k, "bytes") for k in r if k.startswith("score.") and "reencode." not in k},
-        "codecs": {k.removeprefix("reencode."): {"bytes": m(k, "bytes"), "nll": m(f"score.{k}", "nll")}
-                   for k in r if k.startswith("reencode.")},
+        "codecs": codec_rows(st),
         "states": dict(st.states),
         "outputs": {k: v["path"] for k, v in r.items()},
     }

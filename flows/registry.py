@@ -123,7 +123,7 @@ def register_final(st, model: str | Path) -> dict:
     test NLL is the healed model's (the draft does not change the trunk's
     logits), gap recovered as the flow reports it (flows.pipeline.gap), drafts
     per round from the MTP stage."""
-    from .pipeline import gap, metric
+    from .pipeline import codec_rows, gap, metric
 
     g = gap(st)
     s = st.settings
@@ -132,6 +132,10 @@ def register_final(st, model: str | Path) -> dict:
     for name, t in ((g or {}).get("texts") or {}).items():
         tags.update({f"{name}_text": t["text"], f"{name}_excess_nll": _fmt(t["excess"]["healed"]),
                      f"{name}_gap_recovered": _fmt(t.get("gap_recovered"))})
+    # each codec's NLL on the test split and on every panel text: codec.<c>.nll, codec.<c>.nll.<text>
+    for c, row in codec_rows(st).items():
+        tags[f"codec.{c}.nll"] = _fmt(row["nll"])
+        tags.update({f"codec.{c}.nll.{p}": _fmt(v) for p, v in row["panel"].items()})
     out = register(st.log.client, s.name, st.log.run_id, model, s.run.artifact_limit_mb, metric(st, "score.healed", "nll"),
                    (st.results.get("data") or {}).get("digest", ""), g and g["gap_recovered"],
                    metric(st, "mtp", "drafts_per_round_after"), tags)

@@ -25,6 +25,7 @@ COMMANDS = {
     ("compress",): ("cortiq.compress.settings:CompressSettings", ["m.cmf", "--data", "td", "--out", "o.cmf"]),
     ("heal",): ("cortiq.heal.settings:HealSettings", ["s.cmf", "--data", "td", "--out", "o.cmf"]),
     ("mtp", "heal"): ("cortiq.mtp.settings:MtpSettings", ["m.cmf", "--data", "td", "--out", "o.cmf"]),
+    ("recode",): ("cortiq.quant.settings:QuantSettings", ["m.cmf", "o.cmf", "--codec", "q4"]),
     ("data", "build"): ("cortiq.data.settings:BuildSettings", ["--tokenizer", "m.cmf", "--out", "td"]),
     ("data", "self"): ("cortiq.data.settings:SelfGenSettings", ["m.cmf"]),
     ("generate",): ("cortiq.commands.generate:GenerateSettings", ["m.cmf", "hello"]),

@@ -1,18 +1,27 @@
-"""`cortiq recode IN.cmf OUT.cmf --codec NAME`: any codec to any codec, streaming."""
+"""`cortiq recode IN.cmf OUT.cmf --codec NAME`: any codec to any codec, streaming;
+with --data, the block codecs by GPTQ (or AWQ) from calibration windows."""
 
 from __future__ import annotations
 
-HELP = "re-encode a CMF file's tensors in another codec (streaming)"
+HELP = "re-encode a CMF file's tensors in another codec (streaming; GPTQ/AWQ from --data)"
 DESCRIPTION = (
     "Write IN.cmf's tensors in --codec to OUT.cmf, one tensor at a time. Plain codecs (f32, f16, bf16) apply to "
     "every tensor; quantized codecs (q8, q4, q4_64, fp8) to matrices, while vectors (norms, biases) stay plain. "
     "Tensors already in the target codec are copied byte for byte. The provenance gains a 'recode' entry. "
-    "Another cortiq process writing the same OUT.cmf is waited for (OUT.cmf.lock)."
+    "With --data TDATA and a block codec (q4, q4_64, q8), every decoder layer's linear weights are quantized by "
+    "--method (gptq: GPTQ from the Grams of their inputs over calibration windows of TDATA's train split, layer "
+    "by layer on the outputs of the layers already quantized; awq: activation-aware scales folded into the op "
+    "before, then GPTQ; rtn: round-to-nearest); the Grams are a cached stage under --work, reused by the next "
+    "run on the same model, data and settings; the provenance gains a 'quantize' entry. Without --data the "
+    "blocks are round-to-nearest. Another cortiq process writing the same OUT.cmf is waited for (OUT.cmf.lock)."
 )
 ORDER = 40
 
 
 def add_arguments(p):
+    from ..quant import QuantSettings
+    from ..settings_meta import add_arguments as add_settings
+
     p.add_argument("src", metavar="IN.cmf", help="the CMF file to read")
     p.add_argument("out", metavar="OUT.cmf", help="the CMF file to write")
     p.add_argument("--codec", required=True, help="target codec: f32, f16, bf16, q8, q4, q4_64, fp8")
@@ -20,6 +29,10 @@ def add_arguments(p):
                    help="skip checking each tensor's sha256 as it is read (faster; a damaged tensor is copied "
                         "and its new hash vouches for it)")
     p.add_argument("--allow-nonfinite", action="store_true", help="copy tensors that hold NaN or Inf values")
+    p.add_argument("--data", default=None, metavar="TDATA",
+                   help="a tdata directory whose train windows calibrate GPTQ/AWQ (block codecs only)")
+    p.add_argument("--work", default=None, help="stage outputs (default: the cortiq home's work/, shared with the flows)")
+    add_settings(p, QuantSettings, title="quantization (with --data)")
 
 
 def run(args) -> int:
@@ -27,12 +40,28 @@ def run(args) -> int:
 
     from tqdm import tqdm
 
-    from .. import cmf, codecs, store
+    from .. import cmf, codecs, pipeline, store
     from ..measure import recode
+    from ..quant import QuantSettings, requantize, uses_grams
+    from ..settings_meta import from_args
 
     codecs.get(args.codec)  # an unknown codec fails before any work
     store.check_output(args.out, [args.src])
+    s = from_args(QuantSettings, args)
     src = cmf.open_cmf(args.src)
+    if args.data is not None and uses_grams(args.codec, s):
+        work = args.work or store.home() / "work"
+        with store.locked(args.out):
+            r = requantize(args.src, args.data, args.codec, s, work)
+            path = pipeline.deliver({"path": r["path"]}, args.out)
+        m = r["quantize"]["report"]["metrics"]
+        print(f"{s.method}: output error under the Grams {m['quant_over_rtn']:.3f}× round-to-nearest's",
+              file=sys.stderr)
+        print(f"wrote {path}")
+        return 0
+    if args.data is None and uses_grams(args.codec, s):
+        print(f"recode: no --data: {args.codec} blocks by round-to-nearest ({s.method} needs calibration windows)",
+              file=sys.stderr)
     before = {}
     for i in src.infos.values():
         before[i.codec] = before.get(i.codec, 0) + 1

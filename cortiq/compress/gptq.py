@@ -111,6 +111,65 @@ def _prepare(W: torch.Tensor, H: torch.Tensor, damp: float, dtype: torch.dtype):
     raise CortiqError("GPTQ: the Hessian is not positive definite even with heavy damping")
 
 
+def _few_threads(dev):
+    """One intra-op thread for the column loop on a CPU: its steps are a few
+    thousand values each, and threads cost more than they give there (measured
+    on a loaded 2-core machine: 11.8 s for one 960 × 576 q4 layer with the
+    default threads, 0.48 s with one)."""
+    import contextlib
+
+    if torch.device(dev).type != "cpu":
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def one():
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    return one()
+
+
+def _columns(codec_name, Wd, U, scale, lo, g, B, act_order, col_group):
+    """GPTQ's blocked column loop on Wd [L, R, C] (changed in place) with the
+    Cholesky factors U; fills the grids `scale`/`lo` [L, R, C/g] as it reaches
+    each group (act-order: they are given). Returns (codes, dequantized) [L, R, C]."""
+    n, R, C = Wd.shape
+    dev = Wd.device
+    layer = torch.arange(n, device=dev)
+    codes = torch.zeros(n, R, C, dtype=torch.float32, device=dev)
+    Q = torch.zeros_like(Wd)
+    for i1 in range(0, C, B):
+        i2 = min(i1 + B, C)
+        W1 = Wd[:, :, i1:i2].clone()  # [L, R, b]
+        E1 = torch.zeros_like(W1)
+        U1 = U[:, i1:i2, i1:i2]  # [L, b, b]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if act_order:
+                gi = col_group[:, col]  # [L]
+                s_col, lo_col = scale[layer, :, gi], lo[layer, :, gi]  # [L, R]
+            else:
+                gi = col // g
+                if col % g == 0:
+                    sg, lg = _grid(codec_name, W1[:, :, i : i + g].reshape(n * R, g))
+                    scale[:, :, gi], lo[:, :, gi] = sg.reshape(n, R), lg.reshape(n, R)
+                s_col, lo_col = scale[:, :, gi], lo[:, :, gi]
+            w = W1[:, :, i]  # [L, R]
+            q, wq = _qdq(codec_name, w, s_col, lo_col)
+            codes[:, :, col] = q
+            Q[:, :, col] = wq
+            err = (w - wq) / U1[:, i, i, None]  # [L, R]
+            W1[:, :, i:] -= err[:, :, None] * U1[:, None, i, i:]
+            E1[:, :, i] = err
+        # the lazy update: later blocks see this block's errors at once
+        Wd[:, :, i2:] -= E1 @ U[:, i1:i2, i2:]
+    return codes, Q
+
+
 def gptq_quantize(
     W: torch.Tensor,
     H: torch.Tensor,
@@ -158,7 +217,7 @@ def gptq_quantize_layers(
     n_groups = C // g
     scale = torch.zeros(n, R, n_groups, dtype=torch.float32, device=dev)
     lo = torch.zeros_like(scale)
-    layer = torch.arange(n, device=dev)
+    col_group = None
     if act_order:
         # static groups: the grids of the original weights, in original column order
         s0, l0 = _grid(codec_name, Wd.reshape(n * R * n_groups, g))
@@ -168,33 +227,8 @@ def gptq_quantize_layers(
         H = torch.take_along_dim(torch.take_along_dim(H, perm[:, :, None], 1), perm[:, None, :], 2)
         col_group = perm // g  # [L, C]: group of each permuted column, per layer
     U, lam = _prepare(Wd, H, damp, dtype)
-    codes = torch.zeros(n, R, C, dtype=torch.float32, device=dev)
-    Q = torch.zeros_like(Wd)
-    for i1 in range(0, C, B):
-        i2 = min(i1 + B, C)
-        W1 = Wd[:, :, i1:i2].clone()  # [L, R, b]
-        E1 = torch.zeros_like(W1)
-        U1 = U[:, i1:i2, i1:i2]  # [L, b, b]
-        for i in range(i2 - i1):
-            col = i1 + i
-            if act_order:
-                gi = col_group[:, col]  # [L]
-                s_col, lo_col = scale[layer, :, gi], lo[layer, :, gi]  # [L, R]
-            else:
-                gi = col // g
-                if col % g == 0:
-                    sg, lg = _grid(codec_name, W1[:, :, i : i + g].reshape(n * R, g))
-                    scale[:, :, gi], lo[:, :, gi] = sg.reshape(n, R), lg.reshape(n, R)
-                s_col, lo_col = scale[:, :, gi], lo[:, :, gi]
-            w = W1[:, :, i]  # [L, R]
-            q, wq = _qdq(codec_name, w, s_col, lo_col)
-            codes[:, :, col] = q
-            Q[:, :, col] = wq
-            err = (w - wq) / U1[:, i, i, None]  # [L, R]
-            W1[:, :, i:] -= err[:, :, None] * U1[:, None, i, i:]
-            E1[:, :, i] = err
-        # the lazy update: later blocks see this block's errors at once
-        Wd[:, :, i2:] -= E1 @ U[:, i1:i2, i2:]
+    with _few_threads(dev):
+        codes, Q = _columns(codec_name, Wd, U, scale, lo, g, B, act_order, col_group)
     if perm is not None:
         inv = torch.argsort(perm, dim=-1)[:, None, :]
         codes, Q = torch.take_along_dim(codes, inv, 2), torch.take_along_dim(Q, inv, 2)

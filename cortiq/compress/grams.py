@@ -65,7 +65,7 @@ def plan_parts(widths: dict[int, int], layers: Sequence[int], room: int) -> list
     return parts if parts[0] else []
 
 
-def _add_gram(acc: torch.Tensor, a: torch.Tensor, keep: torch.Tensor) -> None:
+def add_gram(acc: torch.Tensor, a: torch.Tensor, keep: torch.Tensor) -> None:
     """acc [I, I] f64 += Σ aᵢ aᵢᵀ over the rows of a [b, T, I] where keep [b, T] is set."""
     with torch.autocast(acc.device.type, enabled=False):  # the product must not drop to bf16
         if acc.is_cuda:
@@ -114,7 +114,7 @@ def capture_model_grams(
 
         def hook(layer):
             def fn(mod, inp):
-                _add_gram(accs[layer], inp[0], cur["mask"])  # inp[0]: the activations [b, T, I]
+                add_gram(accs[layer], inp[0], cur["mask"])  # inp[0]: the activations [b, T, I]
             return fn
 
         handles = [model.layers[l].mlp.down_proj.register_forward_pre_hook(hook(l)) for l in part]

@@ -118,28 +118,40 @@ def read_masks(masks_dir) -> tuple[list, dict]:
 # ── grams ─────────────────────────────────────────────────────────────────
 
 
+def calibration_windows(model_cmf, tdata_dir, window: int, max_windows: int = 0):
+    """The windows every Gram capture runs over: the leading `max_windows` (0:
+    all) train windows of `window` tokens of the tdata (its tokenizer checked
+    against `model_cmf`'s), every token, with the rows to count: (ids int64
+    [N, T], rows bool [N, T]). One function, so what the calibration sees
+    (the heal's data, and whatever is mixed into it) is decided in one place."""
+    import torch
+
+    from ..data import windows
+
+    td = _open_data(model_cmf, tdata_dir)
+    w = windows(td, "train", window, loss_on="all")
+    n = len(w) if not max_windows else min(len(w), max_windows)
+    if n == 0:
+        raise CortiqError(f"{tdata_dir}: no train windows of {window} tokens for the Gram capture")
+    ids = torch.from_numpy(w.ids[:n])
+    # real tokens: a row is padding when it is the pad id past the stream's end (weight 0 and pad)
+    rows = torch.from_numpy((w.weight[:n] > 0) | (w.ids[:n] != w.pad_id))
+    return ids, rows
+
+
 def capture_grams(source_cmf, tdata_dir, layers, settings: GramSettings, out_dir,
                   logger: tracking.Logger = tracking.NULL, device: str = "auto", compute_dtype: str = "auto") -> dict:
     """Grams of the MLP activations (down_proj inputs) of `layers` (None: all)
     over the train windows, on `device` (accumulators f64 there, the forward
     under `compute_dtype` autocast). Writes `grams.safetensors` (`gram.{i}`
     f64 [I, I])."""
-    import torch
     from safetensors.torch import save_file
 
-    from ..data import windows
     from ..model import load_model
     from .grams import capture_model_grams, room_bytes
 
     s = settings
-    td = _open_data(source_cmf, tdata_dir)
-    w = windows(td, "train", s.window, loss_on="all")
-    n = len(w) if not s.max_windows else min(len(w), s.max_windows)
-    if n == 0:
-        raise CortiqError(f"{tdata_dir}: no train windows of {s.window} tokens for the Gram capture")
-    ids = torch.from_numpy(w.ids[:n])
-    # real tokens: a row is padding when it is the pad id past the stream's end (weight 0 and pad)
-    rows = torch.from_numpy((w.weight[:n] > 0) | (w.ids[:n] != w.pad_id))
+    ids, rows = calibration_windows(source_cmf, tdata_dir, s.window, s.max_windows)
     dev, cdt = _resources(device, compute_dtype)
     model = load_model(source_cmf, device=dev)
     layers = list(range(len(model.layers))) if layers is None else sorted(int(l) for l in layers)

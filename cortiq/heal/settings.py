@@ -18,6 +18,8 @@ from ..settings_meta import BATCH, EPOCHS, TOPK, WINDOW, check, setting
 TARGETS = ("topk", "topk+rest", "sampled", "full")
 #: the memory savings `HealSettings.memory` may name ("lean" is all of them)
 MEMORY_PARTS = ("checkpoint", "micro", "adam8")
+#: the codecs a heal can train against (see `HealSettings.qat_codec`; "none": plain f32 training)
+QAT_CODECS = ("none", "q4", "q4_64", "q8")
 #: how training spreads over GPUs (see `HealSettings.shard`)
 SHARDS = ("auto", "ddp", "fsdp")
 #: how a heal with retain data mixes its sources (see `HealSettings.mix`)
@@ -69,6 +71,12 @@ class HealSettings:
     #: which tokens are scored: "answer" (from each record's first scored position) or "all"
     loss_on: str = setting("answer", "tokens scored: answer (from each record's first scored position) or all",
                            choices=("answer", "all"))
+
+    #: quantization-aware distillation: the trained matrices run fake-quantized in this codec (its own
+    #: dequantize(quantize(W)), straight-through gradient), the best checkpoint is chosen on that model's
+    #: held-out loss and the healed model is written in it ("none": f32 training, the student's codecs)
+    qat_codec: str = setting("none", "train against this codec's rounding and write the healed model in it "
+                                     "(none: f32 training, the student's codecs)", choices=QAT_CODECS)
 
     # ── the run ──
     #: passes over the train windows (fractions allowed); 0: as many as `tokens` takes
@@ -212,6 +220,11 @@ class HealSettings:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @property
+    def export_codec(self) -> str:
+        """The codec the healed model is written in: the QAT codec, else "keep" (the student's)."""
+        return "keep" if self.qat_codec == "none" else self.qat_codec
 
     def targets_key(self) -> dict:
         """The settings the teacher targets depend on (their digest)."""

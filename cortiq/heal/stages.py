@@ -15,6 +15,7 @@ from ..errors import CortiqError
 from ..measure import gap_recovered, panel_gap, score, text_gap  # noqa: F401  (heal's names for them)
 from ..pipeline import Stage, settings_gpus
 from . import prefix as prefix_mod
+from . import qat
 from . import targets as targets_mod
 from .settings import HealSettings, resolve_compute, resolve_device
 
@@ -61,6 +62,8 @@ def check_inputs(student_cmf, teacher_cmf, tdata_dir, s: HealSettings):
 
 def _train_key(s: HealSettings) -> dict:
     d = s.to_dict()
+    if s.qat_codec == "none":
+        d.pop("qat_codec")  # the runs from before the setting existed keep their digest
     for k in ("device", "compute_dtype", "mem_budget_gb", "head_chunk", "checkpoint_every", "compile", "memory",
               "micro_batch", "checkpoint_layers", "device_mem_gb", "gpus", "shard"):
         d.pop(k)  # how, not what: a resumed run may change them
@@ -108,6 +111,8 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
     model = load_model(student_cmf, dtype=torch.float32, device="cpu")
     tail = StudentTail(model, s.train_from, s.ffn_only, drop_prefix=cached)
     model.to(dev)
+    # quantization-aware: before compiling and wrapping, so both see the fake-quantized linears
+    qat.attach(model, s.qat_codec, range(s.train_from, tail.num_layers), () if cached else range(s.train_from))
     # the layers compiled, then across ranks DDP or fully_shard around the trained ones (cortiq.heal.parallel)
     plan = prepare(tail, s, dev, cdt, compile=s.compile and dev.type == "cuda")
     obj = Objective(tg.kind, None, s.ce)
@@ -250,7 +255,8 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
               "memory": rep["memory"]}
     block = provenance_block(rep, s, teacher, prep["dtype"])
     if score_split or eval_data is not None or panel:
-        healed = healed_model(student_cmf, Path(trained["path"]) / TRAINED)
+        # the model scored is the one written: with QAT, in the codec it trained against
+        healed = qat.rounded(healed_model(student_cmf, Path(trained["path"]) / TRAINED), s.qat_codec)
         models = {"student": student_cmf, "healed": healed}
         if teacher is not None:
             models = {"source": teacher, **models}
@@ -286,7 +292,7 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
         report["gap"], report["texts"] = gap, texts
         block["gap"], block["texts"] = gap, texts
         del healed
-    export(student_cmf, Path(trained["path"]) / TRAINED, out, block)
+    export(student_cmf, Path(trained["path"]) / TRAINED, out, block, s.export_codec)
     logger.log_artifact(str(out))
     report["metrics"]["secs"] = time.perf_counter() - t0
     return report
@@ -309,12 +315,14 @@ def _export(out, ctx, student, teacher, train, prefix, settings) -> dict:
     rep = store.read_meta(train)["report"]
     dtype = store.read_meta(prefix)["dtype"] if prefix else "none"
     block = provenance_block(rep, settings, teacher if settings.ce < 1.0 else None, dtype)
-    export(Path(student), Path(train) / TRAINED, out, block)
+    export(Path(student), Path(train) / TRAINED, out, block, settings.export_codec)
     return {"metrics": {k: rep["metrics"][k] for k in ("heldout_start", "heldout_best", "best_step", "steps")}}
 
 
 TRAIN = Stage("train", TRAIN_VERSION, _train, HealSettings, ("student", "targets", "prefix", "tdata"),
               key=lambda p: _train_key(p["settings"]), gpus=settings_gpus,
               doc="the student's tail trained on the targets; the best held-out weights kept; resumes from its checkpoint")
-HEAL = Stage("heal", VERSION, _export, HealSettings, ("student", "train"), key=lambda p: {"codec": "keep"},
-             output="cmf", doc="the healed CMF: the student with the trained weights, in its codecs, provenance `heal`")
+HEAL = Stage("heal", VERSION, _export, HealSettings, ("student", "train"),
+             key=lambda p: {"codec": p["settings"].export_codec}, output="cmf",
+             doc="the healed CMF: the student with the trained weights, in its codecs (the QAT codec's when it "
+                 "trained against one), provenance `heal`")

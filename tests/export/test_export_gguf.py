@@ -63,9 +63,29 @@ def test_read_back_to_identical_tensors_and_logits(tmp_path, family):
     assert load_tokenizer(back.path).encode(TEXT).ids == text_ids
 
 
-def test_quantized_blocks_are_the_cmf_bytes(tmp_path):
-    cmf_path = _mixed(tmp_path)
+def _gptq_made(tmp_path, codec):
+    """A model quantized by GPTQ (AWQ's scales included) from calibration windows, the way `cortiq recode --data` does."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "compress"))
+    from compress_helpers import tiny_tdata
+
+    from cortiq.quant import QuantSettings, requantize
+
+    a = arch_of("llama", widths=(64, 96))
+    a.hidden_size, a.head_dim = 64, 16
+    src = write_random(tmp_path / "f32.cmf", a, seed=1)
+    td = tiny_tdata(src, tmp_path / "td")
+    s = QuantSettings(method="awq", window=64, max_windows=8, device="cpu", awq_grid=3)
+    r = requantize(src, td, codec, s, tmp_path / "work", progress=False, log=lambda m: None)
+    assert r["quantize"]["report"]["method"] == "awq"
+    return Path(r["path"])
+
+
+@pytest.mark.parametrize("made", ["mixed", "gptq-q4", "gptq-q8"])
+def test_quantized_blocks_are_the_cmf_bytes(tmp_path, made):
+    cmf_path = _mixed(tmp_path) if made == "mixed" else _gptq_made(tmp_path, made.split("-")[1])
     f = open_cmf(cmf_path)
+    if made != "mixed":
+        assert "quantize" in f.provenance
     out, _ = export_gguf(cmf_path, tmp_path / "m.gguf")
     r = GGUFReader(out)
     assert r.fields["general.quantization_version"].contents() == 2
@@ -101,7 +121,10 @@ def test_quantized_blocks_are_the_cmf_bytes(tmp_path):
             want = _permute(want, heads)
         assert np.array_equal(dequantize(g.data, g.tensor_type).reshape(rows, cols), want), n
         checked[info.codec] += 1
-    assert checked["q8"] >= 2 and checked["q4"] >= 2
+    if made == "mixed":
+        assert checked["q8"] >= 2 and checked["q4"] >= 2
+    else:  # every linear weight of both layers, and the embedding
+        assert checked[made.split("-")[1]] == 2 * 7 + 1
 
 
 def test_q4_repack_matches_ggufs_own_q4_1_layout():

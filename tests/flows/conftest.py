@@ -60,6 +60,7 @@ def tiny_params():
             "mtp": {"window": 32, "tokens": 4096, "topk": 4, "epochs": 1.0, "batch": 2, "eval_every": 2, "refresh": 4,
                     "chain": 2},
             "codecs": ["q8"],
+            "quant": {"window": 32, "max_windows": 8},
             "score_window": 32,
         }
 

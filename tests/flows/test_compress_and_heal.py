@@ -18,7 +18,7 @@ def out_train_history(out):
 
 
 STAGES = ["data", "masks", "fold", "targets", "train", "heal", "score.source", "score.pruned", "score.healed",
-          "mtp_init", "trunk", "mtp", "reencode.q8", "score.reencode.q8"]
+          "mtp_init", "trunk", "mtp", "qgrams.q8", "reencode.q8", "score.reencode.q8"]
 
 
 def test_whole_flow_then_failure_in_training_resumes_there(tiny, tiny_params, monkeypatch):
@@ -39,6 +39,7 @@ def test_whole_flow_then_failure_in_training_resumes_there(tiny, tiny_params, mo
     # the draft trained: it keeps more drafts a round than the fresh one did
     assert out["drafts_per_round"]["after"] > out["drafts_per_round"]["before"] + 0.1
     assert out["codecs"]["q8"]["bytes"] < out["bytes"]["healed"]
+    assert out["codecs"]["q8"]["method"] == "gptq"  # the default method re-encodes the block codecs
 
     from mlflow.tracking import MlflowClient
 
@@ -46,6 +47,9 @@ def test_whole_flow_then_failure_in_training_resumes_there(tiny, tiny_params, mo
     run = c.get_run(out["mlflow_run_id"])
     assert run.info.status == "FINISHED"
     assert run.data.metrics["score.healed.nll"] == pytest.approx(out["nll"]["healed"])
+    assert run.data.metrics["score.reencode.q8.nll"] == pytest.approx(out["codecs"]["q8"]["nll"])
+    mv = c.get_model_version(run.data.tags["registry.model"], run.data.tags["registry.version"])
+    assert float(mv.tags["codec.q8.nll"]) == pytest.approx(out["codecs"]["q8"]["nll"], rel=1e-5)
     n = out["nll"]
     assert run.data.metrics["heal.gap_recovered"] == pytest.approx((n["pruned"] - n["healed"]) / (n["pruned"] - n["source"]))
     assert run.data.tags["heal.gap_text"].startswith("test split")

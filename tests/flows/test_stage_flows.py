@@ -34,11 +34,15 @@ def test_compress_then_heal_then_the_whole_pipeline_share_the_cache(tiny, tiny_p
     assert b["gap"]["texts"]["data"]["text"].startswith("test split")
     assert b["gap"]["gap_recovered"] == (n["pruned"] - n["healed"]) / (n["pruned"] - n["source"])
     assert b["gap"]["texts"]["panel"]["excess"]["healed"] == n["healed"] - n["source"]
-    del p["data"]["eval_sources"]
 
     c = compress_and_heal(p)
-    assert {c["states"][k] for k in ("data", "masks", "fold", "targets", "train", "heal", "score.healed")} == {"Cached"}
+    assert {c["states"][k] for k in ("data", "masks", "fold", "targets", "train", "heal", "score.healed",
+                                     "data.eval")} == {"Cached"}
     assert c["states"]["mtp"] == "Completed"
+    # every codec row is scored on the held-out text too (every record of it), beside the test split
+    q8 = c["codecs"]["q8"]
+    assert c["states"]["score.panel.eval.reencode.q8"] == "Completed"
+    assert math.isfinite(q8["panel"]["eval"]) and q8["panel"]["eval"] != q8["nll"]
 
 
 def test_mtp_heal_drafts_any_model(tiny, tiny_params):

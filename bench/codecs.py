@@ -1,0 +1,230 @@
+"""What each codec costs a healed model, on the heal's text and on text of other sources: one call, one table.
+
+    python bench/codecs.py [--gguf PATH] [--out DIR] [--cache DIR]
+    python bench/codecs.py --cpu --tiny          # a smoke run of every code path (measures nothing)
+
+What runs is the library's own code: SmolLM2-135M-Instruct (the GGUF at
+--gguf, default the bundled one) converted to CMF; the Shakespeare plays split
+as bench/quality.py splits them (most of them the heal corpus); 25 % of the
+MLP neurons pruned with `cortiq compress`'s defaults; healed with the heal
+defaults (cortiq.heal.heal, one epoch of the heal corpus); then the healed
+model in each codec:
+
+- f16, q8 and q4 round-to-nearest (`cortiq recode`, no data),
+- q8 and q4 by GPTQ, and q4 by AWQ-style scales then GPTQ (`cortiq recode
+  --data`: Grams over calibration windows of the heal corpus, cortiq.quant),
+- q4 QAT-KD: the same heal, at the same tokens, with the trained matrices
+  fake-quantized in q4 (heal qat_codec q4), written in q4 as it trained.
+
+Every row is scored (NLL per token) on the heal corpus's test split ("own"),
+and on every record of texts no stage saw: the unseen plays, pydoc, Python
+source (the standard library's .py files) and licence text (LICENSE files of
+the installed packages' dist-info folders and Python's own). The table gives
+each NLL and its difference from the f16 row; it is printed last and written to
+OUT/codecs.json. Converted and compressed models and tdata are kept under
+--cache (default ~/cache/codecs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from quality import _on_device, compressed, plays, split_plays, tiny_source  # noqa: E402
+
+from cortiq import store  # noqa: E402
+from cortiq.heal.settings import HealSettings  # noqa: E402
+from cortiq.measure import recode, score  # noqa: E402
+
+#: the texts every row is scored on: (name, split) — the heal corpus's test split, every record of the others
+TEXTS = (("own", "test"), ("unseen", None), ("pydoc", None), ("code", None), ("legal", None))
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def source_model(cache: Path, gguf: str | None, tiny: bool) -> Path:
+    out = cache / ("tiny.cmf" if tiny else "smollm2.cmf")
+    if out.exists():
+        return out
+    if tiny:
+        return tiny_source(out)
+    from cortiq.convert.bundled import smollm2_path
+    from cortiq.convert.gguf import convert_gguf
+
+    convert_gguf(gguf or smollm2_path(), out)
+    return out
+
+
+def code_files(limit: int) -> list[Path]:
+    """The standard library's own .py files (not site-packages), in name order, the first `limit`."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.glob("*.py") if p.is_file())[:limit]
+
+
+def licence_files(limit: int) -> list[Path]:
+    """LICENSE files of the installed distributions (dist-info folders) and Python's own LICENSE.txt."""
+    found = []
+    own = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    if own.is_file():
+        found.append(own)
+    for d in sorted({Path(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")}):
+        for p in sorted(d.glob("*.dist-info/**/*")):
+            if p.is_file() and p.name.upper().startswith(("LICENSE", "LICENCE", "COPYING")):
+                found.append(p)
+    return found[:limit]
+
+
+def licence_text(cache: Path, limit: int) -> Path:
+    """The licence files in one text (many share a name, LICENSE, which a record id is made of)."""
+    out = cache / "licences.txt"
+    if not out.exists():
+        parts = [p.read_text(errors="replace") for p in licence_files(limit)]
+        if not parts:
+            raise SystemExit("no licence text found on this machine")
+        out.write_text("\n\n".join(parts))
+    return out
+
+
+def tdata_sets(cache: Path, source: Path, tiny: bool) -> dict[str, Path]:
+    """The heal corpus (train/val/test) and the held-out texts (every record scored), built once."""
+    from cortiq.data import BuildSettings, build
+
+    heal_plays, unseen = split_plays(plays())
+    cap = 6000 if tiny else 65536
+
+    def held(srcs):
+        # every record is scored: the split only has to leave each part non-empty
+        return [str(p) for p in srcs], BuildSettings(record_tokens=512, fractions=(0.5, 0.25, 0.25), max_total_tokens=cap)
+
+    specs = {
+        "heal": ([str(p) for p in heal_plays], BuildSettings(record_tokens=512, fractions=(0.8, 0.1, 0.1) if tiny else (0.94, 0.03, 0.03),
+                                                              max_total_tokens=30000 if tiny else 0)),
+        "unseen": held(unseen),
+        "pydoc": (["corpus:pydoc"], held([])[1]),
+        "code": held(code_files(40 if tiny else 400)),
+        "legal": held([licence_text(cache, 20 if tiny else 200)]),
+    }
+    out = {}
+    for name, (src, bs) in specs.items():
+        if not src:
+            raise SystemExit(f"no {name} text found on this machine")
+        d = cache / f"tdata-{name}"
+        if not store.is_complete(d):
+            build(src, source, d, bs)
+        out[name] = d
+    return out
+
+
+def heal_settings(tiny: bool, device: str, **kw) -> HealSettings:
+    if tiny:
+        return HealSettings(window=64, batch=4, epochs=0.3, eval_every=5, checkpoint_every=0, device=device, **kw)
+    return HealSettings(device=device, checkpoint_every=0, **kw)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (with --tiny: a smoke test)")
+    ap.add_argument("--tiny", action="store_true", help="a small random model and little text: checks the code paths")
+    ap.add_argument("--gguf", default=None, help="the SmolLM2-135M GGUF (default: the bundled one)")
+    ap.add_argument("--cache", default=None, help="converted/compressed models and tdata (default ~/cache/codecs)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where codecs.json goes (default $OUT or .)")
+    args = ap.parse_args(argv)
+
+    device = "cpu" if args.cpu else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device (use --cpu --tiny for a smoke run)")
+    tiny = args.tiny
+    cache = Path(args.cache or Path.home() / "cache" / ("codecs-tiny" if tiny else "codecs"))
+    cache.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = cache / "stages"
+    t_all = time.perf_counter()
+    times = {}
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        r = fn()
+        times[name] = time.perf_counter() - t0
+        log(f"{name}: {times[name]:.1f} s")
+        return r
+
+    from cortiq.heal import heal
+    from cortiq.quant import QuantSettings, requantize
+
+    source = timed("source", lambda: source_model(cache, args.gguf, tiny))
+    sets = timed("tdata", lambda: tdata_sets(cache, source, tiny))
+    pruned = timed("compress", lambda: compressed(cache, source, sets["heal"], tiny, device))
+    models: dict[str, Path] = {}
+    healed = cache / "healed.cmf"
+    rep = timed("heal", lambda: heal(pruned, source, sets["heal"], heal_settings(tiny, device), healed,
+                                     work_dir=work, progress=False, score_split=None))
+    heal_tokens = rep["metrics"]["steps"] * (64 * 4 if tiny else HealSettings().window * HealSettings().batch)
+    qat = cache / "healed-qat-q4.cmf"
+    def heal_qat(**kw):
+        return heal(pruned, source, sets["heal"], heal_settings(tiny, device, qat_codec="q4", **kw), qat, work_dir=work,
+                    progress=False, score_split=None)
+
+    try:
+        rep_q = timed("heal qat q4", heal_qat)
+        times["qat_compiled"] = device == "cuda"
+    except Exception as e:  # noqa: BLE001  (the table still comes out: the same heal, eager)
+        log(f"QAT heal with compiled layers failed ({type(e).__name__}: {str(e)[:300]}); again eager")
+        rep_q = timed("heal qat q4", lambda: heal_qat(compile=False))
+        times["qat_compiled"] = False
+    for codec in ("f16", "q8", "q4"):
+        p = cache / f"healed-{codec}-rtn.cmf"
+        timed(f"recode {codec}", lambda: recode(healed, p, codec))
+        models[f"{codec} rtn" if codec != "f16" else "f16"] = p
+    quant_rep = {}
+    for codec, method in (("q8", "gptq"), ("q4", "gptq"), ("q4", "awq")):
+        s = QuantSettings(method=method, device=device, **({"window": 64, "max_windows": 8} if tiny else {}))
+        r = timed(f"{method} {codec}", lambda: requantize(healed, sets["heal"], codec, s, work, progress=False))
+        models[f"{codec} {method}"] = Path(r["path"])
+        quant_rep[f"{codec} {method}"] = r["quantize"]["report"]["metrics"]
+    models["q4 qat-kd"] = qat
+
+    nll: dict[str, dict[str, float]] = {}
+    for text, split in TEXTS:
+        got = timed(f"score {text}", lambda: score({k: str(v) for k, v in models.items()}, sets["heal" if text == "own"
+                                                   else text], split, "all", device, progress=False, window=512))
+        for k, v in got.items():
+            nll.setdefault(k, {})[text] = v
+    base = nll["f16"]
+    names = [t for t, _ in TEXTS]
+    lines = [f"codecs of the healed SmolLM2-135M ({'tiny smoke run' if tiny else torch.cuda.get_device_name()}): "
+             f"25 % of MLP neurons pruned, healed {heal_tokens / 1e6:.2f}M tokens (QAT: "
+             f"{rep_q['metrics']['steps']} steps, the same); NLL per token, (Δ vs f16)",
+             f"{'model':<12}{'MB':>8}" + "".join(f"{n:>18}" for n in names)]
+    from cortiq.cmf import open_cmf
+
+    for k, p in models.items():
+        mb = open_cmf(p).nbytes() / 1e6
+        cells = "".join(f"{nll[k][n]:9.4f} ({nll[k][n] - base[n]:+.3f})" if k != "f16" else f"{nll[k][n]:9.4f}{'':>9}"
+                        for n in names)
+        lines.append(f"{k:<12}{mb:8.1f}{cells}")
+    lines.append(f"total {time.perf_counter() - t_all:.0f} s")
+    table = "\n".join(lines)
+    result = {"nll": nll, "times": times, "quant": quant_rep, "heal_tokens": heal_tokens,
+              "heldout": {"f16 heal": rep["metrics"]["heldout_best"], "qat heal": rep_q["metrics"]["heldout_best"]},
+              "models": {k: str(v) for k, v in models.items()}, "table": table, "tiny": tiny}
+    (out / "codecs.json").write_text(json.dumps(result, indent=1))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

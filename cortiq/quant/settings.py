@@ -1,0 +1,58 @@
+"""Settings of the quantization of a final model (`cortiq recode`, the flows' re-encode stage)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..settings_meta import BATCH, WINDOW, check, setting
+
+#: how the q4/q8 blocks of a model's linear weights are chosen
+METHODS = ("gptq", "rtn", "awq")
+#: the codecs GPTQ (and AWQ's scales) write; every other codec is round-to-nearest
+BLOCK_CODECS = ("q4", "q4_64", "q8")
+
+
+@dataclass
+class QuantSettings:
+    """Quantization of a model's linear weights into a block codec (q4, q4_64, q8)."""
+
+    #: "gptq": each linear weight of every decoder layer by GPTQ from the Grams of its inputs over calibration
+    #: windows of the data, layer by layer on the outputs of the layers already quantized; "awq": the same with
+    #: activation-aware per-input-channel scales searched first and folded into the op before (RMSNorm weight,
+    #: up_proj rows); "rtn": round-to-nearest, no data (the codec's own encode)
+    method: str = setting("gptq", "how the q4/q8 blocks are chosen: gptq (from the Grams of calibration windows, "
+                                  "layer by layer), awq (activation-aware scales folded into the op before, then "
+                                  "GPTQ), rtn (round-to-nearest, no data)", choices=METHODS)
+    # ── calibration (the windows the Grams are taken over) ──
+    window: int = setting(256, "tokens per calibration window", **WINDOW)
+    #: 64 windows of 256: 16k tokens, ten times the rows of SmolLM2's widest input (1536)
+    max_windows: int = setting(64, "most calibration windows (0: every train window)", lo=0)
+    batch: int = setting(4, "calibration windows per forward", **BATCH)
+    # ── GPTQ ──
+    block: int = setting(128, "GPTQ: columns per lazy-update block", lo=1)
+    damp: float = setting(0.01, "GPTQ: Hessian dampening, times the mean of its diagonal", gt=0)
+    #: on: the grids come from the original weights (static groups), so the error feedback cannot widen a
+    #: group's range; measured on the bundled SmolLM2-135M's weights and Grams (layers 3, 14, 27) in q8, its
+    #: output error under the Gram was 0.10-0.39x round-to-nearest's, 0.13-0.42x without act-order (that
+    #: model's matrices already sit on a 4-bit grid of 32, which q4's rounding reproduces: no q4 measure there;
+    #: a healed model's are off it)
+    act_order: bool = setting(True, "GPTQ: quantize columns by decreasing Hessian diagonal, grids from the "
+                                    "original weights (--no-act-order: grids as GPTQ reaches each group)")
+    # ── AWQ ──
+    #: exponents α tried per group of weights sharing an input, s = diag(G)^α (0: no scaling, plain GPTQ)
+    awq_grid: int = setting(11, "AWQ: exponents tried in [0, 1] (evenly spaced, 0 included)", lo=2, hi=101)
+    # ── resources (how, not what: outside every digest) ──
+    device: str = setting("auto", "where the calibration forward and GPTQ run: auto (CUDA when present), cpu, cuda, "
+                                  "cuda:N")
+
+    def __post_init__(self):
+        check(self, "quant settings")
+
+    def grams_key(self, codec: str) -> dict:
+        """What the cached Grams depend on: the calibration, and (sequential GPTQ: each layer's inputs come out of
+        the layers below, already quantized) how those layers were quantized."""
+        d = asdict(self)
+        d.pop("device")
+        if self.method != "awq":
+            d.pop("awq_grid")
+        return {**d, "codec": codec}

@@ -1,0 +1,128 @@
+"""GPTQ / AWQ on a final model: every grouped weight's GPTQ error under its Gram is
+at most round-to-nearest's, the stored blocks decode to the weights the quantized
+layers computed with, AWQ's folds leave the file computing what the in-memory
+model computed, and `cortiq recode --data` reuses the cached Grams."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quant_helpers import model_and_data  # noqa: E402
+
+from cortiq import codecs  # noqa: E402
+from cortiq.cli import main  # noqa: E402
+from cortiq.cmf import open_cmf  # noqa: E402
+from cortiq.model import load_model  # noqa: E402
+from cortiq.quant import QuantSettings, quantize, requantize  # noqa: E402
+from cortiq.quant.layers import gram_error, groups, quantize_layer  # noqa: E402
+
+S = dict(window=64, max_windows=8, device="cpu", awq_grid=5)
+
+
+@pytest.mark.parametrize("codec", ["q8", "q4", "q4_64", "fp8", "f16", "bf16", "f32"])
+def test_roundtrip_is_decode_of_encode(codec):
+    c = codecs.get(codec)
+    x = torch.randn(7, 45) * torch.logspace(-3, 2, 45)  # uneven scales, a padded last block
+    assert torch.equal(c.roundtrip(x), c.decode(c.encode(x), (7, 45)))
+
+
+def _correlated_grams(layer, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for gr in groups(layer):
+        C = dict(layer.named_modules())[gr.hook].weight.shape[1]
+        mix = torch.randn(C, C, generator=g, dtype=torch.float64) / C**0.5 + torch.eye(C, dtype=torch.float64)
+        X = torch.randn(4 * C, C, generator=g, dtype=torch.float64) @ mix * torch.linspace(0.1, 4.0, C, dtype=torch.float64)
+        out[gr.key] = X.T @ X
+    return out
+
+
+@pytest.mark.parametrize("codec", ["q4", "q8"])
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_group_error_at_most_rtn_and_blocks_decode_to_the_layer(tmp_path, codec, method):
+    m, _ = model_and_data(tmp_path)
+    model = load_model(m)
+    layer = model.layers[0]
+    W0 = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    grams = _correlated_grams(layer)
+    r = quantize_layer(layer, grams, codec, method, block=32)
+    c = codecs.get(codec)
+    for row in r.rows:
+        assert row["err"] <= row["err_rtn"], row
+        assert row["method"] in ("gptq", "awq")
+    # the plain reference: RTN of the original weights under the same Gram (AWQ reports RTN of up's rows
+    # as its down scales left them)
+    for gr in groups(layer) if method == "gptq" else ():
+        W = torch.cat([W0[f"{n}.weight"] for n in gr.mods]).double()
+        rtn = gram_error(W - c.roundtrip(W.float()).double(), grams[gr.key])
+        assert abs(float(rtn) - next(x["err_rtn"] for x in r.rows if x["group"] == gr.key)) <= 1e-9 * float(rtn)
+    mods = dict(layer.named_modules())
+    for name, st in r.stored.items():
+        w = mods[name].weight
+        assert torch.equal(c.decode(st, tuple(w.shape)), w.detach()), name
+    if method == "gptq":  # nothing but the matrices moved
+        for n, p in layer.named_parameters():
+            if p.ndim == 1:
+                assert torch.equal(p, W0[n]), n
+
+
+def test_awq_file_computes_what_the_quantized_model_computed(tmp_path):
+    m, td = model_and_data(tmp_path)
+    s = QuantSettings(method="awq", act_order=False, **S)  # on this tiny model only then does a scale win
+    r = requantize(m, td, "q4", s, tmp_path / "work", progress=False, log=lambda _: None)
+    f = open_cmf(r["path"])
+    rep = r["quantize"]["report"]
+    assert any(g["method"] == "awq" for g in rep["groups"]), "no group took a scale: the test shows nothing"
+    assert rep["metrics"]["quant_err"] < rep["metrics"]["quant_err_rtn"]
+    # re-run the quantization in memory from the same Grams: the file holds those weights and folded norms
+    from cortiq.quant import read_grams
+
+    grams = read_grams(r["grams"]["path"])
+    model = load_model(m)
+    for i, layer in enumerate(model.layers):
+        quantize_layer(layer, grams[i], "q4", "awq", block=s.block, damp=s.damp, act_order=False, awq_grid=s.awq_grid)
+    with torch.no_grad():  # outside the layers a block codec is round-to-nearest, as recode writes it
+        e = model.model.embed_tokens.weight
+        e.copy_(codecs.get("q4").roundtrip(e))
+    back = load_model(r["path"])
+    for n, p in back.named_parameters():
+        assert torch.equal(p, dict(model.named_parameters())[n]), n
+    assert {f.info(n).codec for n in f.names if n.startswith("model.layers.") and n.endswith("proj.weight")} == {"q4"}
+    ids = torch.randint(0, 259, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(back(ids), model(ids), atol=1e-5)
+
+
+def test_recode_gptq_reuses_the_cached_grams(tmp_path, monkeypatch, capsys):
+    import cortiq.quant as quant
+
+    m, td = model_and_data(tmp_path)
+    argv = ["--codec", "q4", "--data", str(td), "--method", "gptq", "--work", str(tmp_path / "work"),
+            "--window", "64", "--max-windows", "8", "--device", "cpu"]
+    assert main(["recode", str(m), str(tmp_path / "a.cmf"), *argv]) == 0
+    a = open_cmf(tmp_path / "a.cmf")
+    assert a.provenance["quantize"]["settings"]["method"] == "gptq"
+    # the second run: no capture may run, and the quantize stage is made again from the cached Grams
+    monkeypatch.setattr(quant, "capture", lambda *a, **k: pytest.fail("the Grams were captured again"))
+    for p in (tmp_path / "work").glob("quantize-*"):
+        p.unlink()
+    capsys.readouterr()
+    assert main(["recode", str(m), str(tmp_path / "b.cmf"), *argv]) == 0
+    assert "qgrams: reusing" in capsys.readouterr().err
+    b = open_cmf(tmp_path / "b.cmf")
+    for n in a.names:
+        assert bytes(a.raw(n)) == bytes(b.raw(n)), n
+    g = b.provenance["quantize"]["groups"]
+    assert len(g) == 2 * 4 and sum(x["err"] for x in g) < sum(x["err_rtn"] for x in g)
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    m, td = model_and_data(tmp_path)
+    assert main(["recode", str(m), str(tmp_path / "o.cmf"), "--codec", "q4", "--data", str(tmp_path / "none")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "none" in err[0], err
+    with pytest.raises(Exception, match="method gptq with codec fp8"):
+        quantize(m, tmp_path, "fp8", QuantSettings(**S), tmp_path / "o.cmf")
