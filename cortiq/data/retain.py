@@ -180,14 +180,12 @@ def retain_tdata(spec: str, source_cmf, settings: RetainSettings, run: Runner, r
     generations, cortiq.data.selfgen's cached stage), `corpus:NAME` (the data stage
     on the bundled corpus, the source's tokenizer), or a tdata directory as it is."""
     if spec == SELF:
-        try:
-            from .selfgen import SelfGenSettings, self_tdata
-        except ImportError:
-            raise CortiqError("retain source self: this cortiq has no cortiq.data.selfgen") from None
-        from .. import tracking
+        from ..pipeline import plain
+        from .selfgen import SELFGEN, SelfGenSettings
 
+        # through the caller's runner, as the corpus sources: a flow's task, or the CLI's cache
         gen = SelfGenSettings(seed=settings.seed, tokens=settings.tokens or SelfGenSettings().tokens)
-        return str(self_tdata(source_cmf, gen, root, logger=logger or tracking.NULL, progress=progress))
+        return run(SELFGEN, "retain.self", model=str(source_cmf), settings=plain(gen))["path"]
     if spec.startswith("corpus:"):
         from .build import DATA
         from ..pipeline import plain

@@ -3,7 +3,6 @@ parts never in training, and the sources (corpus, tdata directory, self)."""
 
 from __future__ import annotations
 
-import importlib.util
 
 import numpy as np
 import pytest
@@ -95,8 +94,6 @@ def test_bad_retain_sources_say_so(tmp_path, mixed):
         RetainSettings(share=1.0)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("cortiq.data.selfgen") is None,
-                    reason="cortiq.data.selfgen (the source model's generations) is built on another branch")
 def test_self_retain_is_a_cached_tdata_of_the_source_model(tmp_path):
     from data_helpers import tiny_model_cmf
 
