@@ -90,8 +90,8 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_
 def tiny_cmf(path: str | os.PathLike, *, mtp: bool = False, chat: bool = False, layers: int = 2, hidden: int = 64,
              inter: int = 128, seed: int = 0) -> Path:
     """A small random Llama with the byte tokenizer (vocab 259, EOS 256): the smoke modes' model.
-    Norms 1 ± 0.1, matrices N(0, 0.25/fan_in), embeddings N(0, 1): activations stay O(1), so losses and
-    masks move like a real model's. `mtp` adds a one-layer draft, `chat` a ChatML template."""
+    Norms 1 ± 0.1, matrices N(0, 0.25/fan_in), embeddings N(0, 0.09): activations stay O(1) and the tied
+    head's logits a few nats wide, so losses and masks move like a real model's. `mtp` adds a one-layer draft, `chat` a ChatML template."""
     import torch
 
     from cortiq.arch import Arch
@@ -107,7 +107,7 @@ def tiny_cmf(path: str | os.PathLike, *, mtp: bool = False, chat: bool = False, 
     with torch.no_grad():
         for n, p in m.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if p.dim() == 1 else
-                    torch.randn_like(p) * (1.0 if "embed" in n else 0.5 / p.shape[-1] ** 0.5))
+                    torch.randn_like(p) * (0.3 if "embed" in n else 0.5 / p.shape[-1] ** 0.5))
     doc = new_doc(arch, tokenizer_doc(byte_tokenizer_json(), [256], chat_template=CHATML if chat else None))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     return write_cmf(Path(path), doc, specs_from_tensors([(n, p.detach().clone()) for n, p in m.named_parameters()], "f32"))

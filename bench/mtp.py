@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import parser, tiny_cmf, write_json
+from bench.common import parser, print_table, tiny_cmf, write_json
 from cortiq.cmf import open_cmf
 from cortiq.model import load_model
 
@@ -334,16 +334,15 @@ def main() -> int:
     print(f"\ndevice: {res['device']}; heal {res['heal']['seconds']:.0f} s ({hm['steps']:.0f} steps, "
           f"training {hm['train_seconds']:.0f} s, preset {res['heal']['preset']}); total {res['total_s']:.0f} s")
     print(f"offline: held-out windows, chain {sr.chain}, decode rounds over {sr.span} new tokens from each prompt's end")
-    print(f"{'draft':<16}{'hold per chain step':<24}{'drafts/round':>13}{'data':>7}{'chat':>7}{'every row':>10}{'draft MB':>10}")
-    for k, v in res["offline"].items():
-        cols = "".join(f"{v[x]:>{w}.3f}" if x in v else " " * w for x, w in (("data", 7), ("chat", 7), ("every_row", 10)))
-        print(f"{k:<16}{' / '.join(f'{x:.3f}' for x in v['hold']):<24}{v['drafts_per_round']:>13.3f}{cols}{v['bytes'] / 1e6:>10.2f}")
+    print_table(["draft", "hold per chain step", "drafts/round", "data", "chat", "every row", "draft MB"],
+                [[k, " / ".join(f"{x:.3f}" for x in v["hold"]), f"{v['drafts_per_round']:.3f}",
+                  *(f"{v[x]:.3f}" if x in v else "" for x in ("data", "chat", "every_row")), f"{v['bytes'] / 1e6:.2f}"]
+                 for k, v in res["offline"].items()])
     print(f"\nreal: the engine (f32), greedy, {new} new tokens; offline: the same measure on the same prompts' held-out "
           f"windows (questions: on the decoded text)")
-    print(f"{'draft':<6}{'depth':>6}  {'prompts':<10}{'n':>4}{'real':>8}{'offline':>9}{'ratio':>7}{'rounds':>8}")
-    for r in res["real"]:
-        print(f"{r['codec']:<6}{r['depth']:>6}  {r['prompts_from']:<10}{r['prompts']:>4}{r['accepted_per_round']:>8.3f}"
-              f"{r['offline']:>9.3f}{r['ratio']:>7.2f}{r['rounds']:>8}")
+    print_table(["draft", "depth", "prompts", "n", "real", "offline", "ratio", "rounds"],
+                [[r["codec"], r["depth"], r["prompts_from"], r["prompts"], f"{r['accepted_per_round']:.3f}",
+                  f"{r['offline']:.3f}", f"{r['ratio']:.2f}", r["rounds"]] for r in res["real"]])
     if "raw" in res:
         rw = res["raw"]
         print(f"\ntrained on the data's own text ({rw['metrics']['steps']:.0f} steps): hold "

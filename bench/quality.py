@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import log, parser, smollm2_cmf, tiny_cmf, write_json
+from bench.common import log, parser, smollm2_cmf, table, tiny_cmf, write_json
 from cortiq import store
 from cortiq.heal import prefix as prefix_mod
 from cortiq.heal import targets as targets_mod
@@ -189,15 +189,12 @@ def heal_row(label: str, s: HealSettings, source: Path, pruned: Path, sets: dict
 # ── the table ────────────────────────────────────────────────────────────
 
 
-def table(base: dict, rows: list[dict]) -> str:
-    lines = [f"{'model':<34} {'tokens':>7}  {'own NLL':>8} {'gap':>7}  {'unseen':>8} {'gap':>7}  {'pydoc':>8} {'gap':>7}  {'s':>6}"]
-    for name in ("source", "student"):
-        lines.append(f"{'source' if name == 'source' else 'pruned':<34} {'':>7}  "
-                     + "  ".join(f"{base[k][name]:8.4f} {'':>7}" for k in SETS))
-    for r in rows:
-        lines.append(f"{r['label']:<34} {r['tokens'] / 1e6:6.2f}M  "
-                     + "  ".join(f"{r['nll'][k]:8.4f} {r['gap'][k]:7.1%}" for k in SETS) + f"  {r['secs']:6.1f}")
-    return "\n".join(lines)
+def quality_table(base: dict, rows: list[dict]) -> str:
+    cells = [["source" if name == "source" else "pruned", ""] + [x for k in SETS for x in (f"{base[k][name]:.4f}", "")] + [""]
+             for name in ("source", "student")]
+    cells += [[r["label"], f"{r['tokens'] / 1e6:.2f}M"] + [x for k in SETS for x in (f"{r['nll'][k]:.4f}", f"{r['gap'][k]:.1%}")]
+              + [f"{r['secs']:.1f}"] for r in rows]
+    return table(["model", "tokens", "own NLL", "gap", "unseen", "gap", "pydoc", "gap", "s"], cells)
 
 
 def main(argv=None) -> int:
@@ -317,7 +314,7 @@ def main(argv=None) -> int:
         rows.append(run(f"ce 1 (no teacher) @{big / 1e6:g}M", settings("topk", 1.0, big, lr1)))
     rows = [r for r in rows if r is not None]
 
-    text = table(base, sweep_rows + rows) + ("\nskipped (deadline): " + ", ".join(skipped) if skipped else "")
+    text = quality_table(base, sweep_rows + rows) + ("\nskipped (deadline): " + ", ".join(skipped) if skipped else "")
     res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "tiny": tiny, "base": base,
            "train_tokens": n_train, "window": window, "batch": batch, "topk": topk, "train_from": args.train_from,
            "lr": lr, "ce1_lr": lr1, "sweep": sweep_rows, "rows": rows, "skipped": skipped,
