@@ -27,8 +27,8 @@ $OUT/dist.json.
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import subprocess
 import sys
 import time

@@ -224,9 +224,9 @@ def speed_table(rows, rate):
     for r in rows:
         b = base.get(r["geom"])
         if r["who"] == "cortiq" and b and "error" not in r:
+            peak = f", peak memory {r['step_peak_gib'] / b['kd_peak_gib']:.2f} of the baseline's" if b["kd_peak_gib"] else ""
             print(f"{r['geom']}: teacher pass ×{r['teacher_tok_s'] / b['teacher_tok_s']:.2f}, "
-                  f"one-epoch heal ×{r['epoch_tok_s'] / b['kd_tok_s']:.2f} of the baseline KD step, "
-                  f"peak memory {r['step_peak_gib'] / b['kd_peak_gib']:.2f} of the baseline's")
+                  f"one-epoch heal ×{r['epoch_tok_s'] / b['kd_tok_s']:.2f} of the baseline KD step{peak}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ GPU's kernels (the heal tests compile on the CPU already).
 
 from __future__ import annotations
 
-import json
 
 import torch
 import torch.nn.functional as F
