@@ -50,6 +50,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import re
 import shutil
 import signal
@@ -63,6 +64,9 @@ from cortiq.heal.settings import MEMORY_PARTS, TARGETS
 
 #: the heal targets and memory plans the rows cover (heal's own lists, so a new kind gets a row)
 MEMORY_PLANS = ("plain", *MEMORY_PARTS, "lean")
+#: every command offline and untracked (the flow's tools phone home otherwise; the GPU machine has no network)
+QUIET = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+         "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 class Failed(Exception):
@@ -100,7 +104,7 @@ class Check:
         logf = self.work / "logs" / f"{len(self.rows):02d}-{name}.log"
         cmd = [sys.executable, "-m", "cortiq", *args]
         try:
-            p = subprocess.run(cmd, cwd=ROOT, env=env(**{"CORTIQ_HOME": str(self.home), **(extra_env or {})}),
+            p = subprocess.run(cmd, cwd=ROOT, env=env(**{**QUIET, "CORTIQ_HOME": str(self.home), **(extra_env or {})}),
                                capture_output=True, text=True, timeout=timeout or self.a.row_timeout)
         except subprocess.TimeoutExpired as e:
             raise Failed(f"timed out after {e.timeout:.0f} s") from None
@@ -324,7 +328,7 @@ class Check:
             return float((ce * wt.flatten()).sum() / wt.sum())
 
         with torch.no_grad():
-            hf = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).to(self.device).eval()
+            hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(self.device).eval()
             a = mean_nll(hf(ids).logits)
             del hf
             b = mean_nll(load_model(model, dtype=torch.float32, device=self.device)(ids))
@@ -399,6 +403,8 @@ def main() -> int:
     ap.add_argument("--row-timeout", type=float, default=240, help="seconds a command may take")
     a = ap.parse_args()
     a.work = a.work or f"/tmp/cortiq-device-check{'-tiny' if a.tiny else ''}"
+    for k, v in QUIET.items():  # the transformers load of the export row runs in this process
+        os.environ.setdefault(k, v)
     if not a.cpu:
         import torch
 

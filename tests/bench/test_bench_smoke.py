@@ -51,7 +51,9 @@ def check_data_build(d):
 
 def check_decode(d):
     rows = _rows(d)
-    assert rows and any(r.get("decoder", r.get("name", "")) for r in rows)
+    who = {r["who"] for r in rows}
+    assert {"reference", "engine"} <= who and any(w.startswith("spec") for w in who), who
+    assert all(r["tok_s"] > 0 for r in rows) and d["accept"]
 
 
 def check_dist(d):
