@@ -24,7 +24,8 @@ PKGS=(
   dateparser==1.5.0 docker==7.2.0 docstring-parser==0.18.0 exceptiongroup==1.3.2 fastapi==0.150.0 flask==3.1.3
   flask-cors==6.0.5 gguf==0.19.0 gitdb==4.0.12 gitpython==3.2.1 google-auth==2.63.0 graphene==3.4.3
   graphql-core==3.2.14 graphql-relay==3.2.0 graphviz==0.21 greenlet==3.5.6 griffe==2.4.1 griffecli==2.4.1
-  griffelib==2.4.1 gunicorn==26.2.0 httpcore2==2.16.2 httpx2==2.16.2 huey==3.5.4 importlib-metadata==9.1.0
+  griffelib==2.4.1 gunicorn==26.2.0 h2==4.4.1 hpack==4.2.0 httpcore2==2.16.2 httpx2==2.16.2 huey==3.5.4
+  hyperframe==6.1.0 importlib-metadata==9.1.0
   itsdangerous==2.2.0 jinja2-humanize-extension==0.4.0 jiter==0.19.0 jsonpatch==1.48 jsonpointer==3.12
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 mako==1.4.3 mlflow==3.17.2 mlflow-skinny==3.17.2
   mlflow-tracing==3.17.2 oauthlib==4.0.1 openai==3.57.0 opentelemetry-api==1.45.2 opentelemetry-proto==1.45.2

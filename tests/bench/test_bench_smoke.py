@@ -6,6 +6,7 @@ next GPU call. A new bench/*.py must get a row below or be named a module (not a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -25,8 +26,12 @@ def _rows(doc, key="rows"):
     return doc[key]
 
 
+#: an error a row may report on this machine: the 8-bit Adam plans need torchao, an optional extra
+EXCUSED = () if importlib.util.find_spec("torchao") else ("needs torchao",)
+
+
 def _no_error(rows):
-    bad = [r for r in rows if isinstance(r, dict) and r.get("error")]
+    bad = [r for r in rows if isinstance(r, dict) and r.get("error") and not any(e in r["error"] for e in EXCUSED)]
     assert not bad, bad
 
 
@@ -66,7 +71,7 @@ def check_dist(d):
 
 def check_memory(d):
     _no_error(d["heal"])
-    assert d["heal"] and d["masks"]
+    assert d["masks"] and sum("error" not in r for r in d["heal"]) >= 8  # baseline, plain x3, checkpoint, micro, partial, auto
 
 
 def check_mtp(d):
@@ -75,8 +80,9 @@ def check_mtp(d):
 
 def check_pipeline(d):
     _no_error(d["pipeline"])
-    stages = {r["stage"].split()[0] for r in d["pipeline"]}
-    assert {"compress", "heal", "score", "mtp"} <= {s.rstrip(":") for s in stages}, stages
+    _no_error(d["memory"])
+    stages = {r["stage"].split()[0].lower() for r in d["pipeline"]}
+    assert {"source", "data", "compress", "heal", "score", "mtp", "re-encode"} <= stages, stages
     assert d["memory"] and d["masks"] and not d["skipped"]
 
 
