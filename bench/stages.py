@@ -92,7 +92,7 @@ def run(name, g, B, T, steps, rate, *, timed, peak_reset, peak_gib, flops_per_to
         student = build(arch, torch.float32, device)
         tail = StudentTail(student, train_from, ffn_only=False, drop_prefix=h0 is not None)
         if device == "cuda":
-            student.compile_layers()
+            student.compile_layers(tail.running)  # a cached prefix leaves placeholders that never run
         params = [p for _, p in tail.named()]
         opt = torch.optim.Adam(params, lr=1e-5, fused=device == "cuda")
         dev = torch.device(device)

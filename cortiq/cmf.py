@@ -155,6 +155,7 @@ def _int_list(v, lo: int = 0, hi: int = 1 << 62) -> bool:
 
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
 
 def check_doc(doc, path: Path) -> None:
@@ -271,6 +272,8 @@ class CmfFile:
                     raise CmfError(f"{p}: truncated ({size} bytes, tensor {name!r} needs {d0 + en})")
                 if name in self.infos:
                     raise CmfError(f"{p}: tensor {name!r} appears twice")
+                if not _NAME.fullmatch(name):  # exporters make file keys of names: no paths, no odd characters
+                    raise CmfError(f"{p}: tensor name {name[:80]!r} is not a dotted name (letters, digits, _ and .)")
                 ranges.append((b, en, name))
                 if name in cdoc:
                     codec, shape = self._coded(p, name, cdoc[name], st_dtype, st_shape)
@@ -287,6 +290,11 @@ class CmfFile:
                 end = en
             if d0 + end > size:
                 raise CmfError(f"{p}: truncated ({size} bytes, the header needs {d0 + end})")
+            if d0 + end < size:  # bytes no tensor owns: another file's tail, or one appended to
+                raise CmfError(f"{p}: {size - d0 - end} trailing bytes after the last tensor")
+        orphans = sorted(set(cdoc) - set(self.infos))
+        if orphans:
+            raise CmfError(f"{self.path}: codec entries for tensors the file does not hold: {orphans[:4]}")
         self._check_arch()
 
     def _check_arch(self) -> None:
@@ -599,7 +607,9 @@ def write_cmf(
         for part in partials:
             part.unlink(missing_ok=True)
         if isinstance(e, OSError):
-            raise CortiqError(f"{path}: cannot write ({e.strerror or e})") from None
+            from .store import write_error
+
+            raise write_error(path, e) from None
         raise
     return path
 

@@ -38,3 +38,24 @@ def resolve_compute(name: str, device):
         return {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[name]
     except KeyError:
         raise CortiqError(f"compute dtype {name!r} is not one of {', '.join(COMPUTE)}") from None
+
+
+def free_memory(device) -> int:
+    """Bytes a new allocation on `device` may still take: CUDA's free memory plus what the
+    caching allocator holds unused; on the CPU, the kernel's MemAvailable (page cache it
+    can drop included), or, where that is unknown, the physical memory."""
+    import os
+
+    import torch
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

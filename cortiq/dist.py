@@ -232,6 +232,11 @@ def launch(argv: list[str], gpus: int, module: str = "cortiq") -> int:
         raise CortiqError(f"gpus {gpus} must be at least 1")
     if torch.cuda.is_available() and gpus > torch.cuda.device_count():
         raise CortiqError(f"gpus {gpus}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not torch.cuda.is_available() and gpus > cores:
+        # without CUDA each rank is a gloo process on the CPU: more ranks than cores only thrash
+        raise CortiqError(f"gpus {gpus}: no CUDA device here, and the CPU ranks (gloo) are at most one per core: "
+                          f"this machine has {cores}")
     cmd = [sys.executable, "-c", _TORCHRUN, "--standalone", f"--nproc-per-node={gpus}", "-m", module, *argv]
     env = dict(os.environ)
     # the processes import the cortiq this one runs (a checkout on PYTHONPATH or the installed one)

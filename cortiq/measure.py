@@ -68,7 +68,10 @@ def recode(src_cmf, out_cmf, codec: str, provenance: dict | None = None, verify:
     from .cmf import copy_specs, open_cmf, with_provenance, write_cmf
 
     codecs.get(codec)  # an unknown codec fails before any work
+    from .model import check_file
+
     src = open_cmf(src_cmf)
+    check_file(src)  # a file load refuses is not re-encoded into one that looks finished
     specs = copy_specs(src, lambda name, info: codecs.choose(codec, info.shape, info.codec), verify=verify,
                        finite=finite)
     doc = with_provenance({k: v for k, v in src.doc.items() if k not in ("codecs", "hashes", "shards")}, "recode",

@@ -351,11 +351,13 @@ def deliver(result: dict, out: str | os.PathLike) -> Path:
     import shutil
 
     src, out = Path(result["path"]), Path(out)
-    if out.exists() and out.resolve() == src.resolve():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".partial")
     tmp.unlink(missing_ok=True)
+    # a re-run finds `out` already linked to the cache entry; renaming a second link of the
+    # same file over it does nothing, which would leave the `.partial` link behind
+    if out.exists() and os.path.samefile(out, src):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.link(src, tmp)
     except OSError:

@@ -19,6 +19,7 @@ STAGE_COMMANDS = {"data": "cortiq data build", "compress": "cortiq compress", "h
 
 #: commands with settings of their own (not a parameter file's): command -> (module, dataclass)
 COMMAND_SETTINGS = {
+    "cortiq data self": ("cortiq.data.settings", "SelfGenSettings"),
     "cortiq generate": ("cortiq.commands.generate", "GenerateSettings"),
     "cortiq nll": ("cortiq.commands.nll", "NllSettings"),
     "cortiq export": ("cortiq.commands.export", "ExportSettings"),

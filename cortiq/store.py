@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -147,6 +149,34 @@ def locked(path: str | os.PathLike, wait: bool = True) -> Iterator[None]:
             os.close(fd)
 
 
+def write_error(path: str | os.PathLike, e: OSError) -> CortiqError:
+    """The one line for a failed write of `path`: the file and the cause. A short write with
+    no errno (numpy's tofile says "N requested and M written") is a full disk too."""
+    short = e.errno is None and re.search(r"(\d+) requested and (\d+) written", str(e))
+    if is_full(e):
+        what = "no space left on device" if e.errno != errno.EDQUOT else "disk quota exceeded"
+        got = f" ({short.group(2)} of {short.group(1)} bytes written)" if short else ""
+        return CortiqError(f"{path}: {what} while writing{got}")
+    return CortiqError(f"{path}: cannot write ({e.strerror or e})")
+
+
+def is_full(e: OSError) -> bool:
+    """Whether a failed write failed for want of space (ENOSPC, a quota, a short write)."""
+    return e.errno in (errno.ENOSPC, errno.EDQUOT) or (e.errno is None and "requested and" in str(e))
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """Name `path` when the disk fills while it is written (`write_error`'s one line); other
+    errors pass unchanged (the block may read as well as write)."""
+    try:
+        yield
+    except OSError as e:
+        if is_full(e):
+            raise write_error(path, e) from None
+        raise
+
+
 @contextlib.contextmanager
 def stage_dir(final: str | os.PathLike, meta: dict) -> Iterator[Path]:
     """Write a stage output: yields `FINAL.partial/` to fill; on success
@@ -160,22 +190,57 @@ def stage_dir(final: str | os.PathLike, meta: dict) -> Iterator[Path]:
             shutil.rmtree(part)
         part.mkdir(parents=True)
         try:
-            yield part
-            write_text(part / META, _meta_json(meta))
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(part, final)
+            with writing(final):
+                yield part
+                write_text(part / META, _meta_json(meta))
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(part, final)
         except BaseException:
             shutil.rmtree(part, ignore_errors=True)
             raise
+
+
+def _same_place(a: Path, b: Path) -> bool:
+    """Whether two paths name one file or folder: the same path once `..` and symlinks are
+    resolved, or the same inode (a hard link)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        sa, sb = os.stat(a), os.stat(b)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def check_output(out: str | os.PathLike, inputs, folder: bool = False) -> None:
+    """Refuse an output that is one of the command's inputs, before any work.
+
+    Every writer replaces its output by a rename, so an output that is an input, under
+    another spelling (`..`, a symlink, a hard link), would silently replace that input.
+    With `folder` (the output is a directory that replacing deletes whole), an input
+    inside it is refused too. `inputs` may hold None (an optional input not given)."""
+    out = Path(out)
+    for i in inputs:
+        if i is None:
+            continue
+        i = Path(i)
+        if _same_place(out, i):
+            raise CortiqError(f"{out}: the output is the input {i}; give another output path")
+        if folder and os.path.realpath(i).startswith(os.path.realpath(out) + os.sep):
+            raise CortiqError(f"{out}: the output folder holds the input {i}; replacing it would delete that input")
 
 
 def write_arrow(path: str | os.PathLike, table: pa.Table) -> None:
     """An Arrow IPC file (written to `.partial`, then renamed)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
-    with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, table.schema) as w:
-        w.write_table(table)
+    try:
+        with writing(path), pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, table.schema) as w:
+            w.write_table(table)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 
@@ -183,7 +248,12 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     """`text` into `path` whole (written to `.partial`, then renamed)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text)
+    try:
+        with writing(path):
+            tmp.write_text(text)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
 
 

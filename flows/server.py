@@ -119,10 +119,24 @@ def embedded_server() -> Iterator[str | None]:
     os.environ["PREFECT_API_URL"] = url
     try:
         with temporary_settings({PREFECT_API_URL: url}):
-            yield url
+            try:
+                yield url
+            finally:
+                drain()
     finally:
         if old is None:
             os.environ.pop("PREFECT_API_URL", None)
         else:
             os.environ["PREFECT_API_URL"] = old
         _stop(proc)
+
+
+def drain(timeout: float = 60.0) -> None:
+    """Send what Prefect's background workers still hold (the flow's last log lines, its
+    events) and stop them, while the server is up. Left to the interpreter's exit, they
+    would find the server gone and retry it for over a minute, then say they could not log."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=timeout, at_exit=False)

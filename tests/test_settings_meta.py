@@ -26,6 +26,7 @@ COMMANDS = {
     ("heal",): ("cortiq.heal.settings:HealSettings", ["s.cmf", "--data", "td", "--out", "o.cmf"]),
     ("mtp", "heal"): ("cortiq.mtp.settings:MtpSettings", ["m.cmf", "--data", "td", "--out", "o.cmf"]),
     ("data", "build"): ("cortiq.data.settings:BuildSettings", ["--tokenizer", "m.cmf", "--out", "td"]),
+    ("data", "self"): ("cortiq.data.settings:SelfGenSettings", ["m.cmf"]),
     ("generate",): ("cortiq.commands.generate:GenerateSettings", ["m.cmf", "hello"]),
     ("nll",): ("cortiq.commands.nll:NllSettings", ["m.cmf", "td"]),
     ("export",): ("cortiq.commands.export:ExportSettings", ["m.cmf", "--to", "hf", "out"]),
@@ -123,7 +124,7 @@ def test_generated_defaults_are_the_dataclass_defaults(path):
 
 
 #: values to try for a free-form string field whose grammar no generic candidate meets
-VALUES = {"HealSettings.memory": ["plain", "checkpoint+micro"]}
+VALUES = {"HealSettings.memory": ["plain", "checkpoint+micro"], "SelfGenSettings.mix": [(0.5, 0.25, 0.25)]}
 
 
 def _candidates(cls, f: dataclasses.Field) -> list:

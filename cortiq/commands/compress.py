@@ -32,6 +32,9 @@ def run(args) -> int:
     from ..compress.settings import CompressSettings
     from ..settings_meta import from_args
 
+    from ..store import check_output
+
+    check_output(args.out, [args.source, args.data])
     s = from_args(CompressSettings, args)
     rep = compress(args.source, args.data, s, args.out, work=args.work)
     print(json.dumps(rep["metrics"], indent=1, sort_keys=True), file=sys.stdout)

@@ -53,13 +53,14 @@ def run(args) -> int:
 
     from .. import codecs
     from ..errors import CortiqError
+    from ..store import check_output
 
     if args.codec != "keep":
         codecs.get(args.codec)  # an unknown codec fails before any work
-    kind, src = resolve(args.src)
     out = Path(args.out)
-    if out.resolve() == src.resolve():
-        raise CortiqError(f"{out}: the output would overwrite the source")
+    check_output(out, [args.src])  # before the source is read: one that is not a model is still the user's file
+    kind, src = resolve(args.src)
+    check_output(out, [src])  # a bundled model's own file
     with tqdm(desc=f"convert {src.name}", unit=" tensors", file=sys.stderr, leave=False, disable=None) as bar:
         def progress(_name):
             bar.update(1)

@@ -7,17 +7,18 @@ HELP = "build tokenized training data (tdata) from text, JSONL, chats or a bundl
 DESCRIPTION = (
     "build: tokenize SRC files (plain text cut on paragraphs; JSONL with text, prompt/answer or chat messages) "
     "and --corpus texts with a model's tokenizer into DIR (tdata.arrow + meta.json, written last). "
-    "inspect: records, tokens and scored tokens per split and category."
+    "inspect: records, tokens and scored tokens per split and category. "
+    "self: the model's own text (from BOS, chat requests and corpus prefixes, batched on the decode engine) as tdata."
 )
 ORDER = 30
 
 
 def add_arguments(p):
-    from ..data.settings import BuildSettings
+    from ..data.settings import BuildSettings, SelfGenSettings
     from ..settings_meta import HelpFormatter
     from ..settings_meta import add_arguments as add_settings
 
-    sub = p.add_subparsers(dest="data_command", metavar="{build,inspect}", required=True)
+    sub = p.add_subparsers(dest="data_command", metavar="{build,inspect,self}", required=True)
     fmt = HelpFormatter
     b = sub.add_parser("build", help="tokenize sources into a tdata directory", formatter_class=fmt,
                        description="Tokenize sources into a tdata directory (records: rid, split, category, ids, "
@@ -32,6 +33,14 @@ def add_arguments(p):
     b.add_argument("--out", required=True, metavar="DIR", help="the tdata directory to write")
     b.add_argument("--device", default="auto", help="device for --generate-with: auto (CUDA when present), cpu, cuda, ...")
     add_settings(b, BuildSettings, title="build settings")
+
+    g = sub.add_parser("self", help="the model's own text as a tdata directory (a cached stage)", formatter_class=fmt,
+                       description="Generate the model's own text from varied openings (BOS, chat requests in its template, "
+                                   "short corpus prefixes), batched on the static-cache decode engine, into a tdata "
+                                   "directory (generated tokens scored); made once per model and settings, then reused.")
+    g.add_argument("model", metavar="MODEL.cmf", help="the model that writes the text")
+    g.add_argument("--work", default=None, help="stage outputs (default: the cortiq home's work/, shared with the flows)")
+    add_settings(g, SelfGenSettings, title="self-generation settings")
 
     i = sub.add_parser("inspect", help="records, tokens and scored tokens per split and category", formatter_class=fmt)
     i.add_argument("dir", metavar="DIR", help="a tdata directory")
@@ -51,6 +60,9 @@ def _build(args) -> int:
     sources = list(args.sources) + [f"corpus:{c}" for c in args.corpus]
     if not sources:
         raise CortiqError("data build: no sources (give SRC files or --corpus NAME)")
+    from ..store import check_output
+
+    check_output(args.out, [*args.sources, args.tokenizer], folder=True)
     settings = from_args(BuildSettings, args)
     bar = tqdm(desc="data build", unit="step", file=sys.stderr, leave=False, disable=None)  # None: off when not a terminal
 
@@ -90,5 +102,22 @@ def _inspect(args) -> int:
     return 0
 
 
+def _self(args) -> int:
+    from pathlib import Path
+
+    from .. import store
+    from ..data.selfgen import self_tdata
+    from ..data.settings import SelfGenSettings
+    from ..data.tdata import Tdata
+    from ..settings_meta import from_args
+
+    s = from_args(SelfGenSettings, args)
+    d = self_tdata(args.model, s, Path(args.work) if args.work else store.home() / "work")
+    c = Tdata.open(d).meta["counts"]
+    per = ", ".join(f"{k} {v['records']}" for k, v in c["categories"].items())
+    print(f"{d}: {c['records']} records, {c['tokens']} tokens, {c['scored']} generated ({per})")
+    return 0
+
+
 def run(args) -> int:
-    return _build(args) if args.data_command == "build" else _inspect(args)
+    return {"build": _build, "inspect": _inspect, "self": _self}[args.data_command](args)

@@ -63,11 +63,13 @@ def run(args) -> int:
     from ..cmf import open_cmf
     from ..errors import CortiqError
     from ..settings_meta import from_args
+    from ..store import check_output
 
     s = from_args(ExportSettings, args)
     fmt, out = args.to[0], Path(args.to[1])
     if fmt not in ("hf", "gguf"):
         raise CortiqError(f"--to {fmt}: the format is hf or gguf")
+    check_output(out, [args.model], folder=fmt == "hf")
     f = open_cmf(args.model)
     with tqdm(desc=f"export {Path(args.model).name}", total=len(f.names), unit=" tensors", file=sys.stderr,
               leave=False, disable=None) as bar:

@@ -40,6 +40,9 @@ def run(args) -> int:
     from ..heal.settings import HealSettings
     from ..settings_meta import from_args
 
+    from ..store import check_output, write_text
+
+    check_output(args.out, [args.student, args.teacher, args.data, args.eval_data])
     s = from_args(HealSettings, args)
     if args.teacher is None and s.ce < 1.0:
         from ..errors import CortiqError
@@ -70,7 +73,8 @@ def run(args) -> int:
         if "gap_recovered" in gap:
             line += f"  (gap recovered {gap['gap_recovered']:.1%})"
         print(line)
-    with open(str(args.out) + ".report.json", "w") as f:
-        json.dump({"metrics": m, "nll": rep.get("nll"), "eval_nll": rep.get("eval_nll"), "gap": gap,
-                   "evals": rep["evals"]}, f, indent=2)
+    # whole or not at all, and a full disk named (a half-written report would read as finished)
+    write_text(str(args.out) + ".report.json", json.dumps({"metrics": m, "nll": rep.get("nll"),
+                                                           "eval_nll": rep.get("eval_nll"), "gap": gap,
+                                                           "evals": rep["evals"]}, indent=2))
     return 0

@@ -46,7 +46,12 @@ def run(args) -> int:
 
     from ..mtp import MtpSettings, mtp_heal, mtp_init
     from ..settings_meta import from_args
+    from ..store import check_output
 
+    from ..data.windows import parse_spec
+
+    data = [] if args.mtp_command == "init" else [path for path, _ in parse_spec(args.data)]
+    check_output(args.out, [args.model, *data])
     if args.mtp_command == "init":
         rep = mtp_init(args.model, args.out)
         print(f"{rep['out']}: fresh MTP block from layer {rep['layer']}", file=sys.stderr)

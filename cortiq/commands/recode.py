@@ -31,6 +31,7 @@ def run(args) -> int:
     from ..measure import recode
 
     codecs.get(args.codec)  # an unknown codec fails before any work
+    store.check_output(args.out, [args.src])
     src = cmf.open_cmf(args.src)
     before = {}
     for i in src.infos.values():

@@ -42,11 +42,16 @@ def load(model_path: str, s):
     dt = resolve_compute(s.dtype, dev)
     f = open_cmf(model_path)
     tok = from_doc(f.tokenizer, str(model_path))
+    ctx = int(f.arch.max_position_embeddings)
+    if s.max_len > ctx:
+        raise CortiqError(f"{model_path}: --max-len {s.max_len} is past the model's context of {ctx} tokens "
+                          "(max_position_embeddings)")
     model = load_model(f, dtype=dt, device=dev)
     if s.speculative and model.mtp is None:
         raise CortiqError(f"{model_path}: has no MTP draft block (model.mtp.*): --speculative needs one "
                           "(cortiq mtp init / mtp heal give it one)")
-    max_len = s.max_len or min(int(model.arch.max_position_embeddings), 4096)
+    max_len = s.max_len or min(ctx, 4096)
+    check_kv_room(model.arch, s.max_batch, max_len, s.draft if s.speculative else 0, dt, dev)
     engine = make_engine(model, s.max_batch, max_len, draft=s.draft if s.speculative else 0, kind=s.engine)
     doc = f.tokenizer or {}
     eos_ids = [int(i) for i in doc.get("eos_ids") or []]
@@ -59,6 +64,27 @@ def load(model_path: str, s):
     served = Served(sched, tok, name, engine.max_len, doc.get("chat_template"), bos or "", eos or "",
                     s.max_body_kb * 1024)
     return served, dev, dt
+
+
+def kv_bytes(arch, slots: int, max_len: int, draft: int, dtype) -> int:
+    """The decode engine's KV cache: keys and values of every full-attention layer (and the
+    draft's, when it drafts) over `slots` sequences of `max_len` (rounded up to 16) positions."""
+    import torch
+
+    layers = sum(t == "full_attention" for t in arch.layer_types) + (1 if draft else 0)
+    m = -(-(max_len + draft + 1) // 16) * 16
+    return 2 * layers * slots * arch.num_kv_heads * m * arch.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def check_kv_room(arch, slots: int, max_len: int, draft: int, dtype, device) -> None:
+    """Refuse a KV cache larger than the memory left on `device`, before it is allocated."""
+    from ..devices import free_memory
+    from ..errors import CortiqError
+
+    need, free = kv_bytes(arch, slots, max_len, draft, dtype), free_memory(device)
+    if need > free:
+        raise CortiqError(f"serve: the KV cache of {slots} slots x {max_len} tokens needs {need / 1e9:.1f} GB, "
+                          f"{device} has {free / 1e9:.1f} GB free: lower --max-len or --max-batch")
 
 
 def run(args) -> int:

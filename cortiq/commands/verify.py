@@ -15,19 +15,11 @@ def run(args) -> int:
 
     from tqdm import tqdm
 
-    from ..cmf import CmfError, open_cmf
+    from ..cmf import open_cmf
+    from ..model import verify_file
 
     f = open_cmf(args.file)
     with tqdm(total=len(f.infos), desc="verify", unit=" tensors", file=sys.stderr, leave=False, disable=None) as bar:
-        nonfinite: list[str] = []
-        bad = f.verify(progress=lambda k, n: bar.update(1), nonfinite=nonfinite)
-
-    def shown(names):
-        return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-
-    if bad:
-        raise CmfError(f"{args.file}: {len(bad)} of {len(f.infos)} tensors fail their sha256: {shown(bad)}")
-    if nonfinite:
-        raise CmfError(f"{args.file}: {len(nonfinite)} of {len(f.infos)} tensors hold NaN or Inf values: {shown(nonfinite)}")
+        verify_file(f, progress=lambda k, n: bar.update(1))
     print(f"{args.file}: ok, {len(f.infos)} tensors, {f.nbytes()} bytes in {len(f.paths)} file(s)")
     return 0

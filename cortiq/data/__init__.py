@@ -14,10 +14,11 @@ from __future__ import annotations
 from .._lazy import exports
 
 _EXPORTS = {
-    "BuildSettings": "settings",
+    "BuildSettings": "settings", "SelfGenSettings": "settings",
+    "SELFGEN": "selfgen", "self_tdata": "selfgen", "generate_rows": "selfgen",
     "build": "build", "build_digest": "build", "cut_text": "build",
     "LOSS_ON": "tdata", "SPLITS": "tdata", "Record": "tdata", "Tdata": "tdata", "fnv1a64": "tdata",
-    "tokenizer_digest": "tdata",
+    "tokenizer_digest": "tdata", "write_tdata": "tdata",
     "Batch": "windows", "Packed": "windows", "Windows": "windows", "cut_windows": "windows", "held_out": "windows",
     "packed_windows": "windows", "windows": "windows",
 }

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
@@ -20,48 +19,47 @@ from ..errors import CortiqError
 from ..pipeline import Stage
 from .settings import BuildSettings
 from .chats import chat_parts
-from .sources import Document, Item, read_source
-from .tdata import ARROW, SPLITS, STAGE, VERSION, Record, Tdata, records_table, tokenizer_digest
+from .sources import _LINE_END, _PARA_END, _SENT_END, Document, Item, _cut_at, read_source
+from .tdata import SPLITS, STAGE, VERSION, Record, Tdata, assign_splits, tokenizer_digest, write_tdata
 
 
 # ── cutting plain text ───────────────────────────────────────────────────
 
-_PARA_END = re.compile(r"\n[ \t]*\n(?:[ \t]*\n)*")  # blank lines end a paragraph (the next one keeps its indent)
-_LINE_END = re.compile(r"\n")
-_SENT_END = re.compile(r"(?<=[.!?;:])\s+")
+
+def chars_per_token(tok) -> int:
+    """At most this many characters of text make one token: the longest vocabulary entry, four
+    times over (a normalizer may compose several characters into one). A text longer than n
+    times it holds more than n tokens, known without tokenizing it."""
+    return 4 * max(len(t) for t in tok.get_vocab(with_added_tokens=True))
 
 
-def _cut_at(text: str, pattern: re.Pattern) -> list[str]:
-    """`text` cut just after each match of `pattern`: the pieces join back to `text`."""
-    out, at = [], 0
-    for m in pattern.finditer(text):
-        if m.end() > at and m.end() < len(text):
-            out.append(text[at:m.end()])
-            at = m.end()
-    out.append(text[at:])
-    return [p for p in out if p]
+def _count(tok, texts: list[str], limit: int, span: int) -> list[int]:
+    """Token counts of `texts`; a text too long to have at most `limit` tokens counts limit + 1,
+    untokenized (so no text of more than limit * span characters is ever tokenized here)."""
+    short = [t for t in texts if len(t) <= limit * span]
+    counts = iter([len(e.ids) for e in tok.encode_batch(short, add_special_tokens=False)] if short else [])
+    return [next(counts) if len(t) <= limit * span else limit + 1 for t in texts]
 
 
-def _count(tok, texts: list[str]) -> list[int]:
-    return [len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False)] if texts else []
-
-
-def cut_text(tok, text: str, record_tokens: int) -> list[str]:
+def cut_text(tok, text: str, record_tokens: int, span: int | None = None) -> list[str]:
     """Contiguous pieces of `text` (they join back to it exactly), each up to ~record_tokens tokens:
-    whole paragraphs packed together; a paragraph alone over the limit is cut at lines, then sentences."""
+    whole paragraphs packed together; a paragraph alone over the limit is cut at lines, then sentences.
+    A piece is tokenized only when it is short enough to be within the limit (`span`:
+    chars_per_token), so the work is bounded by the record size, not by the longest line."""
+    span = span or chars_per_token(tok)
     paras = _cut_at(text, _PARA_END)
-    counts = _count(tok, paras)
+    counts = _count(tok, paras, record_tokens, span)
     pieces: list[tuple[str, int]] = []
     for p, c in zip(paras, counts):
         if c <= record_tokens:
             pieces.append((p, c))
             continue
-        for line, lc in zip(lines := _cut_at(p, _LINE_END), _count(tok, lines)):
+        for line, lc in zip(lines := _cut_at(p, _LINE_END), _count(tok, lines, record_tokens, span)):
             if lc <= record_tokens:
                 pieces.append((line, lc))
             else:
                 sents = _cut_at(line, _SENT_END)
-                pieces += list(zip(sents, _count(tok, sents)))
+                pieces += list(zip(sents, _count(tok, sents, record_tokens, span)))
     out, cur, n = [], [], 0
     for p, c in pieces:
         if cur and n + c > record_tokens:
@@ -71,22 +69,6 @@ def cut_text(tok, text: str, record_tokens: int) -> list[str]:
         n += c
     if cur:
         out.append("".join(cur))
-    return out
-
-
-# ── splits ───────────────────────────────────────────────────────────────
-
-
-def hash_unit(rid: str) -> float:
-    """Where `rid` falls in [0, 1): the first 8 bytes of its sha256 (apart from the FNV stream order)."""
-    return int.from_bytes(hashlib.sha256(rid.encode("utf-8")).digest()[:8], "big") / 2.0**64
-
-
-def assign_splits(rids: list[str], given: list[str | None], fractions: tuple[float, float, float]) -> list[str]:
-    edges = np.cumsum(fractions)[:-1]  # [2]
-    out = []
-    for rid, g in zip(rids, given):
-        out.append(g if g is not None else SPLITS[int(np.searchsorted(edges, hash_unit(rid), side="right"))])
     return out
 
 
@@ -158,12 +140,13 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
     bos_id = tdoc.get("bos_id")
     vocab = cmf.arch.vocab_size
 
+    span = chars_per_token(tok)
     items: list[Item] = []
     docs: list[Document] = []
     for s in sources:
         if progress:
             progress(f"reading {s}")
-        i, d = read_source(s, settings.category)
+        i, d = read_source(s, settings.category, max_chars=settings.max_tokens * span)
         items += i
         docs += d
     if not items and not docs:
@@ -179,7 +162,7 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
     # (prompt, answer, where, bos?) per record; text records are all answer, scored from their second token
     rids, splits_given, cats, wheres, prompts, answers, use_bos = [], [], [], [], [], [], []
     for d in docs:
-        for k, piece in enumerate(cut_text(tok, d.text, settings.record_tokens)):
+        for k, piece in enumerate(cut_text(tok, d.text, settings.record_tokens, span)):
             rids.append(f"{d.stem}:{k}")
             splits_given.append(None)
             cats.append(d.category)
@@ -214,6 +197,10 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
             raise CortiqError(f"{w}: record id {rid!r} already used at {seen[rid]}")
         seen[rid] = w
 
+    for i in range(len(rids)):  # refused untokenized: too many characters to be within max_tokens
+        if len(prompts[i]) + len(answers[i]) > settings.max_tokens * span:
+            raise CortiqError(f"{wheres[i]}: record {rids[i]!r} has more than max_tokens {settings.max_tokens} tokens "
+                              f"({len(prompts[i]) + len(answers[i])} characters)")
     if progress:
         progress(f"tokenizing {len(rids)} records")
     p_enc = tok.encode_batch(prompts, add_special_tokens=False)
@@ -247,19 +234,13 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
                                   f"{settings.fractions[1]:g}/{settings.fractions[2]:g} left none there "
                                   f"(more data, other --fractions, or name splits in the JSONL)")
 
-    table = records_table(records)
     digest = build_digest(sources, tokenizer, settings)
     meta = {
         "stage": STAGE, "version": VERSION, "digest": digest, "settings": asdict(settings),
         "inputs": {"sources": list(sources), "tokenizer": str(tokenizer)},
         "tokenizer_digest": tokenizer_digest(tdoc["json"]), "vocab_size": vocab, "eos_id": eos_id, "bos_id": bos_id,
     }
-    out = Path(out)
-    with store.stage_dir(out, meta) as part:
-        store.write_arrow(part / ARROW, table)
-        td = Tdata(part, meta, table)
-        meta["counts"] = td.counts()  # the dict stage_dir writes last
-    return Tdata.open(out)
+    return write_tdata(out, records, meta)
 
 
 # ── the stage, declared once (cortiq.pipeline runs it for the flows) ──

@@ -1,8 +1,9 @@
 """Answers written by a model (self-distillation data: the teacher's own text).
 
-Each prompt is decoded greedily with the model's KV cache (cortiq.model.generate);
-its answer replaces whatever answer the source gave. Prompts are decoded one at a
-time: the decoder's cache serves one sequence.
+Every prompt is decoded greedily by the one generator of the model's own text
+(cortiq.data.selfgen.generate_rows: all prompts in one continuously refilled
+batch on the static-cache decode engine); its answer replaces whatever answer
+the source gave.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ def generate_answers(items: list[Item], model_path: str | os.PathLike, tokenizer
     from ..cmf import open_cmf
     from ..devices import resolve_compute, resolve_device
     from ..model import load_model
-    from ..model.generate import generate
     from ..tokenizer import from_doc
     from .chats import chat_parts
+    from .selfgen import DEFAULT_SLOTS, generate_rows
 
     todo = [it for it in items if it.kind in ("pair", "chat")]
     if not todo:
@@ -41,7 +42,8 @@ def generate_answers(items: list[Item], model_path: str | os.PathLike, tokenizer
     bos_id = mdoc.get("bos_id")
     bos_s = tok.id_to_token(bos_id) if bos_id is not None else ""
     eos_s = tok.id_to_token(eos_ids[0]) if eos_ids else ""
-    for n, it in enumerate(todo, 1):
+    prompts = []
+    for it in todo:
         if it.kind == "pair":
             ids = ([bos_id] if bos_id is not None else []) + tok.encode(it.prompt, add_special_tokens=False).ids
         else:
@@ -51,7 +53,12 @@ def generate_answers(items: list[Item], model_path: str | os.PathLike, tokenizer
             ids = tok.encode(prompt, add_special_tokens=False).ids
         if not ids:
             raise CortiqError(f"{it.where}: an empty prompt; nothing to answer")
-        out = generate(model, ids, max_new=max_new, temperature=0.0, eos_ids=eos_ids).tokens
+        prompts.append(ids)
+    if progress:
+        progress(f"answering {len(prompts)} prompts")
+    outs = generate_rows(model, prompts, max_new, eos_ids=eos_ids, slots=DEFAULT_SLOTS, desc="answers")
+    for it, new in zip(todo, outs):
+        out = new.tolist()
         while out and out[-1] in eos_ids:  # the record gets its own EOS; the chat template its own end of turn
             out = out[:-1]
         answer = tok.decode(out, skip_special_tokens=False)
@@ -59,6 +66,4 @@ def generate_answers(items: list[Item], model_path: str | os.PathLike, tokenizer
             it.answer = answer
         else:
             it.messages = it.messages + [{"role": "assistant", "content": answer}]
-        if progress:
-            progress(f"answered {n}/{len(todo)}")
     return len(todo)

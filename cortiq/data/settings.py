@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..errors import CortiqError
@@ -50,10 +51,60 @@ class BuildSettings:
 
     def __post_init__(self):
         self.fractions = tuple(float(f) for f in self.fractions)
-        if len(self.fractions) != 3 or any(f < 0 for f in self.fractions) or abs(sum(self.fractions) - 1) > 1e-6:
+        if len(self.fractions) != 3 or not all(f >= 0 for f in self.fractions) or not abs(sum(self.fractions) - 1) <= 1e-6:
             raise CortiqError(f"split fractions must be three non-negative numbers summing to 1, not {self.fractions}")
         if self.fractions[0] == 0:
             raise CortiqError("the train fraction must be positive")
         check(self, "data settings")
         if self.max_tokens < self.record_tokens:
             raise CortiqError(f"max_tokens ({self.max_tokens}) must be at least record_tokens ({self.record_tokens})")
+
+
+#: slots (batch rows) the generator of the model's own text decodes at once when its caller names none
+DEFAULT_SLOTS = 256
+
+
+@dataclass
+class SelfGenSettings:
+    """The model's own text (self-generated retain data)."""
+
+    #: openings, sampling and the split all follow it: the same seed gives the same ids
+    seed: int = setting(0, "seed of the openings, the sampling and nothing else")
+    #: generated tokens in all (the openings not counted); the last row's budget is cut so
+    #: the total is exact
+    tokens: int = setting(262144, "generated tokens in all (openings not counted)", lo=1)
+    #: the most tokens one row generates (an EOS ends it sooner): a window's worth of text
+    max_new: int = setting(256, "most tokens generated per row (an EOS ends a row sooner)", lo=1, hi=1 << 16)
+    #: 1.0: samples of the model's own distribution (what retain data stands for); 0: greedy
+    temperature: float = setting(1.0, "sampling temperature (0: greedy)", lo=0)
+    #: shares of the openings: BOS alone, a chat request, a corpus prefix (summing to 1).
+    #: Half chat: the instruct models compressed here are used as chat models; the rest
+    #: split between unprompted text and continuations of reference and literary text
+    mix: tuple[float, float, float] = setting((0.25, 0.5, 0.25), "shares of the openings: BOS alone, a chat request "
+                                              "in the model's template, a short corpus prefix", metavar="BOS,CHAT,CORPUS")
+    #: corpus prefixes are this many tokens at most (and at least 4)
+    prefix_tokens: int = setting(32, "longest corpus prefix opening, in tokens (at least 4)", lo=4, hi=4096)
+    #: train/val/test fractions of the records (by a hash of the record id)
+    fractions: tuple[float, float, float] = setting((0.9, 0.05, 0.05), "split fractions of the records (by a hash of "
+                                                    "the record id)", metavar="TRAIN,VAL,TEST")
+    #: rows decoded at once: on an H200 a 135M model's step costs about the same from 64 to
+    #: 512 rows, so more rows are more tokens a second until memory or compute binds
+    slots: int = setting(DEFAULT_SLOTS, "rows decoded at once (engine slots)", lo=1, hi=1 << 16)
+    #: "auto" (CUDA when present: bf16 and CUDA graphs), "cpu", "cuda", ...
+    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
+
+    def __post_init__(self):
+        self.mix = tuple(float(x) for x in self.mix)
+        self.fractions = tuple(float(x) for x in self.fractions)
+        for name, v in (("mix", self.mix), ("fractions", self.fractions)):
+            if len(v) != 3 or any(x < 0 for x in v) or abs(sum(v) - 1) > 1e-6:
+                raise CortiqError(f"selfgen settings: {name} must be three non-negative numbers summing to 1, not {v}")
+        if self.fractions[0] == 0:
+            raise CortiqError("selfgen settings: the train fraction must be positive")
+        check(self, "selfgen settings")
+
+    def key(self) -> dict:
+        """What the text depends on (the device only says where it is made)."""
+        d = dataclasses.asdict(self)
+        d.pop("device")
+        return d

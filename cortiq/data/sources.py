@@ -7,6 +7,7 @@ error messages). Plain text is cut later, once token counts are known.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,15 +50,31 @@ def _check_str(v, key: str, where: str) -> str:
     return v
 
 
-def read_jsonl(path: Path, category: str | None) -> list[Item]:
-    """JSONL: one object per line with `text`, or `prompt` (+ `answer`), or `messages`;
-    optional `category`, `split`, `id`. Blank lines are skipped; anything else malformed names its line."""
-    items = []
+def _lines(path: Path, max_line: int | None):
+    """The lines of a UTF-8 file, read one at a time; a line over `max_line` characters is
+    refused as soon as that many are read (memory bounded by the limit, not the line)."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        with open(path, encoding="utf-8") as f:
+            n = 0
+            while line := f.readline(-1 if max_line is None else max_line + 1):
+                n += 1
+                if max_line is not None and len(line) > max_line and not line.endswith("\n"):
+                    raise CortiqError(f"{path}:{n}: a line of more than {max_line} characters: its record would be "
+                                      "over max_tokens")
+                yield n, line.rstrip("\r\n")
     except UnicodeDecodeError as e:
         raise CortiqError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    for n, line in enumerate(lines, 1):
+
+
+def read_jsonl(path: Path, category: str | None, max_chars: int | None = None) -> list[Item]:
+    """JSONL: one object per line with `text`, or `prompt` (+ `answer`), or `messages`;
+    optional `category`, `split`, `id` (a string or an integer). Blank lines are skipped;
+    anything else malformed names its line. With `max_chars` (the most characters a record
+    within max_tokens can have), a longer line is refused while it is read: JSON may spell a
+    character in six (\\uXXXX), and the keys take some more."""
+    items = []
+    max_line = None if max_chars is None else 6 * max_chars + 65536
+    for n, line in _lines(path, max_line):
         if not line.strip():
             continue
         where = f"{path}:{n}"
@@ -67,7 +84,10 @@ def read_jsonl(path: Path, category: str | None) -> list[Item]:
             raise CortiqError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(obj, dict):
             raise CortiqError(f"{where}: a JSON object is needed, not {type(obj).__name__}")
-        rid = str(obj["id"]) if obj.get("id") is not None else f"{path.stem}:{n}"
+        rid = obj.get("id")
+        if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
+            raise CortiqError(f"{where}: 'id' must be a string or an integer, not {type(rid).__name__}")
+        rid = str(rid) if rid is not None else f"{path.stem}:{n}"
         split = obj.get("split")
         if split is not None and split not in SPLITS:
             raise CortiqError(f"{where}: split {split!r} is not one of {', '.join(SPLITS)}")
@@ -144,20 +164,39 @@ def expand(src: str) -> list[Path]:
         if not files:
             raise CortiqError(f"{p}: a directory with no .txt/.md/.jsonl files")
         return files
-    if not p.is_file():
-        raise CortiqError(f"{p}: no such file")
+    from ..cmf import regular_size
+
+    regular_size(p, what="data source", error=CortiqError)  # missing, or a pipe or device: said so
     return [p]
 
 
-def read_source(src: str, category: str | None) -> tuple[list[Item], list[Document]]:
-    """Items and documents of one source: a path, or `corpus:NAME`."""
+def read_source(src: str, category: str | None, max_chars: int | None = None) -> tuple[list[Item], list[Document]]:
+    """Items and documents of one source: a path, or `corpus:NAME` (`max_chars`: read_jsonl)."""
     if src.startswith("corpus:"):
         return [], corpus_documents(src.split(":", 1)[1], category)
     items: list[Item] = []
     docs: list[Document] = []
     for p in expand(src):
         if p.suffix in JSONL_SUFFIXES:
-            items += read_jsonl(p, category)
+            items += read_jsonl(p, category, max_chars)
         else:
             docs.append(read_text(p, category))
     return items, docs
+
+
+# ── cutting plain text (the build's records, the self-generated openings' paragraphs) ──
+
+_PARA_END = re.compile(r"\n[ \t]*\n(?:[ \t]*\n)*")  # blank lines end a paragraph (the next one keeps its indent)
+_LINE_END = re.compile(r"\n")
+_SENT_END = re.compile(r"(?<=[.!?;:])\s+")
+
+
+def _cut_at(text: str, pattern: re.Pattern) -> list[str]:
+    """`text` cut just after each match of `pattern`: the pieces join back to `text`."""
+    out, at = [], 0
+    for m in pattern.finditer(text):
+        if m.end() > at and m.end() < len(text):
+            out.append(text[at:m.end()])
+            at = m.end()
+    out.append(text[at:])
+    return [p for p in out if p]

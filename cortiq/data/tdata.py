@@ -68,6 +68,19 @@ def tokenizer_digest(tokenizer_json: str) -> str:
     return hashlib.sha256(tokenizer_json.encode("utf-8")).hexdigest()
 
 
+def hash_unit(rid: str) -> float:
+    """Where `rid` falls in [0, 1): the first 8 bytes of its sha256 (apart from the FNV stream order)."""
+    return int.from_bytes(hashlib.sha256(rid.encode("utf-8")).digest()[:8], "big") / 2.0**64
+
+
+def assign_splits(rids: list[str], given: list[str | None], fractions: tuple[float, float, float]) -> list[str]:
+    edges = np.cumsum(fractions)[:-1]  # [2]
+    out = []
+    for rid, g in zip(rids, given):
+        out.append(g if g is not None else SPLITS[int(np.searchsorted(edges, hash_unit(rid), side="right"))])
+    return out
+
+
 @dataclass
 class Record:
     rid: str
@@ -93,6 +106,16 @@ def records_table(records: list[Record]) -> pa.Table:
         "ids": ids,
         "first": pa.array([int(r.first) for r in records], pa.int32()),
     }, schema=SCHEMA)
+
+
+def write_tdata(out: str | os.PathLike, records: list[Record], meta: dict) -> "Tdata":
+    """The tdata directory `out` of `records` (written to `.partial`, renamed); `meta` gets the
+    counts and is written last as meta.json."""
+    table = records_table(records)
+    with store.stage_dir(out, meta) as part:
+        store.write_arrow(part / ARROW, table)
+        meta["counts"] = Tdata(part, meta, table).counts()  # the dict stage_dir writes last
+    return Tdata.open(out)
 
 
 class Tdata:

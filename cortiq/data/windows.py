@@ -164,7 +164,10 @@ def parse_spec(spec: str) -> list[tuple[str, int | None]]:
         if not item:
             continue
         path, sep, cap = item.rpartition("@")
-        if sep and cap.isdigit():
+        if sep and "/" not in cap:  # an @ inside a folder name is part of the path
+            if not (cap.isascii() and cap.isdigit() and int(cap) > 0):
+                raise CortiqError(f"data spec {item!r}: the token count {cap[:40]!r} is not a positive integer "
+                                  "(PATH@TOKENS)")
             out.append((path, int(cap)))
         else:
             out.append((item, None))

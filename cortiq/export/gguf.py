@@ -35,6 +35,7 @@ Qwen3 and is left out (`export_gguf` returns the names it left out).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -42,9 +43,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import store
 from ..cmf import CmfFile, open_cmf
 from ..convert.gguf import _LAYER, _LLAMA3_SPLIT, _QWEN2_SPLIT, _TOP, _permute
 from ..errors import CortiqError
+from ..model import verify_file
 
 #: families llama.cpp runs that cortiq writes (its `general.architecture` names)
 SUPPORTED = ("llama", "qwen2", "qwen3")
@@ -203,6 +206,7 @@ def export_gguf(model: str | os.PathLike | CmfFile, out_file: str | os.PathLike,
 
     f = model if isinstance(model, CmfFile) else open_cmf(model)
     out = Path(out_file)
+    verify_file(f)  # what cortiq would refuse to load is not written out for others to load
     arch = f.arch
     if arch.arch_name not in SUPPORTED:
         raise CortiqError(f"{f.path}: llama.cpp does not run {arch.arch_name!r} models as cortiq writes them; "
@@ -268,8 +272,11 @@ def export_gguf(model: str | os.PathLike | CmfFile, out_file: str | os.PathLike,
                 progress(gname)
         w.close()
         os.replace(tmp, out)
-    except BaseException:
-        w.close()
+    except BaseException as e:
+        with contextlib.suppress(OSError):  # a full disk fails the flush again
+            w.close()
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and store.is_full(e):
+            raise store.write_error(out, e) from None
         raise
     return out, left

@@ -47,9 +47,11 @@ from pathlib import Path
 
 import torch
 
+from .. import store
 from ..arch import Arch
 from ..cmf import CmfFile, open_cmf
 from ..errors import CortiqError
+from ..model import verify_file
 
 #: cortiq family → (HF model_type, transformers class)
 FAMILIES = {
@@ -283,6 +285,7 @@ def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dt
     `out_dir.partial` and renamed when complete."""
     f = model if isinstance(model, CmfFile) else open_cmf(model)
     out = Path(out_dir)
+    verify_file(f)  # what cortiq would refuse to load is not written out for others to load
     if dtype not in DTYPES:
         raise CortiqError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     arch = f.arch
@@ -339,7 +342,9 @@ def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dt
         if out.exists():
             out.rmdir()  # empty, checked above
         tmp.rename(out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and store.is_full(e):
+            raise store.write_error(out, e) from None
         raise
     return out

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 
-from ..cmf import CmfFile, Spec, new_doc, open_cmf, with_provenance, write_cmf
+from ..cmf import CmfError, CmfFile, Spec, new_doc, open_cmf, with_provenance, write_cmf
 from ..codecs import choose as choose_codec
 from ..codecs import get as get_codec
 from ..errors import CortiqError
 from .decoder import CausalLM, rope_inv_freq
 
-__all__ = ["CausalLM", "load_model", "export_model"]
+__all__ = ["CausalLM", "load_model", "check_tensors", "export_model"]
 
 
 def _arch_for(f: CmfFile):
@@ -39,11 +39,26 @@ def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", verify: b
     Each tensor's sha256 is checked as it is read (`verify=False` skips it) and
     NaN/Inf weights are refused unless `allow_nonfinite`."""
     f = path if isinstance(path, CmfFile) else open_cmf(path)
+    model = check_tensors(f)
+    model._inv_freq = rope_inv_freq(model.arch).to(device)
+    params = dict(model.named_parameters())
+    mods = dict(model.named_modules())
+    for name, p in params.items():
+        mod, _, attr = name.rpartition(".")
+        t = f.checked_tensor(name, dtype, verify=verify, finite=not allow_nonfinite).to(device)
+        setattr(mods[mod], attr, torch.nn.Parameter(t, requires_grad=p.requires_grad))
+    model.source = f
+    return model.eval()
+
+
+def check_tensors(f: CmfFile) -> CausalLM:
+    """Refuse a file whose tensors are not exactly its architecture's (every parameter present,
+    no other name, each of the arch's shape): what loading, verifying, re-encoding and exporting
+    all require. Returns the model built on the meta device (no memory)."""
     f.check_layers()
     arch = _arch_for(f)
     with torch.device("meta"):
         model = CausalLM(arch)
-    model._inv_freq = rope_inv_freq(arch).to(device)
     params = dict(model.named_parameters())
     missing = [n for n in params if n not in f]
     if missing:
@@ -55,13 +70,34 @@ def load_model(path, dtype: torch.dtype = torch.float32, device="cpu", verify: b
         shape = tuple(f.info(name).shape)
         if shape != tuple(p.shape):
             raise CortiqError(f"{f.path}: tensor {name!r} has shape {list(shape)}, the arch says {list(p.shape)}")
-    mods = dict(model.named_modules())
-    for name, p in params.items():
-        mod, _, attr = name.rpartition(".")
-        t = f.checked_tensor(name, dtype, verify=verify, finite=not allow_nonfinite).to(device)
-        setattr(mods[mod], attr, torch.nn.Parameter(t, requires_grad=p.requires_grad))
-    model.source = f
-    return model.eval()
+    return model
+
+
+def check_file(f: CmfFile) -> CausalLM:
+    """`check_tensors`, and the tokenizer the file carries (when it carries one) loads."""
+    model = check_tensors(f)
+    if (f.tokenizer or {}).get("json"):
+        from ..tokenizer import from_doc
+
+        from_doc(f.tokenizer, str(f.path))
+    return model
+
+
+def verify_file(f: CmfFile, progress=None) -> None:
+    """Every check loading makes, over the whole file, without building the model: the
+    tensors are the arch's, the tokenizer loads, every tensor matches its sha256 and holds
+    no NaN or Inf. Raises CmfError naming the failing tensors."""
+    check_file(f)
+    nonfinite: list[str] = []
+    bad = f.verify(progress=progress, nonfinite=nonfinite)
+
+    def shown(names):
+        return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+    if bad:
+        raise CmfError(f"{f.path}: {len(bad)} of {len(f.infos)} tensors fail their sha256: {shown(bad)}")
+    if nonfinite:
+        raise CmfError(f"{f.path}: {len(nonfinite)} of {len(f.infos)} tensors hold NaN or Inf values: {shown(nonfinite)}")
 
 
 def _current_arch(model: CausalLM):

@@ -17,11 +17,14 @@ API (the contract a server builds on; slots are independent requests)
         forward) and writes that slot's caches; the slot becomes active. Other
         slots keep their state: prefill between steps (continuous batching).
         The returned token is "pending": decided, not yet fed to the model.
+    firsts = eng.prefill_many(slots, prompts, temperature=0.0)   # -> list[int]
+        `prefill` of several slots in one forward, prompts of different lengths.
     toks = eng.step()                # -> LongTensor [slots] on the model's device
         Feeds every active slot's pending token and decides the next one (one
         token per active slot). -1 for inactive slots. The tensor is the
         engine's output buffer: `.tolist()` (the one host sync) or clone it
         before the next step.
+    block = eng.steps(n)             # -> LongTensor [n, slots] on the device: n steps, no host sync between
     pred, n = eng.spec_step()        # -> LongTensor [slots, draft+1], LongTensor [slots]
         One speculative round (engine built with draft=k ≥ 1, greedy): the MTP
         block drafts k tokens as a chain, the trunk verifies pending + drafts in
@@ -308,6 +311,91 @@ class DecodeEngine:
         self.active[slot] = True
         self._hi[slot], self._on[slot] = n, True
         return int(first)
+
+    @torch.no_grad()
+    def prefill_many(self, slots, prompts, temperature: float = 0.0) -> list[int]:
+        """`prefill` of several slots at once, prompts of any lengths: one reference forward
+        over the prompts right-padded to the longest (causal attention: a row's real tokens
+        never see its padding), each slot's caches written from its own rows, its first token
+        picked at its own last row. -> the first tokens, one host sync. A model with Gated
+        DeltaNet layers (whose state would run on through the padding) prefills the prompts
+        of each length together; an engine with a draft prefills slot by slot."""
+        slots, prompts = [int(s) for s in slots], [[int(t) for t in p] for p in prompts]
+        if len(slots) != len(prompts) or len(set(slots)) != len(slots):
+            raise CortiqError(f"decode engine: slots {slots} for {len(prompts)} prompts (one distinct slot each)")
+        if self.k:
+            return [self.prefill(s, p, temperature) for s, p in zip(slots, prompts)]
+        for s, p in zip(slots, prompts):
+            self._check_prefill(s, p, temperature)
+        groups = [list(range(len(prompts)))]
+        if self.lin_idx:
+            by: dict[int, list[int]] = {}
+            for i, p in enumerate(prompts):
+                by.setdefault(len(p), []).append(i)
+            groups = list(by.values())
+        first = [0] * len(prompts)
+        for g in groups:
+            for i, t in zip(g, self._prefill_rows([slots[i] for i in g], [prompts[i] for i in g], temperature)):
+                first[i] = t
+        return first
+
+    def _check_prefill(self, slot: int, ids: list[int], temperature: float) -> None:
+        if not 0 <= slot < self.S:
+            raise CortiqError(f"decode engine: slot {slot} outside 0..{self.S - 1}")
+        if not ids:
+            raise CortiqError("generate: empty prompt")
+        if len(ids) + self.k + 1 > self.max_len:
+            raise CortiqError(f"decode engine: a prompt of {len(ids)} tokens leaves no room in max_len {self.max_len}")
+        if temperature > 0 and not self.sampling:
+            raise CortiqError("decode engine: temperature > 0 needs an engine built with sampling=True")
+        if temperature < 0:
+            raise CortiqError(f"temperature {temperature}: must be ≥ 0")
+
+    def _prefill_rows(self, slots: list[int], prompts: list[list[int]], temperature: float) -> list[int]:
+        """Prefill of plain (draft-less) slots from one padded forward (prefill_many)."""
+        m, dev = self.model, self.dev
+        lens = [len(p) for p in prompts]
+        n = max(lens)
+        t = torch.tensor([p + [p[-1]] * (n - len(p)) for p in prompts], device=dev)  # [B, n]
+        cache = m.new_cache()
+        H, _ = m.forward_hidden(t, cache=cache)  # [B, n, H]
+        idx = torch.tensor(slots, device=dev)
+        L = torch.tensor(lens, device=dev)
+        for i in self.attn_idx:  # entries past a slot's length are stale and masked, as after any prefill
+            st, j = cache.states[i], self.slot_of[i]
+            self.K[j, idx, :, :n] = st.k
+            self.V[j, idx, :, :n] = st.v
+        for i in self.lin_idx:  # one length per group here: the state after its last token
+            st, j = cache.states[i], self.slot_of[i]
+            self.conv[j, idx] = st.conv
+            self.rec[j, idx] = st.rec
+        self.temp[idx] = temperature
+        last = H[torch.arange(len(prompts), device=dev), L - 1][:, None]  # [B, 1, H]
+        first = self._pick(last, self.temp[idx])[:, 0]
+        self.pend[idx] = first
+        self.pos[idx] = L
+        self.active[idx] = True
+        for s, k in zip(slots, lens):
+            self._hi[s], self._on[s] = k, True
+        return first.tolist()
+
+    @torch.no_grad()
+    def steps(self, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`n` plain steps with no host sync between them: -> LongTensor [n, slots] on the device
+        (row i: `step`'s tokens of step i; written into `out` when given). The room check runs
+        once for all n."""
+        if out is None:
+            out = torch.empty(n, self.S, dtype=torch.long, device=self.dev)
+        self._room(n)
+        for i in range(n):
+            if self._g_step is not None:
+                self._g_step.replay()
+            else:
+                self._plain()
+            out[i].copy_(self.out_tok)
+        for s in range(self.S):
+            self._hi[s] += n * self._on[s]
+        return out
 
     def release(self, slot: int) -> None:
         if not 0 <= slot < self.S:

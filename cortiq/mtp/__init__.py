@@ -66,7 +66,9 @@ def resolve(f, s: MtpSettings, say=None) -> MtpSettings:
     if say is not None:
         why = "" if s.preset != "auto" else (" (the draft is fresh from mtp init)" if preset == "fresh" else "")
         given = [k for k in PRESETS[preset] if getattr(s, k) is not None]
-        text = "the model's own continuations" if out.generate else "the data's text"
+        text = "the model's own continuations" if out.generate else (
+            f"the data's text and the model's own continuations of {out.gen_share:g} of its prompts"
+            if out.gen_share > 0 else "the data's text")
         say(f"mtp heal: preset {preset}{why}: lr {out.lr:g}, warm-up {out.warm:g}, {out.epochs:g} epochs, "
             f"window {out.window}, batch {out.batch}, input side {'trained' if out.train_input else 'kept'}, on {text}"
             + (f" (given: {', '.join(given)})" if given else ""))
@@ -98,20 +100,29 @@ def _windows(f, data_spec: str, s: MtpSettings) -> list:
 
 
 def _sets(model, f, data_spec: str, s: MtpSettings, cache=None) -> tuple[list, list[dict]]:
-    """The packed windows training reads: the data's, or (generate) the model's continuations of them."""
-    packed = _windows(f, data_spec, s)
-    if not s.generate:
-        return packed, []
-    from .selfgen import generated_sets
+    """The packed windows training reads: the data's (with the model's continuations of an even
+    `gen_share` of its windows' prompts beside them), or (generate) the model's continuations
+    of them all."""
+    from .selfgen import chat_rows, generated_sets
 
+    packed = _windows(f, data_spec, s)
+    if not s.generate and s.gen_share <= 0:
+        return packed, []
+    src = packed
+    if not s.generate:
+        src = []
+        for p in packed:
+            pick = chat_rows(len(p), s.gen_share)
+            if pick.any():
+                src.append(replace(p, ids=p.ids[pick], lengths=p.lengths[pick], held=p.held[pick]))
     root = s.gen_cache or cache or s.trunk_cache
     # across ranks rank 0 generates (and keeps) the windows first; the others read them back
     if not dist.is_main():
         dist.barrier()
-    out = generated_sets(model, f, packed, s, root, _say)
+    gen, info = generated_sets(model, f, src, s, root, _say)
     if dist.active() and dist.is_main():
         dist.barrier()
-    return out
+    return (gen if s.generate else packed + gen), info
 
 
 def _chain(model, f, data_spec: str, s: MtpSettings, cache=None):
@@ -134,7 +145,7 @@ def _chain(model, f, data_spec: str, s: MtpSettings, cache=None):
 
 def _prompt_ends(packed: list, s: MtpSettings):
     """Per window, the row of its prompt's last token (where a decode's first round starts) and
-    whether it answers a chat question: a generated set knows both; a data set's text is
+    whether it answers a chat request: a generated set knows both; a data set's text is
     read as a prompt of its first `gen_prompt` tokens and its continuation."""
     import numpy as np
     import torch
@@ -142,8 +153,8 @@ def _prompt_ends(packed: list, s: MtpSettings):
     start, chat = [], []
     for p in packed:
         n = len(p)
-        P = getattr(p, "prompt", 0) or s.gen_prompt or 1
-        start.append(np.full(n, P - 1, dtype=np.int64))
+        P = getattr(p, "prompt_lens", None)
+        start.append(np.full(n, (s.gen_prompt or 1) - 1, dtype=np.int64) if P is None else np.asarray(P, dtype=np.int64) - 1)
         c = getattr(p, "chat", None)
         chat.append(np.zeros(n, dtype=bool) if c is None else np.asarray(c, dtype=bool))
     return torch.from_numpy(np.concatenate(start)), torch.from_numpy(np.concatenate(chat))
@@ -502,7 +513,7 @@ def _trunk_key(p: dict) -> dict:
     # what the trunk pass depends on: the window, top-k, token cap and the generated data
     s = p["settings"]
     return {"window": s.window, "topk": s.topk, "tokens": s.tokens, "preset": s.preset, "generate": s.generate,
-            "gen": [s.gen_prompt, s.gen_chat, s.gen_temperature, s.seed]}
+            "gen": [s.gen_prompt, s.gen_chat, s.gen_temperature, s.seed, s.gen_share]}
 
 
 def _mtp_stage(out, ctx, model, tdata, trunk, settings) -> dict:

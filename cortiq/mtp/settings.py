@@ -123,10 +123,18 @@ class MtpSettings:
     #: prompt tokens cut from the start of each data window (default: a quarter of the window, at most 64)
     gen_prompt: int | None = setting(None, "prompt tokens cut from the start of each data window", lo=1,
                                      show="a quarter of the window, at most 64")
-    #: share of the prompts put in the model's chat template as a user turn (the model answers them):
-    #: half, as chat answers are harder to draft than data continuations (on an H200 with SmolLM2
-    #: and a quarter of them chat: 0.42 accepted a round at depth 3 against 1.09 on data)
-    gen_chat: float = setting(0.5, "share of the prompts put in the chat template as a user turn", lo=0, hi=1)
+    #: with generate off, the model's own continuations of this share of the data windows' prompts
+    #: (an even spread, held-out windows included) train beside the data's text: a draft then also
+    #: learns what the trunk writes, which is what a real decode verifies, on prompts of its held-out
+    #: kind. A quarter: enough to be a fixed part of every epoch, not yet measured against others
+    gen_share: float = setting(0.25, "with generate off: the model's own continuations of this share of the "
+                                     "windows' prompts train beside the data's text", lo=0, hi=1)
+    #: share of the prompts replaced by a chat request in the model's chat template (the model
+    #: answers it; models without a template get none): half, as chat answers are harder to draft
+    #: than data continuations (on an H200 with SmolLM2 and a quarter of them chat: 0.42 accepted a
+    #: round at depth 3 against 1.09 on data)
+    gen_chat: float = setting(0.5, "share of the prompts replaced by a chat request in the model's chat template",
+                              lo=0, hi=1)
     #: 0: greedy continuations (what greedy speculative decoding verifies against); > 0: sampled
     gen_temperature: float = setting(0.0, "0: greedy continuations; > 0: sampled", lo=0)
     #: rows decoded at once

@@ -2,9 +2,11 @@
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
 (`stream: true` answers as server-sent events, ending with `data: [DONE]`).
-Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}:
-400 for a request the server cannot serve as asked, 404 for another model
-name, 413 for a body over the limit, 429 when the waiting queue is full.
+Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}},
+the framework's own included: 400 for a request the server cannot serve as
+asked (a body that is not a UTF-8 JSON object of exactly the declared types:
+nothing is coerced), 404 for another model name or an unknown path, 405 for a
+wrong method, 413 for a body over the limit, 429 when the waiting queue is full.
 This module imports fastapi: only the serve command imports it.
 """
 
@@ -18,10 +20,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
 
 from .chat import ChatError, render_chat
 from .scheduler import Busy, Event, Request as GenRequest, Scheduler
@@ -98,6 +101,44 @@ class ChatBody(_Common):
     logprobs: bool = Field(default=False)
 
 
+def _invalid_fields(errs: list) -> ApiError:
+    """One 400 for pydantic's errors: `param` is the top-level field at fault (never a
+    character position or a union member's type name), the message the distinct reasons."""
+    locs = [[x for x in e.get("loc", ()) if x != "body"] for e in errs]
+    param = str(locs[0][0]) if locs and locs[0] and isinstance(locs[0][0], str) else None
+    why = list(dict.fromkeys(e.get("msg", "invalid") for e, loc in zip(errs, locs) if (loc[:1] or [None])[0] == param))
+    return ApiError(400, f"{param + ': ' if param else ''}{' or '.join(why[:3]) or 'invalid request'}", param)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The request body as `model`, strictly: UTF-8 JSON (no NaN or Infinity, bounded nesting),
+    an object whose fields have exactly their declared types (no string or boolean is coerced:
+    `"stream": "yes"` and a prompt of booleans are refused). Any failure is an ApiError (400)."""
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not UTF-8 (byte {e.start})", code="invalid_json") from None
+    try:
+        obj = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, "the request body is JSON nested too deeply", code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError included
+        raise ApiError(400, f"the request body is not JSON ({e})", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"the request body is a JSON {type(obj).__name__}, not an object", code="invalid_json")
+    try:
+        return model.model_validate(obj, strict=True)
+    except ValidationError as e:
+        raise _invalid_fields(e.errors()) from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
+
+
 def _stops(stop) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOP:
@@ -172,12 +213,20 @@ def build_app(served: Served) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        msg = first.get("msg", "invalid request")
-        return JSONResponse(_error_body(f"{param + ': ' if param else ''}{msg}", param=param), status_code=400)
+        return await _api_error(request, _invalid_fields(list(e.errors())))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, e: HTTPException):
+        # the framework's own refusals (an unknown path, a wrong method) in the same shape
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        msg = {404: f"no such endpoint: {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return JSONResponse(_error_body(msg, param=None, code=code), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _crash(request, e: Exception):
+        return JSONResponse(_error_body("the server failed on this request", "server_error"), status_code=500)
 
     @app.get("/v1/models")
     async def models():
@@ -292,7 +341,8 @@ def build_app(served: Served) -> FastAPI:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
+    async def completions(request: Request):
+        body = await parse_body(request, CompletionBody)
         _check_model(body.model)
         if body.echo:
             raise ApiError(400, "echo is not supported", "echo")
@@ -313,7 +363,8 @@ def build_app(served: Served) -> FastAPI:
         return await _serve(req, body.stream, bool((body.stream_options or {}).get("include_usage")), "text")
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody):
+    async def chat(request: Request):
+        body = await parse_body(request, ChatBody)
         _check_model(body.model)
         if body.logprobs:
             raise ApiError(400, "logprobs are not supported", "logprobs")

@@ -17,15 +17,17 @@ from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
 
 ARCH = Arch("llama", vocab_size=259, hidden_size=32, num_layers=2, intermediate_sizes=[64, 48],
             num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
+N_TENSORS = 2 + 9 * 2  # embedding and final norm; 4 attention, 3 MLP and 2 norm weights a layer
 
 
 @pytest.fixture
 def model(tmp_path):
+    from cortiq.model import CausalLM
+
     g = torch.Generator().manual_seed(1)
-    ts = {"model.embed_tokens.weight": torch.randn(259, 32, generator=g), "model.norm.weight": torch.rand(32, generator=g)}
-    for i, w in enumerate(ARCH.intermediate_sizes):
-        ts[f"model.layers.{i}.mlp.up_proj.weight"] = torch.randn(w, 32, generator=g)
-        ts[f"model.layers.{i}.input_layernorm.weight"] = torch.rand(32, generator=g)
+    with torch.device("meta"):  # every tensor of the arch: verify and recode refuse what load refuses
+        shapes = {n: tuple(p.shape) for n, p in CausalLM(ARCH).named_parameters()}
+    ts = {n: torch.rand(s, generator=g) if len(s) == 1 else torch.randn(s, generator=g) for n, s in shapes.items()}
     doc = cmf.new_doc(ARCH, tokenizer_doc(byte_tokenizer_json(), eos_ids=[256]), {"convert": {"source": "test"}})
     path = tmp_path / "m.cmf"
     cmf.write_cmf(path, doc, cmf.specs_from_tensors(ts.items(), "f32"))
@@ -64,7 +66,7 @@ def test_inspect_text_and_json(model, capsys):
     assert main(["inspect", str(model), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["arch"]["num_layers"] == 2 and s["arch"]["intermediate_sizes"] == [64, 48]
-    assert s["tensors"] == 6 and s["codecs"]["f32"]["tensors"] == 6
+    assert s["tensors"] == N_TENSORS and s["codecs"]["f32"]["tensors"] == N_TENSORS
     assert s["bytes"] == s["codecs"]["f32"]["bytes"] == 4 * s["params"]
     assert s["tokenizer"]["eos_ids"] == [256] and s["provenance"] == {"convert": {"source": "test"}}
 
@@ -93,13 +95,13 @@ def test_recode_any_codec_to_any_codec(model, tmp_path, capsys):
 
 def test_verify_ok_and_flipped_byte(model, capsys):
     assert main(["verify", str(model)]) == 0
-    assert "ok, 6 tensors" in capsys.readouterr().out
+    assert f"ok, {N_TENSORS} tensors" in capsys.readouterr().out
     info = cmf.open_cmf(model).info("model.layers.1.mlp.up_proj.weight")
     data = bytearray(model.read_bytes())
     data[info.start + 3] ^= 0x80
     model.write_bytes(bytes(data))
     fails(capsys, ["verify", str(model)],
-          r"m\.cmf: 1 of 6 tensors fail their sha256: model\.layers\.1\.mlp\.up_proj\.weight$", model.parent)
+          rf"m\.cmf: 1 of {N_TENSORS} tensors fail their sha256: model\.layers\.1\.mlp\.up_proj\.weight$", model.parent)
 
 
 @pytest.mark.parametrize("cmd", [["inspect"], ["verify"], ["recode", "--codec", "q8"]])

@@ -35,3 +35,20 @@ def test_bad_input_is_one_line(tmp_path, tok_cmf, capsys):
     assert "not a finished stage output" in capsys.readouterr().err
     assert main(["data", "build", "--tokenizer", str(tok_cmf), "--out", str(tmp_path / "td")]) == 1
     assert "no sources" in capsys.readouterr().err
+
+
+def test_self_generates_tdata_once_and_refuses_a_bad_mix(tmp_path, capsys):
+    from data_helpers import tiny_model_cmf
+
+    m = tiny_model_cmf(tmp_path / "m.cmf")
+    argv = ["data", "self", str(m), "--tokens", "40", "--max-new", "8", "--slots", "4", "--device", "cpu",
+            "--work", str(tmp_path / "work")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    d = out.split(":")[0]
+    td = Tdata.open(d)
+    assert td.counts()["scored"] == 40 and "40 generated" in out and td.meta["settings"]["max_new"] == 8
+    assert main(argv) == 0 and capsys.readouterr().out == out  # the second time: the same directory, reused
+    assert main(argv[:-2] + ["--mix", "0.5,0.5,0.5"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("cortiq: selfgen settings: mix must be three non-negative numbers summing to 1") and "Traceback" not in err

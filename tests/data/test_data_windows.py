@@ -135,9 +135,12 @@ def test_packed_windows(tmp_path, tok_cmf):
 
 def test_parse_spec():
     assert parse_spec("a.tdata@100,b") == [("a.tdata", 100), ("b", None)]
-    assert parse_spec("dir@x") == [("dir@x", None)]
+    assert parse_spec("v@2/td") == [("v@2/td", None)]  # an @ in a folder name is the path's
     with pytest.raises(CortiqError):
         parse_spec(" , ")
+    for bad in ("td@-5", "td@lots", "td@0", "td@", "td@１２"):
+        with pytest.raises(CortiqError, match=f"data spec '{bad}': the token count .* is not a positive integer"):
+            parse_spec(bad)
 
 
 def test_fnv1a64_known_values_and_the_vectorised_form():

@@ -129,6 +129,18 @@ def _deep_doc(raw: bytes) -> bytes:
     return join(header, data)
 
 
+def _renamed(new: str) -> Callable[[bytes], bytes]:
+    """The final norm's entry (and its hash) under another name."""
+    def f(raw):
+        header, data = split(raw)
+        header[new] = header.pop(NORM)
+        doc = json.loads(header["__metadata__"]["cmf"])
+        doc["hashes"][new] = doc["hashes"].pop(NORM)
+        header["__metadata__"]["cmf"] = json.dumps(doc)
+        return join(header, data)
+    return f
+
+
 INJECT = "{{ cycler.__init__.__globals__.os.popen('touch INJECTED').read() }}"
 
 #: name → (mutation of the valid file's bytes, commands that must refuse it, the message they give).
@@ -184,8 +196,16 @@ CMF_CASES: dict[str, tuple[Callable[[bytes], bytes], tuple, str]] = {
     "string offsets": (with_entry(NORM, "data_offsets", ["0", "64"]), ALL, r"malformed entry"),
     "huge shape": (with_entry(NORM, "shape", [10**12, 10**12]), ALL, r"byte range does not match its shape"),
     "unknown dtype": (with_entry(NORM, "dtype", "F128"), ALL, r"unsupported dtype F128"),
-    "bad tokenizer json": (lambda r: with_doc(r, lambda d: d["tokenizer"].__setitem__("json", "{not json")), ("nll",),
+    "bad tokenizer json": (lambda r: with_doc(r, lambda d: d["tokenizer"].__setitem__("json", "{not json")), LOAD,
                            r"its tokenizer does not load"),
+    "trailing bytes": (lambda r: r + b"\0" * 24, ALL, r"24 trailing bytes after the last tensor"),
+    "codec of no tensor": (set_doc("codecs", {"model.gone.weight": {"codec": "q8", "shape": [16, 16]}}), ALL,
+                           r"codec entries for tensors the file does not hold: \['model.gone.weight'\]"),
+    "name climbs out": (_renamed("../model.norm.weight"), ALL, r"tensor name '../model.norm.weight' is not a dotted name"),
+    "name is absolute": (_renamed("/etc/model.norm.weight"), ALL, r"tensor name '/etc/model.norm.weight' is not a dotted"),
+    "name unknown": (_renamed("model.bogus.weight"), LOAD, r"missing tensors \['model.norm.weight'\]"),
+    "shape not the arch's": (with_entry(NORM, "shape", [2, 8]), LOAD,
+                             r"'model.norm.weight' has shape \[2, 8\], the arch says \[16\]"),
     "flipped data byte": (_flip_data_byte, LOAD, r"fail their sha256|does not match its recorded sha256"),
     "hash missing": (_drop_hash, LOAD, r"fail their sha256|has no recorded sha256"),
     "NaN weight": (_nan_norm, LOAD, r"hold NaN or Inf|holds 1 NaN or Inf"),

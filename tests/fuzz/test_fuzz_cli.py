@@ -226,3 +226,201 @@ def test_binary_text_and_a_pipe_as_data(cortiq, valid, tmp_path):
     os.mkfifo(tmp_path / "fifo")
     assert_clean_failure(cortiq.run(["nll", tmp_path / "m.cmf", tmp_path / "fifo", "--device", "cpu"], tmp_path,
                                     timeout=10), r"fifo: not a regular file or a directory")
+
+
+# ── an output that is an input ──────────────────────────────────────────
+
+#: command → its argv given the input model M, a text file T and the output O
+WRITERS = {
+    "recode": lambda m, t, o: ["recode", m, o, "--codec", "q8"],
+    "convert": lambda m, t, o: ["convert", m, o],
+    "export hf": lambda m, t, o: ["export", m, "--to", "hf", o],
+    "export gguf": lambda m, t, o: ["export", m, "--to", "gguf", o],
+    "compress": lambda m, t, o: ["compress", m, "--data", "td", "--out", o],
+    "heal": lambda m, t, o: ["heal", m, "--teacher", m, "--data", "td", "--out", o],
+    "mtp heal": lambda m, t, o: ["mtp", "heal", m, "--data", "td@64", "--out", o],
+    "mtp init": lambda m, t, o: ["mtp", "init", m, "--out", o],
+    "data build": lambda m, t, o: ["data", "build", t, "--tokenizer", m, "--out", o],
+}
+
+
+def _spelled(spelling: str, target: Path) -> Path:
+    """Another name of `target`: itself, through `..`, a symlink or a hard link."""
+    d = target.parent
+    if spelling == "same":
+        return target
+    if spelling == "dotdot":
+        (d / "sub").mkdir(exist_ok=True)
+        return d / "sub" / ".." / target.name
+    alias = d / ("alias" + target.suffix)
+    alias.unlink(missing_ok=True)
+    alias.symlink_to(target.name) if spelling == "symlink" else os.link(target, alias)
+    return alias
+
+
+@pytest.mark.parametrize("spelling", ["same", "dotdot", "symlink", "hardlink"])
+@pytest.mark.parametrize("cmd", sorted(WRITERS))
+def test_an_output_that_is_the_input_is_refused(cmd, spelling, cortiq, valid, tmp_path):
+    raw, text = valid
+    m = tmp_path / "m.cmf"
+    m.write_bytes(raw)
+    t = tmp_path / "t.txt"
+    t.write_text(TEXT)
+    target = t if cmd == "data build" else m
+    out = _spelled(spelling, target)
+    r = cortiq.run(WRITERS[cmd](m, t, out), tmp_path)
+    assert_clean_failure(r, r"the output is the input")
+    assert m.read_bytes() == raw and t.read_text() == TEXT and not leftovers(tmp_path)
+
+
+def test_data_build_into_a_folder_holding_its_source(cortiq, valid, tmp_path):
+    raw, _ = valid
+    (tmp_path / "m.cmf").write_bytes(raw)
+    (tmp_path / "td").mkdir()
+    (tmp_path / "td" / "t.txt").write_text(TEXT)
+    r = cortiq.run(["data", "build", tmp_path / "td" / "t.txt", "--tokenizer", tmp_path / "m.cmf", "--out",
+                    tmp_path / "td"], tmp_path)
+    assert_clean_failure(r, r"td: the output folder holds the input .*t.txt")
+    assert (tmp_path / "td" / "t.txt").read_text() == TEXT
+
+
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+@pytest.mark.parametrize("case", ["NaN weight", "name climbs out", "name is absolute", "name unknown",
+                                  "shape not the arch's", "bad tokenizer json", "trailing bytes"])
+def test_export_writes_only_what_loads(case, fmt, cortiq, valid, tmp_path):
+    raw, _ = valid
+    bad = tmp_path / "bad.cmf"
+    bad.write_bytes(mutated(raw, case))
+    out = tmp_path / ("out" if fmt == "hf" else "out.gguf")
+    assert_clean_failure(cortiq.run(["export", bad, "--to", fmt, out], tmp_path), CMF_CASES[case][2], out=out)
+
+
+def test_the_valid_file_exports(cortiq, valid, tmp_path):
+    raw, _ = valid
+    (tmp_path / "m.cmf").write_bytes(raw)
+    for fmt, out in (("hf", tmp_path / "hf"), ("gguf", tmp_path / "m.gguf")):
+        r = cortiq.run(["export", tmp_path / "m.cmf", "--to", fmt, out], tmp_path)
+        assert r.rc == 0, str(r)
+
+
+# ── bounds, checked before any work ─────────────────────────────────────
+
+@pytest.fixture(scope="module")
+def built(cortiq, valid, tmp_path_factory):
+    """The valid model and a tdata directory built from its text."""
+    raw, _ = valid
+    d = tmp_path_factory.mktemp("built")
+    (d / "m.cmf").write_bytes(raw)
+    (d / "t.txt").write_text("\n\n".join(f"{TEXT} {i}" for i in range(40)))
+    r = cortiq.run(["data", "build", d / "t.txt", "--tokenizer", d / "m.cmf", "--out", d / "td",
+                    "--record-tokens", "64"], d)
+    assert r.rc == 0, str(r)
+    return d
+
+
+def test_more_ranks_than_cores_is_refused(cortiq, built, tmp_path):
+    r = cortiq.run(["heal", built / "m.cmf", "--teacher", built / "m.cmf", "--data", built / "td", "--out",
+                    tmp_path / "h.cmf", "--device", "cpu", "--gpus", "99", "--window", "16", "--batch", "2"], tmp_path)
+    assert_clean_failure(r, r"gpus 99: no CUDA device here, and the CPU ranks \(gloo\) are at most one per core: "
+                            r"this machine has \d+", out=tmp_path / "h.cmf")
+
+
+@pytest.mark.parametrize("spec, bad", [("td@-5", "-5"), ("td@lots", "lots")])
+def test_mtp_heal_blames_the_token_count(spec, bad, cortiq, built, tmp_path):
+    r = cortiq.run(["mtp", "heal", built / "m.cmf", "--data", spec, "--out", tmp_path / "o.cmf"], built)
+    assert_clean_failure(r, rf"data spec '{spec}': the token count '{bad}' is not a positive integer",
+                         out=tmp_path / "o.cmf")
+
+
+def test_serve_refuses_a_context_past_the_model(cortiq, valid, tmp_path):
+    raw, _ = valid
+    (tmp_path / "m.cmf").write_bytes(raw)
+    r = cortiq.run(["serve", tmp_path / "m.cmf", "--device", "cpu", "--max-len", "100000000", "--port", "0"], tmp_path)
+    assert_clean_failure(r, r"m.cmf: --max-len 100000000 is past the model's context of 64 tokens")
+
+
+def test_serve_refuses_a_kv_cache_past_the_memory(cortiq, tmp_path):
+    ts = model_tensors()
+    from fuzz_gen import ARCH
+
+    import dataclasses
+
+    from cortiq.cmf import new_doc, specs_from_tensors, write_cmf
+    from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
+
+    long = dataclasses.replace(ARCH, max_position_embeddings=1 << 26)
+    m = write_cmf(tmp_path / "m.cmf", new_doc(long, tokenizer_doc(byte_tokenizer_json(), [256])),
+                  specs_from_tensors(ts.items(), "f32"))
+    r = cortiq.run(["serve", m, "--device", "cpu", "--max-len", str(1 << 26), "--max-batch", "256", "--port", "0"],
+                   tmp_path)
+    assert_clean_failure(r, r"serve: the KV cache of 256 slots x 67108864 tokens needs [\d.]+ GB, cpu has [\d.]+ GB "
+                            r"free: lower --max-len or --max-batch")
+
+
+# ── data and settings ───────────────────────────────────────────────────
+
+def _build(cortiq, d: Path, src, *extra):
+    return cortiq.run(["data", "build", src, "--tokenizer", d / "m.cmf", "--out", d / "out", *extra], d)
+
+
+@pytest.mark.parametrize("fractions", ["nan,0.5,0.5", "inf,0,0", "0.5,nan,0.5"])
+def test_fractions_that_are_not_numbers(fractions, cortiq, built):
+    assert_clean_failure(_build(cortiq, built, built / "t.txt", "--fractions", fractions),
+                         r"split fractions must be three non-negative numbers summing to 1", out=built / "out")
+
+
+@pytest.mark.parametrize("rid", [{"a": 1}, [1], True, 1.5])
+def test_a_jsonl_id_that_is_not_a_name(rid, cortiq, built):
+    src = built / "ids.jsonl"
+    src.write_text(json.dumps({"id": rid, "text": "hello there"}) + "\n")
+    assert_clean_failure(_build(cortiq, built, src), r"ids.jsonl:1: 'id' must be a string or an integer, not",
+                         out=built / "out")
+
+
+def test_a_fifo_source_is_not_a_regular_file(cortiq, built, tmp_path):
+    os.mkfifo(tmp_path / "pipe.txt")
+    assert_clean_failure(_build(cortiq, built, tmp_path / "pipe.txt"), r"pipe.txt: not a regular file",
+                         out=built / "out")
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl"])
+def test_a_huge_line_is_refused_while_read(kind, cortiq, built, tmp_path):
+    """20 MB on one line, far past max_tokens: refused in bounded time and memory (the case's
+    cap), not tokenized whole first."""
+    word = "abcdefghij" * 2_000_000
+    src = tmp_path / f"huge.{kind}"
+    src.write_text(word if kind == "txt" else json.dumps({"text": word}) + "\n")
+    r = _build(cortiq, built, src, "--max-tokens", "1024", "--record-tokens", "512")
+    assert_clean_failure(r, r"more than max_tokens 1024 tokens" if kind == "txt" else
+                         r"huge.jsonl:1: a line of more than \d+ characters: its record would be over max_tokens",
+                         out=built / "out")
+
+
+# ── a full disk ─────────────────────────────────────────────────────────
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 4 KiB tmpfs (root only; skipped elsewhere): every write of a model fills it."""
+    import subprocess
+
+    d = tmp_path / "full"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", str(d)], check=False)
+
+
+@pytest.mark.parametrize("cmd", ["export hf", "export gguf", "recode", "data build", "heal"])
+def test_a_full_disk_names_the_file(cmd, cortiq, built, full_disk):
+    m, out = built / "m.cmf", full_disk / ("out" if cmd in ("export hf", "data build") else "out.x")
+    argv = {"export hf": ["export", m, "--to", "hf", out], "export gguf": ["export", m, "--to", "gguf", out],
+            "recode": ["recode", m, out, "--codec", "f32"],
+            "data build": ["data", "build", built / "t.txt", "--tokenizer", m, "--out", out, "--record-tokens", "64"],
+            "heal": ["heal", m, "--teacher", m, "--data", built / "td", "--out", out, "--work", built / "work",
+                     "--device", "cpu", "--window", "16", "--batch", "2", "--epochs", "0.2", "--topk", "4", "--no-score", "--quiet"]}[cmd]
+    r = cortiq.run(argv, built, timeout=60)
+    assert_clean_failure(r, rf"{out}(\.partial/\S+)?: no space left on device while writing", out=out)
+    assert list(full_disk.iterdir()) == []

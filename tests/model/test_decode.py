@@ -149,6 +149,25 @@ def test_batched_steered_speculation(model):
     assert len({a for r in out for a in r.per_round}) >= 3
 
 
+def test_prefill_many_and_step_blocks_equal_the_reference(model):
+    """Slots prefilled together from prompts of different lengths (two of one length: the GDN model
+    prefills those two in one forward), then blocks of steps with no host sync between them."""
+    prompts = PROMPTS + [[4, 4, 60, 2, 9, 1, 250]]  # as long as the first
+    slots = [4, 0, 2, 1]
+    eng = DecodeEngine(model, slots=5, max_len=64)
+    first = eng.prefill_many(slots, prompts)
+    toks = torch.cat([eng.steps(3), eng.steps(4)])  # [7, 5]
+    assert toks.shape == (7, 5) and toks[:, 3].eq(-1).all()
+    for s, p, t in zip(slots, prompts, first):
+        assert [t] + toks[:, s].tolist() == greedy(model, p, 8)
+    assert eng.lengths() == [len(prompts[1]) + 7, len(prompts[3]) + 7, len(prompts[2]) + 7, 0, len(prompts[0]) + 7]
+    with pytest.raises(CortiqError, match=r"^decode engine: slots \[1, 1\] for 2 prompts \(one distinct slot each\)$"):
+        eng.prefill_many([1, 1], [[1], [2]])
+    with pytest.raises(CortiqError, match=r"^decode engine: slot 3 is full"):
+        eng.prefill_many([3], [[1] * 40])
+        eng.steps(30)
+
+
 def test_slots_join_and_leave(model):
     # slot 1 joins after slot 0 has run 5 steps; slot 0 then leaves and is reused for a new prompt
     eng = DecodeEngine(model, slots=2, max_len=64, graphs=False)

@@ -19,7 +19,7 @@ def tiny_arch(mtp=True) -> Arch:
                 mtp_layers=int(mtp), mtp_intermediate_size=64 if mtp else 0, max_position_embeddings=256)
 
 
-def write_model(path, mtp=True, seed=0):
+def write_model(path, mtp=True, seed=0, chat_template=None):
     from cortiq.model.decoder import CausalLM
 
     torch.manual_seed(seed)
@@ -31,7 +31,7 @@ def write_model(path, mtp=True, seed=0):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0, 0.3 if "embed" in n else 0.15)
-    doc = new_doc(arch, tokenizer_doc(byte_tokenizer_json(), [EOS]))
+    doc = new_doc(arch, tokenizer_doc(byte_tokenizer_json(), [EOS], chat_template=chat_template))
     write_cmf(path, doc, specs_from_tensors(m.state_dict().items(), "f32"))
     return path
 

@@ -10,7 +10,7 @@ from cortiq.errors import CortiqError
 from cortiq.model import load_model
 from cortiq.mtp import MtpSettings, mtp_heal, mtp_init, resolve
 from cortiq.mtp.init import draft_is_fresh
-from cortiq.mtp.selfgen import continue_batch, continue_reference, end_at_eos, generated_sets, make_prompts
+from cortiq.mtp.selfgen import generated_sets, make_prompts
 
 from mtp_helpers import EOS, greedy_records, write_model, write_tdata
 
@@ -86,43 +86,51 @@ def test_fresh_draft_learns_the_trunks_language_and_decoding_accepts_it(fresh, t
     assert acc / rounds >= 0.8 * predicted
 
 
-def test_batched_continuations_equal_the_plain_decoder(fresh):
-    init, _ = fresh
-    m = load_model(init)
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, 256, (3, 5), generator=g)
-    out = continue_batch(m, prompts, 7)
-    assert out.shape == (3, 12) and torch.equal(out[:, :5], prompts)
-    assert torch.equal(out, continue_reference(m, prompts, 7))
-    # sampled: the same seed gives the same rows
-    a = continue_batch(m, prompts, 7, 1.0, torch.Generator().manual_seed(3))
-    b = continue_batch(m, prompts, 7, 1.0, torch.Generator().manual_seed(3))
-    assert torch.equal(a, b)
-
-
-def test_end_at_eos_against_a_loop():
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 6, (17, 11), generator=g)
-    out, lens = end_at_eos(ids, 3, [4, 5], 99)
-    for i in range(17):
-        L = 11
-        for p in range(3, 11):
-            if int(ids[i, p]) in (4, 5):
-                L = p + 1
-                break
-        assert int(lens[i]) == L
-        assert out[i, :L].tolist() == ids[i, :L].tolist() and all(x == 99 for x in out[i, L:].tolist())
-
-
-def test_chat_prompts_are_wrapped_evenly():
+def test_chat_requests_replace_an_even_share_of_the_prompts():
     w = np.arange(100, dtype=np.int64).reshape(10, 10)
-    p, chat = make_prompts(w, 8, 0.25, ([900, 901], [902]))
+    reqs = [[900, 901], [902, 903, 904], [905]]
+    p, chat = make_prompts(w, 8, 0.25, reqs, seed=0)
     assert chat.tolist() == [False, False, False, True, False, False, False, True, False, False]
-    assert p[3].tolist() == [900, 901, 30, 31, 32, 33, 34, 902]
-    assert p[0].tolist() == list(range(8))
-    # a wrapper that would leave less than half the prompt: no chat rows
-    p2, chat2 = make_prompts(w, 4, 0.5, ([900, 901], [902]))
-    assert not chat2.any() and np.array_equal(p2, w[:, :4])
+    assert all(p[i] in reqs for i in (3, 7)) and p[0] == list(range(8)) and p[4] == list(range(40, 48))
+    assert make_prompts(w, 8, 0.25, reqs, seed=0)[0] == p  # the requests follow the seed
+    # no requests (a model without a chat template): every prompt is cut from the data
+    p2, chat2 = make_prompts(w, 4, 0.5, [], seed=0)
+    assert not chat2.any() and p2 == w[:, :4].tolist()
+
+
+def test_chat_windows_are_the_trunks_greedy_answers_in_its_template(tmp_path):
+    """A model with a chat template: half the windows answer a request rendered in it (prompts of
+    other lengths than the data's, in one batch), every window is its prompt and the plain
+    decoder's greedy continuation, and the measure starts at each window's own prompt end."""
+    from cortiq.cmf import open_cmf as _open
+    from cortiq.data.selfgen import REQUESTS
+    from cortiq.data.windows import packed_windows
+    from cortiq.model.generate import generate
+    from cortiq.mtp import _prompt_ends
+    from cortiq.tokenizer import load_tokenizer
+
+    tpl = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+    path = write_model(tmp_path / "chat.cmf", seed=2, chat_template=tpl)
+    data = write_tdata(tmp_path / "d.tdata", greedy_records(path, 8, 96, seed=2))
+    f = _open(path)
+    m = load_model(f)
+    s = resolve(f, tiny_settings(window=96, gen_chat=0.5))
+    packed = packed_windows(str(data), 96, 100000, min_len=19, pad_id=EOS)
+    g = generated_sets(m, f, packed, s, tmp_path / "gen")[0][0]
+    tok = load_tokenizer(path)
+    assert g.chat.sum() == len(g) // 2
+    for i in range(len(g)):
+        P = int(g.prompt_lens[i])
+        prompt = g.ids[i, :P].tolist()
+        if g.chat[i]:
+            text = tok.decode(prompt, skip_special_tokens=False)
+            assert text.startswith("<user>") and text.endswith("<a>") and text[6:-3] in REQUESTS
+        else:
+            assert P == s.gen_prompt and prompt == packed[0].ids[i, :P].tolist()
+        want = generate(m, prompt, max_new=96 - P, eos_ids=[EOS]).tokens
+        assert g.ids[i, P: g.lengths[i]].tolist() == want
+    start, chat = _prompt_ends([g], s)
+    assert start.tolist() == (g.prompt_lens - 1).tolist() and chat.tolist() == g.chat.tolist()
 
 
 def test_generated_windows_are_cached_and_deterministic(fresh, tmp_path):
@@ -230,12 +238,12 @@ def test_offline_measure_is_what_speculative_decoding_accepts(healed):
 def test_generated_windows_keep_which_answer_a_chat(tmp_path):
     from cortiq.mtp.selfgen import _read, _write
 
-    ids = torch.arange(24).view(4, 6)
-    lens = torch.tensor([6, 3, 6, 5])
+    ids = np.arange(24).reshape(4, 6)
+    lens, plens = np.array([6, 3, 6, 5]), np.array([2, 1, 4, 2])
     held, chat = np.array([0, 1, 0, 1], bool), np.array([1, 0, 0, 1], bool)
-    _write(tmp_path / "g", ids, lens, held, chat, {"windows": 4, "window": 6, "stage": "mtp-gen", "digest": "x"})
-    i2, l2, h2, c2 = _read(tmp_path / "g")
-    assert np.array_equal(i2, ids.numpy()) and np.array_equal(l2, lens.numpy())
+    _write(tmp_path / "g", ids, lens, plens, held, chat, {"windows": 4, "window": 6, "stage": "mtp-gen", "digest": "x"})
+    i2, l2, p2, h2, c2 = _read(tmp_path / "g")
+    assert np.array_equal(i2, ids) and np.array_equal(l2, lens) and np.array_equal(p2, plens)
     assert np.array_equal(h2, held) and np.array_equal(c2, chat)
 
 
@@ -249,3 +257,27 @@ def test_measure_text_and_heldout_windows_refuse_bad_input(fresh):
         measure_text(m, [[1, 2, 3], [4, 5]], [2])
     with pytest.raises(CortiqError, match="no mtp heal in its provenance"):
         heldout_windows(m, f)
+
+
+def test_retrain_trains_on_the_data_and_the_trunks_continuations_of_a_share_of_its_prompts(fresh, tmp_path):
+    """generate off: the data's windows, and beside them (NAME.gen) the trunk's greedy continuations
+    of an even gen_share of their prompts, each keeping its window's held-out flag."""
+    from cortiq.model.generate import generate
+    from cortiq.mtp import _sets
+    from cortiq.mtp.selfgen import chat_rows
+
+    init, data = fresh
+    f = open_cmf(init)
+    m = load_model(f)
+    s = resolve(f, tiny_settings(preset="retrain", gen_share=0.25, gen_cache=str(tmp_path / "gen")))
+    assert not s.generate
+    sets, info = _sets(m, f, str(data), s)
+    assert [p.name for p in sets] == ["g", "g.gen"] and not info[0]["read_back"]
+    src, gen = sets
+    pick = chat_rows(len(src), 0.25)
+    assert len(gen) == int(pick.sum()) == round(len(src) * 0.25) and np.array_equal(gen.held, src.held[pick])
+    for w, g, n in list(zip(src.ids[pick], gen.ids, gen.lengths))[:3]:
+        assert g[:8].tolist() == w[:8].tolist()
+        assert g[8:n].tolist() == generate(m, w[:8].tolist(), max_new=40, eos_ids=[EOS]).tokens
+    # off: the data alone
+    assert [p.name for p in _sets(m, f, str(data), resolve(f, tiny_settings(preset="retrain", gen_share=0.0)))[0]] == ["g"]

