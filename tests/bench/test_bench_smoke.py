@@ -101,6 +101,14 @@ def check_relaunch(d):
     assert d["failure"]["error"] and d["failure"]["incomplete"]
 
 
+def check_selfgen(d):
+    names = [r["row"] for r in _rows(d)]
+    assert sum(n.startswith("selfgen") for n in names) == 2, names
+    assert {"old continue_batch", "new, same prompts (greedy)", "old generate_answers",
+            "new, same requests (batched)"} <= set(names), names
+    assert all(r["tokens"] > 0 and r["tok_s"] > 0 for r in _rows(d)) and d["samples"]
+
+
 def check_serve(d):
     assert {r["mode"] for r in _rows(d)} == {"plain", "speculative"} and all(r["tokens"] > 0 for r in _rows(d))
 
@@ -134,6 +142,7 @@ BENCHES = {
     # one target kind at one budget: the same code as every row
     "quality": (["--kinds", "sampled", "--budgets", "0.004", "--default-budget", "0"], "quality.json", check_quality),
     "relaunch": ([], "relaunch.json", check_relaunch),
+    "selfgen": ([], "selfgen.json", check_selfgen),
     "serve": ([], "serve.json", check_serve),
     "variants": ([], "variants.json", check_variants),
     "device_check": ([], "device_check.json", check_device_check),
