@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(BIN)/cortiq demo
 
 bench: $(STAMP)
-	$(BIN)/python bench/run.py
+	$(BIN)/python -m bench.run
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,8 +1,9 @@
 """Compress on CUDA against the CPU: one call, one table.
 
-    python bench/compress.py --data TDATA [--model smollm2|random|M.cmf] [--parts masks,overlap,stages]
+    python -m bench.compress --data TDATA [--model smollm2|random|M.cmf] [--parts masks,overlap,stages]
                              [--reference REF] [--out DIR]
-    python bench/compress.py --data TDATA --model M.cmf --write-reference REF     # the CPU side of the overlap
+    python -m bench.compress --data TDATA --model M.cmf --write-reference REF     # the CPU side of the overlap
+    python -m bench.compress --cpu --tiny     # every row on a tiny random model and pydoc tdata, CPU as "CUDA"
 
 Every stage is the library's own code at the stage's default settings:
 DTG-MA masks (`learn_model_masks`: window 256, batch 4, ≤ 200 steps), the
@@ -28,31 +29,24 @@ reference) or, without one, on this machine's CPU, against the same on CUDA.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cortiq.compress.fold import mlp_names, repair_down, select_kept  # noqa: E402
-from cortiq.compress.gptq import gptq_quantize_layers  # noqa: E402
-from cortiq.compress.grams import capture_model_grams, room_bytes  # noqa: E402
-from cortiq.compress.masks import learn_model_masks  # noqa: E402
-from cortiq.compress.settings import GramSettings, MaskSettings  # noqa: E402
+from bench.common import CACHE, log, parser, print_table, pydoc_tdata, smollm2_cmf, tiny_cmf, write_json
+from cortiq.compress.fold import mlp_names, repair_down, select_kept
+from cortiq.compress.gptq import gptq_quantize_layers
+from cortiq.compress.grams import capture_model_grams, room_bytes
+from cortiq.compress.masks import learn_model_masks
+from cortiq.compress.settings import GramSettings, MaskSettings
 
 #: the short schedule both sides of the kept-neuron overlap run in full (deployments/params/demo.yaml's)
 COMPARE = dict(keep_frac=0.75, max_steps=40, lr=0.2, window=128, batch=2, val_windows=4, eval_every=5)
-CACHE = Path.home() / "cache"
-
-
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
+#: the smoke mode's smaller mask and Gram settings (empty: the stage defaults)
+TINY: dict = {"masks": {}, "grams": {}}
 
 
 def sync(dev):
@@ -66,17 +60,7 @@ def sync(dev):
 def resolve_model(name: str, tokenizer_doc: str | None) -> tuple[Path, str]:
     """(CMF path, what it is)."""
     if name == "smollm2":
-        from cortiq.convert.bundled import smollm2_path
-
-        out = CACHE / "smollm2.cmf"
-        if not out.exists():
-            from cortiq.convert.gguf import convert_gguf
-
-            CACHE.mkdir(parents=True, exist_ok=True)
-            t0 = time.time()
-            convert_gguf(smollm2_path(), out)
-            log(f"converted SmolLM2 in {time.time() - t0:.1f} s")
-        return out, "SmolLM2-135M (real weights)"
+        return smollm2_cmf(CACHE), "SmolLM2-135M (real weights)"
     if name == "random":
         return random_smollm2(tokenizer_doc), "SmolLM2-135M geometry, random weights"
     return Path(name), name
@@ -169,8 +153,10 @@ def read_reference(ref: Path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="a tdata directory built with the model's tokenizer")
+    ap = parser(__doc__, cpu_help="smoke-test the bench code with the CPU as the device (measures nothing)",
+                tiny_help="a tiny random model, pydoc tdata of its byte tokenizer and a few steps of everything "
+                          "(no --data needed)")
+    ap.add_argument("--data", help="a tdata directory built with the model's tokenizer")
     ap.add_argument("--model", default="smollm2", help="smollm2 | random | a .cmf path")
     ap.add_argument("--tokenizer-doc", default=None, help="--model random: JSON {arch, tokenizer} of the data's model")
     ap.add_argument("--reference", default=None, help="a --write-reference directory for the kept-neuron overlap")
@@ -181,10 +167,18 @@ def main():
     ap.add_argument("--parts", default="masks,overlap,stages",
                     help="masks (always), overlap (kept neurons against a CPU run), stages (Grams, repair, GPTQ)")
     ap.add_argument("--steps", type=int, default=200, help="most mask steps of the timed run (the stage default)")
-    ap.add_argument("--cpu", action="store_true", help="smoke-test the bench code with the CPU as the device (measures nothing)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     from cortiq.data import Tdata, windows
+
+    if a.tiny:
+        tiny = CACHE / "compress-tiny"
+        a.model = str(tiny / "tiny.cmf") if (tiny / "tiny.cmf").exists() else str(tiny_cmf(tiny / "tiny.cmf"))
+        a.data = str(pydoc_tdata(a.model, tiny / "pydoc.tdata", 60_000))
+        a.steps, a.cpu_steps, a.cpu_gram_windows, a.cpu_gptq_layers = 6, 2, 2, 1
+        COMPARE.update(max_steps=6, window=64, eval_every=3)
+        TINY.update(masks=dict(window=64, batch=2, val_windows=4, eval_every=3), grams=dict(window=64, max_windows=8))
+    if not a.data:
+        ap.error("--data is required (or --tiny)")
 
     td = Tdata.open(a.data)
     if a.write_reference:
@@ -209,16 +203,16 @@ def main():
     parts = set(a.parts.split(","))
 
     # ── masks at the stage defaults: the whole run on CUDA, a few steps on the CPU ──
-    ms = MaskSettings(max_steps=a.steps)
+    ms = MaskSettings(max_steps=a.steps, **TINY["masks"])
     r_gpu, st_gpu, wall_gpu = run_masks(path, td, ms, cuda, fast)
-    cpu_s = MaskSettings(max_steps=a.cpu_steps, val_windows=ms.batch, eval_every=10**6)
+    cpu_s = MaskSettings(max_steps=a.cpu_steps, window=ms.window, batch=ms.batch, val_windows=ms.batch, eval_every=10**6)
     _, st_cpu, _ = run_masks(path, td, cpu_s, cpu, torch.float32)
     r_gr, st_gr, wall_gr = run_masks(path, td, ms, cuda, fast, graph=True)
     g_step, c_step, gr_step = step_time(st_gpu, ms.eval_every), statistics.median(st_cpu), step_time(st_gr, ms.eval_every)
     res["masks"] = {"gpu_steps": r_gpu.steps, "gpu_wall": wall_gpu, "gpu_step_s": g_step, "cpu_step_s": c_step,
                     "gpu_pruned": r_gpu.pruned, "reached": r_gpu.reached, "gpu_s_per_step_all_in": wall_gpu / r_gpu.steps,
                     "graph_step_s": gr_step, "graph_wall": wall_gr, "graph_steps": r_gr.steps}
-    rows.append(("DTG-MA mask step (window 256 × batch 4)", f"{c_step:.3f} s", f"{g_step * 1e3:.1f} ms",
+    rows.append((f"DTG-MA mask step (window {ms.window} × batch {ms.batch})", f"{c_step:.3f} s", f"{g_step * 1e3:.1f} ms",
                  f"{c_step / g_step:.0f}×", "eager (the stage default)"))
     rows.append(("DTG-MA mask step, CUDA graph (opt-in)", "", f"{gr_step * 1e3:.1f} ms", f"{c_step / gr_step:.0f}×", ""))
     for label, r, wall in (("eager", r_gpu, wall_gpu), ("CUDA graph", r_gr, wall_gr)):
@@ -259,7 +253,7 @@ def main():
         # ── Grams at the stage defaults ──
         from cortiq.model import load_model
 
-        gs = GramSettings()
+        gs = GramSettings(**TINY["grams"])
         w = windows(td, "train", gs.window, loss_on="all")
         n = min(len(w), gs.max_windows)
         ids = torch.from_numpy(w.ids[:n])
@@ -331,14 +325,9 @@ def main():
                      f"{c_q / g_q:.0f}×", f"{same * 100:.3f} % of the weights identical (layers 0..{m - 1})"))
         log(json.dumps(res["gptq"]))
 
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compress_bench.json").write_text(json.dumps(res, indent=1))
+    write_json(a.out, "compress_bench.json", res)
     print(f"\n{res['device']}, torch {res['torch']}, CPU {res['cpu_threads']} threads; {what}")
-    print("| stage | CPU | CUDA | speed-up | agreement / notes |")
-    print("| --- | --- | --- | --- | --- |")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
+    print_table(["stage", "CPU", "CUDA", "speed-up", "agreement / notes"], rows)
     print("† the CPU's step time × the steps (no evaluations)")
     if k:
         print("* CPU time scaled from a part (Grams: %d windows; GPTQ: %d layers)" % (k, m))

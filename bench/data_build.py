@@ -1,6 +1,10 @@
 """How fast tdata builds: N tokens of text and JSONL through `cortiq.data.build`, then windows.
 
-    python bench/data_build.py [--tokens 1000000] [--tokenizer MODEL.cmf] [--T 2048]
+    python -m bench.data_build [--tokens 1000000] [--tokenizer MODEL.cmf] [--T 2048] [--out DIR]
+    python -m bench.data_build --cpu --tiny      # 20k tokens, windows of 256: the same code in seconds
+
+It runs on the CPU whatever the machine (`--cpu` is accepted for the smoke
+tests' one command line).
 
 Without --tokenizer a byte-level tokenizer (one token per byte, the slowest case
 per character) is used. The text is the standard library's pydoc topics,
@@ -10,14 +14,12 @@ prompt/answer pairs. Prints tokens/s for the build and for cutting windows.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import parser, print_table, pydoc_text, write_json
 
 
 def byte_tokenizer_cmf(path: Path) -> Path:
@@ -35,13 +37,13 @@ def byte_tokenizer_cmf(path: Path) -> Path:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, cpu_help="accepted, no effect: the build runs on the CPU")
     ap.add_argument("--tokens", type=int, default=1_000_000)
     ap.add_argument("--tokenizer", default=None)
     ap.add_argument("--T", type=int, default=2048)
     a = ap.parse_args()
-
-    from pydoc_data.topics import topics
+    if a.tiny:
+        a.tokens, a.T = min(a.tokens, 20_000), min(a.T, 256)
 
     from cortiq.data import BuildSettings, build, windows
     from cortiq.tokenizer import load_tokenizer
@@ -50,8 +52,10 @@ def main() -> int:
         d = Path(d)
         tok_path = Path(a.tokenizer) if a.tokenizer else byte_tokenizer_cmf(d / "tok.cmf")
         tok = load_tokenizer(tok_path)
-        body = "\n\n".join(topics[k] for k in sorted(topics))
+        body = pydoc_text()
         per_copy = len(tok.encode(body, add_special_tokens=False).ids)
+        if per_copy > a.tokens:  # less than one copy: its leading share
+            body, per_copy = body[:len(body) * a.tokens // per_copy], a.tokens
         copies = max(1, -(-a.tokens // per_copy))
         paras = body.split("\n\n")
         for c in range(copies):
@@ -67,11 +71,15 @@ def main() -> int:
         c = td.meta["counts"]
         w = windows(td, "train", a.T, None, "answer")
         t2 = time.perf_counter()
-        print(f"build: {c['records']} records, {c['tokens']} tokens in {t1 - t0:.2f} s = {c['tokens'] / (t1 - t0):,.0f} tokens/s")
         n = c["splits"]["train"]["tokens"]
-        print(f"windows(T={a.T}): {len(w)} windows from {n} train tokens in {t2 - t1:.3f} s = {n / (t2 - t1):,.0f} tokens/s")
+    rows = [{"part": "build", "records": c["records"], "tokens": c["tokens"], "secs": t1 - t0,
+             "tok_s": c["tokens"] / (t1 - t0)},
+            {"part": f"windows (T={a.T})", "records": len(w), "tokens": n, "secs": t2 - t1, "tok_s": n / (t2 - t1)}]
+    write_json(a.out, "data_build.json", {"tokenizer": a.tokenizer or "bytes", "rows": rows})
+    print_table(["part", "records / windows", "tokens", "s", "tokens/s"],
+                [[r["part"], r["records"], r["tokens"], f"{r['secs']:.3f}", f"{r['tok_s']:,.0f}"] for r in rows])
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -2,10 +2,10 @@
 and speculative, against transformers' `generate` on the same weights, in one
 call, with drafts accepted per round next to the offline estimate.
 
-    python bench/decode.py [--model MODEL.cmf] --draft DRAFTED.cmf [--draft OTHER.cmf] [--new 200]
+    python -m bench.decode [--model MODEL.cmf] --draft DRAFTED.cmf [--draft OTHER.cmf] [--new 200]
                            [--batches 1,8] [--depths 1,2,3] [--out DIR]
-    python bench/decode.py --random          # SmolLM2-135M geometry, random weights + random draft (speed only)
-    python bench/decode.py --cpu --tiny [--draft TINY.cmf --gen-cache DIR]   # a CPU smoke test
+    python -m bench.decode --random          # SmolLM2-135M geometry, random weights + random draft (speed only)
+    python -m bench.decode --cpu --tiny [--draft TINY.cmf --gen-cache DIR]   # a CPU smoke test
 
 `--draft` is a model file carrying `model.mtp.*` (what `cortiq mtp heal`
 writes): its trunk decodes every row, its draft the speculative ones. Every
@@ -37,23 +37,16 @@ the rounds a greedy decode walks from the prompt's end) on
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import log, parser, pydoc_text, write_json
 
 CHAT = ["What is the capital of France?", "Write a short poem about the sea.",
         "Explain what a hash table is.", "Give me three tips for learning to cook."]
-
-
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,9 +79,7 @@ def random_smollm2(draft: bool, tiny: bool = False):
 
 def prompts_for(tok, n: int, T: int, doc) -> tuple[list[list[int]], list[list[int]]]:
     """n data windows of T tokens, and the chat prompts (when the model has a template)."""
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics))
+    text = pydoc_text()
     ids = tok.encode(text).ids if tok else [(i * 7919) % 250 for i in range(400 * T)]
     step = max(T, (len(ids) - T) // n)
     data = [ids[i * step: i * step + T] for i in range(n)]
@@ -207,15 +198,13 @@ def first_diff(pairs) -> int | None:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, cpu_help="run on the CPU (f32)",
+                tiny_help="small sizes (and without --draft a tiny random model): a CPU smoke test of this script")
     ap.add_argument("--model", help="MODEL.cmf (plain rows; default: the first --draft's trunk)")
     ap.add_argument("--draft", action="append", default=[],
                     help="a model file with model.mtp.* (speculative rows; repeat to compare drafts, e.g. the "
                          "`mtp init` output and the `mtp heal` output: same trunk, other draft)")
     ap.add_argument("--random", action="store_true", help="SmolLM2-135M geometry with random weights (speed only)")
-    ap.add_argument("--tiny", action="store_true",
-                    help="small sizes (and without --draft a tiny random model): a CPU smoke test of this script")
-    ap.add_argument("--cpu", action="store_true", help="run on the CPU (f32)")
     ap.add_argument("--heldout", type=int, default=16, help="held-out prompts per kind (data, chat) in the acceptance table")
     ap.add_argument("--gen-cache", default=str(Path.home() / "cache" / "mtp-bench" / "trunk"),
                     help="where mtp heal cached the generated windows (bench/mtp.py's --work/trunk)")
@@ -225,7 +214,6 @@ def main():
     ap.add_argument("--depths", default="1,2,3")
     ap.add_argument("--reference-new", type=int, default=64, help="tokens for the (slow) reference loop row")
     ap.add_argument("--no-hf", action="store_true")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     global DEV
     if a.cpu:
@@ -360,11 +348,9 @@ def main():
                               if isinstance(blk.get(f"drafts_per_round_after_{k}"), (int, float)))
                 print(f"\n{name} (preset {preset_of(fd)}): its file's provenance says {prov:.3f} drafts per round{per} "
                       f"(held-out windows of its training data; {blk.get('measure', 'every row')})")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "rows": rows,
-                                                 "accept": {f"{n}-k{k}": v for (n, k), v in accept.items()}}, indent=1))
-    print(f"wrote {out / 'decode.json'}")
+    path = write_json(a.out, "decode.json", {"device": dev, "torch": torch.__version__, "rows": rows,
+                                             "accept": {f"{n}-k{k}": v for (n, k), v in accept.items()}})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Heal on more than one GPU: the same heal on 1 and on 2 GPUs, then one
 fully sharded step of an 8B geometry, in one call.
 
-    python bench/dist.py [--out DIR]                 # 2 GPUs (about 6 minutes on 2×H200)
-    python bench/dist.py --cpu --tiny                # the code paths: 2 gloo ranks on the CPU, no figures
+    python -m bench.dist [--out DIR]                 # 2 GPUs (about 6 minutes on 2×H200)
+    python -m bench.dist --cpu --tiny                # the code paths: 2 gloo ranks on the CPU, no figures
 
 1. A random-init model of Qwen3-1.7B geometry (bench/run.py's GEOMS; its MLPs
    perturbed to make the student) is healed on the pydoc text by the library's
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -37,12 +36,10 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-from run import GEOMS  # noqa: E402
-from stages import arch_of  # noqa: E402
+from bench.common import env as child_env
+from bench.common import log, parser, pydoc_tdata, write_json
+from bench.run import GEOMS
+from bench.stages import arch_of
 
 BIG = {
     # Qwen3-8B: hidden 4096, 36 layers, MLP 12288, 32 heads / 8 KV heads of 128, untied head
@@ -50,10 +47,6 @@ BIG = {
     # the smoke-test size of the sharded step
     "tiny": dict(hidden=64, layers=2, heads=4, kv=2, head_dim=16, inter=96, vocab=259, tie=False),
 }
-
-
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
 
 
 # ── the parent: files, then one torchrun per configuration ────────────────
@@ -86,17 +79,8 @@ def make_models(g: dict, d: Path, device: str) -> tuple[Path, Path]:
     return src, stu
 
 
-def make_data(model: Path, out: Path, tokens: int) -> Path:
-    from cortiq.data import BuildSettings, build
-
-    if not (out / "meta.json").exists():
-        build(["corpus:pydoc"], model, out, BuildSettings(record_tokens=512, max_total_tokens=tokens,
-                                                          fractions=(0.9, 0.05, 0.05)))
-    return out
-
-
 def torchrun(n: int, args: list[str], env: dict, timeout: float) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__, *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "bench.dist", *args]
     log("$ " + " ".join(cmd))
     try:
         return subprocess.run(cmd, env=env, timeout=timeout).returncode
@@ -105,7 +89,7 @@ def torchrun(n: int, args: list[str], env: dict, timeout: float) -> int:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, cpu_help="gloo ranks on the CPU (no figures)", tiny_help="tiny geometries and data (a smoke test)")
     ap.add_argument("--geom", default="qwen3-1.7b", help="the healed geometry (bench/run.py GEOMS)")
     ap.add_argument("--big", default="qwen3-8b", help="the fully sharded step's geometry")
     ap.add_argument("--gpus", type=int, default=2)
@@ -117,9 +101,6 @@ def main():
     ap.add_argument("--big-window", type=int, default=2048)
     ap.add_argument("--big-batch", type=int, default=2, help="windows per step of the 8B step (over all GPUs)")
     ap.add_argument("--work", default="/tmp/cortiq-dist")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--cpu", action="store_true", help="gloo ranks on the CPU (no figures)")
-    ap.add_argument("--tiny", action="store_true", help="tiny geometries and data (a smoke test)")
     ap.add_argument("--worker", choices=["heal", "big"], help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -153,15 +134,14 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env = child_env()
     if a.cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
         env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
     t0 = time.time()
     src, stu = make_models(GEOMS[a.geom], work, "cuda" if cuda else "cpu")
-    td = make_data(src, work / "td", a.tokens)
+    td = pydoc_tdata(src, work / "td", a.tokens)
     log(f"models and data: {time.time() - t0:.0f} s")
     common = ["--geom", a.geom, "--tokens", str(a.tokens), "--window", str(a.window), "--batch", str(a.batch),
               "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--work", str(work), "--data", str(td),
@@ -200,7 +180,7 @@ def main():
         if "error" not in row:
             break
     dev = "CPU (gloo)" if a.cpu else f"{a.gpus}× {torch.cuda.get_device_name()}"
-    (out / "dist.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "rows": rows}, indent=1))
+    write_json(out, "dist.json", {"device": dev, "torch": torch.__version__, "rows": rows})
     table(rows, dev, a)
 
 

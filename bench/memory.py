@@ -2,9 +2,9 @@
 loop, and the DTG-MA mask step eager against CUDA-graphed (called by
 bench/pipeline.py; runnable alone).
 
-    python bench/memory.py [--geom qwen3-1.7b] [--batch 4] [--seq 2048] [--steps 5] [--out DIR]
-    python bench/memory.py --parts baseline,plain,partial,auto   # the partial-checkpoint rows alone
-    python bench/memory.py --cpu --tiny        # the code paths on a CPU, measures nothing
+    python -m bench.memory [--geom qwen3-1.7b] [--batch 4] [--seq 2048] [--steps 5] [--out DIR]
+    python -m bench.memory --parts baseline,plain,partial,auto   # the partial-checkpoint rows alone
+    python -m bench.memory --cpu --tiny        # the code paths on a CPU, measures nothing
 
 The step is the trainer's own: `StudentTail` (all layers trained, as the
 baseline trains them), `step_backward` (micro-batches when the plan says so;
@@ -33,23 +33,16 @@ with `graph=True`; the median step between evaluations.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-import run as R  # noqa: E402
-import stages as S  # noqa: E402
+from bench import run as R
+from bench import stages as S
+from bench.common import log, parser, write_json
 
 #: the plans timed: (label, memory parts, head chunk rows, gradient made in the head's
 #: forward). "plain" is bench/run.py's cortiq step (chunks of 8192 rows); the row
@@ -69,16 +62,6 @@ PLANS = [
 #: the rows `--parts plain` runs: the plain step at both head chunks (the references of the partial and auto rows)
 PLAIN = ("plain", "plain, head chunk 1024")
 K = 64  # teacher entries per row, as bench/run.py's
-
-
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
-
-
-def _timers(device: str):
-    if device == "cuda":
-        return R.timed, R.peak_reset, R.peak_gib
-    return R.cpu_timed, (lambda: None), (lambda: 0.0)
 
 
 def _plan_step(arch, B, T, batch, parts, chunk, micro, device, layers=None, budget_gib=None):
@@ -130,7 +113,7 @@ def heal_plans(geom: str, B: int, T: int, steps: int, micro: int, plans=PLANS, d
 
     g = R.GEOMS[geom]
     arch = S.arch_of(g)
-    timed, peak_reset, peak_gib = _timers(device)
+    timed, peak_reset, peak_gib = R.timers(device)
     gen = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, g["vocab"], (B, T), device=device, generator=gen)
     tids = torch.randint(0, g["vocab"], (B * T, K), device=device, generator=gen)
@@ -318,7 +301,7 @@ def print_tables(heal_rows: list[dict], mask_rows: list[dict]) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, cpu_help="run on the CPU (a smoke test of the code paths)", tiny_help="tiny geometries, short runs")
     ap.add_argument("--geom", default="qwen3-1.7b", help="bench/run.py's geometry name")
     ap.add_argument("--batch", type=int, default=4, help="windows per step")
     ap.add_argument("--seq", type=int, default=2048, help="tokens per window")
@@ -333,9 +316,6 @@ def main():
                     help="shares of the trained layers the partial rows checkpoint (the lowest ones)")
     ap.add_argument("--budget", type=float, default=0.5,
                     help="the auto rows' device budget as a share of the baseline's measured peak")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--cpu", action="store_true", help="run on the CPU (a smoke test of the code paths)")
-    ap.add_argument("--tiny", action="store_true", help="tiny geometries, short runs")
     a = ap.parse_args()
     device = "cpu" if a.cpu else "cuda"
     if not a.cpu:
@@ -347,11 +327,9 @@ def main():
     heal_rows = memory_rows(a.geom, a.batch, a.seq, a.steps, a.micro, parts, [float(x) for x in a.partial.split(",")
                                                                              if x], a.budget, device)
     mask_rows = mask_steps(a.mask_steps, a.tiny, device) if "masks" in parts else []
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     dev = "CPU" if a.cpu else torch.cuda.get_device_name()
-    (out / "memory.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "batch": a.batch,
-                                                 "seq": a.seq, "heal": heal_rows, "masks": mask_rows}, indent=1))
+    write_json(a.out, "memory.json", {"device": dev, "torch": torch.__version__, "batch": a.batch,
+                                      "seq": a.seq, "heal": heal_rows, "masks": mask_rows})
     print(f"\n{dev}, torch {torch.__version__}; {a.geom}, {a.batch} windows of {a.seq}")
     print_tables(heal_rows, mask_rows)
 

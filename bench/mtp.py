@@ -1,7 +1,7 @@
 """A fresh MTP draft, trained with `mtp heal`'s defaults, judged where it is used.
 
-    python bench/mtp.py [--model smollm2|MODEL.cmf] [--data SPEC] [--work DIR] [--out DIR]
-    python bench/mtp.py --cpu --tiny          # a tiny random model on the CPU: a smoke test of the script
+    python -m bench.mtp [--model smollm2|MODEL.cmf] [--data SPEC] [--work DIR] [--out DIR]
+    python -m bench.mtp --cpu --tiny          # a tiny random model on the CPU: a smoke test of the script
 
 What it runs (as a user would): SmolLM2-135M converted, `mtp init` (a fresh
 draft), `mtp heal` with its default settings (the fresh preset, chosen from
@@ -41,12 +41,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from cortiq.cmf import open_cmf  # noqa: E402
-from cortiq.model import load_model  # noqa: E402
+from bench.common import parser, print_table, tiny_cmf, write_json
+from cortiq.cmf import open_cmf
+from cortiq.model import load_model
 
 #: chat questions for the real-decoding measure (the model's chat template wraps them)
 CHAT = [
@@ -80,25 +77,6 @@ TINY = {"window": 96, "gen_prompt": 40, "span": 40, "topk": 8, "batch": 4, "epoc
         "gen_batch": 64, "head_chunk": 256, "trunk_batch": 8}
 
 
-def tiny_model(path: Path) -> Path:
-    """A tiny random model with a byte tokenizer and no draft (the --tiny smoke test)."""
-    from cortiq.arch import Arch
-    from cortiq.cmf import new_doc, specs_from_tensors, write_cmf
-    from cortiq.model.decoder import CausalLM
-    from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
-
-    torch.manual_seed(0)
-    arch = Arch(arch_name="llama", vocab_size=259, hidden_size=64, num_layers=2, intermediate_sizes=[128, 128],
-                num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                max_position_embeddings=512)
-    m = CausalLM(arch)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if p.dim() == 1 else torch.randn_like(p) * (0.3 if "embed" in n else 0.15))
-    write_cmf(path, new_doc(arch, tokenizer_doc(byte_tokenizer_json(), [256])), specs_from_tensors(m.state_dict().items(), "f32"))
-    return path
-
-
 def prepare(args, work: Path) -> tuple[Path, str]:
     """(the model with a fresh draft, the data spec)."""
     from cortiq.cli import main as cli
@@ -107,7 +85,7 @@ def prepare(args, work: Path) -> tuple[Path, str]:
     if getattr(args, "tiny", False):
         src = work / "tiny.cmf"
         if not src.exists():
-            tiny_model(src)
+            tiny_cmf(src)
     elif args.model == "smollm2":
         src = work / "smollm2.cmf"
         if not src.exists():
@@ -209,7 +187,8 @@ def pick(n_all: int, n: int) -> np.ndarray:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__.split("\n\n")[0], cpu_help="run on the CPU (device cpu)",
+                tiny_help="a tiny random model, a little data and small settings: a smoke test of this script")
     ap.add_argument("--model", default="smollm2", help="'smollm2' or a model without a draft (.cmf)")
     ap.add_argument("--data", default=None, help="a data spec PATH.tdata[@TOKENS],...; default: pydoc and shakespeare")
     ap.add_argument("--pydoc-tokens", type=int, default=120000, help="tokens of the pydoc text (all of it: ~113k)")
@@ -217,7 +196,6 @@ def main() -> int:
     ap.add_argument("--work", default=str(WORK), help="cached inputs and outputs")
     ap.add_argument("--only-draft", action="store_true",
                     help="only build (or find) the healed draft under --work and print its path")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where mtp.json goes")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds for the whole bench (prompts trimmed to fit)")
     ap.add_argument("--time-limit", type=float, default=0.0, help="mtp heal's time_limit (0: the defaults' own steps)")
     ap.add_argument("--prompts", type=int, default=32, help="held-out prompts per kind (data, chat) decoded for real")
@@ -226,15 +204,13 @@ def main() -> int:
     ap.add_argument("--compare-raw", action=argparse.BooleanOptionalAction, default=True,
                     help="also train on the data's own text (time allowing)")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--cpu", action="store_true", help="run on the CPU (device cpu)")
-    ap.add_argument("--tiny", action="store_true",
-                    help="a tiny random model, a little data and small settings: a smoke test of this script")
     ap.add_argument("--extra", default="", help="extra MtpSettings as JSON (e.g. a CPU check's small sizes)")
     args = ap.parse_args()
     if args.cpu:
         args.device = "cpu"
     if args.tiny:
-        args.pydoc_tokens, args.shakespeare_tokens = min(args.pydoc_tokens, 8000), min(args.shakespeare_tokens, 8000)
+        # the pydoc text alone: building the plays' tdata tokenizes all of them first (~5M bytes)
+        args.pydoc_tokens, args.shakespeare_tokens = min(args.pydoc_tokens, 8000), 0
         args.prompts, args.questions = min(args.prompts, 4), min(args.questions, 2)
         if args.work == str(WORK):
             args.work = str(WORK.parent / "mtp-bench-tiny")
@@ -247,12 +223,10 @@ def main() -> int:
         return 0
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"}
 
     def save():
-        (out_dir / "mtp.json").write_text(json.dumps(res, indent=2, default=str))
+        write_json(args.out, "mtp.json", res)
 
     init, spec = prepare(args, work)
     res["prep_s"] = time.perf_counter() - T0
@@ -360,16 +334,15 @@ def main() -> int:
     print(f"\ndevice: {res['device']}; heal {res['heal']['seconds']:.0f} s ({hm['steps']:.0f} steps, "
           f"training {hm['train_seconds']:.0f} s, preset {res['heal']['preset']}); total {res['total_s']:.0f} s")
     print(f"offline: held-out windows, chain {sr.chain}, decode rounds over {sr.span} new tokens from each prompt's end")
-    print(f"{'draft':<16}{'hold per chain step':<24}{'drafts/round':>13}{'data':>7}{'chat':>7}{'every row':>10}{'draft MB':>10}")
-    for k, v in res["offline"].items():
-        cols = "".join(f"{v[x]:>{w}.3f}" if x in v else " " * w for x, w in (("data", 7), ("chat", 7), ("every_row", 10)))
-        print(f"{k:<16}{' / '.join(f'{x:.3f}' for x in v['hold']):<24}{v['drafts_per_round']:>13.3f}{cols}{v['bytes'] / 1e6:>10.2f}")
+    print_table(["draft", "hold per chain step", "drafts/round", "data", "chat", "every row", "draft MB"],
+                [[k, " / ".join(f"{x:.3f}" for x in v["hold"]), f"{v['drafts_per_round']:.3f}",
+                  *(f"{v[x]:.3f}" if x in v else "" for x in ("data", "chat", "every_row")), f"{v['bytes'] / 1e6:.2f}"]
+                 for k, v in res["offline"].items()])
     print(f"\nreal: the engine (f32), greedy, {new} new tokens; offline: the same measure on the same prompts' held-out "
           f"windows (questions: on the decoded text)")
-    print(f"{'draft':<6}{'depth':>6}  {'prompts':<10}{'n':>4}{'real':>8}{'offline':>9}{'ratio':>7}{'rounds':>8}")
-    for r in res["real"]:
-        print(f"{r['codec']:<6}{r['depth']:>6}  {r['prompts_from']:<10}{r['prompts']:>4}{r['accepted_per_round']:>8.3f}"
-              f"{r['offline']:>9.3f}{r['ratio']:>7.2f}{r['rounds']:>8}")
+    print_table(["draft", "depth", "prompts", "n", "real", "offline", "ratio", "rounds"],
+                [[r["codec"], r["depth"], r["prompts_from"], r["prompts"], f"{r['accepted_per_round']:.3f}",
+                  f"{r['offline']:.3f}", f"{r['ratio']:.2f}", r["rounds"]] for r in res["real"]])
     if "raw" in res:
         rw = res["raw"]
         print(f"\ntrained on the data's own text ({rw['metrics']['steps']:.0f} steps): hold "

@@ -1,13 +1,13 @@
 """The whole pipeline on one GPU, stage by stage: wall time and throughput; heal's
 memory plans against the transformers KD baseline; the mask step eager and graphed.
 
-    python bench/pipeline.py [--parts masks,memory,pipeline] [--geoms qwen3-0.6b,qwen3-1.7b] [--out DIR]
-    python bench/pipeline.py --cpu --tiny        # every part's code on a CPU at tiny sizes, no numbers
+    python -m bench.pipeline [--parts masks,memory,pipeline] [--geoms qwen3-0.6b,qwen3-1.7b] [--out DIR]
+    python -m bench.pipeline --cpu --tiny        # every part's code on a CPU at tiny sizes, no numbers
 
 On the GPU machine (python3.12, torch 2.11, no prefect/mlflow) the 8-bit Adam
 plans need torchao: its wheel travels with the working tree and goes in with
 
-    python3 -m pip install --no-deps --target /tmp/site .dev/whl_mem/torchao-*.whl && PYTHONPATH=/tmp/site python3 bench/pipeline.py
+    python3 -m pip install --no-deps --target /tmp/site .dev/whl_mem/torchao-*.whl && PYTHONPATH=/tmp/site python3 -m bench.pipeline
 
 (without it those plans' rows say so and the others run). Parts, in the order
 given: `masks` (bench/memory.py: the DTG-MA step eager vs `graph=True`, random
@@ -31,25 +31,15 @@ every stage ran.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-from run import GEOMS  # noqa: E402
-from stages import arch_of  # noqa: E402
-
-
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
+from bench.common import log, parser, print_table, write_json
+from bench.run import GEOMS
+from bench.stages import arch_of
 
 
 def sync():
@@ -186,18 +176,19 @@ def pipeline_rows(name: str, a, work: Path) -> list[dict]:
 
 def print_pipeline(rows, a, dev):
     print(f"\n{dev}, torch {torch.__version__}; window {a.window}, batch {a.batch}")
-    print("| geometry | stage | wall s | tokens/s | notes |")
-    print("| --- | --- | --- | --- | --- |")
+    cells = []
     for r in rows:
         notes = {k: v for k, v in r.items() if k not in ("geom", "stage", "secs", "tokens", "tok_s")}
         tok = f"{r['tok_s'] / 1e3:.1f}k" if "tok_s" in r else ""
-        print(f"| {r['geom']} | {r['stage']} | {r.get('secs', 0):.1f} | {tok} | {json.dumps(notes, default=str)[:160]} |")
+        cells.append([r["geom"], r["stage"], f"{r.get('secs', 0):.1f}", tok, json.dumps(notes, default=str)[:160]])
+    print_table(["geometry", "stage", "wall s", "tokens/s", "notes"], cells)
 
 
 def main():
-    import memory as M
+    from bench import memory as M
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, cpu_help="smoke-test the code paths on the CPU",
+                tiny_help="tiny geometries and short runs (with --cpu: the smoke test)")
     ap.add_argument("--parts", default="masks,memory,pipeline", help="what runs, in this order: masks, memory, pipeline")
     ap.add_argument("--geoms", default="qwen3-0.6b,qwen3-1.7b", help="pipeline geometries (bench/run.py's names)")
     ap.add_argument("--tokens", type=int, default=200_000, help="tokens of text (train 90 %%)")
@@ -213,9 +204,6 @@ def main():
     ap.add_argument("--bench-mask-steps", type=int, default=60, help="most steps of each masks-part run")
     ap.add_argument("--budget", type=float, default=480.0, help="seconds after which no further part starts")
     ap.add_argument("--work", default="/tmp/cortiq-pipeline")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--cpu", action="store_true", help="smoke-test the code paths on the CPU")
-    ap.add_argument("--tiny", action="store_true", help="tiny geometries and short runs (with --cpu: the smoke test)")
     a = ap.parse_args()
     if a.tiny:
         a.geoms, a.tokens, a.window, a.batch, a.mask_steps, a.gram_windows, a.mtp_tokens = "tiny", 12000, 64, 4, 5, 4, 4000
@@ -225,8 +213,6 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True
     device = "cpu" if a.cpu else "cuda"
     dev = "CPU" if a.cpu else torch.cuda.get_device_name()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     res = {"device": dev, "torch": torch.__version__, "args": vars(a), "pipeline": [], "memory": [], "masks": [],
            "skipped": []}
     t_start = time.time()
@@ -248,10 +234,10 @@ def main():
         elif part == "pipeline":
             res["pipeline"] += pipeline_rows(geom, a, Path(a.work))
         else:
-            raise SystemExit(f"bench/pipeline.py: unknown part {part!r} (masks, memory, pipeline)")
+            raise SystemExit(f"bench.pipeline: unknown part {part!r} (masks, memory, pipeline)")
         log(f"{label}: {time.time() - t0:.0f} s")
         res["secs"] = time.time() - t_start
-        (out / "pipeline.json").write_text(json.dumps(res, indent=1, default=str))
+        write_json(a.out, "pipeline.json", res)
     if res["pipeline"]:
         print_pipeline(res["pipeline"], a, dev)
     if res["memory"] or res["masks"]:

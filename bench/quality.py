@@ -1,7 +1,7 @@
 """How much of the pruning loss heal wins back, on text it never saw: one call, one table.
 
-    python bench/quality.py [--out DIR] [--cache DIR] [--sweep] [--budgets 0.2,1] [--default-budget 4]
-    python bench/quality.py --cpu --tiny          # a smoke run of every code path (measures nothing)
+    python -m bench.quality [--out DIR] [--cache DIR] [--sweep] [--budgets 0.2,1] [--default-budget 4]
+    python -m bench.quality --cpu --tiny          # a smoke run of every code path (measures nothing)
 
 What runs is the library's own stages: SmolLM2-135M-Instruct (the bundled GGUF)
 converted to CMF; the Shakespeare plays split by play, most of them the heal
@@ -30,31 +30,23 @@ to OUT/quality.json.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cortiq import store  # noqa: E402
-from cortiq.heal import prefix as prefix_mod  # noqa: E402
-from cortiq.heal import targets as targets_mod  # noqa: E402
-from cortiq.heal.settings import HealSettings  # noqa: E402
-from cortiq.heal.stages import healed_model, train  # noqa: E402
-from cortiq.measure import gap_recovered, score  # noqa: E402
+from bench.common import log, parser, smollm2_cmf, table, tiny_cmf, write_json
+from cortiq import store
+from cortiq.heal import prefix as prefix_mod
+from cortiq.heal import targets as targets_mod
+from cortiq.heal.settings import HealSettings
+from cortiq.heal.stages import healed_model, train
+from cortiq.measure import gap_recovered, score
 
 KINDS = ("topk", "topk+rest", "sampled", "full")
 SETS = ("own", "unseen", "pydoc")
-
-
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
 
 
 # ── inputs: models and text ──────────────────────────────────────────────
@@ -76,37 +68,11 @@ def split_plays(files: list[Path]) -> tuple[list[Path], list[Path]]:
     return [f for f in files if f not in unseen], unseen
 
 
-def tiny_source(path: Path) -> Path:
-    """A small random Llama with the byte tokenizer (the smoke mode's 'source')."""
-    from cortiq.arch import Arch
-    from cortiq.cmf import Spec, new_doc, write_cmf
-    from cortiq.model import CausalLM
-    from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
-
-    a = Arch(arch_name="llama", vocab_size=259, hidden_size=64, num_layers=2, intermediate_sizes=[128] * 2, num_heads=4,
-             num_kv_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=1024)
-    torch.manual_seed(0)
-    m = CausalLM(a)
-    with torch.no_grad():
-        w = {n: (1.0 + 0.1 * torch.randn_like(p)) if p.dim() == 1 else torch.randn_like(p) * 0.2
-             for n, p in m.named_parameters()}
-    doc = new_doc(a, tokenizer_doc(byte_tokenizer_json(), eos_ids=[256]))
-    return write_cmf(path, doc, [Spec(n, "f32", tuple(t.shape), lambda t=t: t) for n, t in w.items()])
-
-
 def source_model(cache: Path, tiny: bool) -> Path:
-    out = cache / ("tiny.cmf" if tiny else "smollm2.cmf")
-    if out.exists():
-        return out
-    if tiny:
-        return tiny_source(out)
-    from cortiq.convert.bundled import smollm2_path
-    from cortiq.convert.gguf import convert_gguf
-
-    t0 = time.perf_counter()
-    convert_gguf(smollm2_path(), out)
-    log(f"converted SmolLM2 in {time.perf_counter() - t0:.1f} s -> {out}")
-    return out
+    if not tiny:
+        return smollm2_cmf(cache)
+    out = cache / "tiny.cmf"
+    return out if out.exists() else tiny_cmf(out)
 
 
 def tdata_sets(cache: Path, source: Path, tiny: bool) -> dict[str, Path]:
@@ -223,23 +189,17 @@ def heal_row(label: str, s: HealSettings, source: Path, pruned: Path, sets: dict
 # ── the table ────────────────────────────────────────────────────────────
 
 
-def table(base: dict, rows: list[dict]) -> str:
-    lines = [f"{'model':<34} {'tokens':>7}  {'own NLL':>8} {'gap':>7}  {'unseen':>8} {'gap':>7}  {'pydoc':>8} {'gap':>7}  {'s':>6}"]
-    for name in ("source", "student"):
-        lines.append(f"{'source' if name == 'source' else 'pruned':<34} {'':>7}  "
-                     + "  ".join(f"{base[k][name]:8.4f} {'':>7}" for k in SETS))
-    for r in rows:
-        lines.append(f"{r['label']:<34} {r['tokens'] / 1e6:6.2f}M  "
-                     + "  ".join(f"{r['nll'][k]:8.4f} {r['gap'][k]:7.1%}" for k in SETS) + f"  {r['secs']:6.1f}")
-    return "\n".join(lines)
+def quality_table(base: dict, rows: list[dict]) -> str:
+    cells = [["source" if name == "source" else "pruned", ""] + [x for k in SETS for x in (f"{base[k][name]:.4f}", "")] + [""]
+             for name in ("source", "student")]
+    cells += [[r["label"], f"{r['tokens'] / 1e6:.2f}M"] + [x for k in SETS for x in (f"{r['nll'][k]:.4f}", f"{r['gap'][k]:.1%}")]
+              + [f"{r['secs']:.1f}"] for r in rows]
+    return table(["model", "tokens", "own NLL", "gap", "unseen", "gap", "pydoc", "gap", "s"], cells)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cpu", action="store_true", help="run on the CPU (with --tiny: a smoke test)")
-    ap.add_argument("--tiny", action="store_true", help="a small random model and little text: checks the code paths")
+    ap = parser(__doc__.split("\n\n")[0], tiny_help="a small random model and little text: checks the code paths")
     ap.add_argument("--cache", default=None, help="converted/compressed models, tdata, targets (default ~/cache/quality)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where quality.json goes (default $OUT or .)")
     ap.add_argument("--budgets", default=None, help="heal-token budgets in millions (default 0.2,1; tiny 0.004,0.016)")
     ap.add_argument("--default-budget", type=float, default=None, help="the chosen recipe's extra budget (default 4; tiny 0.03)")
     ap.add_argument("--sweep", default="", help="learning rates to try at the largest budget first, e.g. 2e-4,5e-4,1e-3")
@@ -310,7 +270,7 @@ def main(argv=None) -> int:
             return None
         done[k] = heal_row(label, s, source, pruned, sets, cache, base)
         partial = {"base": base, "rows": list(done.values()), "skipped": skipped}
-        (out / "quality.partial.json").write_text(json.dumps(partial, indent=1))
+        write_json(out, "quality.partial.json", partial)
         return done[k]
 
     sweep_rows = []
@@ -354,12 +314,12 @@ def main(argv=None) -> int:
         rows.append(run(f"ce 1 (no teacher) @{big / 1e6:g}M", settings("topk", 1.0, big, lr1)))
     rows = [r for r in rows if r is not None]
 
-    text = table(base, sweep_rows + rows) + ("\nskipped (deadline): " + ", ".join(skipped) if skipped else "")
+    text = quality_table(base, sweep_rows + rows) + ("\nskipped (deadline): " + ", ".join(skipped) if skipped else "")
     res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "tiny": tiny, "base": base,
            "train_tokens": n_train, "window": window, "batch": batch, "topk": topk, "train_from": args.train_from,
            "lr": lr, "ce1_lr": lr1, "sweep": sweep_rows, "rows": rows, "skipped": skipped,
            "secs": time.perf_counter() - t_all, "default": None if dk is None or big <= 0 else dataclasses.asdict(settings(dk, dce, big, lr))}
-    (out / "quality.json").write_text(json.dumps(res, indent=1))
+    write_json(out, "quality.json", res)
     print(f"\nheal quality on {res['device']}: {n_train / 1e6:.2f}M heal-corpus train tokens, window {window}, batch {batch}, "
           f"top/draws {topk}, lr {lr:g} (ce 1: {lr1:g}), train_from {args.train_from}; "
           f"gap = (pruned - healed) / (pruned - source); total {res['secs']:.0f} s")

@@ -1,8 +1,8 @@
 """A heal stage with gpus: N run from a plain process, as a flow's Prefect task
 runs it: `cortiq.pipeline.run` relaunches the stage under torchrun.
 
-    python bench/relaunch.py [--out DIR]          # 2 GPUs (about 4 minutes on 2×H200)
-    python bench/relaunch.py --cpu --tiny         # the code paths: 2 gloo ranks on the CPU, no figures
+    python -m bench.relaunch [--out DIR]          # 2 GPUs (about 4 minutes on 2×H200)
+    python -m bench.relaunch --cpu --tiny         # the code paths: 2 gloo ranks on the CPU, no figures
 
 A random-init model of Qwen3-0.6B geometry (bench/run.py's GEOMS; its MLPs
 perturbed to make the student, as bench/dist.py makes them) and pydoc text:
@@ -19,7 +19,6 @@ incomplete. A table is printed last; the rows go to $OUT/relaunch.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -27,17 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-
-
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
+from bench.common import env, log, parser, pydoc_tdata, write_json
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, cpu_help="gloo ranks on the CPU (no figures)", tiny_help="tiny geometry and data (a smoke test)")
     ap.add_argument("--geom", default="qwen3-0.6b", help="the healed geometry (bench/run.py GEOMS)")
     ap.add_argument("--gpus", type=int, default=2, help="processes of the relaunched runs")
     ap.add_argument("--tokens", type=int, default=240_000, help="tokens of text (train 90 %%)")
@@ -46,9 +39,6 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20, help="training steps")
     ap.add_argument("--eval-every", type=int, default=5, help="steps between held-out evaluations")
     ap.add_argument("--work", default="/tmp/cortiq-relaunch", help="models, data and the stage caches")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where relaunch.json goes")
-    ap.add_argument("--cpu", action="store_true", help="gloo ranks on the CPU (no figures)")
-    ap.add_argument("--tiny", action="store_true", help="tiny geometry and data (a smoke test)")
     a = ap.parse_args()
     if a.tiny:
         a.geom, a.tokens, a.window, a.batch, a.steps, a.eval_every = "tiny", 12_000, 32, 4, 6, 2
@@ -56,6 +46,7 @@ def main() -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch looks: the ranks inherit it (gloo)
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
+    os.environ["PYTHONPATH"] = env()["PYTHONPATH"]  # the relaunched ranks import this tree's cortiq
 
     import torch
 
@@ -66,8 +57,8 @@ def main() -> int:
     from cortiq.heal.stages import TRAIN
     from cortiq.heal.targets import TARGETS
     from cortiq.tracking import MemoryLogger
-    from dist import make_data, make_models
-    from run import GEOMS
+    from bench.dist import make_models
+    from bench.run import GEOMS
 
     cuda = not a.cpu
     if cuda and torch.cuda.device_count() < a.gpus:
@@ -75,11 +66,9 @@ def main() -> int:
         return 1
     work = Path(a.work) / a.geom
     work.mkdir(parents=True, exist_ok=True)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     src, stu = make_models(GEOMS[a.geom], work, "cuda" if cuda else "cpu")
-    td = make_data(src, work / "td", a.tokens)
+    td = pydoc_tdata(src, work / "td", a.tokens)
     log(f"models and data: {time.time() - t0:.0f} s")
     n_train = len(windows(Tdata.open(td), "train", a.window, loss_on="all"))
     epochs = a.steps / max(n_train // a.batch, 1)
@@ -125,8 +114,8 @@ def main() -> int:
         del os.environ[pipeline.FAIL_ENV]
     fail.update({"wall_s": time.time() - t1, "incomplete": not pipeline.plan(TRAIN, root, **params).ready()})
     dev = "CPU (gloo)" if a.cpu else f"{a.gpus}× {torch.cuda.get_device_name()}"
-    (out / "relaunch.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "geom": a.geom,
-                                                   "rows": rows, "failure": fail}, indent=1))
+    write_json(a.out, "relaunch.json", {"device": dev, "torch": torch.__version__, "geom": a.geom,
+                                        "rows": rows, "failure": fail})
     return table(rows, fail, dev, a)
 
 

@@ -1,7 +1,8 @@
 """cortiq on the GPU against the plain transformers baseline: one call, one table.
 
-    python bench/run.py [--geoms qwen3-0.6b,qwen3-1.7b,qwen3.5-hybrid] [--parts baseline,cortiq]
+    python -m bench.run [--geoms qwen3-0.6b,qwen3-1.7b,qwen3.5-hybrid] [--parts baseline,cortiq]
                         [--batch 4] [--seq 2048] [--steps 8] [--out DIR]
+    python -m bench.run --cpu --tiny      # the same rows at tiny geometries on a CPU (measures nothing)
 
 The baseline is what a user would write instead: transformers' Qwen3ForCausalLM
 for teacher and student (random init, bf16), the teacher online every step,
@@ -16,18 +17,13 @@ bf16 matrix rate, and peak memory.
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
-import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import log, parser, print_table, write_json
 
 GEOMS = {
     # Qwen3-0.6B / 1.7B geometry (tied embeddings, vocab 151936)
@@ -41,10 +37,6 @@ GEOMS = {
     "qwen3.5-hybrid": dict(hidden=1024, layers=24, heads=8, kv=2, head_dim=256, inter=3584, vocab=248320, tie=True,
                            hybrid=True, lk=16, lv=16, dk=128, dv=128),
 }
-
-
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
 
 
 def timed(fn, warm=2, reps=5):
@@ -108,8 +100,7 @@ def hf_model(g, device="cuda"):
 
 def bench_baseline(name, g, B, T, steps, rate, device="cuda"):
     row = {"geom": name, "who": "baseline"}
-    # the CPU (a smoke test) has no events and no peak counter
-    tm, reset, peak = (timed, peak_reset, peak_gib) if device == "cuda" else (cpu_timed, lambda: None, lambda: 0.0)
+    tm, reset, peak = timers(device)
     ids = torch.randint(0, g["vocab"], (B, T), device=device)
     teacher = hf_model(g, device).eval()
 
@@ -150,10 +141,9 @@ def bench_baseline(name, g, B, T, steps, rate, device="cuda"):
 
 
 def bench_cortiq(name, g, B, T, steps, rate, device="cuda"):
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import stages
+    from bench import stages
 
-    t, r, p = (timed, peak_reset, peak_gib) if device == "cuda" else (cpu_timed, lambda: None, lambda: 0.0)
+    t, r, p = timers(device)
     return stages.run(name, g, B, T, steps, rate, timed=t, peak_reset=r, peak_gib=p,
                       flops_per_token=flops_per_token, device=device)
 
@@ -167,36 +157,44 @@ def cpu_timed(fn, warm=1, reps=1):
     return (time.perf_counter() - t0) / reps
 
 
+def timers(device: str):
+    """(timed, peak_reset, peak_gib) on `device`: CUDA events and the allocator's peak counter, or on the
+    CPU (the smoke tests, which measure nothing) one wall-timed call and a peak of 0."""
+    if device == "cuda":
+        return timed, peak_reset, peak_gib
+    return (lambda fn, warm=0, reps=1: cpu_timed(fn, 0, 1)), (lambda: None), (lambda: 0.0)
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--geoms", default="qwen3-0.6b,qwen3-1.7b,qwen3.5-hybrid")
+    ap = parser(__doc__)
+    ap.add_argument("--geoms", default=None, help="geometries (default qwen3-0.6b,qwen3-1.7b,qwen3.5-hybrid; "
+                                                   "tiny: tiny,tiny-hybrid)")
     ap.add_argument("--parts", default="baseline,cortiq")
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--cpu", action="store_true", help="smoke-test cortiq's stage code on the CPU (tiny geometries)")
+    ap.add_argument("--batch", type=int, default=None, help="windows per step (default 4; tiny 2)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per window (default 2048; tiny 64)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5; tiny 1)")
     a = ap.parse_args()
+    geoms = (a.geoms or ("tiny,tiny-hybrid" if a.tiny else "qwen3-0.6b,qwen3-1.7b,qwen3.5-hybrid")).split(",")
+    B, T, steps = a.batch or (2 if a.tiny else 4), a.seq or (64 if a.tiny else 2048), a.steps or (1 if a.tiny else 5)
+    device = "cpu" if a.cpu else "cuda"
     if a.cpu:
-        for name in a.geoms.split(","):
-            r = bench_cortiq(name, GEOMS[name], a.batch, a.seq, 1, 1e12, device="cpu")
-            print(json.dumps(r))
-        return
-    assert torch.cuda.is_available(), "the benchmark needs a CUDA device"
-    torch.backends.cuda.matmul.allow_tf32 = True
-    dev = torch.cuda.get_device_name()
-    rate = matmul_rate()
+        dev, rate = "cpu (smoke test)", 1e12  # no matrix rate measured: the MFU columns mean nothing
+    else:
+        assert torch.cuda.is_available(), "the benchmark needs a CUDA device (--cpu --tiny smoke-tests it)"
+        torch.backends.cuda.matmul.allow_tf32 = True
+        dev = torch.cuda.get_device_name()
+        rate = matmul_rate()
     log(f"{dev}: bf16 8192³ matmul {rate / 1e12:.0f} TFLOP/s; torch {torch.__version__}")
     rows = []
-    for name in a.geoms.split(","):
+    for name in geoms:
         g = GEOMS[name]
         for part in a.parts.split(","):
             if part == "baseline" and g.get("hybrid"):
                 continue  # transformers' hybrid is not the baseline the targets name
             t0 = time.time()
             try:
-                r = bench_baseline(name, g, a.batch, a.seq, a.steps, rate) if part == "baseline" else \
-                    bench_cortiq(name, g, a.batch, a.seq, a.steps, rate)
+                r = bench_baseline(name, g, B, T, steps, rate, device) if part == "baseline" else \
+                    bench_cortiq(name, g, B, T, steps, rate, device)
             except torch.cuda.OutOfMemoryError as e:
                 r = {"geom": name, "who": part, "error": f"OOM: {str(e)[:120]}"}
             except Exception as e:  # keep the other rows: the table is the point of the call
@@ -207,34 +205,29 @@ def main():
             r["secs"] = time.time() - t0
             rows.append(r)
             log(json.dumps(r))
-            torch.cuda.empty_cache()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps({"device": dev, "torch": torch.__version__, "matmul_tflops": rate / 1e12,
-                                                "batch": a.batch, "seq": a.seq, "rows": rows}, indent=1))
-    print_table(rows, rate)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    write_json(a.out, "bench.json", {"device": dev, "torch": torch.__version__, "matmul_tflops": rate / 1e12,
+                                     "batch": B, "seq": T, "rows": rows})
+    speed_table(rows, rate)
+    return 1 if any("error" in r for r in rows) else 0
 
 
-def print_table(rows, rate):
+def speed_table(rows, rate):
     keys = ["teacher_tok_s", "teacher_mfu", "prefix_tok_s", "step_tok_s", "step_mfu", "kd_tok_s", "kd_mfu",
             "epoch_tok_s", "mtp_trunk_tok_s", "mtp_step_tok_s", "teacher_peak_gib", "kd_peak_gib", "step_peak_gib"]
     print(f"\nbf16 matmul rate {rate / 1e12:.0f} TFLOP/s")
-    print("| geom | who | " + " | ".join(keys) + " |")
-    print("|" + "---|" * (len(keys) + 2))
-    for r in rows:
-        cells = []
-        for k in keys:
-            v = r.get(k)
-            cells.append("" if v is None else (f"{v:.2f}" if abs(v) < 100 else f"{v / 1e3:.1f}k"))
-        print(f"| {r['geom']} | {r['who']} | " + " | ".join(cells) + " |" + (f" {r['error']}" if "error" in r else ""))
+    cells = [[r["geom"], r["who"]] + ["" if r.get(k) is None else (f"{r[k]:.2f}" if abs(r[k]) < 100 else f"{r[k] / 1e3:.1f}k")
+                                      for k in keys] + [r.get("error", "")] for r in rows]
+    print_table(["geom", "who", *keys, "error"], cells)
     base = {r["geom"]: r for r in rows if r["who"] == "baseline" and "error" not in r}
     for r in rows:
         b = base.get(r["geom"])
         if r["who"] == "cortiq" and b and "error" not in r:
+            peak = f", peak memory {r['step_peak_gib'] / b['kd_peak_gib']:.2f} of the baseline's" if b["kd_peak_gib"] else ""
             print(f"{r['geom']}: teacher pass ×{r['teacher_tok_s'] / b['teacher_tok_s']:.2f}, "
-                  f"one-epoch heal ×{r['epoch_tok_s'] / b['kd_tok_s']:.2f} of the baseline KD step, "
-                  f"peak memory {r['step_peak_gib'] / b['kd_peak_gib']:.2f} of the baseline's")
+                  f"one-epoch heal ×{r['epoch_tok_s'] / b['kd_tok_s']:.2f} of the baseline KD step{peak}")
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

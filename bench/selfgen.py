@@ -2,9 +2,9 @@
 continuous batching on the static-cache decode engine) against the two it
 replaced, in one call, with a sample of its text.
 
-    python bench/selfgen.py --gguf PATH/SmolLM2-135M-Instruct.gguf --out DIR   # the H200 run (needs the gguf wheel)
-    python bench/selfgen.py --model MODEL.cmf --out DIR
-    python bench/selfgen.py --cpu --tiny                                      # a CPU smoke test (seconds)
+    python -m bench.selfgen --gguf PATH/SmolLM2-135M-Instruct.gguf --out DIR   # the H200 run (needs the gguf wheel)
+    python -m bench.selfgen --model MODEL.cmf --out DIR
+    python -m bench.selfgen --cpu --tiny                                      # a CPU smoke test (seconds)
 
 Rows (bf16 on CUDA, f32 on the CPU; tokens/s counts generated tokens over the
 whole call, engine construction and CUDA-graph capture included):
@@ -26,9 +26,6 @@ Results: a table on stdout and --out/selfgen.json.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,9 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.common import parser, print_table, smollm2_cmf, tiny_cmf, write_json
 
 T0 = time.perf_counter()
 
@@ -81,11 +76,11 @@ def timed(fn, dev):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__.split("\n\n")[0], cpu_help="run on the CPU",
+                tiny_help="a tiny random model and few tokens: checks the code paths")
     ap.add_argument("--gguf", default=None, help="SmolLM2's GGUF file (converted once into --work)")
     ap.add_argument("--model", default=None, help="a model file (.cmf) instead of --gguf")
     ap.add_argument("--work", default=str(Path.home() / "cache" / "selfgen"), help="where the converted model is kept")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where selfgen.json goes")
     ap.add_argument("--slots", default=None, help="slot counts of the selfgen rows (default 64,256,512; tiny 4,16)")
     ap.add_argument("--tokens", type=int, default=None, help="generated tokens per selfgen row (default 131072; tiny 512)")
     ap.add_argument("--max-new", type=int, default=None, help="most tokens per generated row (default 256; tiny 32)")
@@ -94,8 +89,6 @@ def main(argv=None) -> int:
                                                                 "(default 4: the old loop runs ~13 tok/s; tiny 3)")
     ap.add_argument("--answer-tokens", type=int, default=None, help="most tokens per answer in that comparison (default 64; tiny 16)")
     ap.add_argument("--samples", type=int, default=3, help="sample rows shown per opening kind")
-    ap.add_argument("--cpu", action="store_true", help="run on the CPU")
-    ap.add_argument("--tiny", action="store_true", help="a tiny random model and few tokens: checks the code paths")
     a = ap.parse_args(argv)
 
     from cortiq.cmf import open_cmf
@@ -116,20 +109,13 @@ def main(argv=None) -> int:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     if tiny:
-        from mtp import tiny_model  # bench/mtp.py's tiny random model (byte tokenizer, no chat template)
-
         path = work / "tiny.cmf"
         if not path.exists():
-            tiny_model(path)
+            tiny_cmf(path)  # no chat template: the chat openings fall back as on such a model
     elif a.model:
         path = Path(a.model)
     elif a.gguf:
-        path = work / "smollm2.cmf"
-        if not path.exists():
-            from cortiq.convert.gguf import convert_gguf
-
-            say(f"converting {a.gguf}")
-            convert_gguf(a.gguf, path)
+        path = smollm2_cmf(work, a.gguf)
     else:
         ap.error("give --gguf PATH, --model MODEL.cmf, or --cpu --tiny")
     dev = torch.device("cpu" if a.cpu or not torch.cuda.is_available() else "cuda")
@@ -188,19 +174,14 @@ def main(argv=None) -> int:
     row("new, same requests (batched)", sum(len(x) for x in new), secs, slots=len(reqs))
 
     print(f"\nself-generated text, {path.name} on {dev} ({str(dt).removeprefix('torch.')}), max_new {max_new}\n")
-    print(f"{'row':<32}{'slots':>7}{'tokens':>10}{'seconds':>10}{'tok/s':>12}")
-    for r in rows:
-        print(f"{r['row']:<32}{r['slots']:>7}{r['tokens']:>10}{r['seconds']:>10.2f}{r['tok_s']:>12,.0f}")
+    print_table(["row", "slots", "tokens", "seconds", "tok/s"],
+                [[r["row"], r["slots"], r["tokens"], f"{r['seconds']:.2f}", f"{r['tok_s']:,.0f}"] for r in rows])
     for kind, xs in texts.items():
         print(f"\n── {kind} openings ──")
         for x in xs:
             print(f"[{x['opening'][-60:]!r}] {x['text'][:300]!r}")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    res = {"model": str(path), "device": str(dev), "dtype": str(dt), "max_new": max_new, "rows": rows, "samples": texts}
-    tmp = out / "selfgen.json.partial"
-    tmp.write_text(json.dumps(res, indent=1))
-    os.replace(tmp, out / "selfgen.json")
+    write_json(a.out, "selfgen.json", {"model": str(path), "device": str(dev), "dtype": str(dt), "max_new": max_new,
+                                       "rows": rows, "samples": texts})
     return 0
 
 

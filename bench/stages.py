@@ -1,4 +1,7 @@
-"""cortiq's own stages at a benchmark geometry (called by bench/run.py).
+"""cortiq's own stages at a benchmark geometry (called by bench.run and bench.memory).
+
+A module, not a script: it has no command line and no smoke mode of its own;
+`python -m bench.run --cpu --tiny` runs every function here.
 
 What runs is what `cortiq heal` / `cortiq mtp heal` run: the model of
 cortiq/model, the teacher's top-k through `topk_next` (row chunks, no

