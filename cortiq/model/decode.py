@@ -271,14 +271,18 @@ class DecodeEngine:
         self._bucket_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._stale = False  # a step skipped the chain: the drafts are not those of the current rows
         if self.graphs:
-            if buckets:
-                self._capture_buckets()
-                self._g_step = self._bucket_graphs[("plain", slots, True)]
-                self._g_spec = self._bucket_graphs.get(("spec", slots, draft))
-            else:
-                self._g_step = self._capture(self._plain)
-                if draft:
-                    self._g_spec = self._capture(self._spec)
+            self._capture_steps(bool(buckets))
+
+    def _capture_steps(self, bucketed: bool) -> None:
+        """The step graphs: one per bucket and kind of step, or the full step (and round)."""
+        if bucketed:
+            self._capture_buckets()
+            self._g_step = self._bucket_graphs[("plain", self.S, True)]
+            self._g_spec = self._bucket_graphs.get(("spec", self.S, self.k))
+        else:
+            self._g_step = self._capture(self._plain)
+            if self.k:
+                self._g_spec = self._capture(self._spec)
 
     # ── public API ──
     @torch.no_grad()
@@ -834,7 +838,11 @@ class StagedPrefill:
         dev = eng.dev
         z = lambda *s, dtype=torch.long: torch.zeros(*s, dtype=dtype, device=dev)  # noqa: E731
         self.tok, self.nxt = z(1, C), z(1, C)  # the chunk's tokens and the token after each
-        self.start, self.nreal, self.final = z(1), z(1), z(1, dtype=torch.bool)
+        self.start, self.final = z(1), z(1, dtype=torch.bool)
+        # the count of real rows starts at 1, not 0: each graph's capture runs the chunk before
+        # any prompt is staged, and that run selects row nreal-1 (row -1 is out of range, on
+        # CUDA a device-side assert that poisons every later call in the process)
+        self.nreal = torch.ones(1, dtype=torch.long, device=dev)
         self.first = z(1)
         self.row = torch.zeros(1, eng.arch.hidden_size, dtype=eng.dt, device=dev)  # the prompt's last final row
         st.active.fill_(True)
