@@ -8,9 +8,12 @@
 # their dependency closure at the versions this project's venv resolved (pyproject.toml's pins),
 # less the packages the image already holds. Wheels for CPython 3.12 manylinux, no dependencies
 # resolved (the list is the closure), split by size into .whl/a and .whl/b so that each travels
-# in one device call beside the working tree (64 MiB a call). On the device, in two calls:
-#     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/site .whl/a/*.whl
-#     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /root/site .whl/b/*.whl
+# in one device call beside the working tree (64 MiB a call). On the device, in two calls: copy
+# each half to /root/whl, then install them all in ONE pip command (an install into a --target that
+# already holds a top-level folder replaces it, and opentelemetry's namespace package is spread over
+# both halves):
+#     mkdir -p /root/whl && cp .whl/a/*.whl /root/whl/
+#     cp .whl/b/*.whl /root/whl/ && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /root/site /root/whl/*.whl
 # and PYTHONPATH=/root/site:$PWD for the check (bench/RESULTS.md, "Device check").
 #
 #     bench/device_wheels.sh            # from the repository root; PY=python3 by default

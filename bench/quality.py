@@ -30,8 +30,11 @@ to OUT/quality.json.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
 import json
+import sys
 import time
 from pathlib import Path
 

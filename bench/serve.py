@@ -58,7 +58,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ROOT, tiny_cmf
+from bench.common import ROOT, env, tiny_cmf
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain what a prime number is.",
@@ -115,17 +115,19 @@ def chat_ids(model: Path, questions: list[str]) -> list[list[int]]:
 
 
 class Server:
-    def __init__(self, model: Path, log: Path, args: list[str]):
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    """`cortiq serve MODEL --port 0 ARGS` as a subprocess (a free port on 127.0.0.1, its stderr in `log`),
+    started and listening within `timeout` seconds; `stop()` sends SIGTERM and returns what it logged."""
+
+    def __init__(self, model: Path, log: Path, args: list[str], timeout: float = 600):
         self.log = log
         self.err = open(log, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "cortiq", "serve", str(model), "--port", "0", *args],
-                                     stdout=subprocess.DEVNULL, stderr=self.err, env=env, cwd=ROOT)
-        deadline = time.monotonic() + 600
+                                     stdout=subprocess.DEVNULL, stderr=self.err, env=env(), cwd=ROOT)
+        deadline = time.monotonic() + timeout
         while "listening on " not in log.read_text():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
-                raise SystemExit(f"bench/serve.py: the server did not start:\n{log.read_text()}")
+                raise SystemExit(f"bench.serve: the server did not start:\n{log.read_text()}")
             time.sleep(0.2)
         self.url = log.read_text().split("listening on ", 1)[1].split()[0]
 

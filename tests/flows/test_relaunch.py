@@ -15,7 +15,7 @@ def test_mtp_flow_with_gpus_2_runs_trunk_and_draft_on_two_ranks_and_logs_the_cur
     p = tiny_params(tiny)
     p["mtp"]["gpus"] = 2
     out = mtp_heal(p)
-    assert list(out["states"]) == ["data", "mtp_init", "trunk", "mtp", "reencode.q8", "score.reencode.q8"]
+    assert list(out["states"]) == ["data", "mtp_init", "trunk", "mtp", "qgrams.q8", "reencode.q8", "score.reencode.q8"]
     assert set(out["states"].values()) == {"Completed"}
     # the trunk pass ran as two ranks: one shard each, read back as one set by the draft's ranks
     sets = [d for d in Path(out["outputs"]["trunk"]).iterdir() if d.name.endswith("-w32-k4")]  # window 32, top-4
