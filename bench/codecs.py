@@ -1,7 +1,7 @@
 """What each codec costs a healed model, on the heal's text and on text of other sources: one call, one table.
 
-    python bench/codecs.py [--gguf PATH] [--out DIR] [--cache DIR]
-    python bench/codecs.py --cpu --tiny          # a smoke run of every code path (measures nothing)
+    python -m bench.codecs [--gguf PATH] [--out DIR] [--cache DIR]
+    python -m bench.codecs --cpu --tiny          # a smoke run of every code path (measures nothing)
 
 What runs is the library's own code: SmolLM2-135M-Instruct (the GGUF at
 --gguf, default the bundled one) converted to CMF; the Shakespeare plays split
@@ -37,35 +37,23 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+from bench.common import log, smollm2_cmf, tiny_cmf
+from bench.quality import _on_device, compressed, plays, split_plays
 
-from quality import _on_device, compressed, plays, split_plays, tiny_source  # noqa: E402
-
-from cortiq import store  # noqa: E402
-from cortiq.heal.settings import HealSettings  # noqa: E402
-from cortiq.measure import recode, score  # noqa: E402
+from cortiq import store
+from cortiq.heal.settings import HealSettings
+from cortiq.measure import recode, score
 
 #: the texts every row is scored on: (name, split) — the heal corpus's test split, every record of the others
 TEXTS = (("own", "test"), ("unseen", None), ("pydoc", None), ("code", None), ("legal", None))
 
 
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
-
-
 def source_model(cache: Path, gguf: str | None, tiny: bool) -> Path:
-    out = cache / ("tiny.cmf" if tiny else "smollm2.cmf")
-    if out.exists():
-        return out
+    """The source: bench.common's tiny random model (--tiny), else SmolLM2 converted once from `gguf`."""
     if tiny:
-        return tiny_source(out)
-    from cortiq.convert.bundled import smollm2_path
-    from cortiq.convert.gguf import convert_gguf
-
-    convert_gguf(gguf or smollm2_path(), out)
-    return out
+        out = cache / "tiny.cmf"
+        return out if out.exists() else tiny_cmf(out)
+    return smollm2_cmf(cache, gguf)
 
 
 def code_files(limit: int) -> list[Path]:
