@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import log, smollm2_cmf, tiny_cmf
+from bench.common import log, smollm2_cmf, table, tiny_cmf
 from bench.quality import _on_device, compressed, plays, split_plays
 
 from cortiq import store
@@ -193,24 +193,22 @@ def main(argv=None) -> int:
             nll.setdefault(k, {})[text] = v
     base = nll["f16"]
     names = [t for t, _ in TEXTS]
+    from cortiq.cmf import open_cmf
+
+    rows = [[k, f"{open_cmf(p).nbytes() / 1e6:.1f}"]
+            + [f"{nll[k][n]:.4f}" + ("" if k == "f16" else f" ({nll[k][n] - base[n]:+.3f})") for n in names]
+            for k, p in models.items()]
     lines = [f"codecs of the healed SmolLM2-135M ({'tiny smoke run' if tiny else torch.cuda.get_device_name()}): "
              f"25 % of MLP neurons pruned, healed {heal_tokens / 1e6:.2f}M tokens (QAT: "
              f"{rep_q['metrics']['steps']} steps, the same); NLL per token, (Δ vs f16)",
-             f"{'model':<12}{'MB':>8}" + "".join(f"{n:>18}" for n in names)]
-    from cortiq.cmf import open_cmf
-
-    for k, p in models.items():
-        mb = open_cmf(p).nbytes() / 1e6
-        cells = "".join(f"{nll[k][n]:9.4f} ({nll[k][n] - base[n]:+.3f})" if k != "f16" else f"{nll[k][n]:9.4f}{'':>9}"
-                        for n in names)
-        lines.append(f"{k:<12}{mb:8.1f}{cells}")
+             table(["model", "MB", *names], rows)]
     lines.append(f"total {time.perf_counter() - t_all:.0f} s")
-    table = "\n".join(lines)
+    printed = "\n".join(lines)
     result = {"nll": nll, "times": times, "quant": quant_rep, "heal_tokens": heal_tokens,
               "heldout": {"f16 heal": rep["metrics"]["heldout_best"], "qat heal": rep_q["metrics"]["heldout_best"]},
-              "models": {k: str(v) for k, v in models.items()}, "table": table, "tiny": tiny}
+              "models": {k: str(v) for k, v in models.items()}, "table": printed, "tiny": tiny}
     (out / "codecs.json").write_text(json.dumps(result, indent=1))
-    print(table)
+    print(printed)
     return 0
 
 
