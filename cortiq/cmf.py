@@ -607,7 +607,7 @@ def write_cmf(
         for part in partials:
             part.unlink(missing_ok=True)
         if isinstance(e, OSError):
-            from .store import write_error
+            from .errors import write_error
 
             raise write_error(path, e) from None
         raise

@@ -317,13 +317,14 @@ def error_file(d: Path, rank: int) -> Path:
 
 
 def rank_errors(d: Path) -> str:
-    """The errors the ranks left in `d`, in rank order, the ranks that met the same
-    one named together: 'ranks 0, 1: ERROR; rank 2: ...' ('' when none did)."""
-    found = sorted(Path(d).glob("error-*.txt"), key=lambda p: int(p.stem.split("-")[1]))
+    """The errors the ranks left in `d`, the first written first (the cause: a rank whose
+    peer failed meets a closed connection after it), the ranks that met the same one named
+    together: 'ranks 0, 1: ERROR; rank 2: ...' ('' when none did)."""
+    found = sorted(Path(d).glob("error-*.txt"), key=lambda p: (p.stat().st_mtime_ns, int(p.stem.split("-")[1])))
     by: dict[str, list[str]] = {}
     for p in found:
         by.setdefault(p.read_text().strip(), []).append(p.stem.split("-")[1])
-    return "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {e}" for e, r in by.items())
+    return "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(sorted(r, key=int))}: {e}" for e, r in by.items())
 
 
 def _finish(stage: Stage, pl: Plan, report) -> None:

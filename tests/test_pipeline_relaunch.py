@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -120,9 +121,14 @@ def test_jsonl_logger_replays_every_call_in_order(tmp_path):
 
 def test_the_ranks_errors_read_as_one_line(tmp_path):
     assert pipeline.rank_errors(tmp_path) == ""
-    for r, msg in [(2, "x.cmf: bad"), (0, "x.cmf: bad"), (1, "RuntimeError: boom"), (10, "x.cmf: bad")]:
-        pipeline.error_file(tmp_path, r).write_text(msg)
+    for t, (r, msg) in enumerate([(2, "x.cmf: bad"), (0, "x.cmf: bad"), (1, "RuntimeError: boom"), (10, "x.cmf: bad")]):
+        f = pipeline.error_file(tmp_path, r)
+        f.write_text(msg)
+        os.utime(f, ns=(10**9 * (100 + t),) * 2)  # written one after another, in this order
     assert pipeline.rank_errors(tmp_path) == "ranks 0, 2, 10: x.cmf: bad; rank 1: RuntimeError: boom"
+    # the first error written comes first: the cause (a rank whose peer failed errs after it)
+    os.utime(pipeline.error_file(tmp_path, 1), ns=(10**9 * 50,) * 2)
+    assert pipeline.rank_errors(tmp_path) == "rank 1: RuntimeError: boom; ranks 0, 2, 10: x.cmf: bad"
 
 
 def test_the_injected_failure_names_a_stage_and_optionally_a_rank(monkeypatch):

@@ -59,9 +59,6 @@ def run(args) -> int:
               file=sys.stderr)
         print(f"wrote {path}")
         return 0
-    if args.data is None and uses_grams(args.codec, s):
-        print(f"recode: no --data: {args.codec} blocks by round-to-nearest ({s.method} needs calibration windows)",
-              file=sys.stderr)
     before = {}
     for i in src.infos.values():
         before[i.codec] = before.get(i.codec, 0) + 1

@@ -21,7 +21,7 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from ..errors import CortiqError
-from .tdata import Tdata
+from .tdata import SPLITS, Tdata
 
 
 class Batch(NamedTuple):
@@ -112,13 +112,83 @@ def cut_windows_reference(ids: np.ndarray, weight: np.ndarray, T: int, pad_id: i
                    np.array(out_w, dtype=np.float32).reshape(shape), int(pad_id))
 
 
+# ── a mix of sources (cortiq.data.retain): counts and order ─────────────────────────────────────────────────────
+
+
+def mix_counts(n_user: int, pools: list[int], share: float, repeat: bool) -> list[int]:
+    """Windows per source: [n_user, c_1, ..., c_k]. The retain sources together get
+    round(n_user·share/(1−share)) (so they are `share` of the whole), split evenly,
+    the first ones taking one more when it does not divide; `repeat` False caps each
+    at its pool (a held-out split is not repeated). With no user windows, every
+    retain window of the split (without repeating)."""
+    k = len(pools)
+    if n_user == 0:
+        return [0, *pools] if not repeat else [0] * (k + 1)
+    total = int(round(n_user * share / (1.0 - share)))
+    each = [total // k + (i < total % k) for i in range(k)]
+    if not repeat:
+        each = [min(c, p) for c, p in zip(each, pools)]
+    return [n_user, *each]
+
+
+def interleave(counts: list[int]) -> np.ndarray:
+    """[Σ counts] the source of each position: source k's j-th item sits at (j + ½)/c_k
+    of the way, all sorted together (ties by source), so each source is spread evenly
+    and any run of B positions holds c_k·B/N of source k to within one."""
+    counts = [int(c) for c in counts]
+    labels = np.repeat(np.arange(len(counts), dtype=np.int64), counts)  # [N]
+    if not len(labels):
+        return labels
+    within = np.arange(len(labels), dtype=np.int64) - np.repeat(np.cumsum([0, *counts[:-1]]), counts)  # [N]
+    keys = (within + 0.5) / np.repeat(np.maximum(counts, 1), counts)
+    return labels[np.lexsort((labels, keys))]
+
+
+def draw(n_pool: int, count: int, seed: int, source: int, split: int) -> np.ndarray:
+    """[count] window numbers of one retain source: a seeded permutation of its
+    pool, repeated from the start as often as `count` needs."""
+    if count and not n_pool:
+        raise CortiqError("retain: a source with no windows cannot fill its share")
+    perm = np.random.default_rng([seed, source, split]).permutation(n_pool)
+    return np.resize(perm, count).astype(np.int64)
+
+
+def mix_windows(td: Tdata, split: str, T: int, pad_id: int, loss_on: str = "answer") -> Windows:
+    """The windows of `split` of a mix directory: each source's records (FNV order)
+    cut on their own, every user window once, each retain source's drawn to its
+    exact count (train: repeated as needed; val: at most its pool), interleaved."""
+    mix = td.meta["mix"]
+    names, bounds = list(mix["names"]), [int(x) for x in mix["rows"]] + [len(td)]
+    rows = td.hash_order(split)
+    per = []
+    for k in range(len(names)):
+        mine = rows[(rows >= bounds[k]) & (rows < bounds[k + 1])]
+        ids, weight = td.stream_rows(mine, loss_on)
+        per.append(cut_windows(ids, weight, T, pad_id))
+    train = split == "train"
+    counts = mix_counts(len(per[0]), [len(w) for w in per[1:]], float(mix["share"]), repeat=train)
+    for k in range(1, len(names)):
+        if train and counts[k] and not len(per[k]):
+            raise CortiqError(f"{td.path}: retain source {names[k]} has no train window of {T} tokens")
+    pick = [np.arange(counts[0], dtype=np.int64)] + [
+        draw(len(per[k]), counts[k], int(mix["seed"]), k, SPLITS.index(split)) for k in range(1, len(names))]
+    labels = interleave(counts)  # [N]
+    # position i takes the next unused window of its source: sources laid end to end, then gathered
+    slot = np.empty(len(labels), dtype=np.int64)
+    slot[np.argsort(labels, kind="stable")] = np.arange(len(labels), dtype=np.int64)
+
+    def cat(attr):
+        parts = [getattr(w, attr)[p] for w, p in zip(per, pick)]
+        return np.concatenate(parts)[slot] if len(labels) else np.zeros((0, T), getattr(per[0], attr).dtype)
+
+    return Windows(cat("ids"), cat("next"), cat("weight"), int(pad_id), labels, tuple(names))
+
+
 def windows(td: Tdata, split: str, T: int, pad_id: int | None = None, loss_on: str = "answer") -> Windows:
     """The windows of `split` (records in FNV-1a order of their rids); `pad_id` defaults to the EOS id.
     A mix of retain data (cortiq.data.retain) is cut source by source and interleaved at its shares."""
     pad = td.eos_id if pad_id is None else int(pad_id)
     if td.meta.get("mix"):
-        from .retain import mix_windows
-
         return mix_windows(td, split, T, pad, loss_on)
     ids, weight = td.stream(split, loss_on)
     return cut_windows(ids, weight, T, pad)

@@ -43,10 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import store
 from ..cmf import CmfFile, open_cmf
 from ..convert.gguf import _LAYER, _LLAMA3_SPLIT, _QWEN2_SPLIT, _TOP, _permute
-from ..errors import CortiqError
+from ..errors import CortiqError, is_full, write_error
 from ..model import verify_file
 
 #: families llama.cpp runs that cortiq writes (its `general.architecture` names)
@@ -276,7 +275,7 @@ def export_gguf(model: str | os.PathLike | CmfFile, out_file: str | os.PathLike,
         with contextlib.suppress(OSError):  # a full disk fails the flush again
             w.close()
         tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and store.is_full(e):
-            raise store.write_error(out, e) from None
+        if isinstance(e, OSError) and is_full(e):
+            raise write_error(out, e) from None
         raise
     return out, left

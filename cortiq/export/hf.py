@@ -47,10 +47,9 @@ from pathlib import Path
 
 import torch
 
-from .. import store
 from ..arch import Arch
 from ..cmf import CmfFile, open_cmf
-from ..errors import CortiqError
+from ..errors import CortiqError, is_full, write_error
 from ..model import verify_file
 
 #: cortiq family → (HF model_type, transformers class)
@@ -344,7 +343,7 @@ def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dt
         tmp.rename(out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and store.is_full(e):
-            raise store.write_error(out, e) from None
+        if isinstance(e, OSError) and is_full(e):
+            raise write_error(out, e) from None
         raise
     return out

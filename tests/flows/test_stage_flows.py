@@ -47,7 +47,7 @@ def test_compress_then_heal_then_the_whole_pipeline_share_the_cache(tiny, tiny_p
 
 def test_mtp_heal_drafts_any_model(tiny, tiny_params):
     out = mtp_heal(tiny_params(tiny))
-    assert list(out["states"]) == ["data", "mtp_init", "trunk", "mtp", "reencode.q8", "score.reencode.q8"]
+    assert list(out["states"]) == ["data", "mtp_init", "trunk", "mtp", "qgrams.q8", "reencode.q8", "score.reencode.q8"]
     # the figures the run reports are the ones the trained model carries in its provenance
     from cortiq.cmf import open_cmf
 
