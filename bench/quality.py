@@ -332,8 +332,8 @@ def main(argv=None) -> int:
 
 # ── panel mode: what a new user's compress + heal keeps outside their own text ──
 #
-#     python bench/quality.py --panel [--gguf PATH] --out DIR       # one H200, a few minutes
-#     python bench/quality.py --panel --cpu --tiny --out DIR        # the same code paths, seconds
+#     python -m bench.quality --panel [--gguf PATH] --out DIR       # one H200, a few minutes
+#     python -m bench.quality --panel --cpu --tiny --out DIR        # the same code paths, seconds
 #
 # The heal data is one source (PANEL_PLAYS of the Shakespeare plays); the panel is text of
 # other sources no stage trains on: pydoc reference text, program source (the standard
