@@ -732,12 +732,7 @@ class _PromptJob:
 
     def __init__(self, eng: DecodeEngine, slot: int, ids):
         ids = [int(t) for t in ids]
-        if not 0 <= slot < eng.S:
-            raise CortiqError(f"decode engine: slot {slot} outside 0..{eng.S - 1}")
-        if not ids:
-            raise CortiqError("generate: empty prompt")
-        if len(ids) + eng.k + 1 > eng.max_len:
-            raise CortiqError(f"decode engine: a prompt of {len(ids)} tokens leaves no room in max_len {eng.max_len}")
+        eng._check_prefill(slot, ids, 0.0)  # the one-call prefill's checks (its rows are greedy or sampled later)
         self.slot, self.ids, self.n = slot, ids, len(ids)
         self.at = 0
         self.first: int | None = None
