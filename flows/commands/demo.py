@@ -53,12 +53,14 @@ def print_summary(s: dict, out=sys.stdout) -> None:
     codecs = s.get("codecs") or {}
     if codecs:
         texts = sorted({p for m in codecs.values() for p in (m.get("panel") or {})})
-        w(f"\n{'codec':<12}{'method':<8}{'MB':>10}{'test NLL':>10}" + "".join(f"{t + ' NLL':>14}" for t in texts) + "\n")
+        width = {t: max(14, len(t) + 6) for t in texts}  # a long text name keeps a space before it
+        w(f"\n{'codec':<12}{'method':<8}{'MB':>10}{'test NLL':>10}" + "".join(f"{t + ' NLL':>{width[t]}}" for t in texts)
+          + "\n")
         for c, m in codecs.items():
             plain = c in ("f32", "f16", "bf16")
             panel = m.get("panel") or {}
             w(f"{c:<12}{'-' if plain else m.get('method', 'rtn'):<8}{_fmt((m.get('bytes') or 0) / 1e6, '.1f'):>10}"
-              f"{_fmt(m.get('nll')):>10}" + "".join(f"{_fmt(panel.get(t)):>14}" for t in texts) + "\n")
+              f"{_fmt(m.get('nll')):>10}" + "".join(f"{_fmt(panel.get(t)):>{width[t]}}" for t in texts) + "\n")
     states = s.get("states") or {}
     if states:
         cached = sorted(k for k, v in states.items() if v == "Cached")
