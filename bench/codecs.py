@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import log, smollm2_cmf, table, tiny_cmf
+from bench.common import log, run_dirs, smollm2_cmf, table, tiny_cmf
 from bench.quality import _on_device, compressed, plays, split_plays
 
 from cortiq import store
@@ -131,14 +131,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where codecs.json goes (default $OUT or .)")
     args = ap.parse_args(argv)
 
-    device = "cpu" if args.cpu else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device (use --cpu --tiny for a smoke run)")
+    device, cache, out = run_dirs(args, "codecs")
     tiny = args.tiny
-    cache = Path(args.cache or Path.home() / "cache" / ("codecs-tiny" if tiny else "codecs"))
-    cache.mkdir(parents=True, exist_ok=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     work = cache / "stages"
     t_all = time.perf_counter()
     times = {}

@@ -130,3 +130,19 @@ def pydoc_text() -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def run_dirs(args, name: str) -> tuple[str, Path, Path]:
+    """(device, cache, out) of a bench that takes --cpu, --tiny, --cache and --out: the device
+    checked (no CUDA: one line), the cache ~/cache/NAME (NAME-tiny with --tiny) unless given, both made."""
+    device = "cpu" if args.cpu else "cuda"
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device (use --cpu --tiny for a smoke run)")
+    cache = Path(args.cache or Path.home() / "cache" / (f"{name}-tiny" if args.tiny else name))
+    out = Path(args.out)
+    for d in (cache, out):
+        d.mkdir(parents=True, exist_ok=True)
+    return device, cache, out

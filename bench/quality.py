@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import log, parser, smollm2_cmf, table, tiny_cmf, write_json
+from bench.common import log, parser, run_dirs, smollm2_cmf, table, tiny_cmf, write_json
 from cortiq import store
 from cortiq.heal import prefix as prefix_mod
 from cortiq.heal import targets as targets_mod
@@ -220,16 +220,10 @@ def main(argv=None) -> int:
                                                              "(the table still prints; 0: none)")
     args = ap.parse_args(argv)
 
-    device = "cpu" if args.cpu else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device (use --cpu --tiny for a smoke run)")
+    device, cache, out = run_dirs(args, "quality")
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     tiny = args.tiny
-    cache = Path(args.cache or Path.home() / "cache" / ("quality-tiny" if tiny else "quality"))
-    cache.mkdir(parents=True, exist_ok=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     budgets = [float(b) * 1e6 for b in (args.budgets or ("0.004,0.016" if tiny else "0.2,1")).split(",")]
     big = (args.default_budget if args.default_budget is not None else (0.03 if tiny else 4.0)) * 1e6
     window = args.window or (64 if tiny else 512)
@@ -468,14 +462,8 @@ def panel_main(argv) -> int:
     from cortiq.compress import compress
     from cortiq.heal.stages import heal
 
-    device = "cpu" if args.cpu else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("no CUDA device (use --cpu --tiny for a smoke run)")
+    device, cache, out = run_dirs(args, "quality-panel")
     tiny = args.tiny
-    cache = Path(args.cache or Path.home() / "cache" / ("quality-panel-tiny" if tiny else "quality-panel"))
-    cache.mkdir(parents=True, exist_ok=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
     if args.gguf and not tiny:
         src = cache / "smollm2.cmf"
