@@ -434,6 +434,7 @@ def panel_rows(tiny: bool, retain: list[str]):
     c = CompressSettings(**small)
     rs = RetainSettings(sources=retain, tokens=8000 if tiny else 1_000_000)
     new = HealSettings(**hw, **budget)
+    more = dataclasses.replace(rs, share=0.75, tokens=2 * rs.tokens)
     return [
         ("today's defaults (1 epoch, no retain)", c, None, HealSettings(**hw, epochs=1.0, patience=0)),
         ("new defaults", c, rs, new),
@@ -442,6 +443,11 @@ def panel_rows(tiny: bool, retain: list[str]):
         ("  1 epoch, not the token budget", c, rs, dataclasses.replace(new, epochs=1.0, patience=0)),
         ("  activation score (--no-learn-masks)", dataclasses.replace(c, learn_masks=False), rs, new),
         ("  global scope", dataclasses.replace(c, fold=FoldSettings(scope="global")), rs, new),
+        # the budget and the retain share the 2M-token rows leave open (their best step was their last)
+        ("  4M heal tokens", c, rs, dataclasses.replace(new, tokens=2 * new.tokens)),
+        ("  4M heal tokens, share 0.75, self 2M", c, more, dataclasses.replace(new, tokens=2 * new.tokens)),
+        ("  4M heal tokens, share 0.75, self 2M, lr 1e-3", c, more,
+         dataclasses.replace(new, tokens=2 * new.tokens, lr=1e-3)),
     ]
 
 

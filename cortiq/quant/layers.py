@@ -23,6 +23,7 @@ is written round-to-nearest.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,10 @@ def _scales(G: torch.Tensor, alphas: torch.Tensor) -> torch.Tensor:
     return s / s.log().mean(-1, keepdim=True).exp()
 
 
+#: scaled weights at most this large keep their blocks' f16 scale and min finite (f16's largest is 65504)
+F16_ROOM = 2.0 ** 15
+
+
 def search_alpha(W: torch.Tensor, G: torch.Tensor, codec_name: str, grid: int) -> tuple[float, torch.Tensor]:
     """The exponent of the grid whose round-to-nearest error of W [R, C] scaled
     by s = diag(G)^α is least under G: (α, s [C])."""
@@ -80,9 +85,15 @@ def search_alpha(W: torch.Tensor, G: torch.Tensor, codec_name: str, grid: int) -
     alphas = torch.linspace(0, 1, grid, dtype=torch.float64, device=W.device)
     S = _scales(G, alphas)  # [A, C]
     Wd = W.double()
-    Ws = (Wd[None] * S[:, None, :]).float()  # [A, R, C]: every candidate at once
-    Wq = c.roundtrip(Ws).double() / S[:, None, :]
-    err = gram_error(Wd[None] - Wq, G)  # [A]
+    Ws = Wd[None] * S[:, None, :]  # [A, R, C]: every candidate at once
+    # a channel of massive activations (diag G many orders of magnitude over the rest; the real
+    # SmolLM2 pruned and healed has them) makes s so large on it that the scaled weights leave the
+    # codec's f16 scales and mins: such a candidate cannot be stored, so it is not a candidate
+    # (α = 0, s = 1, always is)
+    ok = Ws.abs().amax((1, 2)) < F16_ROOM
+    err = torch.full((len(alphas),), math.inf, dtype=torch.float64, device=W.device)
+    Wq = c.roundtrip(Ws[ok].float()).double() / S[ok][:, None, :]
+    err[ok] = gram_error(Wd[None] - Wq, G)  # [A]
     best = int(torch.argmin(err))
     return float(alphas[best]), S[best]
 

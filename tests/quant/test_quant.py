@@ -126,3 +126,19 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert len(err) == 1 and "none" in err[0], err
     with pytest.raises(Exception, match="method gptq with codec fp8"):
         quantize(m, tmp_path, "fp8", QuantSettings(**S), tmp_path / "o.cmf")
+
+
+def test_awq_search_skips_scales_the_codec_cannot_store():
+    """A channel of massive activations (its Gram diagonal 1e12 of the others', as real models have)
+    stretches diag(G)^α so far that W·s leaves q4's f16 mins: the search must pass over those
+    candidates, not fail on them."""
+    from cortiq.quant.layers import F16_ROOM, search_alpha
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(8, 64, generator=g)
+    X = torch.randn(256, 64, generator=g, dtype=torch.float64)
+    X[:, 5] *= 1e6
+    G = X.T @ X
+    alpha, s = search_alpha(W, G, "q4", 11)
+    assert torch.isfinite(s).all() and (W.double() * s).abs().max() < F16_ROOM
+    assert alpha < 1.0  # the widest candidates were out of range here
