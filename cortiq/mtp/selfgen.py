@@ -63,17 +63,38 @@ def chat_rows(n: int, share: float) -> np.ndarray:
     return np.floor((i + 1) * share + 1e-9) > np.floor(i * share + 1e-9)
 
 
-def make_prompts(windows: np.ndarray, P: int, share: float, requests: list[list[int]], seed: int
-                 ) -> tuple[list[list[int]], np.ndarray]:
+#: share of the chat requests kept for held-out windows alone
+HELD_REQUESTS = 0.2
+
+
+def make_prompts(windows: np.ndarray, P: int, share: float, requests: list[list[int]], seed: int,
+                 held: np.ndarray | None = None) -> tuple[list[list[int]], np.ndarray]:
     """The prompts of windows [n, ≥P]: each window's first P tokens, or (an even `share` of
-    them, when there are `requests`) a chat request drawn by `seed`. -> (prompts, chat [n])."""
+    them, when there are `requests`) a chat request drawn by `seed`. -> (prompts, chat [n]).
+
+    With `held` [n] (the held-out windows), a seeded HELD_REQUESTS of the requests answer held
+    windows only and the rest train windows only: a greedy answer is the same text wherever its
+    request is drawn, so a request shared by both sides would put training text in the held-out
+    measure (it read 0.65 drafts kept a round on such chat windows, where the server kept 0.28 on
+    questions of its own)."""
     n = len(windows)
     out = [list(r) for r in np.asarray(windows[:, :P], dtype=np.int64).tolist()]
     if share <= 0 or not requests:
         return out, np.zeros(n, dtype=bool)
     chat = chat_rows(n, share)
-    pick = np.random.default_rng([seed, 3]).integers(len(requests), size=int(chat.sum()))
-    for i, r in zip(np.flatnonzero(chat).tolist(), pick.tolist()):
+    rng = np.random.default_rng([seed, 3])
+    rows = np.flatnonzero(chat)
+    if held is None or len(requests) < 2:
+        pick = rng.integers(len(requests), size=len(rows))
+    else:
+        order = rng.permutation(len(requests))
+        cut = max(1, int(round(HELD_REQUESTS * len(requests))))
+        pools = (order[cut:], order[:cut])  # (train, held)
+        side = np.asarray(held, dtype=bool)[rows].astype(np.int64)
+        draw = rng.integers(np.iinfo(np.int64).max, size=len(rows))
+        sizes = np.asarray([len(pools[0]), len(pools[1])])
+        pick = np.where(side == 1, pools[1][draw % sizes[1]], pools[0][draw % sizes[0]])
+    for i, r in zip(rows.tolist(), pick.tolist()):
         out[i] = list(requests[r])
     return out, chat
 
@@ -153,8 +174,8 @@ def generated_sets(model, f, packed: list, s, cache: str | os.PathLike | None = 
     out, info = [], []
     for p in packed:
         keep = np.asarray(p.lengths) > P  # windows long enough to cut a prompt from
-        prompts, chat = make_prompts(np.asarray(p.ids)[keep], P, s.gen_chat, requests, s.seed)
         held = np.asarray(p.held)[keep]
+        prompts, chat = make_prompts(np.asarray(p.ids)[keep], P, s.gen_chat, requests, s.seed, held)
         if len(prompts) == 0:
             raise CortiqError(f"mtp generate: no window of data set {p.name} is longer than gen_prompt {P}")
         dg = gen_digest(tkey, prompts, T, s.gen_temperature, s.seed, eos)

@@ -281,3 +281,18 @@ def test_retrain_trains_on_the_data_and_the_trunks_continuations_of_a_share_of_i
         assert g[8:n].tolist() == generate(m, w[:8].tolist(), max_new=40, eos_ids=[EOS]).tokens
     # off: the data alone
     assert [p.name for p in _sets(m, f, str(data), resolve(f, tiny_settings(preset="retrain", gen_share=0.0)))[0]] == ["g"]
+
+
+def test_held_out_windows_answer_requests_no_train_window_answers():
+    """A greedy answer is the same text wherever its request is drawn: held-out chat windows
+    must draw from requests no train window draws, or the held-out measure reads training text."""
+    w = np.arange(4000, dtype=np.int64).reshape(400, 10)
+    reqs = [[1000 + i] for i in range(50)]
+    held = np.zeros(400, dtype=bool)
+    held[::5] = True
+    p, chat = make_prompts(w, 8, 0.5, reqs, seed=1, held=held)
+    train_q = {p[i][0] for i in np.flatnonzero(chat & ~held)}
+    held_q = {p[i][0] for i in np.flatnonzero(chat & held)}
+    assert held_q and train_q and not held_q & train_q
+    assert len(held_q) <= 10 and len(train_q) > 30  # a fifth of the requests are the held-out side's
+    assert make_prompts(w, 8, 0.5, reqs, seed=1, held=held)[0] == p
