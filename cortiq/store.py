@@ -80,7 +80,7 @@ def file_digest(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     try:
         with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
+            for chunk in iter(lambda: f.read(1 << 18), b""):
                 h.update(chunk)
     except FileNotFoundError:
         raise CortiqError(f"{p}: no such file") from None
