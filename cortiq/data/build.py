@@ -264,16 +264,6 @@ class _Kept:
         return [x[2] for x in kept], [x[3] for x in kept]
 
 
-def check_out_dir(out: str | os.PathLike) -> None:
-    """`out` may be new, empty, or a tdata directory (which is replaced): never a file, nor a
-    directory of other things that replacing it would delete. Checked before any work."""
-    out = Path(out)
-    if os.path.lexists(out) and not out.is_dir():
-        raise CortiqError(f"{out}: exists and is not a directory (--out names the tdata directory to write)")
-    if out.is_dir() and any(out.iterdir()) and not (out / store.META).is_file():
-        raise CortiqError(f"{out}: a directory that is not tdata (no {store.META}); refusing to replace it")
-
-
 class _RidsSeen:
     """Record ids already used, and where. A text's records are "STEM:K" for K = 0, 1, ...: they
     are kept as a count per stem (not one entry per record), the JSONL ones one by one."""
@@ -341,9 +331,10 @@ def _batches(raws: Iterable[_Raw], chars: int) -> Iterator[list[_Raw]]:
 
 
 def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLike, settings: BuildSettings | None = None,
-          progress: Callable[[str], None] | None = None, device: str | None = None) -> Tdata:
+          progress: Callable[[str], None] | None = None, device: str | None = None, force: bool = False) -> Tdata:
     """Tokenize `sources` (paths, or `corpus:NAME`) with the tokenizer of the CMF file `tokenizer`
-    into the tdata directory `out` (written whole or not at all; meta.json last).
+    into the tdata directory `out` (written whole or not at all; meta.json last). An existing `out`
+    is replaced when it is tdata or empty, anything else only with `force` (store.check_output).
 
     Sources stream: plain text is read, cut, tokenized and sampled a batch at a time, JSONL a
     line at a time, so memory is bounded by the records kept (`max_total_tokens`) and the batch,
@@ -355,7 +346,7 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
     settings = settings or BuildSettings()
     if not sources:
         raise CortiqError("no sources to build data from")
-    check_out_dir(out)
+    store.check_output(out, [], folder=True, kind="tdata", force=force)
     cmf = open_cmf(tokenizer)
     tdoc = cmf.tokenizer or {}
     tok = from_doc(tdoc, str(tokenizer))
