@@ -80,7 +80,7 @@ def file_digest(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     try:
         with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
+            for chunk in iter(lambda: f.read(1 << 18), b""):
                 h.update(chunk)
     except FileNotFoundError:
         raise CortiqError(f"{p}: no such file") from None
@@ -163,9 +163,7 @@ def stage_dir(final: str | os.PathLike, meta: dict) -> Iterator[Path]:
             with writing(final):
                 yield part
                 write_text(part / META, _meta_json(meta))
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(part, final)
+                replace_dir(part, final)
         except BaseException:
             shutil.rmtree(part, ignore_errors=True)
             raise
@@ -183,13 +181,24 @@ def _same_place(a: Path, b: Path) -> bool:
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
-def check_output(out: str | os.PathLike, inputs, folder: bool = False) -> None:
-    """Refuse an output that is one of the command's inputs, before any work.
+#: what an output of each kind may replace unannounced (re-running a command into its own output):
+#: a CMF file, a tdata directory (or an empty one); "new": nothing (an export is written for
+#: other tools, and whatever is at its path is the user's)
+OUTPUT_KINDS = ("cmf", "tdata", "new")
 
-    Every writer replaces its output by a rename, so an output that is an input, under
-    another spelling (`..`, a symlink, a hard link), would silently replace that input.
-    With `folder` (the output is a directory that replacing deletes whole), an input
-    inside it is refused too. `inputs` may hold None (an optional input not given)."""
+
+def check_output(out: str | os.PathLike, inputs, folder: bool = False, kind: str | None = None,
+                 force: bool = False) -> None:
+    """The one output rule, checked before any work.
+
+    An output that is one of the command's inputs is refused, `force` or not: every writer
+    replaces its output by a rename, so an output that is an input under another spelling (`..`,
+    a symlink, a hard link) would silently replace that input. With `folder` (the output is a
+    directory that replacing deletes whole), an input inside it is refused too. `inputs` may hold
+    None (an optional input not given).
+
+    Then, with `kind` (OUTPUT_KINDS), an existing output is replaced only when it is an output of
+    that kind (a command run again), or with `force`; a directory is never replaced by a file."""
     out = Path(out)
     for i in inputs:
         if i is None:
@@ -199,6 +208,66 @@ def check_output(out: str | os.PathLike, inputs, folder: bool = False) -> None:
             raise CortiqError(f"{out}: the output is the input {i}; give another output path")
         if folder and os.path.realpath(i).startswith(os.path.realpath(out) + os.sep):
             raise CortiqError(f"{out}: the output folder holds the input {i}; replacing it would delete that input")
+    if kind is None or not os.path.lexists(out):
+        return
+    if kind not in OUTPUT_KINDS:
+        raise ValueError(f"output kind {kind!r} is not one of {OUTPUT_KINDS}")
+    if not folder and out.is_dir():
+        raise CortiqError(f"{out}: is a directory; give a file name for the output")
+    what = _not_replaceable(out, kind)
+    if what and not force:
+        raise CortiqError(f"{out} exists ({what}); pass --force to overwrite")
+
+
+def _not_replaceable(out: Path, kind: str) -> str | None:
+    """Why the existing `out` is not an output of `kind` that a command may replace (None: it is)."""
+    if kind == "tdata" or (kind == "new" and out.is_dir()):
+        if not out.is_dir():
+            return "a file, not a directory"
+        if not any(out.iterdir()):
+            return None
+        if kind == "new":
+            return "a directory that is not empty"
+        try:
+            stage = json.loads((out / META).read_text()).get("stage")
+        except (OSError, ValueError, AttributeError):
+            stage = None
+        return None if stage == "tdata" else f"a directory that is not tdata: no {META} of a tdata build"
+    if kind == "new":
+        return "a file"
+    from .cmf import _read_header
+
+    try:
+        header, _ = _read_header(out)
+    except CortiqError:
+        return "not a CMF model"
+    meta = header.get("__metadata__")
+    return None if isinstance(meta, dict) and "cmf" in meta else "a safetensors file that is not a CMF model"
+
+
+def replace_dir(part: Path, final: Path) -> None:
+    """Rename the finished directory `part` to `final`, replacing whatever `final` was (a file, a
+    directory) only once `part` is in place: until then the old output is intact."""
+    if not os.path.lexists(final):
+        os.replace(part, final)
+        return
+    old = final.with_name(final.name + ".replaced")
+    if os.path.lexists(old):
+        _remove(old)
+    os.replace(final, old)
+    try:
+        os.replace(part, final)
+    except BaseException:
+        os.replace(old, final)
+        raise
+    _remove(old)
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink()
 
 
 def write_arrow(path: str | os.PathLike, table: pa.Table) -> None:

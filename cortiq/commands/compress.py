@@ -16,12 +16,14 @@ ORDER = 30
 def add_arguments(p):
     from ..compress.settings import CompressSettings
     from ..settings_meta import add_arguments as add_settings
+    from ._output import add_force
     from .heal import add_retain
 
     p.add_argument("source", help="the source model (.cmf)")
     p.add_argument("--data", required=True, help="a tdata directory (cortiq data build)")
     p.add_argument("--out", required=True, help="the student model to write (.cmf)")
     p.add_argument("--work", default=None, help="stage outputs (default: the cortiq home's work/, shared with the flows)")
+    add_force(p)
     add_settings(p, CompressSettings, title="compress settings")
     add_retain(p)
 
@@ -37,7 +39,7 @@ def run(args) -> int:
     from ..store import check_output
     from .heal import retain_args
 
-    check_output(args.out, [args.source, args.data])
+    check_output(args.out, [args.source, args.data], kind="cmf", force=args.force)
     s = from_args(CompressSettings, args)
     rep = compress(args.source, args.data, s, args.out, work=args.work, retain=retain_args(args))
     print(json.dumps(rep["metrics"], indent=1, sort_keys=True), file=sys.stdout)

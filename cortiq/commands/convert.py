@@ -15,11 +15,14 @@ ORDER = 10
 
 
 def add_arguments(p):
+    from ._output import add_force
+
     p.add_argument("src", metavar="SRC", help="a Hugging Face model directory, a .gguf file, or 'smollm2'")
     p.add_argument("out", metavar="OUT.cmf", help="the CMF file to write")
     p.add_argument("--codec", default="keep",
                    help="codec of the written tensors: keep (GGUF: f16 for quantized tensors, f32 for f32 ones), "
                         "f32, f16, bf16, q8, q4, q4_64, fp8 (quantized codecs apply to matrices; vectors stay plain)")
+    add_force(p)
 
 
 def resolve(src: str) -> tuple[str, Path]:
@@ -58,7 +61,7 @@ def run(args) -> int:
     if args.codec != "keep":
         codecs.get(args.codec)  # an unknown codec fails before any work
     out = Path(args.out)
-    check_output(out, [args.src])  # before the source is read: one that is not a model is still the user's file
+    check_output(out, [args.src], kind="cmf", force=args.force)  # before the source is read: one that is not a model is still the user's file
     kind, src = resolve(args.src)
     check_output(out, [src])  # a bundled model's own file
     with tqdm(desc=f"convert {src.name}", unit=" tensors", file=sys.stderr, leave=False, disable=None) as bar:

@@ -17,6 +17,7 @@ def add_arguments(p):
     from ..data.settings import BuildSettings, SelfGenSettings
     from ..settings_meta import HelpFormatter
     from ..settings_meta import add_arguments as add_settings
+    from ._output import add_force
 
     sub = p.add_subparsers(dest="data_command", metavar="{build,inspect,self}", required=True)
     fmt = HelpFormatter
@@ -32,6 +33,7 @@ def add_arguments(p):
     b.add_argument("--tokenizer", required=True, metavar="MODEL.cmf", help="the model whose tokenizer (and chat template) is used")
     b.add_argument("--out", required=True, metavar="DIR", help="the tdata directory to write")
     b.add_argument("--device", default="auto", help="device for --generate-with: auto (CUDA when present), cpu, cuda, ...")
+    add_force(b)
     add_settings(b, BuildSettings, title="build settings")
 
     g = sub.add_parser("self", help="the model's own text as a tdata directory (a cached stage)", formatter_class=fmt,
@@ -62,7 +64,7 @@ def _build(args) -> int:
         raise CortiqError("data build: no sources (give SRC files or --corpus NAME)")
     from ..store import check_output
 
-    check_output(args.out, [*args.sources, args.tokenizer], folder=True)
+    check_output(args.out, [*args.sources, args.tokenizer], folder=True, kind="tdata", force=args.force)
     settings = from_args(BuildSettings, args)
     bar = tqdm(desc="data build", unit="step", file=sys.stderr, leave=False, disable=None)  # None: off when not a terminal
 
@@ -71,7 +73,7 @@ def _build(args) -> int:
         bar.update(1)
 
     try:
-        td = build(sources, args.tokenizer, args.out, settings, progress=progress, device=args.device)
+        td = build(sources, args.tokenizer, args.out, settings, progress=progress, device=args.device, force=args.force)
     finally:
         bar.close()
     c = td.meta["counts"]

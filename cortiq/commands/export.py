@@ -25,7 +25,7 @@ DESCRIPTION = (
     "written as F32 (their values exactly); per-layer widths go in as llama.cpp's per-layer feed_forward_length "
     "(no padding); the MTP draft has no place in llama.cpp and is left out. "
     "Writes go to DIR.partial / FILE.partial and are renamed when complete; an existing non-empty DIR or an "
-    "existing FILE is refused."
+    "existing FILE is refused unless --force (which replaces it only once the new one is complete)."
 )
 ORDER = 12
 
@@ -49,9 +49,12 @@ class ExportSettings:
 
 
 def add_arguments(p):
+    from ._output import add_force
+
     p.add_argument("model", metavar="MODEL.cmf", help="the CMF model to export")
     p.add_argument("--to", required=True, nargs=2, metavar=("FORMAT", "OUT"),
                    help="hf DIR (a Hugging Face model directory) or gguf FILE (a llama.cpp model file)")
+    add_force(p)
     add_arguments_of(p, ExportSettings, title="export settings")
 
 
@@ -69,7 +72,7 @@ def run(args) -> int:
     fmt, out = args.to[0], Path(args.to[1])
     if fmt not in ("hf", "gguf"):
         raise CortiqError(f"--to {fmt}: the format is hf or gguf")
-    check_output(out, [args.model], folder=fmt == "hf")
+    check_output(out, [args.model], folder=fmt == "hf", kind="new", force=args.force)
     f = open_cmf(args.model)
     with tqdm(desc=f"export {Path(args.model).name}", total=len(f.names), unit=" tensors", file=sys.stderr,
               leave=False, disable=None) as bar:
@@ -79,13 +82,12 @@ def run(args) -> int:
         if fmt == "hf":
             from ..export.hf import export_hf
 
-            path = export_hf(f, out, dtype=s.dtype, shard_bytes=int(s.shard_mb * 1e6), progress=progress)
+            path = export_hf(f, out, dtype=s.dtype, shard_bytes=int(s.shard_mb * 1e6), progress=progress,
+                             force=args.force)
             left = []
         else:
             from ..export.gguf import export_gguf
 
-            if out.exists():
-                raise CortiqError(f"{out}: exists; give a new file name")
             path, left = export_gguf(f, out, pre=s.pre, progress=progress)
     if left:
         print(f"left out (no place in llama.cpp's {f.arch.arch_name}): {len(left)} tensors of the MTP draft",

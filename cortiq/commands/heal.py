@@ -18,6 +18,7 @@ ORDER = 40
 def add_arguments(p):
     from ..heal.settings import HealSettings
     from ..settings_meta import add_arguments as add_settings
+    from ._output import add_force
 
     p.add_argument("student", help="the student model (.cmf), e.g. a compress output")
     p.add_argument("--teacher", default=None, help="the source model (.cmf); not needed with --ce 1")
@@ -29,6 +30,7 @@ def add_arguments(p):
                         "recovered is reported on it")
     p.add_argument("--no-score", action="store_true", help="skip scoring source, student and healed (test split and --eval-data)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_force(p)
     add_settings(p, HealSettings, title="heal settings")
     add_retain(p)
 
@@ -59,7 +61,7 @@ def run(args) -> int:
 
     from ..store import check_output, write_text
 
-    check_output(args.out, [args.student, args.teacher, args.data, args.eval_data])
+    check_output(args.out, [args.student, args.teacher, args.data, args.eval_data], kind="cmf", force=args.force)
     s = from_args(HealSettings, args)
     if args.teacher is None and s.ce < 1.0:
         from ..errors import CortiqError

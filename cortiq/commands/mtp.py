@@ -17,16 +17,19 @@ ORDER = 35
 def _heal_args(p):
     from ..mtp.settings import MtpSettings
     from ..settings_meta import add_arguments as add_settings
+    from ._output import add_force
 
     p.add_argument("model", metavar="MODEL.cmf", help="a model with an MTP draft (cortiq mtp init gives one)")
     p.add_argument("--data", required=True, metavar="SPEC", help="PATH.tdata[@TOKENS], comma-separated")
     p.add_argument("--out", required=True, metavar="OUT.cmf", help="the model with its trained draft")
+    add_force(p)
     add_settings(p, MtpSettings, title="mtp heal settings (those shown as the preset's take the preset's value "
                                        "when unset)")
 
 
 def add_arguments(p):
     from ..settings_meta import HelpFormatter
+    from ._output import add_force
 
     sub = p.add_subparsers(dest="mtp_command", metavar="SUBCOMMAND", required=True)
     fmt = HelpFormatter
@@ -39,6 +42,7 @@ def add_arguments(p):
                        formatter_class=fmt)
     i.add_argument("model", metavar="MODEL.cmf", help="a model without an MTP draft")
     i.add_argument("--out", required=True, metavar="OUT.cmf", help="the model with a fresh draft")
+    add_force(i)
 
 
 def run(args) -> int:
@@ -51,7 +55,13 @@ def run(args) -> int:
     from ..data.windows import parse_spec
 
     data = [] if args.mtp_command == "init" else [path for path, _ in parse_spec(args.data)]
-    check_output(args.out, [args.model, *data])
+    inputs = [args.model, *data]
+    check_output(args.out, inputs, kind="cmf", force=args.force)
+    if args.mtp_command == "heal":
+        from ..mtp.settings import parse_also
+
+        for _, also in parse_also(getattr(args, "also", None) or []):  # the result in other codecs: outputs too
+            check_output(also, inputs, kind="cmf", force=args.force)
     if args.mtp_command == "init":
         rep = mtp_init(args.model, args.out)
         print(f"{rep['out']}: fresh MTP block from layer {rep['layer']}", file=sys.stderr)

@@ -21,6 +21,7 @@ ORDER = 40
 def add_arguments(p):
     from ..quant import QuantSettings
     from ..settings_meta import add_arguments as add_settings
+    from ._output import add_force
 
     p.add_argument("src", metavar="IN.cmf", help="the CMF file to read")
     p.add_argument("out", metavar="OUT.cmf", help="the CMF file to write")
@@ -32,6 +33,7 @@ def add_arguments(p):
     p.add_argument("--data", default=None, metavar="TDATA",
                    help="a tdata directory whose train windows calibrate GPTQ/AWQ (block codecs only)")
     p.add_argument("--work", default=None, help="stage outputs (default: the cortiq home's work/, shared with the flows)")
+    add_force(p)
     add_settings(p, QuantSettings, title="quantization (with --data)")
 
 
@@ -46,7 +48,7 @@ def run(args) -> int:
     from ..settings_meta import from_args
 
     codecs.get(args.codec)  # an unknown codec fails before any work
-    store.check_output(args.out, [args.src])
+    store.check_output(args.out, [args.src], kind="cmf", force=args.force)
     s = from_args(QuantSettings, args)
     src = cmf.open_cmf(args.src)
     if args.data is not None and uses_grams(args.codec, s):

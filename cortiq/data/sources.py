@@ -6,10 +6,13 @@ error messages). Plain text is cut later, once token counts are known.
 
 from __future__ import annotations
 
+import codecs
+import io
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable, Iterator
 
 from ..errors import CortiqError
 from .tdata import SPLITS
@@ -36,12 +39,24 @@ class Item:
 
 @dataclass
 class Document:
-    """A plain text to be cut into records (rids "<stem>:<index>")."""
+    """A plain text to be cut into records (rids "<stem>:<index>"): `text`, or the UTF-8 file
+    `path`, read in chunks as it is cut."""
 
     stem: str
     category: str
     where: str
-    text: str
+    text: str = ""
+    path: Path | None = None
+
+    def chunks(self) -> Iterator[str]:
+        """The text in chunks (a file's of about CHUNK characters); a text of nothing but
+        whitespace is refused at its end."""
+        seen = False
+        for c in decoded(self.path) if self.path is not None else [self.text]:
+            seen = seen or (bool(c) and not c.isspace())
+            yield c
+        if not seen:
+            raise CortiqError(f"{self.where}: no text (an empty file)")
 
 
 def _check_str(v, key: str, where: str) -> str:
@@ -50,29 +65,75 @@ def _check_str(v, key: str, where: str) -> str:
     return v
 
 
+#: characters decoded (and bytes read) at a time: what streaming a source holds besides its records
+CHUNK = 1 << 16
+
+
+def decoded(path: Path) -> Iterator[str]:
+    """The text of a UTF-8 file in chunks of about CHUNK characters, with newlines translated as
+    Python's text files translate them (\\r\\n and \\r become \\n): the same text `read_text` gives,
+    never all of it at once. An undecodable byte is named by its offset in the file."""
+    dec = codecs.getincrementaldecoder("utf-8")()
+    nl = io.IncrementalNewlineDecoder(dec, translate=True)
+    at = 0
+    with open(path, "rb") as f:
+        while True:
+            raw = f.read(CHUNK)
+            held = len(dec.getstate()[0])  # bytes of a character the last chunk cut in two
+            try:
+                text = nl.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:
+                raise CortiqError(f"{path}: not UTF-8 text ({e.reason} at byte {at - held + e.start})") from None
+            at += len(raw)
+            if text:
+                yield text
+            if not raw:
+                return
+
+
+def line_parts(chunks: Iterable[str], limit: int | None) -> Iterator[tuple[str, bool]]:
+    """The lines of the text `chunks` spell, each with its "\\n", as (part, whether it ends the line):
+    a line of more than `limit` characters comes in parts of `limit` (memory bounded by the limit,
+    not by the line; None: whole lines); a text without a final newline ends its last line."""
+    tail = ""
+    for c in chunks:
+        lines = (tail + c).split("\n")
+        tail = lines.pop()
+        for line in lines:
+            line += "\n"
+            i = 0
+            while limit is not None and len(line) - i > limit:
+                yield line[i:i + limit], False
+                i += limit
+            yield line[i:] if i else line, True
+        if limit is not None and len(tail) > limit:
+            cut = len(tail) // limit * limit - (limit if len(tail) % limit == 0 else 0)
+            for i in range(0, cut, limit):
+                yield tail[i:i + limit], False
+            tail = tail[cut:]
+    if tail:
+        yield tail, True
+
+
 def _lines(path: Path, max_line: int | None):
     """The lines of a UTF-8 file, read one at a time; a line over `max_line` characters is
     refused as soon as that many are read (memory bounded by the limit, not the line)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            n = 0
-            while line := f.readline(-1 if max_line is None else max_line + 1):
-                n += 1
-                if max_line is not None and len(line) > max_line and not line.endswith("\n"):
-                    raise CortiqError(f"{path}:{n}: a line of more than {max_line} characters: its record would be "
-                                      "over max_tokens")
-                yield n, line.rstrip("\r\n")
-    except UnicodeDecodeError as e:
-        raise CortiqError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    n = 0
+    for part, whole in line_parts(decoded(path), None if max_line is None else max_line + 1):
+        if not whole or (max_line is not None and len(part.rstrip("\n")) > max_line):
+            raise CortiqError(f"{path}:{n + 1}: a line of more than {max_line} characters: its record would be "
+                              "over max_tokens")
+        n += 1
+        yield n, part.rstrip("\r\n")
 
 
-def read_jsonl(path: Path, category: str | None, max_chars: int | None = None) -> list[Item]:
+def read_jsonl(path: Path, category: str | None, max_chars: int | None = None) -> Iterator[Item]:
     """JSONL: one object per line with `text`, or `prompt` (+ `answer`), or `messages`;
     optional `category`, `split`, `id` (a string or an integer). Blank lines are skipped;
     anything else malformed names its line. With `max_chars` (the most characters a record
     within max_tokens can have), a longer line is refused while it is read: JSON may spell a
-    character in six (\\uXXXX), and the keys take some more."""
-    items = []
+    character in six (\\uXXXX), and the keys take some more. Items come as lines are read."""
+    any_item = False
     max_line = None if max_chars is None else 6 * max_chars + 65536
     for n, line in _lines(path, max_line):
         if not line.strip():
@@ -98,33 +159,28 @@ def read_jsonl(path: Path, category: str | None, max_chars: int | None = None) -
             if not isinstance(msgs, list) or not msgs or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs):
                 raise CortiqError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
-            items.append(Item("chat", messages=msgs, **base))
+            yield Item("chat", messages=msgs, **base)
         elif "prompt" in obj:
             prompt = _check_str(obj["prompt"], "prompt", where)
             answer = obj.get("answer")
             if answer is not None:
                 answer = _check_str(answer, "answer", where)
-            items.append(Item("pair", prompt=prompt, answer=answer, **base))
+            yield Item("pair", prompt=prompt, answer=answer, **base)
         elif "text" in obj:
             text = _check_str(obj["text"], "text", where)
             if not text:
                 raise CortiqError(f"{where}: 'text' is empty")
-            items.append(Item("text", text=text, **base))
+            yield Item("text", text=text, **base)
         else:
             raise CortiqError(f"{where}: no 'text', 'prompt' or 'messages' (keys: {', '.join(sorted(obj)) or 'none'})")
-    if not items:
+        any_item = True
+    if not any_item:
         raise CortiqError(f"{path}: no records (an empty file)")
-    return items
 
 
 def read_text(path: Path, category: str | None) -> Document:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise CortiqError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not text.strip():
-        raise CortiqError(f"{path}: no text (an empty file)")
-    return Document(path.stem, category or path.stem, str(path), text)
+    """A plain text file as a document, read (and checked) as it is cut."""
+    return Document(path.stem, category or path.stem, str(path), path=path)
 
 
 def corpus_documents(name: str, category: str | None = None) -> list[Document]:
@@ -170,17 +226,14 @@ def expand(src: str) -> list[Path]:
     return [p]
 
 
-def read_source(src: str, category: str | None, max_chars: int | None = None) -> tuple[list[Item], list[Document]]:
-    """Items and documents of one source: a path, or `corpus:NAME` (`max_chars`: read_jsonl)."""
+def read_source(src: str, category: str | None, max_chars: int | None = None) -> tuple[Iterator[Item], list[Document]]:
+    """Items and documents of one source: a path, or `corpus:NAME` (`max_chars`: read_jsonl).
+    Its files are found now; they are read as the items are taken and the documents cut."""
     if src.startswith("corpus:"):
-        return [], corpus_documents(src.split(":", 1)[1], category)
-    items: list[Item] = []
-    docs: list[Document] = []
-    for p in expand(src):
-        if p.suffix in JSONL_SUFFIXES:
-            items += read_jsonl(p, category, max_chars)
-        else:
-            docs.append(read_text(p, category))
+        return iter(()), corpus_documents(src.split(":", 1)[1], category)
+    files = expand(src)
+    docs = [read_text(p, category) for p in files if p.suffix not in JSONL_SUFFIXES]
+    items = (it for p in files if p.suffix in JSONL_SUFFIXES for it in read_jsonl(p, category, max_chars))
     return items, docs
 
 

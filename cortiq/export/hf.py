@@ -51,6 +51,7 @@ from ..arch import Arch
 from ..cmf import CmfFile, open_cmf
 from ..errors import CortiqError, is_full, write_error
 from ..model import verify_file
+from ..store import check_output, replace_dir
 
 #: cortiq family → (HF model_type, transformers class)
 FAMILIES = {
@@ -278,10 +279,11 @@ def _write_safetensors(path: Path, items, st_dtype: str, dtype: torch.dtype, ite
 
 
 def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dtype: str = "f32",
-              shard_bytes: int = SHARD_BYTES, progress: Callable[[str], None] | None = None) -> Path:
+              shard_bytes: int = SHARD_BYTES, progress: Callable[[str], None] | None = None,
+              force: bool = False) -> Path:
     """Write the CMF model as a Hugging Face directory `out_dir` (see the module
-    doc). `out_dir` must not exist or be empty; it is written as
-    `out_dir.partial` and renamed when complete."""
+    doc). `out_dir` must not exist or be empty (with `force`, whatever is there is
+    replaced); it is written as `out_dir.partial` and renamed when complete."""
     f = model if isinstance(model, CmfFile) else open_cmf(model)
     out = Path(out_dir)
     verify_file(f)  # what cortiq would refuse to load is not written out for others to load
@@ -290,8 +292,7 @@ def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dt
     arch = f.arch
     if arch.arch_name not in FAMILIES:
         raise CortiqError(f"{f.path}: family {arch.arch_name!r} has no Hugging Face export (known: {', '.join(FAMILIES)})")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CortiqError(f"{out}: exists and is not empty; give a new directory")
+    check_output(out, list(f.paths), folder=True, kind="new", force=force)
     widths = [f.info(f"model.layers.{i}.mlp.down_proj.weight").shape[1] for i in range(arch.num_layers)]
     mtp = mtp_width(f)
     width = max(widths + ([mtp] if mtp else []))
@@ -338,9 +339,7 @@ def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dt
         if draft:
             (tmp / MTP_FILE).parent.mkdir()
             _write_safetensors(tmp / MTP_FILE, draft, st_dt, torch_dt, itemsize, progress)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        tmp.rename(out)
+        replace_dir(tmp, out)  # the old output, if any, goes only once the new one is whole
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and is_full(e):

@@ -182,5 +182,5 @@ def test_refusals_are_one_line(tmp_path, capsys):
     src = write_random(tmp_path / "m.cmf", arch_of("llama"), seed=3)
     (tmp_path / "taken.gguf").write_bytes(b"x")
     assert main(["export", str(src), "--to", "gguf", str(tmp_path / "taken.gguf")]) == 1
-    assert capsys.readouterr().err.strip() == f"cortiq: {tmp_path / 'taken.gguf'}: exists; give a new file name"
+    assert capsys.readouterr().err.strip() == f"cortiq: {tmp_path / 'taken.gguf'} exists (a file); pass --force to overwrite"
     assert (tmp_path / "taken.gguf").read_bytes() == b"x"

@@ -181,7 +181,7 @@ def test_refusals_are_one_line(tmp_path, capsys):
     (busy / "x").write_text("keep me")
     assert main(["export", str(src), "--to", "hf", str(busy)]) == 1
     err = capsys.readouterr().err.strip()
-    assert err == f"cortiq: {busy}: exists and is not empty; give a new directory"
+    assert err == f"cortiq: {busy} exists (a directory that is not empty); pass --force to overwrite"
     assert (busy / "x").read_text() == "keep me" and not (tmp_path / "busy.partial").exists()
     assert main(["export", str(src), "--to", "onnx", str(tmp_path / "o")]) == 1
     assert capsys.readouterr().err.strip() == "cortiq: --to onnx: the format is hf or gguf"

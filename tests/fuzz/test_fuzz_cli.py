@@ -183,14 +183,18 @@ def test_data_build_out_names_a_file(cortiq, valid, tmp_path):
     out = tmp_path / "taken.txt"
     out.write_text("mine")
     r = cortiq.run(["data", "build", text, "--tokenizer", tmp_path / "m.cmf", "--out", out], tmp_path)
-    assert_clean_failure(r, r"taken.txt: exists and is not a directory")
+    assert_clean_failure(r, r"taken.txt exists \(a file, not a directory\); pass --force to overwrite")
     assert out.read_text() == "mine" and not leftovers(tmp_path)
     # nor a directory of other things, which replacing would delete
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "keep.txt").write_text("mine")
     r = cortiq.run(["data", "build", text, "--tokenizer", tmp_path / "m.cmf", "--out", tmp_path / "docs"], tmp_path)
-    assert_clean_failure(r, r"docs: a directory that is not tdata")
+    assert_clean_failure(r, r"docs exists \(a directory that is not tdata: no meta.json of a tdata build\); pass --force")
     assert (tmp_path / "docs" / "keep.txt").read_text() == "mine"
+    r = cortiq.run(["data", "build", text, "--tokenizer", tmp_path / "m.cmf", "--out", tmp_path / "docs", "--force",
+                    "--fractions", "1,0,0"], tmp_path)
+    assert r.rc == 0, str(r)
+    assert (tmp_path / "docs" / "meta.json").is_file() and not (tmp_path / "docs" / "keep.txt").exists()
 
 
 def test_nll_refuses_a_non_finite_result(cortiq, valid, tmp_path):
@@ -258,9 +262,10 @@ def _spelled(spelling: str, target: Path) -> Path:
     return alias
 
 
+@pytest.mark.parametrize("force", [[], ["--force"]])
 @pytest.mark.parametrize("spelling", ["same", "dotdot", "symlink", "hardlink"])
 @pytest.mark.parametrize("cmd", sorted(WRITERS))
-def test_an_output_that_is_the_input_is_refused(cmd, spelling, cortiq, valid, tmp_path):
+def test_an_output_that_is_the_input_is_refused(cmd, spelling, force, cortiq, valid, tmp_path):
     raw, text = valid
     m = tmp_path / "m.cmf"
     m.write_bytes(raw)
@@ -268,9 +273,80 @@ def test_an_output_that_is_the_input_is_refused(cmd, spelling, cortiq, valid, tm
     t.write_text(TEXT)
     target = t if cmd == "data build" else m
     out = _spelled(spelling, target)
-    r = cortiq.run(WRITERS[cmd](m, t, out), tmp_path)
+    r = cortiq.run(WRITERS[cmd](m, t, out) + force, tmp_path)  # --force overwrites no input
     assert_clean_failure(r, r"the output is the input")
     assert m.read_bytes() == raw and t.read_text() == TEXT and not leftovers(tmp_path)
+
+
+#: what each writer says of an existing file that is not its kind of output
+UNRELATED = {"data build": "a file, not a directory", "export hf": "a file", "export gguf": "a file"}
+#: writers whose --force run is cut short here (by a missing tdata, after the output check):
+#: the old output must then be intact
+SLOW = ("compress", "heal", "mtp heal")
+
+
+@pytest.mark.parametrize("cmd", sorted(WRITERS))
+def test_an_existing_unrelated_output_needs_force(cmd, cortiq, built, tmp_path):
+    m = built / "m.cmf"
+    src = m
+    if cmd == "convert":  # a source convert reads: the model as GGUF
+        src = tmp_path / "m.gguf"
+        assert cortiq.run(["export", m, "--to", "gguf", src], tmp_path).rc == 0
+    out = tmp_path / ("out" if cmd in ("data build", "export hf") else "out.x")
+    out.write_text("mine")
+    argv = WRITERS[cmd](src, built / "t.txt", out)
+    argv = [str(built / "td") if a == "td" else str(built / "td") + "@64" if a == "td@64" else str(a) for a in argv]
+    argv += ["--fractions", "1,0,0"] if cmd == "data build" else []
+    r = cortiq.run(argv, tmp_path)
+    assert_clean_failure(r)
+    what = UNRELATED.get(cmd, "not a CMF model")
+    assert r.stderr.strip() == f"cortiq: {out} exists ({what}); pass --force to overwrite"
+    assert out.read_text() == "mine"
+    if cmd in SLOW:
+        argv = [str(tmp_path / "no-td") + a[len(str(built / "td")):] if a.startswith(str(built / "td")) else a
+                for a in argv]
+        r = cortiq.run(argv + ["--force"], tmp_path)
+        # past the output rule, then failed (the model has no draft for mtp heal): the old output stays
+        assert_clean_failure(r, r"no-td|carries no MTP draft")
+        assert out.read_text() == "mine" and not leftovers(tmp_path)
+        return
+    r = cortiq.run(argv + ["--force"], tmp_path)
+    assert r.rc == 0, str(r)
+    if cmd in ("data build", "export hf"):
+        assert out.is_dir() and (out / ("meta.json" if cmd == "data build" else "config.json")).is_file()
+    elif cmd == "export gguf":
+        assert out.read_bytes()[:4] == b"GGUF"
+    else:
+        assert cortiq.run(["verify", out], tmp_path).rc == 0
+    assert not leftovers(tmp_path) and not list(tmp_path.glob("*.replaced"))
+    # its own kind of output is replaced without --force (a command run again); an export is not
+    r = cortiq.run(argv, tmp_path)
+    if cmd.startswith("export"):
+        assert_clean_failure(r)
+        assert r.stderr.strip() == (f"cortiq: {out} exists (a directory that is not empty); pass --force to overwrite"
+                                    if cmd == "export hf" else f"cortiq: {out} exists (a file); pass --force to overwrite")
+    else:
+        assert r.rc == 0, str(r)
+
+
+def test_a_failed_forced_export_leaves_the_old_output(cortiq, valid, tmp_path):
+    raw, _ = valid
+    bad = tmp_path / "bad.cmf"
+    bad.write_bytes(mutated(raw, "NaN weight"))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "keep.txt").write_text("mine")
+    assert_clean_failure(cortiq.run(["export", bad, "--to", "hf", tmp_path / "hf", "--force"], tmp_path),
+                         CMF_CASES["NaN weight"][2])
+    assert (tmp_path / "hf" / "keep.txt").read_text() == "mine" and not leftovers(tmp_path)
+
+
+def test_a_directory_is_not_replaced_by_a_model_file(cortiq, valid, tmp_path):
+    raw, _ = valid
+    (tmp_path / "m.cmf").write_bytes(raw)
+    (tmp_path / "d.cmf").mkdir()
+    r = cortiq.run(["recode", tmp_path / "m.cmf", tmp_path / "d.cmf", "--codec", "q8", "--force"], tmp_path)
+    assert_clean_failure(r)
+    assert r.stderr.strip() == f"cortiq: {tmp_path / 'd.cmf'}: is a directory; give a file name for the output"
 
 
 def test_data_build_into_a_folder_holding_its_source(cortiq, valid, tmp_path):
