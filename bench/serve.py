@@ -338,6 +338,48 @@ def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: 
     return out
 
 
+def step_times(model: Path, batches: list[int], max_len: int, context: int, reps: int, cpu: bool) -> list[dict]:
+    """The server's plain decode step alone (its engine, captured graphs on CUDA): device ms a
+    step at each batch size with every slot `context` tokens long, attending over the whole
+    static cache of max_len positions (the reference) and over the shortest key-length bucket
+    holding the slots (what the server runs)."""
+    import torch
+
+    from cortiq.cmf import open_cmf
+    from cortiq.model import load_model
+    from cortiq.serve.engine import DecodeAdapter
+
+    f = open_cmf(model)
+    m = load_model(f, dtype=torch.float32 if cpu else torch.bfloat16, device="cpu" if cpu else "cuda")
+    ids = [(7 * i + 3) % min(f.arch.vocab_size, 256) for i in range(context)]
+    sync = (lambda: None) if cpu else torch.cuda.synchronize
+    out = []
+    for how, kv in (("whole cache", []), ("key-length bucket", None)):
+        ad = DecodeAdapter(m, max(batches), max_len, kv_buckets=kv)
+        eng = ad.eng
+        with torch.no_grad():
+            for s in range(max(batches)):
+                eng.prefill(s, ids)
+            for b in sorted(batches, reverse=True):
+                for s in range(b, max(batches)):
+                    eng.release(s)
+                for _ in range(3):
+                    eng.step_on(b)
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    eng.step_on(b)
+                sync()
+                ms = 1000 * (time.perf_counter() - t0) / reps
+                out.append({"how": how, "batch": b, "context": context, "key_length": eng._kv_for(b, 0), "ms": ms,
+                            "tok_s": b * 1000 / ms})
+        del ad, eng
+    del m
+    if not cpu:
+        torch.cuda.empty_cache()
+    return out
+
+
 def breakdown(prof: dict) -> str:
     """One line of a server's profile: where its decode loop's host time went."""
     h = prof.get("host_seconds", {})
@@ -374,6 +416,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="each server writes its decode loop's profile")
     ap.add_argument("--profile-steps", type=int, default=20, help="--profile: turns under torch.profiler")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers row")
+    ap.add_argument("--no-steps", action="store_true", help="skip the plain step's times (whole cache vs key-length bucket)")
+    ap.add_argument("--step-context", type=int, default=300, help="tokens in every slot while the step is timed")
     ap.add_argument("--no-offline", action="store_true",
                     help="skip the acceptance table (the engine alone and the offline measure on the same prompts)")
     ap.add_argument("--client-procs", type=int, default=None,
@@ -455,6 +499,12 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 (the row reports why it is missing)
                 hf_rows[kind] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
             print(f"[transformers-{kind}] {hf_rows[kind]}", file=sys.stderr, flush=True)
+    steps = []
+    if not args.no_steps:
+        steps = step_times(model, clients, args.max_len, min(args.step_context, args.max_len // 2),
+                           10 if args.cpu else 200, args.cpu)
+        for r in steps:
+            print(f"[steps] {r}", file=sys.stderr, flush=True)
     accept = []
     spec_modes = [m for m in args.modes.split(",") if m != "plain"]
     if spec_modes and not args.no_offline:
@@ -481,6 +531,18 @@ def main() -> int:
               for r in rows if r["mode"] != "plain" and (r["kind"], r["clients"]) in base]
     if ratios:
         print("\n× plain: " + "; ".join(ratios))
+    if steps:
+        print(f"\nThe plain decode step alone (the server's engine, {'eager' if args.cpu else 'CUDA graphs'}), every "
+              f"slot {steps[0]['context']} tokens long, context {args.max_len}: ms a step (host launch included)")
+        print("| batch | whole cache ms | key-length bucket ms (keys) | × | tok/s per stream |")
+        print("|---|---|---|---|---|")
+        whole = {r["batch"]: r for r in steps if r["how"] == "whole cache"}
+        for r in steps:
+            if r["how"] == "whole cache":
+                continue
+            w = whole[r["batch"]]
+            print(f"| {r['batch']} | {w['ms']:.3f} | {r['ms']:.3f} ({r['key_length']}) | {w['ms'] / r['ms']:.2f} | "
+                  f"{1000 / r['ms']:.0f} |")
     if accept:
         print(f"\nTokens a round at depth {args.draft} on the same prompts: the servers (their count at shutdown, "
               "warm-up included), the engine alone and mtp heal's offline measure (per dtype)")
@@ -500,7 +562,8 @@ def main() -> int:
         if prof.get("torch_profiler"):
             print(prof["torch_profiler"])
     res = {"model": name, "banner": banner, "rows": rows, "tokens_a_round": spec_rate, "transformers": hf_rows,
-           "acceptance": accept, "profiles": profiles}
+           "acceptance": accept, "step_ms": steps,
+           "profiles": profiles}
     for path in [out / "serve.json"] + ([Path(args.json)] if args.json else []):
         part = path.with_name(path.name + ".partial")
         part.write_text(json.dumps(res, indent=2))
