@@ -10,7 +10,14 @@ except reading the new tokens to stream them.
 API (the contract a server builds on; slots are independent requests)
 ---------------------------------------------------------------------
 
-    eng = DecodeEngine(model, slots=8, max_len=2048, draft=0, sampling=False, graphs=None)
+    eng = DecodeEngine(model, slots=8, max_len=2048, draft=0, sampling=False, graphs=None,
+                       buckets=None, kv_buckets=None)
+        buckets: batch sizes b the bucketed steps (`step_on(b)`, `spec_on(b, depth)`) run slots
+        0..b-1 at; kv_buckets: key lengths those steps' attention may read the caches up to
+        (each rounded up to a multiple of 16; max_len is always one). A bucketed step attends
+        over the shortest that holds every position its active slots write or read, found from
+        the host's upper bound of their lengths; one CUDA graph per batch bucket, key length
+        and kind of step. The full-width `step`/`spec_step` read the whole cache.
 
     first = eng.prefill(slot, ids, temperature=0.0)   # -> int, the slot's first new token
         Runs the prompt `ids` (a list of ints) through the model (the reference
