@@ -30,6 +30,15 @@ continuous batching (`generate_batch`) where the installed version has it
 on the same weights (LlamaForCausalLM, bf16 on CUDA), greedy, EOS stopping
 a row; tokens/s over its wall time (no HTTP).
 
+Then, off the servers, in this process: the plain decode step alone (the server's
+engine: ms a step at each client count, every slot --step-context tokens long, over the
+whole static cache and over the key-length bucket the server runs; --no-steps skips it),
+and tokens a round at --draft on the servers' own prompts from the engine alone and from
+mtp heal's offline measure (cortiq.mtp.measure_text on each prompt's greedy continuation,
+in bf16 and f32 on a GPU), beside the servers' count and the ratio of drafts kept
+(--no-offline skips it). In f32 the server and the measure agree exactly
+(tests/serve/test_acceptance.py), so that ratio shows what bf16 and the draft's text do.
+
 --profile: every server writes where its decode loop's time went (host
 seconds in prefill, launching steps, waiting for the device, text and stop
 checks, handing events to the HTTP side; the device's own step time; SSE
