@@ -30,6 +30,15 @@ continuous batching (`generate_batch`) where the installed version has it
 on the same weights (LlamaForCausalLM, bf16 on CUDA), greedy, EOS stopping
 a row; tokens/s over its wall time (no HTTP).
 
+Then, off the servers, in this process: the plain decode step alone (the server's
+engine: ms a step at each client count, every slot --step-context tokens long, over the
+whole static cache and over the key-length bucket the server runs; --no-steps skips it),
+and tokens a round at --draft on the servers' own prompts from the engine alone and from
+mtp heal's offline measure (cortiq.mtp.measure_text on each prompt's greedy continuation,
+in bf16 and f32 on a GPU), beside the servers' count and the ratio of drafts kept
+(--no-offline skips it). In f32 the server and the measure agree exactly
+(tests/serve/test_acceptance.py), so that ratio shows what bf16 and the draft's text do.
+
 --profile: every server writes where its decode loop's time went (host
 seconds in prefill, launching steps, waiting for the device, text and stop
 checks, handing events to the HTTP side; the device's own step time; SSE
@@ -292,6 +301,94 @@ def transformers_row(model: Path, prompts: list[list[int]], batch: int, max_toke
             "tok_s": tokens / wall}
 
 
+def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: int, cpu: bool) -> list[dict]:
+    # prompts: {kind: token-id prompts}; plans: {kind: the index of every prompt the levels sent}
+    """Tokens a speculative round decides on the servers' own prompts, off the server: the engine
+    alone (`decode`, greedy, EOS stops a row) and mtp heal's offline measure
+    (`cortiq.mtp.measure_text`, the rounds a greedy decode walks) on each prompt's greedy
+    continuation, each prompt weighted by how often the levels sent it. In f32 the server, the
+    engine and the measure agree exactly (tests/serve/test_acceptance.py); here the measure runs
+    in bf16 (as the server) and in f32, so the ratio says how much is bf16 and how much the text."""
+    import torch
+
+    from bench.decode import offline
+    from cortiq.cmf import open_cmf
+    from cortiq.model import load_model
+    from cortiq.model.generate import decode
+
+    f = open_cmf(model)
+    eos = [int(i) for i in (f.tokenizer or {}).get("eos_ids") or [f.eos_id]]
+    dev = "cpu" if cpu else "cuda"
+    dtypes = [torch.float32] if cpu else [torch.bfloat16, torch.float32]
+    out = []
+    for kind, plan in plans.items():
+        ids = prompts[kind]
+        uniq = sorted(set(plan))
+        weight = [plan.count(i) for i in uniq]
+        ps = [ids[i] for i in uniq]
+        for dt in dtypes:
+            m = load_model(f, dtype=dt, device=dev)
+            with torch.no_grad():
+                spec = decode(m, ps, max_new=max_tokens, draft=draft, eos_ids=eos)
+                # the continuation runs past the answer (the last round's drafts lie in the text)
+                # unless it ended at an EOS
+                cont = decode(m, ps, max_new=max_tokens + draft + 1, eos_ids=eos)
+            seqs = [p + r.tokens for p, r, w in zip(ps, cont, weight) for _ in range(w)]
+            plens = [len(p) for p, w in zip(ps, weight) for _ in range(w)]
+            dpr = offline(m, seqs, plens, draft, max_tokens, pad=eos[0]).get("walk", 0.0)
+            rounds = sum(r.rounds * w for r, w in zip(spec, weight))
+            kept = sum(r.accepted * w for r, w in zip(spec, weight))
+            out.append({"kind": kind, "dtype": str(dt)[6:], "depth": draft, "prompts": len(ps),
+                        "requests": sum(weight), "engine_tokens_a_round": 1 + kept / max(rounds, 1),
+                        "offline_tokens_a_round": 1 + dpr})
+            del m
+            if not cpu:
+                torch.cuda.empty_cache()
+    return out
+
+
+def step_times(model: Path, batches: list[int], max_len: int, context: int, reps: int, cpu: bool) -> list[dict]:
+    """The server's plain decode step alone (its engine, captured graphs on CUDA): device ms a
+    step at each batch size with every slot `context` tokens long, attending over the whole
+    static cache of max_len positions (the reference) and over the shortest key-length bucket
+    holding the slots (what the server runs)."""
+    import torch
+
+    from cortiq.cmf import open_cmf
+    from cortiq.model import load_model
+    from cortiq.serve.engine import DecodeAdapter
+
+    f = open_cmf(model)
+    m = load_model(f, dtype=torch.float32 if cpu else torch.bfloat16, device="cpu" if cpu else "cuda")
+    ids = [(7 * i + 3) % min(f.arch.vocab_size, 256) for i in range(context)]
+    sync = (lambda: None) if cpu else torch.cuda.synchronize
+    out = []
+    for how, kv in (("whole cache", []), ("key-length bucket", None)):
+        ad = DecodeAdapter(m, max(batches), max_len, kv_buckets=kv)
+        eng = ad.eng
+        with torch.no_grad():
+            for s in range(max(batches)):
+                eng.prefill(s, ids)
+            for b in sorted(batches, reverse=True):
+                for s in range(b, max(batches)):
+                    eng.release(s)
+                for _ in range(3):
+                    eng.step_on(b)
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    eng.step_on(b)
+                sync()
+                ms = 1000 * (time.perf_counter() - t0) / reps
+                out.append({"how": how, "batch": b, "context": context, "key_length": eng._kv_for(b, 0), "ms": ms,
+                            "tok_s": b * 1000 / ms})
+        del ad, eng
+    del m
+    if not cpu:
+        torch.cuda.empty_cache()
+    return out
+
+
 def breakdown(prof: dict) -> str:
     """One line of a server's profile: where its decode loop's host time went."""
     h = prof.get("host_seconds", {})
@@ -328,6 +425,10 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="each server writes its decode loop's profile")
     ap.add_argument("--profile-steps", type=int, default=20, help="--profile: turns under torch.profiler")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers row")
+    ap.add_argument("--no-steps", action="store_true", help="skip the plain step's times (whole cache vs key-length bucket)")
+    ap.add_argument("--step-context", type=int, default=300, help="tokens in every slot while the step is timed")
+    ap.add_argument("--no-offline", action="store_true",
+                    help="skip the acceptance table (the engine alone and the offline measure on the same prompts)")
     ap.add_argument("--client-procs", type=int, default=None,
                     help="processes the clients are shared out over (default: 4 on a GPU, 1 on a CPU)")
     ap.add_argument("--out", default=None, help="write the figures (serve.json) and profiles here")
@@ -353,6 +454,9 @@ def main() -> int:
     tok = load_tokenizer(model)
     biggest = max(clients) * requests
     prompts = {"chat": QUESTIONS, "text": text_prompts(tok, max(16, biggest), args.prompt_tokens)}
+    # which prompt (by index) each level's clients send: the acceptance table weighs prompts alike
+    sent = {kind: [i for c in clients for mine in pick(list(range(len(ps))), c, requests, c) for i in mine]
+            for kind, ps in prompts.items()}
     dev = ["--device", "cpu"] if args.cpu else []
     rows, spec_rate, plain_answers, banner, profiles = [], {}, {}, "", {}
     pool = Clients(args.client_procs)
@@ -404,6 +508,19 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 (the row reports why it is missing)
                 hf_rows[kind] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
             print(f"[transformers-{kind}] {hf_rows[kind]}", file=sys.stderr, flush=True)
+    steps = []
+    if not args.no_steps:
+        steps = step_times(model, clients, args.max_len, min(args.step_context, args.max_len // 2),
+                           10 if args.cpu else 200, args.cpu)
+        for r in steps:
+            print(f"[steps] {r}", file=sys.stderr, flush=True)
+    accept = []
+    spec_modes = [m for m in args.modes.split(",") if m != "plain"]
+    if spec_modes and not args.no_offline:
+        ids = {"chat": chat_ids(model, QUESTIONS), "text": prompts["text"]}
+        accept = acceptance(model, ids, {k: sent[k] for k in args.kinds.split(",")}, args.draft, max_tokens, args.cpu)
+        for a in accept:
+            print(f"[acceptance] {a}", file=sys.stderr, flush=True)
     print(f"\nbench/serve.py: {banner}; max_tokens {max_tokens}, {requests} requests per client, greedy, "
           f"streaming (openai client, {args.client_procs} client processes), draft {args.draft}")
     print("| mode | prompts | clients | requests | req/s | tok/s | TTFT ms | stream tok/s | same | tok/round |")
@@ -423,11 +540,38 @@ def main() -> int:
               for r in rows if r["mode"] != "plain" and (r["kind"], r["clients"]) in base]
     if ratios:
         print("\n× plain: " + "; ".join(ratios))
+    if steps:
+        print(f"\nThe plain decode step alone (the server's engine, {'eager' if args.cpu else 'CUDA graphs'}), every "
+              f"slot {steps[0]['context']} tokens long, context {args.max_len}: ms a step (host launch included)")
+        print("| batch | whole cache ms | key-length bucket ms (keys) | × | tok/s per stream |")
+        print("|---|---|---|---|---|")
+        whole = {r["batch"]: r for r in steps if r["how"] == "whole cache"}
+        for r in steps:
+            if r["how"] == "whole cache":
+                continue
+            w = whole[r["batch"]]
+            print(f"| {r['batch']} | {w['ms']:.3f} | {r['ms']:.3f} ({r['key_length']}) | {w['ms'] / r['ms']:.2f} | "
+                  f"{1000 / r['ms']:.0f} |")
+    if accept:
+        print(f"\nTokens a round at depth {args.draft} on the same prompts: the servers (their count at shutdown, "
+              "warm-up included), the engine alone and mtp heal's offline measure (per dtype)")
+        print("| prompts | dtype | prompts (requests) | server speculative | server auto | engine alone | offline "
+              "| speculative / offline |")
+        print("|---|---|---|---|---|---|---|---|")
+        for a in accept:
+            sv, au = spec_rate.get(f"speculative-{a['kind']}"), spec_rate.get(f"auto-{a['kind']}")
+            kept = a["offline_tokens_a_round"] - 1
+            ratio = f"{(sv - 1) / kept:.2f}" if sv and kept > 0 else "-"
+            print(f"| {a['kind']} | {a['dtype']} | {a['prompts']} ({a['requests']}) | {f'{sv:.3f}' if sv else '-'} | "
+                  f"{f'{au:.3f}' if au else '-'} | {a['engine_tokens_a_round']:.3f} | "
+                  f"{a['offline_tokens_a_round']:.3f} | {ratio} |")
+        print("(ratio: drafts kept a round, the speculative server over the offline measure)")
     for tag, prof in profiles.items():
         print(f"\nprofile {tag}: {breakdown(prof)}")
         if prof.get("torch_profiler"):
             print(prof["torch_profiler"])
     res = {"model": name, "banner": banner, "rows": rows, "tokens_a_round": spec_rate, "transformers": hf_rows,
+           "acceptance": accept, "step_ms": steps,
            "profiles": profiles}
     for path in [out / "serve.json"] + ([Path(args.json)] if args.json else []):
         part = path.with_name(path.name + ".partial")

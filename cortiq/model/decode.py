@@ -10,7 +10,14 @@ except reading the new tokens to stream them.
 API (the contract a server builds on; slots are independent requests)
 ---------------------------------------------------------------------
 
-    eng = DecodeEngine(model, slots=8, max_len=2048, draft=0, sampling=False, graphs=None)
+    eng = DecodeEngine(model, slots=8, max_len=2048, draft=0, sampling=False, graphs=None,
+                       buckets=None, kv_buckets=None)
+        buckets: batch sizes b the bucketed steps (`step_on(b)`, `spec_on(b, depth)`) run slots
+        0..b-1 at; kv_buckets: key lengths those steps' attention may read the caches up to
+        (each rounded up to a multiple of 16; max_len is always one). A bucketed step attends
+        over the shortest that holds every position its active slots write or read, found from
+        the host's upper bound of their lengths; one CUDA graph per batch bucket, key length
+        and kind of step. The full-width `step`/`spec_step` read the whole cache.
 
     first = eng.prefill(slot, ids, temperature=0.0)   # -> int, the slot's first new token
         Runs the prompt `ids` (a list of ints) through the model (the reference
@@ -184,7 +191,8 @@ class DecodeEngine:
     """Static-cache decoding over `slots` independent sequences (module docstring: the API)."""
 
     def __init__(self, model, slots: int = 1, max_len: int = 1024, draft: int = 0, sampling: bool = False,
-                 graphs: bool | None = None, seed: int = 0, buckets: list[int] | None = None):
+                 graphs: bool | None = None, seed: int = 0, buckets: list[int] | None = None,
+                 kv_buckets: list[int] | None = None):
         arch = model.arch
         if slots < 1:
             raise CortiqError(f"decode engine: {slots} slots, need at least 1")
@@ -199,6 +207,11 @@ class DecodeEngine:
         self.dev, self.dt = w.device, w.dtype
         self.S, self.k = slots, draft
         self.M = M = -(-max_len // 16) * 16  # attention masks want a 16-aligned key length
+        # key lengths a bucketed step attends over (each 16-aligned, the last M): a step whose
+        # slots all lie below L reads only the first L positions of the caches
+        kv = sorted({min(M, -(-int(x) // 16) * 16) for x in (kv_buckets or []) if int(x) > 0} | {M})
+        self.kv_sizes = kv
+        self.L = M  # the key length the next step's attention reads (set by each entry point)
         self.max_len = max_len
         self.sampling = sampling
         self.graphs = (self.dev.type == "cuda") if graphs is None else graphs
@@ -277,8 +290,8 @@ class DecodeEngine:
         """The step graphs: one per bucket and kind of step, or the full step (and round)."""
         if bucketed:
             self._capture_buckets()
-            self._g_step = self._bucket_graphs[("plain", self.S, True)]
-            self._g_spec = self._bucket_graphs.get(("spec", self.S, self.k))
+            self._g_step = self._bucket_graphs[("plain", self.S, True, self.M)]
+            self._g_spec = self._bucket_graphs.get(("spec", self.S, self.k, self.M))
         else:
             self._g_step = self._capture(self._plain)
             if self.k:
@@ -366,6 +379,19 @@ class DecodeEngine:
             self._hi[s], self._on[s] = k, True
         return first.tolist()
 
+    def _at(self, L: int, fn, *args):
+        """fn(*args) with the attention reading the first L cache positions."""
+        self.L = L
+        return fn(*args)
+
+    def _kv_for(self, b: int, depth: int) -> int:
+        """The shortest key length that holds every position a step over slots 0..b-1 verifying
+        `depth` drafts writes or reads: the trunk's block (the pending token and the drafts)
+        and the draft's chain after it, from the host's upper bound of each active slot's length."""
+        hi = max((self._hi[s] for s in range(b) if self._on[s]), default=0)
+        need = hi + depth + self.k + 1
+        return next((L for L in self.kv_sizes if L >= need), self.M)
+
     @torch.no_grad()
     def steps(self, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """`n` plain steps with no host sync between them: -> LongTensor [n, slots] on the device
@@ -374,6 +400,7 @@ class DecodeEngine:
         if out is None:
             out = torch.empty(n, self.S, dtype=torch.long, device=self.dev)
         self._room(n)
+        self.L = self.M
         for i in range(n):
             if self._g_step is not None:
                 self._g_step.replay()
@@ -399,6 +426,7 @@ class DecodeEngine:
     @torch.no_grad()
     def step(self) -> torch.Tensor:
         self._room(1)
+        self.L = self.M
         if self._g_step is not None:
             self._g_step.replay()
         else:
@@ -412,6 +440,7 @@ class DecodeEngine:
         if not self.k:
             raise CortiqError("decode engine: spec_step needs an engine built with draft ≥ 1")
         self._room(self.k + 1)
+        self.L = self.M
         if self._g_spec is not None:
             self._g_spec.replay()
         else:
@@ -460,15 +489,17 @@ class DecodeEngine:
     def _ctx(self, pos, T):
         """Positions [S, T] from first positions pos [S] (clamped: inactive
         slots may point anywhere), with RoPE [S, T, 1, rdim], the KV write
-        index [S, Hkv, T, D] and the additive mask [S, 1, G·T, M] (query row
-        g·T + t of a KV head sees keys ≤ its position)."""
-        S, M = self.S, self.M
-        p = (pos[:, None] + self.ar[:T]).clamp(0, M - 1)  # [S, T]
+        index [S, Hkv, T, D] and the additive mask [S, 1, G·T, L] (query row
+        g·T + t of a KV head sees keys ≤ its position; L the key length of this step)."""
+        S, L = self.S, self.L
+        # an active slot's positions lie below L (the entry points choose L from the host's
+        # bound of the lengths); the clamp only moves inactive slots' rows, which nothing reads
+        p = (pos[:, None] + self.ar[:T]).clamp(0, L - 1)  # [S, T]
         cos, sin = self.cos[p][:, :, None], self.sin[p][:, :, None]
         idx = p[:, None, :, None].expand(S, self.hkv, T, self.D)
-        ok = self.ar[:M][None, None, :] <= p[:, :, None]  # [S, T, M]
-        mask = torch.zeros(S, T, M, dtype=self.dt, device=self.dev).masked_fill(~ok, float("-inf"))
-        mask = mask[:, None].expand(S, self.G, T, M).reshape(S, 1, self.G * T, M)
+        ok = self.ar[:L][None, None, :] <= p[:, :, None]  # [S, T, L]
+        mask = torch.zeros(S, T, L, dtype=self.dt, device=self.dev).masked_fill(~ok, float("-inf"))
+        mask = mask[:, None].expand(S, self.G, T, L).reshape(S, 1, self.G * T, L)
         return cos, sin, idx, mask
 
     def _attn(self, L: _Attn, h, ctx, K, V):
@@ -477,6 +508,7 @@ class DecodeEngine:
         cos, sin, idx, mask = ctx
         a = L.a
         S, T, _ = h.shape
+        K, V = K[:, :, : self.L], V[:, :, : self.L]  # the live part of the caches (views: writes land in them)
         x = L.ln1(h)
         qkv = F.linear(x, L.w_qkv, L.b_qkv)  # [S, T, (Hq(·2) + 2·Hkv)·D]
         q, k, v = qkv.split(L.split, -1)
@@ -671,13 +703,15 @@ class DecodeEngine:
         """One graph per bucket and kind of step, sharing one memory pool (they replay one at a
         time and keep nothing between replays but the engine's own buffers)."""
         pool = torch.cuda.graph_pool_handle()
+        G = self._bucket_graphs
         for b in reversed(self.buckets):
             v = self._view(b)
-            self._bucket_graphs[("plain", b, True)] = self._capture(v._plain, pool)
-            if self.k:
-                self._bucket_graphs[("plain", b, False)] = self._capture(lambda v=v: v._plain(False), pool)
-                for d in range(1, self.k + 1):
-                    self._bucket_graphs[("spec", b, d)] = self._capture(lambda v=v, d=d: v._spec(d), pool)
+            for L in reversed(self.kv_sizes):  # (the key length is fixed in each graph)
+                G[("plain", b, True, L)] = self._capture(lambda v=v, L=L: v._at(L, v._plain), pool)
+                if self.k:
+                    G[("plain", b, False, L)] = self._capture(lambda v=v, L=L: v._at(L, v._plain, False), pool)
+                    for d in range(1, self.k + 1):
+                        G[("spec", b, d, L)] = self._capture(lambda v=v, L=L, d=d: v._at(L, v._spec, d), pool)
 
     def _check_rows(self, b: int) -> None:
         if b not in self.buckets:
@@ -693,11 +727,13 @@ class DecodeEngine:
         `spec_on` chains first."""
         self._check_rows(b)
         self._room(1)
-        g = self._bucket_graphs.get(("plain", b, bool(chain) or not self.k))
+        L = self._kv_for(b, 0)
+        g = self._bucket_graphs.get(("plain", b, bool(chain) or not self.k, L))
         if g is not None:
             g.replay()
         else:
-            self._view(b)._plain(chain)
+            v = self._view(b)
+            v._at(L, v._plain, chain)
         if self.k:
             self._stale = not chain
         for s in range(b):
@@ -714,14 +750,15 @@ class DecodeEngine:
         self._check_rows(b)
         self._room(d + 1)
         v = self._view(b)
+        L = self._kv_for(b, d)
         if self._stale:  # the steps since the last chain left the drafts behind: chain from the kept rows
-            v._chain(v.mtp_last, v.pos)
+            v._at(L, v._chain, v.mtp_last, v.pos)
             self._stale = False
-        g = self._bucket_graphs.get(("spec", b, d))
+        g = self._bucket_graphs.get(("spec", b, d, L))
         if g is not None:
             g.replay()
         else:
-            v._spec(d)
+            v._at(L, v._spec, d)
         for s in range(b):
             self._hi[s] += (d + 1) * self._on[s]
         return self.out_pred, self.out_n

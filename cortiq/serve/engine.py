@@ -211,6 +211,14 @@ def bucket_sizes(slots: int) -> list[int]:
     return out + [slots]
 
 
+def kv_bucket_sizes(max_len: int, shortest: int = 32) -> list[int]:
+    """Key lengths a step's attention is built for: 32, 64, ... below max_len, then max_len. A
+    step reads the caches up to the shortest that holds its slots (attention over the whole
+    static cache of 1024 positions was a quarter of a batch-1 step's device time on an H200),
+    at the price of one captured graph per length, batch bucket and kind of step."""
+    return [L for L in bucket_sizes(max_len) if L >= shortest] or [max_len]
+
+
 class _DecodeLaunched(Launched):
     """A decode-adapter step in flight: its tokens are being copied into pinned host
     buffers behind the step on the device's stream; `wait()` waits for that copy only."""
@@ -263,10 +271,11 @@ class DecodeAdapter(Engine):
     steps_all = True
 
     def __init__(self, model, max_batch: int, max_len: int, draft: int = 0, graphs: bool | None = None,
-                 buckets: list[int] | None = None):
+                 buckets: list[int] | None = None, kv_buckets: list[int] | None = None):
         super().__init__(model, max_batch, max_len, draft)
         self.eng = _row_keeping_engine()(model, slots=max_batch, max_len=max_len, draft=draft, sampling=False,
-                                         graphs=graphs, buckets=buckets or bucket_sizes(max_batch))
+                                         graphs=graphs, buckets=buckets or bucket_sizes(max_batch),
+                                         kv_buckets=kv_bucket_sizes(max_len) if kv_buckets is None else kv_buckets)
         from ..model.decode import StagedPrefill
 
         # prompts by captured chunk graphs where the model allows (attention only)

@@ -288,20 +288,24 @@ class Scheduler:
         t1 = time.perf_counter()
         self.prof["wait"] += t1 - t0
         self.prof["device"] += step.seconds
+        # a request that ended while this step ran (its last token came in the step before)
+        # gets nothing from it: its round is not counted, so the rounds and drafts kept are
+        # those of the answers' own tokens (what the offline measure walks)
+        keep = [i for i, r in enumerate(reqs) if r.slot >= 0 and not r.cancelled]
         if step.depth:
-            self.stats["rounds"] += len(reqs)
-            self.stats["round_tokens"] += sum(len(t) for t in new)
+            self.stats["rounds"] += len(keep)
+            self.stats["round_tokens"] += sum(len(new[i]) for i in keep)
         else:
             self.stats["steps"] += 1
         pol = self.policy
         if pol is not None:
             pol.record(step.bucket, step.depth, step.seconds)
             if step.depth:
-                for r, toks in zip(reqs, new):
+                for i in keep:
+                    r, toks = reqs[i], new[i]
                     tries = pol.accepted(len(toks) - 1, step.depth)
                     r.acc = 0.9 * r.acc + len(toks) - 1
                     r.tries = 0.9 * r.tries + tries
-        keep = [i for i, r in enumerate(reqs) if r.slot >= 0 and not r.cancelled]
         self._take([reqs[i] for i in keep], [new[i] for i in keep])
 
     def _take(self, reqs: list, toks: list):

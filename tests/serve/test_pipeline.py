@@ -56,6 +56,39 @@ def test_a_bucket_step_equals_the_full_step(kind):
         a.step_on(3)
 
 
+@pytest.mark.parametrize("kind", ["llama", "hybrid"])
+def test_attention_over_a_key_length_bucket_equals_the_whole_cache(kind):
+    """Steps and rounds whose attention reads the caches only up to the shortest key length
+    holding their slots give the tokens, caches and drafts of steps over the whole static
+    cache (the plain reference), with slots at different lengths crossing the buckets' edges."""
+    m = random_model(arch(kind), mix=0.5)
+    ref = DecodeEngine(m, slots=4, max_len=64, draft=2, buckets=[1, 2, 4])
+    fast = DecodeEngine(m, slots=4, max_len=64, draft=2, buckets=[1, 2, 4], kv_buckets=[16, 24])
+    assert (ref.kv_sizes, fast.kv_sizes) == ([64], [16, 32, 64])  # 16-aligned, the whole cache last
+    used = []
+    kv_for = fast._kv_for
+    fast._kv_for = lambda b, d: (used.append(kv_for(b, d)), used[-1])[1]
+    for e in (ref, fast):
+        for s, p in [(0, PROMPTS[0]), (1, PROMPTS[1]), (2, PROMPTS[2])]:
+            e.prefill(s, p)
+    for i in range(16):
+        if i == 8:
+            for e in (ref, fast):  # a slot leaves; a short prompt takes it while the others run on
+                e.release(1)
+                e.prefill(1, PROMPTS[3])
+        if i % 3 == 1:
+            (pa, na), (pb, nb) = ref.spec_on(4, 1 + i % 2), fast.spec_on(4, 1 + i % 2)
+            assert torch.equal(na, nb) and all(pa[s, : na[s]].tolist() == pb[s, : nb[s]].tolist() for s in range(3))
+        else:
+            assert ref.step_on(4, chain=i % 4 != 0)[:3].tolist() == fast.step_on(4, chain=i % 4 != 0)[:3].tolist()
+    assert ref.pos.tolist() == fast.pos.tolist() and ref.drafts.tolist() == fast.drafts.tolist()
+    assert set(used) == {16, 32, 64}  # lengths ran below, between and past the buckets' edges
+    for s, n in enumerate(ref.pos.tolist()[:3]):
+        torch.testing.assert_close(fast.K[:, s, :, :n], ref.K[:, s, :, :n], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fast.V[:, s, :, :n], ref.V[:, s, :, :n], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fast.MK[s, :, :n], ref.MK[s, :, :n], rtol=1e-6, atol=1e-6)
+
+
 def test_chunked_prefill_equals_the_whole_prompt():
     m = random_model(arch("llama"), mix=0.5)
     whole = DecodeEngine(m, slots=2, max_len=48, draft=2)
@@ -256,7 +289,9 @@ def test_graph_capture_warm_ups_on_fresh_buffers_then_replays_answer_greedy(mode
     eng.eng.graphs = True
     eng.eng._capture_steps(bucketed=True)
     eng.staged = StagedPrefill(eng.eng)
-    assert len(eng.staged.graphs) == 3 and len(eng.eng._bucket_graphs) == 3 * (1 + bool(draft) * (1 + draft))
+    kinds = 1 + bool(draft) * (1 + draft)  # plain (with and without the chain), a round of each depth
+    assert eng.eng.kv_sizes == [32, 64]  # a graph per batch bucket, key length and kind
+    assert len(eng.staged.graphs) == 3 and len(eng.eng._bucket_graphs) == 3 * 2 * kinds
     _answers_greedy(m, eng, _tok(), speculative=bool(draft), spec_auto=bool(draft), prefill_chunk=5)
     staged = list(eng.staged.graphs.values())
     assert sum(g.replays for g in staged) > 0 and sum(g.replays for g in graphs if g not in staged) > 0
