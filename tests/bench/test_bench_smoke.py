@@ -112,6 +112,8 @@ def check_selfgen(d):
 
 def check_serve(d):
     assert {r["mode"] for r in _rows(d)} == {"plain", "speculative", "auto"} and all(r["tokens"] > 0 for r in _rows(d))
+    # the plain step alone (whole cache against its key-length bucket) and the acceptance table
+    assert d["step_ms"] and d["acceptance"], {k: d.get(k) for k in ("step_ms", "acceptance")}
 
 
 def check_codecs(d):
