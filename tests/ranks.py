@@ -7,12 +7,28 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
+from pathlib import Path
+
+#: thread names of a torch.distributed group's C++ machinery (gloo's workers and TCP loop, the store's server)
+GROUP_THREADS = ("pt_gloo", "gloo_", "pt_tcpstore")
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def group_threads() -> list[str]:
+    """The names of this process's threads that belong to a process group (Linux names threads in /proc)."""
+    tasks = Path("/proc/self/task")
+    names = []
+    for t in tasks.iterdir() if tasks.is_dir() else ():
+        try:
+            names.append((t / "comm").read_text().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sorted(n for n in names if n.startswith(GROUP_THREADS))
 
 
 def _entry(fn, rank: int, world: int, port: int, args: tuple, err_path: str) -> None:
@@ -27,6 +43,9 @@ def _entry(fn, rank: int, world: int, port: int, args: tuple, err_path: str) -> 
         assert dist.init() and dist.world() == world and dist.rank() == rank
         fn(rank, *args)
         dist.finish()
+        # a group alive past finish is torn down at interpreter exit, where its threads can abort the rank
+        left = group_threads()
+        assert not left, f"rank {rank}: the process group's threads outlive dist.finish: {left}"
     except BaseException:
         with open(f"{err_path}.{rank}", "w") as f:
             f.write(traceback.format_exc())
