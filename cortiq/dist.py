@@ -88,20 +88,17 @@ def finish() -> None:
     interpreter finalization, in whatever order modules die, where a gloo
     worker thread that needs the GIL is ended inside C++ code: the rank can abort at
     exit ("terminate called without an active exception") after its work
-    succeeded. So, on the way out of a command that succeeded, every rank first
-    meets the others (gloo's barrier also waits for this rank's queued
-    collectives: none is in flight when a peer's sockets close); then the group
-    is destroyed, the meshes' references to it dropped and the unreachable
-    wrapped modules (DDP's and FSDP2's hold it too) collected, which joins its
-    threads here. On the way out of a failure there is no barrier: the peers
-    may never reach it. A model the caller still holds keeps its group alive."""
+    succeeded. So the group is destroyed, the meshes' references to it dropped
+    and the unreachable wrapped modules (DDP's and FSDP2's hold it too)
+    collected, which joins its threads here, while the interpreter is whole.
+    There is no barrier: rank 0 may go on alone (scoring, writing) for longer
+    than a collective's timeout after the others are done. A model the caller
+    still holds keeps its group alive."""
     d = _dist()
     if d is None:
         return
     import gc
 
-    if sys.exc_info()[0] is None:
-        d.barrier()
     d.destroy_process_group()
     for m in list(_MESHES):
         reg = getattr(m, "_pg_registry", None)  # the mesh's groups by name (absent where a torch keeps names only)
