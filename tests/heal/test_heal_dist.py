@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cortiq import dist, store
+from cortiq.heal import parallel
 from cortiq.heal import prefix as prefix_mod
 from cortiq.heal import targets as targets_mod
 from cortiq.heal.settings import HealSettings
@@ -106,12 +107,10 @@ def _settings(**kw):
 
 
 #: FSDP2's share under which each layer's gathered weights are kept (cortiq's own), restored between jobs
-_KEEP = __import__("cortiq.heal.parallel", fromlist=["KEEP_GATHERED_SHARE"]).KEEP_GATHERED_SHARE
+_KEEP = parallel.KEEP_GATHERED_SHARE
 
 
 def _fit(rank, work, kw, kill_at, out):
-    from cortiq.heal import parallel
-
     kw = dict(kw)
     # 0: FSDP2 gathers each layer's weights again for its backward
     parallel.KEEP_GATHERED_SHARE = kw.pop("keep_share", _KEEP)
