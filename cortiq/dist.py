@@ -20,6 +20,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 from typing import Iterator
 
@@ -62,11 +63,49 @@ def init() -> bool:
     return True
 
 
+#: the device meshes `mesh` made in this process (weakly: a mesh no one holds may go)
+_MESHES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def mesh(device_type: str):
+    """A one-dimensional device mesh over every rank (what FSDP2 shards over),
+    remembered so that `finish` can let go of the group it holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    m = init_device_mesh(device_type, (world(),))
+    _MESHES.add(m)
+    return m
+
+
 def finish() -> None:
-    """Leave the process group (the end of a distributed command)."""
+    """Leave the process group (the end of a distributed command) so that none
+    of its machinery outlives this call.
+
+    `destroy_process_group` only unregisters a group: its C++ object, with its
+    worker threads, TCP loop and store, lives on while anything refers to it,
+    and a device mesh does, kept by DTensor's process-wide sharding caches long
+    after the sharded model is gone. Left so, the group is torn down during
+    interpreter finalization, in whatever order modules die, where a gloo
+    worker thread that needs the GIL is ended inside C++ code: the rank can abort at
+    exit ("terminate called without an active exception") after its work
+    succeeded. So the group is destroyed, the meshes' references to it dropped
+    and the unreachable wrapped modules (DDP's and FSDP2's hold it too)
+    collected, which joins its threads here, while the interpreter is whole.
+    There is no barrier: rank 0 may go on alone (scoring, writing) for longer
+    than a collective's timeout after the others are done. A model the caller
+    still holds keeps its group alive."""
     d = _dist()
-    if d is not None:
-        d.destroy_process_group()
+    if d is None:
+        return
+    import gc
+
+    d.destroy_process_group()
+    for m in list(_MESHES):
+        reg = getattr(m, "_pg_registry", None)  # the mesh's groups by name (absent where a torch keeps names only)
+        if isinstance(reg, dict):
+            reg.clear()
+    _MESHES.clear()
+    gc.collect()
 
 
 def rank() -> int:

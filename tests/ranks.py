@@ -7,6 +7,10 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
+from pathlib import Path
+
+#: thread names of a torch.distributed group's C++ machinery (gloo's workers and TCP loop, the store's server)
+GROUP_THREADS = ("pt_gloo", "gloo_", "pt_tcpstore")
 
 
 def free_port() -> int:
@@ -15,7 +19,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank: int, world: int, port: int, args: tuple, err_path: str) -> None:
+def group_threads() -> list[str]:
+    """The names of this process's threads that belong to a process group (Linux names threads in /proc)."""
+    tasks = Path("/proc/self/task")
+    names = []
+    for t in tasks.iterdir() if tasks.is_dir() else ():
+        try:
+            names.append((t / "comm").read_text().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sorted(n for n in names if n.startswith(GROUP_THREADS))
+
+
+def _entry(fn, rank: int, world: int, port: int, args: tuple, err_path: str, check_group: bool = True) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), CUDA_VISIBLE_DEVICES="")  # gloo on the CPU, whatever the machine has
     import torch
@@ -27,18 +43,22 @@ def _entry(fn, rank: int, world: int, port: int, args: tuple, err_path: str) -> 
         assert dist.init() and dist.world() == world and dist.rank() == rank
         fn(rank, *args)
         dist.finish()
+        # a group alive past finish is torn down at interpreter exit, where its threads can abort the rank
+        left = group_threads() if check_group else []
+        assert not left, f"rank {rank}: the process group's threads outlive dist.finish: {left}"
     except BaseException:
         with open(f"{err_path}.{rank}", "w") as f:
             f.write(traceback.format_exc())
         raise
 
 
-def run_ranks(fn, world: int, *args, tmp, timeout: float = 180.0) -> None:
-    """fn(rank, *args) in `world` processes of one group; fails with a rank's traceback."""
+def run_ranks(fn, world: int, *args, tmp, timeout: float = 180.0, check_group: bool = True) -> None:
+    """fn(rank, *args) in `world` processes of one group; fails with a rank's traceback, and
+    (check_group) when a rank's group still has threads after dist.finish."""
     ctx = mp.get_context("spawn")
     port = free_port()
     err = str(tmp / "rank-error")
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, err)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, err, check_group)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

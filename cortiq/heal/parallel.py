@@ -157,13 +157,12 @@ class Plan:
         self.tail.wrapped = self.module
 
     def _fully_shard(self) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if self.genesis:
             raise CortiqError("heal: genesis changes which layers train each epoch, which fully sharded training "
                               "does not follow: use shard ddp (or one GPU)")
-        mesh = init_device_mesh(self.device.type, (self.world,))
+        mesh = dist.mesh(self.device.type)
         low = None if self.cdt == torch.float32 else self.cdt
         # the inputs stay as they come (f32): FSDP2's default casts each unit's input to the bf16 of its
         # weights, which would carry the residual stream between units in bf16, where one GPU's

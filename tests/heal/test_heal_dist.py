@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cortiq import dist, store
+from cortiq.heal import parallel
 from cortiq.heal import prefix as prefix_mod
 from cortiq.heal import targets as targets_mod
 from cortiq.heal.settings import HealSettings
@@ -56,31 +57,38 @@ def _passes(rank, teacher, student, td, out, kw):
     prefix_mod.prefix_cache(student, td, s, out / "prefix-x", progress=False)
 
 
-@pytest.mark.parametrize("kind", ["sampled", "topk+rest"])
-def test_teacher_and_prefix_shards_read_as_one_ranks_rows(tmp_path, kind):
+def _passes_of_kinds(rank, teacher, student, td, root, kinds):
+    for kind in kinds:  # every kind in the same two rank processes
+        _passes(rank, teacher, student, td, root / f"two-{kind}", {"target": kind})
+
+
+def test_teacher_and_prefix_shards_read_as_one_ranks_rows(tmp_path):
+    kinds = ("sampled", "topk+rest")
     a = arch()
     w = random_weights(a)
     teacher = save(tmp_path / "t.cmf", a, w)
     student = save(tmp_path / "s.cmf", a, perturbed(w))
     td = tdata(tmp_path, teacher, chars=5000)
-    _passes(0, teacher, student, td, tmp_path / "one", {"target": kind})
-    run_ranks(_passes, 2, teacher, student, td, tmp_path / "two", {"target": kind}, tmp=tmp_path)
-    one, two = targets_mod.Targets(tmp_path / "one/targets-x"), targets_mod.Targets(tmp_path / "two/targets-x")
-    assert store.read_meta(tmp_path / "two/targets-x")["files"]["train"] == ["train-000-of-002.arrow",
-                                                                              "train-001-of-002.arrow"]
-    for split in targets_mod.SPLITS:
-        n = len(one.ids[split])
-        assert n == len(two.ids[split]) > 3
-        idx = np.arange(n)
-        assert np.array_equal(one.ids[split].take(idx), two.ids[split].take(idx))
-        assert np.array_equal(one.probs[split].take(idx), two.probs[split].take(idx))
-        assert np.array_equal(one.total[split], two.total[split])
-    p1, p2 = prefix_mod.Prefix(tmp_path / "one/prefix-x"), prefix_mod.Prefix(tmp_path / "two/prefix-x")
-    assert p1.cached and p2.cached
-    for split in targets_mod.SPLITS:
-        idx = np.arange(len(p1.h[split]))
-        assert len(p2.h[split]) == len(idx) and np.array_equal(p1.h[split].take(idx), p2.h[split].take(idx))
-    assert not list((tmp_path / "two").glob("*.partial"))
+    run_ranks(_passes_of_kinds, 2, teacher, student, td, tmp_path, kinds, tmp=tmp_path)
+    for kind in kinds:
+        d1, d2 = tmp_path / f"one-{kind}", tmp_path / f"two-{kind}"
+        _passes(0, teacher, student, td, d1, {"target": kind})
+        one, two = targets_mod.Targets(d1 / "targets-x"), targets_mod.Targets(d2 / "targets-x")
+        assert store.read_meta(d2 / "targets-x")["files"]["train"] == ["train-000-of-002.arrow",
+                                                                       "train-001-of-002.arrow"], kind
+        for split in targets_mod.SPLITS:
+            n = len(one.ids[split])
+            assert n == len(two.ids[split]) > 3, (kind, split)
+            idx = np.arange(n)
+            assert np.array_equal(one.ids[split].take(idx), two.ids[split].take(idx)), (kind, split)
+            assert np.array_equal(one.probs[split].take(idx), two.probs[split].take(idx)), (kind, split)
+            assert np.array_equal(one.total[split], two.total[split]), (kind, split)
+        p1, p2 = prefix_mod.Prefix(d1 / "prefix-x"), prefix_mod.Prefix(d2 / "prefix-x")
+        assert p1.cached and p2.cached
+        for split in targets_mod.SPLITS:
+            idx = np.arange(len(p1.h[split]))
+            assert len(p2.h[split]) == len(idx) and np.array_equal(p1.h[split].take(idx), p2.h[split].take(idx))
+        assert not list(d2.glob("*.partial"))
 
 
 # ── training ──
@@ -98,12 +106,14 @@ def _settings(**kw):
     return HealSettings(**base)
 
 
+#: FSDP2's share under which each layer's gathered weights are kept (cortiq's own), restored between jobs
+_KEEP = parallel.KEEP_GATHERED_SHARE
+
+
 def _fit(rank, work, kw, kill_at, out):
     kw = dict(kw)
-    if "keep_share" in kw:  # 0: FSDP2 gathers each layer's weights again for its backward
-        from cortiq.heal import parallel
-
-        parallel.KEEP_GATHERED_SHARE = kw.pop("keep_share")
+    # 0: FSDP2 gathers each layer's weights again for its backward
+    parallel.KEEP_GATHERED_SHARE = kw.pop("keep_share", _KEEP)
     compiled = kw.pop("compiled", False)
     tail, tr, va = _setup()
     if compiled:  # dynamo + AOT autograd (no C++ build), FSDP2's hooks around each compiled layer
@@ -119,6 +129,13 @@ def _fit(rank, work, kw, kill_at, out):
         torch.save({"history": rep["history"], "evals": rep["evals"], "metrics": rep["metrics"], "state": state}, out)
 
 
+def _fits(rank, jobs):
+    """Several `_fit` runs, one after another, in the same two processes and group (each rank
+    process costs an interpreter, torch's import and the group's set-up: paid once for all)."""
+    for job in jobs:
+        _fit(rank, *job)
+
+
 def _same_run(a, b, state_b):
     torch.testing.assert_close(torch.tensor([h["loss"] for h in a["history"]]),
                                torch.tensor([h["loss"] for h in b["history"]]), rtol=1e-5, atol=1e-6)
@@ -129,44 +146,63 @@ def _same_run(a, b, state_b):
         torch.testing.assert_close(t, state_b[n], rtol=1e-4, atol=1e-5, msg=n)
 
 
-@pytest.mark.parametrize("shard,genesis,memory,keep,compiled", [
+#: (shard, genesis, memory, keep share, compiled layers): each run on two ranks against one process
+TWO_RANK_CASES = [
     ("ddp", False, "plain", 0.1, False), ("ddp", True, "plain", 0.1, False), ("fsdp", False, "plain", 0.1, False),
     ("ddp", False, "micro", 0.1, False), ("fsdp", False, "checkpoint+micro", 0.0, False),
-    ("fsdp", False, "checkpoint", 0.1, True)])
-def test_two_ranks_train_as_one_with_the_same_global_batch(tmp_path, shard, genesis, memory, keep, compiled):
+    ("fsdp", False, "checkpoint", 0.1, True)]
+
+
+def test_two_ranks_train_as_one_with_the_same_global_batch(tmp_path):
     # micro: each rank's 2 windows in 2 micro-batches (DDP reduces once, after the second);
     # keep 0: FSDP2 frees each layer's gathered weights after its forward, gathers them again in the backward;
     # keep 0.1 (a CPU's memory): the 3 layers are one FSDP2 unit; compiled: each layer's checkpoint around
-    # its compiled body, FSDP2's hooks outside both
-    tail, tr, va = _setup()
-    ref = fit(tail, tr, va, _settings(genesis=genesis), tmp_path / "one", CPU, torch.float32, key="k", progress=False)
-    ref["state"] = tail.state()
-    kw = {"shard": shard, "genesis": genesis, "memory": memory, "micro_batch": 1, "keep_share": keep,
-          "compiled": compiled}
-    run_ranks(_fit, 2, tmp_path / "two", kw, 0, tmp_path / "two.pt", tmp=tmp_path)
-    two = torch.load(tmp_path / "two.pt", weights_only=True)
-    assert len(two["history"]) == 18
-    _same_run(two, ref, ref["state"])
-    assert (tmp_path / "two/checkpoint.dcp/loop.json").is_file() and not (tmp_path / "two/checkpoint.pt").exists()
+    # its compiled body, FSDP2's hooks outside both. Every case runs in the same two rank processes.
+    refs = {}
+    for genesis in (False, True):  # one process's run depends on genesis alone of these settings
+        tail, tr, va = _setup()
+        refs[genesis] = fit(tail, tr, va, _settings(genesis=genesis), tmp_path / f"one-{genesis}", CPU, torch.float32,
+                            key="k", progress=False)
+        refs[genesis]["state"] = tail.state()
+    jobs = [(tmp_path / f"two-{i}", {"shard": shard, "genesis": genesis, "memory": memory, "micro_batch": 1,
+                                     "keep_share": keep, "compiled": compiled}, 0, tmp_path / f"two-{i}.pt")
+            for i, (shard, genesis, memory, keep, compiled) in enumerate(TWO_RANK_CASES)]
+    run_ranks(_fits, 2, jobs, tmp=tmp_path)
+    for i, case in enumerate(TWO_RANK_CASES):
+        ref = refs[case[1]]
+        two = torch.load(tmp_path / f"two-{i}.pt", weights_only=True)
+        assert len(two["history"]) == 18, case
+        try:
+            _same_run(two, ref, ref["state"])
+        except AssertionError as e:
+            raise AssertionError(f"case {case}: {e}") from None
+        assert (tmp_path / f"two-{i}/checkpoint.dcp/loop.json").is_file(), case
+        assert not (tmp_path / f"two-{i}/checkpoint.pt").exists(), case
 
 
-@pytest.mark.parametrize("shard", ["ddp", "fsdp"])
-def test_a_two_rank_checkpoint_resumes_on_one(tmp_path, shard):
+def test_a_two_rank_checkpoint_resumes_on_one(tmp_path):
+    import shutil
+
     tail, tr, va = _setup()
     ref = fit(tail, tr, va, _settings(), tmp_path / "ref", CPU, torch.float32, key="k", progress=False)
     ref["state"] = tail.state()
-    # killed at step 9, past the checkpoint at step 8 (and the epoch boundary at 6)
-    run_ranks(_fit, 2, tmp_path / "w", {"shard": shard}, 9, None, tmp=tmp_path)
-    tail2, tr2, va2 = _setup()  # a new process: a fresh student
-    rep = fit(tail2, tr2, va2, _settings(), tmp_path / "w", CPU, torch.float32, key="k", progress=False)
-    assert [h["step"] for h in rep["history"]] == list(range(1, 19))
-    _same_run({**rep, "state": tail2.state()}, ref, ref["state"])
-    assert (tmp_path / "w/checkpoint.pt").is_file() and not (tmp_path / "w/checkpoint.dcp").exists()
-    # and a checkpoint of another run is not taken for this one's
-    tail3, tr3, va3 = _setup()
-    run_ranks(_fit, 2, tmp_path / "w2", {"shard": shard}, 9, None, tmp=tmp_path)
-    rep = fit(tail3, tr3, va3, _settings(), tmp_path / "w2", CPU, torch.float32, key="other", progress=False)
-    assert len(rep["history"]) == 18 and rep["history"][0]["step"] == 1
+    # killed at step 9, past the checkpoint at step 8 (and the epoch boundary at 6); both kinds in one pair of ranks
+    shards = ("ddp", "fsdp")
+    run_ranks(_fits, 2, [(tmp_path / f"w-{shard}", {"shard": shard}, 9, None) for shard in shards], tmp=tmp_path)
+    for shard in shards:
+        w = tmp_path / f"w-{shard}"
+        shutil.copytree(w, tmp_path / f"w2-{shard}")  # the same checkpoint, for the run of another key below
+        tail2, tr2, va2 = _setup()  # a new process: a fresh student
+        rep = fit(tail2, tr2, va2, _settings(), w, CPU, torch.float32, key="k", progress=False)
+        assert [h["step"] for h in rep["history"]] == list(range(1, 19)), shard
+        _same_run({**rep, "state": tail2.state()}, ref, ref["state"])
+        assert (w / "checkpoint.pt").is_file() and not (w / "checkpoint.dcp").exists(), shard
+        # and a checkpoint of another run is not taken for this one's
+        assert (tmp_path / f"w2-{shard}/checkpoint.dcp/loop.json").is_file()
+        tail3, tr3, va3 = _setup()
+        rep = fit(tail3, tr3, va3, _settings(), tmp_path / f"w2-{shard}", CPU, torch.float32, key="other",
+                  progress=False)
+        assert len(rep["history"]) == 18 and rep["history"][0]["step"] == 1, shard
 
 
 def test_cli_gpus_2_reruns_itself_under_torchrun_and_heals_as_one_gpu(tmp_path, capsys):
@@ -180,7 +216,9 @@ def test_cli_gpus_2_reruns_itself_under_torchrun_and_heals_as_one_gpu(tmp_path, 
     student = save(tmp_path / "s.cmf", a, perturbed(w))
     td = tdata(tmp_path, teacher, chars=4000)
     argv = ["heal", str(student), "--teacher", str(teacher), "--data", str(td), "--window", "32", "--batch", "4",
-            "--topk", "8", "--lr", "3e-3", "--train-from", "1", "--device", "cpu", "--quiet", "--no-score"]
+            "--topk", "8", "--lr", "3e-3", "--train-from", "1", "--device", "cpu", "--quiet", "--no-score",
+            # 12 steps, evaluated every 4 (the default budget, 2M tokens, ran hundreds of steps to the plateau stop)
+            "--tokens", "1536", "--eval-every", "4"]
     # two stage caches: with one, the 2-GPU run would reuse the 1-GPU outputs (their digests do not depend on gpus)
     assert main(argv + ["--out", str(tmp_path / "one.cmf"), "--work", str(tmp_path / "one.work")]) == 0
     assert main(argv + ["--out", str(tmp_path / "two.cmf"), "--work", str(tmp_path / "two.work"), "--gpus", "2"]) == 0
