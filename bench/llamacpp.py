@@ -22,8 +22,8 @@ The two tools compute differently (llama.cpp multiplies Q4_1 weights by activati
 block of 32 and keeps K/V in f16; cortiq decodes the weights to f32), so Δ is small but not zero; a wrong
 block layout, tokenizer or rope shows as nats, not hundredths.
 
-`--cpu --tiny`: the tiny random Llama of the smoke modes (byte tokenizer) re-encoded to q4 and exported to
-GGUF here, scored on the pydoc text with CTX 64. The llama.cpp rows run when `--llama-bin` (or
+`--cpu --tiny`: the tiny random Llama of the smoke modes (with a small BPE trained on pydoc: llama.cpp loads
+no BPE without merges) re-encoded to q4 and exported to GGUF here, scored on the pydoc text with CTX 64. The llama.cpp rows run when `--llama-bin` (or
 $LLAMA_BIN) names a built llama.cpp and are reported as skipped otherwise: building llama.cpp takes ~10
 minutes on two cores, more than a smoke test may, so the smoke test checks the cortiq side (export,
 tokens, chunks, scoring) and the llama.cpp side runs where it is built.
@@ -134,10 +134,10 @@ def llama_nll(llama: Llama, gguf: Path, text_file: Path, ctx: int, n: int) -> tu
 
 
 def llama_greedy(llama: Llama, gguf: Path, prompt: str, n: int) -> str:
-    """llama-completion's greedy continuation of `prompt` (the prompt itself not echoed)."""
+    """llama-completion's greedy continuation of `prompt`: its stdout (the prompt not echoed; the logs go to
+    stderr, and --log-disable would silence the continuation too)."""
     return llama.run("llama-completion", ["-m", str(gguf), "-p", prompt, "-n", str(n), "--temp", "0", "-no-cnv",
-                                          "--no-display-prompt", "--no-warmup", "-t", str(llama.threads),
-                                          "--log-disable"]).rstrip("\n")
+                                          "--no-display-prompt", "--no-warmup", "-t", str(llama.threads)])
 
 
 def cortiq_greedy(model, tok, prompt: str, n: int, eos) -> list[int]:
@@ -201,21 +201,37 @@ def compare(model_path: Path, gguf: Path, text_file: Path, llama: Llama | None, 
     row["llama_greedy"] = said
     row["greedy_agree"] = agreed(tok, gen, said)
     row["greedy_tokens"] = len(gen)
-    row["greedy_equal"] = row["cortiq_greedy"] == said
+    row["greedy_equal"] = row["cortiq_greedy"].rstrip() == said.rstrip()  # it ends its stdout with newlines
     return row
 
 
+def tiny_bpe(text: str, vocab: int = 384) -> str:
+    """A byte-level BPE with merges trained on `text` (EOS `<|endoftext|>` = id 0). llama.cpp refuses a BPE
+    vocabulary without merges (and GGUF cannot hold an empty array), so the byte tokenizer cannot stand in."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    return tok.to_str()
+
+
 def tiny_inputs(work: Path, ctx: int) -> tuple[list[tuple[Path, Path]], Path]:
-    """The smoke mode's q4 model, its GGUF export and a text of ~12 chunks of `ctx` byte tokens."""
+    """The smoke mode's q4 model (its tokenizer trained on the pydoc text), its GGUF export and a text of
+    ~12 chunks of `ctx` tokens."""
     from cortiq.export.gguf import export_gguf
     from cortiq.measure import recode
 
     work.mkdir(parents=True, exist_ok=True)
-    src = tiny_cmf(work / "tiny.cmf", inter=96)
+    pydoc = pydoc_text()
+    src = tiny_cmf(work / "tiny.cmf", inter=96, tokenizer=(tiny_bpe(pydoc[:200_000]), 0))
     q4 = recode(src, work / "tiny-q4.cmf", "q4")
     gguf, _ = export_gguf(q4, work / "tiny-q4.gguf")
     text = work / "pydoc.txt"
-    text.write_text(pydoc_text()[: 12 * ctx], encoding="utf-8")
+    text.write_text(pydoc[200_000 : 200_000 + 40 * ctx], encoding="utf-8")
     return [(q4, gguf)], text
 
 
