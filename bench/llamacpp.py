@@ -9,7 +9,8 @@ DIR holds llama.cpp's `llama-perplexity`, `llama-tokenize` and `llama-completion
 - tokens: the text as llama-perplexity tokenizes it (llama-tokenize, given exactly what llama-perplexity's
   `-f` reads: one trailing newline dropped, no escapes, special-token text as plain text, BOS when the GGUF
   asks for one), and whether cortiq's tokenizer gives the same ids;
-- llama.cpp's NLL: `llama-perplexity -f TEXT -c CTX --chunks N --ppl-output-type 1`, which cuts the tokens
+- llama.cpp's NLL: `llama-perplexity -f TEXT -c CTX -b CTX --chunks N+1 --ppl-output-type 1` (its first N
+  chunks read: `llama_nll` says why one more), which cuts the tokens
   into N chunks of CTX, puts BOS first in each chunk when the GGUF adds one, and scores only the second half
   of each (the tokens after position CTX/2); its per-chunk running means carry six decimals;
 - cortiq's NLL of the SAME tokens at the SAME positions: llama.cpp's chunks (its token ids, BOS included),
@@ -43,7 +44,6 @@ from bench.common import log, parser, print_table, pydoc_text, tiny_cmf, write_j
 
 #: llama-perplexity's `--ppl-output-type 1` line per chunk: offset, running PPL, running mean NLL, its error
 _PPL_LINE = re.compile(r"^\s*(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s*$", re.M)
-_FINAL = re.compile(r"Final estimate: PPL = ([\d.]+)")
 
 
 @dataclass
@@ -100,9 +100,9 @@ def chunks(tokens: list[int], ctx: int, n: int, bos: int | None) -> list:
 
     from cortiq.model.nll import TextRecord
 
-    n = min(n, len(tokens) // ctx)
-    if len(tokens) < 2 * ctx or n < 1:
-        raise SystemExit(f"the text has {len(tokens)} tokens; llama-perplexity needs at least {2 * ctx} for -c {ctx}")
+    n = min(n, len(tokens) // ctx - 1)  # one chunk to spare: llama_nll scores one more
+    if n < 1:
+        raise SystemExit(f"the text has {len(tokens)} tokens; this needs at least {2 * ctx} for -c {ctx}")
     a = np.asarray(tokens[: n * ctx], dtype=np.int64).reshape(n, ctx).copy()
     if bos is not None:
         a[:, 0] = bos
@@ -120,24 +120,31 @@ def cortiq_nll(model, records) -> list[float]:
     return out
 
 
-def llama_nll(llama: Llama, gguf: Path, text_file: Path, ctx: int, n: int) -> tuple[list[float], float]:
-    """(mean NLL per chunk, llama.cpp's final PPL) from llama-perplexity's running means."""
-    out = llama.run("llama-perplexity", ["-m", str(gguf), "-f", str(text_file), "-c", str(ctx), "--chunks", str(n),
-                                         "--ppl-output-type", "1", "-t", str(llama.threads)])
-    run = [float(m.group(3)) for m in _PPL_LINE.finditer(out)]
-    final = _FINAL.search(out)
-    if len(run) != n or not final:
+def llama_nll(llama: Llama, gguf: Path, text_file: Path, ctx: int, n: int) -> list[float]:
+    """Mean NLL per chunk of the first `n` chunks, from llama-perplexity's running means.
+
+    Its log lines go through an asynchronous logger that the tool does not flush before it exits, so the
+    lines written last can be lost (on a busy machine they are; its final estimate is among them). So it
+    scores one chunk more than asked, one chunk per batch (-b CTX): the n lines wanted are then each
+    written a whole chunk's compute before the exit, and only the extra chunk's line is at risk."""
+    out = llama.run("llama-perplexity", ["-m", str(gguf), "-f", str(text_file), "-c", str(ctx), "-b", str(ctx),
+                                         "--chunks", str(n + 1), "--ppl-output-type", "1", "-t", str(llama.threads)])
+    run = [float(m.group(3)) for m in _PPL_LINE.finditer(out)][:n]
+    if len(run) != n:
         raise RuntimeError(f"llama-perplexity printed {len(run)} chunk lines for {n} chunks:\n{out[-3000:]}")
     per = ctx - 1 - ctx // 2  # tokens scored per chunk
     sums = [m * per * (k + 1) for k, m in enumerate(run)]
-    return [(s - (sums[k - 1] if k else 0.0)) / per for k, s in enumerate(sums)], float(final.group(1))
+    return [(s - (sums[k - 1] if k else 0.0)) / per for k, s in enumerate(sums)]
 
 
 def llama_greedy(llama: Llama, gguf: Path, prompt: str, n: int) -> str:
     """llama-completion's greedy continuation of `prompt`: its stdout (the prompt not echoed; the logs go to
-    stderr, and --log-disable would silence the continuation too)."""
-    return llama.run("llama-completion", ["-m", str(gguf), "-p", prompt, "-n", str(n), "--temp", "0", "-no-cnv",
-                                          "--no-display-prompt", "--no-warmup", "-t", str(llama.threads)])
+    stderr, and --log-disable would silence the continuation too). It writes the text through the same
+    unflushed asynchronous logger as llama-perplexity, so the last tokens before its exit can be lost: it
+    decodes 8 tokens more than asked, past an EOS too (what follows cortiq's tokens is never compared)."""
+    return llama.run("llama-completion", ["-m", str(gguf), "-p", prompt, "-n", str(n + 8), "--temp", "0", "-no-cnv",
+                                          "--ignore-eos", "--no-display-prompt", "--no-warmup",
+                                          "-t", str(llama.threads)])
 
 
 def cortiq_greedy(model, tok, prompt: str, n: int, eos) -> list[int]:
@@ -190,10 +197,9 @@ def compare(model_path: Path, gguf: Path, text_file: Path, llama: Llama | None, 
         row["llama"] = "skipped: no llama.cpp binaries (--llama-bin or $LLAMA_BIN)"
         return row
     t0 = time.perf_counter()
-    theirs_nll, ppl = llama_nll(llama, gguf, text_file, args.ctx, len(recs))
+    theirs_nll = llama_nll(llama, gguf, text_file, args.ctx, len(recs))
     row["llama_s"] = round(time.perf_counter() - t0, 2)
     row["llama_nll"] = sum(theirs_nll) / len(theirs_nll)
-    row["llama_ppl"] = ppl
     row["llama_chunks"] = theirs_nll
     row["delta"] = row["llama_nll"] - row["cortiq_nll"]
     row["worst_chunk_delta"] = max((b - a for a, b in zip(ours_nll, theirs_nll)), key=abs)
@@ -201,7 +207,7 @@ def compare(model_path: Path, gguf: Path, text_file: Path, llama: Llama | None, 
     row["llama_greedy"] = said
     row["greedy_agree"] = agreed(tok, gen, said)
     row["greedy_tokens"] = len(gen)
-    row["greedy_equal"] = row["cortiq_greedy"].rstrip() == said.rstrip()  # it ends its stdout with newlines
+    row["greedy_equal"] = row["greedy_agree"] == len(gen)
     return row
 
 
@@ -284,7 +290,7 @@ def main(argv=None) -> int:
                  for r in rows])
     for r in rows:
         print(f"\n{Path(r['model']).name} greedy, {args.prompt!r}:\n  cortiq:    {r['cortiq_greedy']!r}"
-              + (f"\n  llama.cpp: {r['llama_greedy']!r}" if "llama_greedy" in r else ""))
+              + (f"\n  llama.cpp: {r['llama_greedy'].rstrip()!r} (8 tokens more asked)" if "llama_greedy" in r else ""))
     bad = [r for r in rows if "delta" in r and not (math.isfinite(r["delta"]))]
     return 1 if bad else 0
 

@@ -153,6 +153,7 @@ def test_gguf_reader_sees_llama_cpp_metadata_and_per_layer_widths(tmp_path):
     assert meta("qwen3.attention.head_count") == 4 and meta("qwen3.attention.head_count_kv") == 2
     assert meta("qwen3.attention.key_length") == 16 and meta("qwen3.rope.freq_base") == 1e6
     assert meta("tokenizer.ggml.model") == "gpt2" and len(meta("tokenizer.ggml.tokens")) == V
+    assert meta("tokenizer.ggml.pre") == "gpt-2"  # llama.cpp's name; it refuses to load "gpt2"
     assert meta("tokenizer.ggml.eos_token_id") == 256 and meta("general.file_type") == 0  # all F32
     assert "general.quantization_version" not in r.fields
     names = {t.name for t in r.tensors}
