@@ -153,12 +153,13 @@ def cortiq_greedy(model, tok, prompt: str, n: int, eos) -> list[int]:
     return generate_fast(model, tok.encode(prompt).ids, n, eos_ids=eos).tokens
 
 
-def agreed(tok, ids: list[int], text: str) -> int:
-    """How many of cortiq's greedy tokens llama.cpp's text starts with (decoded one prefix at a time)."""
-    k = 0
-    while k < len(ids) and text.startswith(tok.decode(ids[: k + 1])):
-        k += 1
-    return k
+def agreed(tok, prompt: str, ids: list[int], text: str) -> int:
+    """How many of cortiq's greedy tokens llama.cpp's continuation `text` starts with: `text` re-tokenized
+    after the prompt (llama-completion prints text, not ids), compared id by id."""
+    head = tok.encode(prompt).ids
+    full = tok.encode(prompt + text).ids
+    theirs = full[len(head):] if full[: len(head)] == head else []
+    return next((k for k, (a, b) in enumerate(zip(ids, theirs)) if a != b), min(len(ids), len(theirs)))
 
 
 def compare(model_path: Path, gguf: Path, text_file: Path, llama: Llama | None, args, device: str) -> dict:
@@ -205,7 +206,7 @@ def compare(model_path: Path, gguf: Path, text_file: Path, llama: Llama | None, 
     row["worst_chunk_delta"] = max((b - a for a, b in zip(ours_nll, theirs_nll)), key=abs)
     said = llama_greedy(llama, gguf, args.prompt, args.n_predict)
     row["llama_greedy"] = said
-    row["greedy_agree"] = agreed(tok, gen, said)
+    row["greedy_agree"] = agreed(tok, args.prompt, gen, said)
     row["greedy_tokens"] = len(gen)
     row["greedy_equal"] = row["greedy_agree"] == len(gen)
     return row
