@@ -88,18 +88,22 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_
 
 
 def tiny_cmf(path: str | os.PathLike, *, mtp: bool = False, chat: bool = False, layers: int = 2, hidden: int = 64,
-             inter: int = 128, seed: int = 0) -> Path:
+             inter: int = 128, seed: int = 0, tokenizer: tuple[str, int] | None = None) -> Path:
     """A small random Llama with the byte tokenizer (vocab 259, EOS 256): the smoke modes' model.
     Norms 1 ± 0.1, matrices N(0, 0.25/fan_in), embeddings N(0, 0.09): activations stay O(1) and the tied
-    head's logits a few nats wide, so losses and masks move like a real model's. `mtp` adds a one-layer draft, `chat` a ChatML template."""
+    head's logits a few nats wide, so losses and masks move like a real model's. `mtp` adds a one-layer draft, `chat` a ChatML template;
+    `tokenizer` (tokenizer.json text, EOS id) replaces the byte tokenizer, the vocabulary its size."""
     import torch
+    from tokenizers import Tokenizer
 
     from cortiq.arch import Arch
     from cortiq.cmf import new_doc, specs_from_tensors, write_cmf
     from cortiq.model import CausalLM
     from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
 
-    arch = Arch(arch_name="llama", vocab_size=259, hidden_size=hidden, num_layers=layers,
+    tok_json, eos = tokenizer or (byte_tokenizer_json(), 256)
+    vocab = Tokenizer.from_str(tok_json).get_vocab_size(with_added_tokens=True)
+    arch = Arch(arch_name="llama", vocab_size=vocab, hidden_size=hidden, num_layers=layers,
                 intermediate_sizes=[inter] * layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
                 rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=1024, mtp_layers=int(mtp))
     torch.manual_seed(seed)
@@ -108,7 +112,7 @@ def tiny_cmf(path: str | os.PathLike, *, mtp: bool = False, chat: bool = False, 
         for n, p in m.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if p.dim() == 1 else
                     torch.randn_like(p) * (0.3 if "embed" in n else 0.5 / p.shape[-1] ** 0.5))
-    doc = new_doc(arch, tokenizer_doc(byte_tokenizer_json(), [256], chat_template=CHATML if chat else None))
+    doc = new_doc(arch, tokenizer_doc(tok_json, [eos], chat_template=CHATML if chat else None))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     return write_cmf(Path(path), doc, specs_from_tensors([(n, p.detach().clone()) for n, p in m.named_parameters()], "f32"))
 

@@ -41,7 +41,7 @@ class ExportSettings:
     shard_mb: float = setting(5000.0, "hf: safetensors files are cut into numbered shards of at most this size (MB)",
                               gt=0)
     #: llama.cpp picks its pre-tokenizer by this name; a wrong one splits text differently from training
-    pre: str | None = setting(None, "gguf: llama.cpp's pre-tokenizer name", choices=("gpt2", "smollm", "llama-bpe", "qwen2"),
+    pre: str | None = setting(None, "gguf: llama.cpp's pre-tokenizer name", choices=("gpt-2", "smollm", "llama-bpe", "qwen2"),
                               show="recognised from the tokenizer")
 
     def __post_init__(self):

@@ -55,8 +55,9 @@ _TO_GGUF_TOP = {v: k for k, v in _TOP.items()}
 _TO_GGUF_LAYER = {v: k for k, v in _LAYER.items()}
 # llama.cpp's token types
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5
-#: llama.cpp's pre-tokenizer names, by what the tokenizer.json's pre-tokenizer does
-PRE_NAMES = ("gpt2", "smollm", "llama-bpe", "qwen2")
+#: llama.cpp's pre-tokenizer names, by what the tokenizer.json's pre-tokenizer does (GPT-2's is "gpt-2":
+#: llama.cpp refuses to load a file naming "gpt2", which is the tokenizer model's name, not a pre-tokenizer's)
+PRE_NAMES = ("gpt-2", "smollm", "llama-bpe", "qwen2")
 
 
 def gguf_name(name: str) -> str:
@@ -89,7 +90,7 @@ def pre_name(tok_json: dict) -> str:
     kinds = [p.get("type") for p in pre.get("pretokenizers", [])] if pre.get("type") == "Sequence" else [pre.get("type")]
     parts = pre.get("pretokenizers", [pre])
     if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
-        return "gpt2"
+        return "gpt-2"
     if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits"):
         return "smollm"
     if kinds == ["Split", "ByteLevel"]:

@@ -122,6 +122,16 @@ def check_codecs(d):
     assert all(math.isfinite(v) for row in d["nll"].values() for v in row.values())
 
 
+def check_llamacpp(d):
+    # the cortiq side always runs; llama.cpp's only where $LLAMA_BIN names a build (it takes ~10 min to build)
+    (r,) = _rows(d)
+    assert r["chunks"] == 4 and r["scored"] == 4 * 31 and math.isfinite(r["cortiq_nll"]) and r["cortiq_greedy"]
+    if "delta" in r:
+        assert r["tokens_equal"] and math.isfinite(r["delta"]) and r["greedy_tokens"] > 0
+    else:
+        assert r["llama"].startswith("skipped")
+
+
 def check_variants(d):
     assert {"step_plain", "step_micro2", "step_micro4", "step_ckpt"} <= set(d)
     assert all(isinstance(d[k], dict) for k in ("step_plain", "step_micro2", "step_micro4", "step_ckpt"))
@@ -161,6 +171,7 @@ BENCHES = {
     "device_check": (["--skip", "heal --target,heal --memory,compress --no-learn-masks,compress --fold-repair"],
                      "device_check.json", check_device_check),
     "codecs": ([], "codecs.json", check_codecs),
+    "llamacpp": ([], "llamacpp.json", check_llamacpp),
 }
 
 

@@ -153,6 +153,7 @@ def test_gguf_reader_sees_llama_cpp_metadata_and_per_layer_widths(tmp_path):
     assert meta("qwen3.attention.head_count") == 4 and meta("qwen3.attention.head_count_kv") == 2
     assert meta("qwen3.attention.key_length") == 16 and meta("qwen3.rope.freq_base") == 1e6
     assert meta("tokenizer.ggml.model") == "gpt2" and len(meta("tokenizer.ggml.tokens")) == V
+    assert meta("tokenizer.ggml.pre") == "gpt-2"  # llama.cpp's name; it refuses to load "gpt2"
     assert meta("tokenizer.ggml.eos_token_id") == 256 and meta("general.file_type") == 0  # all F32
     assert "general.quantization_version" not in r.fields
     names = {t.name for t in r.tensors}
@@ -184,3 +185,107 @@ def test_refusals_are_one_line(tmp_path, capsys):
     assert main(["export", str(src), "--to", "gguf", str(tmp_path / "taken.gguf")]) == 1
     assert capsys.readouterr().err.strip() == f"cortiq: {tmp_path / 'taken.gguf'} exists (a file); pass --force to overwrite"
     assert (tmp_path / "taken.gguf").read_bytes() == b"x"
+
+
+# ── Q4_1 against cortiq's own q4 encoding of the weights, in llama.cpp's layout written out here ──
+# ggml's block_q4_1: f16 d, f16 m, then 16 bytes qs; element j of the block is qs[j] & 15 and element
+# j + 16 is qs[j] >> 4, valued d·code + m. Its Llama q/k rows are HF's rows permuted per head so that
+# the rotary halves interleave (convert_hf_to_gguf.py's permute). Both are written below from that
+# description, not from cortiq's exporter.
+
+def _llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _q4_1_blocks(w: np.ndarray) -> np.ndarray:
+    """cortiq's q4 codes, scale and min of `w`'s rows (row by row, blocks of 32) as ggml Q4_1 blocks [rows, n, 20]."""
+    rows, cols = w.shape
+    c = codecs.get("q4")
+    q, scale, lo = c.quantize(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(-1, 32))
+    q = q.numpy().reshape(-1, 32)
+    out = np.empty((q.shape[0], 20), dtype=np.uint8)
+    out[:, 0:2] = scale.numpy().astype("<f2").view(np.uint8).reshape(-1, 2)
+    out[:, 2:4] = lo.numpy().astype("<f2").view(np.uint8).reshape(-1, 2)
+    out[:, 4:] = q[:, :16] | (q[:, 16:] << 4)
+    return out.reshape(rows, cols // 32, 20)
+
+
+def _q4_1_mismatch(got: np.ndarray, want: np.ndarray) -> str | None:
+    """The first block whose scale, min or codes differ ('row r block b: scale'), or None."""
+    for part, sl in (("scale", slice(0, 2)), ("min", slice(2, 4)), ("codes", slice(4, 20))):
+        bad = np.argwhere((got[..., sl] != want[..., sl]).any(-1))
+        if len(bad):
+            return f"row {bad[0][0]} block {bad[0][1]}: {part}"
+    return None
+
+
+def _gguf_q4_mismatches(f32_path, gguf_path) -> dict[str, str]:
+    """Per GGUF matrix in Q4_1: how its bytes differ from cortiq's q4 of the f32 source's weights."""
+    from cortiq.export.gguf import gguf_name
+
+    src = open_cmf(f32_path)
+    heads = {"attn_q": src.arch.num_heads, "attn_k": src.arch.num_kv_heads}
+    by = {t.name: t for t in GGUFReader(gguf_path).tensors}
+    bad, seen = {}, 0
+    for n in src.names:
+        if len(src.info(n).shape) != 2:
+            continue
+        g = by[gguf_name(n)]
+        assert g.tensor_type == GGMLQuantizationType.Q4_1, (n, g.tensor_type)
+        w = src.tensor(n).numpy()
+        kind = g.name.split(".")[-2]
+        if kind in heads:
+            w = _llama_permute(w, heads[kind])
+        got = np.asarray(g.data).reshape(w.shape[0], w.shape[1] // 32, 20)
+        why = _q4_1_mismatch(got, _q4_1_blocks(w))
+        if why:
+            bad[g.name] = why
+        seen += 1
+    assert seen == 2 * 7 + 1  # both layers' seven matrices and the (tied) embedding
+    return bad
+
+
+def _q4_model(tmp_path):
+    """A random f32 Llama with pruned-looking widths and its q4 re-encoding (`cortiq recode --codec q4`)."""
+    a = arch_of("llama", widths=(64, 96))
+    a.hidden_size, a.head_dim = 64, 16
+    src = write_random(tmp_path / "f32.cmf", a, seed=4)
+    assert main(["recode", str(src), str(tmp_path / "q4.cmf"), "--codec", "q4"]) == 0
+    return src, tmp_path / "q4.cmf"
+
+
+def test_q4_1_bytes_are_cortiqs_q4_of_the_weights(tmp_path):
+    src, q4 = _q4_model(tmp_path)
+    out, _ = export_gguf(q4, tmp_path / "m.gguf")
+    assert _gguf_q4_mismatches(src, out) == {}
+
+
+def test_q4_1_check_catches_a_wrong_nibble_order_or_scale(tmp_path, monkeypatch):
+    # the comparison above must fail on the layouts an exporter gets wrong
+    import cortiq.export.gguf as eg
+
+    src, q4 = _q4_model(tmp_path)
+    cortiq_order = lambda raw: raw.reshape(-1, 20)  # noqa: E731 - cortiq's own (2j, 2j+1) nibble pairs
+    monkeypatch.setattr(eg, "q4_to_q4_1", cortiq_order)
+    bad = _gguf_q4_mismatches(src, export_gguf(q4, tmp_path / "nibbles.gguf")[0])
+    assert len(bad) == 15 and all(v.endswith(": codes") for v in bad.values()), bad
+
+    def swapped(raw, repack=q4_to_q4_1):  # min where the scale goes
+        b = repack(raw).copy()
+        b[:, 0:2], b[:, 2:4] = b[:, 2:4].copy(), b[:, 0:2].copy()
+        return b
+
+    monkeypatch.setattr(eg, "q4_to_q4_1", swapped)
+    bad = _gguf_q4_mismatches(src, export_gguf(q4, tmp_path / "scale.gguf")[0])
+    assert len(bad) == 15 and all(v.endswith(": scale") for v in bad.values()), bad
+
+    def code_off(raw, repack=q4_to_q4_1):  # one code of each matrix's fourth block one step up
+        b = repack(raw).copy()
+        b[3, 4 + 7] ^= 0x10
+        return b
+
+    monkeypatch.setattr(eg, "q4_to_q4_1", code_off)
+    bad = _gguf_q4_mismatches(src, export_gguf(q4, tmp_path / "code.gguf")[0])
+    assert len(bad) == 15 and all(v.endswith(": codes") for v in bad.values()), bad
+    assert bad["blk.0.ffn_up.weight"] == "row 1 block 1: codes"  # 64 columns: two blocks a row
