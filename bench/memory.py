@@ -84,7 +84,7 @@ def _plan_step(arch, B, T, batch, parts, chunk, micro, device, layers=None, budg
         s = HealSettings(batch=B, window=T, head_chunk=chunk, micro_batch=micro, memory="auto", device_mem_gb=budget_gib)
         plan = memory_plan(tail, s, dev)
     else:
-        plan = mem.Plan(parts, (L if layers is None else min(layers, L)) if "checkpoint" in parts else 0, L)
+        plan = mem.MemoryPlan(parts, (L if layers is None else min(layers, L)) if "checkpoint" in parts else 0, L)
     parts = plan.parts
     tail.checkpointed = plan.layers
     groups = [{"params": [p for _, p in tail.params[l]], "lr": 1e-5, "layer": l} for l in sorted(tail.params)]
