@@ -13,6 +13,7 @@ from ..devices import COMPUTE, resolve_compute  # noqa: F401  (heal's names for 
 from ..errors import CortiqError
 from ..settings_meta import BATCH, EPOCHS, TOPK, WINDOW, check, setting
 from .kinds import CHOICES, DEFAULT, TargetKind, kind_in_effect
+
 #: the memory savings `HealSettings.memory` may name ("lean" is all of them)
 MEMORY_PARTS = ("checkpoint", "micro", "adam8")
 #: the codecs a heal can train against (see `HealSettings.qat_codec`; "none": plain f32 training)

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .. import dist, pipeline, store, tracking
+from ..devices import rank_device
 from ..errors import CortiqError
 from ..measure import gap_recovered, panel_gap, score, text_gap  # noqa: F401  (heal's names for them)
 from ..pipeline import Stage, settings_gpus
@@ -18,7 +19,6 @@ from . import prefix as prefix_mod
 from . import qat
 from . import targets as targets_mod
 from .kinds import stored_kind
-from ..devices import rank_device
 from .settings import HealSettings, resolve_compute
 
 TRAIN_VERSION = "1"
