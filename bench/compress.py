@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 from bench.common import CACHE, log, parser, print_table, pydoc_tdata, smollm2_cmf, tiny_cmf, write_json
-from cortiq.compress.fold import mlp_names, repair_down, select_kept
-from cortiq.compress.gptq import gptq_quantize_layers
+from cortiq.compress.folding import mlp_names, repair_down, select_kept
+from cortiq.compress.gptq_solver import gptq_quantize_layers
 from cortiq.compress.grams import capture_model_grams, room_bytes
 from cortiq.compress.masks import learn_model_masks
 from cortiq.compress.settings import GramSettings, MaskSettings

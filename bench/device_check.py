@@ -61,7 +61,8 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, env, log, parser, print_table, tiny_cmf, write_json
-from cortiq.heal.settings import MEMORY_PARTS, TARGETS
+from cortiq.heal.kinds import CHOICES
+from cortiq.heal.settings import MEMORY_PARTS
 
 #: the heal targets and memory plans the rows cover (heal's own lists, so a new kind gets a row)
 MEMORY_PLANS = ("plain", *MEMORY_PARTS, "lean")
@@ -233,7 +234,7 @@ class Check:
 
         self.row("heal --train-from 0 (sampled, memory auto)", heal(["--train-from", "0"], healed))
         self.row(f"heal --train-from {frozen} (of {layers})", heal(["--train-from", str(frozen)], w / "healed-tf.cmf"))
-        for t in TARGETS:
+        for t in CHOICES:
             if t != "sampled":  # the first row's
                 # eager: the kind changes the targets and the loss, not the layers (the rows around it compile)
                 self.row(f"heal --target {t}", heal(["--target", t, "--no-compile"], w / f"healed-{t.replace('+', '-')}.cmf",

@@ -317,7 +317,7 @@ def worker_heal(a) -> int:
         parallel.UNIT_LAYERS = a.units
     if n == 1 and a.shard in ("ddp", "fsdp"):
         # one rank wrapped all the same (a one-rank mesh): the wrapper's own cost, no communication
-        parallel.choose = lambda kind, tail, device, genesis=False: a.shard
+        parallel.choose_sharding = lambda kind, tail, device, genesis=False: a.shard
     work = Path(a.work)
     td = Path(a.data)
     from cortiq.data import Tdata, windows
@@ -367,7 +367,7 @@ def worker_big(a) -> int:
     import pyarrow as pa
 
     from cortiq import dist
-    from cortiq.heal.parallel import Plan, prepare
+    from cortiq.heal.parallel import Sharding, prepare
     from cortiq.heal.rows import WindowRows
     from cortiq.heal.settings import HealSettings
     from cortiq.heal.train import SplitData, StudentTail, fit, train_index, val_index
@@ -392,11 +392,11 @@ def worker_big(a) -> int:
     tail = StudentTail(model, 0, False, drop_prefix=False)
     compiled = bool(a.compile) and dev.type == "cuda"
     if dist.world() > 1:
-        plan = prepare(tail, s, dev, cdt, compile=compiled)
+        sharding = prepare(tail, s, dev, cdt, compile=compiled)
     else:  # one rank sharded all the same: FSDP2's hooks around the (compiled, checkpointed) layers
         if compiled:
             tail.model.compile_layers()
-        plan = Plan(tail, "fsdp", dev, cdt).wrap()
+        sharding = Sharding(tail, "fsdp", dev, cdt).wrap()
 
     T, B, k, V = a.big_window, a.big_batch, 32, g["vocab"]
     rng = np.random.default_rng(0)
@@ -416,14 +416,14 @@ def worker_big(a) -> int:
         torch.cuda.reset_peak_memory_stats()
     log_ = MemoryLogger()
     rep = fit(tail, split(B, True), split(B, False), s, Path(a.work) / "big", dev, cdt, logger=log_,
-              progress=False, plan=plan)
+              progress=False, sharding=sharding)
     peaks = _peaks(dist)
     if dist.is_main():
         rates = [v for k_, v, _ in log_.metrics if k_ == "tokens_per_s"]
         tok_s = rates[-1]
         Path(a.result).write_text(json.dumps({
             "tok_s": tok_s, "step_s": B * T / tok_s, "first_step_s": B * T / rates[0], "peak_gib": peaks,
-            "shard": plan.kind, "trained_weights": rep["metrics"]["trained_weights"],
+            "shard": sharding.kind, "trained_weights": rep["metrics"]["trained_weights"],
             "losses": [h["loss"] for h in rep["history"]]}))
     dist.finish()
     return 0

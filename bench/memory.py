@@ -84,7 +84,7 @@ def _plan_step(arch, B, T, batch, parts, chunk, micro, device, layers=None, budg
         s = HealSettings(batch=B, window=T, head_chunk=chunk, micro_batch=micro, memory="auto", device_mem_gb=budget_gib)
         plan = memory_plan(tail, s, dev)
     else:
-        plan = mem.Plan(parts, (L if layers is None else min(layers, L)) if "checkpoint" in parts else 0, L)
+        plan = mem.MemoryPlan(parts, (L if layers is None else min(layers, L)) if "checkpoint" in parts else 0, L)
     parts = plan.parts
     tail.checkpointed = plan.layers
     groups = [{"params": [p for _, p in tail.params[l]], "lr": 1e-5, "layer": l} for l in sorted(tail.params)]
@@ -108,7 +108,7 @@ def heal_plans(geom: str, B: int, T: int, steps: int, micro: int, plans=PLANS, d
     import functools
     import gc
 
-    import cortiq.heal.train as T_
+    import cortiq.heal.loss as L_
     from cortiq.heal.loss import topk_kl
 
     g = R.GEOMS[geom]
@@ -127,8 +127,9 @@ def heal_plans(geom: str, B: int, T: int, steps: int, micro: int, plans=PLANS, d
         if budget is not None:
             row["budget_gib"] = budget
         t0 = time.time()
-        # the trainer's loss with the head's gradient made ahead (its default) or recomputed
-        T_.topk_kl = functools.partial(topk_kl, grad_ahead=ahead)
+        # the trainer's loss with the head's gradient made ahead (its default) or recomputed: the
+        # target kinds read topk_kl from cortiq.heal.loss when they score a batch
+        L_.topk_kl = functools.partial(topk_kl, grad_ahead=ahead)
         step = None
         try:
             gc.collect()
@@ -154,7 +155,7 @@ def heal_plans(geom: str, B: int, T: int, steps: int, micro: int, plans=PLANS, d
         if device == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
-    T_.topk_kl = topk_kl
+    L_.topk_kl = topk_kl
     return rows
 
 

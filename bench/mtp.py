@@ -216,7 +216,7 @@ def main() -> int:
             args.work = str(WORK.parent / "mtp-bench-tiny")
 
     from cortiq.mtp import MtpSettings, _chain, _draft_tensors, _remeasure, heldout_windows, mtp_heal, resolve, write_draft
-    from cortiq.mtp.trunk import resolve_device
+    from cortiq.devices import rank_device
 
     if args.only_draft:
         print(healed_draft(args.work, args.model, args.pydoc_tokens, args.shakespeare_tokens, args.device))
@@ -252,7 +252,7 @@ def main() -> int:
 
     # ── q4: which tensors are sensitive ──
     f = open_cmf(paths["f16"])
-    dev = resolve_device(sr.device)
+    dev = rank_device(sr.device, "mtp settings")
     m = load_model(f, device=dev)
     ch, _ = _chain(m, f, spec, sr)
     tensors = _draft_tensors(m)

@@ -44,11 +44,11 @@ from bench.common import log, parser, run_dirs, smollm2_cmf, table, tiny_cmf, wr
 from cortiq import store
 from cortiq.heal import prefix as prefix_mod
 from cortiq.heal import targets as targets_mod
+from cortiq.heal.kinds import CHOICES as KINDS
 from cortiq.heal.settings import HealSettings
 from cortiq.heal.stages import healed_model, train
 from cortiq.measure import gap_recovered, score
 
-KINDS = ("topk", "topk+rest", "sampled", "full")
 SETS = ("own", "unseen", "pydoc")
 
 
@@ -175,7 +175,7 @@ def heal_row(label: str, s: HealSettings, source: Path, pruned: Path, sets: dict
     model = healed_model(pruned, rep["trained"], rep["device"])
     nll = nll_all({"healed": model}, sets, rep["device"])
     del model
-    row = {"label": label, "target": s.teacher_kind, "ce": s.ce, "lr": s.lr, "topk": s.topk, "epochs": s.epochs,
+    row = {"label": label, "target": s.target_kind.name, "ce": s.ce, "lr": s.lr, "topk": s.topk, "epochs": s.epochs,
            "tokens": rep["metrics"]["steps"] * s.batch * s.window, "steps": rep["metrics"]["steps"],
            "best_step": rep["metrics"]["best_step"], "targets_s": t_targets, "train_s": t_train,
            "sec_per_step": rep["metrics"]["sec_per_step"], "secs": time.perf_counter() - t0, "nll": {}, "gap": {}}

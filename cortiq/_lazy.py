@@ -8,9 +8,18 @@ import importlib
 
 def exports(package: str, names: dict[str, str]):
     """`(__getattr__, __dir__, __all__)` for `package` whose `names` map an
-    exported name to the submodule defining it. An export named like its own
-    submodule (`cortiq.data.build`, the function in `cortiq.data.build`, the
-    module) stays the export whatever was imported first (see `shadow`)."""
+    exported name to the submodule defining it. No export may be named like a
+    submodule of the package: importing a submodule binds its name on the
+    package, so `from package import name` would hand out the module or the
+    export depending on what some other code imported first (the check raises
+    at the package's import, so a clash cannot ship)."""
+    import pkgutil
+    import sys
+
+    subs = {m.name for m in pkgutil.iter_modules(sys.modules[package].__path__)}
+    clashes = sorted(set(names) & subs)
+    if clashes:
+        raise ImportError(f"{package}: exports named like its submodules: {', '.join(clashes)}")
 
     def __getattr__(name: str):
         mod = names.get(name)
@@ -20,25 +29,5 @@ def exports(package: str, names: dict[str, str]):
         setattr(importlib.import_module(package), name, value)
         return value
 
-    clashes = {n: m for n, m in names.items() if n == m}
-    if clashes:
-        shadow(package, clashes)
     all_ = sorted(names)
     return __getattr__, (lambda: all_), all_
-
-
-def shadow(package: str, names: dict[str, str]) -> None:
-    """Let `package`'s exported `names` (name -> the submodule defining it) win over its submodules
-    of the same names (cortiq.compress.fold the module, cortiq.compress.fold the stage function):
-    importing a submodule binds the package's attribute to the module, which these properties
-    ignore, or `from package import fold` would hand out a module or a function depending on what
-    some other code imported first; the modules stay importable through sys.modules."""
-    import sys
-    import types
-
-    def prop(name: str, mod: str) -> property:
-        return property(lambda _pkg: getattr(importlib.import_module(f"{package}.{mod}"), name),
-                        lambda _pkg, _module: None)
-
-    cls = type("Package", (types.ModuleType,), {n: prop(n, m) for n, m in names.items()})
-    sys.modules[package].__class__ = cls

@@ -331,7 +331,7 @@ def get(name: str) -> Codec:
         raise CodecError(f"unknown codec {name!r} (known: {', '.join(_REGISTRY)})") from None
 
 
-def choose(requested: str, shape: tuple[int, ...], current: str = "f32") -> str:
+def choose_codec(requested: str, shape: tuple[int, ...], current: str = "f32") -> str:
     """The codec a tensor of `shape`, now in `current`, gets when a whole model
     is written in `requested`: "keep" keeps `current`; a plain codec applies
     to every tensor; a quantized one to matrices only (ndim = 2): vectors

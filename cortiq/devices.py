@@ -28,6 +28,14 @@ def resolve_device(name: str, what: str = "settings"):
     return dev
 
 
+def rank_device(name: str, what: str = "settings"):
+    """The device this process computes on for the settings' device `name`: `resolve_device`,
+    then under torchrun each rank's own GPU (cortiq.dist.device)."""
+    from . import dist
+
+    return dist.device(resolve_device(name, what))
+
+
 def resolve_compute(name: str, device):
     """The autocast dtype for `name` on `device` ("auto": bf16 on CUDA, f32 on the CPU)."""
     import torch

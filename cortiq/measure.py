@@ -100,7 +100,7 @@ def gap_line(name: str, t: dict) -> str:
 
 def recode(src_cmf, out_cmf, codec: str, provenance: dict | None = None, verify: bool = True, finite: bool = True,
            progress=None) -> Path:
-    """`src_cmf` with every tensor in the codec `codecs.choose` gives it for
+    """`src_cmf` with every tensor in the codec `codecs.choose_codec` gives it for
     `codec` (plain codecs everywhere, quantized ones on matrices), provenance
     `recode`. Tensors already in their codec are copied byte for byte."""
     from .cmf import copy_specs, open_cmf, with_provenance, write_cmf
@@ -110,7 +110,7 @@ def recode(src_cmf, out_cmf, codec: str, provenance: dict | None = None, verify:
 
     src = open_cmf(src_cmf)
     check_file(src)  # a file load refuses is not re-encoded into one that looks finished
-    specs = copy_specs(src, lambda name, info: codecs.choose(codec, info.shape, info.codec), verify=verify,
+    specs = copy_specs(src, lambda name, info: codecs.choose_codec(codec, info.shape, info.codec), verify=verify,
                        finite=finite)
     doc = with_provenance({k: v for k, v in src.doc.items() if k not in ("codecs", "hashes", "shards")}, "recode",
                           {"codec": codec, **(provenance or {})})

@@ -108,7 +108,7 @@ def _build(cls, values: dict, stage: str):
 
 
 @dataclass(frozen=True)
-class Plan:
+class CacheEntry:
     """Where a stage's output goes, named by its digest."""
 
     stage: str
@@ -142,7 +142,7 @@ def input_digest(value) -> str:
     return store.file_digest(value)
 
 
-def plan(stage: Stage, root: str | os.PathLike, **params) -> Plan:
+def plan(stage: Stage, root: str | os.PathLike, **params) -> CacheEntry:
     """The plan of a stage run: its digest over (name, version, key, named input digests) and its paths."""
     p = stage.params(params)
     missing = [n for n in stage.inputs if n not in p]
@@ -154,7 +154,7 @@ def plan(stage: Stage, root: str | os.PathLike, **params) -> Plan:
     root = Path(root)
     out = root / (f"{stage.name}-{d}.cmf" if stage.output == "cmf" else f"{stage.name}-{d}")
     # reports live apart, so the outputs are all a folder holds under their names
-    return Plan(stage.name, d, out, root / "reports" / f"{stage.name}-{d}.json")
+    return CacheEntry(stage.name, d, out, root / "reports" / f"{stage.name}-{d}.json")
 
 
 def digest_of(stage: Stage, **params) -> str:
@@ -204,7 +204,7 @@ def _injected(name: str, rank: int) -> bool:
     return want == name and (not at or r == str(rank))
 
 
-def _relaunch(stage: Stage, pl: Plan, root, logger: tracking.Logger, progress: bool, n: int, params: dict) -> dict:
+def _relaunch(stage: Stage, pl: CacheEntry, root, logger: tracking.Logger, progress: bool, n: int, params: dict) -> dict:
     """`run` as n processes under torchrun on this machine: the stage, root and
     parameters go to the ranks as a JSON job (settings as plain dicts, built
     again by each rank: the same digest), each rank calls `run`, rank 0 writes
@@ -327,7 +327,7 @@ def rank_errors(d: Path) -> str:
     return "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(sorted(r, key=int))}: {e}" for e, r in by.items())
 
 
-def _finish(stage: Stage, pl: Plan, report) -> None:
+def _finish(stage: Stage, pl: CacheEntry, report) -> None:
     """Check the stage left a complete output, then write its report (last)."""
     if report is None:
         report = {}
@@ -341,7 +341,7 @@ def _finish(stage: Stage, pl: Plan, report) -> None:
     store.write_text(pl.report, json.dumps(report, indent=1, sort_keys=True, default=_jsonable))
 
 
-def _result(pl: Plan, reused: bool) -> dict:
+def _result(pl: CacheEntry, reused: bool) -> dict:
     return {"stage": pl.stage, "digest": pl.digest, "path": str(pl.out), "report": json.loads(pl.report.read_text()),
             "reused": reused}
 

@@ -12,7 +12,7 @@ import functools
 from cortiq.cmf import open_cmf
 from cortiq.compress import FOLD, GPTQ, GRAMS, MASKS
 from cortiq.convert import SOURCE, source_kind
-from cortiq.data.build import DATA
+from cortiq.data.builder import DATA
 from cortiq.heal.prefix import PREFIX
 from cortiq.heal.stages import HEAL, TRAIN
 from cortiq.heal.targets import TARGETS

@@ -173,10 +173,10 @@ def test_registry_takes_more_and_refuses_a_taken_name():
 
 
 def test_choose():
-    assert codecs.choose("keep", (4, 4), "q8") == "q8"
-    assert codecs.choose("f16", (4,), "f32") == "f16"  # plain codecs: every tensor
-    assert codecs.choose("q8", (4, 4), "f16") == "q8"  # quantized: matrices...
-    assert codecs.choose("q8", (4,), "bf16") == "bf16"  # ...vectors stay plain
-    assert codecs.choose("q4", (4,), "q8") == "f32"
+    assert codecs.choose_codec("keep", (4, 4), "q8") == "q8"
+    assert codecs.choose_codec("f16", (4,), "f32") == "f16"  # plain codecs: every tensor
+    assert codecs.choose_codec("q8", (4, 4), "f16") == "q8"  # quantized: matrices...
+    assert codecs.choose_codec("q8", (4,), "bf16") == "bf16"  # ...vectors stay plain
+    assert codecs.choose_codec("q4", (4,), "q8") == "f32"
     with pytest.raises(CodecError):
-        codecs.choose("zz", (4, 4), "f32")
+        codecs.choose_codec("zz", (4, 4), "f32")

@@ -19,7 +19,7 @@ from cortiq.errors import CortiqError
 from test_settings_meta import _variants
 
 #: the modules that declare the pipeline's stages
-MODULES = ["cortiq.compress.stages", "cortiq.data.build", "cortiq.heal.targets", "cortiq.heal.prefix",
+MODULES = ["cortiq.compress.stages", "cortiq.data.builder", "cortiq.heal.targets", "cortiq.heal.prefix",
            "cortiq.heal.stages", "cortiq.mtp", "cortiq.measure", "cortiq.convert"]
 
 

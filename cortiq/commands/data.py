@@ -54,7 +54,7 @@ def _build(args) -> int:
 
     from tqdm import tqdm
 
-    from ..data.build import build
+    from ..data.builder import build
     from ..data.settings import BuildSettings
     from ..errors import CortiqError
     from ..settings_meta import from_args

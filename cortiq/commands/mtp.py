@@ -52,7 +52,7 @@ def run(args) -> int:
     from ..settings_meta import from_args
     from ..store import check_output
 
-    from ..data.windows import parse_spec
+    from ..data.windowing import parse_spec
 
     data = [] if args.mtp_command == "init" else [path for path, _ in parse_spec(args.data)]
     inputs = [args.model, *data]

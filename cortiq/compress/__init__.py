@@ -12,7 +12,7 @@ Stage functions in the common shape (docs/internals.md, "Stages"):
 stages as the runner knows them (cortiq.pipeline): MASKS, GRAMS, FOLD, GPTQ.
 """
 
-from .._lazy import exports, shadow
+from .._lazy import exports
 from .settings import CompressSettings, FoldSettings, GptqSettings, GramSettings, MaskSettings
 
 # the stage functions load on first use, with torch: the settings above stay importable without it
@@ -21,8 +21,6 @@ _STAGES = ("VERSIONS", "capture_grams", "compress", "fold", "gptq", "learn_masks
            "MASKS", "GRAMS", "FOLD", "GPTQ")
 __getattr__, _, _lazy_all = exports(__name__, {name: "stages" for name in _STAGES})
 __all__ = ["CompressSettings", "FoldSettings", "GptqSettings", "GramSettings", "MaskSettings", *_lazy_all]
-# `fold` and `gptq` are the stage functions, though submodules of those names exist
-shadow(__name__, {"fold": "stages", "gptq": "stages"})
 
 
 def __dir__():

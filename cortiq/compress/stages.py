@@ -191,7 +191,7 @@ def fold(source_cmf, masks_dir, grams_dir, settings: FoldSettings, out_cmf, logg
     import torch
 
     from ..cmf import open_cmf
-    from .fold import activation_scores, fold_cmf, mlp_names, repair_down, select_kept
+    from .folding import activation_scores, fold_cmf, mlp_names, repair_down, select_kept
 
     s = settings
     src = open_cmf(source_cmf)
@@ -257,8 +257,8 @@ def gptq(student_cmf, grams_dir, settings: GptqSettings, out_cmf, logger: tracki
 
     from .. import codecs
     from ..cmf import Stored, copy_specs, open_cmf, with_provenance, write_cmf
-    from .fold import kept_from_b64, mlp_names
-    from .gptq import gptq_quantize_layers
+    from .folding import kept_from_b64, mlp_names
+    from .gptq_solver import gptq_quantize_layers
     from .grams import room_bytes
 
     s = settings

@@ -280,7 +280,7 @@ def convert_gguf(src: str | os.PathLike, out_path: str | os.PathLike, codec: str
 
     codec: "keep" writes quantized tensors as f16 and f32/f16/bf16 ones as
     they are; a codec name writes every tensor in it (a quantized codec:
-    matrices only, vectors stay plain; see `codecs.choose`).
+    matrices only, vectors stay plain; see `codecs.choose_codec`).
     `progress(name)` is called after each tensor is written."""
     import numpy as np
     import torch
@@ -313,7 +313,7 @@ def convert_gguf(src: str | os.PathLike, out_path: str | os.PathLike, codec: str
         shape = _logical_shape(t)
         kind = name.rsplit(".", 2)[-2] if name.startswith("model.layers.") else ""
         unperm = heads.get(kind) if arch.arch_name == "llama" else None
-        c = codecs.choose(codec, shape, _KEEP.get(t.tensor_type.name, "f16"))
+        c = codecs.choose_codec(codec, shape, _KEEP.get(t.tensor_type.name, "f16"))
         specs.append(cmf.Spec(name, c, shape, getter(t, shape, unperm)))
     doc = cmf.new_doc(arch, tok)
     doc = cmf.with_provenance(doc, "convert", {

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..arch import from_hf_config
 from ..cmf import Spec, new_doc, regular_size, write_cmf
-from ..codecs import choose as choose_codec
+from ..codecs import choose_codec
 from ..codecs import get as get_codec
 from ..errors import CortiqError
 from ..tokenizer import tokenizer_doc

@@ -16,11 +16,11 @@ from .._lazy import exports
 _EXPORTS = {
     "BuildSettings": "settings", "SelfGenSettings": "settings",
     "SELFGEN": "selfgen", "self_tdata": "selfgen", "generate_rows": "selfgen",
-    "build": "build", "build_digest": "build", "cut_text": "build",
+    "build": "builder", "build_digest": "builder", "cut_text": "builder",
     "LOSS_ON": "tdata", "SPLITS": "tdata", "Record": "tdata", "Tdata": "tdata", "fnv1a64": "tdata",
     "tokenizer_digest": "tdata", "write_tdata": "tdata",
-    "Batch": "windows", "Packed": "windows", "Windows": "windows", "cut_windows": "windows", "held_out": "windows",
-    "packed_windows": "windows", "windows": "windows",
+    "Batch": "windowing", "Packed": "windowing", "Windows": "windowing", "cut_windows": "windowing",
+    "held_out": "windowing", "packed_windows": "windowing", "windows": "windowing",
 }
 
 __getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)

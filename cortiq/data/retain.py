@@ -113,7 +113,7 @@ def retain_tdata(spec: str, source_cmf, settings: RetainSettings, run: Runner, r
         gen = SelfGenSettings(seed=settings.seed, tokens=settings.tokens or SelfGenSettings().tokens)
         return run(SELFGEN, "retain.self", model=str(source_cmf), settings=plain(gen))["path"]
     if spec.startswith("corpus:"):
-        from .build import DATA
+        from .builder import DATA
         from ..pipeline import plain
 
         return run(DATA, f"retain.{source_name(spec)}", sources=[spec], model=str(source_cmf),

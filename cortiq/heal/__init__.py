@@ -3,7 +3,7 @@
 Stages (docs/internals.md, "Stages"), each a plain function of paths and
 `HealSettings`: `teacher_targets` (the teacher's top-k per row, ce-mixed,
 weight-scaled), `prefix_cache` (the frozen layers' output once per window),
-`train` (resumable, best held-out checkpoint), `export` (the healed CMF in
+`train` (cortiq.heal.stages.train: resumable, best held-out checkpoint), `export` (the healed CMF in
 the student's codecs, provenance `heal`), `score` (test NLL per model), and
 `heal`, which chains them for the CLI.
 
@@ -18,9 +18,9 @@ from .._lazy import exports
 _EXPORTS = {
     "HealSettings": "settings",
     "topk_kl": "loss", "topk_kl_reference": "loss",
-    "teacher_targets": "targets", "mix_targets": "targets",
+    "teacher_targets": "targets", "mix_targets": "kinds",
     "prefix_cache": "prefix",
-    "check_inputs": "stages", "train": "stages", "export": "stages", "score": "stages", "heal": "stages",
+    "check_inputs": "stages", "export": "stages", "score": "stages", "heal": "stages",
 }
 
 __getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)

@@ -17,20 +17,21 @@ weight decay 0, i.e. Adam) are 2 B per trained weight instead of 8.
 from __future__ import annotations
 
 import functools
-import math
 import sys
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import CortiqError
+from ..train_loop import adam, skips_on_device  # noqa: F401  (skips_on_device: the step's name for it)
+from .kinds import DEFAULT, KINDS, TargetKind
 from .settings import MEMORY_PARTS
 
 #: what `memory: lean` runs with
 LEAN = MEMORY_PARTS
 #: the share of the free device memory the step's estimate may take when no budget is
 #: set (the estimate leaves out the allocator's fragmentation and cuBLAS/compile workspaces)
-FIT_SHARE = 0.85
+STEP_SHARE = 0.85
 #: extra step time of each saving, as a share of the plain step's, measured on an H200
 #: (Qwen3-1.7B, 4 windows of 2048, all 28 layers trained; tokens/s against the plain
 #: step's 45.8k): checkpoint of every trained layer 0.78x (recomputing a layer costs
@@ -38,11 +39,6 @@ FIT_SHARE = 0.85
 #: 0.72x (larger micro-batches cost less), 8-bit moments 0.70x (torchao's per-parameter
 #: kernels). Together they cost about the product of their factors: auto ranks plans by it.
 COST = {"checkpoint": 1 / 0.78 - 1, "micro": 1 / 0.72 - 1, "adam8": 1 / 0.70 - 1}
-#: bytes per [chunk, vocab] entry the fused head + loss holds, by target kind: the top-k
-#: loss makes its gradient in the forward in compiled passes (bf16 logits and dL/dz:
-#: measured 3.8 B an entry, chunks of 8192 against 1024 rows at 1.7B); the rest-bucket and
-#: dense losses run f32 passes eager (f32 logits, their exp, the target or scatter copy)
-HEAD_ENTRY = {"topk+rest": 12, "full": 16}
 GiB = float(1 << 30)
 
 
@@ -58,10 +54,10 @@ class StepShape:
     layers: int  # trained layers
     vocab: int
     chunk: int  # rows per chunk of the fused head + loss
-    head_entry: int = 4  # bytes per [chunk, vocab] entry of the head + loss (HEAD_ENTRY)
+    head_entry: int = 4  # bytes per [chunk, vocab] entry of the head + loss (TargetKind.head_entry)
 
 
-def shape_of(tail, batch: int, window: int, chunk: int, kind: str = "topk") -> StepShape:
+def shape_of(tail, batch: int, window: int, chunk: int, kind: TargetKind = KINDS[DEFAULT]) -> StepShape:
     """The step shape of a StudentTail at `batch` windows of `window` tokens, target `kind`."""
     V, H = tail.model.head_weight.shape
     inter = 2 * H
@@ -71,7 +67,7 @@ def shape_of(tail, batch: int, window: int, chunk: int, kind: str = "topk") -> S
                 inter = max(inter, int(p.shape[1]))
     return StepShape(trained=sum(p.numel() for _, p in tail.named()), tokens=batch * window,
                      windows=batch, hidden=int(H), inter=inter, layers=len(tail.params), vocab=int(V), chunk=chunk,
-                     head_entry=HEAD_ENTRY.get(kind, 4))
+                     head_entry=kind.head_entry)
 
 
 def step_bytes(sh: StepShape, parts: tuple[str, ...], micro_windows: int, layers: int | None = None) -> int:
@@ -113,7 +109,7 @@ def step_bytes(sh: StepShape, parts: tuple[str, ...], micro_windows: int, layers
 
 
 @dataclass(frozen=True)
-class Plan:
+class MemoryPlan:
     """The savings a step runs with: `parts` (MEMORY_PARTS order) and, with
     "checkpoint", `layers` of the `of` trained layers recomputed, the lowest."""
 
@@ -160,8 +156,8 @@ def _fewest_layers(sh: StepShape, parts: tuple[str, ...], micro_windows: int, al
     return next((k for k in range(1, sh.layers + 1) if step_bytes(sh, parts, micro_windows, k) <= allow), None)
 
 
-def choose(memory: str, parts: tuple[str, ...] | None, sh: StepShape, micro_windows: int, allow: float | None,
-           adam8_available, layers: int = 0, budget: str = "", say: bool = True) -> Plan:
+def choose_memory(memory: str, parts: tuple[str, ...] | None, sh: StepShape, micro_windows: int, allow: float | None,
+           adam8_available, layers: int = 0, budget: str = "", say: bool = True) -> MemoryPlan:
     """The plan the step runs with. `parts` is what the settings named (None:
     auto), `layers` the settings' checkpoint_layers (0: all when named, the
     fewest that fit under auto). Auto without an allowance (`allow` None: a
@@ -174,9 +170,9 @@ def choose(memory: str, parts: tuple[str, ...] | None, sh: StepShape, micro_wind
     8-bit moments would be chosen (importing torchao takes seconds)."""
     L = sh.layers
     if parts is not None:
-        return Plan(parts, (min(layers, L) if layers else L) if "checkpoint" in parts else 0, L)
+        return MemoryPlan(parts, (min(layers, L) if layers else L) if "checkpoint" in parts else 0, L)
     if allow is None:
-        return Plan((), 0, L)
+        return MemoryPlan((), 0, L)
     fits = []
     for mask in range(1 << len(MEMORY_PARTS)):  # the 8 combinations of savings
         ps = tuple(p for i, p in enumerate(MEMORY_PARTS) if mask >> i & 1)
@@ -186,7 +182,7 @@ def choose(memory: str, parts: tuple[str, ...] | None, sh: StepShape, micro_wind
             if k is None:
                 continue
         if step_bytes(sh, ps, micro_windows, k) <= allow:
-            fits.append(Plan(ps, k, L))
+            fits.append(MemoryPlan(ps, k, L))
     fits.sort(key=lambda p: (p.cost(), len(p.parts)))
     # torchao asked at most once, and only when a plan needs it
     have = functools.cache(lambda: bool(adam8_available() if callable(adam8_available) else adam8_available))
@@ -202,14 +198,14 @@ def choose(memory: str, parts: tuple[str, ...] | None, sh: StepShape, micro_wind
                  "load here (pip install 'cortiq[lean]')")
         return plan
     avail = have()
-    plan = Plan(tuple(p for p in LEAN if p != "adam8" or avail), L, L)
+    plan = MemoryPlan(tuple(p for p in LEAN if p != "adam8" or avail), L, L)
     if say:
         _say(plan, sh, micro_windows, allow, budget, False,
              "" if avail else " (without 8-bit Adam moments: torchao does not load here: pip install 'cortiq[lean]')")
     return plan
 
 
-def _say(plan: Plan, sh: StepShape, micro_windows: int, allow: float, budget: str, fits: bool, note: str) -> None:
+def _say(plan: MemoryPlan, sh: StepShape, micro_windows: int, allow: float, budget: str, fits: bool, note: str) -> None:
     """One line: what auto chose, its estimate against the allowance, and what it is expected to cost."""
     need = step_bytes(sh, plan.parts, micro_windows, plan.layers) / GiB
     plain = step_bytes(sh, (), micro_windows) / GiB
@@ -243,42 +239,7 @@ def make_optimizer(groups: list[dict], lr: float, device: torch.device, adam8: b
     (AdamW8bit, weight decay 0: the same update rule). Both keep `group["layer"]`."""
     if adam8:
         return adam8_class()(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    # fused (on CUDA and on a CPU alike): one kernel for every parameter's update,
-    # the same arithmetic, and a non-finite step skipped on the device (found_inf)
-    return torch.optim.Adam(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, fused=device.type in ("cuda", "cpu"))
-
-
-def skips_on_device(opt: torch.optim.Optimizer) -> bool:
-    """Whether `opt` takes a device flag that skips its step (`opt.found_inf`, 1.0:
-    skip; torch's fused Adam), so the step can be launched before the host knows
-    whether the loss was finite."""
-    return type(opt) is torch.optim.Adam and bool(opt.defaults.get("fused"))
-
-
-def update(opt: torch.optim.Optimizer, loss: torch.Tensor, grad_norm: torch.Tensor, set_rate) -> tuple:
-    """One update of `opt` unless the step's loss or gradient norm ([] tensors on
-    the device, the gradients already clipped) is not finite. `set_rate()` sets
-    the rate of the update and returns it. -> (loss, norm, rate) read on the
-    host; rate None: the step was skipped (the caller clears the gradients).
-
-    With a fused Adam the update is launched before the host reads the two
-    values, its kernels queued behind the backward, and skipped on the device
-    when they are not finite (found_inf: no update, step count kept); the host
-    waits once, after. (On two H200s, waiting before the update left the GPU
-    idle ~6 ms a step.) Other optimizers read first and step after."""
-    on_device = skips_on_device(opt)
-    rate = None
-    if on_device:
-        opt.found_inf = (~(torch.isfinite(grad_norm) & torch.isfinite(loss))).float()
-        rate = set_rate()
-        opt.step()
-    lv, gn = torch.stack([loss.float(), grad_norm.float()]).tolist()  # one wait for both
-    if not (math.isfinite(lv) and math.isfinite(gn)):
-        return lv, gn, None
-    if not on_device:
-        rate = set_rate()
-        opt.step()
-    return lv, gn, rate
+    return adam(groups, lr, device)
 
 
 def optimizer_kind(opt: torch.optim.Optimizer) -> str:

@@ -1,6 +1,6 @@
 """Heal training across ranks: how the trained tail runs when more than one
 process takes part (cortiq.dist), kept apart from the training loop, which
-calls the few hooks of `Plan` and is otherwise the same for one process.
+calls the few hooks of `Sharding` and is otherwise the same for one process.
 
 - Data: every rank takes its contiguous share of each global batch (the batch
   of `batch` windows one process would run), and each share's loss is divided
@@ -12,7 +12,7 @@ calls the few hooks of `Plan` and is otherwise the same for one process.
 - "fsdp": FSDP2 (`fully_shard`) on units of trained layers and on the tail:
   the weights, gradients and Adam state are split across ranks (bf16
   parameters in compute, f32 residual stream and gradient reduction); for a
-  tail of 1B weights and more, or one too big for one device (`choose`).
+  tail of 1B weights and more, or one too big for one device (`choose_sharding`).
 - Checkpoints: `torch.distributed.checkpoint` (one directory, each rank writing
   its shard of each tensor), resharded on load, so a run killed on N ranks
   resumes on M (one included); a single process writes and reads the plain
@@ -39,8 +39,8 @@ from .settings import SHARDS
 #: a one-process run's checkpoint (tensors and plain values, torch.save)
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_DIR = "checkpoint.dcp"
-#: share of one device's memory the whole-tail (ddp) plan may fill with weights, gradients and Adam state
-FIT_SHARE = 0.5
+#: share of one device's memory the whole-tail (ddp) sharding may fill with weights, gradients and Adam state
+DDP_SHARE = 0.5
 #: trained weights from which `shard: auto` picks FSDP2 over DDP where both fit. One rank wrapped each
 #: way (bench/dist.py, one H200, 16 windows of 512 a step, where the step of two GPUs is CPU-bound):
 #: at the Qwen3-1.7B geometry (1.4B trained) DDP ran at 0.87x the unwrapped step, FSDP2 at 0.95x, and
@@ -101,11 +101,11 @@ def device_bytes(device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def choose(kind: str, tail, device, genesis: bool = False) -> str:
+def choose_sharding(kind: str, tail, device, genesis: bool = False) -> str:
     """"single" for one process; else "ddp" or "fsdp" as asked; "auto": fsdp on
     CUDA when the trained weights number at least FSDP_FROM, or when with their
     gradients and Adam state (16 bytes each) and the rest of the model (4 bytes a
-    weight) they take more than FIT_SHARE of a device; else ddp (and ddp for
+    weight) they take more than DDP_SHARE of a device; else ddp (and ddp for
     Genesis, which FSDP2 does not follow)."""
     if kind not in SHARDS:
         raise CortiqError(f"heal settings: shard {kind!r} is not one of {', '.join(SHARDS)}")
@@ -118,10 +118,10 @@ def choose(kind: str, tail, device, genesis: bool = False) -> str:
     trained = sum(p.numel() for _, p in tail.named())
     total = sum(p.numel() for p in tail.model.parameters())
     need = 16 * trained + 4 * (total - trained)
-    return "fsdp" if trained >= FSDP_FROM or need > FIT_SHARE * device_bytes(device) else "ddp"
+    return "fsdp" if trained >= FSDP_FROM or need > DDP_SHARE * device_bytes(device) else "ddp"
 
 
-class Plan:
+class Sharding:
     """How `fit` runs the tail on this process: "single", "ddp" or "fsdp"."""
 
     def __init__(self, tail, kind: str, device, cdt, genesis: bool = False):
@@ -134,7 +134,7 @@ class Plan:
         self.module = None
 
     # ── wrapping ──
-    def wrap(self) -> "Plan":
+    def wrap(self) -> "Sharding":
         if self.kind == "single":
             return self
         if self.tail.num_layers - self.tail.train_from < 1:
@@ -351,12 +351,12 @@ def adam_state(opt, named) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.
     return out
 
 
-def prepare(tail, s, device, cdt, compile: bool = False) -> Plan:
-    """The plan for this process (settings `s.shard`), wrapped; the decoder layers compiled when asked."""
+def prepare(tail, s, device, cdt, compile: bool = False) -> Sharding:
+    """The sharding of this process (settings `s.shard`), wrapped; the decoder layers compiled when asked."""
     if compile:
         # each layer compiled before it is wrapped: the order torch's own tests of fully_shard use
         tail.model.compile_layers(tail.running)
-    return Plan(tail, choose(s.shard, tail, device, s.genesis), device, cdt, s.genesis).wrap()
+    return Sharding(tail, choose_sharding(s.shard, tail, device, s.genesis), device, cdt, s.genesis).wrap()
 
 
 # ── one-process checkpoints ─────────────────────────────────────────────

@@ -22,7 +22,8 @@ import torch
 from .. import dist, store, tracking
 from ..pipeline import Stage, settings_gpus
 from .rows import RowWriter, WindowRows, open_split
-from .settings import HealSettings, mem_budget_bytes, resolve_device
+from ..devices import rank_device
+from .settings import HealSettings, mem_budget_bytes
 from .targets import SPLITS, window_sets
 
 STAGE = "prefix"
@@ -78,7 +79,7 @@ def prefix_cache(student_cmf, tdata_dir, settings: HealSettings, out, logger: tr
         if dtype != "none":
             from ..model import load_model
 
-            dev = dist.device(resolve_device(s.device))
+            dev = rank_device(s.device, "heal settings")
             model = load_model(student_cmf, dtype=torch.float32, device="cpu").eval()
             # only the prefix travels to the device
             del model.layers[s.train_from:]

@@ -74,7 +74,7 @@ def attach(model, codec_name: str, trained: range | list[int], frozen_run: range
 
 @torch.no_grad()
 def rounded(model, codec_name: str):
-    """`model` with every matrix a file in `codec_name` quantizes (cortiq.codecs.choose: every 2-D weight)
+    """`model` with every matrix a file in `codec_name` quantizes (cortiq.codecs.choose_codec: every 2-D weight)
     replaced in place by its roundtrip: what that file computes ("none": unchanged)."""
     if codec_name != "none":
         c = codecs.get(codec_name)

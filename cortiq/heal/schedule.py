@@ -1,32 +1,15 @@
-"""Learning-rate schedules of the heal run (warm-up then cosine, and Genesis)."""
+"""Learning-rate schedules of the heal run: the shape of the peak rate (warm-up
+then cosine, or Genesis: cortiq.train_loop, which the MTP draft's loop shares) and
+Genesis's widening window of trained layers with its per-layer decay."""
 
 from __future__ import annotations
 
 import math
 
+from ..train_loop import lr_shape, warm_steps  # noqa: F401  (the heal's names for them)
+
 #: Genesis: the share of layers (from the top) trained in epoch 0, 1, 2, 3+
 GENESIS_FRACTIONS = (12 / 64, 24 / 64, 40 / 64, 1.0)
-
-
-def warm_steps(total: int, warm: float) -> int:
-    return max(1, int(total * warm))
-
-
-def lr_shape(step: int, total: int, warm: float, genesis: bool = False) -> float:
-    """The multiplier of the peak rate at 1-based `step` of `total`.
-
-    Plain: linear warm-up over max(1, warm·total) steps (Adam's first steps
-    move every trained weight by ~lr at once; a long ramp keeps the held-out
-    loss from jumping), then a cosine down to 0.1 of the peak at the end.
-    Genesis: (1 − e^(−t/τ))·e^(−t/2T) with τ = T/3."""
-    if genesis:
-        t, tt = float(step), float(total)
-        return (1.0 - math.exp(-t / (tt / 3.0))) * math.exp(-t / (2.0 * tt))
-    w = warm_steps(total, warm)
-    if step <= w:
-        return step / w
-    pr = min(1.0, (step - w) / max(1, total - w))
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * pr))
 
 
 def genesis_from(epoch: int, num_layers: int, train_from: int) -> int:

@@ -10,12 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..devices import COMPUTE, resolve_compute  # noqa: F401  (heal's names for them)
-from ..devices import resolve_device as _resolve_device
 from ..errors import CortiqError
 from ..settings_meta import BATCH, EPOCHS, TOPK, WINDOW, check, setting
+from .kinds import CHOICES, DEFAULT, TargetKind, kind_in_effect
 
-#: what the student learns per row (see `HealSettings.target`)
-TARGETS = ("topk", "topk+rest", "sampled", "full")
 #: the memory savings `HealSettings.memory` may name ("lean" is all of them)
 MEMORY_PARTS = ("checkpoint", "micro", "adam8")
 #: the codecs a heal can train against (see `HealSettings.qat_codec`; "none": plain f32 training)
@@ -52,10 +50,10 @@ class HealSettings:
     #: recovered on plays the heal never saw was topk −63 % (worse than pruned:
     #: the renormalised target over-sharpens), topk+rest 86 %, sampled 103 %,
     #: full 104 % (the dense reference); sampled stores what topk stores
-    target: str = setting("sampled", "the teacher's side of the target: topk (renormalised top-k), topk+rest (the k "
+    target: str = setting(DEFAULT, "the teacher's side of the target: topk (renormalised top-k), topk+rest (the k "
                                      "entries and a bucket for the rest of the vocabulary), sampled (k draws from the "
                                      "teacher, unbiased), full (the whole distribution, teacher run online; small "
-                                     "models)", choices=TARGETS)
+                                     "models)", choices=CHOICES)
     #: entries stored per row: the top k, or the draws per row for "sampled"
     #: (32: the storage topk had; not swept)
     topk: int = setting(32, "teacher entries stored per row (the top k, or the draws per row for sampled)", **TOPK)
@@ -204,19 +202,15 @@ class HealSettings:
         return min(self.batch, self.micro_batch) if self.micro_batch else max(1, self.batch // 4)
 
     @property
-    def teacher_kind(self) -> str:
-        """The target kind in effect: "ce" when no teacher takes part (ce = 1)."""
-        return "ce" if self.ce >= 1.0 else self.target
+    def target_kind(self) -> TargetKind:
+        """The target kind in effect (cortiq.heal.kinds): "ce", plain cross-entropy with
+        no teacher, when ce = 1; else the one `target` names."""
+        return kind_in_effect(self.target, self.ce)
 
     @property
     def slots(self) -> int:
-        """Stored entries per row: the teacher's k, one more when the hard target
-        is mixed in, one more for the rest bucket; 1 (next token and row weight)
-        for pure CE and for the online "full" target."""
-        kind = self.teacher_kind
-        if kind in ("ce", "full"):
-            return 1
-        return self.topk + (self.ce > 0.0) + (kind == "topk+rest")
+        """Stored entries per row of the targets (TargetKind.slots)."""
+        return self.target_kind.slots(self.topk, self.ce)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -229,15 +223,11 @@ class HealSettings:
     def targets_key(self) -> dict:
         """The settings the teacher targets depend on (their digest)."""
         return {"topk": self.topk, "ce": self.ce, "window": self.window, "batch": self.batch, "loss_on": self.loss_on,
-                "target": self.teacher_kind, "seed": self.seed if self.teacher_kind == "sampled" else 0}
+                "target": self.target_kind.name, "seed": self.seed if self.target_kind.seeded else 0}
 
     def prefix_key(self) -> dict:
         return {"train_from": self.train_from, "window": self.window, "batch": self.batch, "loss_on": self.loss_on,
                 "mem_budget_gb": self.mem_budget_gb}
-
-
-def resolve_device(name: str):
-    return _resolve_device(name, "heal settings")
 
 
 def mem_budget_bytes(gb: float) -> int:

@@ -11,13 +11,15 @@ import numpy as np
 import torch
 
 from .. import dist, pipeline, store, tracking
+from ..devices import rank_device
 from ..errors import CortiqError
 from ..measure import gap_recovered, panel_gap, score, text_gap  # noqa: F401  (heal's names for them)
 from ..pipeline import Stage, settings_gpus
 from . import prefix as prefix_mod
 from . import qat
 from . import targets as targets_mod
-from .settings import HealSettings, resolve_compute, resolve_device
+from .kinds import stored_kind
+from .settings import HealSettings, resolve_compute
 
 TRAIN_VERSION = "1"
 #: the healed model's version (the export stage's)
@@ -82,13 +84,14 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
 
     s = settings
     work_dir = Path(work_dir)
-    dev = dist.device(resolve_device(s.device))
+    dev = rank_device(s.device, "heal settings")
     cdt = resolve_compute(s.compute_dtype, dev)
     tg = targets_mod.Targets(targets_dir)
     if tg.T != s.window:
         raise CortiqError(f"{targets_dir}: targets of windows of {tg.T} tokens, the settings say {s.window}")
-    if tg.kind != s.teacher_kind:
-        raise CortiqError(f"{targets_dir}: {tg.kind} targets, the settings say {s.teacher_kind}")
+    kind = stored_kind(tg.kind, targets_dir)
+    if kind is not s.target_kind:
+        raise CortiqError(f"{targets_dir}: {kind.name} targets, the settings say {s.target_kind.name}")
     pre = prefix_mod.Prefix(prefix_dir) if prefix_dir is not None else None
     if pre is not None and pre.cached and pre.train_from != s.train_from:
         raise CortiqError(f"{prefix_dir}: a prefix of layers 0..{pre.train_from}, the settings train from {s.train_from}")
@@ -114,12 +117,12 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
     # quantization-aware: before compiling and wrapping, so both see the fake-quantized linears
     qat.attach(model, s.qat_codec, range(s.train_from, tail.num_layers), () if cached else range(s.train_from))
     # the layers compiled, then across ranks DDP or fully_shard around the trained ones (cortiq.heal.parallel)
-    plan = prepare(tail, s, dev, cdt, compile=s.compile and dev.type == "cuda")
-    obj = Objective(tg.kind, None, s.ce)
-    if tg.kind == "full":
+    sharding = prepare(tail, s, dev, cdt, compile=s.compile and dev.type == "cuda")
+    obj = Objective(kind, None, s.ce)
+    if kind.online:
         # the whole distribution, online: the teacher the targets stage names
         if not tg.teacher:
-            raise CortiqError(f"{targets_dir}: \"full\" targets that name no teacher")
+            raise CortiqError(f"{targets_dir}: \"{kind.name}\" targets that name no teacher")
         obj.teacher = load_model(tg.teacher, dtype=torch.float32, device=dev).eval()
         if s.compile and dev.type == "cuda":
             obj.teacher.compile_layers()
@@ -130,7 +133,7 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
         logger = tracking.NULL  # rank 0 reports for all
     logger.log_params({f"heal.{k}": v for k, v in s.to_dict().items()})
     rep = fit(tail, splits["train"], splits["val"], s, work_dir, dev, cdt, key=key, logger=logger, progress=progress,
-              obj=obj, plan=plan)
+              obj=obj, sharding=sharding)
     out = work_dir / TRAINED
     tmp = out.with_name(out.name + ".partial")
     state = tail.state()  # every rank: sharded weights are gathered
@@ -139,7 +142,7 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
         os.replace(tmp, out)
     dist.barrier()
     rep.update({"device": str(dev), "compute_dtype": str(cdt).removeprefix("torch."), "prefix_cached": cached,
-                "trained": str(out), "slots": tg.k, "ranks": dist.world(), "shard": plan.kind})
+                "trained": str(out), "slots": tg.k, "ranks": dist.world(), "shard": sharding.kind})
     return rep
 
 

@@ -1,15 +1,7 @@
 """The heal targets: per row, a sparse picture of the teacher's next-token
 distribution, the data's own next token mixed in with weight `ce`, every row
-scaled by its weight (unscored rows weigh 0). The kinds (`HealSettings.target`):
-
-- "topk": the teacher's k most likely ids, renormalised over them;
-- "topk+rest": the same k entries unnormalised, and one last slot holding the
-  mass on every other id (its id is `REST_ID`, never a token);
-- "sampled": k draws from the teacher's distribution; each distinct id stored
-  with weight count/k (unused slots weigh 0 and may repeat an id), so the
-  stored row is an unbiased estimate of the teacher's whole distribution;
-- "full" and ce = 1: the data's next token and the row weight only (the
-  "full" teacher runs online in the trainer).
+scaled by its weight (unscored rows weigh 0). What a row holds depends on the
+target kind in effect (cortiq.heal.kinds: topk, topk+rest, sampled, full, ce).
 
 Output (a stage directory): `train.arrow` and `val.arrow`, one row per window:
 `ids` [T·slots] uint32, `probs` [T·slots] f32, `total` (the window's summed
@@ -30,6 +22,7 @@ from .. import store, tracking
 from ..errors import CortiqError
 from .. import dist
 from ..pipeline import Stage, settings_gpus
+from .kinds import KINDS, REST_ID, mix_targets  # noqa: F401  (the targets' names for them)
 from .rows import RowWriter, WindowRows, open_split
 from .settings import HealSettings
 
@@ -37,37 +30,6 @@ STAGE = "targets"
 #: 2: "sampled" draws are seeded per batch of windows (so any number of ranks draws the same)
 VERSION = 2
 SPLITS = ("train", "val")
-#: the id of the "topk+rest" rest slot: outside any vocabulary, so a slip that
-#: gathers it fails loudly
-REST_ID = (1 << 32) - 1
-
-
-def mix_targets(ids: torch.Tensor, probs: torch.Tensor, nxt: torch.Tensor, weight: torch.Tensor, ce: float):
-    """Targets of rows: teacher `ids`/`probs` [N, k], the data's next token `nxt` [N],
-    row `weight` [N] -> (ids [N, k], probs [N, k]) = weight·(α·onehot(next) + (1−α)·topk).
-
-    With 0 < α < 1 the hard target takes a slot: its own if the teacher ranked
-    it, else the weakest entry's (ids stay distinct); the teacher part is
-    renormalised over what is left. α = 0: the teacher alone; α = 1: the one-hot."""
-    ids = ids.clone()
-    probs = probs.float().clone()
-    nxt = nxt.to(ids.dtype)
-    alpha = float(ce)
-    if alpha >= 1.0:
-        ids = nxt[:, None]
-        probs = torch.ones_like(ids, dtype=torch.float32)
-    elif alpha > 0.0:
-        k = ids.shape[1]
-        match = ids == nxt[:, None]  # [N, k]
-        has = match.any(1)  # [N]
-        slot = torch.where(has, match.to(torch.int8).argmax(1), torch.full_like(nxt, k - 1))  # [N]
-        miss = ~has
-        ids[miss, k - 1] = nxt[miss]
-        probs[miss, k - 1] = 0.0
-        s = probs.sum(1, keepdim=True).clamp_min(1e-12)
-        probs = (1.0 - alpha) * probs / s
-        probs.scatter_add_(1, slot[:, None], torch.full((len(slot), 1), alpha, dtype=probs.dtype, device=probs.device))
-    return ids, probs * weight.float()[:, None]
 
 
 def mix_targets_reference(ids, probs, nxt, weight, ce, vocab: int) -> torch.Tensor:
@@ -95,61 +57,8 @@ def sparse_rows(z: torch.Tensor, nxt: torch.Tensor, weight: torch.Tensor, kind: 
                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk of teacher logits `z` [c, V], the data's next token `nxt` [c]
     and row `weight` [c] -> stored (ids int64 [c, slots], probs f32 [c, slots])
-    for `kind` "topk+rest" or "sampled" (vectorised over rows).
-
-    topk+rest with 0 < ce: k+1 listed ids, the teacher's top k and the data's
-    token (the (k+1)-th most likely id when the token is already among the k),
-    so the hard target always has its own entry and the rest bucket stays
-    disjoint from it; each listed id carries (1−ce)·p_teacher (+ ce on the
-    token), the rest slot (1−ce)·(1 − Σ p_listed), taken as a logsumexp off the
-    listed ids (1 − Σp cancels in f32 when the k hold nearly all of the mass).
-
-    sampled: k draws with replacement from softmax(z) (torch.multinomial on the
-    chunk's rows, `generator` seeds it); each distinct id drawn holds one slot
-    with weight count·(1−ce)/k (+ ce at the token), found by sorting the k draws
-    (no [c, V] work beyond the softmax); slots beyond the distinct ids weigh 0
-    (their ids mean nothing). E[stored] = weight·((1−ce)·p + ce·onehot)."""
-    zf = z.float()
-    c = zf.shape[0]
-    nxt = nxt.long()
-    wt = weight.float()[:, None]
-    extra = int(ce > 0.0)
-    if kind == "topk+rest":
-        lse = torch.logsumexp(zf, -1, keepdim=True)  # [c, 1]
-        top = zf.topk(k + extra, -1).indices  # [c, k(+1)]
-        if extra:
-            ranked = (top[:, :k] == nxt[:, None]).any(1)  # [c]
-            top[:, k] = torch.where(ranked, top[:, k], nxt)
-        pt = torch.exp(zf.gather(1, top) - lse)  # [c, k(+1)] the teacher's own probabilities
-        rest = torch.exp(torch.logsumexp(zf.scatter(1, top, float("-inf")), -1, keepdim=True) - lse)  # [c, 1]
-        probs = (1.0 - ce) * pt
-        if extra:
-            probs = probs + ce * (top == nxt[:, None])
-        ids = torch.cat([top, torch.full((c, 1), REST_ID, dtype=top.dtype, device=top.device)], 1)
-        return ids, torch.cat([probs, (1.0 - ce) * rest], 1) * wt
-    if kind == "sampled":
-        p = torch.softmax(zf, -1)  # [c, V]
-        draws = torch.multinomial(p, k, replacement=True, generator=generator).sort(-1).values  # [c, k]
-        del p
-        # equal draws are neighbours once sorted: each run of one id becomes one
-        # slot (its first), weighted count·(1−ce)/k; the rest of the row weighs 0
-        first = torch.ones_like(draws, dtype=torch.bool)
-        first[:, 1:] = draws[:, 1:] != draws[:, :-1]
-        run = first.long().cumsum(-1) - 1  # [c, k] the slot of each draw's run
-        ids = torch.zeros(c, k + extra, dtype=torch.long, device=zf.device).scatter_(1, run, draws)
-        probs = torch.zeros(c, k + extra, device=zf.device).scatter_add_(
-            1, run, torch.full((c, k), (1.0 - ce) / k, device=zf.device))
-        if extra:
-            # the hard target: added to its own slot when drawn, else it takes the
-            # last slot (k draws fill at most k, so that one is always free)
-            hit = ids[:, :k] == nxt[:, None]  # [c, k]; slots past the runs weigh 0 and may repeat an id
-            hit &= probs[:, :k] > 0
-            drawn = hit.any(1)
-            slot = torch.where(drawn, hit.to(torch.int8).argmax(1), torch.full_like(nxt, k))
-            ids[:, k] = torch.where(drawn, ids[:, k], nxt)
-            probs.scatter_add_(1, slot[:, None], torch.full((c, 1), ce, device=zf.device))
-        return ids, probs * wt
-    raise ValueError(f"sparse_rows: kind {kind!r} is neither 'topk+rest' nor 'sampled'")
+    of the kind named `kind` ("topk+rest" or "sampled": TargetKind.chunk_rows)."""
+    return KINDS[kind].chunk_rows(z, nxt, weight, k, ce, generator)
 
 
 def topk_rest_reference(z, nxt, weight, k: int, ce: float) -> list[dict]:
@@ -173,19 +82,8 @@ def topk_rest_reference(z, nxt, weight, k: int, ce: float) -> list[dict]:
 def teacher_rows(teacher, h: torch.Tensor, nxt: torch.Tensor, weight: torch.Tensor, s: HealSettings,
                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The stored target rows of the teacher's final hidden rows `h` [B, T, H]:
-    (ids [B·T, slots], probs [B·T, slots]); the head runs `head_chunk` rows at a
-    time, so [B·T, V] logits never exist at once."""
-    kind, k = s.teacher_kind, s.topk
-    if kind == "topk":
-        # the top k+1 when the hard target is mixed in: it takes the weakest slot when the teacher did not rank it
-        n = s.slots
-        tid, tp = teacher.topk_next(h, n, chunk=s.head_chunk)  # [B, T, n]
-        return mix_targets(tid.reshape(-1, n), tp.reshape(-1, n), nxt, weight, s.ce)
-    rows = h.reshape(-1, h.shape[-1])
-    parts = [sparse_rows(teacher.logits(rows[a : a + s.head_chunk]), nxt[a : a + s.head_chunk],
-                         weight[a : a + s.head_chunk], kind, k, s.ce, generator)
-             for a in range(0, rows.shape[0], s.head_chunk)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    (ids [B·T, slots], probs [B·T, slots]) of the settings' kind (TargetKind.teacher_rows)."""
+    return s.target_kind.teacher_rows(teacher, h, nxt, weight, s.topk, s.ce, s.head_chunk, generator)
 
 
 def window_sets(tdata_dir, s: HealSettings):
@@ -218,16 +116,17 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
 
     from tqdm import tqdm
 
-    from .settings import resolve_compute, resolve_device
+    from ..devices import rank_device
+    from .settings import resolve_compute
 
     s = settings
     out = Path(out)
     _, wins = window_sets(tdata_dir, s)
     k = s.slots
     teacher = None
-    dev = dist.device(resolve_device(s.device))
-    kind = s.teacher_kind
-    if kind not in ("ce", "full"):
+    dev = rank_device(s.device, "heal settings")
+    kind = s.target_kind
+    if kind.teacher_pass:
         from ..model import load_model
 
         teacher = load_model(teacher_cmf, dtype=torch.float32, device=dev).eval()
@@ -238,8 +137,8 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
     cdt = resolve_compute(s.compute_dtype, dev)
     digest = digest or digest_of(teacher_cmf, tdata_dir, s)
     meta = {"stage": STAGE, "version": VERSION, "digest": digest, "settings": s.targets_key(),
-            "inputs": {"teacher": str(teacher_cmf) if kind != "ce" else None, "tdata": str(tdata_dir)},
-            "slots": k, "window": s.window, "kind": kind, "counts": {sp: len(w) for sp, w in wins.items()}}
+            "inputs": {"teacher": str(teacher_cmf) if kind.names_teacher else None, "tdata": str(tdata_dir)},
+            "slots": k, "window": s.window, "kind": kind.name, "counts": {sp: len(w) for sp, w in wins.items()}}
     t0 = time.perf_counter()
     T = s.window
     if dist.active():
@@ -253,7 +152,7 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
                     tqdm(total=len(share), desc=f"teacher top-{k} ({split})", unit="win",
                          disable=not progress or teacher is None or not dist.is_main(), file=sys.stderr) as bar:
                 for a in range(share.start, share.stop, s.batch):
-                    gen = draws(dev, s.seed, si, a // s.batch) if kind == "sampled" else None
+                    gen = draws(dev, s.seed, si, a // s.batch) if kind.seeded else None
                     ids = torch.from_numpy(w.ids[a : a + s.batch]).to(dev)  # [B, T]
                     nxt = torch.from_numpy(w.next[a : a + s.batch]).reshape(-1).to(dev)  # [B·T]
                     wt = torch.from_numpy(w.weight[a : a + s.batch]).reshape(-1).to(dev)  # [B·T]
@@ -296,6 +195,7 @@ class Targets:
         d = Path(d)
         self.meta = store.read_meta(d)
         self.k, self.T = int(self.meta["slots"]), int(self.meta["window"])
+        #: the name of their kind (cortiq.heal.kinds); targets written before kinds were named are "topk" ones
         self.kind = self.meta.get("kind", "topk")
         self.teacher = (self.meta.get("inputs") or {}).get("teacher")
         self.ids, self.probs, self.total = {}, {}, {}

@@ -27,13 +27,13 @@ import torch
 from .. import dist, tracking
 from ..errors import CortiqError
 from . import memory as mem
-from .loss import dense_kl, topk_kl, topk_rest_kl
+from .kinds import DEFAULT, KINDS, TargetKind
 from .parallel import CHECKPOINT, load_checkpoint  # noqa: F401  (the trainer's names for them)
 from .rows import WindowRows
+from ..train_loop import Best, LoopState, Update, update
 from .schedule import genesis_decay, genesis_from, lr_shape
 from .settings import HealSettings
 
-MAX_SKIPPED = 20
 #: the f16 loss scale's start (halved at each non-finite step)
 F16_SCALE = 4096.0
 
@@ -276,31 +276,29 @@ class _Dropped(torch.nn.Module):
 
 @dataclass
 class Objective:
-    """How a batch's stored target rows become a loss: the target kind (what
-    the targets stage stored), and for "full" the teacher run online and ce."""
+    """How a batch's stored target rows become a loss: the target kind (what the
+    targets stage stored; a name is looked up in KINDS), and for a kind whose
+    teacher runs online ("full") that teacher and ce."""
 
-    kind: str = "topk"
+    kind: TargetKind | str = DEFAULT
     teacher: torch.nn.Module | None = None
     ce: float = 0.0
+
+    def __post_init__(self):
+        if isinstance(self.kind, str):
+            self.kind = KINDS[self.kind]
 
 
 def batch_loss(tail: StudentTail, ids, h0, tid, tp, chunk: int, device, cdt,
                obj: Objective | None = None) -> torch.Tensor:
-    """The summed KL of one batch against its targets (divide by the batch's total weight)."""
-    kind = "topk" if obj is None else obj.kind
+    """The summed loss of one batch against its targets (divide by the batch's total weight)."""
+    obj = obj or Objective()
     if h0 is None:
         h0 = tail.start(ids)
     with torch.autocast(device.type, dtype=cdt, enabled=cdt != torch.float32):
         hf = tail.tail(h0)  # [B, T, H]
-        rows = hf.reshape(-1, hf.shape[-1])  # [B·T, H]
-        if kind == "topk+rest":  # the last slot is the rest bucket
-            return topk_rest_kl(rows, tail.model.head_weight, tid[:, :-1], tp[:, :-1], tp[:, -1], chunk=chunk)
-        if kind == "full":  # stored: the next token and the row weight; the teacher runs here
-            with torch.no_grad():
-                th, _ = obj.teacher.forward_hidden(ids)  # [B, T, H']
-            return dense_kl(rows, tail.model.head_weight, th.reshape(-1, th.shape[-1]), obj.teacher.head_weight,
-                            tid[:, 0], tp[:, 0], obj.ce, chunk=chunk)
-        return topk_kl(rows, tail.model.head_weight, tid, tp, chunk=chunk)
+        return obj.kind.loss(hf.reshape(-1, hf.shape[-1]), tail.model.head_weight, tid, tp, chunk, ids, obj.teacher,
+                             obj.ce)
 
 
 def step_backward(tail: StudentTail, batch: tuple, micro: int, chunk: int, device, cdt, obj: Objective | None,
@@ -327,12 +325,12 @@ def step_backward(tail: StudentTail, batch: tuple, micro: int, chunk: int, devic
     return loss
 
 
-def memory_plan(tail: StudentTail, s: HealSettings, device) -> mem.Plan:
+def memory_plan(tail: StudentTail, s: HealSettings, device) -> mem.MemoryPlan:
     """The memory savings this run's step uses: what `s.memory` names, or for
     auto the estimate against what the step may use: `s.device_mem_gb` less what
-    is already on the device (the model; on a CPU its weights), else FIT_SHARE of
+    is already on the device (the model; on a CPU its weights), else STEP_SHARE of
     the device's free memory (plain on a CPU without a budget)."""
-    shape = mem.shape_of(tail, s.batch, s.window, s.head_chunk, s.teacher_kind)
+    shape = mem.shape_of(tail, s.batch, s.window, s.head_chunk, s.target_kind)
     allow, budget = None, ""
     if s.memory == "auto":
         if s.device_mem_gb > 0:
@@ -341,8 +339,8 @@ def memory_plan(tail: StudentTail, s: HealSettings, device) -> mem.Plan:
             allow = s.device_mem_gb * mem.GiB - there
             budget = f" (device_mem_gb {s.device_mem_gb:g} less {there / mem.GiB:.1f} GiB already there)"
         elif device.type == "cuda":
-            allow, budget = mem.FIT_SHARE * mem.free_bytes(device), f" ({mem.FIT_SHARE:.0%} of the free memory)"
-    return mem.choose(s.memory, s.memory_parts(), shape, s.micro_windows(), allow, mem.have_adam8,
+            allow, budget = mem.STEP_SHARE * mem.free_bytes(device), f" ({mem.STEP_SHARE:.0%} of the free memory)"
+    return mem.choose_memory(s.memory, s.memory_parts(), shape, s.micro_windows(), allow, mem.have_adam8,
                       s.checkpoint_layers, budget, say=dist.is_main())  # one line, not one per rank
 
 
@@ -374,186 +372,234 @@ class Order:
 # ── the loop ────────────────────────────────────────────────────────────
 
 
-def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, work_dir, device, cdt,
-        key: str = "", logger: tracking.Logger = tracking.NULL, progress: bool = True,
-        obj: Objective | None = None, plan=None) -> dict:
-    """Train `tail` in place; returns the report. On return the tail holds the best weights.
+@dataclass
+class HealState(LoopState):
+    """The heal loop's state: the shared one, the batch cursor (train batches read,
+    skipped ones too), the f16 loss scale and the dynamic mix's state. Its plain form
+    is a checkpoint's "state" table (the same keys since checkpoints began, so an
+    older checkpoint resumes)."""
 
-    `plan` (cortiq.heal.parallel) says how the tail runs when torchrun started
-    several processes; by default it is made here from `s.shard` (one process: as is)."""
-    from tqdm import tqdm
+    cursor: int = 0
+    scale: float = 1.0
+    mix: dict | None = None
 
-    from .parallel import prepare
 
-    progress = progress and dist.is_main()  # one bar, not one per rank
-    if plan is None:
-        plan = prepare(tail, s, device, cdt)
-    tokens = train.index.shape[1] * train.ids.shape[1]  # a whole step's, over every rank
-    whole = train  # the global batches the dynamic mix composes, before each rank takes its share
-    train, val = plan.local(train), plan.local(val)
-    work_dir = Path(work_dir)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    nb = train.n_batches
-    if nb < 1:
-        raise CortiqError(f"heal: {len(train.ids)} train windows of {s.window} tokens, fewer than one batch of {s.batch}")
-    if val.n_batches < 1:
-        raise CortiqError("heal: the val split has no scored window")
-    total_steps = total_steps_of(s, nb, tokens)
-    mixer = None
-    if s.mix == "dynamic" and whole.source is not None and len(whole.names) > 1:
-        from .mix import Mixer
+class HealRun:
+    """One `fit`: its setup (data shares, memory plan, optimizer, resume or the first
+    evaluation) and its named parts, which `fit`'s loop calls."""
 
-        mixer = Mixer(whole.source, len(whole.names), s.seed, s.mix_lr)
-    layers = sorted(tail.params)
-    groups = [{"params": [p for _, p in tail.params[l]], "lr": s.lr, "layer": l} for l in layers]
-    mplan = memory_plan(tail, s, device)
-    if "adam8" in mplan and plan.kind != "single":
-        raise CortiqError("heal: 8-bit Adam moments (memory adam8) run on one process only; on more than one GPU "
-                          "use memory checkpoint+micro (FSDP already splits the Adam state across the GPUs)")
-    tail.checkpointed = mplan.layers
-    micro = s.micro_windows() if "micro" in mplan else 0
-    opt = mem.make_optimizer(groups, s.lr, device, adam8="adam8" in mplan)
-    named = tail.named()
-    trained = sum(p.numel() for _, p in named)
+    def __init__(self, tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, work_dir, device, cdt,
+                 key: str, logger: tracking.Logger, progress: bool, obj: Objective | None, sharding):
+        from tqdm import tqdm
 
-    K = len(val.names) if val.source is not None else 0
+        from .parallel import prepare
 
-    def heldout() -> tuple[float, dict]:
+        self.tail, self.s, self.device, self.cdt, self.key, self.logger = tail, s, device, cdt, key, logger
+        self.obj = obj
+        self.progress = progress and dist.is_main()  # one bar, not one per rank
+        self.sharding = sh = prepare(tail, s, device, cdt) if sharding is None else sharding
+        self.tokens = train.index.shape[1] * train.ids.shape[1]  # a whole step's, over every rank
+        self.whole = train  # the global batches the dynamic mix composes, before each rank takes its share
+        self.train, self.val = train, val = sh.local(train), sh.local(val)
+        self.work_dir = Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.nb = nb = train.n_batches
+        if nb < 1:
+            raise CortiqError(f"heal: {len(train.ids)} train windows of {s.window} tokens, fewer than one batch of {s.batch}")
+        if val.n_batches < 1:
+            raise CortiqError("heal: the val split has no scored window")
+        self.total_steps = total_steps_of(s, nb, self.tokens)
+        self.mixer = None
+        if s.mix == "dynamic" and self.whole.source is not None and len(self.whole.names) > 1:
+            from .mix import Mixer
+
+            self.mixer = Mixer(self.whole.source, len(self.whole.names), s.seed, s.mix_lr)
+        groups = [{"params": [p for _, p in tail.params[l]], "lr": s.lr, "layer": l} for l in sorted(tail.params)]
+        self.mplan = mplan = memory_plan(tail, s, device)
+        if "adam8" in mplan and sh.kind != "single":
+            raise CortiqError("heal: 8-bit Adam moments (memory adam8) run on one process only; on more than one GPU "
+                              "use memory checkpoint+micro (FSDP already splits the Adam state across the GPUs)")
+        tail.checkpointed = mplan.layers
+        self.micro = s.micro_windows() if "micro" in mplan else 0
+        self.opt = mem.make_optimizer(groups, s.lr, device, adam8="adam8" in mplan)
+        self.on_device = mem.skips_on_device(self.opt)
+        self.params = [p for _, p in tail.named()]
+        self.lowest = tail.train_from
+        self.order = Order(nb, s.seed)
+        self.resume()
+        self.bar = tqdm(total=self.total_steps, initial=self.st.done, desc="heal", unit="step", disable=not self.progress,
+                        file=sys.stderr, dynamic_ncols=True)
+        self.ahead = Ahead(train, device)
+
+    # ── the state: a checkpoint's, or a fresh one ──
+    def resume(self) -> None:
+        """The state of this run's checkpoint (weights, optimizer and RNG loaded in place
+        by the sharding), else a fresh one after the first held-out evaluation."""
+        ck = self.sharding.resume(self.work_dir, self.key, self.opt)
+        if ck is not None:
+            self.order.rng, self.order.perm = int(ck["order_rng"]), [int(x) for x in ck["order_perm"]]
+            self.st = HealState.from_plain(ck["state"])
+            self.start = ck["e0"]
+            self.best = Best(ck["best_loss"], ck["best_step"], ck["best_state"])
+            if self.mixer is not None:
+                self.mixer.load(self.st.mix)
+            return
+        self.st = HealState(scale=F16_SCALE if self.cdt == torch.float16 else 1.0)
+        self.start, per = self.heldout()
+        self.best = Best(self.start, 0, self.sharding.snapshot())
+        self.record_eval(self.start, per)
+
+    def save(self) -> None:
+        """A resumable checkpoint: the sharding writes weights, optimizer and RNG beside this loop state."""
+        self.st.mix = None if self.mixer is None else self.mixer.state()
+        self.sharding.save(self.work_dir, {"key": self.key, "order_rng": self.order.rng, "order_perm": list(self.order.perm),
+                                       "state": self.st.plain(), "e0": self.start, "best_loss": self.best.value,
+                                       "best_step": self.best.step, "best_state": self.best.state}, self.opt)
+
+    # ── held-out evaluation ──
+    def heldout(self) -> tuple[float, dict]:
         """The held-out loss, and with retain data each source's ({name: loss})."""
+        val, s = self.val, self.s
+        K = len(val.names) if val.source is not None else 0
         num, den = np.zeros(max(K, 1)), np.zeros(max(K, 1))
         with torch.no_grad():
             for b in range(val.n_batches):
-                ids, h0, tid, tp, tot = val.batch(b, device)
+                ids, h0, tid, tp, tot = val.batch(b, self.device)
                 k = int(val.source[b]) if K else 0
-                num[k] += float(batch_loss(tail, ids, h0, tid, tp, s.head_chunk, device, cdt, obj))
+                num[k] += float(batch_loss(self.tail, ids, h0, tid, tp, s.head_chunk, self.device, self.cdt, self.obj))
                 den[k] += tot  # the whole batch's: each rank's share of it sums to it
-        num = np.array([plan.sum_(float(x)) for x in num])
+        num = np.array([self.sharding.sum_(float(x)) for x in num])
         per = {name: float(num[k] / den[k]) for k, name in enumerate(val.names) if den[k] > 0} if K else {}
         return float(num.sum() / max(den.sum(), 1e-9)), per
 
-    def eval_row(step: int, e: float, per: dict) -> dict:
-        row = {"step": step, "heldout": e, **{f"heldout.{n}": v for n, v in per.items()}}
-        if mixer is not None:
-            row.update({f"mix.{n}": float(w) for n, w in zip(whole.names, mixer.w)})
-        return row
+    def record_eval(self, e: float, per: dict) -> None:
+        if self.mixer is not None:
+            self.mixer.update([per.get(n, 0.0) for n in self.whole.names])
+        row = {"step": self.st.done, "heldout": e, **{f"heldout.{n}": v for n, v in per.items()}}
+        if self.mixer is not None:
+            row.update({f"mix.{n}": float(w) for n, w in zip(self.whole.names, self.mixer.w)})
+        self.st.evals.append(row)
+        self.logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=self.st.done)
 
-    order = Order(nb, s.seed)
-    st = {"done": 0, "cursor": 0, "skipped": 0, "scale": F16_SCALE if cdt == torch.float16 else 1.0,
-          "step_secs": 0.0, "history": [], "evals": [], "stale": 0, "stopped": 0, "mix": None}
-    resumed = False
-    ck = plan.resume(work_dir, key, opt)  # weights, optimizer and RNG loaded when it is this run's
-    if ck is not None:
-        order.rng, order.perm = int(ck["order_rng"]), [int(x) for x in ck["order_perm"]]
-        for k_ in st:
-            st[k_] = ck["state"][k_]
-        e0, best_loss, best_step, best_state = ck["e0"], ck["best_loss"], ck["best_step"], ck["best_state"]
-        if mixer is not None:
-            mixer.load(st["mix"])
-        resumed = True
-    if not resumed:
-        e0, per = heldout()
-        best_loss, best_step, best_state = e0, 0, plan.snapshot()
-        if mixer is not None:
-            mixer.update([per.get(n, 0.0) for n in whole.names])
-        row = eval_row(0, e0, per)
-        st["evals"].append(row)
-        logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=0)
+    def evaluate(self) -> float:
+        """The held-out loss now: the plateau count, the best weights and the mix follow it."""
+        e, per = self.heldout()
+        # an evaluation counts as better when it lowers the best by min_improve of it
+        self.st.stale = 0 if e < self.best.value * (1.0 - self.s.min_improve) else self.st.stale + 1
+        self.best.offer(e, self.st.done, self.sharding.snapshot)
+        self.record_eval(e, per)
+        return e
 
-    def checkpoint():
-        st["mix"] = None if mixer is None else mixer.state()
-        plan.save(work_dir, {"key": key, "order_rng": order.rng, "order_perm": list(order.perm), "state": st, "e0": e0,
-                             "best_loss": best_loss, "best_step": best_step, "best_state": best_state}, opt)
+    def maybe_stop(self, e: float) -> None:
+        """The plateau stop: `patience` evaluations in a row without a better loss (before the last step)."""
+        st, s = self.st, self.s
+        if s.patience and st.stale >= s.patience and st.done < self.total_steps:
+            st.stopped = st.done
+        if self.progress:
+            self.bar.write(f"  step {st.done}: held-out loss {e:.5f} (best {self.best.value:.5f} at step "
+                           f"{self.best.step})" + ("; plateau, stopping" if st.stopped else ""), file=sys.stderr)
 
-    def set_rate(step: int, lowest: int) -> float:
+    # ── one step ──
+    def set_rate(self, step: int) -> float:
         """Each group's rate for update number `step` (the schedule; Genesis: each layer's decay)."""
-        lr = s.lr * lr_shape(step, total_steps, s.warm, s.genesis)
-        for g in opt.param_groups:
-            mem.set_lr(g, lr * (genesis_decay(g["layer"], lowest, step // nb) if s.genesis else 1.0))
+        s = self.s
+        lr = s.lr * lr_shape(step, self.total_steps, s.warm, s.genesis)
+        for g in self.opt.param_groups:
+            mem.set_lr(g, lr * (genesis_decay(g["layer"], self.lowest, step // self.nb) if s.genesis else 1.0))
         return lr
 
-    params = [p for _, p in named]
-    lowest = tail.train_from
-    bar = tqdm(total=total_steps, initial=st["done"], desc="heal", unit="step", disable=not progress, file=sys.stderr,
-               dynamic_ncols=True)
-    ahead = Ahead(train, device)
-    try:
-        while st["done"] < total_steps and not st["stopped"]:
-            epoch_pos = st["cursor"] % nb
-            if epoch_pos == 0:
-                # a checkpoint is taken after the cursor moves, so a resumed run
-                # at an epoch boundary shuffles here just as the first run did
-                order.shuffle()
-            b = order.perm[epoch_pos]
-            done = st["done"]
-            epoch = done // nb
-            if s.genesis:
-                lowest = genesis_from(epoch, tail.num_layers, tail.train_from)
-                tail.set_active(lowest)
-                plan.following()
-            t0 = time.perf_counter()
-            # this rank's share of the whole batch's mean (plan.grad_scale: DDP averages over ranks, the loss is a sum)
-            if mixer is not None:  # this step's windows by the current shares (each rank its share of them)
-                batch = plan.local(dataclasses.replace(whole, index=mixer.batch(whole.index.shape[1])[None])).batch(0, device)
-            else:
-                batch = ahead.get(b)
-            loss = step_backward(tail, batch, micro, s.head_chunk, device, cdt, obj, st["scale"] * plan.grad_scale,
-                                 plan.nosync)
-            if mixer is None and epoch_pos + 1 < nb:  # the next batch of this epoch's order, while the GPU works
-                ahead.prefetch(order.perm[epoch_pos + 1])
-            if st["scale"] != 1.0:  # f16: the loss scale off the gradients, one multi-tensor kernel
-                torch._foreach_div_([p.grad for p in params if p.grad is not None], st["scale"])
-            gn = plan.clip(params, s.clip)  # [] on the device
-            lt = plan.sum_(loss)  # [] the whole batch's loss, alike on every rank
-            st["cursor"] += 1
-            lv, gn, lr = mem.update(opt, lt, gn, lambda: set_rate(done + 1, lowest))
-            if lr is None:  # not finite: skipped
-                opt.zero_grad(set_to_none=True)
-                st["skipped"] += 1
-                if cdt == torch.float16:
-                    st["scale"] = max(st["scale"] / 2, 1.0)
-                if st["skipped"] >= MAX_SKIPPED:
-                    raise CortiqError(f"heal: {MAX_SKIPPED} non-finite steps (last at step {done + 1}); lower lr or use f32/bf16 compute")
-                continue
-            done += 1
-            st["done"] = done
-            opt.zero_grad(set_to_none=True)
-            dt = time.perf_counter() - t0
-            st["step_secs"] += dt
-            st["history"].append({"step": done, "loss": lv, "lr": lr, "grad_norm": gn})
-            logger.log_metrics({"loss": lv, "lr": lr, "grad_norm": gn, "tokens_per_s": tokens / max(dt, 1e-9)},
-                               step=done)
-            bar.update(1)
-            bar.set_postfix(loss=f"{lv:.4f}", lr=f"{lr:.2e}", s_step=f"{st['step_secs'] / done:.2f}", refresh=False)
-            if done % s.eval_every == 0 or done == total_steps:
-                e, per = heldout()
-                # the plateau stop: an evaluation counts as better when it lowers the best by min_improve of it
-                st["stale"] = 0 if e < best_loss * (1.0 - s.min_improve) else st["stale"] + 1
-                if e < best_loss:
-                    best_loss, best_step, best_state = e, done, plan.snapshot()
-                if mixer is not None:
-                    mixer.update([per.get(n, 0.0) for n in whole.names])
-                row = eval_row(done, e, per)
-                st["evals"].append(row)
-                logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=done)
-                if s.patience and st["stale"] >= s.patience and done < total_steps:
-                    st["stopped"] = done
-                if progress:
-                    bar.write(f"  step {done}: held-out loss {e:.5f} (best {best_loss:.5f} at step {best_step})"
-                              + ("; plateau, stopping" if st["stopped"] else ""), file=sys.stderr)
-            if s.checkpoint_every and (done % s.checkpoint_every == 0 or done == total_steps or st["stopped"]):
-                checkpoint()
-    finally:
-        ahead.close()
-    bar.close()
-    plan.restore(best_state)
-    if s.genesis:
-        tail.set_active(tail.train_from)
-    steps = st["done"]
-    return {
-        "metrics": {"heldout_start": e0, "heldout_best": best_loss, "best_step": best_step, "steps": steps,
-                    "skipped": st["skipped"], "sec_per_step": st["step_secs"] / max(steps, 1),
-                    "trained_weights": trained, "total_steps": total_steps, "tokens": steps * tokens,
-                    "stopped_at": st["stopped"]},
-        "history": st["history"], "evals": st["evals"], "memory": str(mplan),
-    }
+    def batch(self):
+        """The next train batch in the seed's order (the order reshuffled at each epoch's start)."""
+        st, nb = self.st, self.nb
+        pos = st.cursor % nb
+        if pos == 0:
+            # a checkpoint is taken after the cursor moves, so a resumed run
+            # at an epoch boundary shuffles here just as the first run did
+            self.order.shuffle()
+        if self.s.genesis:
+            self.lowest = genesis_from(st.done // nb, self.tail.num_layers, self.tail.train_from)
+            self.tail.set_active(self.lowest)
+            self.sharding.following()
+        if self.mixer is not None:  # this step's windows by the current shares (each rank its share of them)
+            index = self.mixer.batch(self.whole.index.shape[1])[None]
+            return self.sharding.local(dataclasses.replace(self.whole, index=index)).batch(0, self.device)
+        return self.ahead.get(self.order.perm[pos])
 
+    def step(self) -> Update:
+        """Forward, backward and the update of one batch; a non-finite one is skipped and counted."""
+        st, s, sh = self.st, self.s, self.sharding
+        t0 = time.perf_counter()
+        pos = st.cursor % self.nb
+        batch = self.batch()
+        # this rank's share of the whole batch's mean (grad_scale: DDP averages over ranks, the loss is a sum)
+        loss = step_backward(self.tail, batch, self.micro, s.head_chunk, self.device, self.cdt, self.obj,
+                             st.scale * sh.grad_scale, sh.nosync)
+        if self.mixer is None and pos + 1 < self.nb:  # the next batch of this epoch's order, while the GPU works
+            self.ahead.prefetch(self.order.perm[pos + 1])
+        if st.scale != 1.0:  # f16: the loss scale off the gradients, one multi-tensor kernel
+            torch._foreach_div_([p.grad for p in self.params if p.grad is not None], st.scale)
+        gn = sh.clip(self.params, s.clip)  # [] on the device
+        lt = sh.sum_(loss)  # [] the whole batch's loss, alike on every rank
+        st.cursor += 1
+        done = st.done
+        up = update(self.opt, lt, gn, lambda: self.set_rate(done + 1), self.on_device)
+        self.opt.zero_grad(set_to_none=True)
+        if up.skipped:
+            if self.cdt == torch.float16:
+                st.scale = max(st.scale / 2, 1.0)
+            st.skip("heal", "lower lr or use f32/bf16 compute")
+            return up
+        dt = time.perf_counter() - t0
+        st.counted(up, dt)
+        self.logger.log_metrics({"loss": up.loss, "lr": up.lr, "grad_norm": up.grad_norm,
+                                 "tokens_per_s": self.tokens / max(dt, 1e-9)}, step=st.done)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{up.loss:.4f}", lr=f"{up.lr:.2e}", s_step=f"{st.step_secs / st.done:.2f}",
+                             refresh=False)
+        return up
+
+    def due(self, every: int) -> bool:
+        """Whether this step (counted) is one of every `every` (0: never), or the last."""
+        return bool(every) and (self.st.done % every == 0 or self.st.done == self.total_steps)
+
+    # ── the end ──
+    def close(self) -> None:
+        self.ahead.close()
+
+    def report(self) -> dict:
+        """The best weights back in the tail, and the run's report."""
+        self.bar.close()
+        self.sharding.restore(self.best.state)
+        if self.s.genesis:
+            self.tail.set_active(self.tail.train_from)
+        st = self.st
+        steps = st.done
+        return {
+            "metrics": {"heldout_start": self.start, "heldout_best": self.best.value, "best_step": self.best.step,
+                        "steps": steps, "skipped": st.skipped, "sec_per_step": st.step_secs / max(steps, 1),
+                        "trained_weights": sum(p.numel() for p in self.params), "total_steps": self.total_steps,
+                        "tokens": steps * self.tokens, "stopped_at": st.stopped},
+            "history": st.history, "evals": st.evals, "memory": str(self.mplan),
+        }
+
+
+def fit(tail: StudentTail, train: SplitData, val: SplitData, s: HealSettings, work_dir, device, cdt,
+        key: str = "", logger: tracking.Logger = tracking.NULL, progress: bool = True,
+        obj: Objective | None = None, sharding=None) -> dict:
+    """Train `tail` in place; returns the report. On return the tail holds the best weights.
+
+    `sharding` (cortiq.heal.parallel) says how the tail runs when torchrun started
+    several processes; by default it is made here from `s.shard` (one process: as is)."""
+    run = HealRun(tail, train, val, s, work_dir, device, cdt, key, logger, progress, obj, sharding)
+    st = run.st
+    try:
+        while st.done < run.total_steps and not st.stopped:
+            if run.step().skipped:
+                continue
+            if run.due(s.eval_every):
+                run.maybe_stop(run.evaluate())
+            if run.due(s.checkpoint_every) or (s.checkpoint_every and st.stopped):
+                run.save()
+    finally:
+        run.close()
+    return run.report()

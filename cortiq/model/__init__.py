@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..cmf import CmfError, CmfFile, Spec, new_doc, open_cmf, with_provenance, write_cmf
-from ..codecs import choose as choose_codec
+from ..codecs import choose_codec
 from ..codecs import get as get_codec
 from ..errors import CortiqError
 from .decoder import CausalLM, rope_inv_freq

@@ -77,15 +77,15 @@ def resolve(f, s: MtpSettings, say=None) -> MtpSettings:
 
 def _load(f, s: MtpSettings):
     from ..model import load_model
-    from .trunk import resolve_device
+    from ..devices import rank_device
 
-    return load_model(f, device=resolve_device(s.device))
+    return load_model(f, device=rank_device(s.device, "mtp settings"))
 
 
 def _windows(f, data_spec: str, s: MtpSettings) -> list:
     import numpy as np
 
-    from ..data.windows import packed_windows
+    from ..data.windowing import packed_windows
 
     packed = packed_windows(data_spec, s.window, s.tokens, min_len=16 + s.chain, pad_id=f.eos_id, hold_all=s.hold_all)
     for p in packed:
@@ -300,7 +300,7 @@ def write_draft(f, tensors: dict, codec: str, path, stage_block: dict | None = N
     ("keep": each draft tensor's codec in `f`; a quantized codec only for 2-D weights;
     below 8 bits a weight named in `sensitive` goes to `sensitive_codec`)."""
     from ..cmf import copy_specs, with_provenance, write_cmf
-    from ..codecs import choose
+    from ..codecs import choose_codec
     from ..codecs import get as get_codec
 
     low = codec != "keep" and get_codec(codec).bytes_per_weight() < 1.0
@@ -308,7 +308,7 @@ def write_draft(f, tensors: dict, codec: str, path, stage_block: dict | None = N
     def codec_for(name, info):
         if not name.startswith("model.mtp."):
             return info.codec
-        c = choose(codec, info.shape, info.codec)  # the whole-model rule: quantized codecs on matrices only
+        c = choose_codec(codec, info.shape, info.codec)  # the whole-model rule: quantized codecs on matrices only
         return sensitive_codec if low and c == codec and any(k in name for k in sensitive) else c
 
     specs = copy_specs(f, codec_for, replace=tensors)
@@ -519,7 +519,7 @@ def _trunk_key(p: dict) -> dict:
 def _mtp_stage(out, ctx, model, tdata, trunk, settings) -> dict:
     import dataclasses
 
-    # the data spec is the tdata directory (cortiq.data.windows.parse_spec: PATH[@TOKENS])
+    # the data spec is the tdata directory (cortiq.data.windowing.parse_spec: PATH[@TOKENS])
     s = dataclasses.replace(settings, trunk_cache=str(trunk))
     return mtp_heal(Path(model), str(tdata), s, out, logger=ctx.logger)
 

@@ -21,13 +21,15 @@ with shift 1.
 
 from __future__ import annotations
 
-import copy
 import math
+import time
 
 import torch
 
 from .. import dist
+from ..errors import CortiqError
 from ..heal.loss import topk_kl
+from ..train_loop import Best, LoopState, Update, adam, lr_shape, skips_on_device, update
 from . import measures as M
 from .rounds import decode_steps
 from .trunk import TrunkSet
@@ -267,15 +269,6 @@ def trained_params(model, train_input: bool) -> list[tuple[str, torch.nn.Paramet
     return [(n, p) for n, p in mtp.named_parameters() if any(n.startswith(k) for k in keep)]
 
 
-def lr_shape(step: int, total: int, warm: float = 0.1) -> float:
-    """Linear warm-up over a share `warm` of the steps, cosine down to a tenth of the peak."""
-    w = max(int(total * warm), 1)
-    if step <= w:
-        return step / w
-    pr = min((step - w) / max(total - w, 1), 1.0)
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * pr))
-
-
 def snapshot(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.mtp.named_parameters()}
 
@@ -321,135 +314,172 @@ def sum_grads(params) -> None:
         off += g.numel()
 
 
+class DraftRun:
+    """One draft training (`train`): its setup and its named parts, which `train`'s loop calls."""
+
+    def __init__(self, ch: Chain, s, logger, say):
+        import sys
+
+        from tqdm import tqdm
+
+        self.ch, self.s, self.model = ch, s, ch.model
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.params = trained_params(self.model, s.train_input)
+        for _, p in self.params:
+            p.requires_grad_(True)
+        self.opt = adam([{"params": [p for _, p in self.params]}], s.lr, self.params[0][1].device)
+        self.on_device = skips_on_device(self.opt)
+        self.val = ch.held.nonzero().flatten()
+        train_idx = (~ch.held).nonzero().flatten()
+        if s.batch < dist.world():
+            raise CortiqError(f"mtp heal: batch {s.batch} is smaller than the {dist.world()} ranks")
+        nb = len(train_idx) // s.batch
+        self.batches = [train_idx[i * s.batch : (i + 1) * s.batch] for i in range(nb)]
+        self.jobs = [(b, k) for b in range(nb) for k in range(len(ch.kinds))]
+        self.total = max(math.ceil(s.epochs * len(self.jobs)), 1)
+        self.order = self.job_order(torch.Generator().manual_seed(s.seed))
+        main = dist.is_main()  # rank 0 speaks for all
+        self.logger = logger if main else None
+        self.say = (say if main else None) or (lambda *a, **k: None)
+        self.bar = tqdm(total=self.total, desc="mtp heal", unit="step", file=sys.stderr, dynamic_ncols=True,
+                        disable=not main)
+        self.write = self.bar.write if main else (lambda *a, **k: None)
+        self.st = LoopState()
+        self.write(f"mtp heal: {self.total} steps ({len(self.batches)} batches of {s.batch} windows x "
+                   f"{len(ch.kinds)} chain kinds x {s.epochs:g} epochs); measuring the draft before training",
+                   file=sys.stderr)
+        ch.refresh(0)
+        self.kl0 = ch.val_kl(self.val)
+        h0, _ = _held_out(ch, self.val)
+        self.best = Best(M.drafts_per_round(h0), 0, snapshot(self.model))
+        self.best_kl = sum(self.kl0) / len(self.kl0)
+        self.say(f"mtp heal: held-out KL per kind before training {', '.join(f'{x:.4f}' for x in self.kl0)}; "
+                 f"drafts a round {self.best.value:.4f}")
+        self.shown = "/".join(f"{x:.2f}" for x in M.rates(h0))  # the last held-out hold rates per chain step
+        self.bar.set_postfix(hold=self.shown, dpr=f"{self.best.value:.3f}", refresh=False)
+        self.t0 = time.perf_counter()  # the time limit counts training, not the measure before it
+
+    def job_order(self, g: torch.Generator):
+        """The (batch, chain kind) jobs, each pass over them in a new order drawn from `g`."""
+        while self.jobs:
+            for oi in torch.randperm(len(self.jobs), generator=g).tolist():
+                yield self.jobs[oi]
+
+    def set_rate(self, step: int) -> float:
+        lr = self.s.lr * lr_shape(step, self.total, self.s.warm)
+        for grp in self.opt.param_groups:
+            grp["lr"] = lr
+        return lr
+
+    def step(self, job) -> tuple[Update, dict | None]:
+        """Forward, backward and the update of one job; a non-finite one is skipped and counted.
+        -> (the update, its history row; None when skipped)"""
+        bi, kind = job
+        st, s = self.st, self.s
+        loss, _ = share_loss(self.ch, self.batches[bi], kind, s.hard)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        sum_grads(self.params)
+        gn = torch.nn.utils.clip_grad_norm_([p for _, p in self.params], s.clip)  # [] on the device
+        done = st.done
+        up = update(self.opt, dist.sum_(loss.detach().clone()), gn, lambda: self.set_rate(done + 1), self.on_device)
+        if up.skipped:
+            self.opt.zero_grad(set_to_none=True)
+            try:
+                st.skip("mtp heal", f"lower lr (now {s.lr:g}) or check the model for inf/nan weights")
+            except CortiqError:
+                self.bar.close()
+                raise
+            return up, None
+        rec = st.counted(up, 0.0, kind=kind)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{up.loss:.4f}", hold=self.shown, dpr=f"{self.best.value:.3f}", refresh=False)
+        ch = self.ch
+        if ch.chain > 1 and s.refresh > 0 and st.done % s.refresh == 0 and st.done < self.total:
+            ch.refresh(st.done // s.refresh)
+        return up, rec
+
+    def evaluate(self, rec: dict) -> None:
+        """Held-out KL and hold rates now, into `rec`; the best draft by drafts a round kept."""
+        import sys
+
+        model, ch, st = self.model, self.ch, self.st
+        model.eval()
+        v = ch.val_kl(self.val)
+        hh, kinds = _held_out(ch, self.val)
+        dpr = M.drafts_per_round(hh)
+        rr = M.rates(hh)
+        rec.update({"heldout_kl": sum(v) / len(v), "drafts_per_round": dpr,
+                    **{f"hold_{j + 1}": r for j, r in enumerate(rr)},
+                    **{f"drafts_per_round_{k}": x for k, x in kinds.items()}})
+        if self.best.offer(dpr, st.done, lambda: snapshot(model), higher=True):
+            self.best_kl = sum(v) / len(v)
+        self.shown = "/".join(f"{x:.2f}" for x in rr)
+        self.bar.set_postfix(loss=f"{rec['loss']:.4f}", hold=self.shown, dpr=f"{self.best.value:.3f}", refresh=True)
+        split = "".join(f", {k} {x:.3f}" for k, x in kinds.items()) if len(kinds) > 1 else ""
+        self.write(f"  step {st.done}: held-out hold {self.shown}, {dpr:.3f} drafts a round{split} "
+                   f"(best {self.best.value:.3f} at step {self.best.step})", file=sys.stderr)
+        model.train()
+
+    def out_of_time(self) -> bool:
+        return self.s.time_limit > 0 and time.perf_counter() - self.t0 >= self.s.time_limit
+
+    def maybe_stop(self, out_of_time: bool) -> None:
+        """No new best in `patience` evaluations, or the time limit reached (before the last step)."""
+        st, s = self.st, self.s
+        if st.done >= self.total:
+            return
+        if s.patience > 0 and st.done - self.best.step >= s.patience * s.eval_every:
+            self.say(f"mtp heal: no new best in {s.patience} evaluations: stopping at step {st.done} of {self.total}")
+            st.stopped = st.done
+        if out_of_time:
+            self.say(f"mtp heal: time limit of {s.time_limit:g} s reached: stopping at step {st.done} of {self.total}")
+            st.stopped = st.done
+
+    def log(self, rec: dict) -> None:
+        if self.logger is not None:
+            self.logger.log_metrics({k: v for k, v in rec.items() if k not in ("step", "kind")}, step=self.st.done)
+
+    def report(self) -> dict:
+        """The best draft back in the model, frozen, and the run's report."""
+        seconds = time.perf_counter() - self.t0
+        self.bar.close()
+        model = self.model
+        model.eval()
+        restore(model, self.best.state)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        st = self.st
+        return {"steps": st.done, "total_steps": self.total, "best_step": self.best.step, "history": st.history,
+                "kl_start": sum(self.kl0) / len(self.kl0), "kl_best": self.best_kl, "best_dpr": self.best.value,
+                "skipped": st.skipped, "seconds": seconds}
+
+
 def train(ch: Chain, s, logger=None, say=print) -> dict:
     """Train the draft of `ch.model` by the settings `s` (MtpSettings, resolved); keep
     the checkpoint that keeps the most drafts a round on held-out windows, by the rounds a
     decode walks from each prompt's end (Chain.hold: what real decoding accepts).
 
-    A step whose loss or gradient is not finite is skipped and counted (heal's
-    policy); at MAX_SKIPPED of them training stops with one line. A bar on
-    stderr shows steps, ETA, the loss and the last held-out hold rates.
+    A step whose loss or gradient is not finite is skipped and counted (the shared
+    update rule, cortiq.train_loop); at MAX_SKIPPED of them training stops with one
+    line. A bar on stderr shows steps, ETA, the loss and the last held-out hold rates.
     -> {"steps", "best_step", "history", "kl_start", "kl_best", "best_dpr", "skipped", "seconds"}.
 
     Across ranks (cortiq.dist) each takes its share of every batch and the
     gradients are summed: the steps one process takes. The held-out measures
     run whole on every rank (so every rank keeps the same best weights); only
     rank 0 shows progress."""
-    import sys
-    import time
-
-    from tqdm import tqdm
-
-    from ..errors import CortiqError
-    from ..heal.memory import make_optimizer, update
-    from ..heal.train import MAX_SKIPPED
-
-    model = ch.model
-    for p in model.parameters():
-        p.requires_grad_(False)
-    params = trained_params(model, s.train_input)
-    for _, p in params:
-        p.requires_grad_(True)
-    opt = make_optimizer([{"params": [p for _, p in params]}], s.lr, params[0][1].device, adam8=False)
-    g = torch.Generator().manual_seed(s.seed)
-    val = ch.held.nonzero().flatten()
-    train_idx = (~ch.held).nonzero().flatten()
-    if s.batch < dist.world():
-        raise CortiqError(f"mtp heal: batch {s.batch} is smaller than the {dist.world()} ranks")
-    nb = len(train_idx) // s.batch
-    batches = [train_idx[i * s.batch : (i + 1) * s.batch] for i in range(nb)]
-    jobs = [(b, k) for b in range(nb) for k in range(len(ch.kinds))]
-    total = max(math.ceil(s.epochs * len(jobs)), 1)
-
-    def set_rate(step: int) -> float:
-        lr = s.lr * lr_shape(step, total, s.warm)
-        for grp in opt.param_groups:
-            grp["lr"] = lr
-        return lr
-
-    if not dist.is_main():
-        say = logger = None  # rank 0 speaks for all
-    bar = tqdm(total=total, desc="mtp heal", unit="step", file=sys.stderr, dynamic_ncols=True,
-               disable=not dist.is_main())
-    write = bar.write if dist.is_main() else (lambda *a, **k: None)
-    say = say or (lambda *a, **k: None)
-    write(f"mtp heal: {total} steps ({len(batches)} batches of {s.batch} windows x {len(ch.kinds)} chain kinds "
-              f"x {s.epochs:g} epochs); measuring the draft before training", file=sys.stderr)
-    ch.refresh(0)
-    kl0 = ch.val_kl(val)
-    h0, _ = _held_out(ch, val)
-    best = {"dpr": M.drafts_per_round(h0), "snap": snapshot(model), "step": 0, "kl": sum(kl0) / len(kl0)}
-    say(f"mtp heal: held-out KL per kind before training {', '.join(f'{x:.4f}' for x in kl0)}; "
-        f"drafts a round {best['dpr']:.4f}")
-    shown = "/".join(f"{x:.2f}" for x in M.rates(h0))  # the last held-out hold rates per chain step
-    bar.set_postfix(hold=shown, dpr=f"{best['dpr']:.3f}", refresh=False)
-    history = []
-    done, skipped, stop = 0, 0, False
-    t0 = time.perf_counter()
-    model.train()
-    while done < total and not stop:
-        if not jobs:
-            break
-        order = torch.randperm(len(jobs), generator=g).tolist()
-        for oi in order:
-            if done >= total:
-                break
-            bi, kind = jobs[oi]
-            loss, n = share_loss(ch, batches[bi], kind, s.hard)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            sum_grads(params)
-            gn = torch.nn.utils.clip_grad_norm_([p for _, p in params], s.clip)  # [] on the device
-            lv, gn, lr = update(opt, dist.sum_(loss.detach().clone()), gn, lambda: set_rate(done + 1))
-            if lr is None:  # not finite: skipped
-                opt.zero_grad(set_to_none=True)
-                skipped += 1
-                if skipped >= MAX_SKIPPED:
-                    bar.close()
-                    raise CortiqError(f"mtp heal: {MAX_SKIPPED} non-finite steps (last at step {done + 1}); "
-                                      f"lower lr (now {s.lr:g}) or check the model for inf/nan weights")
-                continue
-            done += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{lv:.4f}", hold=shown, dpr=f"{best['dpr']:.3f}", refresh=False)
-            rec = {"step": done, "loss": lv, "lr": lr, "grad_norm": gn, "kind": kind}
-            if ch.chain > 1 and s.refresh > 0 and done % s.refresh == 0 and done < total:
-                ch.refresh(done // s.refresh)
-            out_of_time = s.time_limit > 0 and time.perf_counter() - t0 >= s.time_limit
-            if done % s.eval_every == 0 or done == total or out_of_time:
-                model.eval()
-                v = ch.val_kl(val)
-                hh, kinds = _held_out(ch, val)
-                dpr = M.drafts_per_round(hh)
-                rr = M.rates(hh)
-                rec.update({"heldout_kl": sum(v) / len(v), "drafts_per_round": dpr,
-                            **{f"hold_{j + 1}": r for j, r in enumerate(rr)},
-                            **{f"drafts_per_round_{k}": x for k, x in kinds.items()}})
-                if dpr > best["dpr"]:
-                    best = {"dpr": dpr, "snap": snapshot(model), "step": done, "kl": sum(v) / len(v)}
-                shown = "/".join(f"{x:.2f}" for x in rr)
-                bar.set_postfix(loss=f"{lv:.4f}", hold=shown, dpr=f"{best['dpr']:.3f}", refresh=True)
-                split = "".join(f", {k} {x:.3f}" for k, x in kinds.items()) if len(kinds) > 1 else ""
-                write(f"  step {done}: held-out hold {shown}, {dpr:.3f} drafts a round{split} "
-                          f"(best {best['dpr']:.3f} at step {best['step']})", file=sys.stderr)
-                if s.patience > 0 and done - best["step"] >= s.patience * s.eval_every and done < total:
-                    say(f"mtp heal: no new best in {s.patience} evaluations: stopping at step {done} of {total}")
-                    stop = True
-                if out_of_time and done < total:
-                    say(f"mtp heal: time limit of {s.time_limit:g} s reached: stopping at step {done} of {total}")
-                    stop = True
-                model.train()
-            history.append(rec)
-            if logger is not None:
-                logger.log_metrics({k: v for k, v in rec.items() if k not in ("step", "kind")}, step=done)
-            if stop:
-                break
-    seconds = time.perf_counter() - t0
-    bar.close()
-    model.eval()
-    restore(model, best["snap"])
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return {"steps": done, "total_steps": total, "best_step": best["step"], "history": history,
-            "kl_start": sum(kl0) / len(kl0), "kl_best": best["kl"], "best_dpr": best["dpr"], "skipped": skipped,
-            "seconds": seconds}
+    run = DraftRun(ch, s, logger, say)
+    st = run.st
+    run.model.train()
+    while st.done < run.total and not st.stopped and run.jobs:
+        up, rec = run.step(next(run.order))
+        if up.skipped:
+            continue
+        late = run.out_of_time()
+        if st.done % s.eval_every == 0 or st.done == run.total or late:
+            run.evaluate(rec)
+            run.maybe_stop(late)
+        run.log(rec)
+    return run.report()

@@ -221,12 +221,16 @@ def _walk(n: torch.Tensor, fed: torch.Tensor, hit: torch.Tensor, lens: torch.Ten
     return _tally(fed, hit, live)
 
 
-def order_counts_reference(ids, lens, t1, top, stride: int, chain: int):
+def _walk_reference(ids, lens, t1, chain: int, guess, start=None, span=None) -> torch.Tensor:
+    """Rounds walked one by one (tests only): each starts where the one before's kept drafts end,
+    from `start[i]` (default 0) over rounds starting before start + `span` (None: the window's end);
+    `guess(i, j, n, q)` is step j's draft for token q+1 of the round starting at row n."""
     out = torch.zeros(chain, 2, dtype=torch.int64)
     for i in range(ids.shape[0]):
         L = int(lens[i])
-        n = 0
-        while n + 1 < L:
+        n = 0 if start is None else int(start[i])
+        end = L if span is None else min(L, n + span)
+        while n + 1 < L and n < end:
             if int(ids[i, n + 1]) != int(t1[i, n]):
                 n += 1
                 continue
@@ -235,7 +239,7 @@ def order_counts_reference(ids, lens, t1, top, stride: int, chain: int):
                 q = n + j - 1
                 if q + 1 >= L or int(ids[i, q + 1]) != int(t1[i, q]):
                     break
-                hit = int(top[n % stride, i, q]) == int(t1[i, q + 1])
+                hit = guess(i, j, n, q) == int(t1[i, q + 1])
                 out[j - 1, 0] += 1
                 out[j - 1, 1] += int(hit)
                 if not hit:
@@ -243,6 +247,10 @@ def order_counts_reference(ids, lens, t1, top, stride: int, chain: int):
                 kept += 1
             n += kept + 1
     return out
+
+
+def order_counts_reference(ids, lens, t1, top, stride: int, chain: int):
+    return _walk_reference(ids, lens, t1, chain, lambda i, j, n, q: int(top[n % stride, i, q]))
 
 
 # ── rounds as a decode walks them, from the prompt's end (stride 0) ────────
@@ -266,26 +274,4 @@ def walk_counts(ids, lens, t1, draft: torch.Tensor, start: torch.Tensor, span: i
 
 def walk_counts_reference(ids, lens, t1, draft, start, span=None) -> torch.Tensor:
     """The walk round by round (tests only)."""
-    chain = draft.shape[0]
-    out = torch.zeros(chain, 2, dtype=torch.int64)
-    for i in range(ids.shape[0]):
-        L = int(lens[i])
-        n = int(start[i])
-        end = L if span is None else min(L, n + span)
-        while n + 1 < L and n < end:
-            if int(ids[i, n + 1]) != int(t1[i, n]):
-                n += 1
-                continue
-            kept = 0
-            for j in range(1, chain + 1):
-                q = n + j - 1
-                if q + 1 >= L or int(ids[i, q + 1]) != int(t1[i, q]):
-                    break
-                hit = int(draft[j - 1, i, n]) == int(t1[i, q + 1])
-                out[j - 1, 0] += 1
-                out[j - 1, 1] += int(hit)
-                if not hit:
-                    break
-                kept += 1
-            n += kept + 1
-    return out
+    return _walk_reference(ids, lens, t1, draft.shape[0], lambda i, j, n, q: int(draft[j - 1, i, n]), start, span)

@@ -38,7 +38,7 @@ import numpy as np
 import pyarrow as pa
 
 from .. import store
-from ..data.windows import Packed
+from ..data.windowing import Packed
 from ..errors import CortiqError
 
 STAGE = "mtp-gen"
@@ -159,7 +159,7 @@ def _read(d: Path):
 
 
 def generated_sets(model, f, packed: list, s, cache: str | os.PathLike | None = None, say=None) -> tuple[list, list[dict]]:
-    """For each packed data set (cortiq.data.windows.Packed) the model's continuations to
+    """For each packed data set (cortiq.data.windowing.Packed) the model's continuations to
     `s.window` tokens of its windows' first `s.gen_prompt` tokens (and of chat requests in
     place of a `s.gen_chat` share of them), as a Packed set `NAME.gen` with the same held-out
     windows; cached under `cache` (see default_cache). -> (sets of Generated, per-set info)."""

@@ -35,7 +35,6 @@ import torch
 
 from .. import dist, store
 from ..cmf import CmfFile, open_cmf
-from ..devices import resolve_device as _resolve_device
 from ..errors import CortiqError
 
 log = logging.getLogger(__name__)
@@ -75,10 +74,6 @@ def set_key(tkey: str, ids: np.ndarray, lens: np.ndarray, window: int, k: int) -
     h = hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int64).tobytes())
     h.update(np.ascontiguousarray(lens, dtype=np.int64).tobytes())
     return store.digest(STAGE, VERSION, {"window": int(window), "topk": int(k)}, [tkey, h.hexdigest()[:32]])
-
-
-def resolve_device(device: str) -> torch.device:
-    return dist.device(_resolve_device(device, "mtp settings"))
 
 
 @torch.no_grad()

@@ -30,7 +30,7 @@ import torch
 
 from .. import codecs
 from ..arch import FULL
-from ..compress.gptq import gptq_quantize
+from ..compress.gptq_solver import gptq_quantize
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ class Engine(ABC):
         """(chain: whether a plain step also drafts for the next round; engines that always do ignore it)"""
         import time
 
-        from .sampling import choose
+        from .sampling import sample_ids
 
         pend = self._pending()
         toks = [pend[s] for s in slots]
@@ -117,7 +117,7 @@ class Engine(ABC):
         else:
             logits = self.step(slots, toks)
             rows = [(sample or {}).get(s, (0.0, 1.0, 0.0)) for s in slots]
-            picked = choose(logits, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+            picked = sample_ids(logits, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
                             self.picked).tolist()
             new = [[t] for t in picked]
         for s, n in zip(slots, new):
@@ -350,7 +350,7 @@ class DecodeAdapter(Engine):
     def launch(self, slots, depth: int = 0, sample: dict | None = None, chain: bool = True) -> Launched:
         import time
 
-        from .sampling import choose
+        from .sampling import sample_ids
 
         if set(slots) != self.on:
             raise CortiqError(f"engine: steps every active slot together ({sorted(self.on)}), not {sorted(slots)}")
@@ -374,7 +374,7 @@ class DecodeAdapter(Engine):
                 ss = list(sample)
                 st = torch.tensor(ss, device=self.device)
                 rows = [sample[s] for s in ss]
-                tok = choose(self._logits(st), [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                tok = sample_ids(self._logits(st), [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
                              out[st])
                 eng.pend[st] = tok
                 out[st] = tok

@@ -32,12 +32,12 @@ class DepthPolicy:
         self.alpha = 0.5
         self.chosen = [0] * (k + 1)  # how often each depth was chosen
 
-    def choose(self, bucket: int, alphas: Sequence[float]) -> int:
-        d = self._choose(bucket, alphas)
+    def choose_depth(self, bucket: int, alphas: Sequence[float]) -> int:
+        d = self._depth(bucket, alphas)
         self.chosen[d] += 1
         return d
 
-    def _choose(self, bucket: int, alphas: Sequence[float]) -> int:
+    def _depth(self, bucket: int, alphas: Sequence[float]) -> int:
         for d in range(self.k + 1):
             t = self.time.get((bucket, d))
             if t is None or t[1] < self.warm:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 
-def choose(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[float],
+def sample_ids(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[float],
            u: Sequence[float], greedy: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V]; per row a temperature (<= 0: argmax), a top-p in (0, 1]
     and a uniform u in [0, 1) -> token ids int64 [B] (on the logits' device).
@@ -42,8 +42,8 @@ def choose(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[f
     return torch.where(t <= 0, greedy, sampled)
 
 
-def choose_ref(logits: torch.Tensor, temperature, top_p, u) -> list[int]:
-    """The plain per-row reference of `choose` (tests compare the two)."""
+def sample_ids_reference(logits: torch.Tensor, temperature, top_p, u) -> list[int]:
+    """The plain per-row reference of `sample_ids` (tests compare the two)."""
     out = []
     for row, T, P, uu in zip(logits.float().cpu(), temperature, top_p, u):
         if T <= 0:

@@ -36,7 +36,7 @@ import time
 from ..errors import CortiqError
 from .detok import IncrementalText
 from .policy import DepthPolicy
-from .sampling import choose
+from .sampling import sample_ids
 
 
 @dataclass
@@ -246,7 +246,7 @@ class Scheduler:
                 continue
             self.prefilling.pop(0)
             self.active[r.slot] = r
-            tok = int(choose(logits[None], [r.temperature], [r.top_p], [r.rng.random()], eng.picked)[0])
+            tok = int(sample_ids(logits[None], [r.temperature], [r.top_p], [r.rng.random()], eng.picked)[0])
             eng.set_pending(r.slot, tok)
             self.stats["requests"] += 1
             self._take([r], [[tok]])
@@ -259,7 +259,7 @@ class Scheduler:
             return self.engine.draft
         bucket = self.engine.bucket_for(max(r.slot for r in running) + 1)
         prior = self.policy.alpha
-        return self.policy.choose(bucket, [(r.acc + 2 * prior) / (r.tries + 2) for r in running])
+        return self.policy.choose_depth(bucket, [(r.acc + 2 * prior) / (r.tries + 2) for r in running])
 
     def _launch(self, ahead: bool):
         """Launch the next step of the running requests -> (the step, its requests), or None

@@ -11,7 +11,7 @@ import torch
 
 from cortiq.cmf import open_cmf
 from cortiq.compress import capture_grams, fold, gptq, learn_masks, read_grams, read_masks
-from cortiq.compress.fold import select_kept
+from cortiq.compress.folding import select_kept
 from cortiq.compress.settings import FoldSettings, GptqSettings, GramSettings, MaskSettings
 
 from compress_helpers import tiny_cmf, tiny_tdata

@@ -31,7 +31,7 @@ def test_compress_run_twice_to_one_output(tmp_path, capsys):
     from tiny import llama_arch, write_corpus, write_random
 
     from cortiq.cli import main
-    from cortiq.data.build import build
+    from cortiq.data.builder import build
     from cortiq.data.settings import BuildSettings
 
     model = write_random(tmp_path / "m.cmf", llama_arch(32, 64, 2), 0)

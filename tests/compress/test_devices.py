@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cortiq import codecs
-from cortiq.compress.gptq import gptq_quantize, gptq_quantize_layers
+from cortiq.compress.gptq_solver import gptq_quantize, gptq_quantize_layers
 from cortiq.compress.settings import CompressSettings
 from cortiq.devices import resolve_compute, resolve_device
 from cortiq.errors import CortiqError
@@ -31,14 +31,13 @@ def test_resolve_device_and_compute():
         resolve_compute("f8", torch.device("cpu"))
 
 
-def test_heal_and_mtp_use_the_shared_resolver():
-    from cortiq.heal.settings import resolve_device as heal_resolve
-    from cortiq.mtp.trunk import resolve_device as mtp_resolve
+def test_a_ranks_device_goes_through_the_shared_resolver():
+    from cortiq.devices import rank_device
 
-    for fn, who in ((heal_resolve, "heal settings"), (mtp_resolve, "mtp settings")):
-        assert fn("cpu") == torch.device("cpu")
+    for who in ("heal settings", "mtp settings"):
+        assert rank_device("cpu", who) == torch.device("cpu")
         with pytest.raises(CortiqError, match=f"^{who}: device 'gpu0' is not a torch device$"):
-            fn("gpu0")
+            rank_device("gpu0", who)
 
 
 def test_compress_settings_check_the_compute_dtype():

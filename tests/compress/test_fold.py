@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from cortiq.cmf import open_cmf
-from cortiq.compress.fold import (activation_scores, fold_cmf, kept_from_b64, repair_down, select_kept)
+from cortiq.compress.folding import (activation_scores, fold_cmf, kept_from_b64, repair_down, select_kept)
 from cortiq.errors import CortiqError
 
 from compress_helpers import tiny_cmf

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cortiq import codecs
-from cortiq.compress.gptq import gptq_quantize, gptq_reference
+from cortiq.compress.gptq_solver import gptq_quantize, gptq_reference
 from cortiq.errors import CortiqError
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cortiq.data import BuildSettings, Tdata, build, cut_windows, fnv1a64, held_out, packed_windows, windows
-from cortiq.data.windows import cut_windows_reference, parse_spec, xorshift_order
+from cortiq.data.windowing import cut_windows_reference, parse_spec, xorshift_order
 from cortiq.errors import CortiqError
 from cortiq.tokenizer import load_tokenizer
 

@@ -9,7 +9,7 @@ import pytest
 
 from cortiq.data import Tdata, build, windows
 from cortiq.data.retain import cli_runner, with_retain
-from cortiq.data.windows import interleave, mix_counts
+from cortiq.data.windowing import interleave, mix_counts
 from cortiq.data.settings import BuildSettings, RetainSettings
 from cortiq.errors import CortiqError
 

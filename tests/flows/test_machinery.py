@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from cortiq.data.build import DATA
+from cortiq.data.builder import DATA
 from cortiq.measure import REENCODE
 from cortiq.pipeline import FAIL_ENV, InjectedFailure
 from cortiq.settings import load_settings

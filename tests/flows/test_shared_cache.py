@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cortiq.cli import main
-from cortiq.data.build import build
+from cortiq.data.builder import build
 from cortiq.data.settings import BuildSettings
 from flows.compress import compress
 from flows.heal import heal

@@ -176,7 +176,7 @@ def test_auto_under_a_device_budget_checkpoints_the_fewest_layers_and_trains_as_
     w_plain = tail.state()
     tail2, tr2, va2 = _setup()
     s = _settings()
-    sh = mem.shape_of(tail2, s.batch, s.window, s.head_chunk, s.teacher_kind)
+    sh = mem.shape_of(tail2, s.batch, s.window, s.head_chunk, s.target_kind)
     there = sum(t.numel() * t.element_size() for t in tail2.model.parameters())
     ck = [mem.step_bytes(sh, ("checkpoint",), 1, k) for k in range(4)]
     assert ck[0] > ck[1] > ck[2]
@@ -236,38 +236,38 @@ def test_the_estimate_of_partial_checkpointing_is_its_two_moments():
 def test_auto_is_plain_when_it_fits_else_the_fewest_checkpointed_layers_that_fit(capsys):
     need = mem.step_bytes(QWEN17, (), 1)
     L = QWEN17.layers
-    assert mem.choose("auto", None, QWEN17, 1, None, True) == mem.Plan((), 0, L)  # a CPU without a budget
-    assert mem.choose("auto", None, QWEN17, 1, need, True) == mem.Plan((), 0, L)
+    assert mem.choose_memory("auto", None, QWEN17, 1, None, True) == mem.MemoryPlan((), 0, L)  # a CPU without a budget
+    assert mem.choose_memory("auto", None, QWEN17, 1, need, True) == mem.MemoryPlan((), 0, L)
     assert "cortiq: heal memory auto: plain: its estimate" in capsys.readouterr().err
     ck = [mem.step_bytes(QWEN17, ("checkpoint",), 1, k) for k in range(L + 1)]
     low = ck.index(min(ck))  # past it more layers only add their inputs
     for k in (1, 9, low):
-        assert mem.choose("auto", None, QWEN17, 1, ck[k], True) == mem.Plan(("checkpoint",), k, L)
+        assert mem.choose_memory("auto", None, QWEN17, 1, ck[k], True) == mem.MemoryPlan(("checkpoint",), k, L)
         if k < low:  # a byte less needs one layer more
-            assert mem.choose("auto", None, QWEN17, 1, ck[k] - 1, True) == mem.Plan(("checkpoint",), k + 1, L)
+            assert mem.choose_memory("auto", None, QWEN17, 1, ck[k] - 1, True) == mem.MemoryPlan(("checkpoint",), k + 1, L)
     err = capsys.readouterr().err
     assert f"checkpoint of the lowest 9 of {L} trained layers: plain's estimate" in err
     assert "expected 1.09x the plain step's time" in err
     # checkpoint_layers fixes how many under auto too: a plan that does not fit with them is not taken
-    fixed = mem.choose("auto", None, QWEN17, 1, mem.step_bytes(QWEN17, ("checkpoint",), 1, 20), True, layers=9)
-    assert fixed.layers in (0, 9) and fixed != mem.Plan(("checkpoint",), 9, L)
-    assert mem.choose("auto", None, QWEN17, 1, mem.step_bytes(QWEN17, ("checkpoint",), 1, 9), True,
-                      layers=9) == mem.Plan(("checkpoint",), 9, L)
+    fixed = mem.choose_memory("auto", None, QWEN17, 1, mem.step_bytes(QWEN17, ("checkpoint",), 1, 20), True, layers=9)
+    assert fixed.layers in (0, 9) and fixed != mem.MemoryPlan(("checkpoint",), 9, L)
+    assert mem.choose_memory("auto", None, QWEN17, 1, mem.step_bytes(QWEN17, ("checkpoint",), 1, 9), True,
+                      layers=9) == mem.MemoryPlan(("checkpoint",), 9, L)
     capsys.readouterr()
     # nothing fits: lean, all layers checkpointed, said so
-    assert mem.choose("auto", None, QWEN17, 1, 1, True) == mem.Plan(mem.LEAN, L, L)
+    assert mem.choose_memory("auto", None, QWEN17, 1, 1, True) == mem.MemoryPlan(mem.LEAN, L, L)
     assert "no plan's estimate fits" in capsys.readouterr().err
-    assert mem.choose("auto", None, QWEN17, 1, 1, False) == mem.Plan(("checkpoint", "micro"), L, L)
+    assert mem.choose_memory("auto", None, QWEN17, 1, 1, False) == mem.MemoryPlan(("checkpoint", "micro"), L, L)
     assert "torchao does not load here" in capsys.readouterr().err
     # what the settings name is what runs, whatever the memory
-    assert mem.choose("adam8", ("adam8",), QWEN17, 1, 1, True) == mem.Plan(("adam8",), 0, L)
-    assert mem.choose("plain", (), QWEN17, 1, 1, True) == mem.Plan((), 0, L)
-    assert mem.choose("checkpoint", ("checkpoint",), QWEN17, 1, None, True) == mem.Plan(("checkpoint",), L, L)
-    assert mem.choose("checkpoint", ("checkpoint",), QWEN17, 1, 1, True, layers=5) == mem.Plan(("checkpoint",), 5, L)
-    assert mem.choose("lean", mem.LEAN, QWEN17, 1, 1, True, layers=99) == mem.Plan(mem.LEAN, L, L)
+    assert mem.choose_memory("adam8", ("adam8",), QWEN17, 1, 1, True) == mem.MemoryPlan(("adam8",), 0, L)
+    assert mem.choose_memory("plain", (), QWEN17, 1, 1, True) == mem.MemoryPlan((), 0, L)
+    assert mem.choose_memory("checkpoint", ("checkpoint",), QWEN17, 1, None, True) == mem.MemoryPlan(("checkpoint",), L, L)
+    assert mem.choose_memory("checkpoint", ("checkpoint",), QWEN17, 1, 1, True, layers=5) == mem.MemoryPlan(("checkpoint",), 5, L)
+    assert mem.choose_memory("lean", mem.LEAN, QWEN17, 1, 1, True, layers=99) == mem.MemoryPlan(mem.LEAN, L, L)
     assert capsys.readouterr().err == ""
-    assert str(mem.Plan(("checkpoint", "micro"), 5, L)) == f"checkpoint:5/{L}+micro"
-    assert str(mem.Plan(("checkpoint", "micro"), L, L)) == "checkpoint+micro" and str(mem.Plan((), 0, L)) == "plain"
+    assert str(mem.MemoryPlan(("checkpoint", "micro"), 5, L)) == f"checkpoint:5/{L}+micro"
+    assert str(mem.MemoryPlan(("checkpoint", "micro"), L, L)) == "checkpoint+micro" and str(mem.MemoryPlan((), 0, L)) == "plain"
 
 
 def test_a_tighter_allowance_never_picks_a_cheaper_plan():
@@ -279,7 +279,7 @@ def test_a_tighter_allowance_never_picks_a_cheaper_plan():
         lean = mem.step_bytes(sh, mem.LEAN, 1, L)
         allows = torch.linspace(lean * 0.9, plain * 1.05, 400).tolist()
         for avail in (True, False):
-            plans = [mem.choose("auto", None, sh, 1, a, avail) for a in allows]
+            plans = [mem.choose_memory("auto", None, sh, 1, a, avail) for a in allows]
             costs = [p.cost() for p in plans]
             assert all(b <= a + 1e-12 for a, b in zip(costs, costs[1:])), (sh, avail)  # looser: never dearer
             for a, p in zip(allows, plans):
@@ -290,28 +290,28 @@ def test_a_tighter_allowance_never_picks_a_cheaper_plan():
                         if "adam8" in ps and not avail:
                             continue
                         for k in (range(1, L + 1) if "checkpoint" in ps else (0,)):
-                            q = mem.Plan(ps, k, L)
+                            q = mem.MemoryPlan(ps, k, L)
                             if mem.step_bytes(sh, ps, 1, k) <= a:
                                 assert q.cost() >= p.cost() - 1e-12, (a, p, q)
                     if "checkpoint" in p and p.layers > 1:  # the fewest layers that fit
                         assert mem.step_bytes(sh, p.parts, 1, p.layers - 1) > a
             assert plans[0].parts == (mem.LEAN if avail else ("checkpoint", "micro"))
-            assert plans[-1] == mem.Plan((), 0, L)
+            assert plans[-1] == mem.MemoryPlan((), 0, L)
             assert any(p.parts == ("checkpoint",) and 1 < p.layers < L for p in plans)
 
 
 def test_torchao_is_asked_about_only_when_a_plan_with_8bit_moments_would_be_chosen(capsys):
     need = mem.step_bytes(QWEN17, (), 1)
     asked = []
-    assert mem.choose("auto", None, QWEN17, 1, 10 * need, lambda: asked.append(1) or True).parts == () and not asked
+    assert mem.choose_memory("auto", None, QWEN17, 1, 10 * need, lambda: asked.append(1) or True).parts == () and not asked
     ck = mem.step_bytes(QWEN17, ("checkpoint",), 1)
-    assert mem.choose("auto", None, QWEN17, 1, ck, lambda: asked.append(1) or True).parts == ("checkpoint",)
+    assert mem.choose_memory("auto", None, QWEN17, 1, ck, lambda: asked.append(1) or True).parts == ("checkpoint",)
     assert not asked
     # below checkpoint of every layer: checkpoint + 8-bit moments costs less than checkpoint + micro-batches
     tight = mem.step_bytes(QWEN17, ("checkpoint", "adam8"), 1)
-    assert mem.choose("auto", None, QWEN17, 1, tight, lambda: asked.append(1) or True).parts == ("checkpoint", "adam8")
+    assert mem.choose_memory("auto", None, QWEN17, 1, tight, lambda: asked.append(1) or True).parts == ("checkpoint", "adam8")
     assert asked == [1]
-    got = mem.choose("auto", None, QWEN17, 1, tight, lambda: asked.append(1) or False)
+    got = mem.choose_memory("auto", None, QWEN17, 1, tight, lambda: asked.append(1) or False)
     assert "adam8" not in got and asked == [1, 1]
     assert "torchao does not load here" in capsys.readouterr().err
 

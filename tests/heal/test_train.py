@@ -211,10 +211,10 @@ def test_a_cached_prefix_heals_with_compiled_layers_as_eager(tmp_path):
     for compiled in (False, True):
         torch._dynamo.reset()
         tail, tr, va = setup()
-        plan = prepare(tail, s, CPU, torch.float32, compile=compiled)
+        sharding = prepare(tail, s, CPU, torch.float32, compile=compiled)
         assert all(getattr(tail.model.layers[i], "compiled", None) is None for i in range(2))  # placeholders: not compiled
         assert all((tail.model.layers[i].compiled is not None) == compiled for i in range(2, 3))  # the trained layer
-        runs[compiled] = fit(tail, tr, va, s, tmp_path / str(compiled), CPU, torch.float32, progress=False, plan=plan)
+        runs[compiled] = fit(tail, tr, va, s, tmp_path / str(compiled), CPU, torch.float32, progress=False, sharding=sharding)
     torch._dynamo.reset()
     eager, comp = runs[False], runs[True]
     assert len(comp["history"]) == len(eager["history"]) == 3

@@ -95,7 +95,7 @@ def test_cli_generate_speculative_without_mtp(llama, capsys):
 
 def test_cli_nll_on_tdata_agrees_with_transformers(llama, tmp_path, capsys):
     from cortiq.data import Tdata
-    from cortiq.data.build import build
+    from cortiq.data.builder import build
     from cortiq.data.settings import BuildSettings
 
     hf, path = llama

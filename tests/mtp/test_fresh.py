@@ -104,7 +104,7 @@ def test_chat_windows_are_the_trunks_greedy_answers_in_its_template(tmp_path):
     decoder's greedy continuation, and the measure starts at each window's own prompt end."""
     from cortiq.cmf import open_cmf as _open
     from cortiq.data.selfgen import REQUESTS
-    from cortiq.data.windows import packed_windows
+    from cortiq.data.windowing import packed_windows
     from cortiq.model.generate import generate
     from cortiq.mtp import _prompt_ends
     from cortiq.tokenizer import load_tokenizer
@@ -134,7 +134,7 @@ def test_chat_windows_are_the_trunks_greedy_answers_in_its_template(tmp_path):
 
 
 def test_generated_windows_are_cached_and_deterministic(fresh, tmp_path):
-    from cortiq.data.windows import packed_windows
+    from cortiq.data.windowing import packed_windows
 
     init, data = fresh
     f = open_cmf(init)

@@ -31,7 +31,7 @@ def test_trunk_cache_reads_back_a_fresh_pass(tiny, tmp_path):
     assert r1["sets"][0]["read_back"] is False
     r2 = trunk_pass(model, str(data), s, cache)
     assert r2["sets"][0]["read_back"] is True
-    from cortiq.data.windows import packed_windows
+    from cortiq.data.windowing import packed_windows
 
     f = open_cmf(model)
     m = load_model(f)
@@ -66,7 +66,7 @@ def test_trunk_key_ignores_the_draft(tiny, tmp_path):
 
 
 def _chain(model, data, s):
-    from cortiq.data.windows import packed_windows
+    from cortiq.data.windowing import packed_windows
 
     f = open_cmf(model)
     m = load_model(f)

@@ -22,7 +22,7 @@ def small(**kw):
 
 
 def _packed(data):
-    from cortiq.data.windows import packed_windows
+    from cortiq.data.windowing import packed_windows
 
     return packed_windows(str(data), 32, 100000, min_len=18, pad_id=EOS)
 

@@ -209,15 +209,15 @@ def test_depth_policy_takes_what_pays():
     pol = DepthPolicy(3, explore=1000)
     tried = []
     for _ in range(8):  # each depth is timed twice first; cheap verify rounds
-        tried.append(pol.choose(8, [0.9] * 8))
+        tried.append(pol.choose_depth(8, [0.9] * 8))
         pol.record(8, tried[-1], 1.0 + 0.1 * tried[-1])
     assert tried == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert pol.choose(8, [0.9] * 8) == 3
-    assert pol.choose(8, [0.05] * 8) == 0  # drafts rarely right: plain
+    assert pol.choose_depth(8, [0.9] * 8) == 3
+    assert pol.choose_depth(8, [0.05] * 8) == 0  # drafts rarely right: plain
     for d, t in enumerate([1.0, 2.0, 3.0, 4.0]):  # a compute-bound batch: a verify costs its rows
         for _ in range(10):
             pol.record(8, d, t)
-    assert pol.choose(8, [0.9] * 8) == 0
+    assert pol.choose_depth(8, [0.9] * 8) == 0
     assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(0.0, 3) == 1.0
 
 

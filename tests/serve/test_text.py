@@ -9,7 +9,7 @@ import torch
 
 from cortiq.serve.chat import ChatError, render_chat
 from cortiq.serve.detok import IncrementalText
-from cortiq.serve.sampling import choose, choose_ref
+from cortiq.serve.sampling import sample_ids, sample_ids_reference
 from cortiq.tokenizer import byte_tokenizer_json
 
 
@@ -29,17 +29,17 @@ def test_choose_equals_the_per_row_reference(B, V):
         temp = [rng.choice([0.0, 0.3, 1.0, 1.7]) for _ in range(B)]
         top_p = [rng.choice([1.0, 0.9, 0.5, 0.05]) for _ in range(B)]
         u = [rng.random() for _ in range(B)]
-        assert choose(logits, temp, top_p, u).tolist() == choose_ref(logits, temp, top_p, u)
+        assert sample_ids(logits, temp, top_p, u).tolist() == sample_ids_reference(logits, temp, top_p, u)
 
 
 def test_choose_follows_the_distribution():
     # u spread evenly over [0, 1) must land on each token in proportion to its probability
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]]))
     n = 1000
-    got = [int(choose(logits, [1.0], [1.0], [(i + 0.5) / n])[0]) for i in range(n)]
+    got = [int(sample_ids(logits, [1.0], [1.0], [(i + 0.5) / n])[0]) for i in range(n)]
     assert [got.count(t) for t in range(4)] == [500, 300, 200, 0]
     # top-p 0.6 keeps tokens 0 and 1 (mass 0.8 once 0.5 is short of 0.6), renormalised to 5/8, 3/8
-    got = [int(choose(logits, [1.0], [0.6], [(i + 0.5) / n])[0]) for i in range(n)]
+    got = [int(sample_ids(logits, [1.0], [0.6], [(i + 0.5) / n])[0]) for i in range(n)]
     assert [got.count(t) for t in range(4)] == [625, 375, 0, 0]
 
 

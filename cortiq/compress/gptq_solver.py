@@ -170,15 +170,8 @@ def _columns(codec_name, Wd, U, scale, lo, g, B, act_order, col_group):
     return codes, Q
 
 
-def gptq_quantize(
-    W: torch.Tensor,
-    H: torch.Tensor,
-    codec_name: str = "q4",
-    block: int = 128,
-    damp: float = 0.01,
-    act_order: bool = False,
-    dtype: torch.dtype = torch.float64,
-) -> GptqResult:
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, codec_name: str = "q4", block: int = 128, damp: float = 0.01,
+                  act_order: bool = False, dtype: torch.dtype = torch.float64) -> GptqResult:
     """Quantize W [out, in] with the Hessian H = Σ x xᵀ [in, in] of its inputs."""
     if W.ndim != 2 or H.shape != (W.shape[1], W.shape[1]):
         raise CortiqError(f"GPTQ: Hessian {list(H.shape)} does not match weight {list(W.shape)}")
