@@ -11,7 +11,7 @@ share of other text into every batch of the masks, the Grams and the heal:
 - the `mix` stage writes one tdata directory holding the user's records (all
   splits) and each retain source's train and val records; its test records
   stay out, never trained on: they are the general panel a report scores;
-- `mix_windows` (what `cortiq.data.windows` does with such a directory) cuts
+- `mix_windows` (what `cortiq.data.windowing` does with such a directory) cuts
   each source's records into windows on their own, takes every user window
   once and a seeded sample of each retain source's (repeated when it has too
   few) so the counts per source over an epoch are exact, and interleaves them

@@ -18,7 +18,7 @@ from cortiq.data.tdata import assign_splits
 from cortiq.errors import CortiqError
 from cortiq.tokenizer import load_tokenizer
 
-B = importlib.import_module("cortiq.data.build")  # the module (cortiq.data.build is also the function)
+B = importlib.import_module("cortiq.data.builder")
 
 
 # ── the plain reference: the whole text read at once, cut, tokenized, then sampled ──
