@@ -77,11 +77,18 @@ class FoldSettings:
     repair: bool = setting(False, "refit down_proj by least squares from the Grams of the MLP activations")
     #: ridge of the repair: λ = damp·mean(diag G[S, S])
     damp: float = setting(0.01, "ridge of the repair, times the mean diagonal of the Gram", lo=0)
+    #: per_layer scope: each layer keeps a multiple of this many neurons (the nearest to keep_frac of
+    #: its width, at least one multiple, at most the width): 64 or 128 give widths a GPU's matrix
+    #: kernels tile without a ragged last block; 1 keeps round(keep_frac·width)
+    multiple_of: int = setting(1, "per_layer scope: each layer keeps a multiple of this many neurons (e.g. 64 "
+                                  "for GPU-friendly widths)", lo=1, hi=1 << 16, added=True)
     #: where the stage computes; within CompressSettings its device sets it (how, not what)
     device: str = setting("auto", "where the stage computes (auto: CUDA when present)", how=True, set_by="device")
 
     def __post_init__(self):
         check(self, "fold settings")
+        if self.scope == "global" and self.multiple_of > 1:
+            raise CortiqError(f"fold multiple_of {self.multiple_of} applies to the per_layer scope, not global")
         if self.scope == "global" and self.floor > self.keep_frac:
             raise CortiqError(f"fold floor {self.floor} is above keep_frac {self.keep_frac}")
 

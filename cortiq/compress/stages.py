@@ -209,7 +209,7 @@ def fold(source_cmf, masks_dir, grams_dir, settings: FoldSettings, out_cmf, logg
             raise CortiqError(f"fold: no mask and no Grams for layers {missing[:4]}: give --masks or Grams of every layer")
         scores = [activation_scores(grams[i], count, src.tensor(mlp_names(i)[2])) for i in range(len(widths))]
         ranked_by = "activation"
-    kept = select_kept(scores, s.keep_frac, s.scope, s.floor)
+    kept = select_kept(scores, s.keep_frac, s.scope, s.floor, s.multiple_of)
     down = {}
     if s.repair:
         missing = [i for i in range(len(widths)) if i not in grams]
