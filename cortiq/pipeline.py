@@ -225,20 +225,24 @@ def run(stage: Stage, root: str | os.PathLike, logger: tracking.Logger = trackin
     if n > 1 and not dist.under_torchrun():
         return _relaunch(stage, pl, root, logger, progress, n, params)
     pl.out.parent.mkdir(parents=True, exist_ok=True)
-    # under torchrun every rank runs the stage (each its share of the windows) and
-    # rank 0 decides, locks and reports for all: a lock per rank would deadlock
-    # the stage's collectives
-    main = dist.is_main()
+    # under torchrun every rank runs a stage that splits (each its share of the windows) and
+    # rank 0 decides, locks and reports for all: a lock per rank would deadlock the stage's
+    # collectives. A stage that runs in one process only (no `gpus` hook) runs in the calling
+    # process alone, without a collective: rank 0 exports and scores while the others are done
+    alone = stage.gpus is None
+    main = dist.is_main() or alone
     with store.locked(pl.out) if main else contextlib.nullcontext():
-        if dist.agree(pl.ready()):
+        if (pl.ready() if alone else dist.agree(pl.ready())):
             return _result(pl, reused=True)
         if _injected(stage.name, dist.rank()):
             raise InjectedFailure(f"{stage.name}: failure injected by ${FAIL_ENV}")
         report = stage.make(pl.out, Context(pl.digest, logger, progress), **p)
-        dist.barrier()
+        if not alone:
+            dist.barrier()
         if main:
             _finish(stage, pl, report)
-        dist.barrier()
+        if not alone:
+            dist.barrier()
         return _result(pl, reused=False)
 
 

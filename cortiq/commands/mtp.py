@@ -59,11 +59,11 @@ def run(args) -> int:
         return 0
     from .. import dist
 
-    s = from_args(MtpSettings, args)
-    if s.gpus > 1 and not dist.under_torchrun():
-        from ..mtp import _open
+    from ..mtp import _open
 
-        _open(args.model)  # a model without a draft: one line here, not one per rank
+    s = from_args(MtpSettings, args)
+    _open(args.model)  # a model without a draft is pointed at `mtp init` (one line here, not one per rank)
+    if s.gpus > 1 and not dist.under_torchrun():
         return dist.launch(args._argv, s.gpus)  # this command again, one process per GPU
     from .. import pipeline
     from ..mtp import mtp_chain

@@ -19,6 +19,17 @@ GPTQ_CODECS = ("q4", "q4_64", "q8")
 COMPUTE = ("auto", "f32", "bf16")
 
 
+def _group_device():
+    """A compress group's device: how, not what; within CompressSettings its device sets it."""
+    return setting("auto", "where the stage computes (auto: CUDA when present)", how=True, set_by="device")
+
+
+def _group_compute():
+    """A compress group's autocast dtype: how, not what; within CompressSettings its compute_dtype sets it."""
+    return setting("auto", "dtype of the forward passes (auto: bf16 on CUDA)", choices=COMPUTE, how=True,
+                   set_by="compute_dtype")
+
+
 @dataclass
 class MaskSettings:
     """S2, DTG-MA: a gate σ(m) on every MLP neuron trained under a rising L1 pull."""
@@ -53,11 +64,8 @@ class MaskSettings:
     #: at most this many val windows score each evaluation (0: all)
     val_windows: int = setting(32, "most val windows scored per evaluation (0: all)", lo=0)
     seed: int = setting(0, "order of the train windows")
-    #: where the stage computes; within CompressSettings its device sets it (how, not what)
-    device: str = setting("auto", "where the stage computes (auto: CUDA when present)", how=True, set_by="device")
-    #: the forward passes' autocast dtype; within CompressSettings its compute_dtype sets it (how, not what)
-    compute_dtype: str = setting("auto", "dtype of the forward passes (auto: bf16 on CUDA)", choices=COMPUTE, how=True,
-                                 set_by="compute_dtype")
+    device: str = _group_device()
+    compute_dtype: str = _group_compute()
 
     def __post_init__(self):
         check(self, "mask settings")
@@ -82,8 +90,7 @@ class FoldSettings:
     #: kernels tile without a ragged last block; 1 keeps round(keep_frac·width)
     multiple_of: int = setting(1, "per_layer scope: each layer keeps a multiple of this many neurons (e.g. 64 "
                                   "for GPU-friendly widths)", lo=1, hi=1 << 16, added=True)
-    #: where the stage computes; within CompressSettings its device sets it (how, not what)
-    device: str = setting("auto", "where the stage computes (auto: CUDA when present)", how=True, set_by="device")
+    device: str = _group_device()
 
     def __post_init__(self):
         check(self, "fold settings")
@@ -104,11 +111,8 @@ class GramSettings:
     #: memory room for the accumulators in MB (0: a quarter of the RAM);
     #: CORTIQ_GRAM_ROOM_MB caps it (forces several passes)
     room_mb: int = setting(0, "memory for the Gram accumulators in MB (0: a quarter of the RAM)", lo=0)
-    #: where the stage computes; within CompressSettings its device sets it (how, not what)
-    device: str = setting("auto", "where the stage computes (auto: CUDA when present)", how=True, set_by="device")
-    #: the forward passes' autocast dtype; within CompressSettings its compute_dtype sets it (how, not what)
-    compute_dtype: str = setting("auto", "dtype of the forward passes (auto: bf16 on CUDA)", choices=COMPUTE, how=True,
-                                 set_by="compute_dtype")
+    device: str = _group_device()
+    compute_dtype: str = _group_compute()
 
     def __post_init__(self):
         check(self, "gram settings")
@@ -125,8 +129,7 @@ class GptqSettings:
     damp: float = setting(0.01, "Hessian dampening, times the mean of its diagonal", gt=0)
     #: quantize columns by decreasing diag(H) (with static groups)
     act_order: bool = setting(False, "quantize columns by decreasing Hessian diagonal")
-    #: where the stage computes; within CompressSettings its device sets it (how, not what)
-    device: str = setting("auto", "where the stage computes (auto: CUDA when present)", how=True, set_by="device")
+    device: str = _group_device()
 
     def __post_init__(self):
         check(self, "gptq settings")

@@ -503,12 +503,12 @@ def mtp_chain(runner, model, data: str, settings, say=_say) -> str:
 
     if not has_draft(open_cmf(model)):
         model = runner.run(MTP_INIT, model=model)["path"]
-    m = plain(dataclasses.replace(settings, also=[]))  # the stage writes its own output; `also` is done below
+    m = plain(replace(settings, also=[]))  # the stage writes its own output; `also` is done below
     trunk = runner.run(TRUNK, model=model, tdata=data, settings=m)["path"]
     r = runner.run(MTP, model=model, tdata=data, trunk=trunk, settings=m)
     if dist.is_main():
         for codec, path in settings.also:
-            got = recode_draft(r["path"], codec, path, data, dataclasses.replace(settings, trunk_cache=str(trunk)))
+            got = recode_draft(r["path"], codec, path, data, replace(settings, trunk_cache=str(trunk)))
             say(f"mtp: the draft as {codec} -> {path} ({got['metrics'].get('drafts_per_round', float('nan')):.3f} "
                 "drafts a round)")
     return r["path"]
