@@ -83,9 +83,10 @@ class Stage:
     #: never the settings: which of their fields enter the digest their declarations say (`key_of`)
     extra: Callable[[dict], dict] | None = None
     #: how the settings' part of the key is laid out for hashing, so that the outputs made
-    #: before a stage had its fields declared keep their digests: {name: (field, ...)} puts
-    #: those fields' values as a list under `name`, {name: None} the whole part under `name`
-    layout: dict | None = None
+    #: before a stage had its fields declared keep their digests: (name, (field, ...)) puts
+    #: those fields' values as a list under `name`, (name, None) the whole part under `name`
+    #: (pairs, not a dict: a stage is hashable, the flows' task is cached per stage)
+    layout: tuple = ()
     #: "dir" (a directory finished by meta.json) or "cmf" (one model file)
     output: str = "dir"
     #: params -> params, before anything else (e.g. an input the settings make irrelevant set to None)
@@ -114,7 +115,7 @@ def key_of(stage: Stage, settings) -> Any:
     if settings is None:
         return None
     part = what(settings, stage.name)
-    for name, fields in (stage.layout or {}).items():
+    for name, fields in stage.layout:
         if fields is None:
             part = {name: part}
         else:

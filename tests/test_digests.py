@@ -15,7 +15,7 @@ import importlib
 
 import pytest
 
-from cortiq import pipeline, settings_meta as sm
+from cortiq import pipeline
 from cortiq.data.settings import BuildSettings
 from cortiq.settings import load_settings
 
@@ -240,6 +240,7 @@ def test_every_field_changes_exactly_the_stages_it_feeds(stage, tmp_path, monkey
 def test_every_stage_a_field_names_takes_that_settings_class():
     takes: dict[type, set[str]] = {}
     for s in _stages():
+        hash(s)  # the flows cache one Prefect task per stage
         if s.settings is not None:
             takes.setdefault(s.settings, set()).add(s.name)
     for cls, names in takes.items():

@@ -334,7 +334,7 @@ def _corpora(p: dict) -> dict:
     return {"corpora": available_corpora()}
 
 
-SELFGEN = Stage(STAGE_NAME, VERSION, _make, SelfGenSettings, ("model",), extra=_corpora, layout={"settings": None},
+SELFGEN = Stage(STAGE_NAME, VERSION, _make, SelfGenSettings, ("model",), extra=_corpora, layout=(("settings", None),),
                 doc="the model's own text from BOS, chat requests and corpus prefixes, as tdata (generated tokens scored)")
 
 

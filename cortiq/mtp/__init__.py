@@ -542,7 +542,7 @@ MTP_INIT = Stage("mtp_init", "1", _init_stage, None, ("model",), output="cmf",
                   doc="the model plus a fresh draft block (for a source that has none)")
 # the generated data's fields as one list: the layout the trunk's digests were first made with
 TRUNK = Stage("trunk", str(VERSION), _trunk_stage, MtpSettings, ("model", "tdata"),
-               layout={"gen": ("gen_prompt", "gen_chat", "gen_temperature", "seed", "gen_share")},
+               layout=(("gen", ("gen_prompt", "gen_chat", "gen_temperature", "seed", "gen_share")),),
                doc="the trunk's last hidden rows and next-token top-k per window (what the draft trains on)",
                gpus=settings_gpus)
 MTP = Stage("mtp", str(VERSION), _mtp_stage, MtpSettings, ("model", "tdata", "trunk"), output="cmf",
