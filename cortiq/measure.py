@@ -12,9 +12,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import dataclasses
+from dataclasses import dataclass
+
 from . import codecs, store
 from .errors import CortiqError
 from .pipeline import Stage
+from .settings_meta import check, setting
 
 
 def score(models: dict, tdata_dir, split: str | None = "test", loss_on: str = "answer", device: str = "auto",
@@ -117,14 +121,90 @@ def recode(src_cmf, out_cmf, codec: str, provenance: dict | None = None, verify:
     return write_cmf(Path(out_cmf), doc, specs, progress=progress)
 
 
+@dataclasses.dataclass
+class Text:
+    """One text the models are scored on: a tdata and how (`ScoreSettings`: split, window,
+    tokens), the line a report names it by, where it counts ("data": the data's own held-out
+    split; "panel": text no stage trained on) and the key its scores run under (`at` + label:
+    score.healed, score.panel.NAME.healed, score.eval.healed)."""
+
+    name: str
+    tdata: str
+    settings: object
+    label: str
+    kind: str = "panel"
+    at: str = ""
+
+    def __post_init__(self):
+        self.at = self.at or ("score." if self.kind == "data" else f"score.panel.{self.name}.")
+
+
+def score_chain(runner, models: dict[str, str], texts: list[Text]) -> dict:
+    """The score stage for each model ({label: CMF}) on each text (run as `text.at` + label);
+    returns the named texts every report shows (`named_texts`)."""
+    for t in texts:
+        for label, model in models.items():
+            runner.run(SCORE, f"{t.at}{label}", model=model, tdata=t.tdata, settings=dataclasses.asdict(t.settings))
+    return named_texts(runner.results, texts, tuple(models))
+
+
+#: the labels of the three models a report compares, and the names `cortiq.measure.text_gap` gives them
+MODELS = (("source", "source"), ("student", "pruned"), ("healed", "healed"))
+
+
+def named_texts(results: dict, texts: list[Text], labels: tuple[str, ...] = ("source", "pruned", "healed")) -> dict:
+    """The two named texts every report shows, from the score stages' results: "data" (the
+    data's own held-out split) and "panel" (the mean over the other texts, text no stage trained
+    on), each with the NLLs of the models `labels` names (source, pruned, healed), the excess
+    over the source and the gap recovered; a text some of whose models are not scored yet is
+    left out."""
+    names = {label: name for name, label in MODELS}
+
+    def nll(at):
+        got = {names[label]: (((results.get(f"{at}{label}") or {}).get("report") or {}).get("metrics") or {}).get("nll")
+               for label in labels}
+        return None if any(v is None for v in got.values()) else {k: float(v) for k, v in got.items()}
+
+    out, parts = {}, {}
+    for t in texts:
+        n = nll(t.at)
+        if n is None:
+            continue
+        if t.kind == "data":
+            out["data"] = text_gap(t.label, n)
+        else:
+            parts[t.name] = text_gap(t.label, n)
+    if parts:
+        out["panel"] = panel_gap(parts)
+    return out
+
+
 # ── the stages, declared once (cortiq.pipeline runs them for the flows) ──
+
+@dataclass
+class ScoreSettings:
+    """What the score stage measures: the NLL per scored token of a tdata split."""
+
+    #: "all": every record, whatever its split
+    split: str = setting("test", "the split scored (all: every record)", choices=("train", "val", "test", "all"))
+    #: 0: each record in one pass
+    window: int = setting(0, "tokens per scoring pass (0: each record whole)", lo=0)
+    #: 0: every record of the split
+    max_tokens: int = setting(0, "scored tokens of the leading records that hold them (0: all)", lo=0)
+    loss_on: str = setting("answer", "tokens scored: answer (each record's scored span) or all",
+                           choices=("answer", "all"))
+    device: str = setting("auto", "where the model scores: auto (CUDA when present), cpu, cuda, cuda:N", how=True)
+
+    def __post_init__(self):
+        check(self, "score settings")
+
 
 def _score(out, ctx, model, tdata, settings) -> dict:
     from .cmf import open_cmf
 
-    split = settings.get("split", "test")
-    nll = score({"model": model}, tdata, None if split == "all" else split, settings["loss_on"],
-                settings.get("device", "auto"), ctx.progress, settings["window"], settings["max_tokens"])["model"]
+    s = settings
+    nll = score({"model": model}, tdata, None if s.split == "all" else s.split, s.loss_on, s.device, ctx.progress,
+                s.window, s.max_tokens)["model"]
     metrics = {"nll": nll, "bytes": float(open_cmf(model).nbytes())}
     with store.stage_dir(out, {"stage": SCORE.name, "digest": ctx.digest, "metrics": metrics}):
         pass
@@ -138,9 +218,7 @@ def _reencode(out, ctx, model, codec) -> dict:
     return {"metrics": {"bytes": float(open_cmf(out).nbytes())}, "codec": codec}
 
 
-SCORE = Stage("score", "2", _score, None, ("model", "tdata"),
-              key=lambda p: {"split": p["settings"].get("split", "test"),
-                             **{k: p["settings"][k] for k in ("window", "max_tokens", "loss_on")}},
+SCORE = Stage("score", "2", _score, ScoreSettings, ("model", "tdata"),
               doc="NLL per scored token of a model on a tdata split (\"all\": every record), and its size")
-REENCODE = Stage("reencode", "2", _reencode, None, ("model",), key=lambda p: {"codec": p["codec"]}, output="cmf",
+REENCODE = Stage("reencode", "2", _reencode, None, ("model",), extra=lambda p: {"codec": p["codec"]}, output="cmf",
                  doc="a model in another codec (plain codecs everywhere, quantized ones on matrices)")

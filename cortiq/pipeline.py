@@ -2,10 +2,13 @@
 
 A `Stage` names what it makes (`name`, also the folder prefix of its outputs,
 the Prefect task's name and the prefix of its metrics), its `version`, its
-settings dataclass, which parameters are inputs (paths digested by content)
-and which settings its output depends on (`key`), and the function that makes
-it. `run` is the cache: the output's digest is a hash of (name, version, key,
-the inputs' digests); a complete output with that digest is reused, else the
+settings dataclass, which parameters are inputs (paths digested by content),
+which other parameters its output depends on (`extra`), and the function that
+makes it. `run` is the cache: the output's digest is a hash of (name, version,
+key, the inputs' digests), the key being the settings fields that feed the
+stage (one rule, `key_of`: each field's declaration says whether it is a *how*
+field, which enters no digest, and which stages it feeds) beside the `extra`
+parameters; a complete output with that digest is reused, else the
 stage runs into a fresh output (a directory finished by `meta.json` last, or a
 CMF written to `.partial` and renamed), and its report (JSON) is written last,
 under the root's reports/. The command line (`cortiq compress`, `cortiq heal`)
@@ -13,8 +16,9 @@ and the Prefect tasks call the same `run` with the same stages, so they share
 one cache: a `cortiq compress` followed by `cortiq run compress` on the same
 source, data and settings reuses the masks, Grams and student.
 
-Parameters that say *how* (device, compute dtype, progress bars) are passed to
-the stage but enter no digest: the same output on any device.
+Settings that say *how* (device, compute dtype, GPUs, memory plans, output
+paths) reach the stage in its settings but enter no digest: the same output on
+any device.
 
 More than one GPU: a stage whose settings say `gpus: N > 1` (its `gpus` hook),
 run from a plain process, runs as N processes under torchrun, each rank
@@ -74,8 +78,15 @@ class Stage:
     settings: type | None = None
     #: parameters that are input paths, digested by content (None: absent, digested as "-")
     inputs: tuple[str, ...] = ()
-    #: params -> what of the settings the output depends on (default: the whole `settings`)
-    key: Callable[[dict], Any] | None = None
+    #: params -> the parameters beside the settings and the inputs that the output depends on
+    #: (a codec, the names of the sources), as a dict that joins the settings' part of the key;
+    #: never the settings: which of their fields enter the digest their declarations say (`key_of`)
+    extra: Callable[[dict], dict] | None = None
+    #: how the settings' part of the key is laid out for hashing, so that the outputs made
+    #: before a stage had its fields declared keep their digests: (name, (field, ...)) puts
+    #: those fields' values as a list under `name`, (name, None) the whole part under `name`
+    #: (pairs, not a dict: a stage is hashable, the flows' task is cached per stage)
+    layout: tuple = ()
     #: "dir" (a directory finished by meta.json) or "cmf" (one model file)
     output: str = "dir"
     #: params -> params, before anything else (e.g. an input the settings make irrelevant set to None)
@@ -93,6 +104,31 @@ class Stage:
         if self.settings is not None and isinstance(p.get("settings"), dict):
             p["settings"] = _build(self.settings, p["settings"], self.name)
         return self.normalize(p) if self.normalize else p
+
+
+def key_of(stage: Stage, settings) -> Any:
+    """The settings' part of `stage`'s key: the fields of `settings` that feed the stage
+    (`settings_meta.what`: no how field, no field that feeds only other stages), laid out
+    as the stage's `layout` says. None where the stage has no settings."""
+    from .settings_meta import what
+
+    if settings is None:
+        return None
+    part = what(settings, stage.name)
+    for name, fields in stage.layout:
+        if fields is None:
+            part = {name: part}
+        else:
+            part = {**{k: v for k, v in part.items() if k not in fields}, name: [part[f] for f in fields]}
+    return part
+
+
+def _key(stage: Stage, p: dict) -> Any:
+    """The whole key of a stage run: the settings' part (`key_of`) and the `extra` parameters."""
+    part = key_of(stage, p.get("settings"))
+    if stage.extra is None:
+        return part
+    return {**(part or {}), **stage.extra(p)}
 
 
 def settings_gpus(params: dict) -> int:
@@ -134,11 +170,20 @@ class CacheEntry:
 
 
 def input_digest(value) -> str:
-    """An input's digest: "-" for an absent one, {"digest": d} as given, a path by its content."""
+    """An input's digest: "-" for an absent one, {"digest": d} as given, a path by its content;
+    a data spec that names no path (`PATH[@TOKENS],...`, the MTP stages' data) by each path's
+    content and token count (a spec of one path and no count is that path's digest)."""
     if value is None:
         return "-"
     if isinstance(value, dict):
         return str(value["digest"])
+    if isinstance(value, str) and not os.path.lexists(value) and ("," in value or "@" in value):
+        from .data.windowing import parse_spec
+
+        sets = parse_spec(value)
+        if len(sets) > 1 or sets[0][1] is not None:
+            return ",".join(f"{store.file_digest(p)}@{n if n is not None else ''}" for p, n in sets)
+        value = sets[0][0]
     return store.file_digest(value)
 
 
@@ -148,7 +193,7 @@ def plan(stage: Stage, root: str | os.PathLike, **params) -> CacheEntry:
     missing = [n for n in stage.inputs if n not in p]
     if missing:
         raise CortiqError(f"{stage.name}: missing inputs {missing}")
-    key = stage.key(p) if stage.key else p.get("settings")
+    key = _key(stage, p)
     named = [f"{n}={input_digest(p[n])}" for n in sorted(stage.inputs)]
     d = store.digest(stage.name, stage.version, key, named)
     root = Path(root)
@@ -181,20 +226,24 @@ def run(stage: Stage, root: str | os.PathLike, logger: tracking.Logger = trackin
     if n > 1 and not dist.under_torchrun():
         return _relaunch(stage, pl, root, logger, progress, n, params)
     pl.out.parent.mkdir(parents=True, exist_ok=True)
-    # under torchrun every rank runs the stage (each its share of the windows) and
-    # rank 0 decides, locks and reports for all: a lock per rank would deadlock
-    # the stage's collectives
-    main = dist.is_main()
+    # under torchrun every rank runs a stage that splits (each its share of the windows) and
+    # rank 0 decides, locks and reports for all: a lock per rank would deadlock the stage's
+    # collectives. A stage that runs in one process only (no `gpus` hook) runs in the calling
+    # process alone, without a collective: rank 0 exports and scores while the others are done
+    alone = stage.gpus is None
+    main = dist.is_main() or alone
     with store.locked(pl.out) if main else contextlib.nullcontext():
-        if dist.agree(pl.ready()):
+        if (pl.ready() if alone else dist.agree(pl.ready())):
             return _result(pl, reused=True)
         if _injected(stage.name, dist.rank()):
             raise InjectedFailure(f"{stage.name}: failure injected by ${FAIL_ENV}")
         report = stage.make(pl.out, Context(pl.digest, logger, progress), **p)
-        dist.barrier()
+        if not alone:
+            dist.barrier()
         if main:
             _finish(stage, pl, report)
-        dist.barrier()
+        if not alone:
+            dist.barrier()
         return _result(pl, reused=False)
 
 
@@ -344,6 +393,27 @@ def _finish(stage: Stage, pl: CacheEntry, report) -> None:
 def _result(pl: CacheEntry, reused: bool) -> dict:
     return {"stage": pl.stage, "digest": pl.digest, "path": str(pl.out), "report": json.loads(pl.report.read_text()),
             "reused": reused}
+
+
+class LocalRunner:
+    """The command line's runner of a chain (cortiq.chains): each stage through `run` under
+    `root`, in this process. A flow's runner (flows.common.Stages) has the same two members, with
+    each stage run as a Prefect task: `run(stage, key=None, **params)` (`key`, default the stage's
+    name, names the run among the chain's: `score.healed`, its metrics logged under it) and
+    `results` (key -> the runner's result, in the order run)."""
+
+    def __init__(self, root, logger: tracking.Logger = tracking.NULL, progress: bool = True, say=None):
+        self.root, self.logger, self.progress = Path(root), logger, progress
+        self.say = say or (lambda m: None)
+        self.results: dict[str, dict] = {}
+
+    def run(self, stage: Stage, key: str | None = None, **params) -> dict:
+        key = key or stage.name
+        r = run(stage, self.root, tracking.scoped(self.logger, f"{key}."), self.progress, **params)
+        if r["reused"]:
+            self.say(f"{key}: reusing {r['path']}")
+        self.results[key] = r
+        return r
 
 
 def deliver(result: dict, out: str | os.PathLike) -> Path:

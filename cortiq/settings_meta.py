@@ -38,7 +38,8 @@ TOPK = {"lo": 1, "hi": 1 << 16, "why": "more than 65536 teacher entries per row 
 def setting(default: Any = MISSING, help: str = "", *, factory: Any = MISSING, choices: tuple | None = None,
             lo: float | None = None, hi: float | None = None, gt: float | None = None, lt: float | None = None,
             why: str = "", metavar: str | None = None, show: str | None = None, arg_type: Any = None,
-            repeat: bool = False, text: Any = None, set_by: str | None = None) -> Any:
+            repeat: bool = False, text: Any = None, set_by: str | None = None, how: bool = False,
+            feeds: tuple[str, ...] | None = None, added: bool = False, when: Any = None) -> Any:
     """A dataclass field with its description.
 
     help: what the setting is (one phrase; the option's help and the docs table's).
@@ -48,16 +49,30 @@ def setting(default: Any = MISSING, help: str = "", *, factory: Any = MISSING, c
     otherwise). arg_type: how the option's text is read when the annotation does not say
     (e.g. str for a value the dataclass parses itself). repeat: the option may be given several
     times (a list). text: how a value is written as option text (to_argv). set_by: the field is
-    not set on its own: the enclosing settings' field of that name sets it (no option, no key)."""
+    not set on its own: the enclosing settings' field of that name sets it (no option, no key).
+
+    What enters a stage's digest (cortiq.pipeline.Stage applies it, one rule for every stage):
+    how: the field says how the output is made, not what it is (device, GPUs, progress, memory
+    plans that give the same numbers, output paths): it enters no digest. feeds: the names of the
+    stages whose output the field changes (default: the class's FEEDS, else every stage that
+    takes this settings class). added: a field added after outputs were cached under the
+    stage's digest: at its default it enters no digest, so those outputs keep theirs. when: a
+    predicate on the settings; where it is false the field changes nothing (awq_grid without
+    awq) and enters no digest."""
     meta: dict[str, Any] = {"help": help}
     for k, v in (("choices", choices), ("lo", lo), ("hi", hi), ("gt", gt), ("lt", lt), ("metavar", metavar),
-                 ("show", show), ("arg_type", arg_type), ("text", text), ("set_by", set_by)):
+                 ("show", show), ("arg_type", arg_type), ("text", text), ("set_by", set_by), ("feeds", feeds),
+                 ("when", when)):
         if v is not None:
             meta[k] = v
     if why:
         meta["why"] = why
     if repeat:
         meta["repeat"] = True
+    if how:
+        meta["how"] = True
+    if added:
+        meta["added"] = True
     return dataclasses.field(default=default, default_factory=factory, metadata=meta)
 
 
@@ -88,6 +103,33 @@ def default_of(f: dataclasses.Field) -> Any:
     if f.default_factory is not MISSING:
         return f.default_factory()
     return MISSING
+
+
+def feeds(cls, f: dataclasses.Field, stage: str) -> bool:
+    """Whether the field `f` of the settings class `cls` changes the output of the stage named `stage`
+    (the one rule of every digest: `setting`'s how, feeds and the class's FEEDS)."""
+    if f.metadata.get("how"):
+        return False
+    names = f.metadata.get("feeds", getattr(cls, "FEEDS", None))
+    return names is None or stage in names
+
+
+def what(obj, stage: str) -> dict:
+    """The fields of the settings `obj` that change the output of `stage`, with their values: every
+    field that feeds it, but a field `added` later at its default and one whose `when` is false.
+    A nested settings group is its own such dict (the group's fields that feed the stage)."""
+    cls = type(obj)
+    out = {}
+    for f in dataclasses.fields(obj):
+        if not feeds(cls, f, stage):
+            continue
+        v = getattr(obj, f.name)
+        if f.metadata.get("added") and v == default_of(f):
+            continue
+        if f.metadata.get("when") is not None and not f.metadata["when"](obj):
+            continue
+        out[f.name] = what(v, stage) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v
+    return out
 
 
 # ── checks ──

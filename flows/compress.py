@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from cortiq import chains
 from cortiq.settings import load_settings
 
 from . import pipeline as P
@@ -22,8 +23,7 @@ def compress(params: str | dict = "deployments/params/demo.yaml") -> dict:
     with P.run_tracked(s, "compress") as st:
         # source → data → compress: the model as one CMF file, the corpus tokenized, DTG-MA masks, Grams,
         # the fold (optional repair), optional GPTQ → the student
-        source, tdata, student = P.student(st, s)
+        m = chains.student(st, s)
         # score: test NLL of the source and the student
-        for label, model in (("source", source), ("pruned", student)):
-            P.score(st, s, label, model, tdata)
-        return P.finish(st, "pruned", student, register=False)
+        chains.score_chain(st, {"source": m.source, "pruned": m.student}, [chains.data_text(s, m.tdata)])
+        return P.finish(st, "pruned", m.student, register=False)

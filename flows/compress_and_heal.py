@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from prefect import flow
 
+from cortiq import chains
 from cortiq.settings import load_settings
 
 from . import pipeline as P
+from .summary import log_gap
 
 
 @flow(name="compress-and-heal", log_prints=True)
@@ -26,11 +28,11 @@ def compress_and_heal(params: str | dict = "deployments/params/demo.yaml") -> di
         # bundled SmolLM2 converted once), the corpus tokenized and split, neuron masks learned and the MLPs
         # folded (the student), the teacher's targets and the frozen prefix once, the tail trained (the healed
         # model), test NLL of source, pruned and healed on the same windows
-        final, tdata = P.through_heal(st, s)
         # mtp heal: the draft head retrained on the healed trunk; hold rates before / after
-        if s.mtp_enabled:
-            final = P.mtp(st, s, final, tdata)
         # re-encode: the final model in each codec, each re-measured on the test split and the held-out texts
-        P.reencode(st, s, final, tdata, P.panels(st))
+        # (cortiq.chains.pipeline, the one chain `cortiq demo` runs too)
+        final, m = chains.pipeline(st, s)
+        st.texts = m.texts
+        log_gap(st)
         # the final model logged and registered (`champion` moves only on a better test NLL)
         return P.finish(st, "healed", final)

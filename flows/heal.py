@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from prefect import flow
 
+from cortiq import chains
 from cortiq.settings import load_settings
 
 from . import pipeline as P
+from .summary import log_gap
 
 
 @flow(name="heal", log_prints=True)
@@ -23,6 +25,8 @@ def heal(params: str | dict = "deployments/params/demo.yaml") -> dict:
         # source → data → compress (the student, cached when compress-and-heal or compress made it) → heal:
         # the teacher's targets, the frozen prefix, the tail trained, the healed model exported → score:
         # test NLL of source, pruned and healed on the same windows
-        healed, _ = P.through_heal(st, s)
+        m = chains.healed(st, s)
+        st.texts = m.texts
+        log_gap(st)
         # the healed model logged and registered (`champion` moves only on a better test NLL)
-        return P.finish(st, "healed", healed)
+        return P.finish(st, "healed", m.healed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from cortiq import chains
 from cortiq.settings import load_settings
 
 from . import pipeline as P
@@ -20,11 +21,7 @@ def mtp_heal(params: str | dict = "deployments/params/demo.yaml") -> dict:
     """Retrain the source's draft head on its trunk; returns the summary (drafts per round before / after)."""
     s = load_settings(params)
     with P.run_tracked(s, "mtp-heal") as st:
-        # source and data, as compress-and-heal has them
-        model = P.model_source(st, s)
-        tdata = P.data(st, s, model)
-        # mtp heal: a fresh draft when there is none, the trunk pass, the draft trained on the trunk's predictions
-        final = P.mtp(st, s, model, tdata)
-        # re-encode: the model in each codec, each re-measured
-        P.reencode(st, s, final, tdata)
+        # source and data, as compress-and-heal has them; mtp heal: a fresh draft when there is none, the
+        # trunk pass, the draft trained on the trunk's predictions; re-encode: the model in each codec, re-measured
+        final = chains.mtp_only(st, s)
         return P.finish(st, "drafted", final, register=False)

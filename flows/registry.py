@@ -121,9 +121,9 @@ def register(client, name: str, run_id: str, model: str | Path, limit_mb: float,
 def register_final(st, model: str | Path) -> dict:
     """Register a flow run's final model (after `Stages.artifacts` logged it): the
     test NLL is the healed model's (the draft does not change the trunk's
-    logits), gap recovered as the flow reports it (flows.pipeline.gap), drafts
+    logits), gap recovered as the flow reports it (flows.summary.gap), drafts
     per round from the MTP stage."""
-    from .pipeline import codec_rows, gap, metric
+    from .summary import codec_rows, gap, metric
 
     g = gap(st)
     s = st.settings

@@ -23,6 +23,7 @@ def _heal_args(p):
     p.add_argument("--data", required=True, metavar="SPEC", help="PATH.tdata[@TOKENS], comma-separated")
     p.add_argument("--out", required=True, metavar="OUT.cmf", help="the model with its trained draft")
     add_force(p)
+    p.add_argument("--work", default=None, help="stage outputs (default: the cortiq home's work/, shared with the flows)")
     add_settings(p, MtpSettings, title="mtp heal settings (those shown as the preset's take the preset's value "
                                        "when unset)")
 
@@ -48,7 +49,7 @@ def add_arguments(p):
 def run(args) -> int:
     import sys
 
-    from ..mtp import MtpSettings, mtp_heal, mtp_init
+    from ..mtp import MtpSettings, mtp_init
     from ..settings_meta import from_args
     from ..store import check_output
 
@@ -68,19 +69,32 @@ def run(args) -> int:
         return 0
     from .. import dist
 
-    s = from_args(MtpSettings, args)
-    if s.gpus > 1 and not dist.under_torchrun():
-        from ..mtp import _open
+    from ..mtp import _open
 
-        _open(args.model)  # a model without a draft: one line here, not one per rank
+    s = from_args(MtpSettings, args)
+    _open(args.model)  # a model without a draft is pointed at `mtp init` (one line here, not one per rank)
+    if s.gpus > 1 and not dist.under_torchrun():
         return dist.launch(args._argv, s.gpus)  # this command again, one process per GPU
+    from .. import pipeline
+    from ..mtp import mtp_chain
+    from ..store import home
+
     dist.init()
     try:
-        rep = mtp_heal(args.model, args.data, s, args.out)
+        # the chain the flows run, through the same cache: a second run with the same model, data and
+        # settings reuses the trunk pass and the trained draft
+        runner = pipeline.LocalRunner(args.work or home() / "work", say=lambda m: print(m, file=sys.stderr))
+        made = mtp_chain(runner, args.model, args.data, s, say=lambda m: print(m, file=sys.stderr))
+        if not dist.is_main():  # another rank than 0: rank 0 reports
+            return 0
+        pipeline.deliver({"path": made}, args.out)
     finally:
         dist.finish()
-    if rep is None:  # another rank than 0: rank 0 reports
-        return 0
+    r = runner.results["mtp"]
+    if r["reused"] and (s.dump or s.taps):
+        print(f"{args.out}: the draft was reused from {r['path']}; --dump and --taps are written when it is "
+              "trained (give other settings or another --work)", file=sys.stderr)
+    rep = r["report"]
     m = rep["metrics"]
     print(f"{args.out}: drafts a round {m['drafts_per_round_before']:.3f} -> {m['drafts_per_round_after']:.3f} "
           f"({int(m['steps'])} steps, best at {int(m['best_step'])}, preset {rep['preset']})", file=sys.stderr)

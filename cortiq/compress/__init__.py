@@ -17,7 +17,7 @@ from .settings import CompressSettings, FoldSettings, GptqSettings, GramSettings
 
 # the stage functions load on first use, with torch: the settings above stay importable without it
 # (`cortiq --help` builds every command's options from them)
-_STAGES = ("VERSIONS", "capture_grams", "compress", "fold", "gptq", "learn_masks", "read_grams", "read_masks",
+_STAGES = ("VERSIONS", "capture_grams", "compress", "compress_chain", "fold", "gptq", "learn_masks", "read_grams", "read_masks",
            "MASKS", "GRAMS", "FOLD", "GPTQ")
 __getattr__, _, _lazy_all = exports(__name__, {name: "stages" for name in _STAGES})
 __all__ = ["CompressSettings", "FoldSettings", "GptqSettings", "GramSettings", "MaskSettings", *_lazy_all]

@@ -31,10 +31,12 @@ def mlp_names(i: int) -> tuple[str, str, str]:
     return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
 
 
-def select_kept(scores: list[torch.Tensor], keep_frac: float, scope: str = "per_layer", floor: float = 0.0) -> list[torch.Tensor]:
+def select_kept(scores: list[torch.Tensor], keep_frac: float, scope: str = "per_layer", floor: float = 0.0,
+                multiple_of: int = 1) -> list[torch.Tensor]:
     """Per layer, the sorted indices (int64) of the neurons to keep.
 
-    per_layer: round(keep_frac·I_l) per layer (at least 1). global: the top
+    per_layer: round(keep_frac·I_l) per layer (at least 1), rounded to the nearest multiple of
+    `multiple_of` (at least one multiple, at most I_l). global: the top
     round(keep_frac·N) over all layers, each layer keeping at least
     ceil(floor·I_l) (and at least 1) of its own best."""
     widths = [int(s.numel()) for s in scores]
@@ -43,7 +45,7 @@ def select_kept(scores: list[torch.Tensor], keep_frac: float, scope: str = "per_
     if scope == "per_layer":
         out = []
         for s, n in zip(scores, widths):
-            k = min(n, max(1, round(keep_frac * n)))
+            k = min(n, max(multiple_of, round(keep_frac * n / multiple_of) * multiple_of))
             out.append(torch.topk(s.float(), k).indices.sort().values)
         return out
     if scope != "global":

@@ -19,6 +19,17 @@ GPTQ_CODECS = ("q4", "q4_64", "q8")
 COMPUTE = ("auto", "f32", "bf16")
 
 
+def _group_device():
+    """A compress group's device: how, not what; within CompressSettings its device sets it."""
+    return setting("auto", "where the stage computes (auto: CUDA when present)", how=True, set_by="device")
+
+
+def _group_compute():
+    """A compress group's autocast dtype: how, not what; within CompressSettings its compute_dtype sets it."""
+    return setting("auto", "dtype of the forward passes (auto: bf16 on CUDA)", choices=COMPUTE, how=True,
+                   set_by="compute_dtype")
+
+
 @dataclass
 class MaskSettings:
     """S2, DTG-MA: a gate σ(m) on every MLP neuron trained under a rising L1 pull."""
@@ -53,6 +64,8 @@ class MaskSettings:
     #: at most this many val windows score each evaluation (0: all)
     val_windows: int = setting(32, "most val windows scored per evaluation (0: all)", lo=0)
     seed: int = setting(0, "order of the train windows")
+    device: str = _group_device()
+    compute_dtype: str = _group_compute()
 
     def __post_init__(self):
         check(self, "mask settings")
@@ -72,9 +85,17 @@ class FoldSettings:
     repair: bool = setting(False, "refit down_proj by least squares from the Grams of the MLP activations")
     #: ridge of the repair: λ = damp·mean(diag G[S, S])
     damp: float = setting(0.01, "ridge of the repair, times the mean diagonal of the Gram", lo=0)
+    #: per_layer scope: each layer keeps a multiple of this many neurons (the nearest to keep_frac of
+    #: its width, at least one multiple, at most the width): 64 or 128 give widths a GPU's matrix
+    #: kernels tile without a ragged last block; 1 keeps round(keep_frac·width)
+    multiple_of: int = setting(1, "per_layer scope: each layer keeps a multiple of this many neurons (e.g. 64 "
+                                  "for GPU-friendly widths)", lo=1, hi=1 << 16, added=True)
+    device: str = _group_device()
 
     def __post_init__(self):
         check(self, "fold settings")
+        if self.scope == "global" and self.multiple_of > 1:
+            raise CortiqError(f"fold multiple_of {self.multiple_of} applies to the per_layer scope, not global")
         if self.scope == "global" and self.floor > self.keep_frac:
             raise CortiqError(f"fold floor {self.floor} is above keep_frac {self.keep_frac}")
 
@@ -90,6 +111,8 @@ class GramSettings:
     #: memory room for the accumulators in MB (0: a quarter of the RAM);
     #: CORTIQ_GRAM_ROOM_MB caps it (forces several passes)
     room_mb: int = setting(0, "memory for the Gram accumulators in MB (0: a quarter of the RAM)", lo=0)
+    device: str = _group_device()
+    compute_dtype: str = _group_compute()
 
     def __post_init__(self):
         check(self, "gram settings")
@@ -106,6 +129,7 @@ class GptqSettings:
     damp: float = setting(0.01, "Hessian dampening, times the mean of its diagonal", gt=0)
     #: quantize columns by decreasing diag(H) (with static groups)
     act_order: bool = setting(False, "quantize columns by decreasing Hessian diagonal")
+    device: str = _group_device()
 
     def __post_init__(self):
         check(self, "gptq settings")
@@ -128,11 +152,11 @@ class CompressSettings:
     #: where masks, Grams, the repair and GPTQ compute: "auto" (CUDA when
     #: present), "cpu", "cuda", "cuda:1", ...
     device: str = setting("auto", "where masks, Grams, the repair and GPTQ compute: auto (CUDA when present), "
-                                  "cpu, cuda, cuda:1, ...")
+                                  "cpu, cuda, cuda:1, ...", how=True)
     #: forward passes under autocast: "auto" (bf16 on CUDA, f32 on the CPU),
     #: "f32", "bf16"; Gram accumulators, the repair's and GPTQ's solves stay f64
     compute_dtype: str = setting("auto", "dtype of the forward passes (auto: bf16 on CUDA, f32 on the CPU; "
-                                         "Gram accumulators and the solves stay f64)", choices=COMPUTE)
+                                         "Gram accumulators and the solves stay f64)", choices=COMPUTE, how=True)
     # ── target ──
     #: the one share of MLP neurons kept: the masks aim at it and the fold keeps it (it sets
     #: masks.keep_frac and fold.keep_frac, which are not set on their own)
@@ -148,14 +172,19 @@ class CompressSettings:
                     if "set_by" in f.metadata and f.name in v:
                         raise derived_error(f"compress.{k}.", f)
                 setattr(self, k, cls(**v))
-        # keep_frac sets the groups' own: a group built by hand with another share is a contradiction
-        for k in ("masks", "fold"):
+        # a field set_by names sets the groups' own (keep_frac, device, compute_dtype): a group built by
+        # hand with another value is a contradiction
+        for k in ("masks", "fold", "grams", "gptq"):
             v = getattr(self, k)
-            if v.keep_frac not in (self.keep_frac, MaskSettings.keep_frac):
-                raise CortiqError(f"compress settings: {k}.keep_frac {v.keep_frac} differs from keep_frac "
-                                  f"{self.keep_frac}: set keep_frac (it sets both)")
-            if v.keep_frac != self.keep_frac:
-                setattr(self, k, replace(v, keep_frac=self.keep_frac))
+            for f in fields(v):
+                by = f.metadata.get("set_by")
+                if by is None or getattr(v, f.name) == getattr(self, by):
+                    continue
+                if getattr(v, f.name) != f.default:
+                    raise CortiqError(f"compress settings: {k}.{f.name} {getattr(v, f.name)} differs from {by} "
+                                      f"{getattr(self, by)}: set {by} (it sets every {f.name} under it)")
+                v = replace(v, **{f.name: getattr(self, by)})
+            setattr(self, k, v)
 
     @property
     def needs_grams(self) -> bool:

@@ -209,7 +209,7 @@ def fold(source_cmf, masks_dir, grams_dir, settings: FoldSettings, out_cmf, logg
             raise CortiqError(f"fold: no mask and no Grams for layers {missing[:4]}: give --masks or Grams of every layer")
         scores = [activation_scores(grams[i], count, src.tensor(mlp_names(i)[2])) for i in range(len(widths))]
         ranked_by = "activation"
-    kept = select_kept(scores, s.keep_frac, s.scope, s.floor)
+    kept = select_kept(scores, s.keep_frac, s.scope, s.floor, s.multiple_of)
     down = {}
     if s.repair:
         missing = [i for i in range(len(widths)) if i not in grams]
@@ -336,20 +336,21 @@ def gptq(student_cmf, grams_dir, settings: GptqSettings, out_cmf, logger: tracki
 
 # ── the stages, declared once (cortiq.pipeline runs them for the CLI and the flows) ──
 
-def _masks(out, ctx, model, tdata, settings, device="auto", compute_dtype="auto"):
-    return learn_masks(Path(model), Path(tdata), settings, out, ctx.logger, device, compute_dtype)
+def _masks(out, ctx, model, tdata, settings):
+    return learn_masks(Path(model), Path(tdata), settings, out, ctx.logger, settings.device, settings.compute_dtype)
 
 
-def _grams(out, ctx, model, tdata, settings, device="auto", compute_dtype="auto"):
-    return capture_grams(Path(model), Path(tdata), None, settings, out, ctx.logger, device, compute_dtype)
+def _grams(out, ctx, model, tdata, settings):
+    return capture_grams(Path(model), Path(tdata), None, settings, out, ctx.logger, settings.device,
+                         settings.compute_dtype)
 
 
-def _fold(out, ctx, model, masks, grams, settings, device="auto"):
-    return fold(Path(model), masks and Path(masks), grams and Path(grams), settings, out, ctx.logger, device)
+def _fold(out, ctx, model, masks, grams, settings):
+    return fold(Path(model), masks and Path(masks), grams and Path(grams), settings, out, ctx.logger, settings.device)
 
 
-def _gptq(out, ctx, model, grams, settings, device="auto"):
-    return gptq(Path(model), Path(grams), settings, out, ctx.logger, device)
+def _gptq(out, ctx, model, grams, settings):
+    return gptq(Path(model), Path(grams), settings, out, ctx.logger, settings.device)
 
 
 MASKS = Stage("masks", VERSIONS["masks"], _masks, MaskSettings, ("model", "tdata"),
@@ -365,51 +366,51 @@ GPTQ = Stage("gptq", VERSIONS["gptq"], _gptq, GptqSettings, ("model", "grams"), 
 # ── the chain ─────────────────────────────────────────────────────────────
 
 
+def compress_chain(runner, source, tdata, settings, say=lambda m: None) -> str:
+    """masks → grams (when the fold repairs, ranks without masks, or GPTQ needs them) → fold →
+    gptq (`settings`: CompressSettings), on `tdata` (retain text mixed in already): the student."""
+    from .. import pipeline
+
+    s = settings
+    masks = grams = None
+    if s.learn_masks:
+        r = runner.run(MASKS, model=source, tdata=tdata, settings=pipeline.plain(s.masks))
+        masks, m = r["path"], r["report"]["metrics"]
+        say(f"masks: {m['mask_pruned'] * 100:.1f} % pruned at step {m['mask_step']:.0f} of {m['mask_steps']:.0f}; "
+            f"val NLL open {m['mask_nll_open']:.4f}, hard {m['mask_nll_hard']:.4f}")
+    if s.needs_grams:
+        grams = runner.run(GRAMS, model=source, tdata=tdata, settings=pipeline.plain(s.grams))["path"]
+    r = runner.run(FOLD, model=source, masks=masks, grams=grams, settings=pipeline.plain(s.fold))
+    student = r["path"]
+    say(f"fold: kept {r['report']['metrics']['fold_kept_share'] * 100:.1f} % of the MLP neurons"
+        f"{' (repaired)' if s.fold.repair else ''}")
+    if s.use_gptq:
+        r = runner.run(GPTQ, model=student, grams=grams, settings=pipeline.plain(s.gptq))
+        student = r["path"]
+        say(f"gptq: {s.gptq.codec}, output error {r['report']['metrics']['gptq_over_rtn']:.3f}× round-to-nearest's")
+    return student
+
+
+
 def compress(source_cmf, tdata_dir, settings: CompressSettings, out_cmf, logger: tracking.Logger = tracking.NULL,
              work=None, log=None, retain=None) -> dict:
-    """masks → grams (when the fold repairs, ranks without masks, or GPTQ
-    needs them) → fold → gptq through the stage runner, each stage reused
-    when its output under `work` (default: the cortiq home's work/, where the
-    flows keep theirs too) is complete; the student is then put at `out_cmf`.
-    `retain` (cortiq.data.settings.RetainSettings) mixes retain text into the
-    data the masks and Grams see. Returns every stage's report."""
+    """The compress chain (cortiq.chains.compress_chain: masks → grams → fold → gptq) through
+    the stage runner, each stage reused when its output under `work` (default: the cortiq
+    home's work/, where the flows keep theirs too) is complete; the student is then put at
+    `out_cmf`. `retain` (cortiq.data.settings.RetainSettings) mixes retain text into the data
+    the masks and Grams see. Returns every stage's report."""
     from .. import pipeline
-    from ..data.retain import cli_runner, with_retain
+    from ..data.retain import with_retain
 
     s = settings
     _resources(s.device, s.compute_dtype)  # a bad device fails here, before any stage runs
     say = log or (lambda m: print(m, file=sys.stderr))
-    root = Path(work) if work else store.home() / "work"
-    how = {"device": s.device}
-
-    def step(stage, **params):
-        r = pipeline.run(stage, root, logger, **params)
-        if r["reused"]:
-            say(f"{stage.name}: reusing {r['path']}")
-        rep["stages"][stage.name] = r["report"]
-        return r["path"]
-
-    rep: dict = {"stages": {}}
+    runner = pipeline.LocalRunner(Path(work) if work else store.home() / "work", logger, say=say)
     if retain is not None and retain.sources:
-        tdata_dir, panel = with_retain(tdata_dir, source_cmf, retain, cli_runner(root, logger), root, logger)
+        tdata_dir, panel = with_retain(tdata_dir, source_cmf, retain, runner.run, None, logger)
         say(f"retain: {', '.join(panel)} mixed in at {retain.share:.0%} -> {tdata_dir}")
-    masks_dir = grams_dir = None
-    if s.learn_masks:
-        masks_dir = step(MASKS, model=source_cmf, tdata=tdata_dir, settings=s.masks, compute_dtype=s.compute_dtype, **how)
-        m = rep["stages"]["masks"]["metrics"]
-        say(f"masks: {m['mask_pruned'] * 100:.1f} % pruned at step {m['mask_step']:.0f} of {m['mask_steps']:.0f}; "
-            f"val NLL open {m['mask_nll_open']:.4f}, hard {m['mask_nll_hard']:.4f}")
-    if s.needs_grams:
-        grams_dir = step(GRAMS, model=source_cmf, tdata=tdata_dir, settings=s.grams, compute_dtype=s.compute_dtype,
-                         **how)
-    student = step(FOLD, model=source_cmf, masks=masks_dir, grams=grams_dir, settings=s.fold, **how)
-    say(f"fold: kept {rep['stages']['fold']['metrics']['fold_kept_share'] * 100:.1f} % of the MLP neurons"
-        f"{' (repaired)' if s.fold.repair else ''}")
-    if s.use_gptq:
-        student = step(GPTQ, model=student, grams=grams_dir, settings=s.gptq, **how)
-        m = rep["stages"]["gptq"]["metrics"]
-        say(f"gptq: {s.gptq.codec}, output error {m['gptq_over_rtn']:.3f}× round-to-nearest's")
+    student = compress_chain(runner, source_cmf, tdata_dir, s, say)
     pipeline.deliver({"path": student}, out_cmf)
     say(f"student -> {out_cmf}")
-    rep["metrics"] = {k: v for st in rep["stages"].values() for k, v in st.get("metrics", {}).items()}
-    return rep
+    stages = {r["stage"]: r["report"] for r in runner.results.values() if r["stage"] in VERSIONS}
+    return {"stages": stages, "metrics": {k: v for st in stages.values() for k, v in st.get("metrics", {}).items()}}

@@ -65,5 +65,5 @@ def _convert(out, ctx, source, kind, path) -> dict:
 
 #: the version of what the converters write (bumped when a converter's output changes)
 VERSION = "1"
-SOURCE = _Stage("source", VERSION, _convert, None, ("path",), key=lambda p: {"kind": p["kind"]}, output="cmf",
+SOURCE = _Stage("source", VERSION, _convert, None, ("path",), extra=lambda p: {"kind": p["kind"]}, output="cmf",
                 normalize=_located, doc="the source model converted to CMF once")

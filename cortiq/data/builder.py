@@ -438,5 +438,5 @@ def _data(out, ctx, sources, model, settings) -> dict:
 
 # the data names its own digest (sources by content, the tokenizer by its text)
 DATA = Stage("data", str(VERSION), _data, BuildSettings, (),
-             key=lambda p: {"build": build_digest(list(p["sources"]), p["model"], p["settings"])},
+             extra=lambda p: {"build": build_digest(list(p["sources"]), p["model"], p["settings"])},
              doc="the corpus tokenized with the model's tokenizer into train / val / test records (tdata)")

@@ -79,18 +79,16 @@ def mix_tdata(tdata_dir, retain: list, names: list[str], settings: RetainSetting
                         zip(meta["mix"]["names"], starts, starts[1:] + [len(records)])}}
 
 
-def _mix_key(p: dict) -> dict:
+def _mix_sources(p: dict) -> dict:
     from ..pipeline import input_digest
 
-    s = p["settings"]
     # the sources by content (their tokens and size enter through their own digests)
-    return {"share": s.share, "seed": s.seed, "names": list(p["names"]),
-            "retain": [input_digest(x) for x in p["retain"]]}
+    return {"names": list(p["names"]), "retain": [input_digest(x) for x in p["retain"]]}
 
 
 MIX = Stage("mix", "1", lambda out, ctx, tdata, retain, names, settings:
             mix_tdata(tdata, list(retain), list(names), settings, out, ctx.digest),
-            RetainSettings, ("tdata",), key=_mix_key,
+            RetainSettings, ("tdata",), extra=_mix_sources,
             doc="the user's data and the retain sources' train and val records in one tdata, drawn at their shares")
 
 
@@ -142,10 +140,7 @@ def with_retain(tdata_dir, source_cmf, settings: RetainSettings, run: Runner, ro
 
 
 def cli_runner(root, logger=None, progress: bool = True) -> Runner:
-    """The Runner of the commands: cortiq.pipeline.run under `root`, the key ignored."""
+    """The Runner of the commands: `run` of a cortiq.pipeline.LocalRunner under `root`."""
     from .. import pipeline, tracking
 
-    def run(stage, key=None, **params):
-        return pipeline.run(stage, root, logger or tracking.NULL, progress, **params)
-
-    return run
+    return pipeline.LocalRunner(root, logger or tracking.NULL, progress).run

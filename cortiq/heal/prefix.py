@@ -20,7 +20,7 @@ import pyarrow as pa
 import torch
 
 from .. import dist, store, tracking
-from ..pipeline import Stage, settings_gpus
+from ..pipeline import Stage, key_of, settings_gpus
 from .rows import RowWriter, WindowRows, open_split
 from ..devices import rank_device
 from .settings import HealSettings, mem_budget_bytes
@@ -68,7 +68,7 @@ def prefix_cache(student_cmf, tdata_dir, settings: HealSettings, out, logger: tr
     arch = open_cmf(student_cmf).arch
     n = sum(len(w) for w in wins.values())
     dtype = plan(n, s.window, arch.hidden_size, mem_budget_bytes(s.mem_budget_gb), s.train_from)
-    meta = {"stage": STAGE, "version": VERSION, "digest": digest or digest_of(student_cmf, tdata_dir, s), "settings": s.prefix_key(),
+    meta = {"stage": STAGE, "version": VERSION, "digest": digest or digest_of(student_cmf, tdata_dir, s), "settings": key_of(PREFIX, s),
             "inputs": {"student": str(student_cmf), "tdata": str(tdata_dir)}, "dtype": dtype,
             "window": s.window, "hidden": arch.hidden_size, "train_from": s.train_from,
             "counts": {sp: len(w) for sp, w in wins.items()}}
@@ -105,7 +105,7 @@ def prefix_cache(student_cmf, tdata_dir, settings: HealSettings, out, logger: tr
 PREFIX = Stage("prefix", str(VERSION),
                lambda out, ctx, student, tdata, settings: prefix_cache(student, tdata, settings, out, ctx.logger,
                                                                       ctx.progress, ctx.digest),
-               HealSettings, ("student", "tdata"), key=lambda p: p["settings"].prefix_key(), gpus=settings_gpus,
+               HealSettings, ("student", "tdata"), gpus=settings_gpus,
                doc="the frozen layers' output, once per window (f32, f16 or not cached, by the memory budget)")
 
 

@@ -8,6 +8,7 @@ distillation, lr 6e-4, windows of 512, 16 a step; scored on plays it never saw
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 from ..devices import COMPUTE, resolve_compute  # noqa: F401  (heal's names for them)
 from ..errors import CortiqError
@@ -28,9 +29,13 @@ MIXES = ("fixed", "dynamic")
 class HealSettings:
     """Distillation of the student from its source."""
 
+    #: the stages a field feeds unless it names its own (`feeds`): the teacher's targets and the
+    #: prefix read a few fields each, the training all of what it is not told how to do
+    FEEDS: ClassVar[tuple[str, ...]] = ("train",)
+
     # ── what trains ──
     #: lowest trained layer; layers below are frozen (their output is cached once)
-    train_from: int = setting(0, "lowest trained layer (the ones below are frozen and cached)", lo=0)
+    train_from: int = setting(0, "lowest trained layer (the ones below are frozen and cached)", lo=0, feeds=("prefix", "train"))
     #: train only the MLPs of the trained layers
     ffn_only: bool = setting(False, "train only the MLPs of the trained layers")
     #: Genesis: the trained window widens epoch by epoch from the last layers
@@ -53,10 +58,10 @@ class HealSettings:
     target: str = setting(DEFAULT, "the teacher's side of the target: topk (renormalised top-k), topk+rest (the k "
                                      "entries and a bucket for the rest of the vocabulary), sampled (k draws from the "
                                      "teacher, unbiased), full (the whole distribution, teacher run online; small "
-                                     "models)", choices=CHOICES)
+                                     "models)", choices=CHOICES, feeds=("targets", "train"))
     #: entries stored per row: the top k, or the draws per row for "sampled"
     #: (32: the storage topk had; not swept)
-    topk: int = setting(32, "teacher entries stored per row (the top k, or the draws per row for sampled)", **TOPK)
+    topk: int = setting(32, "teacher entries stored per row (the top k, or the draws per row for sampled)", **TOPK, feeds=("targets", "train"))
     #: weight of the data's own next token: 0 = KL to the teacher only,
     #: 1 = plain cross-entropy (no teacher runs), between: α·onehot + (1−α)·teacher.
     #: 0 by default: the data's token adapts the student to the heal text
@@ -65,16 +70,16 @@ class HealSettings:
     #: ce 0.3 and ce 1 made it worse than pruned (−10 %), at 1M tokens. (On
     #: more plays ce > 0 scores higher: ce 1 reached 266 %, adapting to Shakespeare.)
     ce: float = setting(0.0, "weight of the data's own next token (0: KL to the teacher only, 1: plain "
-                               "cross-entropy, no teacher)", lo=0, hi=1)
+                               "cross-entropy, no teacher)", lo=0, hi=1, feeds=("targets", "train"))
     #: which tokens are scored: "answer" (from each record's first scored position) or "all"
     loss_on: str = setting("answer", "tokens scored: answer (from each record's first scored position) or all",
-                           choices=("answer", "all"))
+                           choices=("answer", "all"), feeds=("targets", "prefix", "train"))
 
     #: quantization-aware distillation: the trained matrices run fake-quantized in this codec (its own
     #: dequantize(quantize(W)), straight-through gradient), the best checkpoint is chosen on that model's
     #: held-out loss and the healed model is written in it ("none": f32 training, the student's codecs)
     qat_codec: str = setting("none", "train against this codec's rounding and write the healed model in it "
-                                     "(none: f32 training, the student's codecs)", choices=QAT_CODECS)
+                                     "(none: f32 training, the student's codecs)", choices=QAT_CODECS, added=True)
 
     # ── the run ──
     #: passes over the train windows (fractions allowed); 0: as many as `tokens` takes
@@ -110,28 +115,28 @@ class HealSettings:
     clip: float = setting(1.0, "gradient-norm clip", gt=0)
     #: tokens per window (512, 16 a step: the measured recipe; on a CPU with
     #: little memory lower both, and the rate with them)
-    window: int = setting(512, "tokens per window", **WINDOW)
+    window: int = setting(512, "tokens per window", **WINDOW, feeds=("targets", "prefix", "train"))
     #: windows per step
-    batch: int = setting(16, "windows per step", **BATCH)
+    batch: int = setting(16, "windows per step", **BATCH, feeds=("targets", "prefix", "train"))
     #: held-out loss every this many steps (and at the end)
     eval_every: int = setting(50, "steps between held-out evaluations", lo=1)
     #: a resumable checkpoint every this many steps (0 = none)
-    checkpoint_every: int = setting(50, "steps between resumable checkpoints (0: none)", lo=0)
+    checkpoint_every: int = setting(50, "steps between resumable checkpoints (0: none)", lo=0, how=True)
     #: data order seed; also seeds the "sampled" target's draws
-    seed: int = setting(0, "data order seed (also seeds the sampled target's draws)")
+    seed: int = setting(0, "data order seed (also seeds the sampled target's draws)", feeds=("targets", "train"))
 
     # ── resources ──
     #: "auto" (cuda when available), "cpu", "cuda", "cuda:1", ...
-    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
+    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N", how=True)
     #: "auto" (bf16 on CUDA, f32 on CPU), "f32", "bf16", "f16" (f16 runs a loss scale)
-    compute_dtype: str = setting("auto", "compute dtype (auto: bf16 on CUDA, f32 on the CPU)", choices=COMPUTE)
+    compute_dtype: str = setting("auto", "compute dtype (auto: bf16 on CUDA, f32 on the CPU)", choices=COMPUTE, how=True)
     #: host memory the prefix cache may plan with, GB (0 = half of this machine's memory)
     mem_budget_gb: float = setting(0.0, "host memory the prefix cache plans with, GB (0: half of this machine's)",
-                                   lo=0)
+                                   lo=0, feeds=("prefix",))
     #: rows per chunk of the fused head + loss
-    head_chunk: int = setting(1024, "rows per chunk of the fused head + loss", lo=1)
+    head_chunk: int = setting(1024, "rows per chunk of the fused head + loss", lo=1, how=True)
     #: torch.compile each decoder layer on CUDA (teacher and student; the CPU stays eager)
-    compile: bool = setting(True, "torch.compile each decoder layer on CUDA (--no-compile: eager)")
+    compile: bool = setting(True, "torch.compile each decoder layer on CUDA (--no-compile: eager)", how=True)
     #: the student step's memory plan: "plain" (every activation kept, f32 Adam
     #: moments), "lean" (all three savings below), "auto" (the plan expected to cost
     #: the least time among those whose estimate fits `device_mem_gb`: plain, else
@@ -148,9 +153,9 @@ class HealSettings:
                           "--device-mem-gb: plain, else checkpoint of the fewest layers, else more savings), "
                           "plain, lean (all of: checkpoint, micro, adam8), or a '+'-joined choice of checkpoint "
                           "(recompute trained layers in the backward: --checkpoint-layers), micro (micro-batches, gradients "
-                          "accumulated), adam8 (8-bit Adam moments; pip install 'cortiq[lean]')")
+                          "accumulated), adam8 (8-bit Adam moments; pip install 'cortiq[lean]')", how=True)
     #: windows per micro-batch when micro-batches are on (0: a quarter of the batch, at least 1)
-    micro_batch: int = setting(0, "windows per micro-batch with --memory micro/lean (0: a quarter of --batch)", lo=0)
+    micro_batch: int = setting(0, "windows per micro-batch with --memory micro/lean (0: a quarter of --batch)", lo=0, how=True)
     #: with checkpoint in the plan: how many trained layers recompute their activations in the
     #: backward, counted from the lowest trained layer (0: all of them when the memory setting names
     #: checkpoint, the fewest whose estimate fits under auto). Recomputing a layer costs about its
@@ -158,17 +163,17 @@ class HealSettings:
     #: H200 at Qwen3-1.7B: all 28 layers, 0.78x the plain step's tokens/s)
     checkpoint_layers: int = setting(0, "with checkpoint: how many trained layers, from the lowest, are recomputed "
                                         "in the backward (0: all when --memory names checkpoint, the fewest that "
-                                        "fit under auto)", lo=0)
+                                        "fit under auto)", lo=0, how=True)
     #: the device memory the training step may allocate, weights and optimizer state included, that
     #: `memory: auto` plans against: a cap for a GPU shared with other work (0: 85 % of what is free
     #: on the device when training starts, the rest left to the allocator's fragmentation and the
     #: compiler's and cuBLAS's workspaces)
     device_mem_gb: float = setting(0.0, "device memory the training step may allocate, GiB, that --memory auto "
-                                        "plans against (0: 85% of the device's free memory)", lo=0)
+                                        "plans against (0: 85% of the device's free memory)", lo=0, how=True)
     #: processes (GPUs) the heal runs on: more than 1 re-runs it under torchrun, one per GPU;
     #: passes split the windows, training splits each batch (the same steps as one GPU)
     gpus: int = setting(1, "GPUs to run on: more than 1 re-runs the heal under torchrun, one process per GPU "
-                           "(the same steps and results as one GPU)", lo=1)
+                           "(the same steps and results as one GPU)", lo=1, how=True)
     #: how training spreads over more than one GPU: "ddp" (each holds the trained layers whole),
     #: "fsdp" (weights, gradients and Adam state split across GPUs: a tail too big for one),
     #: "auto" (fsdp on GPUs from 1B trained weights, or when the tail with its Adam state takes
@@ -176,7 +181,7 @@ class HealSettings:
     shard: str = setting("auto", "how training spreads over GPUs: ddp (each GPU holds the trained layers), fsdp "
                                  "(weights, gradients and Adam state split), auto (fsdp from 1B trained weights "
                                  "or when they do not fit half a GPU, else ddp)",
-                         choices=SHARDS)
+                         choices=SHARDS, how=True)
 
     def __post_init__(self):
         check(self, "heal settings")
@@ -219,15 +224,6 @@ class HealSettings:
     def export_codec(self) -> str:
         """The codec the healed model is written in: the QAT codec, else "keep" (the student's)."""
         return "keep" if self.qat_codec == "none" else self.qat_codec
-
-    def targets_key(self) -> dict:
-        """The settings the teacher targets depend on (their digest)."""
-        return {"topk": self.topk, "ce": self.ce, "window": self.window, "batch": self.batch, "loss_on": self.loss_on,
-                "target": self.target_kind.name, "seed": self.seed if self.target_kind.seeded else 0}
-
-    def prefix_key(self) -> dict:
-        return {"train_from": self.train_from, "window": self.window, "batch": self.batch, "loss_on": self.loss_on,
-                "mem_budget_gb": self.mem_budget_gb}
 
 
 def mem_budget_bytes(gb: float) -> int:

@@ -62,16 +62,6 @@ def check_inputs(student_cmf, teacher_cmf, tdata_dir, s: HealSettings):
     return td, wins
 
 
-def _train_key(s: HealSettings) -> dict:
-    d = s.to_dict()
-    if s.qat_codec == "none":
-        d.pop("qat_codec")  # the runs from before the setting existed keep their digest
-    for k in ("device", "compute_dtype", "mem_budget_gb", "head_chunk", "checkpoint_every", "compile", "memory",
-              "micro_batch", "checkpoint_layers", "device_mem_gb", "gpus", "shard"):
-        d.pop(k)  # how, not what: a resumed run may change them
-    return d
-
-
 def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSettings, work_dir,
           logger: tracking.Logger = tracking.NULL, progress: bool = True, key: str | None = None) -> dict:
     """Train the student's tail on the targets; the best weights (by held-out
@@ -191,17 +181,33 @@ def export(student_cmf, trained, out, provenance: dict, codec: str = "keep") -> 
 PANEL_TOKENS = 32768
 
 
+def heal_chain(runner, teacher, student, tdata, settings) -> str | None:
+    """teacher targets → frozen prefix (when layers below `train_from` stay frozen) → train →
+    the healed CMF (`settings`: HealSettings). Under torchrun every rank runs the passes and the
+    training; rank 0 alone exports (the others return None)."""
+    h = pipeline.plain(settings)
+    targets = runner.run(targets_mod.TARGETS, teacher=teacher, tdata=tdata, settings=h)["path"]
+    prefix = None
+    if settings.train_from > 0:
+        prefix = runner.run(prefix_mod.PREFIX, student=student, tdata=tdata, settings=h)["path"]
+    trained = runner.run(TRAIN, student=student, targets=targets, prefix=prefix, tdata=tdata, settings=h)["path"]
+    if not dist.is_main():
+        return None
+    return runner.run(HEAL, student=student, teacher=teacher, train=trained, prefix=prefix, settings=h,
+                      codec=settings.export_codec)["path"]
+
+
 def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,
          work_dir=None, progress: bool = True, score_split: str | None = "test", eval_data=None, retain=None) -> dict:
-    """Targets, prefix, training, scoring and export in one call (the CLI's);
-    every step's output under `work_dir` is reused when complete, and training
-    resumes from its last checkpoint.
+    """The heal chain (cortiq.chains.heal_chain: targets, prefix, training, export) and the score
+    chain on the healed model, the command line's call; every stage's output under `work_dir` is
+    reused when complete, and training resumes from its last checkpoint.
 
-    Scoring: NLL of source, student and healed on the heal data's `score_split`
-    and, when `eval_data` (a tdata directory of other text) is given, on every
-    record of it; the gap recovered is reported on `eval_data` when given (the
-    heal data's own test split rewards adapting to that text, which is not
-    recovery), and goes into the healed model's provenance with its NLLs.
+    Scoring: NLL of source, student and healed on the heal data's `score_split` and, when
+    `eval_data` (a tdata directory of other text) is given, on every record of it; the gap
+    recovered is reported on `eval_data` when given (the heal data's own test split rewards
+    adapting to that text, which is not recovery), and goes into the healed model's provenance
+    with its NLLs (the file at `out`; the stage's own output keeps the training's provenance).
 
     `retain` (cortiq.data.settings.RetainSettings) mixes retain text into the
     train and val windows; the test splits of its sources, with `eval_data`,
@@ -211,6 +217,8 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
 
     Under torchrun (cortiq.dist) every rank calls it: the passes and training
     split across ranks, rank 0 scores and exports; the others return None."""
+    from ..measure import ScoreSettings, Text, named_texts, score_chain
+
     s = settings
     out = Path(out)
     teacher = None if s.ce >= 1.0 and teacher_cmf is None else teacher_cmf
@@ -222,13 +230,13 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
     work = Path(work_dir) if work_dir is not None else store.home() / "work"
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    runner = pipeline.LocalRunner(work, logger, progress)
     user_data, panel = tdata_dir, {}
     if retain is not None and retain.sources:
-        from ..data.retain import cli_runner, with_retain
+        from ..data.retain import with_retain
 
         def mixed():
-            return with_retain(user_data, teacher or student_cmf, retain, cli_runner(work, logger, progress), work,
-                               logger, progress)
+            return with_retain(user_data, teacher or student_cmf, retain, runner.run, None)
 
         if dist.active():  # the data stages run in one process: rank 0 makes them, the others then reuse them
             if dist.is_main():
@@ -236,69 +244,70 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
             dist.barrier()
         tdata_dir, panel = mixed()
         check_inputs(student_cmf, teacher, tdata_dir, s)
-
-    def step(stage, **params):
-        return pipeline.run(stage, work, tracking.scoped(logger, f"{stage.name}."), progress, settings=s, **params)
-
-    tr = step(targets_mod.TARGETS, teacher=teacher, tdata=tdata_dir)
-    trep, tdir = tr["report"], tr["path"]
-    pdir = None
-    prep = {"metrics": {}, "dtype": "none"}
-    if s.train_from > 0:
-        pr = step(prefix_mod.PREFIX, student=student_cmf, tdata=tdata_dir)
-        prep, pdir = pr["report"], pr["path"]
-    trained = step(TRAIN, student=student_cmf, targets=tdir, prefix=pdir, tdata=tdata_dir)
-    rep = trained["report"]
-    if not dist.is_main():
+    healed = heal_chain(runner, teacher, student_cmf, tdata_dir, s)
+    if healed is None:
         return None  # rank 0 scores, exports and reports
+    r = runner.results
+    rep = r["train"]["report"]
+    trep = r["targets"]["report"]
+    prep = r["prefix"]["report"] if "prefix" in r else {"metrics": {}}
     m = rep["metrics"]
     report = {"metrics": {**m, **{f"targets.{k}": v for k, v in trep["metrics"].items()},
                           **{f"prefix.{k}": v for k, v in prep["metrics"].items()}},
               "history": rep["history"], "evals": rep["evals"], "out": str(out), "work": str(work),
               "memory": rep["memory"]}
-    block = provenance_block(rep, s, teacher, prep["dtype"])
-    if score_split or eval_data is not None or panel:
-        # the model scored is the one written: with QAT, in the codec it trained against
-        healed = qat.rounded(healed_model(student_cmf, Path(trained["path"]) / TRAINED), s.qat_codec)
-        models = {"student": student_cmf, "healed": healed}
-        if teacher is not None:
-            models = {"source": teacher, **models}
-        texts, parts = {}, {}
-        if score_split:
-            nll = score(models, user_data, score_split, s.loss_on, s.device, progress=progress)
-            report["nll"] = nll
-            report["metrics"].update({f"nll.{k}": v for k, v in nll.items()})
-            logger.log_metrics({f"heal.nll.{k}": v for k, v in nll.items()})
-            texts["data"] = text_gap(f"the {score_split} split of the heal data {user_data} (in-domain)", nll)
-        for name, d in panel.items():
-            nll = score(models, d, "test", s.loss_on, s.device, progress=progress, max_tokens=PANEL_TOKENS)
-            parts[name] = text_gap(f"the test split of the retain source {name} (never trained on)", nll)
-        if eval_data is not None:
-            nll = score(models, eval_data, None, s.loss_on, s.device, progress=progress)
-            report["eval_nll"] = nll
-            report["metrics"].update({f"eval_nll.{k}": v for k, v in nll.items()})
-            logger.log_metrics({f"heal.eval_nll.{k}": v for k, v in nll.items()})
-            parts[Path(eval_data).name] = text_gap(f"{eval_data} (held-out text of another source)", nll)
-        if parts:
-            texts["panel"] = panel_gap(parts)
-        for name, t in texts.items():
-            got = {f"{name}.gap_recovered": t.get("gap_recovered"), f"{name}.excess_nll": (t.get("excess") or {}).get("healed")}
-            got.update({f"{name}.{p}.excess_nll": (q.get("excess") or {}).get("healed") for p, q in t.get("parts", {}).items()})
-            got = {k: v for k, v in got.items() if v is not None}
-            report["metrics"].update(got)
-            logger.log_metrics({f"heal.{k}": v for k, v in got.items()})
-        # the one gap of earlier reports: the panel's when there is one (recovery, not adaptation)
-        gap = texts.get("panel") or texts.get("data")
-        if gap is not None and "gap_recovered" in gap:
-            report["metrics"]["gap_recovered"] = gap["gap_recovered"]
-            logger.log_metrics({"heal.gap_recovered": gap["gap_recovered"]})
-        report["gap"], report["texts"] = gap, texts
-        block["gap"], block["texts"] = gap, texts
-        del healed
-    export(student_cmf, Path(trained["path"]) / TRAINED, out, block, s.export_codec)
+    how = dict(loss_on=s.loss_on, device=s.device)
+    texts = []
+    if score_split:
+        texts.append(Text("data", str(user_data), ScoreSettings(split=score_split, **how),
+                          f"the {score_split} split of the heal data {user_data} (in-domain)", "data"))
+    texts += [Text(name, d, ScoreSettings(split="test", max_tokens=PANEL_TOKENS, **how),
+                   f"the test split of the retain source {name} (never trained on)") for name, d in panel.items()]
+    if eval_data is not None:
+        texts.append(Text(Path(eval_data).name, str(eval_data), ScoreSettings(split="all", **how),
+                          f"{eval_data} (held-out text of another source)", at="score.eval."))
+    models = {**({"source": teacher} if teacher is not None else {}), "pruned": student_cmf, "healed": healed}
+    named = score_chain(runner, models, texts)
+    if score_split:
+        nll = report["nll"] = named["data"]["nll"]
+        report["metrics"].update({f"nll.{k}": v for k, v in nll.items()})
+        logger.log_metrics({f"heal.nll.{k}": v for k, v in nll.items()})
+    if eval_data is not None:
+        nll = report["eval_nll"] = named_texts(r, texts[-1:], tuple(models))["panel"]["parts"][texts[-1].name]["nll"]
+        report["metrics"].update({f"eval_nll.{k}": v for k, v in nll.items()})
+        logger.log_metrics({f"heal.eval_nll.{k}": v for k, v in nll.items()})
+    for name, g in named.items():
+        got = {f"{name}.gap_recovered": g.get("gap_recovered"), f"{name}.excess_nll": (g.get("excess") or {}).get("healed")}
+        got.update({f"{name}.{p}.excess_nll": (q.get("excess") or {}).get("healed") for p, q in g.get("parts", {}).items()})
+        got = {k: v for k, v in got.items() if v is not None}
+        report["metrics"].update(got)
+        logger.log_metrics({f"heal.{k}": v for k, v in got.items()})
+    # the one gap of earlier reports: the panel's when there is one (recovery, not adaptation)
+    gap = named.get("panel") or named.get("data")
+    if gap is not None and "gap_recovered" in gap:
+        report["metrics"]["gap_recovered"] = gap["gap_recovered"]
+        logger.log_metrics({"heal.gap_recovered": gap["gap_recovered"]})
+    if texts:
+        report["gap"], report["texts"] = gap, named
+        deliver_scored(healed, out, {"gap": gap, "texts": named})
+    else:
+        pipeline.deliver({"path": healed}, out)
     logger.log_artifact(str(out))
     report["metrics"]["secs"] = time.perf_counter() - t0
     return report
+
+
+def deliver_scored(healed, out, scores: dict) -> Path:
+    """The healed model at `out` with what it scored in its provenance's `heal` block (the
+    tensors copied as stored; the cached output keeps the training's provenance)."""
+    from ..cmf import copy_specs, open_cmf, write_cmf
+
+    src = open_cmf(healed)
+    doc = {k: v for k, v in src.doc.items() if k not in ("codecs", "hashes", "shards")}
+    prov = dict(doc.get("provenance") or {})
+    prov["heal"] = {**prov.get("heal", {}), **scores}
+    doc["provenance"] = prov
+    return write_cmf(out, doc, copy_specs(src))
 
 
 # ── the stages, declared once (cortiq.pipeline runs them for the CLI and the flows) ──
@@ -314,18 +323,19 @@ def _train(out, ctx, student, targets, prefix, tdata, settings) -> dict:
     return rep
 
 
-def _export(out, ctx, student, teacher, train, prefix, settings) -> dict:
+def _export(out, ctx, student, teacher, train, prefix, settings, codec) -> dict:
     rep = store.read_meta(train)["report"]
     dtype = store.read_meta(prefix)["dtype"] if prefix else "none"
     block = provenance_block(rep, settings, teacher if settings.ce < 1.0 else None, dtype)
-    export(Path(student), Path(train) / TRAINED, out, block, settings.export_codec)
+    export(Path(student), Path(train) / TRAINED, out, block, codec)
     return {"metrics": {k: rep["metrics"][k] for k in ("heldout_start", "heldout_best", "best_step", "steps")}}
 
 
 TRAIN = Stage("train", TRAIN_VERSION, _train, HealSettings, ("student", "targets", "prefix", "tdata"),
-              key=lambda p: _train_key(p["settings"]), gpus=settings_gpus,
+              gpus=settings_gpus,
               doc="the student's tail trained on the targets; the best held-out weights kept; resumes from its checkpoint")
+# no heal setting feeds it: the trained weights come in through `train`, the codec as its own parameter
 HEAL = Stage("heal", VERSION, _export, HealSettings, ("student", "train"),
-             key=lambda p: {"codec": p["settings"].export_codec}, output="cmf",
+             extra=lambda p: {"codec": p["codec"]}, output="cmf",
              doc="the healed CMF: the student with the trained weights, in its codecs (the QAT codec's when it "
                  "trained against one), provenance `heal`")

@@ -12,6 +12,8 @@ read as one table, they are the rows one rank writes.
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,7 @@ import torch
 from .. import store, tracking
 from ..errors import CortiqError
 from .. import dist
-from ..pipeline import Stage, settings_gpus
+from ..pipeline import Stage, key_of, settings_gpus
 from .kinds import KINDS, REST_ID, mix_targets  # noqa: F401  (the targets' names for them)
 from .rows import RowWriter, WindowRows, open_split
 from .settings import HealSettings
@@ -136,7 +138,7 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
             raise CortiqError(f"{teacher_cmf}: vocabulary of {teacher.arch.vocab_size} is smaller than topk {k}")
     cdt = resolve_compute(s.compute_dtype, dev)
     digest = digest or digest_of(teacher_cmf, tdata_dir, s)
-    meta = {"stage": STAGE, "version": VERSION, "digest": digest, "settings": s.targets_key(),
+    meta = {"stage": STAGE, "version": VERSION, "digest": digest, "settings": key_of(TARGETS, _normalize({"settings": s})["settings"]),
             "inputs": {"teacher": str(teacher_cmf) if kind.names_teacher else None, "tdata": str(tdata_dir)},
             "slots": k, "window": s.window, "kind": kind.name, "counts": {sp: len(w) for sp, w in wins.items()}}
     t0 = time.perf_counter()
@@ -174,17 +176,26 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
     return report
 
 
-def _no_teacher_for_ce1(p: dict) -> dict:
-    # with ce = 1 no teacher runs: the targets do not depend on it ("full" stores no
-    # teacher output, but its trainer reads the teacher this stage names)
-    return {**p, "teacher": None} if p["settings"].ce >= 1.0 else p
+def _normalize(p: dict) -> dict:
+    """The parameters with what cannot change the targets made alike: with ce = 1 no teacher
+    runs, so neither the teacher nor the target kind matters ("full" stores no teacher output,
+    but its trainer reads the teacher this stage names); only sampled targets draw from the seed."""
+    s = p["settings"]
+    if not s.target_kind.seeded and s.seed != 0:
+        s = replace(s, seed=0)
+    if s.ce >= 1.0:
+        # "ce" is the kind the stage records for no teacher; set on a copy, past the choices
+        # check, so the targets of every target setting under ce = 1 share one digest
+        s = copy.copy(s)
+        s.target = "ce"
+        return {**p, "settings": s, "teacher": None}
+    return {**p, "settings": s}
 
 
 TARGETS = Stage("targets", str(VERSION),
                 lambda out, ctx, teacher, tdata, settings: teacher_targets(teacher, tdata, settings, out, ctx.logger,
                                                                           ctx.progress, ctx.digest),
-                HealSettings, ("teacher", "tdata"), key=lambda p: p["settings"].targets_key(),
-                normalize=_no_teacher_for_ce1, gpus=settings_gpus,
+                HealSettings, ("teacher", "tdata"), normalize=_normalize, gpus=settings_gpus,
                 doc="the teacher's sparse next-token distribution per row (ce-mixed, weight-scaled), train and val")
 
 

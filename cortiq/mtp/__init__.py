@@ -21,10 +21,10 @@ from pathlib import Path
 
 from .. import dist, tracking
 from ..errors import CortiqError
-from ..pipeline import Stage, settings_gpus
+from ..pipeline import Stage, key_of, settings_gpus
 from .settings import PRESETS, MtpSettings
 
-__all__ = ["MtpSettings", "trunk_pass", "mtp_heal", "recode_draft", "mtp_init", "resolve", "measure_text",
+__all__ = ["MtpSettings", "trunk_pass", "mtp_heal", "mtp_chain", "recode_draft", "mtp_init", "resolve", "measure_text",
            "heldout_windows"]
 
 STAGE = "mtp_heal"
@@ -414,7 +414,7 @@ def mtp_heal(model_cmf, data_spec: str, settings: MtpSettings, out_cmf, logger: 
     main = dist.is_main()
     if not main:
         logger = tracking.NULL
-    logger.log_params(tracking.flatten({"mtp": s.key()}))
+    logger.log_params(tracking.flatten({"mtp": key_of(MTP, s)}))
     ch, info = _chain(model, f, data_spec, s)
     if not main:  # training is all a rank other than 0 takes part in
         if s.epochs > 0:
@@ -436,7 +436,7 @@ def mtp_heal(model_cmf, data_spec: str, settings: MtpSettings, out_cmf, logger: 
     after = _measure(ch, "after training") if run["steps"] else before
     if s.dump and run["steps"]:
         dump_chain(ch, Path(s.dump) / "after")
-    block = {"model": str(f.path), "data": data_spec, "preset": s.preset, "settings": s.key(), "windows": len(ch),
+    block = {"model": str(f.path), "data": data_spec, "preset": s.preset, "settings": key_of(MTP, s), "windows": len(ch),
              "tokens": int(ch.lens.sum()), "steps": run["steps"], "best_step": run["best_step"],
              "hold_before": before["hold"], "hold_after": after["hold"],
              "drafts_per_round_before": before["drafts_per_round"], "drafts_per_round_after": after["drafts_per_round"],
@@ -469,7 +469,7 @@ def mtp_heal(model_cmf, data_spec: str, settings: MtpSettings, out_cmf, logger: 
             metrics[f"{tag}.hold_{j + 1}"] = x
     logger.log_metrics({k: v for k, v in metrics.items() if v == v})
     return {"metrics": metrics, "history": run["history"], "before": before, "after": after, "codecs": codecs,
-            "trunk": info, "preset": s.preset, "settings": s.key(), "out": str(out_cmf)}
+            "trunk": info, "preset": s.preset, "settings": key_of(MTP, s), "out": str(out_cmf)}
 
 
 def recode_draft(out_cmf, codec: str, path, data_spec: str | None = None, settings: MtpSettings | None = None,
@@ -493,6 +493,27 @@ def recode_draft(out_cmf, codec: str, path, data_spec: str | None = None, settin
     return rep
 
 
+def mtp_chain(runner, model, data: str, settings, say=_say) -> str:
+    """mtp init (when `model` carries no draft) → the trunk pass over `data` (a tdata directory, or
+    a spec PATH[@TOKENS],...) → the draft trained on it (`settings`: MtpSettings); each `also`
+    (codec, path) of the settings is then written from the result and re-measured (rank 0)."""
+    from ..cmf import open_cmf
+    from ..pipeline import plain
+    from .init import has_draft
+
+    if not has_draft(open_cmf(model)):
+        model = runner.run(MTP_INIT, model=model)["path"]
+    m = plain(replace(settings, also=[]))  # the stage writes its own output; `also` is done below
+    trunk = runner.run(TRUNK, model=model, tdata=data, settings=m)["path"]
+    r = runner.run(MTP, model=model, tdata=data, trunk=trunk, settings=m)
+    if dist.is_main():
+        for codec, path in settings.also:
+            got = recode_draft(r["path"], codec, path, data, replace(settings, trunk_cache=str(trunk)))
+            say(f"mtp: the draft as {codec} -> {path} ({got['metrics'].get('drafts_per_round', float('nan')):.3f} "
+                "drafts a round)")
+    return r["path"]
+
+
 # ── the stages, declared once (cortiq.pipeline runs them for the flows) ──
 
 def _init_stage(out, ctx, model) -> dict:
@@ -509,13 +530,6 @@ def _trunk_stage(out, ctx, model, tdata, settings) -> dict:
     return rep
 
 
-def _trunk_key(p: dict) -> dict:
-    # what the trunk pass depends on: the window, top-k, token cap and the generated data
-    s = p["settings"]
-    return {"window": s.window, "topk": s.topk, "tokens": s.tokens, "preset": s.preset, "generate": s.generate,
-            "gen": [s.gen_prompt, s.gen_chat, s.gen_temperature, s.seed, s.gen_share]}
-
-
 def _mtp_stage(out, ctx, model, tdata, trunk, settings) -> dict:
     import dataclasses
 
@@ -524,9 +538,11 @@ def _mtp_stage(out, ctx, model, tdata, trunk, settings) -> dict:
     return mtp_heal(Path(model), str(tdata), s, out, logger=ctx.logger)
 
 
-MTP_INIT = Stage("mtp_init", "1", _init_stage, None, ("model",), key=lambda p: None, output="cmf",
+MTP_INIT = Stage("mtp_init", "1", _init_stage, None, ("model",), output="cmf",
                   doc="the model plus a fresh draft block (for a source that has none)")
-TRUNK = Stage("trunk", str(VERSION), _trunk_stage, MtpSettings, ("model", "tdata"), key=_trunk_key,
+# the generated data's fields as one list: the layout the trunk's digests were first made with
+TRUNK = Stage("trunk", str(VERSION), _trunk_stage, MtpSettings, ("model", "tdata"),
+               layout=(("gen", ("gen_prompt", "gen_chat", "gen_temperature", "seed", "gen_share")),),
                doc="the trunk's last hidden rows and next-token top-k per window (what the draft trains on)",
                gpus=settings_gpus)
 MTP = Stage("mtp", str(VERSION), _mtp_stage, MtpSettings, ("model", "tdata", "trunk"), output="cmf",

@@ -12,6 +12,7 @@ refresh 20, eval_every 5) rather than changing these."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import ClassVar
 
 from ..errors import CortiqError
 from ..settings_meta import BATCH, EPOCHS, TOPK, WINDOW, check, setting
@@ -83,12 +84,16 @@ PRESET_CHOICES = ("auto", "fresh", "retrain")
 class MtpSettings:
     """Retraining of the MTP draft on the model's own trunk."""
 
+    #: the stages a field feeds unless it names its own (`feeds`): the trunk pass reads the data's
+    #: and the generated windows' fields, the draft's training all of what it is not told how to do
+    FEEDS: ClassVar[tuple[str, ...]] = ("mtp",)
+
     # ── preset ──
     #: auto | fresh | retrain: the values of every field left unset (None); auto reads the model's
     #: provenance: a draft fresh from `mtp init` gets "fresh", any other "retrain"
     preset: str = setting("auto", "the values of every setting left unset: fresh (a draft just made by mtp init), "
                                   "retrain (a working draft), auto (fresh for a draft mtp init made)",
-                          choices=PRESET_CHOICES)
+                          choices=PRESET_CHOICES, feeds=("trunk", "mtp"))
 
     # ── the chain ──
     #: chain steps trained and measured (the runtime drafts 2–7 deep)
@@ -108,40 +113,40 @@ class MtpSettings:
 
     # ── data ──
     #: tokens taken from a data set that names no count of its own (PATH@TOKENS)
-    tokens: int = setting(393216, "tokens taken from a data set that names no count (PATH@TOKENS)", lo=1)
+    tokens: int = setting(393216, "tokens taken from a data set that names no count (PATH@TOKENS)", lo=1, feeds=("trunk", "mtp"))
     #: tokens per window (a generated sequence fills one); preset: retrain 2048, fresh 320
-    window: int | None = setting(None, "tokens per window (a generated sequence fills one)", show="the preset's", **WINDOW)
+    window: int | None = setting(None, "tokens per window (a generated sequence fills one)", show="the preset's", **WINDOW, feeds=("trunk", "mtp"))
     #: trunk top-k entries kept per row (the KL target)
-    topk: int = setting(64, "trunk top-k entries kept per row (the KL target)", **TOPK)
+    topk: int = setting(64, "trunk top-k entries kept per row (the KL target)", **TOPK, feeds=("trunk", "mtp"))
     #: hold out every window (a measure of text no training reads; needs epochs 0)
     hold_all: bool = setting(False, "hold out every window: measure only (needs epochs 0)")
 
     # ── self-generated data ──
     #: train on the model's own continuations of prompts cut from the data (each window's first
     #: gen_prompt tokens, continued to a full window), not on the data's text; preset: fresh on
-    generate: bool | None = setting(None, "train on the model's own continuations of prompts cut from the data", show="the preset's")
+    generate: bool | None = setting(None, "train on the model's own continuations of prompts cut from the data", show="the preset's", feeds=("trunk", "mtp"))
     #: prompt tokens cut from the start of each data window (default: a quarter of the window, at most 64)
     gen_prompt: int | None = setting(None, "prompt tokens cut from the start of each data window", lo=1,
-                                     show="a quarter of the window, at most 64")
+                                     show="a quarter of the window, at most 64", feeds=("trunk", "mtp"))
     #: with generate off, the model's own continuations of this share of the data windows' prompts
     #: (an even spread, held-out windows included) train beside the data's text: a draft then also
     #: learns what the trunk writes, which is what a real decode verifies, on prompts of its held-out
     #: kind. A quarter: enough to be a fixed part of every epoch, not yet measured against others
     gen_share: float = setting(0.25, "with generate off: the model's own continuations of this share of the "
-                                     "windows' prompts train beside the data's text", lo=0, hi=1)
+                                     "windows' prompts train beside the data's text", lo=0, hi=1, feeds=("trunk", "mtp"))
     #: share of the prompts replaced by a chat request in the model's chat template (the model
     #: answers it; models without a template get none): half, as chat answers are harder to draft
     #: than data continuations (on an H200 with SmolLM2 and a quarter of them chat: 0.42 accepted a
     #: round at depth 3 against 1.09 on data)
     gen_chat: float = setting(0.5, "share of the prompts replaced by a chat request in the model's chat template",
-                              lo=0, hi=1)
+                              lo=0, hi=1, feeds=("trunk", "mtp"))
     #: 0: greedy continuations (what greedy speculative decoding verifies against); > 0: sampled
-    gen_temperature: float = setting(0.0, "0: greedy continuations; > 0: sampled", lo=0)
+    gen_temperature: float = setting(0.0, "0: greedy continuations; > 0: sampled", lo=0, feeds=("trunk", "mtp"))
     #: rows decoded at once
-    gen_batch: int = setting(256, "rows decoded at once while generating", lo=1)
+    gen_batch: int = setting(256, "rows decoded at once while generating", lo=1, how=True)
     #: directory that keeps the generated windows (default: the trunk cache, else <cortiq home>/cache/mtp-gen)
     gen_cache: str | None = setting(None, "keep the generated windows here", metavar="DIR",
-                                    show="the trunk cache, else <cortiq home>/cache/mtp-gen")
+                                    show="the trunk cache, else <cortiq home>/cache/mtp-gen", how=True)
 
     # ── training ──
     #: passes over the train windows per chain step; 0 = measure only (and re-encode); preset: retrain 1, fresh 6
@@ -167,33 +172,33 @@ class MtpSettings:
     #: gradient-norm clip
     clip: float = setting(1.0, "gradient-norm clip", gt=0)
     #: training order and sampling seed
-    seed: int = setting(0, "training order and sampling seed")
+    seed: int = setting(0, "training order and sampling seed", feeds=("trunk", "mtp"))
 
     # ── outputs ──
     #: directory that keeps the trunk pass per data set (Arrow, keyed on trunk, data, window, k)
-    trunk_cache: str | None = setting(None, "keep the trunk pass per data set here", metavar="DIR")
+    trunk_cache: str | None = setting(None, "keep the trunk pass per data set here", metavar="DIR", how=True)
     #: codec of the trained draft's tensors in the output: "keep" (the file's own) or a codec name
     codec: str = setting("keep", "codec of the trained draft's tensors: keep (the file's own) or a codec name")
     #: the same result with the draft in other codecs: [(codec, path)] (CLI: CODEC:PATH)
     also: list = setting(factory=list, help="the result with the draft in another codec (repeatable)",
-                         metavar="CODEC:PATH", arg_type=str, repeat=True, text=lambda x: f"{x[0]}:{x[1]}")
+                         metavar="CODEC:PATH", arg_type=str, repeat=True, text=lambda x: f"{x[0]}:{x[1]}", how=True)
     #: directory for the rows a draft built elsewhere reads (the original GPU tool's file set)
-    dump: str | None = setting(None, "write the rows and tensors a draft built elsewhere reads here", metavar="DIR")
+    dump: str | None = setting(None, "write the rows and tensors a draft built elsewhere reads here", metavar="DIR", how=True)
     #: (directory, trunk layers): those layers' output rows for the held-out windows (CLI: DIR:L1,L2)
     taps: tuple | None = setting(None, "write these trunk layers' output rows for the held-out windows",
                                  metavar="DIR:LAYERS", arg_type=str,
-                                 text=lambda t: f"{t[0]}:{','.join(map(str, t[1]))}")
+                                 text=lambda t: f"{t[0]}:{','.join(map(str, t[1]))}", how=True)
 
     # ── resources ──
     #: "auto" (cuda when available), "cpu", "cuda", ...
-    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
+    device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N", how=True)
     #: rows per chunk of the fused head + loss, and of the top-k passes
-    head_chunk: int = setting(1024, "rows per chunk of the fused head + loss and of the top-k passes", lo=1)
+    head_chunk: int = setting(1024, "rows per chunk of the fused head + loss and of the top-k passes", lo=1, how=True)
     #: windows per trunk forward
-    trunk_batch: int = setting(4, "windows per trunk forward", lo=1)
+    trunk_batch: int = setting(4, "windows per trunk forward", lo=1, how=True)
     #: processes (GPUs) to run on: more than 1 re-runs the command under torchrun, one per GPU
     #: (the trunk pass splits the windows, training splits each batch)
-    gpus: int = setting(1, "GPUs to run on: more than 1 re-runs this command under torchrun, one process per GPU", lo=1)
+    gpus: int = setting(1, "GPUs to run on: more than 1 re-runs this command under torchrun, one process per GPU", lo=1, how=True)
 
     def __post_init__(self):
         def bad(msg):
@@ -234,11 +239,3 @@ class MtpSettings:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    def key(self) -> dict:
-        """What the result depends on (the outputs' paths and resources left out)."""
-        d = self.to_dict()
-        for k in ("trunk_cache", "gen_cache", "dump", "taps", "also", "device", "head_chunk", "trunk_batch", "gen_batch",
-                  "gpus"):
-            d.pop(k)
-        return d

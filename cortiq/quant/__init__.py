@@ -194,14 +194,15 @@ def _quantize(out, ctx, model, grams, codec, settings):
     return rep
 
 
-def _key(p: dict) -> dict:
-    return p["settings"].grams_key(p["codec"])
+def _codec(p: dict) -> dict:
+    # sequential GPTQ: each layer's inputs come out of the layers below, already quantized in this codec
+    return {"codec": p["codec"]}
 
 
-QGRAMS = Stage("qgrams", VERSION, _qgrams, QuantSettings, ("model", "tdata"), key=_key,
+QGRAMS = Stage("qgrams", VERSION, _qgrams, QuantSettings, ("model", "tdata"), extra=_codec,
                doc="Grams of every decoder layer's linear inputs over calibration windows, each layer's taken on "
                    "the outputs of the layers below it already quantized, and the blocks GPTQ (or AWQ) made of them")
-QUANTIZE = Stage("quantize", VERSION, _quantize, QuantSettings, ("model", "grams"), key=_key, output="cmf",
+QUANTIZE = Stage("quantize", VERSION, _quantize, QuantSettings, ("model", "grams"), extra=_codec, output="cmf",
                  doc="a model in a block codec (q4, q4_64, q8), its linear weights in the blocks GPTQ (or AWQ) made")
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ..settings_meta import BATCH, WINDOW, check, setting
 
@@ -40,19 +40,11 @@ class QuantSettings:
                                     "original weights (--no-act-order: grids as GPTQ reaches each group)")
     # ── AWQ ──
     #: exponents α tried per group of weights sharing an input, s = diag(G)^α (0: no scaling, plain GPTQ)
-    awq_grid: int = setting(11, "AWQ: exponents tried in [0, 1] (evenly spaced, 0 included)", lo=2, hi=101)
+    awq_grid: int = setting(11, "AWQ: exponents tried in [0, 1] (evenly spaced, 0 included)", lo=2, hi=101,
+                            when=lambda s: s.method == "awq")
     # ── resources (how, not what: outside every digest) ──
     device: str = setting("auto", "where the calibration forward and GPTQ run: auto (CUDA when present), cpu, cuda, "
-                                  "cuda:N")
+                                  "cuda:N", how=True)
 
     def __post_init__(self):
         check(self, "quant settings")
-
-    def grams_key(self, codec: str) -> dict:
-        """What the cached Grams depend on: the calibration, and (sequential GPTQ: each layer's inputs come out of
-        the layers below, already quantized) how those layers were quantized."""
-        d = asdict(self)
-        d.pop("device")
-        if self.method != "awq":
-            d.pop("awq_grid")
-        return {**d, "codec": codec}

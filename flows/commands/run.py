@@ -53,7 +53,7 @@ def run_flow(name: str, params) -> dict:
 
 
 def run(args) -> int:
-    from .demo import print_summary
+    from flows.summary import print_summary
 
     summary = run_flow(args.flow, args.params)
     print_summary(summary, sys.stdout)

@@ -3,7 +3,7 @@
 import io
 
 from cortiq.measure import panel_gap, text_gap
-from flows.commands.demo import print_summary
+from flows.summary import print_summary
 
 
 def test_the_summary_reports_each_named_text_with_its_excess_and_gap():

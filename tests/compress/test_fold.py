@@ -18,6 +18,21 @@ def test_select_per_layer_keeps_the_top_in_order():
     assert k[1].tolist() == [4, 5, 6, 7, 8, 9]
 
 
+def test_select_per_layer_keeps_a_multiple_when_asked():
+    torch.manual_seed(0)
+    scores = [torch.randn(n) for n in (200, 96, 40)]
+    kept = select_kept(scores, 0.75, multiple_of=64)
+    # 150 -> 128, 72 -> 64, 30 -> at least one multiple but at most the width: 40
+    assert [len(k) for k in kept] == [128, 64, 40]
+    for s, k in zip(scores, kept):  # still the best of each layer, in order
+        assert torch.equal(k, torch.topk(s, len(k)).indices.sort().values)
+    assert [len(k) for k in select_kept(scores, 0.75, multiple_of=1)] == [150, 72, 30]
+    from cortiq.compress.settings import FoldSettings
+
+    with pytest.raises(CortiqError, match=r"^fold multiple_of 64 applies to the per_layer scope, not global$"):
+        FoldSettings(scope="global", multiple_of=64)
+
+
 def test_select_global_respects_the_floor():
     g = torch.Generator().manual_seed(0)
     s = [torch.randn(40, generator=g) - 5.0, torch.randn(60, generator=g) + 5.0]  # layer 0 is all worse

@@ -20,7 +20,10 @@ from cortiq.data.builder import DATA
 from cortiq.measure import REENCODE
 from cortiq.pipeline import FAIL_ENV, InjectedFailure
 from cortiq.settings import load_settings
-from flows.pipeline import run_tracked, score, summary
+from cortiq.chains import data_text
+from cortiq.measure import score_chain
+from flows.pipeline import run_tracked
+from flows.summary import summary
 
 
 @flow(name="machinery")
@@ -29,10 +32,10 @@ def machinery(params: dict) -> dict:
     with run_tracked(s, "machinery") as st:
         tdata = st.run(DATA, sources=s.extra("data", "sources"), model=s.source,
                        settings={k: v for k, v in s.data.items() if k != "sources"})["path"]
-        score(st, s, "source", s.source, tdata)
+        score_chain(st, {"source": s.source}, [data_text(s, tdata)])
         for codec in s.codecs:
             enc = st.run(REENCODE, f"reencode.{codec}", model=s.source, codec=codec)["path"]
-            score(st, s, f"reencode.{codec}", enc, tdata)
+            score_chain(st, {f"reencode.{codec}": enc}, [data_text(s, tdata)])
         st.artifacts({"source": s.source})
         return summary(st)
 

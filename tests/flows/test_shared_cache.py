@@ -34,6 +34,26 @@ def test_cli_compress_then_the_flow_reuse_the_same_outputs(tiny, tiny_params):
     assert Path(out["outputs"]["fold"]).read_bytes() == student.read_bytes()
 
 
+def test_the_cli_runner_then_the_flow_share_every_stage_of_the_one_chain(tiny, tiny_params):
+    """cortiq.chains.pipeline run by the command line's runner, then the compress-and-heal flow on the
+    same parameters: the flow runs the same stages with the same digests and recomputes none."""
+    from cortiq import chains
+    from cortiq.pipeline import LocalRunner
+    from cortiq.settings import load_settings
+    from flows.compress_and_heal import compress_and_heal
+
+    p = tiny_params(tiny)
+    s = load_settings(p)
+    runner = LocalRunner(s.run.out_dir(), progress=False)
+    final, _ = chains.pipeline(runner, s)
+    assert not any(r["reused"] for r in runner.results.values())
+    out = compress_and_heal(p)
+    assert list(out["states"]) == list(runner.results)
+    assert set(out["states"].values()) == {"Cached"}
+    assert {k: v for k, v in out["outputs"].items()} == {k: r["path"] for k, r in runner.results.items()}
+    assert out["outputs"]["mtp"] == final
+
+
 def test_a_changed_setting_recomputes_exactly_the_stages_downstream(tiny, tiny_params):
     p = tiny_params(tiny)
     p["heal"]["train_from"] = 1

@@ -12,7 +12,6 @@ from cortiq.heal import parallel
 from cortiq.heal import prefix as prefix_mod
 from cortiq.heal import targets as targets_mod
 from cortiq.heal.settings import HealSettings
-from cortiq.heal.stages import _train_key
 from cortiq.heal.train import StudentTail, fit
 from cortiq.tracking import NULL
 
@@ -34,12 +33,16 @@ def test_shares_cover_the_items_in_order_by_whole_units():
 
 
 def test_the_digests_do_not_depend_on_the_gpus(tmp_path):
-    one, two = HealSettings(), HealSettings(gpus=2, shard="fsdp")
-    assert _train_key(one) == _train_key(two)
-    assert one.targets_key() == two.targets_key() and one.prefix_key() == two.prefix_key()
+    from cortiq.heal.stages import TRAIN
+    from cortiq.mtp import MTP, TRUNK
     from cortiq.mtp.settings import MtpSettings
+    from cortiq.pipeline import key_of
 
-    assert MtpSettings().key() == MtpSettings(gpus=2).key()
+    one, two = HealSettings(), HealSettings(gpus=2, shard="fsdp")
+    for stage in (targets_mod.TARGETS, prefix_mod.PREFIX, TRAIN):
+        assert key_of(stage, one) == key_of(stage, two)
+    for stage in (TRUNK, MTP):
+        assert key_of(stage, MtpSettings()) == key_of(stage, MtpSettings(gpus=2))
 
 
 # ── the passes ──

@@ -31,6 +31,16 @@ def test_cli_init_then_heal(tiny, tmp_path, capsys):
     before, after = (float(x) for x in re.search(r"drafts a round ([\d.]+) -> ([\d.]+)", err).groups())
     assert (before, after) == (round(block["drafts_per_round_before"], 3), round(block["drafts_per_round_after"], 3))
     assert block["drafts_per_round_after"] >= block["drafts_per_round_before"]
+    # the same command again goes through the cache the flows share: the trunk pass and the trained draft
+    # are reused, nothing is trained, and the model written is the same file's content
+    again = tmp_path / "h2.cmf"
+    args = ["mtp", "heal", str(tmp_path / "i.cmf"), "--data", str(data), "--out", str(again), "--window", "32",
+            "--topk", "8", "--epochs", "0.5", "--eval-every", "5", "--lr", "1e-3", "--train-input", "--device", "cpu",
+            "--gen-prompt", "8", "--batch", "2"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "trunk: reusing" in err and "mtp: reusing" in err and "hold per chain step" not in err
+    assert again.read_bytes() == out.read_bytes()
     d = tmp_path / "dump"
     n, T, k = 40, 32, 8
     for name, size in [("len.u32", n * 4), ("ids.u32", n * T * 4), ("ti.u32", n * T * k * 4), ("tp.f32", n * T * k * 4),

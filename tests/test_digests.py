@@ -1,0 +1,320 @@
+"""One rule for every stage's digest: a setting's declaration says whether it is a *how* field (no
+digest) and which stages it feeds; `Stage` keys on the rest.
+
+- the demo parameter set's digests, through the flows' settings loading, are the ones the stages had
+  before the rule (pinned below; only the MTP stage's changed: its how fields left it);
+- every declared stage, walked field by field: a how field never changes a digest, any other field
+  changes the digest of exactly the stages its declaration says it feeds;
+- over the demo's chain of stages, a field changes exactly the stages it feeds and the ones
+  downstream of them (through their inputs' digests), and no other."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import pytest
+
+from cortiq import pipeline
+from cortiq.data.settings import BuildSettings
+from cortiq.settings import load_settings
+
+import test_settings_meta
+from test_settings_meta import COMPANIONS, _candidates, _variants
+
+#: the modules that declare stages
+MODULES = ["cortiq.compress.stages", "cortiq.data.builder", "cortiq.data.retain", "cortiq.data.selfgen",
+           "cortiq.heal.targets", "cortiq.heal.prefix", "cortiq.heal.stages", "cortiq.mtp", "cortiq.measure",
+           "cortiq.convert", "cortiq.quant"]
+
+#: computed on main before the rule (the demo's settings; upstream outputs given as {"digest": name})
+PINNED = {
+    "source": "f4c67eae6448a427ac8860f89cae5ef4",
+    "data": "29279acff778da0530fcadddfebc44b1",
+    "data.retain": "3659acf3239e953602cc2d3c6e1c8f25",
+    "mix": "77b61acb2442e399a850397168b62c76",
+    "masks": "6b239e29fb63c758a11d59413864887b",
+    "grams": "849a57b01c5a326b25d7fb7a49877689",
+    "fold": "912edffb3241f9ac76d7f099a34fca73",
+    "gptq": "6ff151abf35176caf83095f89fd75ea7",
+    "targets": "99531c8e6671f7bf65773a53b6fd2c21",
+    "prefix": "22ca6f5a3e0acbbe35c8b54d58109fc6",
+    "train": "8d2ce441f22e2574f748a84eb0bca59a",
+    "heal": "d0dcd7b3376488202408692750440a2c",
+    "score": "3d9257ddeafff3a6c1e69592fb7528de",
+    "mtp_init": "80c1b2eb229c3e1da7292a990b913bf2",
+    "trunk": "324c4229e18218b05449e13daa49f36e",
+    # before: 4386060c84355cdb7f186f3aec7dc992, with device, gpus, the dump and cache paths in it
+    "mtp": "7fb2ed72c889124be5ace33634057188",
+    "qgrams.q8": "5d9f15490265848db08cf4e8ef96362e",
+    "quantize.q8": "bfe18e3eb2ca82a52c354f718ba928af",
+    "qgrams.q4": "3531e5d975a937cce2e33c20304c2367",
+    "quantize.q4": "648d00b53aac3c4d76055fc70b211b31",
+    "reencode.f16": "eb1e7aba8a490ed72de33e64a8ae47d2",
+}
+#: beyond the demo, the keys that had shapes of their own (a derived target kind, a seed only the
+#: sampled targets read, a codec only QAT names, AWQ's grid, the generator's nested settings)
+PINNED_OTHER = {
+    "targets.ce1": "471c58e93dcc86a34321cd5c1373d4a6", "train.ce1": "ddfece47bfa6dff5da33808889e708c7",
+    "heal.ce1": "d0dcd7b3376488202408692750440a2c", "targets.topk": "779502df2f52e9cc2e70a4353ae09284",
+    "train.topk": "9488d40217fcc8d6bbad5e84b9d2bb66", "targets.qat": "21b598ece685720ab23395d769f455c3",
+    "train.qat": "f90d73f1c9245187c3b94fc52aa1b2be", "heal.qat": "794962167522031d33d8f57cdfd9c523",
+    "qgrams.awq": "773ec7194991c7610a0cd3f329639c57", "selfgen": "8ea9c7d47ddc7f96c7486807cb8ddaa8",
+}
+
+
+def _stages() -> list[pipeline.Stage]:
+    out = []
+    for m in MODULES:
+        out += [v for v in vars(importlib.import_module(m)).values() if isinstance(v, pipeline.Stage)]
+    return list({id(s): s for s in out}.values())
+
+
+def D(name):
+    return {"digest": name}
+
+
+def demo_chain(s, tok) -> list[tuple[str, pipeline.Stage, dict]]:
+    """(node, stage, params) of the demo's chain of stages, every upstream output given by its node's
+    name (`digests` replaces it by that node's digest), grams and gptq included."""
+    from cortiq.compress import FOLD, GPTQ, GRAMS, MASKS
+    from cortiq.convert import SOURCE
+    from cortiq.data.builder import DATA
+    from cortiq.data.retain import MIX
+    from cortiq.heal.prefix import PREFIX
+    from cortiq.heal.stages import HEAL, TRAIN
+    from cortiq.heal.targets import TARGETS
+    from cortiq.measure import REENCODE, SCORE, ScoreSettings
+    from cortiq.mtp import MTP, MTP_INIT, TRUNK
+    from cortiq.quant import QGRAMS, QUANTIZE
+
+    plain = pipeline.plain
+    r, c, h, m, q = (s.stage(g) for g in ("retain", "compress", "heal", "mtp", "quant"))
+    nodes = [
+        ("source", SOURCE, dict(source=s.source)),
+        ("data", DATA, dict(sources=s.extra("data", "sources"), model=str(tok), settings=plain(s.stage("data")))),
+        ("data.retain", DATA, dict(sources=["corpus:shakespeare"], model=str(tok),
+                                   settings=plain(BuildSettings(max_total_tokens=r.tokens)))),
+        ("mix", MIX, dict(tdata="@data", retain=["@data.retain"], names=["shakespeare"], settings=plain(r))),
+        ("masks", MASKS, dict(model="@source", tdata="@mix", settings=plain(c.masks))),
+        ("grams", GRAMS, dict(model="@source", tdata="@mix", settings=plain(c.grams))),
+        ("fold", FOLD, dict(model="@source", masks="@masks", grams=None, settings=plain(c.fold))),
+        ("gptq", GPTQ, dict(model="@fold", grams="@grams", settings=plain(c.gptq))),
+        ("targets", TARGETS, dict(teacher="@source", tdata="@mix", settings=plain(h))),
+        ("prefix", PREFIX, dict(student="@fold", tdata="@mix", settings=plain(h))),
+        ("train", TRAIN, dict(student="@fold", targets="@targets", prefix="@prefix", tdata="@mix", settings=plain(h))),
+        ("heal", HEAL, dict(student="@fold", teacher="@source", train="@train", prefix="@prefix", settings=plain(h),
+                            codec=h.export_codec)),
+        ("score", SCORE, dict(model="@heal", tdata="@data", settings=plain(ScoreSettings(
+            window=s.score_window, max_tokens=s.score_tokens)))),
+        ("mtp_init", MTP_INIT, dict(model="@heal")),
+        ("trunk", TRUNK, dict(model="@mtp_init", tdata="@data", settings=plain(m))),
+        ("mtp", MTP, dict(model="@mtp_init", tdata="@data", trunk="@trunk", settings=plain(m))),
+    ]
+    for codec in ("q8", "q4"):
+        nodes += [(f"qgrams.{codec}", QGRAMS, dict(model="@mtp", tdata="@data", codec=codec, settings=plain(q))),
+                  (f"quantize.{codec}", QUANTIZE, dict(model="@mtp", grams=f"@qgrams.{codec}", codec=codec,
+                                                       settings=plain(q)))]
+    nodes.append(("reencode.f16", REENCODE, dict(model="@mtp", codec="f16")))
+    return nodes
+
+
+def _ups(params) -> list[str]:
+    vals = [x for v in params.values() for x in (v if isinstance(v, list) else [v])]
+    return [v[1:] for v in vals if isinstance(v, str) and v.startswith("@")]
+
+
+#: the names the pinned digests were computed with for each node's output (a fixed input digest each)
+ALIAS = {"source": "src", "data": "data", "data.retain": "rdata", "mix": "mix", "masks": "masks", "grams": "grams",
+         "fold": "student", "targets": "targets", "prefix": "prefix", "train": "train", "heal": "healed",
+         "mtp_init": "init", "trunk": "trunk", "mtp": "final", "qgrams.q8": "qgrams", "qgrams.q4": "qgrams"}
+
+
+def digests(nodes, pinned: bool = False) -> dict[str, str]:
+    """Each node's digest, its inputs the digests of the nodes upstream (`pinned`: the fixed names
+    the pinned digests were computed with)."""
+    out = {}
+
+    def inp(ref):
+        return D(ALIAS[ref] if pinned else out[ref])
+
+    for name, stage, params in nodes:
+        p = {k: ([inp(x[1:]) for x in v] if isinstance(v, list) and v and str(v[0]).startswith("@")
+                 else inp(v[1:]) if isinstance(v, str) and v.startswith("@") else v) for k, v in params.items()}
+        out[name] = pipeline.digest_of(stage, **p)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    p = tmp_path_factory.mktemp("tok") / "tok.txt"
+    p.write_text("a tokenizer")  # the data stage digests its tokenizer by content
+    return p
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_settings("deployments/params/demo.yaml")
+
+
+def test_the_demo_keeps_its_digests_but_the_mtp_stage(demo, tok):
+    assert digests(demo_chain(demo, tok), pinned=True) == PINNED
+
+
+def test_the_keys_of_their_own_shapes_keep_their_digests():
+    from cortiq.data.selfgen import SELFGEN
+    from cortiq.data.settings import SelfGenSettings
+    from cortiq.heal.settings import HealSettings
+    from cortiq.heal.stages import HEAL, TRAIN
+    from cortiq.heal.targets import TARGETS
+    from cortiq.quant import QGRAMS
+    from cortiq.quant.settings import QuantSettings
+
+    got = {}
+    for name, h in {"ce1": HealSettings(ce=1.0), "topk": HealSettings(target="topk", seed=3),
+                    "qat": HealSettings(qat_codec="q4")}.items():
+        got[f"targets.{name}"] = pipeline.digest_of(TARGETS, teacher=D("src"), tdata=D("mix"), settings=h)
+        got[f"train.{name}"] = pipeline.digest_of(TRAIN, student=D("student"), targets=D("targets"), prefix=None,
+                                                  tdata=D("mix"), settings=h)
+        if name != "topk":
+            got[f"heal.{name}"] = pipeline.digest_of(HEAL, student=D("student"), teacher=D("src"), train=D("train"),
+                                                     prefix=None, settings=h, codec=h.export_codec)
+    got["qgrams.awq"] = pipeline.digest_of(QGRAMS, model=D("final"), tdata=D("data"), codec="q4",
+                                           settings=QuantSettings(method="awq"))
+    got["selfgen"] = pipeline.digest_of(SELFGEN, model=D("src"), settings=SelfGenSettings())
+    assert got == PINNED_OTHER
+
+
+def _fed(cls, f, stage, obj) -> bool:
+    """What the field's declaration says: it changes `stage`'s output (at the value `obj` holds)."""
+    m = f.metadata
+    if m.get("how"):
+        return False
+    names = m["feeds"] if "feeds" in m else getattr(cls, "FEEDS", None)
+    return (names is None or stage.name in names) and (m.get("when") is None or m["when"](obj))
+
+
+def _all_variants(cls):
+    """_variants, and the fields another one sets (given here on their own)."""
+    yield from _variants(cls)
+    for f in dataclasses.fields(cls):
+        if "set_by" in f.metadata:
+            for v in _candidates(cls, f):
+                try:
+                    obj = cls(**{f.name: v, **COMPANIONS.get(f"{cls.__name__}.{f.name}", {})})
+                except Exception:
+                    continue
+                yield f.name, obj
+                break
+
+
+#: stages whose key holds their settings another way: the data stage keys on the build digest, which
+#: hashes every build setting with the sources' content (the tdata's own identity)
+WHOLE = {"data"}
+
+
+@pytest.mark.parametrize("stage", [s for s in _stages() if s.settings is not None], ids=lambda s: s.name)
+def test_every_field_changes_exactly_the_stages_it_feeds(stage, tmp_path, monkeypatch):
+    cls = stage.settings
+    tok = tmp_path / "tok.txt"
+    tok.write_text("t")
+    # the generating model is an input the build digest reads by content: a file that exists
+    monkeypatch.setitem(test_settings_meta.VALUES, "BuildSettings.generate_with", [str(tok)])
+    params = {n: D(f"d-{n}") for n in stage.inputs}
+    params.update({"codec": "q4", "names": ["a"], "retain": [D("r")], "sources": ["corpus:pydoc"], "model": str(tok)}
+                  if stage.name in ("qgrams", "quantize", "heal", "mix", "data") else {})
+    if stage.name == "heal":
+        params["codec"] = "keep"
+    base = pipeline.digest_of(stage, **params, settings=cls())
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    seen = 0
+    for name, obj in _all_variants(cls):
+        f = fields[name]
+        changed = pipeline.digest_of(stage, **params, settings=obj) != base
+        want = stage.name in WHOLE or _fed(cls, f, stage, obj)
+        assert changed == want, f"{stage.name}: {cls.__name__}.{name} {'changed' if changed else 'left'} the digest"
+        seen += 1
+    assert seen >= len(fields) - 1
+
+
+def test_every_stage_a_field_names_takes_that_settings_class():
+    takes: dict[type, set[str]] = {}
+    for s in _stages():
+        hash(s)  # the flows cache one Prefect task per stage
+        if s.settings is not None:
+            takes.setdefault(s.settings, set()).add(s.name)
+    for cls, names in takes.items():
+        for f in dataclasses.fields(cls):
+            named = set(f.metadata.get("feeds", getattr(cls, "FEEDS", None) or ()))
+            assert named <= names, f"{cls.__name__}.{f.name} feeds {named - names}, which do not take it"
+            assert not (f.metadata.get("how") and "feeds" in f.metadata), f"{cls.__name__}.{f.name}: how and feeds"
+
+
+#: the parameter set's group whose settings each node of the demo chain takes
+GROUP = {"data": "data", "data.retain": None, "mix": "retain", "masks": "compress", "grams": "compress", "fold": "compress",
+         "gptq": "compress", "targets": "heal", "prefix": "heal", "train": "heal", "heal": "heal", "trunk": "mtp",
+         "mtp": "mtp", "qgrams": "quant", "quantize": "quant"}
+#: fields that shape a chain's parameters rather than a stage's settings: the node they change
+DERIVED = {("retain", "tokens"): {"data.retain"}, ("heal", "qat_codec"): {"heal"},
+           ("compress", "keep_frac"): {"masks", "fold"}}
+#: fields that change which stages run (the chain's shape), or name the retain sources: not walked
+SHAPE = {("retain", "sources"), ("compress", "learn_masks"), ("compress", "use_gptq"), ("mtp", "hold_all")}
+
+
+def test_over_the_demo_chain_a_field_changes_its_stages_and_those_downstream(demo, tok, monkeypatch):
+    monkeypatch.setitem(test_settings_meta.VALUES, "BuildSettings.generate_with", [str(tok)])
+    nodes = demo_chain(demo, tok)
+    before = digests(nodes)
+    down: dict[str, set[str]] = {n: set() for n, _, _ in nodes}
+    for name, _, params in nodes:
+        for up in _ups(params):
+            down[up].add(name)
+
+    def closure(start):
+        out, todo = set(), list(start)
+        while todo:
+            n = todo.pop()
+            if n not in out:
+                out.add(n)
+                todo += sorted(down[n])
+        return out
+
+    walked = 0
+    for group in ("data", "retain", "compress", "heal", "mtp", "quant"):
+        cls = type(demo.stage(group))
+        for name, obj in _all_variants(cls):
+            if (group, name.split(".")[0]) in SHAPE:
+                continue
+            values = dataclasses.asdict(obj)
+            mine = {**getattr(demo, group)}
+            top = name.split(".")[0]
+            if "." in name:  # a nested group's field (compress.masks.lr)
+                sub = name.split(".")[1]
+                mine[top] = {**mine.get(top, {}), sub: values[top][sub]}
+            else:
+                mine[top] = values[top]
+            doc = {**demo.to_dict(), group: mine}
+            try:
+                s2 = load_settings(doc)
+            except Exception:
+                continue  # a value the demo's other settings contradict
+            if s2.stage(group) == demo.stage(group):
+                continue
+            after = digests(demo_chain(s2, tok))
+            changed = {n for n in before if after[n] != before[n]}
+            direct = set(DERIVED.get((group, top), set()))
+            for n, stage, params in demo_chain(s2, tok):
+                if GROUP.get(n, GROUP.get(n.split(".")[0])) != group or stage.settings is None:
+                    continue
+                built = stage.params(params)["settings"]
+                key = name
+                if group == "compress":  # each compress group's own settings reach its stage
+                    if "." not in name or name.split(".")[0] != n:
+                        continue
+                    key = name.split(".")[1]
+                f = {x.name: x for x in dataclasses.fields(type(built))}.get(key)
+                if f is not None and (stage.name in WHOLE or _fed(type(built), f, stage, built)):
+                    direct.add(n)
+            assert changed == closure(direct), f"{group}.{name}: changed {sorted(changed)}, fed {sorted(direct)}"
+            walked += 1
+    assert walked > 60
