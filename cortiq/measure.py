@@ -161,7 +161,7 @@ def named_texts(results: dict, texts: list[Text], labels: tuple[str, ...] = ("so
     names = {label: name for name, label in MODELS}
 
     def nll(at):
-        got = {names[label]: (((results.get(f"{at}{label}") or {}).get("report") or {}).get("metrics") or {}).get("nll")
+        got = {names.get(label, label): (((results.get(f"{at}{label}") or {}).get("report") or {}).get("metrics") or {}).get("nll")
                for label in labels}
         return None if any(v is None for v in got.values()) else {k: float(v) for k, v in got.items()}
 
