@@ -16,6 +16,7 @@ from export_helpers import arch_of, write_random  # noqa: E402
 
 pytest.importorskip("mlflow")
 
+from cortiq.measure import Text  # noqa: E402
 from flows.registry import CHAMPION, register, register_final  # noqa: E402
 from flows.tracking import MlflowLogger, client_for, experiment_id, log_model_file  # noqa: E402
 
@@ -97,7 +98,9 @@ def test_flow_adapter_reads_the_stage_results(store, capsys):
         settings=SimpleNamespace(name="params-x", run=SimpleNamespace(artifact_limit_mb=200.0),
                                  extra=lambda group, key: []), log=log,
         results={"data": {"digest": "tdata-123", "path": "x"}, "score.source": res(nll=2.0), "score.pruned": res(nll=3.0),
-                 "score.healed": res(nll=2.5), "mtp": res(drafts_per_round_after=0.75)})
+                 "score.healed": res(nll=2.5), "mtp": res(drafts_per_round_after=0.75)},
+        # the texts the chain scored (cortiq.chains sets them on the flow's state)
+        texts=[Text("data", "x", None, "test split of the parameter set's data (in-domain)", kind="data")])
     out = register_final(st, store.models[2])
     assert out["name"] == "params-x" and out["champion"]
     assert "registered params-x v1 (champion)" in capsys.readouterr().out
