@@ -368,6 +368,24 @@ class Check:
             raise Failed(fig)
         return fig
 
+    def plugin_path(self) -> dict:
+        """The flows' commands (run, demo, compare) are found through cortiq's entry points, which only an
+        installed cortiq has: a tree on PYTHONPATH (the GPU machine, no index to install from) gets them
+        from a dist-info written here from pyproject.toml's own table, put first on the child's path."""
+        from importlib.metadata import entry_points
+
+        if entry_points(group="cortiq.commands"):
+            return {}
+        import tomllib
+
+        meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+        d = self.work / "plugins" / f"cortiq-{meta['version']}.dist-info"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: cortiq\nVersion: {meta['version']}\n")
+        eps = meta["entry-points"]["cortiq.commands"]
+        (d / "entry_points.txt").write_text("[cortiq.commands]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()))
+        return {"PYTHONPATH": os.pathsep.join([str(d.parent), env()["PYTHONPATH"]])}
+
     def demo(self, src: Path) -> str:
         import yaml
 
@@ -387,7 +405,7 @@ class Check:
         params.write_text(yaml.safe_dump(p, sort_keys=False))
         home = self.work / "demo-home"
         shutil.rmtree(home, ignore_errors=True)
-        out = self.cortiq("demo", "--params", params, extra_env={"CORTIQ_HOME": str(home)},
+        out = self.cortiq("demo", "--params", params, extra_env={"CORTIQ_HOME": str(home), **self.plugin_path()},
                           timeout=max(self.a.row_timeout, 300))
         m = re.search(r"gap recovered [^\n]*", out)
         d = re.search(r"MTP drafts kept per round: [^\n]*", out)

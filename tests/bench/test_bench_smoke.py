@@ -192,3 +192,22 @@ def test_bench_smoke(name, tmp_path):
     assert p.returncode == 0, f"bench.{name} exit {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     assert re.search(r"\|\s*-{3,}\s*\|", p.stdout), f"bench.{name} printed no table:\n{p.stdout[-2000:]}"
     check(json.loads((out / result).read_text()))
+
+
+def test_the_device_check_finds_the_flow_commands_in_an_uninstalled_tree(tmp_path, monkeypatch):
+    """On the GPU machine cortiq runs from the tree, with no entry points: the demo row gives its child
+    the metadata pyproject.toml declares, first on the child's path, where importlib finds the commands."""
+    import importlib.metadata as im
+    import types
+
+    import tomllib
+
+    from bench import device_check
+
+    monkeypatch.setattr(im, "entry_points", lambda **kw: [])
+    extra = device_check.Check.plugin_path(types.SimpleNamespace(work=tmp_path))
+    first = extra["PYTHONPATH"].split(os.pathsep)[0]
+    (dist,) = im.distributions(path=[first])
+    got = sorted((e.name, e.value) for e in dist.entry_points.select(group="cortiq.commands"))
+    want = tomllib.loads((device_check.ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["cortiq.commands"]
+    assert dist.metadata["Name"] == "cortiq" and got == sorted(want.items())
