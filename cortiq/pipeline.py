@@ -429,10 +429,19 @@ def deliver(result: dict, out: str | os.PathLike) -> Path:
     if out.exists() and os.path.samefile(out, src):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    from .errors import writing
+
     try:
         os.link(src, tmp)
     except OSError:
-        shutil.copyfile(src, tmp)
+        # another file system: a copy, whose full disk names the user's file (not the cache entry
+        # the copy reads, which is what the OSError names) and leaves nothing half-written there
+        try:
+            with writing(out):
+                shutil.copyfile(src, tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     os.replace(tmp, out)
     return out
 

@@ -16,14 +16,12 @@ ORDER = 30
 def add_arguments(p):
     from ..compress.settings import CompressSettings
     from ..settings_meta import add_arguments as add_settings
-    from ._output import add_force
+    from ._output import add_stage_io
     from .heal import add_retain
 
     p.add_argument("source", help="the source model (.cmf)")
-    p.add_argument("--data", required=True, help="a tdata directory (cortiq data build)")
-    p.add_argument("--out", required=True, help="the student model to write (.cmf)")
-    p.add_argument("--work", default=None, help="stage outputs (default: the cortiq home's work/, shared with the flows)")
-    add_force(p)
+    add_stage_io(p, "the student model to write (.cmf)",
+                 "stage outputs (default: the cortiq home's work/, shared with the flows)")
     add_settings(p, CompressSettings, title="compress settings")
     add_retain(p)
 

@@ -15,14 +15,12 @@ ORDER = 10
 
 
 def add_arguments(p):
-    from ._output import add_force
+    from ._output import add_model_io
 
-    p.add_argument("src", metavar="SRC", help="a Hugging Face model directory, a .gguf file, or 'smollm2'")
-    p.add_argument("out", metavar="OUT.cmf", help="the CMF file to write")
+    add_model_io(p, "SRC", "a Hugging Face model directory, a .gguf file, or 'smollm2'")
     p.add_argument("--codec", default="keep",
                    help="codec of the written tensors: keep (GGUF: f16 for quantized tensors, f32 for f32 ones), "
                         "f32, f16, bf16, q8, q4, q4_64, fp8 (quantized codecs apply to matrices; vectors stay plain)")
-    add_force(p)
 
 
 def resolve(src: str) -> tuple[str, Path]:

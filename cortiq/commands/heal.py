@@ -18,19 +18,17 @@ ORDER = 40
 def add_arguments(p):
     from ..heal.settings import HealSettings
     from ..settings_meta import add_arguments as add_settings
-    from ._output import add_force
+    from ._output import add_stage_io
 
     p.add_argument("student", help="the student model (.cmf), e.g. a compress output")
     p.add_argument("--teacher", default=None, help="the source model (.cmf); not needed with --ce 1")
-    p.add_argument("--data", required=True, help="a tdata directory (cortiq data build)")
-    p.add_argument("--out", required=True, help="the healed model to write (.cmf)")
-    p.add_argument("--work", default=None, help="stage outputs and checkpoints (default: the cortiq home's work/, shared with the flows)")
+    add_stage_io(p, "the healed model to write (.cmf)",
+                 "stage outputs and checkpoints (default: the cortiq home's work/, shared with the flows)")
     p.add_argument("--eval-data", default=None, metavar="TDATA",
                    help="a tdata directory of held-out text of another source (every record scored); the gap "
                         "recovered is reported on it")
     p.add_argument("--no-score", action="store_true", help="skip scoring source, student and healed (test split and --eval-data)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
-    add_force(p)
     add_settings(p, HealSettings, title="heal settings")
     add_retain(p)
 

@@ -21,10 +21,9 @@ ORDER = 40
 def add_arguments(p):
     from ..quant import QuantSettings
     from ..settings_meta import add_arguments as add_settings
-    from ._output import add_force
+    from ._output import add_model_io
 
-    p.add_argument("src", metavar="IN.cmf", help="the CMF file to read")
-    p.add_argument("out", metavar="OUT.cmf", help="the CMF file to write")
+    add_model_io(p, "IN.cmf", "the CMF file to read")
     p.add_argument("--codec", required=True, help="target codec: f32, f16, bf16, q8, q4, q4_64, fp8")
     p.add_argument("--no-verify", action="store_true",
                    help="skip checking each tensor's sha256 as it is read (faster; a damaged tensor is copied "
@@ -33,7 +32,6 @@ def add_arguments(p):
     p.add_argument("--data", default=None, metavar="TDATA",
                    help="a tdata directory whose train windows calibrate GPTQ/AWQ (block codecs only)")
     p.add_argument("--work", default=None, help="stage outputs (default: the cortiq home's work/, shared with the flows)")
-    add_force(p)
     add_settings(p, QuantSettings, title="quantization (with --data)")
 
 

@@ -113,8 +113,10 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rdim = arch.rotary_dim
 
-    def forward(self, x, cos, sin, state: KVState | None = None):
-        B, T, _ = x.shape  # x [B, T, H]
+    def qkv(self, x, cos, sin):
+        """q [B, hq, T, D], k, v [B, hkv, T, D] (normed, roped) and the output gate ([B, T, hq·D] or
+        None) of x [B, T, H]; the MTP measure's own attention walk takes them from here too."""
+        B, T, _ = x.shape
         q = self.q_proj(x)
         gate = None
         if self.gated:
@@ -128,6 +130,11 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, h, T, D]
         q = rotate(q, cos.to(q.dtype), sin.to(q.dtype), self.rdim)
         k = rotate(k, cos.to(k.dtype), sin.to(k.dtype), self.rdim)
+        return q, k, v, gate
+
+    def forward(self, x, cos, sin, state: KVState | None = None):
+        B, T, _ = x.shape  # x [B, T, H]
+        q, k, v, gate = self.qkv(x, cos, sin)
         past = 0
         if state is not None:
             if state.k is not None:

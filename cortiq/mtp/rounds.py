@@ -27,7 +27,6 @@ import contextlib
 
 import torch
 
-from ..model.decoder import rotate
 
 
 def _shift(ids: torch.Tensor, j: int, pad: int) -> torch.Tensor:
@@ -36,25 +35,6 @@ def _shift(ids: torch.Tensor, j: int, pad: int) -> torch.Tensor:
     if j < ids.shape[1]:
         out[:, : ids.shape[1] - j] = ids[:, j:]
     return out
-
-
-def _qkv(attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """The attention's q [B, hq, T, D], k, v [B, hkv, T, D] and output gate ([B, T, hq·D] or None) of x [B, T, H]."""
-    B, T, _ = x.shape
-    q = attn.q_proj(x)
-    gate = None
-    if attn.gated:
-        q, gate = q.view(B, T, attn.hq, 2 * attn.d).chunk(2, -1)
-        gate = gate.reshape(B, T, attn.hq * attn.d)
-    q = q.reshape(B, T, attn.hq, attn.d)
-    k = attn.k_proj(x).view(B, T, attn.hkv, attn.d)
-    v = attn.v_proj(x).view(B, T, attn.hkv, attn.d)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    q = rotate(q, cos.to(q.dtype), sin.to(q.dtype), attn.rdim)
-    k = rotate(k, cos.to(k.dtype), sin.to(k.dtype), attn.rdim)
-    return q, k, v, gate
 
 
 def _attend(q, k, v, extra: list, rep: int) -> torch.Tensor:
@@ -104,7 +84,7 @@ def decode_steps(model, h: torch.Tensor, ids: torch.Tensor, steps: int, pad: int
 
     cos0, sin0 = model.rope(torch.arange(T, device=dev))
     x1 = block_input(h, 1)  # [B, T, H]: the trunk-sourced rows
-    q1, k1, v1, g1 = _qkv(attn, layer.input_layernorm(x1), cos0, sin0)
+    q1, k1, v1, g1 = attn.qkv(layer.input_layernorm(x1), cos0, sin0)
     outs, extra = [], []
     for j in range(1, steps + 1):
         off = train_step is not None and j != train_step
@@ -114,7 +94,7 @@ def decode_steps(model, h: torch.Tensor, ids: torch.Tensor, steps: int, pad: int
             else:
                 x = block_input(outs[-1], j)
                 cos, sin = model.rope(torch.arange(j - 1, T + j - 1, device=dev))
-                q, k, v, g = _qkv(attn, layer.input_layernorm(x), cos, sin)
+                q, k, v, g = attn.qkv(layer.input_layernorm(x), cos, sin)
                 extra.append((k, v))
             outs.append(rest(x, _attend(q, k1, v1, extra, rep), g))
     return outs

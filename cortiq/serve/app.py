@@ -235,10 +235,15 @@ def build_app(served: Served) -> FastAPI:
         return {"object": "list", "data": [{"id": served.model_id, "object": "model", "created": 0,
                                             "owned_by": "cortiq", "max_model_len": served.max_len}]}
 
-    def _check_model(name: str):
-        if name != served.model_id:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {served.model_id!r}",
+    async def _accept(request: Request, model: type[BaseModel], unsupported: str) -> BaseModel:
+        """The body, for the model this server serves, without the one option of its kind it refuses."""
+        body = await parse_body(request, model)
+        if body.model != served.model_id:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {served.model_id!r}",
                            "model", "model_not_found")
+        if getattr(body, unsupported):
+            raise ApiError(400, f"{unsupported} is not supported", unsupported)
+        return body
 
     def _request(body: _Common, ids: list[int], max_tokens: int | None) -> GenRequest:
         if not ids:
@@ -359,10 +364,7 @@ def build_app(served: Served) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await parse_body(request, CompletionBody)
-        _check_model(body.model)
-        if body.echo:
-            raise ApiError(400, "echo is not supported", "echo")
+        body = await _accept(request, CompletionBody, "echo")
         p = body.prompt
         if isinstance(p, list) and p and isinstance(p[0], str):
             if len(p) != 1:
@@ -381,10 +383,7 @@ def build_app(served: Served) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await parse_body(request, ChatBody)
-        _check_model(body.model)
-        if body.logprobs:
-            raise ApiError(400, "logprobs are not supported", "logprobs")
+        body = await _accept(request, ChatBody, "logprobs")
         msgs = []
         for m in body.messages:
             c = m.content
