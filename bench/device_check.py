@@ -212,9 +212,9 @@ class Check:
         layers = 2 if self.tiny else 30
         frozen = 1 if self.tiny else 20
 
-        def heal(flags, out, score=True):
+        def heal(flags, out, score=True, work="stages"):
             def go():
-                self.cortiq("heal", student, "--teacher", src, "--data", td, "--out", out, "--work", w / "stages",
+                self.cortiq("heal", student, "--teacher", src, "--data", td, "--out", out, "--work", w / work,
                             "--quiet", *self.heal_size(), *flags, *self.dev, *([] if score else ["--no-score"]))
                 rep = json.loads(Path(str(out) + ".report.json").read_text())
                 m = rep["metrics"]
@@ -240,7 +240,9 @@ class Check:
                 self.row(f"heal --target {t}", heal(["--target", t, "--no-compile"], w / f"healed-{t.replace('+', '-')}.cmf",
                                                     False))
         for m in MEMORY_PLANS:
-            self.row(f"heal --memory {m}", heal(["--memory", m], w / f"healed-mem-{m}.cmf", False),
+            # each in a stage cache of its own: the plan is how, not what (it enters no digest), so in
+            # the shared one every plan would be handed the first row's healed model and train nothing
+            self.row(f"heal --memory {m}", heal(["--memory", m], w / f"healed-mem-{m}.cmf", False, f"stages-mem-{m}"),
                      needs="torchao" if m in ("adam8", "lean") else None)
 
         self.row("nll (healed, test split)", lambda: f"{nll(healed):.4f} nats/token")

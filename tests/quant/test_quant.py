@@ -124,7 +124,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert main(["recode", str(m), str(tmp_path / "o.cmf"), "--codec", "q4", "--data", str(tmp_path / "none")]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "none" in err[0], err
-    with pytest.raises(Exception, match="method gptq with codec fp8"):
+    with pytest.raises(Exception, match="method awq with codec fp8"):
         quantize(m, tmp_path, "fp8", QuantSettings(**S), tmp_path / "o.cmf")
 
 
