@@ -25,6 +25,9 @@ def test_cli_heals_and_reports(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "NLL on the test split of the heal data" in text and "gap recovered" in text
+    # no retain data and no --eval-data: the report says the other texts went unscored, last
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("general panel: none (no --retain-sources, no --eval-data)"), last
     prov = open_cmf(out).provenance["heal"]
     assert prov["ce"] == 0.25 and prov["settings"]["ffn_only"] and prov["prefix"] in ("f32", "f16")
     rep = json.loads((tmp_path / "h.cmf.report.json").read_text())
