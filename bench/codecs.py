@@ -129,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", default=None, help="the SmolLM2-135M GGUF (default: the bundled one)")
     ap.add_argument("--cache", default=None, help="converted/compressed models and tdata (default ~/cache/codecs)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where codecs.json goes (default $OUT or .)")
+    ap.add_argument("--retain", default="", help="retain sources mixed into the compress, the heals and the GPTQ/AWQ "
+                                                 "calibration, comma-separated (e.g. self,corpus:pydoc; default none)")
     args = ap.parse_args(argv)
 
     device, cache, out = run_dirs(args, "codecs")
@@ -144,21 +146,27 @@ def main(argv=None) -> int:
         log(f"{name}: {times[name]:.1f} s")
         return r
 
+    from cortiq.data.retain import cli_runner, with_retain
+    from cortiq.data.settings import RetainSettings
     from cortiq.heal import heal
     from cortiq.quant import QuantSettings, requantize
 
     source = timed("source", lambda: source_model(cache, args.gguf, tiny))
     sets = timed("tdata", lambda: tdata_sets(cache, source, tiny))
-    pruned = timed("compress", lambda: compressed(cache, source, sets["heal"], tiny, device))
+    rs = RetainSettings(sources=[x for x in args.retain.split(",") if x], **({"tokens": 8000} if tiny else {}))
+    # the calibration reads the same mix the heal trains on (the recode stage's --data is that mix)
+    calib = timed("retain", lambda: with_retain(sets["heal"], source, rs, cli_runner(work, progress=False), work,
+                                                 progress=False)[0])
+    pruned = timed("compress", lambda: compressed(cache, source, sets["heal"], tiny, device, rs))
     models: dict[str, Path] = {}
-    healed = cache / "healed.cmf"
+    healed = cache / (f"healed{'-' + Path(calib).name if rs.sources else ''}.cmf")
     rep = timed("heal", lambda: heal(pruned, source, sets["heal"], heal_settings(tiny, device), healed,
-                                     work_dir=work, progress=False, score_split=None))
+                                     work_dir=work, progress=False, score_split=None, retain=rs))
     heal_tokens = rep["metrics"]["steps"] * (64 * 4 if tiny else HealSettings().window * HealSettings().batch)
-    qat = cache / "healed-qat-q4.cmf"
+    qat = healed.with_name(healed.stem + "-qat-q4.cmf")
     def heal_qat(**kw):
         return heal(pruned, source, sets["heal"], heal_settings(tiny, device, qat_codec="q4", **kw), qat, work_dir=work,
-                    progress=False, score_split=None)
+                    progress=False, score_split=None, retain=rs)
 
     try:
         rep_q = timed("heal qat q4", heal_qat)
@@ -168,13 +176,13 @@ def main(argv=None) -> int:
         rep_q = timed("heal qat q4", lambda: heal_qat(compile=False))
         times["qat_compiled"] = False
     for codec in ("f16", "q8", "q4"):
-        p = cache / f"healed-{codec}-rtn.cmf"
+        p = healed.with_name(f"{healed.stem}-{codec}-rtn.cmf")
         timed(f"recode {codec}", lambda: recode(healed, p, codec))
         models[f"{codec} rtn" if codec != "f16" else "f16"] = p
     quant_rep = {}
     for codec, method in (("q8", "gptq"), ("q4", "gptq"), ("q4", "awq")):
         s = QuantSettings(method=method, device=device, **({"window": 64, "max_windows": 8} if tiny else {}))
-        r = timed(f"{method} {codec}", lambda: requantize(healed, sets["heal"], codec, s, work, progress=False))
+        r = timed(f"{method} {codec}", lambda: requantize(healed, calib, codec, s, work, progress=False))
         models[f"{codec} {method}"] = Path(r["path"])
         quant_rep[f"{codec} {method}"] = r["quantize"]["report"]["metrics"]
     models["q4 qat-kd"] = qat
@@ -194,13 +202,15 @@ def main(argv=None) -> int:
             for k, p in models.items()]
     lines = [f"codecs of the healed SmolLM2-135M ({'tiny smoke run' if tiny else torch.cuda.get_device_name()}): "
              f"25 % of MLP neurons pruned, healed {heal_tokens / 1e6:.2f}M tokens (QAT: "
-             f"{rep_q['metrics']['steps']} steps, the same); NLL per token, (Δ vs f16)",
+             f"{rep_q['metrics']['steps']} steps, the same); retain {', '.join(rs.sources) or 'none'}; NLL per "
+             f"token, (Δ vs f16)",
              table(["model", "MB", *names], rows)]
     lines.append(f"total {time.perf_counter() - t_all:.0f} s")
     printed = "\n".join(lines)
     result = {"nll": nll, "times": times, "quant": quant_rep, "heal_tokens": heal_tokens,
               "heldout": {"f16 heal": rep["metrics"]["heldout_best"], "qat heal": rep_q["metrics"]["heldout_best"]},
-              "models": {k: str(v) for k, v in models.items()}, "table": printed, "tiny": tiny}
+              "models": {k: str(v) for k, v in models.items()}, "table": printed, "tiny": tiny,
+              "retain": rs.sources}
     (out / "codecs.json").write_text(json.dumps(result, indent=1))
     print(printed)
     return 0

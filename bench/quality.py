@@ -121,12 +121,14 @@ class _on_device:
         cm.load_model = self.orig
 
 
-def compressed(cache: Path, source: Path, tdata: Path, tiny: bool, device: str) -> Path:
-    """25 % of the MLP neurons pruned with `cortiq compress`'s defaults."""
+def compressed(cache: Path, source: Path, tdata: Path, tiny: bool, device: str, retain=None) -> Path:
+    """25 % of the MLP neurons pruned with `cortiq compress`'s defaults (`retain`: RetainSettings mixed into
+    the masks and Grams, or None)."""
     from cortiq.compress import compress
     from cortiq.compress.settings import CompressSettings, MaskSettings
 
-    out = cache / ("tiny-pruned.cmf" if tiny else "smollm2-pruned.cmf")
+    tag = f"-retain-{store.digest('retain', 1, dataclasses.asdict(retain))[:8]}" if retain and retain.sources else ""
+    out = cache / (f"tiny-pruned{tag}.cmf" if tiny else f"smollm2-pruned{tag}.cmf")
     if out.exists():
         return out
     s = CompressSettings()
@@ -134,7 +136,7 @@ def compressed(cache: Path, source: Path, tdata: Path, tiny: bool, device: str) 
         s = CompressSettings(masks=MaskSettings(max_steps=12, window=64, batch=2, val_windows=4, eval_every=4))
     t0 = time.perf_counter()
     with _on_device(device):
-        compress(source, tdata, s, out, work=cache / "stages")
+        compress(source, tdata, s, out, work=cache / "stages", retain=retain)
     log(f"compressed in {time.perf_counter() - t0:.1f} s -> {out}")
     return out
 
