@@ -63,6 +63,67 @@ def _grid(codec_name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return scale.to(torch.float32), lo.to(torch.float32)
 
 
+def clip_factors(clip_grid: int) -> torch.Tensor:
+    """The range shrink factors a grid search tries: `clip_grid` of them, evenly from 1 (the group's whole
+    range, always a candidate) down to 0.5; one: no search."""
+    return torch.linspace(1.0, 0.5, clip_grid, dtype=torch.float64) if clip_grid > 1 else torch.ones(1, dtype=torch.float64)
+
+
+def _fit(codec_name: str, w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lo: torch.Tensor):
+    """The (scale, min) [N] that fit w ≈ min + scale·q best under the weights h, codes q fixed (weighted
+    least squares; q8: min 0), through f16 as the codec stores them; rows whose codes cannot
+    determine a fit keep (s, lo)."""
+    A, B, Cq = h.sum(-1), (h * q).sum(-1), (h * q * q).sum(-1)
+    D, E = (h * w).sum(-1), (h * q * w).sum(-1)
+    if codec_name == "q8":
+        ns, nlo = E / Cq.clamp_min(1e-30), torch.zeros_like(lo)
+        ok = Cq > 0
+    else:
+        det = A * Cq - B * B
+        ok = det > 1e-12 * (A * Cq).clamp_min(1e-30)
+        safe = torch.where(ok, det, torch.ones_like(det))
+        ns, nlo = (A * E - B * D) / safe, (Cq * D - B * E) / safe
+    ok = ok & (ns > 0) & torch.isfinite(ns) & torch.isfinite(nlo)
+    ns, nlo = ns.to(torch.float16).to(torch.float32), nlo.to(torch.float16).to(torch.float32)
+    ok = ok & (ns > 0) & torch.isfinite(ns) & torch.isfinite(nlo)
+    return torch.where(ok, ns, s), torch.where(ok, nlo, lo)
+
+
+#: least-squares refits of the grid to its own codes, per candidate range
+REFITS = 2
+
+
+def _searched_grid(codec_name: str, w: torch.Tensor, h: torch.Tensor, clip_grid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid of each group w [N, g] whose rounding error weighted by its inputs' energy h [N, g]
+    (diag H: which columns the output feels) is least among: the group's range [min, max] shrunk
+    toward 0 by each of `clip_factors(clip_grid)`, each then refitted `REFITS` times to its own
+    codes by weighted least squares (scale and min given the codes, codes given the grid; the
+    min/max grid wastes levels on a group's one or two extreme values, and a fitted grid spends
+    them where the weights are). The search of AWQ's clipping and llama.cpp's k-quant fits, with
+    the Gram's diagonal as the weights. → (scale, min) [N] as `_grid` gives them; `clip_grid` 1 is
+    `_grid` itself."""
+    s, lo = _grid(codec_name, w)
+    if clip_grid <= 1:
+        return s, lo
+    w32, h32 = w.to(torch.float32), h.to(torch.float32)
+    wmin, wmax = w32.amin(-1, keepdim=True), w32.amax(-1, keepdim=True)
+
+    def err(sc, mn):
+        q, wq = _qdq(codec_name, w32, sc[:, None], mn[:, None])
+        return (h32 * (w32 - wq) ** 2).sum(-1), q  # [N], [N, g]
+
+    best, q = err(s, lo)
+    for f in clip_factors(clip_grid).tolist():  # a handful of candidates, each over every group at once
+        cs, clo = (s, lo) if f == 1.0 else _grid(codec_name, w32.clamp(f * wmin, f * wmax))
+        e, cq = err(cs, clo)
+        for _ in range(REFITS + 1):
+            take = e < best
+            best, s, lo = torch.where(take, e, best), torch.where(take, cs, s), torch.where(take, clo, lo)
+            cs, clo = _fit(codec_name, w32, h32, cq, cs, clo)
+            e, cq = err(cs, clo)
+    return s, lo
+
+
 def _qdq(codec_name: str, w: torch.Tensor, s: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Round one column w [R] onto its rows' grids → (codes f32 [R], dequantized [R]),
     with the codec's arithmetic (f32), so decode reproduces the values bitwise."""
@@ -133,10 +194,11 @@ def _few_threads(dev):
     return one()
 
 
-def _columns(codec_name, Wd, U, scale, lo, g, B, act_order, col_group):
+def _columns(codec_name, Wd, U, scale, lo, g, B, act_order, col_group, hd=None, clip_grid=1):
     """GPTQ's blocked column loop on Wd [L, R, C] (changed in place) with the
     Cholesky factors U; fills the grids `scale`/`lo` [L, R, C/g] as it reaches
-    each group (act-order: they are given). Returns (codes, dequantized) [L, R, C]."""
+    each group (act-order: they are given; else searched under hd [L, C], diag H, with
+    `clip_grid` candidates). Returns (codes, dequantized) [L, R, C]."""
     n, R, C = Wd.shape
     dev = Wd.device
     layer = torch.arange(n, device=dev)
@@ -155,7 +217,8 @@ def _columns(codec_name, Wd, U, scale, lo, g, B, act_order, col_group):
             else:
                 gi = col // g
                 if col % g == 0:
-                    sg, lg = _grid(codec_name, W1[:, :, i : i + g].reshape(n * R, g))
+                    h = hd[:, None, col : col + g].expand(n, R, g).reshape(n * R, g) if clip_grid > 1 else None
+                    sg, lg = _searched_grid(codec_name, W1[:, :, i : i + g].reshape(n * R, g), h, clip_grid)
                     scale[:, :, gi], lo[:, :, gi] = sg.reshape(n, R), lg.reshape(n, R)
                 s_col, lo_col = scale[:, :, gi], lo[:, :, gi]
             w = W1[:, :, i]  # [L, R]
@@ -171,11 +234,11 @@ def _columns(codec_name, Wd, U, scale, lo, g, B, act_order, col_group):
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, codec_name: str = "q4", block: int = 128, damp: float = 0.01,
-                  act_order: bool = False, dtype: torch.dtype = torch.float64) -> GptqResult:
+                  act_order: bool = False, dtype: torch.dtype = torch.float64, clip_grid: int = 1) -> GptqResult:
     """Quantize W [out, in] with the Hessian H = Σ x xᵀ [in, in] of its inputs."""
     if W.ndim != 2 or H.shape != (W.shape[1], W.shape[1]):
         raise CortiqError(f"GPTQ: Hessian {list(H.shape)} does not match weight {list(W.shape)}")
-    return gptq_quantize_layers(W[None], H[None], codec_name, block, damp, act_order, dtype)[0]
+    return gptq_quantize_layers(W[None], H[None], codec_name, block, damp, act_order, dtype, clip_grid)[0]
 
 
 def gptq_quantize_layers(
@@ -186,10 +249,12 @@ def gptq_quantize_layers(
     damp: float = 0.01,
     act_order: bool = False,
     dtype: torch.dtype = torch.float64,
+    clip_grid: int = 1,
 ) -> list[GptqResult]:
     """Quantize a stack of layers W [L, out, in], each with its Hessian
     H [L, in, in], in one column loop; results per layer, on W's device
-    (the stored bytes on the CPU)."""
+    (the stored bytes on the CPU). `clip_grid` > 1: each group's grid is
+    searched among that many shrunk ranges (`_searched_grid`)."""
     g = _group(codec_name)
     if W.ndim != 3 or H.shape != (W.shape[0], W.shape[2], W.shape[2]):
         raise CortiqError(f"GPTQ: Hessian {list(H.shape[1:])} does not match weight {list(W.shape[1:])}")
@@ -211,9 +276,11 @@ def gptq_quantize_layers(
     scale = torch.zeros(n, R, n_groups, dtype=torch.float32, device=dev)
     lo = torch.zeros_like(scale)
     col_group = None
+    hd = torch.diagonal(H, dim1=-2, dim2=-1).to(dtype)  # [L, C]: each input column's energy
     if act_order:
         # static groups: the grids of the original weights, in original column order
-        s0, l0 = _grid(codec_name, Wd.reshape(n * R * n_groups, g))
+        h0 = hd.float()[:, None, :].expand(n, R, C).reshape(n * R * n_groups, g) if clip_grid > 1 else None
+        s0, l0 = _searched_grid(codec_name, Wd.reshape(n * R * n_groups, g), h0, clip_grid)
         scale, lo = s0.reshape(n, R, n_groups), l0.reshape(n, R, n_groups)
         perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1).to(dtype), dim=-1, descending=True, stable=True)  # [L, C]
         Wd = torch.take_along_dim(Wd, perm[:, None, :], 2)
@@ -221,7 +288,7 @@ def gptq_quantize_layers(
         col_group = perm // g  # [L, C]: group of each permuted column, per layer
     U, lam = _prepare(Wd, H, damp, dtype)
     with _few_threads(dev):
-        codes, Q = _columns(codec_name, Wd, U, scale, lo, g, B, act_order, col_group)
+        codes, Q = _columns(codec_name, Wd, U, scale, lo, g, B, act_order, col_group, hd, clip_grid)
     if perm is not None:
         inv = torch.argsort(perm, dim=-1)[:, None, :]
         codes, Q = torch.take_along_dim(codes, inv, 2), torch.take_along_dim(Q, inv, 2)
@@ -231,7 +298,8 @@ def gptq_quantize_layers(
 
 
 def gptq_reference(
-    W: torch.Tensor, H: torch.Tensor, codec_name: str = "q4", damp: float = 0.01, dtype: torch.dtype = torch.float64
+    W: torch.Tensor, H: torch.Tensor, codec_name: str = "q4", damp: float = 0.01, dtype: torch.dtype = torch.float64,
+    clip_grid: int = 1,
 ) -> torch.Tensor:
     """The plain algorithm (no blocks, no act-order): each column rounded, its
     error spread at once over all later columns. Returns the dequantized W."""
@@ -243,8 +311,29 @@ def gptq_reference(
     s = lo = None
     for j in range(C):
         if j % g == 0:
-            s, lo = _grid(codec_name, Wd[:, j : j + g])
+            s, lo = _reference_grid(codec_name, Wd[:, j : j + g], torch.diagonal(H)[j : j + g], clip_grid)
         _, Q[:, j] = _qdq(codec_name, Wd[:, j], s, lo)
         err = (Wd[:, j] - Q[:, j]) / U[j, j]
         Wd[:, j:] -= err[:, None] * U[j, j:][None, :]
     return Q.to(torch.float32)
+
+
+def _reference_grid(codec_name: str, w: torch.Tensor, h: torch.Tensor, clip_grid: int):
+    """`_searched_grid`'s plain form: row by row, candidate by candidate, refit by refit, the first
+    least error kept."""
+    w32, h32 = w.to(torch.float32), h.to(torch.float32)
+    s, lo = _grid(codec_name, w32)
+    if clip_grid <= 1:
+        return s, lo
+    for r in range(w32.shape[0]):
+        row, hr = w32[r : r + 1], h32[None, :]
+        best = None
+        for f in clip_factors(clip_grid).tolist():
+            cs, clo = _grid(codec_name, row.clamp(f * row.min(), f * row.max()))
+            for _ in range(REFITS + 1):
+                q, wq = _qdq(codec_name, row, cs[:, None], clo[:, None])
+                e = float((hr * (row - wq) ** 2).sum())
+                if best is None or e < best:
+                    best, s[r], lo[r] = e, cs[0], clo[0]
+                cs, clo = _fit(codec_name, row, hr, q, cs, clo)
+    return s, lo

@@ -129,6 +129,12 @@ class GptqSettings:
     damp: float = setting(0.01, "Hessian dampening, times the mean of its diagonal", gt=0)
     #: quantize columns by decreasing diag(H) (with static groups)
     act_order: bool = setting(False, "quantize columns by decreasing Hessian diagonal")
+    #: each group's q4/q8 grid searched among shrunk ranges, each refitted to its codes by least squares
+    #: weighted by diag H (cortiq.compress.gptq_solver._searched_grid); 1: the group's min/max grid.
+    #: Measured on Student-t weights with random input energies: q4's weighted rounding error 0.84x
+    #: the min/max grid's with 11, 0.88x with 2 (the refits alone); q8 0.97x
+    clip_grid: int = setting(1, "grids: range shrink factors tried per group, from 1 down to 0.5, each refitted "
+                                "by weighted least squares (1: the group's min/max grid)", lo=1, hi=101, added=True)
     device: str = _group_device()
 
     def __post_init__(self):

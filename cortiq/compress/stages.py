@@ -297,7 +297,7 @@ def gptq(student_cmf, grams_dir, settings: GptqSettings, out_cmf, logger: tracki
                 part = layers[a : a + max(1, room // per)]
                 Ws = torch.stack([todo[i][1] for i in part]).to(dev)  # [n, H, I]
                 Gs = torch.stack([todo[i][2] for i in part]).to(dev)  # [n, I, I] f64
-                results = gptq_quantize_layers(Ws, Gs, s.codec, s.block, s.damp, s.act_order)
+                results = gptq_quantize_layers(Ws, Gs, s.codec, s.block, s.damp, s.act_order, clip_grid=s.clip_grid)
                 rtn = torch.stack([codec.decode(codec.encode(todo[i][1]), (R, C)) for i in part]).to(dev)
 
                 def err(Wq):

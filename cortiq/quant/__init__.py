@@ -50,7 +50,8 @@ def _check(codec: str, s: QuantSettings) -> None:
 
 
 def _layer_args(s: QuantSettings) -> dict:
-    return {"method": s.method, "block": s.block, "damp": s.damp, "act_order": s.act_order, "awq_grid": s.awq_grid}
+    return {"method": s.method, "block": s.block, "damp": s.damp, "act_order": s.act_order, "awq_grid": s.awq_grid,
+            "clip_grid": s.clip_grid}
 
 
 def _device(s: QuantSettings):

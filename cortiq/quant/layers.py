@@ -124,7 +124,7 @@ def _fold_norm(norm, s: torch.Tensor) -> None:
 
 @torch.no_grad()
 def quantize_layer(layer, grams: dict[str, torch.Tensor], codec_name: str, method: str, block: int = 128,
-                   damp: float = 0.01, act_order: bool = False, awq_grid: int = 11) -> LayerResult:
+                   damp: float = 0.01, act_order: bool = False, awq_grid: int = 11, clip_grid: int = 1) -> LayerResult:
     """Quantize `layer`'s grouped linear weights in place (each left at its
     dequantized values, folded norms and rows changed with them) from the
     Grams of their inputs; returns each weight's codec bytes."""
@@ -144,13 +144,13 @@ def quantize_layer(layer, grams: dict[str, torch.Tensor], codec_name: str, metho
                 m.weight.copy_(c.roundtrip(m.weight.detach().float()).to(m.weight.dtype))
             rows.append({"group": g.key, "method": "rtn", "alpha": 0.0, "err": err_rtn, "err_rtn": err_rtn})
             continue
-        r = gptq_quantize(W, G, codec_name, block, damp, act_order)
+        r = gptq_quantize(W, G, codec_name, block, damp, act_order, clip_grid=clip_grid)
         best = {"res": r, "s": None, "alpha": 0.0, "err": float(gram_error(W.double() - r.weight.double(), G))}
         if method == "awq" and g.fold is not None:
             alpha, s = search_alpha(W, G, codec_name, awq_grid)
             if alpha > 0:
                 Gs = G / (s[:, None] * s[None, :])  # the Gram of the inputs scaled by 1/s
-                rs = gptq_quantize((W.double() * s).float(), Gs, codec_name, block, damp, act_order)
+                rs = gptq_quantize((W.double() * s).float(), Gs, codec_name, block, damp, act_order, clip_grid=clip_grid)
                 e = float(gram_error(W.double() - rs.weight.double() / s, G))
                 if e < best["err"]:
                     best = {"res": rs, "s": s, "alpha": alpha, "err": e}

@@ -41,6 +41,12 @@ class QuantSettings:
     #: a healed model's are off it)
     act_order: bool = setting(True, "GPTQ: quantize columns by decreasing Hessian diagonal, grids from the "
                                     "original weights (--no-act-order: grids as GPTQ reaches each group)")
+    #: each group's q4/q8 grid searched among shrunk ranges, each refitted to its codes by least squares
+    #: weighted by diag H (cortiq.compress.gptq_solver._searched_grid); 1: the group's min/max grid.
+    #: Measured on Student-t weights with random input energies: q4's weighted rounding error 0.84x
+    #: the min/max grid's with 11, 0.88x with 2 (the refits alone); q8 0.97x
+    clip_grid: int = setting(1, "grids: range shrink factors tried per group, from 1 down to 0.5, each refitted "
+                                "by weighted least squares (1: the group's min/max grid)", lo=1, hi=101, added=True)
     # ── AWQ ──
     #: exponents α tried per group of weights sharing an input, s = diag(G)^α (0: no scaling, plain GPTQ)
     awq_grid: int = setting(11, "AWQ: exponents tried in [0, 1] (evenly spaced, 0 included)", lo=2, hi=101,

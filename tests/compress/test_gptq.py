@@ -72,3 +72,43 @@ def test_rows_not_divisible_fall_back_to_rtn():
     r = gptq_quantize(W, torch.eye(40), "q4")
     assert r.method == "rtn"
     assert torch.equal(r.stored, codecs.get("q4").encode(W))
+
+
+@pytest.mark.parametrize("codec", ["q4", "q8"])
+def test_searched_grids_blocked_equal_the_plain_reference(codec):
+    W, X = _layer(out=19, inp=96, n=300, seed=3)
+    W[:, 7] *= 12.0  # an outlier column: a range worth clipping in its groups
+    H = X.T @ X
+    fast = gptq_quantize(W, H, codec, block=64, clip_grid=11).weight
+    ref = gptq_reference(W, H, codec, clip_grid=11)
+    assert torch.allclose(fast, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("codec", ["q4", "q4_64", "q8"])
+def test_searched_grids_round_with_less_weighted_error(codec):
+    """Each group's searched grid: its rounding error weighted by diag H never above the full range's
+    (the full range is a candidate), below it somewhere on weights with outliers; and GPTQ on the
+    searched static grids still decodes to its weights and beats round-to-nearest."""
+    from cortiq.compress.gptq_solver import _grid, _qdq, _searched_grid
+
+    _, X = _layer(out=40, inp=128, n=400, seed=4)
+    # heavy-tailed weights (Student's t, 3 degrees of freedom), as trained ones are: a group's range is
+    # then set by one or two values, and a narrower one rounds the rest more finely
+    W = torch.distributions.StudentT(3.0).sample((40, 128)) * 0.02
+    H = X.T @ X
+    g = codecs.get(codec).block
+    w = W.reshape(-1, g)
+    h = torch.diagonal(H).expand(W.shape[0], -1).reshape(-1, g)
+
+    def err(s, lo):
+        return (h * (w - _qdq(codec, w, s[:, None], lo[:, None])[1]) ** 2).sum(-1)
+
+    full, searched = err(*_grid(codec, w)), err(*_searched_grid(codec, w, h, 11))
+    assert (searched <= full).all() and (searched < 0.99 * full).any()
+    assert torch.equal(torch.stack(_searched_grid(codec, w, h, 1)), torch.stack(_grid(codec, w)))
+    c = codecs.get(codec)
+    r = gptq_quantize(W, H, codec, act_order=True, clip_grid=11)
+    assert torch.equal(c.decode(r.stored, tuple(W.shape)), r.weight)
+    plain = gptq_quantize(W, H, codec, act_order=True)
+    assert _err(X, W, r.weight) < _err(X, W, c.decode(c.encode(W), tuple(W.shape)))
+    assert _err(X, W, r.weight) < _err(X, W, plain.weight), (_err(X, W, r.weight), _err(X, W, plain.weight))
