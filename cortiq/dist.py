@@ -52,6 +52,14 @@ def init() -> bool:
 
     if d.is_initialized():
         return True
+    # torch.distributed.nn.functional binds `group=group.WORLD` into its functions' defaults when
+    # first imported: imported after the group forms, the group itself, which `finish` cannot
+    # reach (a defaults tuple of a pybind object is invisible to gc). It is imported lazily, and
+    # late, by torch._dynamo (through FSDP's modules), which the first `torch.nn.init` call under
+    # a `torch.device` context or the first `torch.compiler.disable` loads. Imported here, before
+    # the group exists, its defaults are None (the default group, looked up per call).
+    import torch.distributed.nn.functional  # noqa: F401
+
     cuda = torch.cuda.is_available()
     if cuda:
         lr = local_rank()

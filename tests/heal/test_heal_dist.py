@@ -45,14 +45,6 @@ def test_the_digests_do_not_depend_on_the_gpus(tmp_path):
         assert key_of(stage, MtpSettings()) == key_of(stage, MtpSettings(gpus=2))
 
 
-#: Known open: since the one-chain restructuring the heal's passes (the targets and prefix passes
-#: alone already) leave the gloo group's threads alive after dist.finish, as the MTP ranks do
-#: (tests/mtp/test_mtp_dist.py); a plain init/collective/finish leaves none (tests/ranks.py's own
-#: check). Until what holds the group is found, these rank runs do not assert it (the ranks' exit
-#: codes and results still are).
-HOLDS_GROUP = False
-
-
 # ── the passes ──
 
 
@@ -80,7 +72,7 @@ def test_teacher_and_prefix_shards_read_as_one_ranks_rows(tmp_path):
     teacher = save(tmp_path / "t.cmf", a, w)
     student = save(tmp_path / "s.cmf", a, perturbed(w))
     td = tdata(tmp_path, teacher, chars=5000)
-    run_ranks(_passes_of_kinds, 2, teacher, student, td, tmp_path, kinds, tmp=tmp_path, check_group=HOLDS_GROUP)
+    run_ranks(_passes_of_kinds, 2, teacher, student, td, tmp_path, kinds, tmp=tmp_path)
     for kind in kinds:
         d1, d2 = tmp_path / f"one-{kind}", tmp_path / f"two-{kind}"
         _passes(0, teacher, student, td, d1, {"target": kind})
@@ -178,7 +170,7 @@ def test_two_ranks_train_as_one_with_the_same_global_batch(tmp_path):
     jobs = [(tmp_path / f"two-{i}", {"shard": shard, "genesis": genesis, "memory": memory, "micro_batch": 1,
                                      "keep_share": keep, "compiled": compiled}, 0, tmp_path / f"two-{i}.pt")
             for i, (shard, genesis, memory, keep, compiled) in enumerate(TWO_RANK_CASES)]
-    run_ranks(_fits, 2, jobs, tmp=tmp_path, check_group=HOLDS_GROUP)
+    run_ranks(_fits, 2, jobs, tmp=tmp_path)
     for i, case in enumerate(TWO_RANK_CASES):
         ref = refs[case[1]]
         two = torch.load(tmp_path / f"two-{i}.pt", weights_only=True)
@@ -199,8 +191,7 @@ def test_a_two_rank_checkpoint_resumes_on_one(tmp_path):
     ref["state"] = tail.state()
     # killed at step 9, past the checkpoint at step 8 (and the epoch boundary at 6); both kinds in one pair of ranks
     shards = ("ddp", "fsdp")
-    run_ranks(_fits, 2, [(tmp_path / f"w-{shard}", {"shard": shard}, 9, None) for shard in shards], tmp=tmp_path,
-              check_group=HOLDS_GROUP)
+    run_ranks(_fits, 2, [(tmp_path / f"w-{shard}", {"shard": shard}, 9, None) for shard in shards], tmp=tmp_path)
     for shard in shards:
         w = tmp_path / f"w-{shard}"
         shutil.copytree(w, tmp_path / f"w2-{shard}")  # the same checkpoint, for the run of another key below
@@ -252,7 +243,7 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks(tmp_path):
     with pytest.raises(_Kill):
         fit(tail2, tr2, va2, _settings(), tmp_path / "w", CPU, torch.float32, key="k", logger=_KillAt(9), progress=False)
     assert (tmp_path / "w/checkpoint.pt").is_file()
-    run_ranks(_fit, 2, tmp_path / "w", {"shard": "fsdp"}, 0, tmp_path / "two.pt", tmp=tmp_path, check_group=HOLDS_GROUP)
+    run_ranks(_fit, 2, tmp_path / "w", {"shard": "fsdp"}, 0, tmp_path / "two.pt", tmp=tmp_path)
     two = torch.load(tmp_path / "two.pt", weights_only=True)
     assert [h["step"] for h in two["history"]] == list(range(1, 19))
     _same_run(two, ref, ref["state"])

@@ -40,8 +40,7 @@ def test_trunk_pass_shards_read_back_as_one_ranks_rows(tiny, tmp_path):
     f = open_cmf(model)
     ref = trunk_sets(load_model(f), f, _packed(data), 32, 8, None, batch=3)[0][0]
     for cache in (tmp_path / "cache", None):
-        # check_group off: the trunk pass's ranks still hold the gloo group past dist.finish (see below)
-        run_ranks(_trunk, 2, model, data, cache, tmp_path / "r1.pt", tmp=tmp_path, check_group=False)
+        run_ranks(_trunk, 2, model, data, cache, tmp_path / "r1.pt", tmp=tmp_path)
         got = torch.load(tmp_path / "r1.pt", weights_only=True)
         assert len(ref) == len(got["ids"]) > 6
         for k in ("ids", "lens", "ti", "tp", "h"):
@@ -61,10 +60,7 @@ def _heal(rank, model, data, out):
 def test_two_ranks_train_the_draft_one_process_trains(tiny, tmp_path):
     model, data = tiny
     mtp_heal(model, str(data), small(), tmp_path / "one.cmf")
-    # check_group off: after the mtp passes (the trunk pass, then the draft's training) something outside
-    # the Python heap still holds the gloo group past dist.finish (12 references to it, none from a
-    # container the collector tracks); its cause is not found yet
-    run_ranks(_heal, 2, model, data, tmp_path / "two.cmf", tmp=tmp_path, check_group=False)
+    run_ranks(_heal, 2, model, data, tmp_path / "two.cmf", tmp=tmp_path)
     one, two = open_cmf(tmp_path / "one.cmf"), open_cmf(tmp_path / "two.cmf")
     p1, p2 = one.provenance["mtp_heal"], two.provenance["mtp_heal"]
     assert p1["steps"] == p2["steps"] > 10 and p1["best_step"] == p2["best_step"]
