@@ -51,6 +51,7 @@ class Stages:
         self.states[key] = state.name
         live = state.name != "Cached" and not result.get("reused")
         self._log_report(key, result, history=not live)
+        self.log.flush()  # the stage's metrics are in the run when the stage is done
         return result
 
     def _log_report(self, key: str, result: dict, history: bool) -> None:
@@ -58,12 +59,10 @@ class Stages:
         metrics = {k: v for k, v in (rep.get("metrics") or {}).items() if isinstance(v, (int, float))}
         if metrics:
             self.log.child(f"{key}.").log_metrics(metrics)
-        if history:
-            for i, row in enumerate(list(rep.get("history") or []) + list(rep.get("evals") or [])):
-                step = int(row.get("step", i))
-                vals = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
-                if vals:
-                    self.log.child(f"{key}.").log_metrics(vals, step=step)
+        if history:  # every row at once (one batch, not a store round trip per row)
+            rows = [(int(row.get("step", i)), {k: v for k, v in row.items() if k != "step"})
+                    for i, row in enumerate(list(rep.get("history") or []) + list(rep.get("evals") or []))]
+            self.log.child(f"{key}.").log_rows(rows)
         self.log.set_tags({f"digest.{key}": result["digest"], f"state.{key}": self.states.get(key, "")})
 
     def artifacts(self, models: dict[str, str]) -> None:
