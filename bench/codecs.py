@@ -90,7 +90,7 @@ def tdata_sets(cache: Path, source: Path, tiny: bool) -> dict[str, Path]:
     """The heal corpus (train/val/test) and the held-out texts (every record scored), built once."""
     from cortiq.data import BuildSettings, build
 
-    heal_plays, unseen = split_plays(plays())
+    heal_plays, unseen = split_plays(plays(), tiny)
     cap = 6000 if tiny else 65536
 
     def held(srcs):
