@@ -428,8 +428,11 @@ class Check:
         if self.tiny:
             p["data"]["max_total_tokens"] = 20000
             # the retain path as the demo runs it, on the small corpus: the Shakespeare build cuts (and so
-            # tokenizes) all 9 MB of the plays whatever its token budget, most of this row's time on a CPU
+            # tokenizes) all 9 MB of the plays whatever its token budget, a quarter of this row on a CPU
             p["retain"]["sources"] = ["corpus:pydoc"]
+            # one codec by GPTQ: the re-encode, its Grams and its scores, as each of the three runs them
+            p["codecs"] = ["q8"]
+            p["quant"].update(window=64, max_windows=8)
             p["compress"]["masks"].update(max_steps=4, window=64, eval_every=2, val_windows=2)
             p["heal"].update(window=64, epochs=0.05, train_from=1, eval_every=4, checkpoint_every=0, topk=8)
             p["mtp"].update(window=64, tokens=2048, gen_prompt=32, eval_every=8, topk=8)
