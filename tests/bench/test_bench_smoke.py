@@ -200,6 +200,7 @@ class Benches:
         self.lock = threading.Lock()  # close() against a bench starting
         self.closed = False
         self.pool = ThreadPoolExecutor(SLOTS, thread_name_prefix="bench")
+        self.root = root
         self.runs = {n: self.pool.submit(self._run, n, root / n) for n in names}
 
     def _run(self, name: str, d: Path):
@@ -236,6 +237,8 @@ class Benches:
             pass
 
     def result(self, name: str):
+        if name not in self.runs:  # a row not known at the start (under pytest-xdist): its bench starts now
+            self.runs[name] = self.pool.submit(self._run, name, self.root / name)
         return self.runs[name].result()
 
     def close(self) -> None:
@@ -249,8 +252,10 @@ class Benches:
 
 @pytest.fixture(scope="module")
 def benches(request, tmp_path_factory):
-    names = {item.callspec.params["name"] for item in request.session.items
-             if item.module is request.module and getattr(item, "originalname", "") == "test_bench_smoke"}
+    # the rows this session runs (an xdist worker holds every row collected, and runs those it is sent)
+    names = set() if os.environ.get("PYTEST_XDIST_WORKER") else {
+        item.callspec.params["name"] for item in request.session.items
+        if item.module is request.module and getattr(item, "originalname", "") == "test_bench_smoke"}
     b = Benches([n for n in BENCHES if n in names], tmp_path_factory.mktemp("benches"))
     yield b
     b.close()
