@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import log, run_dirs, smollm2_cmf, table, tiny_cmf
+from bench.common import finish, log, run_dirs, smollm2_cmf, table, tiny_cmf
 from bench.quality import _on_device, compressed, plays, split_plays
 
 from cortiq import store
@@ -207,4 +207,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    finish(main())

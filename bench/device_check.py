@@ -64,7 +64,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT, env, log, parser, print_table, tiny_cmf, write_json
+from bench.common import ROOT, env, finish, log, parser, print_table, tiny_cmf, write_json
 from cortiq.heal.kinds import CHOICES
 from cortiq.heal.settings import MEMORY_PARTS
 
@@ -499,4 +499,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped check still ends its rows' servers
-    raise SystemExit(main())
+    finish(main())

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import log, parser, run_dirs, smollm2_cmf, table, tiny_cmf, write_json
+from bench.common import finish, log, parser, run_dirs, smollm2_cmf, table, tiny_cmf, write_json
 from cortiq import store
 from cortiq.heal import prefix as prefix_mod
 from cortiq.heal import targets as targets_mod
@@ -550,5 +550,5 @@ def panel_main(argv) -> int:
 
 if __name__ == "__main__":
     if "--panel" in sys.argv[1:]:
-        raise SystemExit(panel_main(sys.argv[1:]))
-    raise SystemExit(main())
+        finish(panel_main(sys.argv[1:]))
+    finish(main())
