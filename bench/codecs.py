@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import log, run_dirs, smollm2_cmf, table, tiny_cmf
+from bench.common import finish, log, run_dirs, smollm2_cmf, table, tiny_cmf
 from bench.quality import _on_device, compressed, plays, split_plays
 
 from cortiq import store
@@ -90,7 +90,7 @@ def tdata_sets(cache: Path, source: Path, tiny: bool) -> dict[str, Path]:
     """The heal corpus (train/val/test) and the held-out texts (every record scored), built once."""
     from cortiq.data import BuildSettings, build
 
-    heal_plays, unseen = split_plays(plays())
+    heal_plays, unseen = split_plays(plays(), tiny)
     cap = 6000 if tiny else 65536
 
     def held(srcs):
@@ -217,4 +217,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    finish(main())

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import CACHE, log, parser, print_table, pydoc_tdata, smollm2_cmf, tiny_cmf, write_json
+from bench.common import CACHE, finish, log, parser, print_table, pydoc_tdata, smollm2_cmf, tiny_cmf, write_json
 from cortiq.compress.folding import mlp_names, repair_down, select_kept
 from cortiq.compress.gptq_solver import gptq_quantize_layers
 from cortiq.compress.grams import capture_model_grams, room_bytes
@@ -334,4 +334,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    finish(main())

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import parser, print_table, pydoc_text, write_json
+from bench.common import finish, parser, print_table, pydoc_text, write_json
 
 
 def byte_tokenizer_cmf(path: Path) -> Path:
@@ -82,4 +82,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    finish(main())

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import log, parser, pydoc_text, write_json
+from bench.common import finish, log, parser, pydoc_text, write_json
 
 CHAT = ["What is the capital of France?", "Write a short poem about the sea.",
         "Explain what a hash table is.", "Give me three tips for learning to cook."]
@@ -354,4 +354,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    finish(main())

@@ -40,7 +40,11 @@ row failed. Rows whose Python packages are missing fail with the import
 error: carry them as wheels (bench/device_wheels.sh; bench/RESULTS.md,
 "Device check", gives the sequence of device calls). With `--tiny` the rows
 run on a 2-layer random model with a byte tokenizer; those that need the GGUF
-are marked "skip: cpu"; `--only` / `--skip` take row-name prefixes.
+are marked "skip: cpu"; `--only` / `--skip` take row-name prefixes;
+`--in-process` runs each command through `cortiq.cli.main` in the check's
+own process (the CPU smoke test's saving: a Python, torch and cortiq start a
+row costs more than the tiny model's work), serve and the demo flow still in
+processes of their own.
 Results: the table on stdout, OUT/device_check.json, each row's full output
 under WORK/logs.
 """
@@ -60,7 +64,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT, env, log, parser, print_table, tiny_cmf, write_json
+from bench.common import ROOT, env, finish, log, parser, print_table, tiny_cmf, write_json
 from cortiq.heal.kinds import CHOICES
 from cortiq.heal.settings import MEMORY_PARTS
 
@@ -100,22 +104,51 @@ class Check:
     # ── running ──────────────────────────────────────────────────────────
 
     def cortiq(self, *args, timeout: float | None = None, extra_env: dict | None = None) -> str:
-        """`python -m cortiq ARGS` in a subprocess; its stdout and stderr (joined) on success, else Failed
-        with the last line of its output."""
+        """`python -m cortiq ARGS` in a subprocess (with --in-process, unless `extra_env` is given: in this
+        process); its stdout and stderr (joined) on success, else Failed with the last line of its output."""
         args = [str(x) for x in args]
         name = re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(args[:2]))[:40]
         self.commands += 1
         logf = self.work / "logs" / f"{self.commands:03d}-{name}.log"
         cmd = [sys.executable, "-m", "cortiq", *args]
+        if self.a.in_process and not extra_env:
+            rc, out, err = self.in_process(args)
+            cmd[:3] = ["cortiq.cli.main:"]
+        else:
+            try:
+                p = subprocess.run(cmd, cwd=ROOT, env=env(**{**QUIET, "CORTIQ_HOME": str(self.home), **(extra_env or {})}),
+                                   capture_output=True, text=True, timeout=timeout or self.a.row_timeout)
+            except subprocess.TimeoutExpired as e:
+                raise Failed(f"timed out after {e.timeout:.0f} s") from None
+            rc, out, err = p.returncode, p.stdout, p.stderr
+        logf.write_text("$ " + " ".join(cmd) + "\n" + out + "\n--- stderr\n" + err)
+        if rc != 0:
+            raise Failed(f"exit {rc}: {last_line(err or out)}")
+        return out + "\n" + err
+
+    def in_process(self, args: list[str]) -> tuple[int, str, str]:
+        """The command as its subprocess would run it, in this process: `cortiq.cli.main(args)` (the entry point
+        `python -m cortiq` calls) with the subprocess's environment and its stdout and stderr captured; (exit
+        status, stdout, stderr). No interpreter, torch and cortiq start a row, which on a CPU costs more than
+        the tiny model's work; no --row-timeout either (a thread cannot be stopped)."""
+        import contextlib
+        import io
+
+        from cortiq import cli
+
+        out, err = io.StringIO(), io.StringIO()
+        saved = dict(os.environ)
+        os.environ.update({**QUIET, "CORTIQ_HOME": str(self.home)})
         try:
-            p = subprocess.run(cmd, cwd=ROOT, env=env(**{**QUIET, "CORTIQ_HOME": str(self.home), **(extra_env or {})}),
-                               capture_output=True, text=True, timeout=timeout or self.a.row_timeout)
-        except subprocess.TimeoutExpired as e:
-            raise Failed(f"timed out after {e.timeout:.0f} s") from None
-        logf.write_text("$ " + " ".join(cmd) + "\n" + p.stdout + "\n--- stderr\n" + p.stderr)
-        if p.returncode != 0:
-            raise Failed(f"exit {p.returncode}: {last_line(p.stderr or p.stdout)}")
-        return p.stdout + "\n" + p.stderr
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    rc = cli.main(args)
+                except SystemExit as e:  # argparse refusing the arguments (its message is on stderr)
+                    rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        return rc, out.getvalue(), err.getvalue()
 
     def wanted(self, name: str) -> bool:
         return (not self.only or any(name.startswith(o) for o in self.only)) and \
@@ -396,6 +429,12 @@ class Check:
         p["source"] = str(src)
         if self.tiny:
             p["data"]["max_total_tokens"] = 20000
+            # the retain path as the demo runs it, on the small corpus: the Shakespeare build cuts (and so
+            # tokenizes) all 9 MB of the plays whatever its token budget, a quarter of this row on a CPU
+            p["retain"]["sources"] = ["corpus:pydoc"]
+            # one codec by GPTQ: the re-encode, its Grams and its scores, as each of the three runs them
+            p["codecs"] = ["q8"]
+            p["quant"].update(window=64, max_windows=8)
             p["compress"]["masks"].update(max_steps=4, window=64, eval_every=2, val_windows=2)
             p["heal"].update(window=64, epochs=0.05, train_from=1, eval_every=4, checkpoint_every=0, topk=8)
             p["mtp"].update(window=64, tokens=2048, gen_prompt=32, eval_every=8, topk=8)
@@ -428,6 +467,10 @@ def main() -> int:
     ap.add_argument("--only", default="", help="run only rows whose name starts with one of these (comma-separated)")
     ap.add_argument("--skip", default="", help="skip rows whose name starts with one of these (comma-separated)")
     ap.add_argument("--row-timeout", type=float, default=240, help="seconds a command may take")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run each row's command in this process (cortiq.cli.main, the subprocess's environment and "
+                         "captured output) rather than a subprocess: the CPU smoke test's way to spare an interpreter "
+                         "and torch start a row; serve and the demo flow keep their own processes")
     a = ap.parse_args()
     a.work = a.work or f"/tmp/cortiq-device-check{'-tiny' if a.tiny else ''}"
     a.fresh = not a.only if a.fresh is None else a.fresh
@@ -458,4 +501,4 @@ def main() -> int:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped check still ends its rows' servers
-    raise SystemExit(main())
+    finish(main())

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from bench.common import env as child_env
-from bench.common import log, parser, pydoc_tdata, write_json
+from bench.common import finish, log, parser, pydoc_tdata, write_json
 from bench.run import GEOMS
 from bench.stages import arch_of
 
@@ -430,4 +430,4 @@ def worker_big(a) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

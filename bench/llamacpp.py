@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import log, parser, print_table, pydoc_text, tiny_cmf, write_json
+from bench.common import finish, log, parser, print_table, pydoc_text, tiny_cmf, write_json
 
 #: llama-perplexity's `--ppl-output-type 1` line per chunk: offset, running PPL, running mean NLL, its error
 _PPL_LINE = re.compile(r"^\s*(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)\s*$", re.M)
@@ -297,4 +297,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    finish(main())

@@ -42,7 +42,7 @@ import torch
 
 from bench import run as R
 from bench import stages as S
-from bench.common import log, parser, write_json
+from bench.common import finish, log, parser, write_json
 
 #: the plans timed: (label, memory parts, head chunk rows, gradient made in the head's
 #: forward). "plain" is bench/run.py's cortiq step (chunks of 8192 rows); the row
@@ -336,4 +336,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    finish(main())

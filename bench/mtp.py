@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import parser, print_table, tiny_cmf, write_json
+from bench.common import finish, parser, print_table, tiny_cmf, write_json
 from cortiq.cmf import open_cmf
 from cortiq.model import load_model
 
@@ -354,4 +354,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import log, parser, print_table, write_json
+from bench.common import finish, log, parser, print_table, write_json
 from bench.run import GEOMS
 from bench.stages import arch_of
 
@@ -249,4 +249,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    finish(main())

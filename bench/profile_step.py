@@ -16,7 +16,7 @@ import torch
 
 from bench import run as R
 from bench import stages as S
-from bench.common import parser, print_table, write_json
+from bench.common import finish, parser, print_table, write_json
 from cortiq.heal.loss import topk_kl
 from cortiq.heal.train import StudentTail, batch_loss
 
@@ -90,4 +90,4 @@ def main():
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    finish(main())

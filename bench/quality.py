@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import log, parser, run_dirs, smollm2_cmf, table, tiny_cmf, write_json
+from bench.common import finish, log, parser, run_dirs, smollm2_cmf, table, tiny_cmf, write_json
 from cortiq import store
 from cortiq.heal import prefix as prefix_mod
 from cortiq.heal import targets as targets_mod
@@ -65,10 +65,13 @@ def plays() -> list[Path]:
     return sorted(root.glob("*_gut.txt"))
 
 
-def split_plays(files: list[Path]) -> tuple[list[Path], list[Path]]:
-    """Every sixth play (by name) is never seen by compress or heal; the rest is the heal corpus."""
+def split_plays(files: list[Path], tiny: bool = False) -> tuple[list[Path], list[Path]]:
+    """Every sixth play (by name) is never seen by compress or heal; the rest is the heal corpus (`tiny`: its
+    first three, more text than a smoke run's token cap takes: a build cuts, and so tokenizes, every file it
+    is given, whatever its cap)."""
     unseen = files[3::6]
-    return [f for f in files if f not in unseen], unseen
+    heal = [f for f in files if f not in unseen]
+    return heal[:3] if tiny else heal, unseen
 
 
 def source_model(cache: Path, tiny: bool) -> Path:
@@ -82,7 +85,7 @@ def tdata_sets(cache: Path, source: Path, tiny: bool) -> dict[str, Path]:
     """The heal corpus (train/val/test), the unseen plays and pydoc (every record of them scored), built once."""
     from cortiq.data import BuildSettings, build
 
-    heal_plays, unseen = split_plays(plays())
+    heal_plays, unseen = split_plays(plays(), tiny)
     cap_eval = 6000 if tiny else 65536
     specs = {
         "heal": ([str(p) for p in heal_plays], BuildSettings(record_tokens=512, fractions=(0.94, 0.03, 0.03),
@@ -549,5 +552,5 @@ def panel_main(argv) -> int:
 
 if __name__ == "__main__":
     if "--panel" in sys.argv[1:]:
-        raise SystemExit(panel_main(sys.argv[1:]))
-    raise SystemExit(main())
+        finish(panel_main(sys.argv[1:]))
+    finish(main())

@@ -22,11 +22,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
-from bench.common import env, log, parser, pydoc_tdata, write_json
+from bench.common import env, finish, log, parser, pydoc_tdata, write_json
 
 
 def main() -> int:
@@ -143,4 +142,4 @@ def table(rows, fail, dev, a) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

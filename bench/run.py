@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench.common import log, parser, print_table, write_json
+from bench.common import finish, log, parser, print_table, write_json
 
 GEOMS = {
     # Qwen3-0.6B / 1.7B geometry (tied embeddings, vocab 151936)
@@ -230,4 +230,4 @@ def speed_table(rows, rate):
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    finish(main())

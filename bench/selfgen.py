@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import parser, print_table, smollm2_cmf, tiny_cmf, write_json
+from bench.common import finish, parser, print_table, smollm2_cmf, tiny_cmf, write_json
 
 T0 = time.perf_counter()
 
@@ -186,4 +186,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

@@ -67,7 +67,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ROOT, env, tiny_cmf
+from bench.common import ROOT, env, finish, tiny_cmf
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain what a prime number is.",
@@ -582,4 +582,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())

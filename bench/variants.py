@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from bench import run as R
 from bench import stages as S
-from bench.common import parser, print_table, write_json
+from bench.common import finish, parser, print_table, write_json
 from cortiq.heal.loss import topk_kl
 
 
@@ -139,4 +139,4 @@ def main():
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    finish(main())

@@ -2,7 +2,11 @@
 each in its own process as the GPU call runs it, and writes the JSON rows it is expected to write.
 
 A bench that breaks (an import, a renamed library function, a wrong argument) fails here, not on the
-next GPU call. A new bench/*.py must get a row below or be named a module (not a script)."""
+next GPU call. A new bench/*.py must get a row below or be named a module (not a script).
+
+The benches start together when the first row asks, as many at once as this process has cores (each
+bench's torch runs one thread), longest first; each row waits for its own and checks it. Each runs
+in a folder of its own (HOME, TMPDIR, its --work), so two runs of the suite never share one."""
 
 from __future__ import annotations
 
@@ -11,8 +15,12 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -147,32 +155,110 @@ def check_device_check(d):
     assert sum(r["status"] == "PASS" for r in rows) >= 14
 
 
-#: script → (extra arguments after --cpu --tiny, the JSON it writes, the check of that JSON)
+#: script → (extra arguments after --cpu --tiny, the JSON it writes, the check of that JSON), the longest
+#: first: the order the benches start in, so that the last to start are short ones. "{work}" is the row's
+#: own folder (the benches that take --work default to a fixed folder under /tmp)
 BENCHES = {
-    "run": ([], "bench.json", check_run),
-    "compress": ([], "compress_bench.json", check_compress),
-    "data_build": ([], "data_build.json", check_data_build),
-    "decode": ([], "decode.json", check_decode),
-    "dist": ([], "dist.json", check_dist),
-    "memory": ([], "memory.json", check_memory),
-    "mtp": (["--no-compare-raw"], "mtp.json", check_mtp),
-    "pipeline": ([], "pipeline.json", check_pipeline),
-    "profile_step": ([], "profile_step.json", check_profile_step),
-    # one target kind at one budget: the same code as every row
-    "quality": (["--kinds", "sampled", "--budgets", "0.004", "--default-budget", "0"], "quality.json", check_quality),
-    "relaunch": ([], "relaunch.json", check_relaunch),
-    "selfgen": ([], "selfgen.json", check_selfgen),
-    # one prompt kind, two client levels: every mode's server, the transformers row, the same code
-    "serve": (["--kinds", "chat", "--clients", "2", "--no-hf"], "serve.json", check_serve),
-    "variants": ([], "variants.json", check_variants),
     # the rows that run heal's other target kinds and memory plans, and compress's two other rankings,
     # run the same command with one option changed: left out here to keep the suite short (the H200
-    # check runs them all)
-    "device_check": (["--skip", "heal --target,heal --memory,compress --no-learn-masks,compress --fold-repair"],
+    # check runs them all). --in-process: each command row through cortiq.cli.main in the check's own
+    # process, the row's code and the command's the same, without a torch start a row
+    "device_check": (["--work", "{work}", "--in-process",
+                      "--skip", "heal --target,heal --memory,compress --no-learn-masks,compress --fold-repair"],
                      "device_check.json", check_device_check),
+    "relaunch": (["--work", "{work}"], "relaunch.json", check_relaunch),
+    "dist": (["--work", "{work}"], "dist.json", check_dist),
+    # one prompt kind, two client levels: every mode's server, the transformers row, the same code
+    "serve": (["--kinds", "chat", "--clients", "2", "--no-hf"], "serve.json", check_serve),
     "codecs": ([], "codecs.json", check_codecs),
+    # one target kind at one budget: the same code as every row
+    "quality": (["--kinds", "sampled", "--budgets", "0.004", "--default-budget", "0"], "quality.json", check_quality),
+    "pipeline": (["--work", "{work}"], "pipeline.json", check_pipeline),
+    "memory": ([], "memory.json", check_memory),
+    "decode": ([], "decode.json", check_decode),
+    "mtp": (["--no-compare-raw"], "mtp.json", check_mtp),
+    "run": ([], "bench.json", check_run),
+    "selfgen": ([], "selfgen.json", check_selfgen),
+    "compress": ([], "compress_bench.json", check_compress),
     "llamacpp": ([], "llamacpp.json", check_llamacpp),
+    "profile_step": ([], "profile_step.json", check_profile_step),
+    "variants": ([], "variants.json", check_variants),
+    "data_build": ([], "data_build.json", check_data_build),
 }
+
+#: benches run at once: one a core this process may use (pytest-xdist's workers share them out)
+SLOTS = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+class Benches:
+    """The benches of the rows this session runs, started in the background SLOTS at a time in BENCHES'
+    order, each in a folder of its own under `root`; `result(name)` waits for one. `close()` stops what
+    still runs (an interrupted session leaves no bench behind)."""
+
+    def __init__(self, names: list[str], root: Path):
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.lock = threading.Lock()  # close() against a bench starting
+        self.closed = False
+        self.pool = ThreadPoolExecutor(SLOTS, thread_name_prefix="bench")
+        self.root = root
+        self.runs = {n: self.pool.submit(self._run, n, root / n) for n in names}
+
+    def _run(self, name: str, d: Path):
+        args, result, _ = BENCHES[name]
+        out = d / "out"
+        for sub in ("home", "tmp", "work"):
+            (d / sub).mkdir(parents=True)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(d / "home"), "TMPDIR": str(d / "tmp"),
+               "OUT": str(out), "CORTIQ_HOME": str(d / "cortiq-home"), "OMP_NUM_THREADS": "1",
+               "PYTHONUNBUFFERED": "1"}
+        cmd = [sys.executable, "-m", f"bench.{name}", "--cpu", "--tiny", "--out", str(out),
+               *(a.replace("{work}", str(d / "work")) for a in args)]
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the session ended before this bench started")
+            # a session of its own: the whole tree (servers, torchrun's ranks) is stopped with it
+            t0 = time.monotonic()
+            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 start_new_session=True)
+            self.procs[name] = p
+        try:
+            stdout, stderr = p.communicate(timeout=900)
+        except subprocess.TimeoutExpired:
+            self._stop(p)
+            stdout, stderr = p.communicate()
+            stderr += "\n(the smoke test stopped it after 900 s)"
+        return p.returncode, stdout, stderr, out / result, time.monotonic() - t0
+
+    @staticmethod
+    def _stop(p: subprocess.Popen) -> None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def result(self, name: str):
+        if name not in self.runs:  # a row not known at the start (under pytest-xdist): its bench starts now
+            self.runs[name] = self.pool.submit(self._run, name, self.root / name)
+        return self.runs[name].result()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            running = [p for p in self.procs.values() if p.poll() is None]
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for p in running:
+            self._stop(p)
+
+
+@pytest.fixture(scope="module")
+def benches(request, tmp_path_factory):
+    # the rows this session runs (an xdist worker holds every row collected, and runs those it is sent)
+    names = set() if os.environ.get("PYTEST_XDIST_WORKER") else {
+        item.callspec.params["name"] for item in request.session.items
+        if item.module is request.module and getattr(item, "originalname", "") == "test_bench_smoke"}
+    b = Benches([n for n in BENCHES if n in names], tmp_path_factory.mktemp("benches"))
+    yield b
+    b.close()
 
 
 def test_every_bench_has_a_smoke_row():
@@ -182,16 +268,11 @@ def test_every_bench_has_a_smoke_row():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BENCHES))
-def test_bench_smoke(name, tmp_path):
-    args, result, check = BENCHES[name]
-    out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(tmp_path / "home"), "OUT": str(out),
-           "CORTIQ_HOME": str(tmp_path / "cortiq-home"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run([sys.executable, "-m", f"bench.{name}", "--cpu", "--tiny", "--out", str(out), *args],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, f"bench.{name} exit {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    assert re.search(r"\|\s*-{3,}\s*\|", p.stdout), f"bench.{name} printed no table:\n{p.stdout[-2000:]}"
-    check(json.loads((out / result).read_text()))
+def test_bench_smoke(name, benches):
+    rc, stdout, stderr, result, seconds = benches.result(name)
+    assert rc == 0, f"bench.{name} exit {rc} after {seconds:.0f} s:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    assert re.search(r"\|\s*-{3,}\s*\|", stdout), f"bench.{name} printed no table:\n{stdout[-2000:]}"
+    BENCHES[name][2](json.loads(result.read_text()))
 
 
 def test_the_device_check_finds_the_flow_commands_in_an_uninstalled_tree(tmp_path, monkeypatch):
