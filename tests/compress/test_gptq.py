@@ -87,13 +87,14 @@ def test_searched_grids_blocked_equal_the_plain_reference(codec):
 @pytest.mark.parametrize("codec", ["q4", "q4_64", "q8"])
 def test_searched_grids_round_with_less_weighted_error(codec):
     """Each group's searched grid: its rounding error weighted by diag H never above the full range's
-    (the full range is a candidate), below it somewhere on weights with outliers; and GPTQ on the
+    (the full range is a candidate), below it somewhere on heavy-tailed weights; and GPTQ on the
     searched static grids still decodes to its weights and beats round-to-nearest."""
     from cortiq.compress.gptq_solver import _grid, _qdq, _searched_grid
 
     _, X = _layer(out=40, inp=128, n=400, seed=4)
     # heavy-tailed weights (Student's t, 3 degrees of freedom), as trained ones are: a group's range is
     # then set by one or two values, and a narrower one rounds the rest more finely
+    torch.manual_seed(6)
     W = torch.distributions.StudentT(3.0).sample((40, 128)) * 0.02
     H = X.T @ X
     g = codecs.get(codec).block
@@ -109,6 +110,7 @@ def test_searched_grids_round_with_less_weighted_error(codec):
     c = codecs.get(codec)
     r = gptq_quantize(W, H, codec, act_order=True, clip_grid=11)
     assert torch.equal(c.decode(r.stored, tuple(W.shape)), r.weight)
-    plain = gptq_quantize(W, H, codec, act_order=True)
+    # (not asserted: that GPTQ's output error on the searched grids is below its error on the min/max ones;
+    # the search lowers each group's own rounding error, and GPTQ's error feedback then moves the weights
+    # it rounds: on some random draws the plain grids end a little lower, which is why the default is off)
     assert _err(X, W, r.weight) < _err(X, W, c.decode(c.encode(W), tuple(W.shape)))
-    assert _err(X, W, r.weight) < _err(X, W, plain.weight), (_err(X, W, r.weight), _err(X, W, plain.weight))
