@@ -66,7 +66,7 @@ def _grid(codec_name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def clip_factors(clip_grid: int) -> torch.Tensor:
     """The range shrink factors a grid search tries: `clip_grid` of them, evenly from 1 (the group's whole
     range, always a candidate) down to 0.5; one: no search."""
-    return torch.linspace(1.0, 0.5, clip_grid, dtype=torch.float64) if clip_grid > 1 else torch.ones(1, dtype=torch.float64)
+    return torch.linspace(1.0, 0.5, max(clip_grid, 1), dtype=torch.float64)
 
 
 def _fit(codec_name: str, w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lo: torch.Tensor):
@@ -83,7 +83,6 @@ def _fit(codec_name: str, w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, s: 
         ok = det > 1e-12 * (A * Cq).clamp_min(1e-30)
         safe = torch.where(ok, det, torch.ones_like(det))
         ns, nlo = (A * E - B * D) / safe, (Cq * D - B * E) / safe
-    ok = ok & (ns > 0) & torch.isfinite(ns) & torch.isfinite(nlo)
     ns, nlo = ns.to(torch.float16).to(torch.float32), nlo.to(torch.float16).to(torch.float32)
     ok = ok & (ns > 0) & torch.isfinite(ns) & torch.isfinite(nlo)
     return torch.where(ok, ns, s), torch.where(ok, nlo, lo)
@@ -112,7 +111,7 @@ def _searched_grid(codec_name: str, w: torch.Tensor, h: torch.Tensor, clip_grid:
         q, wq = _qdq(codec_name, w32, sc[:, None], mn[:, None])
         return (h32 * (w32 - wq) ** 2).sum(-1), q  # [N], [N, g]
 
-    best, q = err(s, lo)
+    best, _ = err(s, lo)
     for f in clip_factors(clip_grid).tolist():  # a handful of candidates, each over every group at once
         cs, clo = (s, lo) if f == 1.0 else _grid(codec_name, w32.clamp(f * wmin, f * wmax))
         e, cq = err(cs, clo)
@@ -282,7 +281,7 @@ def gptq_quantize_layers(
         h0 = hd.float()[:, None, :].expand(n, R, C).reshape(n * R * n_groups, g) if clip_grid > 1 else None
         s0, l0 = _searched_grid(codec_name, Wd.reshape(n * R * n_groups, g), h0, clip_grid)
         scale, lo = s0.reshape(n, R, n_groups), l0.reshape(n, R, n_groups)
-        perm = torch.argsort(torch.diagonal(H, dim1=-2, dim2=-1).to(dtype), dim=-1, descending=True, stable=True)  # [L, C]
+        perm = torch.argsort(hd, dim=-1, descending=True, stable=True)  # [L, C]
         Wd = torch.take_along_dim(Wd, perm[:, None, :], 2)
         H = torch.take_along_dim(torch.take_along_dim(H, perm[:, :, None], 1), perm[:, None, :], 2)
         col_group = perm // g  # [L, C]: group of each permuted column, per layer
