@@ -61,37 +61,12 @@ def _passes(rank, teacher, student, td, out, kw):
 
 
 def _passes_of_kinds(rank, teacher, student, td, root, kinds):
-    for kind in kinds:  # every kind in the same two rank processes
+    for kind in kinds:
         _passes(rank, teacher, student, td, root / f"two-{kind}", {"target": kind})
 
 
-def test_teacher_and_prefix_shards_read_as_one_ranks_rows(tmp_path):
-    kinds = ("sampled", "topk+rest")
-    a = arch()
-    w = random_weights(a)
-    teacher = save(tmp_path / "t.cmf", a, w)
-    student = save(tmp_path / "s.cmf", a, perturbed(w))
-    td = tdata(tmp_path, teacher, chars=5000)
-    run_ranks(_passes_of_kinds, 2, teacher, student, td, tmp_path, kinds, tmp=tmp_path)
-    for kind in kinds:
-        d1, d2 = tmp_path / f"one-{kind}", tmp_path / f"two-{kind}"
-        _passes(0, teacher, student, td, d1, {"target": kind})
-        one, two = targets_mod.Targets(d1 / "targets-x"), targets_mod.Targets(d2 / "targets-x")
-        assert store.read_meta(d2 / "targets-x")["files"]["train"] == ["train-000-of-002.arrow",
-                                                                       "train-001-of-002.arrow"], kind
-        for split in targets_mod.SPLITS:
-            n = len(one.ids[split])
-            assert n == len(two.ids[split]) > 3, (kind, split)
-            idx = np.arange(n)
-            assert np.array_equal(one.ids[split].take(idx), two.ids[split].take(idx)), (kind, split)
-            assert np.array_equal(one.probs[split].take(idx), two.probs[split].take(idx)), (kind, split)
-            assert np.array_equal(one.total[split], two.total[split]), (kind, split)
-        p1, p2 = prefix_mod.Prefix(d1 / "prefix-x"), prefix_mod.Prefix(d2 / "prefix-x")
-        assert p1.cached and p2.cached
-        for split in targets_mod.SPLITS:
-            idx = np.arange(len(p1.h[split]))
-            assert len(p2.h[split]) == len(idx) and np.array_equal(p1.h[split].take(idx), p2.h[split].take(idx))
-        assert not list(d2.glob("*.partial"))
+#: the target kinds whose passes run on two ranks
+KINDS = ("sampled", "topk+rest")
 
 
 # ── training ──
@@ -133,8 +108,6 @@ def _fit(rank, work, kw, kill_at, out):
 
 
 def _fits(rank, jobs):
-    """Several `_fit` runs, one after another, in the same two processes and group (each rank
-    process costs an interpreter, torch's import and the group's set-up: paid once for all)."""
     for job in jobs:
         _fit(rank, *job)
 
@@ -149,51 +122,115 @@ def _same_run(a, b, state_b):
         torch.testing.assert_close(t, state_b[n], rtol=1e-4, atol=1e-5, msg=n)
 
 
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    """One process's run of `_settings()` by genesis (the one setting of the two-rank cases that
+    changes a single process's run), with the student's state: what the ranks' runs must equal."""
+    out = {}
+    for genesis in (False, True):
+        tail, tr, va = _setup()
+        out[genesis] = fit(tail, tr, va, _settings(genesis=genesis), tmp_path_factory.mktemp(f"one-{genesis}"), CPU,
+                           torch.float32, key="k", progress=False)
+        out[genesis]["state"] = tail.state()
+    return out
+
+
 #: (shard, genesis, memory, keep share, compiled layers): each run on two ranks against one process
 TWO_RANK_CASES = [
     ("ddp", False, "plain", 0.1, False), ("ddp", True, "plain", 0.1, False), ("fsdp", False, "plain", 0.1, False),
     ("ddp", False, "micro", 0.1, False), ("fsdp", False, "checkpoint+micro", 0.0, False),
     ("fsdp", False, "checkpoint", 0.1, True)]
 
+#: the checkpoint kinds two ranks write, killed at step 9 (past the checkpoint at step 8 and the epoch boundary at 6)
+SHARDS = ("ddp", "fsdp")
 
-def test_two_ranks_train_as_one_with_the_same_global_batch(tmp_path):
+
+# ── every rank job of this file in one pair of rank processes ──
+
+
+def _all_jobs(rank, passes, fits):
+    _passes_of_kinds(rank, *passes)
+    _fits(rank, fits)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """The rank jobs of the tests below, run once in the same two processes and group (each pair of
+    rank processes costs two interpreters, torch's import and the group's set-up): the passes of
+    each target kind, then the training runs. The folder they wrote to; each test reads its part
+    back and checks it against one process."""
+    root = tmp_path_factory.mktemp("ranks")
+    a = arch()
+    w = random_weights(a)
+    teacher = save(root / "t.cmf", a, w)
+    student = save(root / "s.cmf", a, perturbed(w))
+    td = tdata(root, teacher, chars=5000)
+    # one process's checkpoint, killed at step 9, that two ranks then resume
+    tail, tr, va = _setup()
+    with pytest.raises(_Kill):
+        fit(tail, tr, va, _settings(), root / "one-resumed", CPU, torch.float32, key="k", logger=_KillAt(9),
+            progress=False)
+    assert (root / "one-resumed/checkpoint.pt").is_file()
     # micro: each rank's 2 windows in 2 micro-batches (DDP reduces once, after the second);
     # keep 0: FSDP2 frees each layer's gathered weights after its forward, gathers them again in the backward;
     # keep 0.1 (a CPU's memory): the 3 layers are one FSDP2 unit; compiled: each layer's checkpoint around
-    # its compiled body, FSDP2's hooks outside both. Every case runs in the same two rank processes.
-    refs = {}
-    for genesis in (False, True):  # one process's run depends on genesis alone of these settings
-        tail, tr, va = _setup()
-        refs[genesis] = fit(tail, tr, va, _settings(genesis=genesis), tmp_path / f"one-{genesis}", CPU, torch.float32,
-                            key="k", progress=False)
-        refs[genesis]["state"] = tail.state()
-    jobs = [(tmp_path / f"two-{i}", {"shard": shard, "genesis": genesis, "memory": memory, "micro_batch": 1,
-                                     "keep_share": keep, "compiled": compiled}, 0, tmp_path / f"two-{i}.pt")
+    # its compiled body, FSDP2's hooks outside both
+    fits = [(root / f"two-{i}", {"shard": shard, "genesis": genesis, "memory": memory, "micro_batch": 1,
+                                 "keep_share": keep, "compiled": compiled}, 0, root / f"two-{i}.pt")
             for i, (shard, genesis, memory, keep, compiled) in enumerate(TWO_RANK_CASES)]
-    run_ranks(_fits, 2, jobs, tmp=tmp_path)
+    fits += [(root / f"killed-{shard}", {"shard": shard}, 9, None) for shard in SHARDS]
+    fits += [(root / "one-resumed", {"shard": "fsdp"}, 0, root / "one-resumed.pt")]
+    # conftest's temp home is a test's, set after a module's fixtures: this one gets its own
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CORTIQ_HOME", str(root / "cortiq-home"))
+        run_ranks(_all_jobs, 2, (teacher, student, td, root / "passes", KINDS), fits, tmp=root)
+    return {"root": root, "teacher": teacher, "student": student, "tdata": td}
+
+
+def test_teacher_and_prefix_shards_read_as_one_ranks_rows(ranks, tmp_path):
+    teacher, student, td = ranks["teacher"], ranks["student"], ranks["tdata"]
+    for kind in KINDS:
+        d1, d2 = tmp_path / f"one-{kind}", ranks["root"] / "passes" / f"two-{kind}"
+        _passes(0, teacher, student, td, d1, {"target": kind})
+        one, two = targets_mod.Targets(d1 / "targets-x"), targets_mod.Targets(d2 / "targets-x")
+        assert store.read_meta(d2 / "targets-x")["files"]["train"] == ["train-000-of-002.arrow",
+                                                                       "train-001-of-002.arrow"], kind
+        for split in targets_mod.SPLITS:
+            n = len(one.ids[split])
+            assert n == len(two.ids[split]) > 3, (kind, split)
+            idx = np.arange(n)
+            assert np.array_equal(one.ids[split].take(idx), two.ids[split].take(idx)), (kind, split)
+            assert np.array_equal(one.probs[split].take(idx), two.probs[split].take(idx)), (kind, split)
+            assert np.array_equal(one.total[split], two.total[split]), (kind, split)
+        p1, p2 = prefix_mod.Prefix(d1 / "prefix-x"), prefix_mod.Prefix(d2 / "prefix-x")
+        assert p1.cached and p2.cached
+        for split in targets_mod.SPLITS:
+            idx = np.arange(len(p1.h[split]))
+            assert len(p2.h[split]) == len(idx) and np.array_equal(p1.h[split].take(idx), p2.h[split].take(idx))
+        assert not list(d2.glob("*.partial"))
+
+
+def test_two_ranks_train_as_one_with_the_same_global_batch(ranks, refs):
+    root = ranks["root"]
     for i, case in enumerate(TWO_RANK_CASES):
         ref = refs[case[1]]
-        two = torch.load(tmp_path / f"two-{i}.pt", weights_only=True)
+        two = torch.load(root / f"two-{i}.pt", weights_only=True)
         assert len(two["history"]) == 18, case
         try:
             _same_run(two, ref, ref["state"])
         except AssertionError as e:
             raise AssertionError(f"case {case}: {e}") from None
-        assert (tmp_path / f"two-{i}/checkpoint.dcp/loop.json").is_file(), case
-        assert not (tmp_path / f"two-{i}/checkpoint.pt").exists(), case
+        assert (root / f"two-{i}/checkpoint.dcp/loop.json").is_file(), case
+        assert not (root / f"two-{i}/checkpoint.pt").exists(), case
 
 
-def test_a_two_rank_checkpoint_resumes_on_one(tmp_path):
+def test_a_two_rank_checkpoint_resumes_on_one(ranks, refs, tmp_path):
     import shutil
 
-    tail, tr, va = _setup()
-    ref = fit(tail, tr, va, _settings(), tmp_path / "ref", CPU, torch.float32, key="k", progress=False)
-    ref["state"] = tail.state()
-    # killed at step 9, past the checkpoint at step 8 (and the epoch boundary at 6); both kinds in one pair of ranks
-    shards = ("ddp", "fsdp")
-    run_ranks(_fits, 2, [(tmp_path / f"w-{shard}", {"shard": shard}, 9, None) for shard in shards], tmp=tmp_path)
-    for shard in shards:
+    ref = refs[False]
+    for shard in SHARDS:
         w = tmp_path / f"w-{shard}"
+        shutil.copytree(ranks["root"] / f"killed-{shard}", w)  # the ranks' checkpoint, left as they wrote it
         shutil.copytree(w, tmp_path / f"w2-{shard}")  # the same checkpoint, for the run of another key below
         tail2, tr2, va2 = _setup()  # a new process: a fresh student
         rep = fit(tail2, tr2, va2, _settings(), w, CPU, torch.float32, key="k", progress=False)
@@ -206,6 +243,13 @@ def test_a_two_rank_checkpoint_resumes_on_one(tmp_path):
         rep = fit(tail3, tr3, va3, _settings(), tmp_path / f"w2-{shard}", CPU, torch.float32, key="other",
                   progress=False)
         assert len(rep["history"]) == 18 and rep["history"][0]["step"] == 1, shard
+
+
+def test_a_one_process_checkpoint_resumes_on_two_ranks(ranks, refs):
+    ref = refs[False]
+    two = torch.load(ranks["root"] / "one-resumed.pt", weights_only=True)
+    assert [h["step"] for h in two["history"]] == list(range(1, 19))
+    _same_run(two, ref, ref["state"])
 
 
 def test_cli_gpus_2_reruns_itself_under_torchrun_and_heals_as_one_gpu(tmp_path, capsys):
@@ -233,20 +277,6 @@ def test_cli_gpus_2_reruns_itself_under_torchrun_and_heals_as_one_gpu(tmp_path, 
     meta = store.read_meta(next((tmp_path / "two.work").glob("targets-*")))
     assert meta["files"]["val"] == ["val-000-of-002.arrow", "val-001-of-002.arrow"]
     assert (tmp_path / "two.cmf").is_file()
-
-
-def test_a_one_process_checkpoint_resumes_on_two_ranks(tmp_path):
-    tail, tr, va = _setup()
-    ref = fit(tail, tr, va, _settings(), tmp_path / "ref", CPU, torch.float32, key="k", progress=False)
-    ref["state"] = tail.state()
-    tail2, tr2, va2 = _setup()
-    with pytest.raises(_Kill):
-        fit(tail2, tr2, va2, _settings(), tmp_path / "w", CPU, torch.float32, key="k", logger=_KillAt(9), progress=False)
-    assert (tmp_path / "w/checkpoint.pt").is_file()
-    run_ranks(_fit, 2, tmp_path / "w", {"shard": "fsdp"}, 0, tmp_path / "two.pt", tmp=tmp_path)
-    two = torch.load(tmp_path / "two.pt", weights_only=True)
-    assert [h["step"] for h in two["history"]] == list(range(1, 19))
-    _same_run(two, ref, ref["state"])
 
 
 def test_cli_gpus_2_bad_input_is_one_line_before_any_rank_starts(tmp_path, capsys):

@@ -23,16 +23,25 @@ SETTINGS = dict(window=32, batch=4, topk=8, lr=3e-3, epochs=1.0, eval_every=4, c
                 device="cpu", compile=False)
 
 
-@pytest.fixture
-def inputs(tmp_path, monkeypatch):
+@pytest.fixture(autouse=True)
+def _cpu_ranks(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # gloo on the CPU, whatever the machine has
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """The student and the teacher's targets, made once: every test only reads them."""
+    tmp = tmp_path_factory.mktemp("inputs")
     a = arch()
     w = random_weights(a)
-    teacher = save(tmp_path / "t.cmf", a, w)
-    student = save(tmp_path / "s.cmf", a, perturbed(w))
-    td = tdata(tmp_path, teacher, chars=4000)
+    teacher = save(tmp / "t.cmf", a, w)
+    student = save(tmp / "s.cmf", a, perturbed(w))
+    td = tdata(tmp, teacher, chars=4000)
     h = pipeline.plain(HealSettings(**SETTINGS))
-    targets = pipeline.run(TARGETS, tmp_path / "shared", progress=False, teacher=teacher, tdata=td, settings=h)
+    # conftest's temp home is a test's, set after a module's fixtures: this one gets its own
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CORTIQ_HOME", str(tmp / "cortiq-home"))
+        targets = pipeline.run(TARGETS, tmp / "shared", progress=False, teacher=teacher, tdata=td, settings=h)
     return {"student": student, "targets": targets["path"], "prefix": None, "tdata": td}
 
 
@@ -43,10 +52,23 @@ def _train(root, inputs, gpus):
     return r, log
 
 
-def test_train_with_gpus_2_from_a_plain_process_equals_one_process(tmp_path, inputs):
+def test_a_failed_rank_is_one_error_and_the_next_run_equals_one_process(tmp_path, inputs, monkeypatch):
+    # each run under torchrun costs a launcher and two ranks that import torch: the run after the
+    # failed one is both the failure's recovery and the run compared with one process
     one, log1 = _train(tmp_path / "one", inputs, 1)
+    monkeypatch.setenv(pipeline.FAIL_ENV, "train@1")  # rank 1 fails; rank 0 has started the stage
+    with pytest.raises(CortiqError) as e:
+        _train(tmp_path / "two", inputs, 2)
+    msg = str(e.value)
+    # the failed rank's error first (rank 0 may meet the closed connection after it, and says so second)
+    assert msg.startswith("train: 2 processes under torchrun exited with status 1 (rank 1: InjectedFailure: train: "
+                          "failure injected by $CORTIQ_FAIL_STAGE") and "\n" not in msg
+    pl = pipeline.plan(TRAIN, tmp_path / "two", settings=pipeline.plain(HealSettings(**SETTINGS, gpus=2)), **inputs)
+    assert not pl.ready() and not pl.report.exists() and not (pl.out / store.META).exists()
+    monkeypatch.delenv(pipeline.FAIL_ENV)
+    # the next run makes it: what an in-process run returns, under the same digest
     two, log2 = _train(tmp_path / "two", inputs, 2)
-    # what an in-process run returns, under the same digest
+    assert pl.ready() and two["digest"] == pl.digest
     assert two.keys() == one.keys() and two["digest"] == one["digest"] and two["stage"] == "train"
     assert two["reused"] is False and two["path"] == str(tmp_path / "two" / f"train-{one['digest']}")
     assert two["report"]["ranks"] == 2 and one["report"]["ranks"] == 1
@@ -71,21 +93,8 @@ def test_train_with_gpus_2_from_a_plain_process_equals_one_process(tmp_path, inp
     assert log3.metrics == []
 
 
-def test_a_failed_rank_is_one_error_and_leaves_no_complete_output(tmp_path, inputs, monkeypatch):
-    monkeypatch.setenv(pipeline.FAIL_ENV, "train@1")  # rank 1 fails; rank 0 has started the stage
-    with pytest.raises(CortiqError) as e:
-        _train(tmp_path / "two", inputs, 2)
-    msg = str(e.value)
-    # the failed rank's error first (rank 0 may meet the closed connection after it, and says so second)
-    assert msg.startswith("train: 2 processes under torchrun exited with status 1 (rank 1: InjectedFailure: train: "
-                          "failure injected by $CORTIQ_FAIL_STAGE") and "\n" not in msg
-    pl = pipeline.plan(TRAIN, tmp_path / "two", settings=pipeline.plain(HealSettings(**SETTINGS, gpus=2)), **inputs)
-    assert not pl.ready() and not pl.report.exists() and not (pl.out / store.META).exists()
-    monkeypatch.delenv(pipeline.FAIL_ENV)
-    # the next run makes it
-    r, _ = _train(tmp_path / "two", inputs, 2)
-    assert r["reused"] is False and pl.ready()
-    # a bad input the ranks meet (targets of another window): its one line, said once
+def test_a_bad_input_the_ranks_meet_is_its_one_line_said_once(tmp_path, inputs):
+    # targets of another window
     s = pipeline.plain(HealSettings(**{**SETTINGS, "window": 16}, gpus=2))
     bad = pipeline.plan(TRAIN, tmp_path / "bad", settings=s, **inputs)
     with pytest.raises(CortiqError) as e:

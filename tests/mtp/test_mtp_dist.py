@@ -3,6 +3,7 @@ shards read back as one rank's rows (with a cache and without one), and the
 draft trained on two ranks, each taking half of every batch, is the one a
 single process trains."""
 
+import pytest
 import torch
 
 from cortiq.cmf import open_cmf
@@ -35,33 +36,55 @@ def _trunk(rank, model, data, cache, out):
         torch.save({"ids": s.ids, "lens": s.lens, "ti": s.ti, "tp": s.tp, "h": s.h, "info": info}, out)
 
 
-def test_trunk_pass_shards_read_back_as_one_ranks_rows(tiny, tmp_path):
-    model, data = tiny
-    f = open_cmf(model)
-    ref = trunk_sets(load_model(f), f, _packed(data), 32, 8, None, batch=3)[0][0]
-    for cache in (tmp_path / "cache", None):
-        run_ranks(_trunk, 2, model, data, cache, tmp_path / "r1.pt", tmp=tmp_path)
-        got = torch.load(tmp_path / "r1.pt", weights_only=True)
-        assert len(ref) == len(got["ids"]) > 6
-        for k in ("ids", "lens", "ti", "tp", "h"):
-            assert torch.equal(got[k], getattr(ref, k)), k
-        assert got["info"][0]["read_back"] is False
-    d = next((tmp_path / "cache").iterdir())
-    assert sorted(p.name for p in d.iterdir()) == ["meta.json", "trunk-000-of-002.arrow", "trunk-001-of-002.arrow"]
-    # and read back by one process as the one set
-    back = trunk_sets(load_model(f), f, _packed(data), 32, 8, tmp_path / "cache", batch=3)
-    assert back[1][0]["read_back"] is True and torch.equal(back[0][0].h, ref.h)
-
-
 def _heal(rank, model, data, out):
     mtp_heal(model, str(data), small(), out)
 
 
-def test_two_ranks_train_the_draft_one_process_trains(tiny, tmp_path):
+#: the trunk pass's cache on two ranks: a folder, then none
+CACHES = ("cache", None)
+
+
+def _all_jobs(rank, model, data, root):
+    for i, cache in enumerate(CACHES):
+        _trunk(rank, model, data, cache and root / cache, root / f"trunk-{i}.pt")
+    _heal(rank, model, data, root / "two.cmf")
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny, tmp_path_factory):
+    """The rank jobs of the tests below, run once in the same two processes and group (each pair of
+    rank processes costs two interpreters, torch's import and the group's set-up): the trunk pass
+    with a cache and without one, then the whole MTP heal. The folder they wrote to."""
+    model, data = tiny
+    root = tmp_path_factory.mktemp("ranks")
+    # conftest's temp home is a test's, set after a module's fixtures: this one gets its own
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CORTIQ_HOME", str(root / "cortiq-home"))
+        run_ranks(_all_jobs, 2, model, data, root, tmp=root)
+    return root
+
+
+def test_trunk_pass_shards_read_back_as_one_ranks_rows(tiny, ranks):
+    model, data = tiny
+    f = open_cmf(model)
+    ref = trunk_sets(load_model(f), f, _packed(data), 32, 8, None, batch=3)[0][0]
+    for i, _ in enumerate(CACHES):
+        got = torch.load(ranks / f"trunk-{i}.pt", weights_only=True)
+        assert len(ref) == len(got["ids"]) > 6
+        for k in ("ids", "lens", "ti", "tp", "h"):
+            assert torch.equal(got[k], getattr(ref, k)), k
+        assert got["info"][0]["read_back"] is False
+    d = next((ranks / "cache").iterdir())
+    assert sorted(p.name for p in d.iterdir()) == ["meta.json", "trunk-000-of-002.arrow", "trunk-001-of-002.arrow"]
+    # and read back by one process as the one set
+    back = trunk_sets(load_model(f), f, _packed(data), 32, 8, ranks / "cache", batch=3)
+    assert back[1][0]["read_back"] is True and torch.equal(back[0][0].h, ref.h)
+
+
+def test_two_ranks_train_the_draft_one_process_trains(tiny, ranks, tmp_path):
     model, data = tiny
     mtp_heal(model, str(data), small(), tmp_path / "one.cmf")
-    run_ranks(_heal, 2, model, data, tmp_path / "two.cmf", tmp=tmp_path)
-    one, two = open_cmf(tmp_path / "one.cmf"), open_cmf(tmp_path / "two.cmf")
+    one, two = open_cmf(tmp_path / "one.cmf"), open_cmf(ranks / "two.cmf")
     p1, p2 = one.provenance["mtp_heal"], two.provenance["mtp_heal"]
     assert p1["steps"] == p2["steps"] > 10 and p1["best_step"] == p2["best_step"]
     names = [n for n in one.infos if n.startswith("model.mtp.")]
