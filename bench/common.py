@@ -16,7 +16,8 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+
+from cortiq.exit import finish  # noqa: F401 (each bench script ends by it)
 
 #: the repository root (the folder holding cortiq/ and bench/)
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,20 +61,6 @@ def table(header, rows) -> str:
 
 def print_table(header, rows) -> None:
     print(table(header, rows), flush=True)
-
-
-def finish(rc: int | None = 0) -> NoReturn:
-    """End the script with exit status `rc` (None: 0) after moving every live object to the collector's
-    permanent generation, which the interpreter's last collection skips: torch, and torch._dynamo that
-    cortiq's model loading imports, leave millions of objects that it otherwise walks for seconds as the
-    process exits (`import torch, torch._dynamo`: 5.8 s down to 0.4 s on a loaded 2-core CPU), in every
-    script and every torchrun rank. atexit handlers and the flush of stdout and stderr still run; what is
-    left unfreed goes with the process (a finalizer of an object in a reference cycle does not run: each
-    script has written and closed its files by then)."""
-    import gc
-
-    gc.freeze()
-    raise SystemExit(rc)
 
 
 def env(**extra) -> dict:

@@ -96,5 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     return int(rc or 0)
 
 
+def entry() -> None:
+    """The `cortiq` console script: `main` on the process's own command line, then `exit.finish`."""
+    from .exit import finish
+
+    finish(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

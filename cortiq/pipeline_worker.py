@@ -22,6 +22,7 @@ from pathlib import Path
 
 from . import dist, pipeline, store, tracking
 from .errors import CortiqError
+from .exit import finish
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,4 +54,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finish(main())
