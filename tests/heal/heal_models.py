@@ -62,3 +62,11 @@ def tdata(tmp: Path, tok_cmf: Path, fractions=(0.7, 0.15, 0.15), chars=7000) -> 
     out = tmp / "tdata"
     build([str(src)], tok_cmf, out, BuildSettings(record_tokens=64, fractions=fractions))
     return out
+
+
+def healing_pair(tmp: Path, chars=4000) -> tuple[Path, Path, Path]:
+    """(teacher, student, heal tdata) in `tmp`: a tiny model, its MLPs perturbed, a small text."""
+    a = arch()
+    w = random_weights(a)
+    teacher = save(tmp / "t.cmf", a, w)
+    return teacher, save(tmp / "s.cmf", a, perturbed(w)), tdata(tmp, teacher, chars=chars)

@@ -5,19 +5,11 @@ import json
 from cortiq.cli import main
 from cortiq.cmf import open_cmf
 
-from heal_models import arch, perturbed, random_weights, save, tdata
-
-
-def _models(tmp_path):
-    """(teacher, student, heal tdata): a tiny model, a perturbed copy of it, a small text."""
-    a = arch()
-    w = random_weights(a)
-    teacher = save(tmp_path / "t.cmf", a, w)
-    return teacher, save(tmp_path / "s.cmf", a, perturbed(w)), tdata(tmp_path, teacher, chars=4000)
+from heal_models import arch, healing_pair, random_weights, save, tdata
 
 
 def test_cli_heals_and_reports(tmp_path, capsys):
-    teacher, student, td = _models(tmp_path)
+    teacher, student, td = healing_pair(tmp_path)
     out = tmp_path / "h.cmf"
     rc = main(["heal", str(student), "--teacher", str(teacher), "--data", str(td), "--out", str(out), "--window", "32",
                "--batch", "4", "--topk", "8", "--lr", "3e-3", "--ce", "0.25", "--train-from", "1", "--ffn-only",
@@ -37,7 +29,7 @@ def test_cli_heals_and_reports(tmp_path, capsys):
 def test_cli_with_retain_data_reports_the_data_and_the_general_panel_by_name(tmp_path, capsys):
     from cortiq.data import BuildSettings, build
 
-    teacher, student, td = _models(tmp_path)
+    teacher, student, td = healing_pair(tmp_path)
     other = tmp_path / "other.txt"
     other.write_text("\n\n".join(f"def f{i}(x):\n    return x * {i} + 1" for i in range(80)))
     retain = build([str(other)], teacher, tmp_path / "code.tdata", BuildSettings(record_tokens=64)).path

@@ -15,7 +15,7 @@ from cortiq.heal.settings import HealSettings
 from cortiq.heal.train import StudentTail, fit
 from cortiq.tracking import NULL
 
-from heal_models import arch, perturbed, random_weights, save, tdata
+from heal_models import arch, healing_pair, random_weights, save, tdata
 from heal_toy import KillAt as _KillAt, Killed as _Kill, ToyLM, toy_split
 from ranks import run_ranks
 
@@ -160,11 +160,7 @@ def ranks(tmp_path_factory):
     each target kind, then the training runs. The folder they wrote to; each test reads its part
     back and checks it against one process."""
     root = tmp_path_factory.mktemp("ranks")
-    a = arch()
-    w = random_weights(a)
-    teacher = save(root / "t.cmf", a, w)
-    student = save(root / "s.cmf", a, perturbed(w))
-    td = tdata(root, teacher, chars=5000)
+    teacher, student, td = healing_pair(root, chars=5000)
     # one process's checkpoint, killed at step 9, that two ranks then resume
     tail, tr, va = _setup()
     with pytest.raises(_Kill):
@@ -257,11 +253,7 @@ def test_cli_gpus_2_reruns_itself_under_torchrun_and_heals_as_one_gpu(tmp_path, 
 
     from cortiq.cli import main
 
-    a = arch()
-    w = random_weights(a)
-    teacher = save(tmp_path / "t.cmf", a, w)
-    student = save(tmp_path / "s.cmf", a, perturbed(w))
-    td = tdata(tmp_path, teacher, chars=4000)
+    teacher, student, td = healing_pair(tmp_path)
     argv = ["heal", str(student), "--teacher", str(teacher), "--data", str(td), "--window", "32", "--batch", "4",
             "--topk", "8", "--lr", "3e-3", "--train-from", "1", "--device", "cpu", "--quiet", "--no-score",
             # 12 steps, evaluated every 4 (the default budget, 2M tokens, ran hundreds of steps to the plateau stop)

@@ -17,7 +17,7 @@ from cortiq.heal.stages import TRAIN, TRAINED
 from cortiq.heal.targets import TARGETS
 from cortiq.tracking import MemoryLogger
 
-from heal_models import arch, perturbed, random_weights, save, tdata
+from heal_models import healing_pair
 
 SETTINGS = dict(window=32, batch=4, topk=8, lr=3e-3, epochs=1.0, eval_every=4, checkpoint_every=4, train_from=1,
                 device="cpu", compile=False)
@@ -32,11 +32,7 @@ def _cpu_ranks(monkeypatch):
 def inputs(tmp_path_factory):
     """The student and the teacher's targets, made once: every test only reads them."""
     tmp = tmp_path_factory.mktemp("inputs")
-    a = arch()
-    w = random_weights(a)
-    teacher = save(tmp / "t.cmf", a, w)
-    student = save(tmp / "s.cmf", a, perturbed(w))
-    td = tdata(tmp, teacher, chars=4000)
+    teacher, student, td = healing_pair(tmp)
     h = pipeline.plain(HealSettings(**SETTINGS))
     # conftest's temp home is a test's, set after a module's fixtures: this one gets its own
     with pytest.MonkeyPatch.context() as mp:
