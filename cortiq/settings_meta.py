@@ -228,9 +228,30 @@ def _kind(cls, f: dataclasses.Field) -> tuple[str, Any]:
     return "value", str
 
 
+#: a repeat option's value that means the empty list (`--retain-sources none`: no retain data)
+NONE = "none"
+
+
+class Repeat(argparse.Action):
+    """A repeat option: each use adds a value, and the first use replaces the default (argparse's
+    "append" adds to a non-empty default, so `--retain-sources corpus:shakespeare` would keep the
+    default's corpus:pydoc too); the value `none` empties the list."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        items = getattr(namespace, self.dest, None)
+        items = [] if items is None or items is self.default else list(items)
+        if value == NONE:
+            items.clear()
+        else:
+            items.append(value)
+        setattr(namespace, self.dest, items)
+
+
 def _show(v: Any) -> str:
     if isinstance(v, tuple):
         return ",".join(map(str, v))
+    if isinstance(v, list):
+        return " ".join(map(str, v))
     return str(v)
 
 
@@ -270,7 +291,7 @@ def add_arguments(parser, cls, prefix: str = "", title: str | None = None, skip:
             kw: dict[str, Any] = {"dest": dest, "type": parse, "default": default,
                                   "metavar": m.get("metavar") or f.name.upper()}
             if kind == "repeat":
-                kw["action"] = "append"
+                kw["action"] = Repeat
             elif "choices" in m:
                 kw["choices"] = m["choices"]
                 kw.pop("metavar")
@@ -317,6 +338,8 @@ def to_argv(obj, prefix: str = "", skip: tuple = ()) -> list[str]:
         if kind == "bool":
             out.append(opt if v else "--no-" + opt[2:])
         elif kind == "repeat":
+            if not v and default_of(f):
+                out += [opt, NONE]  # the empty list, where the default is not empty
             for x in v:
                 out += [opt, text(x)]
         else:

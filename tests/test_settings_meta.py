@@ -195,6 +195,32 @@ def test_options_and_settings_round_trip(path):
     assert seen >= len(dataclasses.fields(cls)) - 1
 
 
+@pytest.mark.parametrize("cmd", ["compress", "heal"])
+def test_a_repeat_option_replaces_its_default_and_none_empties_it(cmd):
+    """retain.sources defaults to [corpus:pydoc]: a first --retain-sources replaces it (argparse's
+    append would keep it too), `none` means no retain data, and each parses back from to_argv."""
+    from cortiq.data.settings import DEFAULT_RETAIN, RetainSettings
+
+    p = _command((cmd,))
+    req = COMMANDS[(cmd,)][1]
+
+    def parsed(*argv):
+        return sm.from_args(RetainSettings, p.parse_args(req + list(argv)), prefix="retain.").sources
+
+    assert parsed() == [DEFAULT_RETAIN] == RetainSettings().sources
+    assert parsed("--retain-sources", "corpus:shakespeare") == ["corpus:shakespeare"]
+    assert parsed("--retain-sources", "self", "--retain-sources", "corpus:pydoc") == ["self", "corpus:pydoc"]
+    assert parsed("--retain-sources", "none") == [] == RetainSettings(sources=["none"]).sources
+    assert parsed() == [DEFAULT_RETAIN]  # the default was not changed in place by the parses before
+    for sources in ([], ["self"], [DEFAULT_RETAIN, "x.tdata"]):
+        obj = RetainSettings(sources=sources)
+        argv = sm.to_argv(obj, prefix="retain.")
+        assert parsed(*argv) == sources, argv
+    assert sm.to_argv(RetainSettings(sources=[]), prefix="retain.")[:2] == ["--retain-sources", "none"]
+    with pytest.raises(CortiqError, match=r"none \(no retain data\) named with other sources"):
+        RetainSettings(sources=["none", "self"])
+
+
 def test_one_keep_frac_sets_the_masks_and_the_fold():
     s = CompressSettings(keep_frac=0.5)
     assert s.masks.keep_frac == s.fold.keep_frac == 0.5

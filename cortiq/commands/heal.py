@@ -100,9 +100,9 @@ def run(args) -> int:
     if "data" in texts and "panel" not in texts:
         # said, not left out: measured on SmolLM2-135M (25 % pruned, healed on one book), text of other
         # sources lost +0.7 to +1.0 nats without retain data, and +0.19 on program source with pydoc mixed in
-        print("general panel: none (no --retain-sources, no --eval-data): text of other sources went unscored, "
-              "and it can lose far more than your data; --retain-sources corpus:pydoc mixes some in and scores "
-              "its held-out part")
+        print("general panel: none (no retain source apart from your data's own corpus, no --eval-data): text of "
+              "other sources went unscored, and it can lose far more than your data; --retain-sources (corpus:pydoc, "
+              "corpus:shakespeare, self or a tdata directory) mixes some in and scores its held-out part")
     # whole or not at all, and a full disk named (a half-written report would read as finished)
     write_text(str(args.out) + ".report.json", json.dumps({"metrics": m, "nll": rep.get("nll"),
                                                            "eval_nll": rep.get("eval_nll"), "gap": gap, "texts": texts,

@@ -22,6 +22,7 @@ share of other text into every batch of the masks, the Grams and the heal:
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -122,16 +123,29 @@ def retain_tdata(spec: str, source_cmf, settings: RetainSettings, run: Runner, r
     return spec
 
 
+def other_sources(tdata_dir, sources: list[str]) -> list[str]:
+    """The retain sources less the corpora the user's data is built from (the default, pydoc,
+    is the flows' default data too): such a source is not other text, and its records, cut
+    another way, would put text of the data's test split into the train windows."""
+    built = set(Tdata.open(tdata_dir).meta.get("inputs", {}).get("sources") or ())
+    left = [s for s in sources if not (s.startswith("corpus:") and s in built)]
+    for s in sources:
+        if s not in left:
+            print(f"retain: {s} left out: {tdata_dir} is built from it", file=sys.stderr)
+    return left
+
+
 def with_retain(tdata_dir, source_cmf, settings: RetainSettings, run: Runner, root, logger=None,
                 progress: bool = True) -> tuple[str, dict[str, str]]:
     """(the tdata the masks, Grams and heal read: the mix, or `tdata_dir` itself with no
     retain source; {name: retain tdata}, whose test splits make the general panel)."""
-    if not settings.sources:
+    sources = other_sources(tdata_dir, settings.sources)
+    if not sources:
         return str(tdata_dir), {}
     panel = {source_name(s): retain_tdata(s, source_cmf, settings, run, root, logger, progress)
-             for s in settings.sources}
-    if len(panel) != len(settings.sources):
-        raise CortiqError(f"retain settings: two sources share a name in {settings.sources}")
+             for s in sources}
+    if len(panel) != len(sources):
+        raise CortiqError(f"retain settings: two sources share a name in {sources}")
     from ..pipeline import plain
 
     mixed = run(MIX, "mix", tdata=str(tdata_dir), retain=list(panel.values()), names=list(panel),

@@ -40,7 +40,7 @@ def test_compress_run_twice_to_one_output(tmp_path, capsys):
     out = tmp_path / "cr.cmf"
     argv = ["compress", str(model), "--data", str(tmp_path / "td"), "--out", str(out), "--keep-frac", "0.5",
             "--masks-max-steps", "4", "--masks-window", "32", "--masks-batch", "2", "--masks-eval-every", "2",
-            "--work", str(tmp_path / "work")]
+            "--work", str(tmp_path / "work"), "--retain-sources", "none"]
     assert main(argv) == 0
     first = out.read_bytes()
     assert main(argv) == 0

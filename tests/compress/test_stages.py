@@ -84,7 +84,7 @@ def test_cli_compress_and_its_errors(tiny, tmp_path, capsys):
     m, td = tiny
     rc = main(["compress", str(m), "--data", str(td), "--out", str(tmp_path / "s.cmf"), "--keep-frac", "0.5",
                "--no-learn-masks", "--grams-window", "64", "--fold-repair", "--use-gptq", "--gptq-codec", "q8",
-               "--work", str(tmp_path / "w")])
+               "--work", str(tmp_path / "w"), "--retain-sources", "none"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fold_kept_share"] == pytest.approx(0.5) and out["gptq_over_rtn"] < 1.0

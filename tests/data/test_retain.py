@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cortiq.data import Tdata, build, windows
-from cortiq.data.retain import cli_runner, with_retain
+from cortiq.data.retain import cli_runner, other_sources, with_retain
 from cortiq.data.windowing import interleave, mix_counts
 from cortiq.data.settings import BuildSettings, RetainSettings
 from cortiq.errors import CortiqError
@@ -84,6 +84,21 @@ def test_interleave_spreads_every_source_evenly():
     assert np.bincount(lab).tolist() == [5, 3, 2]
     assert interleave([4, 4]).tolist() == [0, 1, 0, 1, 0, 1, 0, 1]
     assert mix_counts(10, [100, 1], 0.5, True) == [10, 5, 5] and mix_counts(10, [100, 1], 0.5, False) == [10, 5, 1]
+
+
+def test_a_corpus_the_data_is_built_from_is_left_out(tmp_path, tok_cmf, capsys):
+    """The default retain source, pydoc, is the flows' default data too: a mix of a corpus with
+    itself is no other text, and would train on the data's test split cut another way."""
+    user = build(["corpus:pydoc"], tok_cmf, tmp_path / "user.tdata", BuildSettings(record_tokens=40, max_total_tokens=2000))
+    other = build([str(_text(tmp_path, "other", "beta"))], tok_cmf, tmp_path / "other.tdata", BuildSettings(record_tokens=40))
+    assert other_sources(user.path, ["corpus:pydoc", "corpus:shakespeare", str(other.path)]) == \
+        ["corpus:shakespeare", str(other.path)]
+    assert capsys.readouterr().err == f"retain: corpus:pydoc left out: {user.path} is built from it\n"
+    assert other_sources(other.path, ["corpus:pydoc"]) == ["corpus:pydoc"]
+    # with the default alone nothing is mixed: the data itself, no panel, no stage run
+    work = tmp_path / "work"
+    assert with_retain(user.path, tok_cmf, RetainSettings(), cli_runner(work, progress=False), work) == (str(user.path), {})
+    assert not work.exists() or not any(work.iterdir())
 
 
 def test_bad_retain_sources_say_so(tmp_path, mixed):

@@ -88,6 +88,9 @@ def tiny_params():
             "name": "tiny",
             "source": tiny["model"],
             "data": {"sources": [tiny["corpus"]], "record_tokens": 64, "fractions": [0.6, 0.2, 0.2]},
+            # no retain data (the default, pydoc, would double every stage's windows); the tests of the
+            # retain mix name their own
+            "retain": {"sources": []},
             "compress": {"keep_frac": 0.5,
                          "masks": {"max_steps": 4, "window": 32, "batch": 2, "val_windows": 2, "eval_every": 2}},
             # the tiny source is a random model: distilling it alone leaves the best held-out checkpoint

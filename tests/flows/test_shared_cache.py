@@ -25,7 +25,8 @@ def test_cli_compress_then_the_flow_reuse_the_same_outputs(tiny, tiny_params):
     build([tiny["corpus"]], tiny["model"], td, BuildSettings(record_tokens=64, fractions=(0.6, 0.2, 0.2)))
     student = tiny["dir"] / "student.cmf"
     assert main(["compress", tiny["model"], "--data", str(td), "--out", str(student), "--keep-frac", "0.5",
-                 "--masks-max-steps", "4", "--masks-window", "32", "--masks-batch", "2", "--masks-eval-every", "2"]) == 0
+                 "--masks-max-steps", "4", "--masks-window", "32", "--masks-batch", "2", "--masks-eval-every", "2",
+                 "--retain-sources", "none"]) == 0
     p = tiny_params(tiny)
     p["compress"] = {"keep_frac": 0.5, "masks": dict(MASKS)}
     out = compress(p)

@@ -496,7 +496,8 @@ def test_a_full_disk_names_the_file(cmd, cortiq, built, full_disk):
             "recode": ["recode", m, out, "--codec", "f32"],
             "data build": ["data", "build", built / "t.txt", "--tokenizer", m, "--out", out, "--record-tokens", "64"],
             "heal": ["heal", m, "--teacher", m, "--data", built / "td", "--out", out, "--work", built / "work",
-                     "--device", "cpu", "--window", "16", "--batch", "2", "--epochs", "0.2", "--topk", "4", "--no-score", "--quiet"]}[cmd]
+                     "--device", "cpu", "--window", "16", "--batch", "2", "--epochs", "0.2", "--topk", "4", "--no-score", "--quiet",
+                     "--retain-sources", "none"]}[cmd]
     r = cortiq.run(argv, built, timeout=60)
     assert_clean_failure(r, rf"{out}(\.partial/\S+)?: no space left on device while writing", out=out)
     assert list(full_disk.iterdir()) == []

@@ -13,13 +13,13 @@ def test_cli_heals_and_reports(tmp_path, capsys):
     out = tmp_path / "h.cmf"
     rc = main(["heal", str(student), "--teacher", str(teacher), "--data", str(td), "--out", str(out), "--window", "32",
                "--batch", "4", "--topk", "8", "--lr", "3e-3", "--ce", "0.25", "--train-from", "1", "--ffn-only",
-               "--tokens", "1536", "--device", "cpu", "--quiet"])
+               "--tokens", "1536", "--device", "cpu", "--retain-sources", "none", "--quiet"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "NLL on the test split of the heal data" in text and "gap recovered" in text
     # no retain data and no --eval-data: the report says the other texts went unscored, last
     last = text.strip().splitlines()[-1]
-    assert last.startswith("general panel: none (no --retain-sources, no --eval-data)"), last
+    assert last.startswith("general panel: none (no retain source apart from your data's own corpus, no --eval-data)"), last
     prov = open_cmf(out).provenance["heal"]
     assert prov["ce"] == 0.25 and prov["settings"]["ffn_only"] and prov["prefix"] in ("f32", "f16")
     rep = json.loads((tmp_path / "h.cmf.report.json").read_text())

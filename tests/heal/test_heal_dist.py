@@ -257,7 +257,7 @@ def test_cli_gpus_2_reruns_itself_under_torchrun_and_heals_as_one_gpu(tmp_path, 
     argv = ["heal", str(student), "--teacher", str(teacher), "--data", str(td), "--window", "32", "--batch", "4",
             "--topk", "8", "--lr", "3e-3", "--train-from", "1", "--device", "cpu", "--quiet", "--no-score",
             # 12 steps, evaluated every 4 (the default budget, 2M tokens, ran hundreds of steps to the plateau stop)
-            "--tokens", "1536", "--eval-every", "4"]
+            "--tokens", "1536", "--eval-every", "4", "--retain-sources", "none"]
     # two stage caches: with one, the 2-GPU run would reuse the 1-GPU outputs (their digests do not depend on gpus)
     assert main(argv + ["--out", str(tmp_path / "one.cmf"), "--work", str(tmp_path / "one.work")]) == 0
     assert main(argv + ["--out", str(tmp_path / "two.cmf"), "--work", str(tmp_path / "two.work"), "--gpus", "2"]) == 0

@@ -113,7 +113,7 @@ def test_gap_is_reported_on_other_text_when_given(tmp_path, models, capsys):
     out = tmp_path / "h.cmf"
     rc = main(["heal", str(student), "--teacher", str(teacher), "--data", str(td), "--out", str(out), "--window", "32",
                "--batch", "4", "--topk", "8", "--target", "sampled", "--lr", "3e-3", "--epochs", "1",
-               "--eval-data", str(ev), "--device", "cpu", "--quiet"])
+               "--eval-data", str(ev), "--device", "cpu", "--retain-sources", "none", "--quiet"])
     assert rc == 0
     lines = capsys.readouterr().out.strip().splitlines()
     # the two named texts last: the heal data's own test split, then the general panel (here the other text)
