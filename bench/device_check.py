@@ -432,9 +432,7 @@ class Check:
             # the retain path as the demo runs it, on the small corpus: the Shakespeare build cuts (and so
             # tokenizes) all 9 MB of the plays whatever its token budget, a quarter of this row on a CPU.
             # The data is then another text (a corpus the data is built from is left out of the retain mix)
-            import argparse as _argparse
-
-            p["data"]["sources"] = [_argparse.__file__]
+            p["data"]["sources"] = [argparse.__file__]
             p["retain"]["sources"] = ["corpus:pydoc"]
             # one codec by GPTQ: the re-encode, its Grams and its scores, as each of the three runs them
             p["codecs"] = ["q8"]

@@ -228,23 +228,19 @@ def _kind(cls, f: dataclasses.Field) -> tuple[str, Any]:
     return "value", str
 
 
-#: a repeat option's value that means the empty list (`--retain-sources none`: no retain data)
+#: what to_argv writes for an empty list where a repeat field's default is not empty; the field's
+#: dataclass reads it as the empty list (RetainSettings: `--retain-sources none`, no retain data)
 NONE = "none"
 
 
 class Repeat(argparse.Action):
     """A repeat option: each use adds a value, and the first use replaces the default (argparse's
     "append" adds to a non-empty default, so `--retain-sources corpus:shakespeare` would keep the
-    default's corpus:pydoc too); the value `none` empties the list."""
+    default's corpus:pydoc too)."""
 
     def __call__(self, parser, namespace, value, option_string=None):
-        items = getattr(namespace, self.dest, None)
-        items = [] if items is None or items is self.default else list(items)
-        if value == NONE:
-            items.clear()
-        else:
-            items.append(value)
-        setattr(namespace, self.dest, items)
+        items = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, ([] if items is self.default else list(items)) + [value])
 
 
 def _show(v: Any) -> str:
