@@ -10,7 +10,9 @@ MLP neurons pruned with `cortiq compress`'s defaults; healed with the heal
 defaults (cortiq.heal.heal, one epoch of the heal corpus); then the healed
 model in each codec:
 
-- f16, q8 and q4 round-to-nearest (`cortiq recode`, no data),
+- f16, q8 and q4 round-to-nearest (`cortiq recode`, no data; a 4-bit file keeps
+  the embedding, SmolLM2's tied head, at q8: cortiq.codecs.KEEP_8BIT), and q4
+  round-to-nearest with the embedding in q4 too (the rule's ablation),
 - q8 and q4 by GPTQ, and q4 by AWQ-style scales then GPTQ (`cortiq recode
   --data`: Grams over calibration windows of the heal corpus, cortiq.quant),
 - q4 QAT-KD: the same heal, at the same tokens, with the trained matrices
@@ -116,6 +118,17 @@ def tdata_sets(cache: Path, source: Path, tiny: bool) -> dict[str, Path]:
     return out
 
 
+def all_q4(src: Path) -> Path:
+    """`src` with every matrix in q4 round-to-nearest, the embedding included (no name rule)."""
+    from cortiq.cmf import copy_specs, open_cmf, write_cmf
+    from cortiq.codecs import choose_codec
+
+    f = open_cmf(src)
+    out = src.with_name(f"{src.stem}-q4-all.cmf")
+    doc = {k: v for k, v in f.doc.items() if k not in ("codecs", "hashes", "shards")}
+    return write_cmf(out, doc, copy_specs(f, lambda n, i: choose_codec("q4", i.shape, i.codec, n, keep_8bit=())))
+
+
 def heal_settings(tiny: bool, device: str, **kw) -> HealSettings:
     if tiny:
         return HealSettings(window=64, batch=4, epochs=0.3, eval_every=5, checkpoint_every=0, device=device, **kw)
@@ -179,6 +192,8 @@ def main(argv=None) -> int:
         p = healed.with_name(f"{healed.stem}-{codec}-rtn.cmf")
         timed(f"recode {codec}", lambda: recode(healed, p, codec))
         models[f"{codec} rtn" if codec != "f16" else "f16"] = p
+    # what a 4-bit file was before cortiq.codecs.KEEP_8BIT: the embedding (SmolLM2's head too) in q4 as well
+    models["q4 rtn, embedding q4"] = timed("recode q4, embedding q4", lambda: all_q4(healed))
     quant_rep = {}
     for codec, method in (("q8", "gptq"), ("q4", "gptq"), ("q4", "awq")):
         s = QuantSettings(method=method, device=device, **({"window": 64, "max_windows": 8} if tiny else {}))

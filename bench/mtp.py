@@ -13,7 +13,7 @@ copies. Then:
   new tokens, overall and per prompt kind (data continuations, chat answers),
   beside the chain from every row of every window (`every row`, the figure
   before); q4 with and without its sensitive tensors kept at q8
-  (cortiq.mtp.SENSITIVE);
+  (cortiq.codecs.KEEP_8BIT);
 - real decoding: greedy speculative decoding on the static-cache engine (f32)
   at draft depth 1–3 from the prompts of those held-out windows (data and chat
   kinds), accepted drafts per round next to the same measure

@@ -21,6 +21,10 @@ q8 is symmetric (x ≈ scale·q, q in [-127, 127]); q4 is asymmetric
 *down*, so no value ever falls outside the codes and is clipped: the error of
 every value stays within half a step, subnormal f16 scales included. The
 registry takes more: subclass :class:`Codec` and call :func:`register`.
+
+A whole model written in one codec (:func:`choose_codec`) has it on its
+matrices; below 8 bits its embedding, head and MTP eh_proj stay at q8
+(:data:`KEEP_8BIT`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch
 
 from .errors import CortiqError
 
-__all__ = ["Codec", "CodecError", "get", "names", "register", "choose", "PLAIN"]
+__all__ = ["Codec", "CodecError", "get", "names", "register", "choose_codec", "KEEP_8BIT", "PLAIN"]
 
 
 class CodecError(CortiqError, ValueError):
@@ -331,16 +335,33 @@ def get(name: str) -> Codec:
         raise CodecError(f"unknown codec {name!r} (known: {', '.join(_REGISTRY)})") from None
 
 
-def choose_codec(requested: str, shape: tuple[int, ...], current: str = "f32") -> str:
-    """The codec a tensor of `shape`, now in `current`, gets when a whole model
-    is written in `requested`: "keep" keeps `current`; a plain codec applies
-    to every tensor; a quantized one to matrices only (ndim = 2): vectors
-    (norms, biases) and conv kernels stay plain, as they are or f32."""
+#: Matrices a whole model written in a codec of fewer than 8 bits keeps at q8 (by name: a CMF
+#: tensor's or a module parameter's name holding one of these). The token embedding is also the
+#: head in a tied model (SmolLM2): every logit is a dot product with its rows, so q4's error there
+#: reaches every token's distribution, and it is a fifth of a 135M model's weights. llama.cpp's
+#: 4-bit types keep the head (or a tied token_embd) at 6 bits for the same reason. eh_proj, the
+#: MTP draft's input projection, starts as [0 | I]: a q4 block of 32 holding one weight near 1
+#: spends its 16 levels on it and rounds the rest to 0 or 1/15. Measured on the H200 (SmolLM2-135M
+#: pruned 25 % and healed, bench/QUALITY.md "Codecs of the healed model"): see docs/internals.md.
+KEEP_8BIT = ("embed_tokens.", "lm_head.", "eh_proj.")
+
+
+def choose_codec(requested: str, shape: tuple[int, ...], current: str = "f32", name: str = "",
+                 keep_8bit: tuple[str, ...] = KEEP_8BIT) -> str:
+    """The codec a tensor `name` of `shape`, now in `current`, gets when a whole
+    model is written in `requested`: "keep" keeps `current`; a plain codec
+    applies to every tensor; a quantized one to matrices only (ndim = 2):
+    vectors (norms, biases) and conv kernels stay plain, as they are or f32; and
+    below 8 bits a matrix named in `keep_8bit` goes to q8 (an empty `name`, or
+    `keep_8bit=()`, quantizes every matrix alike)."""
     if requested == "keep":
         return get(current).name
     c = get(requested)
-    if c.plain or len(shape) == 2:
+    if c.plain:
         return c.name
+    if len(shape) == 2:
+        low = c.bytes_per_weight() < 1.0
+        return "q8" if low and name and any(k in name for k in keep_8bit) else c.name
     return current if get(current).plain else "f32"
 
 

@@ -114,7 +114,7 @@ def recode(src_cmf, out_cmf, codec: str, provenance: dict | None = None, verify:
 
     src = open_cmf(src_cmf)
     check_file(src)  # a file load refuses is not re-encoded into one that looks finished
-    specs = copy_specs(src, lambda name, info: codecs.choose_codec(codec, info.shape, info.codec), verify=verify,
+    specs = copy_specs(src, lambda name, info: codecs.choose_codec(codec, info.shape, info.codec, name), verify=verify,
                        finite=finite)
     doc = with_provenance({k: v for k, v in src.doc.items() if k not in ("codecs", "hashes", "shards")}, "recode",
                           {"codec": codec, **(provenance or {})})

@@ -178,5 +178,15 @@ def test_choose():
     assert codecs.choose_codec("q8", (4, 4), "f16") == "q8"  # quantized: matrices...
     assert codecs.choose_codec("q8", (4,), "bf16") == "bf16"  # ...vectors stay plain
     assert codecs.choose_codec("q4", (4,), "q8") == "f32"
+    # below 8 bits the embedding, the head and the draft's eh_proj stay at q8, by name ...
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.mtp.eh_proj.weight"):
+        assert codecs.choose_codec("q4", (4, 4), "f16", name) == "q8"
+        assert codecs.choose_codec("q4_64", (4, 4), "f16", name) == "q8"
+        assert codecs.choose_codec("q4", (4, 4), "f16", name, keep_8bit=()) == "q4"
+        assert codecs.choose_codec("fp8", (4, 4), "f16", name) == "fp8"  # 8 bits: no exception
+        assert codecs.choose_codec("q4", (4,), "f32", name) == "f32"  # a vector of that name stays plain
+    # ... and every other matrix, or a matrix with no name, is in the codec asked for
+    assert codecs.choose_codec("q4", (4, 4), "f16", "model.layers.0.mlp.down_proj.weight") == "q4"
+    assert codecs.choose_codec("q4", (4, 4), "f16") == "q4"
     with pytest.raises(CodecError):
         codecs.choose_codec("zz", (4, 4), "f32")

@@ -6,7 +6,9 @@ from __future__ import annotations
 HELP = "re-encode a CMF file's tensors in another codec (streaming; GPTQ/AWQ from --data)"
 DESCRIPTION = (
     "Write IN.cmf's tensors in --codec to OUT.cmf, one tensor at a time. Plain codecs (f32, f16, bf16) apply to "
-    "every tensor; quantized codecs (q8, q4, q4_64, fp8) to matrices, while vectors (norms, biases) stay plain. "
+    "every tensor; quantized codecs (q8, q4, q4_64, fp8) to matrices, while vectors (norms, biases) stay plain, "
+    "and below 8 bits (q4, q4_64) the token embedding, the head and an MTP draft's eh_proj stay at q8 (in a tied "
+    "model the embedding is the head, which every logit reads). "
     "Tensors already in the target codec are copied byte for byte. The provenance gains a 'recode' entry. "
     "With --data TDATA and a block codec (q4, q4_64, q8), every decoder layer's linear weights are quantized by "
     "--method (gptq: GPTQ from the Grams of their inputs over calibration windows of TDATA's train split, layer "

@@ -313,7 +313,7 @@ def convert_gguf(src: str | os.PathLike, out_path: str | os.PathLike, codec: str
         shape = _logical_shape(t)
         kind = name.rsplit(".", 2)[-2] if name.startswith("model.layers.") else ""
         unperm = heads.get(kind) if arch.arch_name == "llama" else None
-        c = codecs.choose_codec(codec, shape, _KEEP.get(t.tensor_type.name, "f16"))
+        c = codecs.choose_codec(codec, shape, _KEEP.get(t.tensor_type.name, "f16"), name)
         specs.append(cmf.Spec(name, c, shape, getter(t, shape, unperm)))
     doc = cmf.new_doc(arch, tok)
     doc = cmf.with_provenance(doc, "convert", {

@@ -382,6 +382,6 @@ def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, code
     specs = []
     for n in want:  # the model's order: embeddings, layers, norm, head
         shape, dt, get = plan[n]
-        specs.append(Spec(n, choose_codec(codec, shape, _ST_CODEC.get(dt, "f32")), shape, get))
+        specs.append(Spec(n, choose_codec(codec, shape, _ST_CODEC.get(dt, "f32"), n), shape, get))
     doc = new_doc(arch, tok, {"convert": {"source": str(src.resolve()), "format": "hf", "codec": codec}})
     return write_cmf(Path(out_path), doc, specs)

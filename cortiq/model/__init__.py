@@ -131,6 +131,6 @@ def export_model(model: CausalLM, src, out_path, codec: str = "keep", provenance
         if name.endswith("neuron_logits"):
             continue
         same = name in src and tuple(src.info(name).shape) == tuple(p.shape)
-        c = choose_codec(codec, tuple(p.shape), src.info(name).codec if same else "f32")
+        c = choose_codec(codec, tuple(p.shape), src.info(name).codec if same else "f32", name)
         specs.append(Spec(name, c, tuple(p.shape), lambda p=p: p.detach().float().cpu()))
     return write_cmf(Path(out_path), doc, specs)

@@ -283,33 +283,26 @@ def _draft_tensors(model) -> dict:
     return {f"model.mtp.{n}": p.detach().float().cpu() for n, p in model.mtp.named_parameters()}
 
 
-#: Draft tensors kept at q8 when the draft goes to a codec of fewer than 8 bits. eh_proj
-#: carries the hidden row into the block (it starts as [0 | I]): a q4 block of 32 with
-#: one weight near 1 and the rest near 0 spends its 16 levels on the 1 and rounds the
-#: small weights, which hold the token's mix, to 0 or 1/15. It is about a sixth of a SmolLM2
-#: draft's weights (0.3 MB more at q8). Measured on an H200 with SmolLM2-135M after 666
-#: steps (bench/MTP.md): f16 0.904 drafts a round, q4 with eh_proj at q8 0.886, all q4
-#: 0.897 — no difference beyond noise once eh_proj has moved far from [0 | I]; kept for
-#: drafts trained less.
-SENSITIVE = ("eh_proj.",)
-
-
-def write_draft(f, tensors: dict, codec: str, path, stage_block: dict | None = None, sensitive=SENSITIVE,
+def write_draft(f, tensors: dict, codec: str, path, stage_block: dict | None = None, sensitive=None,
                 sensitive_codec: str = "q8"):
     """`f`'s tensors as stored, with model.mtp.* replaced by `tensors` in `codec`
     ("keep": each draft tensor's codec in `f`; a quantized codec only for 2-D weights;
-    below 8 bits a weight named in `sensitive` goes to `sensitive_codec`)."""
-    from ..cmf import copy_specs, with_provenance, write_cmf
-    from ..codecs import choose_codec
-    from ..codecs import get as get_codec
+    below 8 bits a weight named in `sensitive` goes to `sensitive_codec`; None: the
+    whole-model rule's names, cortiq.codecs.KEEP_8BIT, which hold the draft's eh_proj).
 
-    low = codec != "keep" and get_codec(codec).bytes_per_weight() < 1.0
+    eh_proj at q8 was measured on an H200 with SmolLM2-135M after 666 steps (bench/MTP.md):
+    f16 0.904 drafts a round, q4 with eh_proj at q8 0.886, all q4 0.897 — no difference beyond
+    noise once eh_proj has moved far from its initial [0 | I]; kept for drafts trained less."""
+    from ..cmf import copy_specs, with_provenance, write_cmf
+    from ..codecs import KEEP_8BIT, choose_codec
+
+    keep = KEEP_8BIT if sensitive is None else tuple(sensitive)
 
     def codec_for(name, info):
         if not name.startswith("model.mtp."):
             return info.codec
-        c = choose_codec(codec, info.shape, info.codec)  # the whole-model rule: quantized codecs on matrices only
-        return sensitive_codec if low and c == codec and any(k in name for k in sensitive) else c
+        c = choose_codec(codec, info.shape, info.codec, name, keep)  # the whole-model rule
+        return sensitive_codec if codec not in ("keep", "q8") and c == "q8" else c
 
     specs = copy_specs(f, codec_for, replace=tensors)
     doc = {k: v for k, v in f.doc.items() if k not in ("codecs", "hashes", "shards")}

@@ -164,7 +164,7 @@ def quantize(model_cmf, grams_dir, codec: str, s: QuantSettings, out_cmf, progre
         replace[name] = (shape, lambda t=t: Stored(t)) if len(shape) == 2 else t
 
     def codec_for(name, info):
-        return codec if name in made and len(info.shape) == 2 else codecs.choose_codec(codec, info.shape, info.codec)
+        return codec if name in made and len(info.shape) == 2 else codecs.choose_codec(codec, info.shape, info.codec, name)
 
     rep = meta["report"]
     doc = with_provenance({k: v for k, v in src.doc.items() if k not in ("codecs", "hashes", "shards")}, "quantize",

@@ -123,8 +123,10 @@ def test_quantized_blocks_are_the_cmf_bytes(tmp_path, made):
         checked[info.codec] += 1
     if made == "mixed":
         assert checked["q8"] >= 2 and checked["q4"] >= 2
-    else:  # every linear weight of both layers, and the embedding
-        assert checked[made.split("-")[1]] == 2 * 7 + 1
+    elif made == "gptq-q8":  # every linear weight of both layers, and the embedding
+        assert checked["q8"] == 2 * 7 + 1
+    else:  # a 4-bit file keeps its (tied) embedding at q8 (cortiq.codecs.KEEP_8BIT)
+        assert checked == {"q4": 2 * 7, "q8": 1}
 
 
 def test_q4_repack_matches_ggufs_own_q4_1_layout():
@@ -221,7 +223,9 @@ def _q4_1_mismatch(got: np.ndarray, want: np.ndarray) -> str | None:
 
 
 def _gguf_q4_mismatches(f32_path, gguf_path) -> dict[str, str]:
-    """Per GGUF matrix in Q4_1: how its bytes differ from cortiq's q4 of the f32 source's weights."""
+    """Per GGUF matrix in Q4_1: how its bytes differ from cortiq's q4 of the f32 source's weights. The (tied)
+    embedding of a 4-bit file is Q8_0: its bytes must be cortiq's q8 of the weights (block_q8_0 is f16 d
+    then 32 int8, cortiq's q8 block as it is)."""
     from cortiq.export.gguf import gguf_name
 
     src = open_cmf(f32_path)
@@ -232,8 +236,12 @@ def _gguf_q4_mismatches(f32_path, gguf_path) -> dict[str, str]:
         if len(src.info(n).shape) != 2:
             continue
         g = by[gguf_name(n)]
-        assert g.tensor_type == GGMLQuantizationType.Q4_1, (n, g.tensor_type)
         w = src.tensor(n).numpy()
+        if n == "model.embed_tokens.weight":
+            assert g.tensor_type == GGMLQuantizationType.Q8_0, (n, g.tensor_type)
+            assert np.asarray(g.data).tobytes() == codecs.get("q8").encode(torch.from_numpy(w)).numpy().tobytes()
+            continue
+        assert g.tensor_type == GGMLQuantizationType.Q4_1, (n, g.tensor_type)
         kind = g.name.split(".")[-2]
         if kind in heads:
             w = _llama_permute(w, heads[kind])
@@ -242,7 +250,7 @@ def _gguf_q4_mismatches(f32_path, gguf_path) -> dict[str, str]:
         if why:
             bad[g.name] = why
         seen += 1
-    assert seen == 2 * 7 + 1  # both layers' seven matrices and the (tied) embedding
+    assert seen == 2 * 7  # both layers' seven matrices
     return bad
 
 
@@ -269,7 +277,7 @@ def test_q4_1_check_catches_a_wrong_nibble_order_or_scale(tmp_path, monkeypatch)
     cortiq_order = lambda raw: raw.reshape(-1, 20)  # noqa: E731 - cortiq's own (2j, 2j+1) nibble pairs
     monkeypatch.setattr(eg, "q4_to_q4_1", cortiq_order)
     bad = _gguf_q4_mismatches(src, export_gguf(q4, tmp_path / "nibbles.gguf")[0])
-    assert len(bad) == 15 and all(v.endswith(": codes") for v in bad.values()), bad
+    assert len(bad) == 14 and all(v.endswith(": codes") for v in bad.values()), bad
 
     def swapped(raw, repack=q4_to_q4_1):  # min where the scale goes
         b = repack(raw).copy()
@@ -278,7 +286,7 @@ def test_q4_1_check_catches_a_wrong_nibble_order_or_scale(tmp_path, monkeypatch)
 
     monkeypatch.setattr(eg, "q4_to_q4_1", swapped)
     bad = _gguf_q4_mismatches(src, export_gguf(q4, tmp_path / "scale.gguf")[0])
-    assert len(bad) == 15 and all(v.endswith(": scale") for v in bad.values()), bad
+    assert len(bad) == 14 and all(v.endswith(": scale") for v in bad.values()), bad
 
     def code_off(raw, repack=q4_to_q4_1):  # one code of each matrix's fourth block one step up
         b = repack(raw).copy()
@@ -287,5 +295,5 @@ def test_q4_1_check_catches_a_wrong_nibble_order_or_scale(tmp_path, monkeypatch)
 
     monkeypatch.setattr(eg, "q4_to_q4_1", code_off)
     bad = _gguf_q4_mismatches(src, export_gguf(q4, tmp_path / "code.gguf")[0])
-    assert len(bad) == 15 and all(v.endswith(": codes") for v in bad.values()), bad
+    assert len(bad) == 14 and all(v.endswith(": codes") for v in bad.values()), bad
     assert bad["blk.0.ffn_up.weight"] == "row 1 block 1: codes"  # 64 columns: two blocks a row

@@ -35,7 +35,12 @@ def test_fake_quant_forward_and_straight_through_gradient(codec):
             self.model.embed_tokens = torch.nn.Embedding(3, 4)
             self.lm_head = None
 
-    assert attach(Holder(), codec, [0]) == 1
+    h = Holder()
+    emb = h.model.embed_tokens.weight.detach().clone()
+    assert attach(h, codec, [0]) == 1
+    # the frozen embedding is rounded as the file stores it: q8 below 8 bits (cortiq.codecs.KEEP_8BIT)
+    q8 = codecs.get("q8")
+    assert torch.equal(h.model.embed_tokens.weight, q8.decode(q8.encode(emb), tuple(emb.shape)))
     out = lin(x)
     assert torch.equal(out, ref)
     up = torch.randn(out.shape, generator=g)
@@ -59,7 +64,9 @@ def test_qat_heal_scores_and_writes_the_quantized_model(tmp_path):
     assert rep["metrics"]["heldout_start"] != plain["metrics"]["heldout_start"]
     f = open_cmf(tmp_path / "qat.cmf")
     mats = [n for n in f.names if len(f.info(n).shape) == 2]
-    assert {f.info(n).codec for n in mats} == {"q4"}
+    head = [n for n in mats if n.startswith(("model.embed_tokens.", "lm_head."))]
+    assert head and {f.info(n).codec for n in head} == {"q8"}  # the embedding and head of a 4-bit file
+    assert {f.info(n).codec for n in mats if n not in head} == {"q4"}
     # the NLL reported for the healed model is the written file's
     from cortiq.measure import score
 

@@ -84,9 +84,9 @@ def test_awq_file_computes_what_the_quantized_model_computed(tmp_path):
     model = load_model(m)
     for i, layer in enumerate(model.layers):
         quantize_layer(layer, grams[i], "q4", "awq", block=s.block, damp=s.damp, act_order=False, awq_grid=s.awq_grid)
-    with torch.no_grad():  # outside the layers a block codec is round-to-nearest, as recode writes it
+    with torch.no_grad():  # outside the layers round-to-nearest as recode writes it: a 4-bit file's embedding in q8
         e = model.model.embed_tokens.weight
-        e.copy_(codecs.get("q4").roundtrip(e))
+        e.copy_(codecs.get("q8").roundtrip(e))
     back = load_model(r["path"])
     for n, p in back.named_parameters():
         assert torch.equal(p, dict(model.named_parameters())[n]), n
