@@ -144,6 +144,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where codecs.json goes (default $OUT or .)")
     ap.add_argument("--retain", default="", help="retain sources mixed into the compress, the heals and the GPTQ/AWQ "
                                                  "calibration, comma-separated (e.g. self,corpus:pydoc; default none)")
+    ap.add_argument("--clip-grids", default="1", help="QuantSettings.clip_grid values for the GPTQ/AWQ q4 rows, "
+                                                     "comma-separated (a row each past the first)")
+    ap.add_argument("--no-qat", action="store_true", help="leave out the q4 QAT-KD row (its heal)")
     args = ap.parse_args(argv)
 
     device, cache, out = run_dirs(args, "codecs")
@@ -181,9 +184,11 @@ def main(argv=None) -> int:
         return heal(pruned, source, sets["heal"], heal_settings(tiny, device, qat_codec="q4", **kw), qat, work_dir=work,
                     progress=False, score_split=None, retain=rs)
 
+    rep_q = None
     try:
-        rep_q = timed("heal qat q4", heal_qat)
-        times["qat_compiled"] = device == "cuda"
+        if not args.no_qat:
+            rep_q = timed("heal qat q4", heal_qat)
+            times["qat_compiled"] = device == "cuda"
     except Exception as e:  # noqa: BLE001  (the table still comes out: the same heal, eager)
         log(f"QAT heal with compiled layers failed ({type(e).__name__}: {str(e)[:300]}); again eager")
         rep_q = timed("heal qat q4", lambda: heal_qat(compile=False))
@@ -195,12 +200,17 @@ def main(argv=None) -> int:
     # what a 4-bit file was before cortiq.codecs.KEEP_8BIT: the embedding (SmolLM2's head too) in q4 as well
     models["q4 rtn, embedding q4"] = timed("recode q4, embedding q4", lambda: all_q4(healed))
     quant_rep = {}
-    for codec, method in (("q8", "gptq"), ("q4", "gptq"), ("q4", "awq")):
-        s = QuantSettings(method=method, device=device, **({"window": 64, "max_windows": 8} if tiny else {}))
-        r = timed(f"{method} {codec}", lambda: requantize(healed, calib, codec, s, work, progress=False))
-        models[f"{codec} {method}"] = Path(r["path"])
-        quant_rep[f"{codec} {method}"] = r["quantize"]["report"]["metrics"]
-    models["q4 qat-kd"] = qat
+    clips = [int(x) for x in args.clip_grids.split(",")]
+    runs = [("q8", "gptq", clips[0]), ("q4", "gptq", clips[0]), ("q4", "awq", clips[0])]
+    runs += [(c, m, g) for g in clips[1:] for c, m in (("q4", "gptq"), ("q4", "awq"))]
+    for codec, method, grid in runs:
+        s = QuantSettings(method=method, device=device, clip_grid=grid, **({"window": 64, "max_windows": 8} if tiny else {}))
+        tag = f"{codec} {method}" + (f" clip {grid}" if grid != clips[0] else "")
+        r = timed(tag, lambda: requantize(healed, calib, codec, s, work, progress=False))
+        models[tag] = Path(r["path"])
+        quant_rep[tag] = r["quantize"]["report"]["metrics"]
+    if rep_q is not None:
+        models["q4 qat-kd"] = qat
 
     nll: dict[str, dict[str, float]] = {}
     for text, split in TEXTS:
@@ -216,14 +226,15 @@ def main(argv=None) -> int:
             + [f"{nll[k][n]:.4f}" + ("" if k == "f16" else f" ({nll[k][n] - base[n]:+.3f})") for n in names]
             for k, p in models.items()]
     lines = [f"codecs of the healed SmolLM2-135M ({'tiny smoke run' if tiny else torch.cuda.get_device_name()}): "
-             f"25 % of MLP neurons pruned, healed {heal_tokens / 1e6:.2f}M tokens (QAT: "
-             f"{rep_q['metrics']['steps']} steps, the same); retain {', '.join(rs.sources) or 'none'}; NLL per "
+             f"25 % of MLP neurons pruned, healed {heal_tokens / 1e6:.2f}M tokens"
+             + (f" (QAT: {rep_q['metrics']['steps']} steps, the same)" if rep_q else "") + f"; clip grids "
+             f"{args.clip_grids}; retain {', '.join(rs.sources) or 'none'}; NLL per "
              f"token, (Δ vs f16)",
              table(["model", "MB", *names], rows)]
     lines.append(f"total {time.perf_counter() - t_all:.0f} s")
     printed = "\n".join(lines)
     result = {"nll": nll, "times": times, "quant": quant_rep, "heal_tokens": heal_tokens,
-              "heldout": {"f16 heal": rep["metrics"]["heldout_best"], "qat heal": rep_q["metrics"]["heldout_best"]},
+              "heldout": {"f16 heal": rep["metrics"]["heldout_best"], "qat heal": rep_q and rep_q["metrics"]["heldout_best"]},
               "models": {k: str(v) for k, v in models.items()}, "table": printed, "tiny": tiny,
               "retain": rs.sources}
     (out / "codecs.json").write_text(json.dumps(result, indent=1))
