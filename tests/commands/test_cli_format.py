@@ -79,8 +79,11 @@ def test_recode_any_codec_to_any_codec(model, tmp_path, capsys):
         assert main(["recode", str(prev), str(out), "--codec", codec]) == 0
         a, b = cmf.open_cmf(prev), cmf.open_cmf(out)
         for name in src.names:
-            # quantized codecs take matrices; vectors stay in their plain codec
+            # quantized codecs take matrices; vectors stay in their plain codec; 4-bit ones keep the embedding
+            # and head at q8
             want = codec if (codecs.get(codec).plain or len(a.info(name).shape) >= 2) else a.info(name).codec
+            if codec in ("q4", "q4_64") and name.startswith(("model.embed_tokens.", "lm_head.")):
+                want = "q8"
             assert b.info(name).codec == want, (codec, name)
             x = a.tensor(name)
             assert bool(((b.tensor(name) - x).abs() <= codecs.get(want).bound(x)).all()), (codec, name)
