@@ -37,7 +37,7 @@ import torch
 
 from .errors import CortiqError
 
-__all__ = ["Codec", "CodecError", "get", "names", "register", "choose_codec", "KEEP_8BIT", "PLAIN"]
+__all__ = ["Codec", "CodecError", "get", "names", "register", "choose_codec", "rule_key", "KEEP_8BIT", "PLAIN"]
 
 
 class CodecError(CortiqError, ValueError):
@@ -345,6 +345,15 @@ def get(name: str) -> Codec:
 #: pruned 25 % and healed 2M tokens): q4 round-to-nearest +0.081 nats over f16 on held-out text of the
 #: heal source with the embedding at q8, +0.147 with it in q4, for 12.4 MB more (72 -> 84 MB).
 KEEP_8BIT = ("embed_tokens.", "lm_head.", "eh_proj.")
+
+
+def rule_key(codec: str) -> dict:
+    """What a stage that writes a whole model in `codec` adds to its cache key for the rule above: the
+    names kept at q8 when `codec` has fewer than 8 bits (so a cache made before the rule, or under
+    another one, is not taken for its output), nothing otherwise (the digests of every other codec stay)."""
+    if codec in ("keep", "none"):
+        return {}
+    return {"keep_8bit": list(KEEP_8BIT)} if get(codec).bytes_per_weight() < 1.0 else {}
 
 
 def choose_codec(requested: str, shape: tuple[int, ...], current: str = "f32", name: str = "",

@@ -220,5 +220,6 @@ def _reencode(out, ctx, model, codec) -> dict:
 
 SCORE = Stage("score", "2", _score, ScoreSettings, ("model", "tdata"),
               doc="NLL per scored token of a model on a tdata split (\"all\": every record), and its size")
-REENCODE = Stage("reencode", "2", _reencode, None, ("model",), extra=lambda p: {"codec": p["codec"]}, output="cmf",
+REENCODE = Stage("reencode", "2", _reencode, None, ("model",), extra=lambda p: {"codec": p["codec"],
+                 **codecs.rule_key(p["codec"])}, output="cmf",
                  doc="a model in another codec (plain codecs everywhere, quantized ones on matrices)")

@@ -190,3 +190,11 @@ def test_choose():
     assert codecs.choose_codec("q4", (4, 4), "f16") == "q4"
     with pytest.raises(CodecError):
         codecs.choose_codec("zz", (4, 4), "f32")
+
+
+def test_rule_key_names_the_rule_only_below_8_bits():
+    # a stage writing a whole model puts the 8-bit names in its key for a 4-bit codec only, so the
+    # digests of every other codec are those from before the rule
+    assert codecs.rule_key("q4") == codecs.rule_key("q4_64") == {"keep_8bit": list(codecs.KEEP_8BIT)}
+    for c in ("q8", "fp8", "f16", "f32", "bf16", "keep", "none"):
+        assert codecs.rule_key(c) == {}

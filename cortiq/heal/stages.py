@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import dist, pipeline, store, tracking
+from .. import codecs, dist, pipeline, store, tracking
 from ..devices import rank_device
 from ..errors import CortiqError
 from ..measure import gap_recovered, panel_gap, score, text_gap  # noqa: F401  (heal's names for them)
@@ -331,11 +331,12 @@ def _export(out, ctx, student, teacher, train, prefix, settings, codec) -> dict:
     return {"metrics": {k: rep["metrics"][k] for k in ("heldout_start", "heldout_best", "best_step", "steps")}}
 
 
+# QAT rounds the frozen embedding and head as the file in its codec stores them (codecs.rule_key)
 TRAIN = Stage("train", TRAIN_VERSION, _train, HealSettings, ("student", "targets", "prefix", "tdata"),
-              gpus=settings_gpus,
+              gpus=settings_gpus, extra=lambda p: codecs.rule_key(p["settings"].qat_codec),
               doc="the student's tail trained on the targets; the best held-out weights kept; resumes from its checkpoint")
 # no heal setting feeds it: the trained weights come in through `train`, the codec as its own parameter
 HEAL = Stage("heal", VERSION, _export, HealSettings, ("student", "train"),
-             extra=lambda p: {"codec": p["codec"]}, output="cmf",
+             extra=lambda p: {"codec": p["codec"], **codecs.rule_key(p["codec"])}, output="cmf",
              doc="the healed CMF: the student with the trained weights, in its codecs (the QAT codec's when it "
                  "trained against one), provenance `heal`")

@@ -195,6 +195,12 @@ def _quantize(out, ctx, model, grams, codec, settings):
     return rep
 
 
+def _rule_key(codec: str) -> dict:
+    from ..codecs import rule_key  # torch's import stays out of `cortiq recode --help`
+
+    return rule_key(codec)
+
+
 def _codec(p: dict) -> dict:
     # sequential GPTQ: each layer's inputs come out of the layers below, already quantized in this codec
     return {"codec": p["codec"]}
@@ -203,7 +209,9 @@ def _codec(p: dict) -> dict:
 QGRAMS = Stage("qgrams", VERSION, _qgrams, QuantSettings, ("model", "tdata"), extra=_codec,
                doc="Grams of every decoder layer's linear inputs over calibration windows, each layer's taken on "
                    "the outputs of the layers below it already quantized, and the blocks GPTQ (or AWQ) made of them")
-QUANTIZE = Stage("quantize", VERSION, _quantize, QuantSettings, ("model", "grams"), extra=_codec, output="cmf",
+# the file's other matrices follow the whole-model rule (embedding and head at q8 below 8 bits)
+QUANTIZE = Stage("quantize", VERSION, _quantize, QuantSettings, ("model", "grams"),
+                 extra=lambda p: {**_codec(p), **_rule_key(p["codec"])}, output="cmf",
                  doc="a model in a block codec (q4, q4_64, q8), its linear weights in the blocks GPTQ (or AWQ) made")
 
 
