@@ -347,13 +347,17 @@ def get(name: str) -> Codec:
 KEEP_8BIT = ("embed_tokens.", "lm_head.", "eh_proj.")
 
 
+def _below_8_bits(c: Codec) -> bool:
+    return not c.plain and c.bytes_per_weight() < 1.0
+
+
 def rule_key(codec: str) -> dict:
     """What a stage that writes a whole model in `codec` adds to its cache key for the rule above: the
     names kept at q8 when `codec` has fewer than 8 bits (so a cache made before the rule, or under
     another one, is not taken for its output), nothing otherwise (the digests of every other codec stay)."""
     if codec in ("keep", "none"):
         return {}
-    return {"keep_8bit": list(KEEP_8BIT)} if get(codec).bytes_per_weight() < 1.0 else {}
+    return {"keep_8bit": list(KEEP_8BIT)} if _below_8_bits(get(codec)) else {}
 
 
 def choose_codec(requested: str, shape: tuple[int, ...], current: str = "f32", name: str = "",
@@ -370,8 +374,7 @@ def choose_codec(requested: str, shape: tuple[int, ...], current: str = "f32", n
     if c.plain:
         return c.name
     if len(shape) == 2:
-        low = c.bytes_per_weight() < 1.0
-        return "q8" if low and name and any(k in name for k in keep_8bit) else c.name
+        return "q8" if _below_8_bits(c) and name and any(k in name for k in keep_8bit) else c.name
     return current if get(current).plain else "f32"
 
 
