@@ -204,7 +204,8 @@ def main(argv=None) -> int:
     runs = [("q8", "gptq", clips[0]), ("q4", "gptq", clips[0]), ("q4", "awq", clips[0])]
     runs += [(c, m, g) for g in clips[1:] for c, m in (("q4", "gptq"), ("q4", "awq"))]
     for codec, method, grid in runs:
-        s = QuantSettings(method=method, device=device, clip_grid=grid, **({"window": 64, "max_windows": 8} if tiny else {}))
+        s = QuantSettings(method=method, device=device, clip_grid=grid, **({"method_8bit": method} if codec == "q8" else {}),
+                          **({"window": 64, "max_windows": 8} if tiny else {}))
         tag = f"{codec} {method}" + (f" clip {grid}" if grid != clips[0] else "")
         r = timed(tag, lambda: requantize(healed, calib, codec, s, work, progress=False))
         models[tag] = Path(r["path"])

@@ -47,10 +47,10 @@ PINNED = {
     "trunk": "324c4229e18218b05449e13daa49f36e",
     # before: 4386060c84355cdb7f186f3aec7dc992, with device, gpus, the dump and cache paths in it
     "mtp": "7fb2ed72c889124be5ace33634057188",
-    # before: 5d9f1549..., bfe18e3e..., 3531e5d9..., 648d00b5... (quant.method gptq, the default until the
-    # H200 codec table chose awq)
-    "qgrams.q8": "62e0dc85f5ecccaa2bf8d5f422a4c00c",
-    "quantize.q8": "417b895f4e5f3f8a7f66cdd3549ec16e",
+    # q8 by round-to-nearest (quant.method_8bit); before: qgrams.q8 62e0dc85..., quantize.q8 417b895f... (AWQ),
+    # and 5d9f1549..., bfe18e3e... (GPTQ)
+    "reencode.q8": "6ae6b32bdbb6dc7d1958b6a5b8889cf6",
+    # before: 3531e5d9..., 648d00b5... (quant.method gptq, the default until the H200 codec table chose awq)
     "qgrams.q4": "abdcc1248f04512173814e4ffcd852c8",
     # before: 76c1e08c4cdaa97da86714b52c874578 (a 4-bit file's embedding and head were q4 too; now q8,
     # cortiq.codecs.KEEP_8BIT, which codecs.rule_key puts in the keys of the stages that write 4-bit files)
@@ -92,7 +92,7 @@ def demo_chain(s, tok) -> list[tuple[str, pipeline.Stage, dict]]:
     from cortiq.heal.targets import TARGETS
     from cortiq.measure import REENCODE, SCORE, ScoreSettings
     from cortiq.mtp import MTP, MTP_INIT, TRUNK
-    from cortiq.quant import QGRAMS, QUANTIZE
+    from cortiq.quant import QGRAMS, QUANTIZE, uses_grams
 
     plain = pipeline.plain
     r, c, h, m, q = (s.stage(g) for g in ("retain", "compress", "heal", "mtp", "quant"))
@@ -118,6 +118,9 @@ def demo_chain(s, tok) -> list[tuple[str, pipeline.Stage, dict]]:
         ("mtp", MTP, dict(model="@mtp_init", tdata="@data", trunk="@trunk", settings=plain(m))),
     ]
     for codec in ("q8", "q4"):
+        if not uses_grams(codec, q):
+            nodes.append((f"reencode.{codec}", REENCODE, dict(model="@mtp", codec=codec)))
+            continue
         nodes += [(f"qgrams.{codec}", QGRAMS, dict(model="@mtp", tdata="@data", codec=codec, settings=plain(q))),
                   (f"quantize.{codec}", QUANTIZE, dict(model="@mtp", grams=f"@qgrams.{codec}", codec=codec,
                                                        settings=plain(q)))]
@@ -264,7 +267,8 @@ GROUP = {"data": "data", "data.retain": None, "mix": "retain", "masks": "compres
 DERIVED = {("retain", "tokens"): {"data.retain"}, ("heal", "qat_codec"): {"heal"},
            ("compress", "keep_frac"): {"masks", "fold"}}
 #: fields that change which stages run (the chain's shape), or name the retain sources: not walked
-SHAPE = {("retain", "sources"), ("compress", "learn_masks"), ("compress", "use_gptq"), ("mtp", "hold_all")}
+SHAPE = {("retain", "sources"), ("compress", "learn_masks"), ("compress", "use_gptq"), ("mtp", "hold_all"),
+         ("quant", "method_8bit")}
 
 
 def test_over_the_demo_chain_a_field_changes_its_stages_and_those_downstream(demo, tok, monkeypatch):

@@ -13,7 +13,7 @@ DESCRIPTION = (
     "With --data TDATA and a block codec (q4, q4_64, q8), every decoder layer's linear weights are quantized by "
     "--method (gptq: GPTQ from the Grams of their inputs over calibration windows of TDATA's train split, layer "
     "by layer on the outputs of the layers already quantized; awq: activation-aware scales folded into the op "
-    "before, then GPTQ; rtn: round-to-nearest); the Grams are a cached stage under --work, reused by the next "
+    "before, then GPTQ; rtn: round-to-nearest; q8 by --method-8bit, rtn unless asked); the Grams are a cached stage under --work, reused by the next "
     "run on the same model, data and settings; the provenance gains a 'quantize' entry. Without --data the "
     "blocks are round-to-nearest. Another cortiq process writing the same OUT.cmf is waited for (OUT.cmf.lock)."
 )
@@ -57,7 +57,7 @@ def run(args) -> int:
             r = requantize(args.src, args.data, args.codec, s, work)
             path = pipeline.deliver({"path": r["path"]}, args.out)
         m = r["quantize"]["report"]["metrics"]
-        print(f"{s.method}: output error under the Grams {m['quant_over_rtn']:.3f}× round-to-nearest's",
+        print(f"{s.method_for(args.codec)}: output error under the Grams {m['quant_over_rtn']:.3f}× round-to-nearest's",
               file=sys.stderr)
         print(f"wrote {path}")
         return 0

@@ -40,17 +40,17 @@ BLOCKS_FILE = "blocks.safetensors"
 
 def uses_grams(codec: str, s: QuantSettings) -> bool:
     """True when writing `codec` with `s` takes the Grams (a block codec, GPTQ or AWQ)."""
-    return s.method != "rtn" and codec in BLOCK_CODECS
+    return codec in BLOCK_CODECS and s.method_for(codec) != "rtn"
 
 
 def _check(codec: str, s: QuantSettings) -> None:
     if not uses_grams(codec, s):
-        raise CortiqError(f"quantize: method {s.method} with codec {codec}: GPTQ and AWQ write "
+        raise CortiqError(f"quantize: method {s.method_for(codec)} with codec {codec}: GPTQ and AWQ write "
                           f"{', '.join(BLOCK_CODECS)} (use method rtn for the others)")
 
 
-def _layer_args(s: QuantSettings) -> dict:
-    return {"method": s.method, "block": s.block, "damp": s.damp, "act_order": s.act_order, "awq_grid": s.awq_grid,
+def _layer_args(codec: str, s: QuantSettings) -> dict:
+    return {"method": s.method_for(codec), "block": s.block, "damp": s.damp, "act_order": s.act_order, "awq_grid": s.awq_grid,
             "clip_grid": s.clip_grid}
 
 
@@ -83,7 +83,7 @@ def capture(model_cmf, tdata_dir, codec: str, s: QuantSettings, progress: bool =
         keep = [rows[a : a + s.batch].to(dev) for a in starts]
         # every window's hidden state, on the device: 64 windows of 256 at SmolLM2's width are 38 MB
         h = [model.embed(ids[a : a + s.batch].to(dev)) for a in starts]
-        bar = tqdm(total=len(model.layers), desc=f"Grams and {s.method} → {codec}", unit="layer", file=sys.stderr,
+        bar = tqdm(total=len(model.layers), desc=f"Grams and {s.method_for(codec)} → {codec}", unit="layer", file=sys.stderr,
                    disable=not progress, leave=False)
         for i, layer in enumerate(model.layers):
             gs = groups(layer)
@@ -109,7 +109,7 @@ def capture(model_cmf, tdata_dir, codec: str, s: QuantSettings, progress: bool =
                 if not bool((torch.diagonal(G) > 0).any()):
                     raise CortiqError(f"{model_cmf}: layer {i} {key}: the calibration activations are all zero")
                 out[f"{i}.{key}"] = G.cpu().contiguous()
-            r = quantize_layer(layer, grams, codec, **_layer_args(s))
+            r = quantize_layer(layer, grams, codec, **_layer_args(codec, s))
             report += [{"layer": i, **row} for row in r.rows]
             blocks.update({f"model.layers.{i}.{name}.weight": st for name, st in r.stored.items()})
             h = [model.run_layers(hb, i, i + 1) for hb in h]
@@ -172,7 +172,7 @@ def quantize(model_cmf, grams_dir, codec: str, s: QuantSettings, out_cmf, progre
                            "groups": rep["groups"]})
     write_cmf(Path(out_cmf), doc, copy_specs(src, codec_for, replace))
     m = {k: rep["metrics"][k] for k in ("quant_err", "quant_err_rtn", "quant_over_rtn")}
-    return {"metrics": {**m, "bytes": float(open_cmf(out_cmf).nbytes())}, "codec": codec, "method": s.method,
+    return {"metrics": {**m, "bytes": float(open_cmf(out_cmf).nbytes())}, "codec": codec, "method": s.method_for(codec),
             "groups": rep["groups"]}
 
 

@@ -10,6 +10,8 @@ from ..settings_meta import BATCH, WINDOW, check, setting
 METHODS = ("gptq", "rtn", "awq")
 #: the codecs GPTQ (and AWQ's scales) write; every other codec is round-to-nearest
 BLOCK_CODECS = ("q4", "q4_64", "q8")
+#: the block codecs of 8 bits, which take `method_8bit` rather than `method`
+EIGHT_BIT = ("q8",)
 
 
 @dataclass
@@ -23,9 +25,14 @@ class QuantSettings:
     #: the default is awq by measurement (bench/QUALITY.md, "Codecs of the healed model": on the H200, SmolLM2-135M
     #: pruned 25 % and healed 2M tokens, q4 awq cost 0.003-0.028 nats less than q4 gptq on each of five texts, the
     #: pydoc, program source and licence texts of other sources among them, for 1.1x gptq's time)
-    method: str = setting("awq", "how the q4/q8 blocks are chosen: gptq (from the Grams of calibration windows, "
+    method: str = setting("awq", "how the q4/q4_64 blocks are chosen (q8: method_8bit): gptq (from the Grams of calibration windows, "
                                   "layer by layer), awq (activation-aware scales folded into the op before, then "
                                   "GPTQ), rtn (round-to-nearest, no data)", choices=METHODS)
+    #: q8 by rounding to nearest is within 0.004 nats of f16 on every text measured (bench/QUALITY.md, "Codecs of
+    #: the healed model": SmolLM2-135M pruned 25 % and healed, five texts of four sources, on the H200), so the
+    #: Grams' forward and GPTQ buy it nothing a user could see; on 2 CPU cores they cost `make demo` 132 s
+    method_8bit: str = setting("rtn", "how q8 blocks are chosen (method applies below 8 bits): rtn by default, "
+                                      "gptq or awq to calibrate q8 as well", choices=METHODS, added=True)
     # ── calibration (the windows the Grams are taken over) ──
     window: int = setting(256, "tokens per calibration window", **WINDOW)
     #: 64 windows of 256: 16k tokens, ten times the rows of SmolLM2's widest input (1536)
@@ -57,3 +64,7 @@ class QuantSettings:
 
     def __post_init__(self):
         check(self, "quant settings")
+
+    def method_for(self, codec: str) -> str:
+        """The method that writes `codec`: `method_8bit` for q8, `method` below 8 bits."""
+        return self.method_8bit if codec in EIGHT_BIT else self.method

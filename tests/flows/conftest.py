@@ -100,7 +100,8 @@ def tiny_params():
             "mtp": {"window": 32, "tokens": 4096, "topk": 4, "epochs": 1.0, "batch": 2, "eval_every": 2, "refresh": 4,
                     "chain": 2},
             "codecs": ["q8"],
-            "quant": {"window": 32, "max_windows": 8},
+            # q8 by AWQ (its default is round-to-nearest), so the flows' Grams-and-blocks stages run
+            "quant": {"window": 32, "max_windows": 8, "method_8bit": "awq"},
             "score_window": 32,
         }
 

@@ -119,6 +119,29 @@ def test_recode_gptq_reuses_the_cached_grams(tmp_path, monkeypatch, capsys):
     assert len(g) == 2 * 4 and sum(x["err"] for x in g) < sum(x["err_rtn"] for x in g)
 
 
+def test_q8_rounds_to_nearest_unless_method_8bit_asks(tmp_path, monkeypatch):
+    import cortiq.quant as quant
+
+    m, td = model_and_data(tmp_path)
+    argv = ["--codec", "q8", "--work", str(tmp_path / "work"), "--window", "64", "--max-windows", "8",
+            "--device", "cpu"]
+    assert main(["recode", str(m), str(tmp_path / "plain.cmf"), *argv]) == 0
+    real = quant.capture
+    monkeypatch.setattr(quant, "capture", lambda *a, **k: pytest.fail("q8 took the Grams at the default"))
+    assert main(["recode", str(m), str(tmp_path / "d.cmf"), "--data", str(td), *argv]) == 0
+    a, d = open_cmf(tmp_path / "plain.cmf"), open_cmf(tmp_path / "d.cmf")
+    assert "quantize" not in d.provenance
+    for n in a.names:
+        assert bytes(a.raw(n)) == bytes(d.raw(n)), n
+    # --method-8bit gptq: the Grams, and the provenance says so; q4 still takes --method
+    monkeypatch.setattr(quant, "capture", real)
+    assert main(["recode", str(m), str(tmp_path / "g.cmf"), "--data", str(td), "--method-8bit", "gptq", *argv]) == 0
+    g = open_cmf(tmp_path / "g.cmf")
+    assert g.provenance["quantize"]["settings"]["method_8bit"] == "gptq"
+    assert {x["method"] for x in g.provenance["quantize"]["groups"]} == {"gptq"}
+    assert QuantSettings(method="gptq").method_for("q4") == "gptq" and QuantSettings().method_for("q8") == "rtn"
+
+
 def test_bad_input_is_one_line(tmp_path, capsys):
     m, td = model_and_data(tmp_path)
     assert main(["recode", str(m), str(tmp_path / "o.cmf"), "--codec", "q4", "--data", str(tmp_path / "none")]) != 0
