@@ -146,6 +146,8 @@ def main(argv=None) -> int:
                                                  "calibration, comma-separated (e.g. self,corpus:pydoc; default none)")
     ap.add_argument("--clip-grids", default="1", help="QuantSettings.clip_grid values for the GPTQ/AWQ q4 rows, "
                                                      "comma-separated (a row each past the first)")
+    ap.add_argument("--down-8bit", default="none", help="QuantSettings.down_8bit values for the q4 AWQ rows, "
+                    "comma-separated (the first is the plain row's; the others add a row each)")
     ap.add_argument("--no-qat", action="store_true", help="leave out the q4 QAT-KD row (its heal)")
     args = ap.parse_args(argv)
 
@@ -201,12 +203,16 @@ def main(argv=None) -> int:
     models["q4 rtn, embedding q4"] = timed("recode q4, embedding q4", lambda: all_q4(healed))
     quant_rep = {}
     clips = [int(x) for x in args.clip_grids.split(",")]
-    runs = [("q8", "gptq", clips[0]), ("q4", "gptq", clips[0]), ("q4", "awq", clips[0])]
-    runs += [(c, m, g) for g in clips[1:] for c, m in (("q4", "gptq"), ("q4", "awq"))]
-    for codec, method, grid in runs:
-        s = QuantSettings(method=method, device=device, clip_grid=grid, **({"method_8bit": method} if codec == "q8" else {}),
+    downs = args.down_8bit.split(",")
+    runs = [("q8", "gptq", clips[0], downs[0]), ("q4", "gptq", clips[0], downs[0]), ("q4", "awq", clips[0], downs[0])]
+    runs += [(c, m, g, downs[0]) for g in clips[1:] for c, m in (("q4", "gptq"), ("q4", "awq"))]
+    runs += [("q4", "awq", clips[0], d) for d in downs[1:]]
+    for codec, method, grid, down in runs:
+        s = QuantSettings(method=method, device=device, clip_grid=grid, down_8bit=down,
+                          **({"method_8bit": method} if codec == "q8" else {}),
                           **({"window": 64, "max_windows": 8} if tiny else {}))
-        tag = f"{codec} {method}" + (f" clip {grid}" if grid != clips[0] else "")
+        tag = (f"{codec} {method}" + (f" clip {grid}" if grid != clips[0] else "")
+               + (f" down q8 {down}" if down != downs[0] else ""))
         r = timed(tag, lambda: requantize(healed, calib, codec, s, work, progress=False))
         models[tag] = Path(r["path"])
         quant_rep[tag] = r["quantize"]["report"]["metrics"]

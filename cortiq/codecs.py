@@ -347,7 +347,8 @@ def get(name: str) -> Codec:
 KEEP_8BIT = ("embed_tokens.", "lm_head.", "eh_proj.")
 
 
-def _below_8_bits(c: Codec) -> bool:
+def below_8_bits(c: Codec) -> bool:
+    """True for a quantized codec of fewer than 8 bits a weight (q4, q4_64): the ones the rule above applies to."""
     return not c.plain and c.bytes_per_weight() < 1.0
 
 
@@ -357,7 +358,7 @@ def rule_key(codec: str) -> dict:
     another one, is not taken for its output), nothing otherwise (the digests of every other codec stay)."""
     if codec in ("keep", "none"):
         return {}
-    return {"keep_8bit": list(KEEP_8BIT)} if _below_8_bits(get(codec)) else {}
+    return {"keep_8bit": list(KEEP_8BIT)} if below_8_bits(get(codec)) else {}
 
 
 def choose_codec(requested: str, shape: tuple[int, ...], current: str = "f32", name: str = "",
@@ -374,7 +375,7 @@ def choose_codec(requested: str, shape: tuple[int, ...], current: str = "f32", n
     if c.plain:
         return c.name
     if len(shape) == 2:
-        return "q8" if _below_8_bits(c) and name and any(k in name for k in keep_8bit) else c.name
+        return "q8" if below_8_bits(c) and name and any(k in name for k in keep_8bit) else c.name
     return current if get(current).plain else "f32"
 
 

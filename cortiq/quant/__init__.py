@@ -69,7 +69,8 @@ def capture(model_cmf, tdata_dir, codec: str, s: QuantSettings, progress: bool =
     from ..compress.grams import add_gram
     from ..compress.stages import calibration_windows
     from ..model import load_model
-    from .layers import _submodule, groups, quantize_layer
+    from ..codecs import below_8_bits, get as codec_get
+    from .layers import _submodule, groups, more_bits, quantize_layer
 
     _check(codec, s)
     ids, rows = calibration_windows(model_cmf, tdata_dir, s.window, s.max_windows)
@@ -77,7 +78,8 @@ def capture(model_cmf, tdata_dir, codec: str, s: QuantSettings, progress: bool =
     model = load_model(model_cmf, dtype=torch.float32, device=dev)
     t0 = time.time()
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.ndim == 1}
-    out, blocks, report = {}, {}, []
+    out, blocks, report, stored_in = {}, {}, [], {}
+    down8 = more_bits(len(model.layers), s.down_8bit) if below_8_bits(codec_get(codec)) else set()
     with torch.no_grad():
         starts = range(0, ids.shape[0], s.batch)
         keep = [rows[a : a + s.batch].to(dev) for a in starts]
@@ -109,8 +111,13 @@ def capture(model_cmf, tdata_dir, codec: str, s: QuantSettings, progress: bool =
                 if not bool((torch.diagonal(G) > 0).any()):
                     raise CortiqError(f"{model_cmf}: layer {i} {key}: the calibration activations are all zero")
                 out[f"{i}.{key}"] = G.cpu().contiguous()
-            r = quantize_layer(layer, grams, codec, **_layer_args(codec, s))
+            r = quantize_layer(layer, grams, codec, **_layer_args(codec, s),
+                               codec_of={"down_in": "q8"} if i in down8 else None)
             report += [{"layer": i, **row} for row in r.rows]
+            for g in gs:
+                c_g = next(row["codec"] for row in r.rows if row["group"] == g.key)
+                if c_g != codec:
+                    stored_in.update({f"model.layers.{i}.{m}.weight": c_g for m in g.mods})
             blocks.update({f"model.layers.{i}.{name}.weight": st for name, st in r.stored.items()})
             h = [model.run_layers(hb, i, i + 1) for hb in h]
             bar.update(1)
@@ -122,7 +129,7 @@ def capture(model_cmf, tdata_dir, codec: str, s: QuantSettings, progress: bool =
     err, rtn = sum(r["err"] for r in report), sum(r["err_rtn"] for r in report)
     rep = {"metrics": {"qgram_rows": float(count), "qgram_sec": time.time() - t0, "quant_err": err,
                        "quant_err_rtn": rtn, "quant_over_rtn": err / max(rtn, 1e-30)},
-           "count": count, "groups": report, "device": str(dev)}
+           "count": count, "groups": report, "device": str(dev), "codecs": stored_in}
     meta = {"stage": QGRAMS.name, "version": VERSION, "settings": dataclasses.asdict(s), "codec": codec,
             "inputs": [str(model_cmf), str(tdata_dir)], "report": rep}
     return rep, meta, out, blocks
@@ -163,10 +170,14 @@ def quantize(model_cmf, grams_dir, codec: str, s: QuantSettings, out_cmf, progre
         shape = tuple(src.info(name).shape)
         replace[name] = (shape, lambda t=t: Stored(t)) if len(shape) == 2 else t
 
-    def codec_for(name, info):
-        return codec if name in made and len(info.shape) == 2 else codecs.choose_codec(codec, info.shape, info.codec, name)
-
     rep = meta["report"]
+    other = rep.get("codecs", {})  # the groups written in another codec (QuantSettings.down_8bit)
+
+    def codec_for(name, info):
+        if name in made and len(info.shape) == 2:
+            return other.get(name, codec)
+        return codecs.choose_codec(codec, info.shape, info.codec, name)
+
     doc = with_provenance({k: v for k, v in src.doc.items() if k not in ("codecs", "hashes", "shards")}, "quantize",
                           {"codec": codec, "settings": dataclasses.asdict(s), "from": store.file_digest(model_cmf),
                            "groups": rep["groups"]})

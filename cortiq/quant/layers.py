@@ -60,6 +60,19 @@ def groups(layer) -> list[Group]:
     return out
 
 
+def more_bits(n_layers: int, rule: str) -> set[int]:
+    """The decoder layers whose down_proj a 4-bit file writes at q8 (QuantSettings.down_8bit): "none";
+    "ends": the first and last eighth of the layers and every third layer between them (the layers
+    llama.cpp's Q4_K_M mix gives its ffn_down more bits: the ends are where a model is least
+    redundant); "all"."""
+    if rule == "all":
+        return set(range(n_layers))
+    if rule == "ends":
+        lo, hi = n_layers / 8, 7 * n_layers / 8
+        return {i for i in range(n_layers) if i < lo or i >= hi or (i - int(lo)) % 3 == 2}
+    return set()
+
+
 def gram_error(D: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """‖D X‖² under the Gram: Σ_o (D G Dᵀ)_oo, for D [..., R, C] (f64) → [...]."""
     return ((D @ G) * D).sum((-2, -1)).clamp_min(0)
@@ -124,60 +137,71 @@ def _fold_norm(norm, s: torch.Tensor) -> None:
 
 @torch.no_grad()
 def quantize_layer(layer, grams: dict[str, torch.Tensor], codec_name: str, method: str, block: int = 128,
-                   damp: float = 0.01, act_order: bool = False, awq_grid: int = 11, clip_grid: int = 1) -> LayerResult:
+                   damp: float = 0.01, act_order: bool = False, awq_grid: int = 11, clip_grid: int = 1,
+                   codec_of: dict[str, str] | None = None) -> LayerResult:
     """Quantize `layer`'s grouped linear weights in place (each left at its
     dequantized values, folded norms and rows changed with them) from the
-    Grams of their inputs; returns each weight's codec bytes."""
-    c = codecs.get(codec_name)
+    Grams of their inputs; returns each weight's codec bytes. `codec_of`:
+    groups written in another codec than `codec_name` ({group key: codec})."""
     stored, rows = {}, []
     for g in groups(layer):
-        mods = [_submodule(layer, m) for m in g.mods]
-        G = grams[g.key].to(mods[0].weight.device, torch.float64)
-        sizes = [int(m.weight.shape[0]) for m in mods]
-        W = torch.cat([m.weight.detach().float() for m in mods])  # [R, C]
-        C = W.shape[1]
-        err_rtn = float(gram_error(W.double() - c.roundtrip(W).double(), G))
-        if C % c.block:
-            # blocks straddle rows: no per-row grid to optimise, each weight round-to-nearest
-            for name, m in zip(g.mods, mods):
-                stored[name] = c.encode(m.weight.detach().float().cpu())
-                m.weight.copy_(c.roundtrip(m.weight.detach().float()).to(m.weight.dtype))
-            rows.append({"group": g.key, "method": "rtn", "alpha": 0.0, "err": err_rtn, "err_rtn": err_rtn})
-            continue
-        r = gptq_quantize(W, G, codec_name, block, damp, act_order, clip_grid=clip_grid)
-        best = {"res": r, "s": None, "alpha": 0.0, "err": float(gram_error(W.double() - r.weight.double(), G))}
-        if method == "awq" and g.fold is not None:
-            alpha, s = search_alpha(W, G, codec_name, awq_grid)
-            if alpha > 0:
-                Gs = G / (s[:, None] * s[None, :])  # the Gram of the inputs scaled by 1/s
-                rs = gptq_quantize((W.double() * s).float(), Gs, codec_name, block, damp, act_order, clip_grid=clip_grid)
-                e = float(gram_error(W.double() - rs.weight.double() / s, G))
-                if e < best["err"]:
-                    best = {"res": rs, "s": s, "alpha": alpha, "err": e}
-        if best["err"] >= err_rtn:
-            # GPTQ's greedy error feedback can lose to plain rounding under the very Gram it minimises (weights
-            # already on the codec's grid, which rounding reproduces exactly: the bundled SmolLM2's in q4, where
-            # GPTQ without act-order had 0.8-7.9x its error); the group then stays round-to-nearest
-            for name, m in zip(g.mods, mods):
-                stored[name] = c.encode(m.weight.detach().float().cpu())
-                m.weight.copy_(c.roundtrip(m.weight.detach().float()).to(m.weight.dtype))
-            rows.append({"group": g.key, "method": "rtn", "alpha": 0.0, "err": err_rtn, "err_rtn": err_rtn})
-            continue
-        r, s = best["res"], best["s"]
-        if s is not None:
-            kind, path = g.fold
-            if kind == "norm":
-                _fold_norm(_submodule(layer, path), s)
-            else:
-                # the rows that make the group's input channels: up_proj's output rows
-                up = _submodule(layer, path)
-                up.weight.copy_((up.weight.double() / s[:, None]).to(up.weight.dtype))
-        per_row = c.nbytes((C,))  # whole blocks per row
-        a = 0
-        for name, m, n in zip(g.mods, mods, sizes):
-            stored[name] = r.stored[a * per_row : (a + n) * per_row].clone()
-            m.weight.copy_(r.weight[a : a + n].to(m.weight.dtype))
-            a += n
-        rows.append({"group": g.key, "method": "awq" if s is not None else r.method, "alpha": best["alpha"],
-                     "err": best["err"], "err_rtn": err_rtn})
+        codec = (codec_of or {}).get(g.key, codec_name)
+        row = _quantize_group(layer, g, grams[g.key], codec, method, block, damp, act_order, awq_grid, clip_grid,
+                              stored)
+        rows.append({**row, "codec": codec})
     return LayerResult(stored, rows)
+
+
+def _rounded(g: Group, mods, c, err_rtn: float, stored: dict) -> dict:
+    """The group's weights round-to-nearest in codec `c` (in place, bytes into `stored`); its report row."""
+    for name, m in zip(g.mods, mods):
+        stored[name] = c.encode(m.weight.detach().float().cpu())
+        m.weight.copy_(c.roundtrip(m.weight.detach().float()).to(m.weight.dtype))
+    return {"group": g.key, "method": "rtn", "alpha": 0.0, "err": err_rtn, "err_rtn": err_rtn}
+
+
+def _quantize_group(layer, g: Group, G: torch.Tensor, codec_name: str, method: str, block: int, damp: float,
+                    act_order: bool, awq_grid: int, clip_grid: int, stored: dict) -> dict:
+    """One group of `quantize_layer`: its weights' bytes into `stored`; its report row."""
+    c = codecs.get(codec_name)
+    mods = [_submodule(layer, m) for m in g.mods]
+    G = G.to(mods[0].weight.device, torch.float64)
+    sizes = [int(m.weight.shape[0]) for m in mods]
+    W = torch.cat([m.weight.detach().float() for m in mods])  # [R, C]
+    C = W.shape[1]
+    err_rtn = float(gram_error(W.double() - c.roundtrip(W).double(), G))
+    if C % c.block:
+        # blocks straddle rows: no per-row grid to optimise, each weight round-to-nearest
+        return _rounded(g, mods, c, err_rtn, stored)
+    r = gptq_quantize(W, G, codec_name, block, damp, act_order, clip_grid=clip_grid)
+    best = {"res": r, "s": None, "alpha": 0.0, "err": float(gram_error(W.double() - r.weight.double(), G))}
+    if method == "awq" and g.fold is not None:
+        alpha, s = search_alpha(W, G, codec_name, awq_grid)
+        if alpha > 0:
+            Gs = G / (s[:, None] * s[None, :])  # the Gram of the inputs scaled by 1/s
+            rs = gptq_quantize((W.double() * s).float(), Gs, codec_name, block, damp, act_order, clip_grid=clip_grid)
+            e = float(gram_error(W.double() - rs.weight.double() / s, G))
+            if e < best["err"]:
+                best = {"res": rs, "s": s, "alpha": alpha, "err": e}
+    if best["err"] >= err_rtn:
+        # GPTQ's greedy error feedback can lose to plain rounding under the very Gram it minimises (weights
+        # already on the codec's grid, which rounding reproduces exactly: the bundled SmolLM2's in q4, where
+        # GPTQ without act-order had 0.8-7.9x its error); the group then stays round-to-nearest
+        return _rounded(g, mods, c, err_rtn, stored)
+    r, s = best["res"], best["s"]
+    if s is not None:
+        kind, path = g.fold
+        if kind == "norm":
+            _fold_norm(_submodule(layer, path), s)
+        else:
+            # the rows that make the group's input channels: up_proj's output rows
+            up = _submodule(layer, path)
+            up.weight.copy_((up.weight.double() / s[:, None]).to(up.weight.dtype))
+    per_row = c.nbytes((C,))  # whole blocks per row
+    a = 0
+    for name, m, n in zip(g.mods, mods, sizes):
+        stored[name] = r.stored[a * per_row : (a + n) * per_row].clone()
+        m.weight.copy_(r.weight[a : a + n].to(m.weight.dtype))
+        a += n
+    return {"group": g.key, "method": "awq" if s is not None else r.method, "alpha": best["alpha"],
+            "err": best["err"], "err_rtn": err_rtn}

@@ -33,6 +33,11 @@ class QuantSettings:
     #: Grams' forward and GPTQ buy it nothing a user could see; on 2 CPU cores they cost `make demo` 132 s
     method_8bit: str = setting("rtn", "how q8 blocks are chosen (method applies below 8 bits): rtn by default, "
                                       "gptq or awq to calibrate q8 as well", choices=METHODS, added=True)
+    #: below 8 bits, the down_proj of some decoder layers written at q8 instead (cortiq.quant.layers.more_bits):
+    #: the MLP's output matrix, which the pruning narrowed and the residual stream adds in whole
+    down_8bit: str = setting("none", "below 8 bits, the layers whose down_proj stays at q8: none, ends (the first and "
+                                     "last eighth and every third layer between), all", choices=("none", "ends", "all"),
+                             added=True)
     # ── calibration (the windows the Grams are taken over) ──
     window: int = setting(256, "tokens per calibration window", **WINDOW)
     #: 64 windows of 256: 16k tokens, ten times the rows of SmolLM2's widest input (1536)

@@ -17,7 +17,7 @@ from cortiq.cli import main  # noqa: E402
 from cortiq.cmf import open_cmf  # noqa: E402
 from cortiq.model import load_model  # noqa: E402
 from cortiq.quant import QuantSettings, quantize, requantize  # noqa: E402
-from cortiq.quant.layers import gram_error, groups, quantize_layer  # noqa: E402
+from cortiq.quant.layers import gram_error, groups, more_bits, quantize_layer  # noqa: E402
 
 S = dict(window=64, max_windows=8, device="cpu", awq_grid=5)
 
@@ -94,6 +94,41 @@ def test_awq_file_computes_what_the_quantized_model_computed(tmp_path):
     ids = torch.randint(0, 259, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(back(ids), model(ids), atol=1e-5)
+
+
+def test_more_bits_layers():
+    # 30 layers: the first four (i < 3.75), the last three (i >= 26.25), and every third between from 5
+    assert more_bits(30, "ends") == {0, 1, 2, 3, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29}
+    assert more_bits(8, "ends") == {0, 3, 6, 7} and more_bits(5, "all") == set(range(5)) and more_bits(30, "none") == set()
+
+
+def test_down_8bit_writes_those_down_projs_in_q8_as_the_layers_computed(tmp_path):
+    m, td = model_and_data(tmp_path)
+    s = QuantSettings(method="gptq", down_8bit="all", **S)
+    r = requantize(m, td, "q4", s, tmp_path / "work", progress=False, log=lambda _: None)
+    f = open_cmf(r["path"])
+    codec_of = {n: f.info(n).codec for n in f.names if n.startswith("model.layers.") and n.endswith("proj.weight")}
+    assert {c for n, c in codec_of.items() if "down_proj" in n} == {"q8"}
+    assert {c for n, c in codec_of.items() if "down_proj" not in n} == {"q4"}
+    from cortiq.quant import read_grams
+
+    grams = read_grams(r["grams"]["path"])
+    model = load_model(m)
+    for i, layer in enumerate(model.layers):
+        quantize_layer(layer, grams[i], "q4", "gptq", block=s.block, damp=s.damp, act_order=s.act_order,
+                       codec_of={"down_in": "q8"})
+    with torch.no_grad():
+        e = model.model.embed_tokens.weight
+        e.copy_(codecs.get("q8").roundtrip(e))
+    back = dict(load_model(r["path"]).named_parameters())
+    for n, p in model.named_parameters():
+        assert torch.equal(p, back[n]), n
+    # the same model with every down_proj in q4: smaller by exactly those tensors' bytes
+    r4 = requantize(m, td, "q4", QuantSettings(method="gptq", **S), tmp_path / "work", progress=False, log=lambda _: None)
+    f4 = open_cmf(r4["path"])
+    downs = [n for n in codec_of if "down_proj" in n]
+    q8, q4 = codecs.get("q8"), codecs.get("q4")
+    assert f.nbytes() - f4.nbytes() == sum(q8.nbytes(f.info(n).shape) - q4.nbytes(f.info(n).shape) for n in downs)
 
 
 def test_recode_gptq_reuses_the_cached_grams(tmp_path, monkeypatch, capsys):
