@@ -51,11 +51,12 @@ PINNED = {
     # q8 by round-to-nearest (quant.method_8bit); before: qgrams.q8 62e0dc85..., quantize.q8 417b895f... (AWQ),
     # and 5d9f1549..., bfe18e3e... (GPTQ)
     "reencode.q8": "6ae6b32bdbb6dc7d1958b6a5b8889cf6",
-    # before: 3531e5d9..., 648d00b5... (quant.method gptq, the default until the H200 codec table chose awq)
-    "qgrams.q4": "abdcc1248f04512173814e4ffcd852c8",
-    # before: 76c1e08c4cdaa97da86714b52c874578 (a 4-bit file's embedding and head were q4 too; now q8,
-    # cortiq.codecs.KEEP_8BIT, which codecs.rule_key puts in the keys of the stages that write 4-bit files)
-    "quantize.q4": "10d8c0b87771baabfc1ae00258c5b470",
+    # quant.down_8bit "ends" (some layers' down_proj at q8); before: abdcc124... / 10d8c0b8... (every down_proj
+    # in q4), 3531e5d9... / 648d00b5... (quant.method gptq, the default until the H200 codec table chose awq),
+    # and quantize.q4 76c1e08c... (a 4-bit file's embedding and head were q4 too; now q8, cortiq.codecs.KEEP_8BIT,
+    # which codecs.rule_key puts in the keys of the stages that write 4-bit files)
+    "qgrams.q4": "710a1da4588def8f0abc83e3c6762db2",
+    "quantize.q4": "a4fe991abe45b30e7a94e8093cdc9051",
     "reencode.f16": "eb1e7aba8a490ed72de33e64a8ae47d2",
 }
 #: beyond the demo, the keys that had shapes of their own (a derived target kind, a seed only the
@@ -66,7 +67,8 @@ PINNED_OTHER = {
     "train.topk": "9488d40217fcc8d6bbad5e84b9d2bb66", "targets.qat": "21b598ece685720ab23395d769f455c3",
     # q4 QAT: before f90d73f1... / 79496216..., when its frozen embedding was rounded in q4 (now q8: codecs.rule_key)
     "train.qat": "0e588dfd653c37cb5eabae9d385a62dc", "heal.qat": "e64f9ea016bce49d29e232016fc2989c",
-    "qgrams.awq": "773ec7194991c7610a0cd3f329639c57", "selfgen": "8ea9c7d47ddc7f96c7486807cb8ddaa8",
+    # qgrams.awq before quant.down_8bit "ends": 773ec719...
+    "qgrams.awq": "674c171297afc18295132c2932e3e5f9", "selfgen": "8ea9c7d47ddc7f96c7486807cb8ddaa8",
 }
 
 

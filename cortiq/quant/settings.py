@@ -34,10 +34,15 @@ class QuantSettings:
     method_8bit: str = setting("rtn", "how q8 blocks are chosen (method applies below 8 bits): rtn by default, "
                                       "gptq or awq to calibrate q8 as well", choices=METHODS, added=True)
     #: below 8 bits, the down_proj of some decoder layers written at q8 instead (cortiq.quant.layers.more_bits):
-    #: the MLP's output matrix, which the pruning narrowed and the residual stream adds in whole
-    down_8bit: str = setting("none", "below 8 bits, the layers whose down_proj stays at q8: none, ends (the first and "
-                                     "last eighth and every third layer between), all", choices=("none", "ends", "all"),
-                             added=True)
+    #: the MLP's output matrix, which the pruning narrowed and the residual stream adds in whole. "ends" by
+    #: measurement (bench/QUALITY.md, "down_proj at q8"; H200, SmolLM2-135M pruned 25 % and healed 2M tokens, q4
+    #: by AWQ): Δ over f16 on the heal source's held-out text / unseen plays / pydoc / program source / licence
+    #: text +0.014 / +0.014 / -0.008 / +0.031 / +0.058 with every down_proj in q4 (84.1 MB), +0.005 / +0.003 /
+    #: -0.015 / +0.022 / +0.038 with "ends" (88.5 MB), +0.001 / -0.001 / -0.019 / +0.016 / +0.022 with "all"
+    #: (92.8 MB): "ends" is the least that keeps every text within 0.05 nats. In the key (no `added`): a q4
+    #: cached before it had every down_proj in q4
+    down_8bit: str = setting("ends", "below 8 bits, the layers whose down_proj stays at q8: none, ends (the first and "
+                                     "last eighth and every third layer between), all", choices=("none", "ends", "all"))
     # ── calibration (the windows the Grams are taken over) ──
     window: int = setting(256, "tokens per calibration window", **WINDOW)
     #: 64 windows of 256: 16k tokens, ten times the rows of SmolLM2's widest input (1536)

@@ -82,15 +82,20 @@ def test_awq_file_computes_what_the_quantized_model_computed(tmp_path):
 
     grams = read_grams(r["grams"]["path"])
     model = load_model(m)
+    down8 = more_bits(len(model.layers), s.down_8bit)  # the default: some layers' down_proj at q8
+    assert down8 and len(down8) < len(model.layers), "the test shows q4 and q8 down_projs side by side"
     for i, layer in enumerate(model.layers):
-        quantize_layer(layer, grams[i], "q4", "awq", block=s.block, damp=s.damp, act_order=False, awq_grid=s.awq_grid)
+        quantize_layer(layer, grams[i], "q4", "awq", block=s.block, damp=s.damp, act_order=False, awq_grid=s.awq_grid,
+                       codec_of={"down_in": "q8"} if i in down8 else None)
     with torch.no_grad():  # outside the layers round-to-nearest as recode writes it: a 4-bit file's embedding in q8
         e = model.model.embed_tokens.weight
         e.copy_(codecs.get("q8").roundtrip(e))
     back = load_model(r["path"])
     for n, p in back.named_parameters():
         assert torch.equal(p, dict(model.named_parameters())[n]), n
-    assert {f.info(n).codec for n in f.names if n.startswith("model.layers.") and n.endswith("proj.weight")} == {"q4"}
+    assert {f.info(n).codec for n in f.names if n.startswith("model.layers.") and n.endswith("proj.weight")
+            and not (n.endswith("down_proj.weight") and int(n.split(".")[2]) in down8)} == {"q4"}
+    assert {f.info(f"model.layers.{i}.mlp.down_proj.weight").codec for i in down8} == {"q8"}
     ids = torch.randint(0, 259, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(back(ids), model(ids), atol=1e-5)
@@ -124,7 +129,7 @@ def test_down_8bit_writes_those_down_projs_in_q8_as_the_layers_computed(tmp_path
     for n, p in model.named_parameters():
         assert torch.equal(p, back[n]), n
     # the same model with every down_proj in q4: smaller by exactly those tensors' bytes
-    r4 = requantize(m, td, "q4", QuantSettings(method="gptq", **S), tmp_path / "work", progress=False, log=lambda _: None)
+    r4 = requantize(m, td, "q4", QuantSettings(method="gptq", down_8bit="none", **S), tmp_path / "work", progress=False, log=lambda _: None)
     f4 = open_cmf(r4["path"])
     downs = [n for n in codec_of if "down_proj" in n]
     q8, q4 = codecs.get("q8"), codecs.get("q4")
