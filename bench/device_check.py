@@ -434,10 +434,11 @@ class Check:
             # The data is then another text (a corpus the data is built from is left out of the retain mix)
             p["data"]["sources"] = [argparse.__file__]
             p["retain"]["sources"] = ["corpus:pydoc"]
-            # one codec by GPTQ: the re-encode, its Grams and its scores, as each of the three runs them
+            # one codec by AWQ (q8 is round-to-nearest by default): the re-encode, its Grams and its scores, as
+            # each of the three runs them
             p["codecs"] = ["q8"]
-            p["quant"].update(window=64, max_windows=8)
-            p["compress"]["masks"].update(max_steps=4, window=64, eval_every=2, val_windows=2)
+            p["quant"].update(window=64, max_windows=8, method_8bit="awq")
+            p["compress"]["grams"].update(window=64, max_windows=8)
             p["heal"].update(window=64, epochs=0.05, train_from=1, eval_every=4, checkpoint_every=0, topk=8)
             p["mtp"].update(window=64, tokens=2048, gen_prompt=32, eval_every=8, topk=8)
             p["score_window"], p["score_tokens"] = 64, 1024

@@ -74,7 +74,7 @@ def _gptq_made(tmp_path, codec):
     a.hidden_size, a.head_dim = 64, 16
     src = write_random(tmp_path / "f32.cmf", a, seed=1)
     td = tiny_tdata(src, tmp_path / "td")
-    s = QuantSettings(method="awq", window=64, max_windows=8, device="cpu", awq_grid=3)
+    s = QuantSettings(method="awq", method_8bit="awq", window=64, max_windows=8, device="cpu", awq_grid=3)
     r = requantize(src, td, codec, s, tmp_path / "work", progress=False, log=lambda m: None)
     assert r["quantize"]["report"]["method"] == "awq"
     return Path(r["path"])
@@ -125,8 +125,13 @@ def test_quantized_blocks_are_the_cmf_bytes(tmp_path, made):
         assert checked["q8"] >= 2 and checked["q4"] >= 2
     elif made == "gptq-q8":  # every linear weight of both layers, and the embedding
         assert checked["q8"] == 2 * 7 + 1
-    else:  # a 4-bit file keeps its (tied) embedding at q8 (cortiq.codecs.KEEP_8BIT)
-        assert checked == {"q4": 2 * 7, "q8": 1}
+    else:  # a 4-bit file keeps its (tied) embedding at q8 (cortiq.codecs.KEEP_8BIT), and GPTQ/AWQ the down_proj of
+        # the layers QuantSettings.down_8bit names (of two layers, "ends": layer 0), each Q8_0 with cortiq's bytes
+        from cortiq.quant import QuantSettings
+        from cortiq.quant.layers import more_bits
+
+        n8 = len(more_bits(2, QuantSettings().down_8bit))
+        assert n8 == 1 and checked == {"q4": 2 * 7 - n8, "q8": 1 + n8}
 
 
 def test_q4_repack_matches_ggufs_own_q4_1_layout():
