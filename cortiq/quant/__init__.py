@@ -66,10 +66,10 @@ def capture(model_cmf, tdata_dir, codec: str, s: QuantSettings, progress: bool =
     import torch
     from tqdm import tqdm
 
+    from ..codecs import below_8_bits, get as codec_get
     from ..compress.grams import add_gram
     from ..compress.stages import calibration_windows
     from ..model import load_model
-    from ..codecs import below_8_bits, get as codec_get
     from .layers import _submodule, groups, more_bits, quantize_layer
 
     _check(codec, s)
@@ -114,10 +114,9 @@ def capture(model_cmf, tdata_dir, codec: str, s: QuantSettings, progress: bool =
             r = quantize_layer(layer, grams, codec, **_layer_args(codec, s),
                                codec_of={"down_in": "q8"} if i in down8 else None)
             report += [{"layer": i, **row} for row in r.rows]
-            for g in gs:
-                c_g = next(row["codec"] for row in r.rows if row["group"] == g.key)
-                if c_g != codec:
-                    stored_in.update({f"model.layers.{i}.{m}.weight": c_g for m in g.mods})
+            for g, row in zip(gs, r.rows):  # one row a group, in the groups' order
+                if row["codec"] != codec:
+                    stored_in.update({f"model.layers.{i}.{m}.weight": row["codec"] for m in g.mods})
             blocks.update({f"model.layers.{i}.{name}.weight": st for name, st in r.stored.items()})
             h = [model.run_layers(hb, i, i + 1) for hb in h]
             bar.update(1)
