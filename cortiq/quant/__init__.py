@@ -170,7 +170,7 @@ def quantize(model_cmf, grams_dir, codec: str, s: QuantSettings, out_cmf, progre
         replace[name] = (shape, lambda t=t: Stored(t)) if len(shape) == 2 else t
 
     rep = meta["report"]
-    other = rep.get("codecs", {})  # the groups written in another codec (QuantSettings.down_8bit)
+    other = rep["codecs"]  # the weights written in another codec than the file's (QuantSettings.down_8bit)
 
     def codec_for(name, info):
         if name in made and len(info.shape) == 2:

@@ -63,14 +63,15 @@ def groups(layer) -> list[Group]:
 def more_bits(n_layers: int, rule: str) -> set[int]:
     """The decoder layers whose down_proj a 4-bit file writes at q8 (QuantSettings.down_8bit): "none";
     "ends": the first and last eighth of the layers and every third layer between them (the layers
-    llama.cpp's Q4_K_M mix gives its ffn_down more bits: the ends are where a model is least
-    redundant); "all"."""
+    llama.cpp's Q4_K_M mix gives its ffn_down more bits); "all"."""
+    if rule == "none":
+        return set()
     if rule == "all":
         return set(range(n_layers))
     if rule == "ends":
         lo, hi = n_layers / 8, 7 * n_layers / 8
         return {i for i in range(n_layers) if i < lo or i >= hi or (i - int(lo)) % 3 == 2}
-    return set()
+    raise ValueError(f"down_8bit {rule!r}: one of none, ends, all")
 
 
 def gram_error(D: torch.Tensor, G: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,8 @@ from ..settings_meta import BATCH, WINDOW, check, setting
 METHODS = ("gptq", "rtn", "awq")
 #: the codecs GPTQ (and AWQ's scales) write; every other codec is round-to-nearest
 BLOCK_CODECS = ("q4", "q4_64", "q8")
+#: which decoder layers' down_proj a 4-bit file keeps at q8 (cortiq.quant.layers.more_bits)
+DOWN_8BIT = ("none", "ends", "all")
 #: the block codecs of 8 bits, which take `method_8bit` rather than `method`
 EIGHT_BIT = ("q8",)
 
@@ -39,10 +41,10 @@ class QuantSettings:
     #: by AWQ): Δ over f16 on the heal source's held-out text / unseen plays / pydoc / program source / licence
     #: text +0.014 / +0.014 / -0.008 / +0.031 / +0.058 with every down_proj in q4 (84.1 MB), +0.005 / +0.003 /
     #: -0.015 / +0.022 / +0.038 with "ends" (88.5 MB), +0.001 / -0.001 / -0.019 / +0.016 / +0.022 with "all"
-    #: (92.8 MB): "ends" is the least that keeps every text within 0.05 nats. In the key (no `added`): a q4
+    #: (92.8 MB): of the three, "ends" is the cheapest that keeps every text within 0.05 nats. In the key (no `added`): a q4
     #: cached before it had every down_proj in q4
     down_8bit: str = setting("ends", "below 8 bits, the layers whose down_proj stays at q8: none, ends (the first and "
-                                     "last eighth and every third layer between), all", choices=("none", "ends", "all"))
+                                     "last eighth and every third layer between), all", choices=DOWN_8BIT)
     # ── calibration (the windows the Grams are taken over) ──
     window: int = setting(256, "tokens per calibration window", **WINDOW)
     #: 64 windows of 256: 16k tokens, ten times the rows of SmolLM2's widest input (1536)

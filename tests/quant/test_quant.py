@@ -16,7 +16,7 @@ from cortiq import codecs  # noqa: E402
 from cortiq.cli import main  # noqa: E402
 from cortiq.cmf import open_cmf  # noqa: E402
 from cortiq.model import load_model  # noqa: E402
-from cortiq.quant import QuantSettings, quantize, requantize  # noqa: E402
+from cortiq.quant import QuantSettings, quantize, read_grams, requantize  # noqa: E402
 from cortiq.quant.layers import gram_error, groups, more_bits, quantize_layer  # noqa: E402
 
 S = dict(window=64, max_windows=8, device="cpu", awq_grid=5)
@@ -69,6 +69,20 @@ def test_group_error_at_most_rtn_and_blocks_decode_to_the_layer(tmp_path, codec,
                 assert torch.equal(p, W0[n]), n
 
 
+def _requantized_in_memory(m, grams, s, down8):
+    """The model at `m` quantized in memory as `requantize` with `s` does, from the same Grams: each layer by
+    quantize_layer (the down_proj of the layers in `down8` in q8), the embedding round-to-nearest in q8 (a
+    4-bit file's rule)."""
+    model = load_model(m)
+    for i, layer in enumerate(model.layers):
+        quantize_layer(layer, grams[i], "q4", s.method, block=s.block, damp=s.damp, act_order=s.act_order,
+                       awq_grid=s.awq_grid, codec_of={"down_in": "q8"} if i in down8 else None)
+    with torch.no_grad():
+        e = model.model.embed_tokens.weight
+        e.copy_(codecs.get("q8").roundtrip(e))
+    return model
+
+
 def test_awq_file_computes_what_the_quantized_model_computed(tmp_path):
     m, td = model_and_data(tmp_path)
     s = QuantSettings(method="awq", act_order=False, **S)  # on this tiny model only then does a scale win
@@ -78,18 +92,10 @@ def test_awq_file_computes_what_the_quantized_model_computed(tmp_path):
     assert any(g["method"] == "awq" for g in rep["groups"]), "no group took a scale: the test shows nothing"
     assert rep["metrics"]["quant_err"] < rep["metrics"]["quant_err_rtn"]
     # re-run the quantization in memory from the same Grams: the file holds those weights and folded norms
-    from cortiq.quant import read_grams
-
-    grams = read_grams(r["grams"]["path"])
-    model = load_model(m)
-    down8 = more_bits(len(model.layers), s.down_8bit)  # the default: some layers' down_proj at q8
-    assert down8 and len(down8) < len(model.layers), "the test shows q4 and q8 down_projs side by side"
-    for i, layer in enumerate(model.layers):
-        quantize_layer(layer, grams[i], "q4", "awq", block=s.block, damp=s.damp, act_order=False, awq_grid=s.awq_grid,
-                       codec_of={"down_in": "q8"} if i in down8 else None)
-    with torch.no_grad():  # outside the layers round-to-nearest as recode writes it: a 4-bit file's embedding in q8
-        e = model.model.embed_tokens.weight
-        e.copy_(codecs.get("q8").roundtrip(e))
+    n = len(load_model(m).layers)
+    down8 = more_bits(n, s.down_8bit)  # the default: some layers' down_proj at q8
+    assert down8 and len(down8) < n, "the test shows q4 and q8 down_projs side by side"
+    model = _requantized_in_memory(m, read_grams(r["grams"]["path"]), s, down8)
     back = load_model(r["path"])
     for n, p in back.named_parameters():
         assert torch.equal(p, dict(model.named_parameters())[n]), n
@@ -105,6 +111,8 @@ def test_more_bits_layers():
     # 30 layers: the first four (i < 3.75), the last three (i >= 26.25), and every third between from 5
     assert more_bits(30, "ends") == {0, 1, 2, 3, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29}
     assert more_bits(8, "ends") == {0, 3, 6, 7} and more_bits(5, "all") == set(range(5)) and more_bits(30, "none") == set()
+    with pytest.raises(ValueError, match="down_8bit 'half'"):
+        more_bits(30, "half")
 
 
 def test_down_8bit_writes_those_down_projs_in_q8_as_the_layers_computed(tmp_path):
@@ -115,16 +123,7 @@ def test_down_8bit_writes_those_down_projs_in_q8_as_the_layers_computed(tmp_path
     codec_of = {n: f.info(n).codec for n in f.names if n.startswith("model.layers.") and n.endswith("proj.weight")}
     assert {c for n, c in codec_of.items() if "down_proj" in n} == {"q8"}
     assert {c for n, c in codec_of.items() if "down_proj" not in n} == {"q4"}
-    from cortiq.quant import read_grams
-
-    grams = read_grams(r["grams"]["path"])
-    model = load_model(m)
-    for i, layer in enumerate(model.layers):
-        quantize_layer(layer, grams[i], "q4", "gptq", block=s.block, damp=s.damp, act_order=s.act_order,
-                       codec_of={"down_in": "q8"})
-    with torch.no_grad():
-        e = model.model.embed_tokens.weight
-        e.copy_(codecs.get("q8").roundtrip(e))
+    model = _requantized_in_memory(m, read_grams(r["grams"]["path"]), s, more_bits(2, "all"))
     back = dict(load_model(r["path"]).named_parameters())
     for n, p in model.named_parameters():
         assert torch.equal(p, back[n]), n
