@@ -289,9 +289,12 @@ def test_graph_capture_warm_ups_on_fresh_buffers_then_replays_answer_greedy(mode
     eng.eng.graphs = True
     eng.eng._capture_steps(bucketed=True)
     eng.staged = StagedPrefill(eng.eng)
-    kinds = 1 + bool(draft) * (1 + draft)  # plain (with and without the chain), a round of each depth
+    kinds = 1 + bool(draft) * (2 + draft)  # plain (with and without the chain), the chain alone, a round of each depth
     assert eng.eng.kv_sizes == [32, 64]  # a graph per batch bucket, key length and kind
     assert len(eng.staged.graphs) == 3 and len(eng.eng._bucket_graphs) == 3 * 2 * kinds
     _answers_greedy(m, eng, _tok(), speculative=bool(draft), spec_auto=bool(draft), prefill_chunk=5)
     staged = list(eng.staged.graphs.values())
     assert sum(g.replays for g in staged) > 0 and sum(g.replays for g in graphs if g not in staged) > 0
+    if draft:  # auto's rounds after plain steps that skipped the chain run the chain's own graph
+        chains = [g for k, g in eng.eng._bucket_graphs.items() if k[0] == "chain"]
+        assert sum(g.replays for g in chains) > 0
