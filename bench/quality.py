@@ -466,9 +466,22 @@ def panel_main(argv) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where panel.json goes (default $OUT or .)")
     ap.add_argument("--retain", default=None, help="retain sources, comma-separated (default: self when this cortiq "
                                                   "has cortiq.data.selfgen, else corpus:pydoc; tiny: corpus:pydoc)")
-    ap.add_argument("--rows", default="", help="only the rows whose label contains one of these, comma-separated")
+    ap.add_argument("--rows", default="", help="only these rows, comma-separated: a row's whole label, or a part of "
+                                               "labels (every row containing it)")
+    ap.add_argument("--selfgen-mix", default=None, metavar="BOS,CHAT,CORPUS",
+                    help="the openings of a self retain source (default: SelfGenSettings.mix)")
     args = ap.parse_args(argv)
     import importlib.util
+
+    if args.selfgen_mix:
+        # a retain source builds its SelfGenSettings from RetainSettings' seed and tokens and takes
+        # the rest at their defaults: this run's openings replace the default mix there
+        import functools
+
+        import cortiq.data.selfgen as _selfgen
+
+        mix = tuple(float(x) for x in args.selfgen_mix.split(","))
+        _selfgen.SelfGenSettings = functools.partial(_selfgen.SelfGenSettings, mix=mix)
 
     from cortiq.compress import compress
     from cortiq.heal.stages import heal
@@ -502,9 +515,12 @@ def panel_main(argv) -> int:
     base["source"] = {t: v["m"] for t, v in base["source"].items()}
     pruned_nll: dict[str, dict] = {}
     rows = []
-    for label, c, rs, h in panel_rows(tiny, retain):
-        if args.rows and not any(x and x in label for x in args.rows.split(",")):
-            continue
+    table = panel_rows(tiny, retain)
+    if args.rows:  # a name that is a row's whole label picks that row alone, else every row containing it
+        names = [x.strip() for x in args.rows.split(",") if x.strip()]
+        labels = [r[0].strip() for r in table]
+        table = [r for r in table if any(r[0].strip() == x if x in labels else x in r[0] for x in names)]
+    for label, c, rs, h in table:
         c = dataclasses.replace(c, device=device)
         h = dataclasses.replace(h, device=device)
         t0 = time.perf_counter()
@@ -541,6 +557,7 @@ def panel_main(argv) -> int:
             f"{r['texts'][t]['excess']:>+9.3f} ({(r['texts'][t]['gap'] or 0):>4.0%})" for t in texts)
             + f"{r['heal_tokens'] / 1e6:>7.2f}M{r['compress_s'] + r['heal_s']:>6.0f}")
     res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "tiny": tiny, "retain": retain,
+           "selfgen_mix": args.selfgen_mix,
            "texts": texts, "source_nll": base["source"], "rows": rows, "secs": time.perf_counter() - t_all}
     (out / "panel.json").write_text(json.dumps(res, indent=1))
     print(f"\npanel on {res['device']}: excess NLL over the source (nats/token, lower is better) and the share of "
