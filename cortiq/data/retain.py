@@ -109,7 +109,8 @@ def retain_tdata(spec: str, source_cmf, settings: RetainSettings, run: Runner, r
         from .selfgen import SELFGEN, SelfGenSettings
 
         # through the caller's runner, as the corpus sources: a flow's task, or the CLI's cache
-        gen = SelfGenSettings(seed=settings.seed, tokens=settings.tokens or SelfGenSettings().tokens)
+        gen = SelfGenSettings(seed=settings.seed,
+                              tokens=settings.self_tokens or settings.tokens or SelfGenSettings().tokens)
         return run(SELFGEN, "retain.self", model=str(source_cmf), settings=plain(gen))["path"]
     if spec.startswith("corpus:"):
         from .builder import DATA

@@ -121,3 +121,10 @@ def test_self_retain_is_a_cached_tdata_of_the_source_model(tmp_path):
     again, panel2 = with_retain(user.path, model, rs, run, tmp_path / "work", progress=False)
     assert mix == again and panel == panel2
     assert "self" in Tdata.open(mix).meta["mix"]["names"]
+    # self_tokens sizes the self source alone (a corpus keeps `tokens`); 0 leaves it at `tokens`
+    from cortiq.data.retain import retain_tdata
+
+    sized = Tdata.open(retain_tdata("self", model, RetainSettings(sources=["self"], tokens=2000, self_tokens=300),
+                                    run, tmp_path / "work", progress=False))
+    assert sized.meta["settings"]["tokens"] == 300 and sum(len(r.ids) - r.first for r in sized.records()) == 300
+    assert Tdata.open(retain_tdata("self", model, rs, run, tmp_path / "work", progress=False)).meta["settings"]["tokens"] == 2000

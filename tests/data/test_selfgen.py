@@ -40,10 +40,18 @@ def test_batched_varied_lengths_equal_the_plain_greedy_decoder(model_cmf):
     assert [g.tolist() for g in got] == want
 
 
-def test_a_token_total_is_exact_and_sampling_follows_the_seed(model_cmf):
+def test_a_token_total_is_exact_and_sampling_follows_the_seed(model_cmf, monkeypatch):
     m = load_model(model_cmf)
     got = generate_rows(m, iter(_prompts(200)), 10, total=57, slots=4, max_prompt=11, block=3)
     assert sum(len(g) for g in got) == 57 and all(1 <= len(g) <= 10 for g in got)
+    # a small total decodes on no more slots than rows can be live at once: total // max_new + 1
+    from cortiq.model import decode
+
+    made = []
+    init = decode.DecodeEngine.__init__
+    monkeypatch.setattr(decode.DecodeEngine, "__init__", lambda self, *a, **k: (made.append(k["slots"]), init(self, *a, **k))[1])
+    got = generate_rows(m, iter(_prompts(200)), 10, total=57, slots=64, max_prompt=11, block=3)
+    assert made == [6] and sum(len(g) for g in got) == 57
     a = generate_rows(m, _prompts(6), 9, temperature=1.0, slots=4, seed=5)
     b = generate_rows(m, _prompts(6), 9, temperature=1.0, slots=4, seed=5)
     c = generate_rows(m, _prompts(6), 9, temperature=1.0, slots=4, seed=6)
