@@ -290,7 +290,7 @@ class Openings:
 # ── the stage ────────────────────────────────────────────────────────────
 
 STAGE_NAME = "selfgen"
-#: 2: a small total decodes on as many slots as rows can be live (other samples than 1 gave)
+#: 2: a small total decodes on only as many slots as rows can be live (its samples differ from 1's)
 VERSION = "2"
 
 

@@ -137,13 +137,13 @@ class RetainSettings:
     #: source has too few) so that the counts per source over an epoch are exact
     share: float = setting(0.5, "share of the train and val windows that are retain text (split evenly over "
                                 "the retain sources)", gt=0, lt=1)
-    #: tokens built of each corpus source and generated for self (0: the whole corpus)
-    tokens: int = setting(1_000_000, "tokens built of each retain corpus, or generated for self (0: a whole "
-                                     "corpus)", lo=0, metavar="N", feeds=())
+    #: tokens built of each corpus source and generated for self unless self_tokens says (0: the whole corpus)
+    tokens: int = setting(1_000_000, "tokens built of each retain corpus, and generated for self unless "
+                                     "self_tokens says (0: a whole corpus)", lo=0, metavar="N", feeds=())
     #: tokens generated for a self source, where they should differ from `tokens` (0: `tokens`):
     #: sampling costs ~100 tokens a second on a 2-core CPU against a corpus's free millions, so a
     #: CPU run wants far fewer of the model's own tokens than of a corpus
-    self_tokens: int = setting(0, "tokens generated for self (0: as many as --retain-tokens)", lo=0, metavar="N",
+    self_tokens: int = setting(0, "tokens generated for a self source (0: as many as tokens)", lo=0, metavar="N",
                                feeds=(), added=True)
     #: which retain windows are drawn and how they interleave with the user's
     seed: int = setting(0, "which retain windows are drawn (and self's samples)")

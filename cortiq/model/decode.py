@@ -710,9 +710,9 @@ class DecodeEngine:
                 G[("plain", b, True, L)] = self._capture(lambda v=v, L=L: v._at(L, v._plain), pool)
                 if self.k:
                     G[("plain", b, False, L)] = self._capture(lambda v=v, L=L: v._at(L, v._plain, False), pool)
-                    # the chain a round runs first after plain steps that skipped it: eager, its
-                    # k-1 draft passes cost several ms of launches at any batch (a round after
-                    # plain steps measured 10-18 ms at 8 and 32 slots on the H200, against 2.3-2.9)
+                    # the chain a round runs first after plain steps that skipped it (--spec-auto):
+                    # while it ran eagerly, its k-1 draft passes were launches on the host, and
+                    # auto's rounds measured 10-18 ms at 8 and 32 slots on the H200 (2.3-2.9 at 1, 16)
                     G[("chain", b, L)] = self._capture(lambda v=v, L=L: v._at(L, v._chain, v.mtp_last, v.pos), pool)
                     for d in range(1, self.k + 1):
                         G[("spec", b, d, L)] = self._capture(lambda v=v, L=L, d=d: v._at(L, v._spec, d), pool)
