@@ -61,3 +61,18 @@ for k in size:
     print(f".whl/{k}: {len(list((Path('.whl') / k).glob('*.whl')))} wheels, {size[k] / 2**20:.1f} MiB")
 PY
 rmdir .whl/all
+# bench.serve alone needs a small part of them (its server, the openai client and the GGUF reader):
+# .whl/serve, a few MiB, travels beside the first half of the GGUF, so a serving run takes two calls.
+# (Measured 2026-12-03: fastapi 0.150 imports opentelemetry, openai 3.57 imports httpx2 and httpcore2
+# imports truststore; annotated-doc and zipp are not in the image.)
+SERVE=(annotated-types annotated-doc fastapi gguf h2 hpack httpcore2 httpx2 hyperframe importlib-metadata jiter
+       openai opentelemetry-api pydantic pydantic-core sniffio starlette truststore typing-inspection uvicorn zipp)
+mkdir -p .whl/serve
+for p in "${SERVE[@]}"; do
+  f=$(ls .whl/a .whl/b 2>/dev/null | grep -i "^${p//-/_}-[0-9]" | head -1 || true)
+  if [ -n "$f" ]; then cp "$(ls -d .whl/a/"$f" .whl/b/"$f" 2>/dev/null | head -1)" .whl/serve/; else
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux2014_x86_64 -d .whl/serve "$p==$("$PY" -c "import importlib.metadata as m; print(m.version('$p'))")"
+  fi
+done
+echo ".whl/serve: $(ls .whl/serve | wc -l) wheels, $(du -sh .whl/serve | cut -f1)"
