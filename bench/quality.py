@@ -468,20 +468,8 @@ def panel_main(argv) -> int:
                                                   "has cortiq.data.selfgen, else corpus:pydoc; tiny: corpus:pydoc)")
     ap.add_argument("--rows", default="", help="only these rows, comma-separated: a row's whole label, or a part of "
                                                "labels (every row containing it)")
-    ap.add_argument("--selfgen-mix", default=None, metavar="BOS,CHAT,CORPUS",
-                    help="the openings of a self retain source (default: SelfGenSettings.mix)")
     args = ap.parse_args(argv)
     import importlib.util
-
-    if args.selfgen_mix:
-        # a retain source builds its SelfGenSettings from RetainSettings' seed and tokens and takes
-        # the rest at their defaults: this run's openings replace the default mix there
-        import functools
-
-        import cortiq.data.selfgen as _selfgen
-
-        mix = tuple(float(x) for x in args.selfgen_mix.split(","))
-        _selfgen.SelfGenSettings = functools.partial(_selfgen.SelfGenSettings, mix=mix)
 
     from cortiq.compress import compress
     from cortiq.heal.stages import heal
@@ -557,7 +545,6 @@ def panel_main(argv) -> int:
             f"{r['texts'][t]['excess']:>+9.3f} ({(r['texts'][t]['gap'] or 0):>4.0%})" for t in texts)
             + f"{r['heal_tokens'] / 1e6:>7.2f}M{r['compress_s'] + r['heal_s']:>6.0f}")
     res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "tiny": tiny, "retain": retain,
-           "selfgen_mix": args.selfgen_mix,
            "texts": texts, "source_nll": base["source"], "rows": rows, "secs": time.perf_counter() - t_all}
     (out / "panel.json").write_text(json.dumps(res, indent=1))
     print(f"\npanel on {res['device']}: excess NLL over the source (nats/token, lower is better) and the share of "

@@ -77,8 +77,9 @@ def generate_rows(model, prompts: Iterable[Sequence[int]], max_new: int | Sequen
     if budgets is not None and (not isinstance(prompts, Sequence) or len(budgets) != len(prompts)):
         raise CortiqError(f"generate: {len(budgets)} budgets for {'an iterator of' if not isinstance(prompts, Sequence) else len(prompts)} prompts")
     top = max(budgets, default=1) if budgets is not None else max_new
-    if min(budgets or [max_new]) < 1:
-        raise CortiqError(f"generate: max_new {min(budgets or [max_new])}, need at least 1")
+    low = min(budgets, default=1) if budgets is not None else max_new  # (no prompts: nothing to bound)
+    if low < 1:
+        raise CortiqError(f"generate: max_new {low}, need at least 1")
     if isinstance(prompts, Sequence):
         if max_prompt is None:
             max_prompt = max((len(p) for p in prompts), default=1)
@@ -93,7 +94,7 @@ def generate_rows(model, prompts: Iterable[Sequence[int]], max_new: int | Sequen
         # a live row holds its whole budget of the total, so at most total // (the smallest
         # budget) + 1 rows are ever live at once: slots past that would decode nothing but
         # be computed every step (16x the work of 4096 tokens at 256 slots, on a CPU minutes)
-        slots = max(1, min(slots, total // min(budgets or [max_new]) + 1))
+        slots = max(1, min(slots, total // low + 1))
     it: Iterator = iter(prompts)
     eng = DecodeEngine(model, slots=slots, max_len=room + block + 1, sampling=temperature > 0,
                        graphs=graphs, seed=seed)

@@ -52,6 +52,7 @@ def test_a_token_total_is_exact_and_sampling_follows_the_seed(model_cmf, monkeyp
     monkeypatch.setattr(decode.DecodeEngine, "__init__", lambda self, *a, **k: (made.append(k["slots"]), init(self, *a, **k))[1])
     got = generate_rows(m, iter(_prompts(200)), 10, total=57, slots=64, max_prompt=11, block=3)
     assert made == [6] and sum(len(g) for g in got) == 57
+    assert generate_rows(m, [], [], total=57) == []  # no prompts: no budgets to bound the slots by, nothing made
     a = generate_rows(m, _prompts(6), 9, temperature=1.0, slots=4, seed=5)
     b = generate_rows(m, _prompts(6), 9, temperature=1.0, slots=4, seed=5)
     c = generate_rows(m, _prompts(6), 9, temperature=1.0, slots=4, seed=6)
