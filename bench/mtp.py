@@ -74,7 +74,7 @@ def left(budget: float) -> float:
 
 #: a CPU smoke test's settings (--tiny): small windows, few tokens, one epoch
 TINY = {"window": 96, "gen_prompt": 40, "span": 40, "topk": 8, "batch": 4, "epochs": 1.0, "eval_every": 20,
-        "gen_batch": 64, "head_chunk": 256, "trunk_batch": 8}
+        "gen_batch": 64, "head_chunk": 256, "trunk_batch": 8, "gen_windows": 0}
 
 
 def prepare(args, work: Path) -> tuple[Path, str]:

@@ -45,9 +45,12 @@ PINNED = {
     "heal": "d0dcd7b3376488202408692750440a2c",
     "score": "3d9257ddeafff3a6c1e69592fb7528de",
     "mtp_init": "80c1b2eb229c3e1da7292a990b913bf2",
-    "trunk": "324c4229e18218b05449e13daa49f36e",
-    # before: 4386060c84355cdb7f186f3aec7dc992, with device, gpus, the dump and cache paths in it
-    "mtp": "7fb2ed72c889124be5ace33634057188",
+    # mtp.gen_ask and mtp.gen_windows (the model's own chat requests, prompts cut at several offsets);
+    # before: 324c4229e18218b05449e13daa49f36e
+    "trunk": "db11a9c91a2ce86ba40f993286c7608f",
+    # the same two fields; before: 7fb2ed72c889124be5ace33634057188, and 4386060c84355cdb7f186f3aec7dc992
+    # with device, gpus, the dump and cache paths in it
+    "mtp": "c02bf1b5cf9e533952613aa144375a39",
     # q8 by round-to-nearest (quant.method_8bit); before: qgrams.q8 62e0dc85..., quantize.q8 417b895f... (AWQ),
     # and 5d9f1549..., bfe18e3e... (GPTQ)
     "reencode.q8": "6ae6b32bdbb6dc7d1958b6a5b8889cf6",

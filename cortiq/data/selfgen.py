@@ -42,7 +42,8 @@ from ..errors import CortiqError
 from ..pipeline import Stage
 from .settings import DEFAULT_SLOTS, SelfGenSettings
 
-__all__ = ["SelfGenSettings", "SELFGEN", "self_tdata", "generate_rows", "Openings", "REQUESTS", "DEFAULT_SLOTS"]
+__all__ = ["SelfGenSettings", "SELFGEN", "self_tdata", "generate_rows", "Openings", "REQUESTS", "DEFAULT_SLOTS",
+           "asked_openings"]
 
 #: steps between two host syncs of the generator
 BLOCK = 16
@@ -240,6 +241,54 @@ def chat_openings(f, tok, where: str) -> list[list[int]]:
     texts = [render_chat(doc.get("chat_template"), [{"role": "user", "content": r}], True, bos or "", eos or "", where)
              for r in REQUESTS]
     return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+
+#: the user turn's content while a template is rendered to find where a request goes
+_MARK = "\u2063request\u2063"
+
+
+def asked_openings(model, f, n: int, *, seed: int, temperature: float = 1.0, longest: int = 64,
+                   slots: int = DEFAULT_SLOTS, progress: bool = False) -> list[list[int]]:
+    """n distinct chat openings whose user request the model wrote itself: the chat template's
+    text up to a user turn's content is a prompt, the model samples the request at `temperature`
+    to its end-of-turn token, and the opening is that turn closed with the generation prompt
+    after it (Magpie, Xu et al. 2024). Fixed lists of requests repeat a few hundred topics and
+    phrasings; these follow what the model was tuned to answer, as wide as its own chat data.
+    A request that does not end within `longest` tokens, or repeats one drawn before, is dropped
+    and more are drawn (by `seed`, reproducibly): fewer than n when 8 rounds of draws do not find
+    them, or a round finds none. [] for a model without a chat template. -> [n] token-id lists."""
+    from ..tokenizer import from_doc
+    from .chats import render_chat
+
+    doc = f.tokenizer or {}
+    if n <= 0 or not doc.get("chat_template"):
+        return []
+    tok = from_doc(doc, str(f.path))
+    bos_id, eos_ids = doc.get("bos_id"), [int(e) for e in (doc.get("eos_ids") or [f.eos_id])]
+    text = render_chat(doc["chat_template"], [{"role": "user", "content": _MARK}], True,
+                       tok.id_to_token(bos_id) if bos_id is not None else "", tok.id_to_token(eos_ids[0]), str(f.path))
+    if text.count(_MARK) != 1:
+        return []
+    head, tail = (tok.encode(t, add_special_tokens=False).ids for t in text.split(_MARK))
+    if not head:
+        return []
+    out: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    had = 0
+    for r in range(8):  # rounds of draws, until n, 8 rounds, or a round that finds no new request
+        want = n - len(out)
+        if want <= 0 or (r and len(out) == had):
+            break
+        had = len(out)
+        m = want + want // 4 + 8  # a few spare: some requests run past `longest`
+        rows = generate_rows(model, [head] * m, longest, temperature=temperature, eos_ids=eos_ids, slots=slots,
+                             seed=seed * 8 + r, progress=progress, desc="asked requests")
+        for g in rows:
+            req = tuple(int(t) for t in g[:-1])
+            if len(g) >= 2 and int(g[-1]) in eos_ids and req not in seen and len(out) < n:
+                seen.add(req)
+                out.append(head + list(req) + tail)
+    return out
 
 
 class Openings:

@@ -66,9 +66,12 @@ def resolve(f, s: MtpSettings, say=None) -> MtpSettings:
     if say is not None:
         why = "" if s.preset != "auto" else (" (the draft is fresh from mtp init)" if preset == "fresh" else "")
         given = [k for k in PRESETS[preset] if getattr(s, k) is not None]
-        text = "the model's own continuations" if out.generate else (
-            f"the data's text and the model's own continuations of {out.gen_share:g} of its prompts"
-            if out.gen_share > 0 else "the data's text")
+        if out.generate:
+            text = "the model's own continuations" + (f" of {out.gen_windows} prompts" if out.gen_windows else "")
+        elif out.gen_share > 0:
+            text = f"the data's text and the model's own continuations of {out.gen_share:g} of its prompts"
+        else:
+            text = "the data's text"
         say(f"mtp heal: preset {preset}{why}: lr {out.lr:g}, warm-up {out.warm:g}, {out.epochs:g} epochs, "
             f"window {out.window}, batch {out.batch}, input side {'trained' if out.train_input else 'kept'}, on {text}"
             + (f" (given: {', '.join(given)})" if given else ""))

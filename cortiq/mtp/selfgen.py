@@ -11,8 +11,9 @@ target model's own generations instead; this module makes them.
 Each data window's first `gen_prompt` tokens are a prompt; the model continues
 it to a full window. A share of the windows (`gen_chat`, for a model with a chat
 template) gets a chat request in the template instead (cortiq.data.selfgen's
-requests, chosen by seed), so the draft also sees the model answering a chat
-(what a chat user decodes). The prompts, of whatever lengths, decode in one
+requests, chosen by seed, or with `gen_ask` requests the model wrote itself, each
+used once), so the draft also sees the model answering a chat (what a chat user
+decodes). The prompts, of whatever lengths, decode in one
 continuously refilled batch through the shared generator
 (cortiq.data.selfgen.generate_rows, on the static-cache decode engine).
 Greedy by default (what a greedy speculative round verifies against), sampled
@@ -68,9 +69,11 @@ HELD_REQUESTS = 0.2
 
 
 def make_prompts(windows: np.ndarray, P: int, share: float, requests: list[list[int]], seed: int,
-                 held: np.ndarray | None = None) -> tuple[list[list[int]], np.ndarray]:
+                 held: np.ndarray | None = None, asked: list[list[int]] = ()) -> tuple[list[list[int]], np.ndarray]:
     """The prompts of windows [n, ≥P]: each window's first P tokens, or (an even `share` of
-    them, when there are `requests`) a chat request drawn by `seed`. -> (prompts, chat [n]).
+    them, when there are `requests`) a chat request drawn by `seed`; the first len(asked) of
+    those chat rows in an even spread (asked_rows) take the `asked` requests instead, one each,
+    in order. -> (prompts, chat [n]).
 
     With `held` [n] (the held-out windows), a seeded HELD_REQUESTS of the requests answer held
     windows only and the rest train windows only: a greedy answer is the same text wherever its
@@ -79,24 +82,48 @@ def make_prompts(windows: np.ndarray, P: int, share: float, requests: list[list[
     questions of its own)."""
     n = len(windows)
     out = [list(r) for r in np.asarray(windows[:, :P], dtype=np.int64).tolist()]
-    if share <= 0 or not requests:
+    if share <= 0 or not (requests or asked):
         return out, np.zeros(n, dtype=bool)
     chat = chat_rows(n, share)
-    rng = np.random.default_rng([seed, 3])
+    if not requests:  # every chat row needs an asked request then
+        chat &= np.cumsum(chat) <= len(asked)
     rows = np.flatnonzero(chat)
-    if held is None or len(requests) < 2:
-        pick = rng.integers(len(requests), size=len(rows))
-    else:
-        order = rng.permutation(len(requests))
-        cut = max(1, int(round(HELD_REQUESTS * len(requests))))
-        pools = (order[cut:], order[:cut])  # (train, held)
-        side = np.asarray(held, dtype=bool)[rows].astype(np.int64)
-        draw = rng.integers(np.iinfo(np.int64).max, size=len(rows))
-        sizes = np.asarray([len(pools[0]), len(pools[1])])
-        pick = np.where(side == 1, pools[1][draw % sizes[1]], pools[0][draw % sizes[0]])
-    for i, r in zip(rows.tolist(), pick.tolist()):
-        out[i] = list(requests[r])
+    if requests:
+        rng = np.random.default_rng([seed, 3])
+        if held is None or len(requests) < 2:
+            pick = rng.integers(len(requests), size=len(rows))
+        else:
+            order = rng.permutation(len(requests))
+            cut = max(1, int(round(HELD_REQUESTS * len(requests))))
+            pools = (order[cut:], order[:cut])  # (train, held)
+            side = np.asarray(held, dtype=bool)[rows].astype(np.int64)
+            draw = rng.integers(np.iinfo(np.int64).max, size=len(rows))
+            sizes = np.asarray([len(pools[0]), len(pools[1])])
+            pick = np.where(side == 1, pools[1][draw % sizes[1]], pools[0][draw % sizes[0]])
+        for i, r in zip(rows.tolist(), pick.tolist()):
+            out[i] = list(requests[r])
+    # an asked request is used once, so no held-out window answers one a train window answers
+    for i, a in zip(rows[asked_rows(len(rows), len(asked))].tolist(), asked):
+        out[i] = list(a)
     return out, chat
+
+
+def asked_rows(n: int, k: int) -> np.ndarray:
+    """[n] bool: an even spread of min(k, n) of n chat rows (those the asked requests take)."""
+    return chat_rows(n, min(k, n) / n) if n else np.zeros(0, dtype=bool)
+
+
+def cut_prompts(ids: np.ndarray, lens: np.ndarray, P: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """m prompts of P tokens cut from windows ids [n, T] of lengths [n] (each > P): ⌈m / n⌉
+    cuts a window at even offsets of its text, the first cut of every window first (offset 0),
+    then the second of every window, ... -> (prompts [m, P], the window of each [m])."""
+    n = len(ids)
+    r = -(-m // n)
+    cut = np.arange(r)[:, None]  # [r, 1]
+    off = (cut * (np.asarray(lens)[None, :] - P)) // r  # [r, n]: offsets within each window's text
+    rows = np.broadcast_to(np.arange(n), (r, n)).reshape(-1)[:m]
+    off = off.reshape(-1)[:m]
+    return ids[rows[:, None], off[:, None] + np.arange(P)], rows
 
 
 def chat_requests(f, T: int) -> list[list[int]]:
@@ -163,7 +190,7 @@ def generated_sets(model, f, packed: list, s, cache: str | os.PathLike | None = 
     `s.window` tokens of its windows' first `s.gen_prompt` tokens (and of chat requests in
     place of a `s.gen_chat` share of them), as a Packed set `NAME.gen` with the same held-out
     windows; cached under `cache` (see default_cache). -> (sets of Generated, per-set info)."""
-    from ..data.selfgen import generate_rows
+    from ..data.selfgen import asked_openings, generate_rows
     from .trunk import trunk_key
 
     P, T = s.gen_prompt, s.window
@@ -172,10 +199,19 @@ def generated_sets(model, f, packed: list, s, cache: str | os.PathLike | None = 
     tkey = trunk_key(f)
     requests = chat_requests(f, T) if s.gen_chat > 0 else []
     out, info = [], []
-    for p in packed:
+    for j, p in enumerate(packed):
         keep = np.asarray(p.lengths) > P  # windows long enough to cut a prompt from
         held = np.asarray(p.held)[keep]
-        prompts, chat = make_prompts(np.asarray(p.ids)[keep], P, s.gen_chat, requests, s.seed, held)
+        cuts = np.asarray(p.ids)[keep]
+        if (s.gen_windows or 0) > len(cuts) > 0:
+            cuts, rows = cut_prompts(cuts, np.asarray(p.lengths)[keep], P, s.gen_windows)
+            held = held[rows]
+        asked = []
+        if requests and s.gen_ask > 0:
+            n_chat = int(chat_rows(len(cuts), s.gen_chat).sum())
+            asked = asked_openings(model, f, int(round(s.gen_ask * n_chat)), seed=s.seed * 1000 + j, slots=s.gen_batch)
+            asked = [a for a in asked if len(a) <= T // 2]  # half a window at least to answer in
+        prompts, chat = make_prompts(cuts, P, s.gen_chat, requests, s.seed, held, asked)
         if len(prompts) == 0:
             raise CortiqError(f"mtp generate: no window of data set {p.name} is longer than gen_prompt {P}")
         dg = gen_digest(tkey, prompts, T, s.gen_temperature, s.seed, eos)
@@ -194,12 +230,14 @@ def generated_sets(model, f, packed: list, s, cache: str | os.PathLike | None = 
         flat = np.concatenate([np.concatenate([np.asarray(a, dtype=np.int64), b]) for a, b in zip(prompts, new)])
         ids[np.arange(T)[None, :] < lens[:, None]] = flat  # row-major: each row's tokens, then its padding
         meta = {"stage": STAGE, "version": VERSION, "digest": dg, "set": p.name, "windows": len(ids), "window": T,
-                "prompt": P, "chat_prompts": int(chat.sum()), "temperature": s.gen_temperature, "seed": s.seed, "eos": eos,
+                "prompt": P, "chat_prompts": int(chat.sum()), "asked_prompts": len(asked),
+                "temperature": s.gen_temperature, "seed": s.seed, "eos": eos,
                 "trunk": tkey, "tokens": int(lens.sum()), "model": str(f.path)}
         _write(d, ids, lens, plens, held, chat, meta)
         if say is not None:
             say(f"mtp heal: generated {len(ids)} windows of {T} from {p.name} ({int(chat.sum())} of them answers to "
-                f"chat requests; {int(lens.sum())} tokens, {int((lens < T).sum())} ended early) into {d}")
+                f"chat requests, {len(asked)} of those written by the model; {int(lens.sum())} tokens, "
+                f"{int((lens < T).sum())} ended early) into {d}")
         out.append(Generated(name, ids, lens, held, chat, plens))
         info.append({"set": name, "windows": len(ids), "cache": str(d), "read_back": False})
     return out, info

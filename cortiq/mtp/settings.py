@@ -61,18 +61,21 @@ def parse_taps(spec) -> tuple[str, list[int]] | None:
 #: the 200 tokens a decode's measure walks (`span`) with the chain's look-ahead,
 #: and give a data set 1.6x the prompts windows of 512 gave for the same tokens,
 #: without training on a long greedy continuation's repetitive tail; 8 of them a
-#: step. 6 epochs: on the H200 with SmolLM2, 334 generated windows of 512
-#: reached 0.90 drafts a round (every-row chain) after 6 epochs (666 steps, 32 s)
-#: and 0.98 after 12 (1332 steps, 71 s, ~53 ms a step with evaluations), still climbing at the
-#: schedule's end; the bench's ~1850 windows of 320 make ~620 steps an epoch, so
-#: 6 epochs are ~3700 steps (2.8x those, on 5.5x the distinct windows), about 2.5
-#: minutes there at an estimated ~35 ms a step. A held-out evaluation walks ~185
-#: windows, so it runs every 200 steps, and 10 without a new best stop.
+#: step. 4096 generated windows for 3 epochs (bench/DECODE.md, "A draft trained on
+#: more of the model's own text"): the whole pydoc text makes only ~345 windows of
+#: 320, and a draft trained 6 epochs on their continuations kept 0.33 drafts a round
+#: on chat questions and 0.27 on standard-library source it never saw (H200,
+#: SmolLM2-135M, depth 3, bf16). 4096 windows (prompts cut at 12 offsets of each
+#: window, chat requests the model wrote) for 3 epochs (4140 steps, 260 s there)
+#: kept 0.77 and 1.16, and served that text 1.50x faster than plain at 1 client;
+#: the held-out estimate was still rising slowly at 6 epochs (1.05 at 7200 steps
+#: against 0.975 at 4140), not worth twice the time. A held-out evaluation walks
+#: the held-out windows, so it runs every 200 steps, and 10 without a new best stop.
 PRESETS = {
     "retrain": {"lr": 2e-5, "warm": 0.1, "epochs": 1.0, "train_input": False, "patience": 6, "eval_every": 25,
-                "window": 2048, "batch": 2, "generate": False},
-    "fresh": {"lr": 1e-3, "warm": 0.05, "epochs": 6.0, "train_input": True, "patience": 10, "eval_every": 200,
-              "window": 320, "batch": 8, "generate": True},
+                "window": 2048, "batch": 2, "generate": False, "gen_windows": 0},
+    "fresh": {"lr": 1e-3, "warm": 0.05, "epochs": 3.0, "train_input": True, "patience": 10, "eval_every": 200,
+              "window": 320, "batch": 8, "generate": True, "gen_windows": 4096},
 }
 
 #: `preset` values: "auto" picks "fresh" for a draft `mtp init` made and no
@@ -134,12 +137,26 @@ class MtpSettings:
     #: kind. A quarter: enough to be a fixed part of every epoch, not yet measured against others
     gen_share: float = setting(0.25, "with generate off: the model's own continuations of this share of the "
                                      "windows' prompts train beside the data's text", lo=0, hi=1, feeds=("trunk", "mtp"))
+    #: generated windows made from each data set; 0: one per data window. More: each window
+    #: gives prompts cut at even offsets of its text (inheriting its held-out flag), so a small
+    #: data set still trains the draft on many distinct continuations; preset: retrain 0, fresh 4096
+    gen_windows: int | None = setting(None, "generated windows made from each data set (0: one per data window; more: "
+                                            "prompts cut at even offsets of each window)", lo=0, show="the preset's",
+                                      feeds=("trunk", "mtp"))
     #: share of the prompts replaced by a chat request in the model's chat template (the model
     #: answers it; models without a template get none): half, as chat answers are harder to draft
     #: than data continuations (on an H200 with SmolLM2 and a quarter of them chat: 0.42 accepted a
     #: round at depth 3 against 1.09 on data)
     gen_chat: float = setting(0.5, "share of the prompts replaced by a chat request in the model's chat template",
                               lo=0, hi=1, feeds=("trunk", "mtp"))
+    #: share of those chat requests the model writes itself (cortiq.data.selfgen.asked_openings:
+    #: the template up to a user turn, a request sampled at temperature 1, then the greedy answer),
+    #: each used once; the rest come from the fixed list of a few hundred requests, which repeat.
+    #: All: with 4096 fresh windows on the H200 (SmolLM2-135M, depth 3, bf16) the draft kept 0.77
+    #: drafts a round on chat questions of another source against 0.60 with the fixed list, and
+    #: 1.16 against 1.00 on standard-library source
+    gen_ask: float = setting(1.0, "share of the chat requests the model writes itself (each used once; the rest "
+                                  "from a fixed list)", lo=0, hi=1, feeds=("trunk", "mtp"))
     #: 0: greedy continuations (what greedy speculative decoding verifies against); > 0: sampled
     gen_temperature: float = setting(0.0, "0: greedy continuations; > 0: sampled", lo=0, feeds=("trunk", "mtp"))
     #: rows decoded at once
@@ -149,7 +166,7 @@ class MtpSettings:
                                     show="the trunk cache, else <cortiq home>/cache/mtp-gen", how=True)
 
     # ── training ──
-    #: passes over the train windows per chain step; 0 = measure only (and re-encode); preset: retrain 1, fresh 6
+    #: passes over the train windows per chain step; 0 = measure only (and re-encode); preset: retrain 1, fresh 3
     epochs: float | None = setting(None, "passes over the train windows per chain step (0: measure only)", show="the preset's",
                                    lo=0, **EPOCHS)
     #: peak learning rate (Adam; warm-up, then cosine down to a tenth of it); preset: retrain 2e-5, fresh 1e-3

@@ -98,7 +98,7 @@ def tiny_params():
             "heal": {"epochs": 1.0, "window": 32, "batch": 2, "eval_every": 2, "checkpoint_every": 2, "topk": 8,
                      "lr": 1e-3, "target": "topk", "ce": 0.3},
             "mtp": {"window": 32, "tokens": 4096, "topk": 4, "epochs": 1.0, "batch": 2, "eval_every": 2, "refresh": 4,
-                    "chain": 2},
+                    "chain": 2, "gen_windows": 0},
             "codecs": ["q8"],
             # q8 by AWQ (its default is round-to-nearest), so the flows' Grams-and-blocks stages run
             "quant": {"window": 32, "max_windows": 8, "method_8bit": "awq"},

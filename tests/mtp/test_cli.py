@@ -20,7 +20,7 @@ def test_cli_init_then_heal(tiny, tmp_path, capsys):
     out = tmp_path / "h.cmf"
     rc = main(["mtp", "heal", str(tmp_path / "i.cmf"), "--data", str(data), "--out", str(out), "--window", "32",
                "--topk", "8", "--epochs", "0.5", "--eval-every", "5", "--lr", "1e-3", "--train-input", "--device", "cpu",
-               "--gen-prompt", "8", "--batch", "2",
+               "--gen-prompt", "8", "--batch", "2", "--gen-windows", "0",
                "--trunk-cache", str(tmp_path / "cache"), "--dump", str(tmp_path / "dump")])
     err = capsys.readouterr().err
     assert rc == 0, err
@@ -36,7 +36,7 @@ def test_cli_init_then_heal(tiny, tmp_path, capsys):
     again = tmp_path / "h2.cmf"
     args = ["mtp", "heal", str(tmp_path / "i.cmf"), "--data", str(data), "--out", str(again), "--window", "32",
             "--topk", "8", "--epochs", "0.5", "--eval-every", "5", "--lr", "1e-3", "--train-input", "--device", "cpu",
-            "--gen-prompt", "8", "--batch", "2"]
+            "--gen-prompt", "8", "--batch", "2", "--gen-windows", "0"]
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "trunk: reusing" in err and "mtp: reusing" in err and "hold per chain step" not in err

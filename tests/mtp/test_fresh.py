@@ -28,7 +28,7 @@ def fresh(tmp_path_factory):
 
 def tiny_settings(**kw):
     base = dict(window=48, tokens=100000, topk=8, chain=3, gen_prompt=8, head_chunk=64, device="cpu", batch=2,
-                eval_every=20)
+                eval_every=20, gen_windows=0)
     base.update(kw)
     return MtpSettings(**base)
 
@@ -38,9 +38,11 @@ def test_preset_follows_provenance_and_explicit_values_win(fresh, tmp_path):
     f = open_cmf(init)
     assert f.provenance["mtp_init"]["fresh"] is True and draft_is_fresh(f)
     s = resolve(f, MtpSettings())
-    assert (s.preset, s.lr, s.train_input, s.generate, s.window, s.batch) == ("fresh", 1e-3, True, True, 320, 8)
+    assert (s.preset, s.lr, s.train_input, s.generate, s.window, s.batch, s.gen_windows, s.gen_ask) == \
+        ("fresh", 1e-3, True, True, 320, 8, 4096, 1.0)
     s = resolve(f, MtpSettings(lr=5e-4, generate=False))
-    assert (s.preset, s.lr, s.generate, s.epochs) == ("fresh", 5e-4, False, 6.0)
+    assert (s.preset, s.lr, s.generate, s.epochs) == ("fresh", 5e-4, False, 3.0)
+    assert resolve(f, MtpSettings(preset="retrain")).gen_windows == 0
     assert resolve(f, MtpSettings(preset="retrain")).lr == 2e-5
     # a draft that came with the model (no mtp init in its provenance): retrain
     native = write_model(tmp_path / "native.cmf")
@@ -114,7 +116,7 @@ def test_chat_windows_are_the_trunks_greedy_answers_in_its_template(tmp_path):
     data = write_tdata(tmp_path / "d.tdata", greedy_records(path, 8, 96, seed=2))
     f = _open(path)
     m = load_model(f)
-    s = resolve(f, tiny_settings(window=96, gen_chat=0.5))
+    s = resolve(f, tiny_settings(window=96, gen_chat=0.5, gen_ask=0.0))
     packed = packed_windows(str(data), 96, 100000, min_len=19, pad_id=EOS)
     g = generated_sets(m, f, packed, s, tmp_path / "gen")[0][0]
     tok = load_tokenizer(path)
@@ -296,3 +298,84 @@ def test_held_out_windows_answer_requests_no_train_window_answers():
     assert held_q and train_q and not held_q & train_q
     assert len(held_q) <= 10 and len(train_q) > 30  # a fifth of the requests are the held-out side's
     assert make_prompts(w, 8, 0.5, reqs, seed=1, held=held)[0] == p
+
+
+TPL = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+
+
+def test_cut_prompts_takes_even_offsets_of_each_window_first_cuts_first():
+    from cortiq.mtp.selfgen import cut_prompts
+
+    ids = np.arange(3 * 20).reshape(3, 20)  # window w holds 20w, 20w+1, ...: a token says its offset
+    lens = np.array([20, 12, 5])
+    got, rows = cut_prompts(ids, lens, 4, 8)  # 3 cuts a window, 8 of the 9
+    assert rows.tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
+    offs = got[:, 0] - 20 * rows
+    assert (got == got[:, :1] + np.arange(4)).all()  # contiguous slices of the window's text
+    assert offs.tolist() == [0, 0, 0, 5, 2, 0, 10, 5]  # even steps of (length - 4) / 3
+    assert (offs + 4 <= lens[rows]).all()
+
+
+def test_make_prompts_gives_each_asked_request_to_one_chat_row():
+    w = np.arange(120, dtype=np.int64).reshape(12, 10)
+    reqs = [[900, 901], [902]]
+    asked = [[800], [801, 802], [803]]
+    p, chat = make_prompts(w, 8, 0.5, reqs, seed=0, asked=asked)
+    rows = np.flatnonzero(chat)
+    assert len(rows) == 6
+    mine = [p[i] for i in rows if p[i] in asked]
+    assert mine == asked  # each once, in order, on an even spread of the chat rows
+    assert [p[i] for i in rows[1::2]] == asked  # (chat_rows' spread: the second of each pair)
+    assert all(p[i] in reqs for i in rows[0::2])
+    assert all(p[i] == list(range(10 * i, 10 * i + 8)) for i in np.flatnonzero(~chat))
+    # no fixed list (only asked requests): only as many chat rows as there are asked requests
+    p2, chat2 = make_prompts(w, 8, 0.5, [], seed=0, asked=asked)
+    assert chat2.sum() == 3 and [p2[i] for i in np.flatnonzero(chat2)] == asked
+
+
+def test_asked_openings_are_distinct_requests_the_model_wrote_in_its_template(tmp_path):
+    """Magpie-style openings: the template's user turn opened, a request sampled to the end-of-turn
+    token, the turn closed and the generation prompt after it; distinct, and reproducible by seed."""
+    from cortiq.data.selfgen import asked_openings
+
+    path = write_model(tmp_path / "chat.cmf", seed=2, chat_template=TPL)
+    f = open_cmf(path)
+    m = load_model(f)
+    from cortiq.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(path)
+    head, tail = (tok.encode(t, add_special_tokens=False).ids for t in ("<user>", "<a>"))
+    a = asked_openings(m, f, 5, seed=1, longest=200, slots=8)
+    assert len(a) == 5 and len({tuple(x) for x in a}) == 5
+    for o in a:
+        req = o[len(head): len(o) - len(tail)]
+        assert o[: len(head)] == head and o[-len(tail):] == tail
+        assert 1 <= len(req) < 200 and EOS not in req
+    assert asked_openings(m, f, 5, seed=1, longest=200, slots=8) == a
+    assert asked_openings(m, f, 5, seed=2, longest=200, slots=8) != a
+    bare = open_cmf(write_model(tmp_path / "bare.cmf", seed=2))
+    assert asked_openings(load_model(bare), bare, 5, seed=1) == []  # no template: no chat text to ask in
+
+
+def test_gen_windows_and_gen_ask_grow_a_small_data_set(tmp_path):
+    """gen_windows cuts more prompts from each window (each keeps its window's held-out flag);
+    gen_ask makes the chat rows answer requests the model wrote, each answered once."""
+    from cortiq.data.windowing import packed_windows
+
+    path = write_model(tmp_path / "chat.cmf", seed=2, chat_template=TPL)
+    data = write_tdata(tmp_path / "d.tdata", greedy_records(path, 8, 96, seed=2))
+    f = open_cmf(path)
+    m = load_model(f)
+    packed = packed_windows(str(data), 96, 100000, min_len=19, pad_id=EOS)
+    s = resolve(f, tiny_settings(window=96, gen_chat=0.5, gen_ask=1.0, gen_windows=20))
+    g = generated_sets(m, f, packed, s, tmp_path / "gen")[0][0]
+    n = len(packed[0])
+    assert len(g) == 20 and g.chat.sum() == 10
+    answers = [tuple(g.ids[i, : g.prompt_lens[i]]) for i in np.flatnonzero(g.chat)]
+    assert len(set(answers)) == 10  # every asked request once
+    data_rows = np.flatnonzero(~g.chat)
+    from cortiq.mtp.selfgen import cut_prompts
+
+    cuts, rows = cut_prompts(packed[0].ids, packed[0].lengths, s.gen_prompt, 20)
+    assert all(g.ids[i, : s.gen_prompt].tolist() == cuts[i].tolist() for i in data_rows)
+    assert g.held.tolist() == packed[0].held[rows].tolist() and n < 20
