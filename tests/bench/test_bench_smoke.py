@@ -87,6 +87,14 @@ def check_mtp(d):
     assert d["real"] and all(r["rounds"] > 0 for r in d["real"])
 
 
+def check_draft_data(d):
+    assert [r["row"] for r in d["rows"]] == ["defaults", "asked, 4096 windows"]
+    for r in d["rows"]:
+        kinds = {(a["kind"], a["dtype"]) for a in r["measures"]}
+        assert kinds == {("chat", "float32"), ("text", "float32")}
+        assert all(1 <= a["offline_tokens_a_round"] <= 4 for a in r["measures"]) and r["steps"] > 0
+
+
 def check_pipeline(d):
     _no_error(d["pipeline"])
     _no_error(d["memory"])
@@ -177,6 +185,8 @@ BENCHES = {
     "memory": ([], "memory.json", check_memory),
     "decode": ([], "decode.json", check_decode),
     "mtp": (["--no-compare-raw"], "mtp.json", check_mtp),
+    # the defaults and the row of more windows and asked requests (capped to 200 windows on the CPU)
+    "draft_data": (["--work", "{work}", "--rows", "defaults|asked, 4096 windows"], "draft_data.json", check_draft_data),
     "run": ([], "bench.json", check_run),
     "selfgen": ([], "selfgen.json", check_selfgen),
     "compress": ([], "compress_bench.json", check_compress),
