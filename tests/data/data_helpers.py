@@ -24,7 +24,7 @@ def tiny_cmf(path: Path, vocab: int = VOCAB, chat_template: str | None = None, t
 
 
 
-def tiny_model_cmf(path: Path, seed: int = 0) -> Path:
+def tiny_model_cmf(path: Path, seed: int = 0, chat_template: str | None = None) -> Path:
     """A tiny random Llama-style model that load_model builds (for --generate-with)."""
     from cortiq.cmf import specs_from_tensors
     from cortiq.model import CausalLM
@@ -36,5 +36,5 @@ def tiny_model_cmf(path: Path, seed: int = 0) -> Path:
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if p.dim() == 1 else torch.randn_like(p) * (0.5 if "embed" in n else 0.2))
-    doc = new_doc(arch, tokenizer_doc(byte_tokenizer_json(), eos_ids=[EOS]))
+    doc = new_doc(arch, tokenizer_doc(byte_tokenizer_json(), eos_ids=[EOS], chat_template=chat_template))
     return write_cmf(path, doc, specs_from_tensors([(n, p.detach().clone()) for n, p in model.named_parameters()], "f32"))

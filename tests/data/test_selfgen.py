@@ -90,3 +90,52 @@ def test_selfgen_writes_tdata_reproducible_by_seed_and_cached(model_cmf, tmp_pat
 
     res = pipeline.run(SELFGEN, tmp_path / "a", progress=False, model=model_cmf, settings=s)
     assert res["reused"] and res["path"] == str(d)
+
+
+def test_asked_openings_take_their_share_of_the_chat_draws_each_once(model_cmf):
+    """With `ask`, a chat draw takes the next asked opening (in order, never twice) with probability
+    `ask`, and the list's requests once the pool is spent; with ask 0 the openings are the default's."""
+    from itertools import islice
+
+    from cortiq.cmf import open_cmf
+    from cortiq.data.selfgen import Openings
+
+    f = open_cmf(model_cmf)
+    pool = [[1, 2, 3], [4, 5], [6]]
+    s = SelfGenSettings(mix=(0.0, 1.0, 0.0), ask=1.0, seed=0)
+    op = Openings(f, s, pool)
+    got = list(islice(iter(op), 6))
+    assert got[:3] == pool and op.kinds == ["asked"] * 3 + ["chat"] * 3
+    plain = SelfGenSettings(mix=(0.25, 0.5, 0.25), seed=4)
+    assert list(islice(iter(Openings(f, plain, pool)), 40)) == list(islice(iter(Openings(f, plain)), 40))
+    half = Openings(f, SelfGenSettings(mix=(0.0, 1.0, 0.0), ask=0.5, seed=0), [[7]] * 400)
+    list(islice(iter(half), 400))
+    assert 150 < half.kinds.count("asked") < 250
+
+
+def test_selfgen_with_ask_records_the_models_own_requests(tmp_path, monkeypatch):
+    """A model with a chat template: SELFGEN's asked openings are that template around requests the
+    model sampled, recorded as their own category; the key of ask 0 is the key without the field."""
+    from data_helpers import tiny_model_cmf
+
+    from functools import partial
+
+    from cortiq import pipeline
+    from cortiq.data import selfgen
+
+    # a random model rarely ends a request within the 64 tokens a real one takes: give it room
+    monkeypatch.setattr(selfgen, "asked_openings", partial(selfgen.asked_openings, longest=250))
+    tpl = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+    path = tiny_model_cmf(tmp_path / "chat.cmf", seed=3, chat_template=tpl)
+    s = SelfGenSettings(tokens=400, max_new=24, slots=8, device="cpu", seed=1, mix=(0.0, 1.0, 0.0), ask=1.0)
+    recs = Tdata.open(self_tdata(path, s, tmp_path / "a", progress=False)).records()
+    tok = load_tokenizer(path)
+    asked = [r for r in recs if r.category == "self-asked"]
+    assert asked
+    for r in asked:
+        opening = tok.decode(r.ids[: r.first].tolist(), skip_special_tokens=False)
+        assert opening.startswith("<user>") and opening.endswith("<a>") and opening[6:-3] not in REQUESTS
+    assert len({tuple(r.ids[: r.first].tolist()) for r in asked}) == len(asked)
+    assert pipeline.key_of(SELFGEN, SelfGenSettings()) == pipeline.key_of(SELFGEN, SelfGenSettings(ask=0.0))
+    assert "ask" not in pipeline.key_of(SELFGEN, SelfGenSettings())
+    assert pipeline.key_of(SELFGEN, SelfGenSettings(ask=0.5)) != pipeline.key_of(SELFGEN, SelfGenSettings())
