@@ -214,9 +214,11 @@ class Scheduler:
             r.spec = self.speculative and r.temperature <= 0
             self.prefilling.append((r, eng.prefill_job(r.slot, r.ids, self.prefill_chunk)))
         self._prefill()
-        prof["prefill"] += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        prof["prefill"] += t1 - t0
         for r in [r for r in self.active.values() if r.cancelled]:
             self._end(r, None)
+        took = flight  # the step whose tokens this turn takes (one a turn)
         nxt = self._launch(ahead=flight is not None)
         if nxt is None and flight is not None:  # no room to run ahead: take the running step first
             self._finish(flight)
@@ -226,7 +228,9 @@ class Scheduler:
             self._finish(flight)
         if nxt is not None and not self.overlap:
             self._finish(nxt)
-            nxt = None
+            took, nxt = nxt, None
+        if self.policy is not None and took is not None:
+            self.policy.record_period(took[0].bucket, took[0].depth, time.perf_counter() - t1)
         return nxt
 
     def _prefill(self):

@@ -202,7 +202,8 @@ def test_the_scheduler_answers_plain_greedy_decoding(mode, engine):
     if draft:
         assert sched.stats["rounds"] > 0
     if mode == "auto":
-        assert sum(sched.policy.chosen) > 0 and sched.profile()["policy"]["step_ms"]
+        pol = sched.profile()["policy"]
+        assert sum(sched.policy.chosen) > 0 and pol["step_ms"] and pol["turn_ms"]
 
 
 def test_depth_policy_takes_what_pays():
@@ -219,6 +220,28 @@ def test_depth_policy_takes_what_pays():
             pol.record(8, d, t)
     assert pol.choose_depth(8, [0.9] * 8) == 0
     assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(0.0, 3) == 1.0
+
+
+def test_depth_policy_costs_a_step_by_its_turn_where_the_host_is_slower():
+    """Device times alone say a round (2 ms) does not pay over a plain step (1 ms) at 0.4
+    acceptance; turns of 3 ms each, whatever the step, say the host sets the pace and the round's
+    1.78 tokens a request are nearly free."""
+    pol = DepthPolicy(1, explore=1000)
+    for d, t in ((0, 1e-3), (1, 2e-3)):
+        for _ in range(4):
+            pol.record(32, d, t)
+    assert pol.choose_depth(32, [0.4] * 32) == 0 and pol.cost(32, 1) == 2e-3
+    pol.record_period(32, 0, 3e-3)
+    assert pol.choose_depth(32, [0.4] * 32) == 0  # one period is a warm-up run: not yet the cost
+    for d in (0, 0, 1, 1, 1):
+        pol.record_period(32, d, 3e-3)
+    assert pol.cost(32, 0) == pol.cost(32, 1) == 3e-3
+    assert pol.choose_depth(32, [0.4] * 32) == 1
+    for _ in range(20):  # a device-bound batch: the turn waits for the step, device time rules again
+        pol.record_period(32, 0, 1.05e-3)
+        pol.record_period(32, 1, 2.05e-3)
+    assert pol.choose_depth(32, [0.4] * 32) == 0
+    assert set(pol.summary()["turn_ms"]) == {"32x0", "32x1"}
 
 
 def test_add_many_equals_add_and_events_merge():
