@@ -61,21 +61,22 @@ def parse_taps(spec) -> tuple[str, list[int]] | None:
 #: the 200 tokens a decode's measure walks (`span`) with the chain's look-ahead,
 #: and give a data set 1.6x the prompts windows of 512 gave for the same tokens,
 #: without training on a long greedy continuation's repetitive tail; 8 of them a
-#: step. 4096 generated windows for 3 epochs (bench/DECODE.md, "A draft trained on
+#: step. 8192 generated windows for 2 epochs (bench/DECODE.md, "A draft trained on
 #: more of the model's own text"): the whole pydoc text makes only ~345 windows of
 #: 320, and a draft trained 6 epochs on their continuations kept 0.33 drafts a round
 #: on chat questions and 0.27 on standard-library source it never saw (H200,
 #: SmolLM2-135M, depth 3, bf16). 4096 windows (prompts cut at 12 offsets of each
 #: window, chat requests the model wrote) for 3 epochs (4140 steps, 260 s there)
-#: kept 0.77 and 1.16, and served that text 1.50x faster than plain at 1 client;
-#: the held-out estimate was still rising slowly at 6 epochs (1.05 at 7200 steps
-#: against 0.975 at 4140), not worth twice the time. A held-out evaluation walks
+#: kept 0.77 and 1.16; 8192 for 2 epochs (5526 steps, 464 s) 0.86 and 1.35, and
+#: served chat 1.46x and that text 1.67x faster than plain at 1 client. At 4096
+#: windows 6 epochs against 3 raised the held-out estimate only from 0.975 to 1.05:
+#: more distinct windows pay, more passes over the same ones little. A held-out evaluation walks
 #: the held-out windows, so it runs every 200 steps, and 10 without a new best stop.
 PRESETS = {
     "retrain": {"lr": 2e-5, "warm": 0.1, "epochs": 1.0, "train_input": False, "patience": 6, "eval_every": 25,
                 "window": 2048, "batch": 2, "generate": False, "gen_windows": 0},
-    "fresh": {"lr": 1e-3, "warm": 0.05, "epochs": 3.0, "train_input": True, "patience": 10, "eval_every": 200,
-              "window": 320, "batch": 8, "generate": True, "gen_windows": 4096},
+    "fresh": {"lr": 1e-3, "warm": 0.05, "epochs": 2.0, "train_input": True, "patience": 10, "eval_every": 200,
+              "window": 320, "batch": 8, "generate": True, "gen_windows": 8192},
 }
 
 #: `preset` values: "auto" picks "fresh" for a draft `mtp init` made and no
@@ -139,7 +140,7 @@ class MtpSettings:
                                      "windows' prompts train beside the data's text", lo=0, hi=1, feeds=("trunk", "mtp"))
     #: generated windows made from each data set; 0: one per data window. More: each window
     #: gives prompts cut at even offsets of its text (inheriting its held-out flag), so a small
-    #: data set still trains the draft on many distinct continuations; preset: retrain 0, fresh 4096
+    #: data set still trains the draft on many distinct continuations; preset: retrain 0, fresh 8192
     gen_windows: int | None = setting(None, "generated windows made from each data set (0: one per data window; more: "
                                             "prompts cut at even offsets of each window)", lo=0, show="the preset's",
                                       feeds=("trunk", "mtp"))

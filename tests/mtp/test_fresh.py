@@ -39,9 +39,9 @@ def test_preset_follows_provenance_and_explicit_values_win(fresh, tmp_path):
     assert f.provenance["mtp_init"]["fresh"] is True and draft_is_fresh(f)
     s = resolve(f, MtpSettings())
     assert (s.preset, s.lr, s.train_input, s.generate, s.window, s.batch, s.gen_windows, s.gen_ask) == \
-        ("fresh", 1e-3, True, True, 320, 8, 4096, 1.0)
+        ("fresh", 1e-3, True, True, 320, 8, 8192, 1.0)
     s = resolve(f, MtpSettings(lr=5e-4, generate=False))
-    assert (s.preset, s.lr, s.generate, s.epochs) == ("fresh", 5e-4, False, 3.0)
+    assert (s.preset, s.lr, s.generate, s.epochs) == ("fresh", 5e-4, False, 2.0)
     assert resolve(f, MtpSettings(preset="retrain")).gen_windows == 0
     assert resolve(f, MtpSettings(preset="retrain")).lr == 2e-5
     # a draft that came with the model (no mtp init in its provenance): retrain
