@@ -165,11 +165,34 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(width, hidden, bias=False)
         self.neuron_logits: nn.Parameter | None = None
 
-    def forward(self, x):
-        a = F.silu(self.gate_proj(x)) * self.up_proj(x)  # [B, T, I]
+    def forward(self, x, weights=None):
+        """weights: (gate, up, down) to use in place of the modules' own (the same tensors,
+        passed in by `CausalLM.compile_layers` so that a compiled body sees them as inputs)."""
+        if weights is None:
+            a = F.silu(self.gate_proj(x)) * self.up_proj(x)  # [B, T, I]
+        else:
+            a = F.silu(F.linear(x, weights[0])) * F.linear(x, weights[1])
         if self.neuron_logits is not None:
             a = a * torch.sigmoid(self.neuron_logits).to(a.dtype)
-        return self.down_proj(a)
+        return self.down_proj(a) if weights is None else F.linear(a, weights[2])
+
+    def plain(self) -> bool:
+        """Whether its three projections are plain linears (no forward of their own, as QAT
+        attaches), so that passing their weights computes what calling them does."""
+        return all(type(m) is nn.Linear and "forward" not in m.__dict__ and not m._forward_hooks
+                   and not m._forward_pre_hooks for m in (self.gate_proj, self.up_proj, self.down_proj))
+
+
+class _WeightsIn:
+    """A compiled layer body called with its MLP's weights as arguments (read at each
+    call, so FSDP2's unsharded tensors are the ones passed): see CausalLM.compile_layers."""
+
+    def __init__(self, body, mlp: MLP):
+        self.body, self.mlp = body, mlp
+
+    def __call__(self, h, cos, sin, state=None):
+        m = self.mlp
+        return self.body(h, cos, sin, state, (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight))
 
 
 def run_body(layer: nn.Module, *args):
@@ -223,13 +246,13 @@ class DecoderLayer(nn.Module):
             return run_body(self, h, cos, sin)  # [B, T, H]
         return (self.compiled or self._forward)(h, cos, sin, state)  # decoding: never recomputed
 
-    def _forward(self, h, cos, sin, state=None):
+    def _forward(self, h, cos, sin, state=None, mlp_weights=None):
         x = self.input_layernorm(h)
         if self.kind == FULL:
             h = h + self.self_attn(x, cos, sin, state)
         else:
             h = h + self.linear_attn(x, state)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h), mlp_weights)
 
 
 class Cache:
@@ -411,7 +434,6 @@ class CausalLM(nn.Module):
         `layers`: the indices of the trunk layers that will run (default all).
         A heal whose frozen prefix is cached holds placeholders where the
         prefix layers were; they never run, so they are not compiled."""
-        kw.setdefault("dynamic", False)
         import torch._dynamo
 
         # one graph per (layer kind, grad mode, autocast, shape): a teacher and a
@@ -421,10 +443,24 @@ class CausalLM(nn.Module):
         name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
         setattr(cfg, name, max(getattr(cfg, name), 64))
         trunk = list(self.layers) if layers is None else [self.layers[i] for i in layers]
-        for layer in trunk + ([] if self.mtp is None else list(self.mtp.layers)):
+        every = trunk + ([] if self.mtp is None else list(self.mtp.layers))
+        # Layers of several MLP widths (a fold of global scope keeps a width of its own in
+        # every layer): with static shapes each width is a graph of its own per grad mode,
+        # and on the H200 a heal of SmolLM2 with 30 widths took 160 s where one width took
+        # 55 s (bench/QUALITY.md). Dynamo keeps a module's parameters static whatever
+        # `dynamic` says, so the MLP weights go in as arguments (`_WeightsIn`), parameters
+        # may be dynamic, and the width that changes at the second compile turns symbolic:
+        # two graphs per grad mode for any number of widths.
+        ragged = len({int(layer.mlp.gate_proj.weight.shape[0]) for layer in every}) > 1
+        if ragged:
+            cfg.force_parameter_static_shapes = False
+            kw.setdefault("dynamic", None)
+        kw.setdefault("dynamic", False)
+        for layer in every:
             # the body, not the module's call: hooks on the call (FSDP2's) and the
             # layer's checkpoint stay outside the compiled region (DecoderLayer.recompute)
-            layer.compiled = torch.compile(layer._forward, **kw)
+            body = torch.compile(layer._forward, **kw)
+            layer.compiled = _WeightsIn(body, layer.mlp) if ragged and layer.mlp.plain() else body
         return self
 
     def new_cache(self) -> Cache:

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cortiq.convert.hf import convert_hf_dir
 from cortiq.model import export_model, load_model
@@ -122,6 +123,47 @@ def test_compiled_layers_match_eager_values_and_gradients(tmp_path):
     h_c.square().sum().backward()
     for (n, pe), (_, pc) in zip(eager.named_parameters(), m.named_parameters()):
         assert torch.allclose(pc.grad, pe.grad, atol=1e-4, rtol=1e-4), n
+
+
+def test_compiled_layers_of_many_widths_share_two_graphs_a_grad_mode():
+    """A fold of global scope leaves every layer its own MLP width: the compiled bodies take
+    the MLP weights as inputs, so the graphs do not grow with the widths (static shapes: one
+    per width and grad mode, 10 here), and the values and gradients are eager's."""
+    import types
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from cortiq.arch import Arch
+    from cortiq.model.decoder import _WeightsIn
+    from tests.serve.serve_helpers import random_model
+
+    a = Arch(arch_name="llama", vocab_size=259, hidden_size=32, num_layers=6, intermediate_sizes=[40, 56, 24, 72, 56, 88],
+             num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, max_position_embeddings=256)
+    m, eager = random_model(a, seed=3), random_model(a, seed=3)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    m.compile_layers(backend=counter)
+    assert all(isinstance(layer.compiled, _WeightsIn) for layer in m.layers)
+    ids = torch.randint(0, 259, (2, 11))
+    for model in (m, eager):
+        h, _ = model.forward_hidden(ids)
+        h.square().sum().backward()
+        with torch.no_grad():
+            model.forward_hidden(ids)
+    h_c, h_e = m.forward_hidden(ids)[0], eager.forward_hidden(ids)[0]
+    assert torch.allclose(h_c, h_e, atol=1e-6, rtol=1e-6)
+    for (n, pe), (_, pc) in zip(eager.named_parameters(), m.named_parameters()):
+        if pe.grad is not None:
+            assert torch.allclose(pc.grad, pe.grad, atol=1e-5, rtol=1e-5), n
+    assert counter.frame_count <= 4
+    # a projection with a forward of its own (QAT's fake quantization) is called, not bypassed
+    mlp = m.layers[0].mlp
+    assert mlp.plain()
+    mlp.up_proj.forward = types.MethodType(lambda self, x: 2 * F.linear(x, self.weight), mlp.up_proj)
+    assert not mlp.plain()
+    torch._dynamo.reset()
+    m.compile_layers(backend="aot_eager")
+    assert not isinstance(m.layers[0].compiled, _WeightsIn) and isinstance(m.layers[1].compiled, _WeightsIn)
 
 
 @pytest.mark.cuda
