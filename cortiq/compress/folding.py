@@ -38,7 +38,7 @@ def select_kept(scores: list[torch.Tensor], keep_frac: float, scope: str = "per_
     per_layer: round(keep_frac·I_l) per layer (at least 1), rounded to the nearest multiple of
     `multiple_of` (at least one multiple, at most I_l). global: the top
     round(keep_frac·N) over all layers, each layer keeping at least
-    ceil(floor·I_l) (and at least 1) of its own best."""
+    ceil(min(floor, keep_frac)·I_l) (and at least 1) of its own best."""
     widths = [int(s.numel()) for s in scores]
     if not widths or min(widths) == 0:
         raise CortiqError("fold: no neurons to rank")
@@ -52,6 +52,7 @@ def select_kept(scores: list[torch.Tensor], keep_frac: float, scope: str = "per_
         raise CortiqError(f"fold: unknown scope {scope!r}")
     flat = torch.cat([s.float().reshape(-1) for s in scores])  # [N]
     layer = torch.repeat_interleave(torch.arange(len(widths)), torch.tensor(widths))  # [N]
+    floor = min(floor, keep_frac)  # a floor above the share asked for would keep more than asked
     floors = torch.tensor([min(n, max(1, math.ceil(floor * n))) for n in widths])
     # rank of each neuron inside its layer (0 = best)
     rank = torch.empty(len(flat), dtype=torch.long)

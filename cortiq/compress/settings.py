@@ -80,7 +80,10 @@ class FoldSettings:
     #: "per_layer": every layer keeps keep_frac of its neurons; "global": one
     #: ranking over all layers, each layer keeping at least `floor` of its own
     scope: str = setting("per_layer", "rank neurons per layer or over all layers", choices=SCOPES)
-    floor: float = setting(0.25, "global scope: the least share of its neurons each layer keeps", lo=0, hi=1)
+    #: at most keep_frac: a fold asked to keep less than the floor keeps that share in every
+    #: layer at least (the floor then leaves nothing to rank, as per_layer)
+    floor: float = setting(0.25, "global scope: the least share of its neurons each layer keeps (at most "
+                                 "keep_frac)", lo=0, hi=1)
     #: least-squares repair of down_proj from the Grams of the MLP activations
     repair: bool = setting(False, "refit down_proj by least squares from the Grams of the MLP activations")
     #: ridge of the repair: λ = damp·mean(diag G[S, S])
@@ -96,8 +99,6 @@ class FoldSettings:
         check(self, "fold settings")
         if self.scope == "global" and self.multiple_of > 1:
             raise CortiqError(f"fold multiple_of {self.multiple_of} applies to the per_layer scope, not global")
-        if self.scope == "global" and self.floor > self.keep_frac:
-            raise CortiqError(f"fold floor {self.floor} is above keep_frac {self.keep_frac}")
 
 
 @dataclass

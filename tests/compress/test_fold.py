@@ -45,6 +45,12 @@ def test_select_global_respects_the_floor():
     # without the floor's pressure, global ranking picks only from layer 1
     k0 = select_kept(s, 0.5, "global", floor=0.0)
     assert len(k0[0]) == 1 and len(k0[1]) == 49
+    # a floor above the share asked for gives way to it: 20 of 100 kept, 8 of layer 0's 40 at least
+    k2 = select_kept(s, 0.2, "global", floor=0.25)
+    assert sum(len(x) for x in k2) == 20 and len(k2[0]) == 8 and len(k2[1]) == 12
+    from cortiq.compress.settings import FoldSettings
+
+    assert FoldSettings(scope="global", keep_frac=0.2).floor == 0.25
 
 
 def _swiglu(hidden=24, width=96, seed=0):
