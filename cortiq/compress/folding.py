@@ -31,23 +31,33 @@ def mlp_names(i: int) -> tuple[str, str, str]:
     return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
 
 
+#: multiple_of 0 (the default) rounds each layer's count to 64 where layers are wide (SmolLM2's
+#: are 1536): a global fold's widths are otherwise arbitrary, and a width that is not a multiple
+#: of the quant codecs' blocks (32 or 64 values along a row) takes round-to-nearest where GPTQ
+#: would have run (its grid follows the rows only then), every width of its own makes the GPTQ
+#: stage and the compiled heal run once per layer instead of once per width, and GPU matrix
+#: kernels tile multiples of 64 without a ragged last block. Narrow layers (test models) keep
+#: their exact counts.
+AUTO_MULTIPLE, AUTO_MIN_WIDTH = 64, 1024
+
+
 def select_kept(scores: list[torch.Tensor], keep_frac: float, scope: str = "per_layer", floor: float = 0.0,
                 multiple_of: int = 1) -> list[torch.Tensor]:
     """Per layer, the sorted indices (int64) of the neurons to keep.
 
-    per_layer: round(keep_frac·I_l) per layer (at least 1), rounded to the nearest multiple of
-    `multiple_of` (at least one multiple, at most I_l). global: the top
+    per_layer: round(keep_frac·I_l) per layer (at least 1). global: the top
     round(keep_frac·N) over all layers, each layer keeping at least
-    ceil(min(floor, keep_frac)·I_l) (and at least 1) of its own best."""
+    ceil(min(floor, keep_frac)·I_l) (and at least 1) of its own best. Either way each
+    layer's count is then rounded to the nearest multiple of `multiple_of` (at least one
+    multiple, at most I_l), the layer keeping its best that many. multiple_of 0: AUTO_MULTIPLE
+    where every layer is at least AUTO_MIN_WIDTH wide, else 1."""
     widths = [int(s.numel()) for s in scores]
     if not widths or min(widths) == 0:
         raise CortiqError("fold: no neurons to rank")
+    if multiple_of == 0:
+        multiple_of = AUTO_MULTIPLE if min(widths) >= AUTO_MIN_WIDTH else 1
     if scope == "per_layer":
-        out = []
-        for s, n in zip(scores, widths):
-            k = min(n, max(multiple_of, round(keep_frac * n / multiple_of) * multiple_of))
-            out.append(torch.topk(s.float(), k).indices.sort().values)
-        return out
+        return _top_per_layer(scores, [keep_frac * n for n in widths], multiple_of)
     if scope != "global":
         raise CortiqError(f"fold: unknown scope {scope!r}")
     flat = torch.cat([s.float().reshape(-1) for s in scores])  # [N]
@@ -67,7 +77,19 @@ def select_kept(scores: list[torch.Tensor], keep_frac: float, scope: str = "per_
     pick = torch.topk(torch.where(must, torch.full_like(flat, float("inf")), flat), total).indices
     keep = torch.zeros(len(flat), dtype=torch.bool)
     keep[pick] = True
+    if multiple_of > 1:  # the global counts, rounded per layer
+        return _top_per_layer(scores, [int(k.sum()) for k in keep.split(widths)], multiple_of)
     return [torch.nonzero(k).reshape(-1) for k in keep.split(widths)]
+
+
+def _top_per_layer(scores: list[torch.Tensor], counts: list[float], multiple_of: int) -> list[torch.Tensor]:
+    """Each layer's best round(count) neurons, the count rounded to the nearest multiple of
+    `multiple_of` (at least one multiple, at most the layer's width), as sorted indices."""
+    out = []
+    for s, c in zip(scores, counts):
+        k = min(s.numel(), max(multiple_of, round(c / multiple_of) * multiple_of))
+        out.append(torch.topk(s.float().reshape(-1), k).indices.sort().values)
+    return out
 
 
 def activation_scores(gram: torch.Tensor, count: int, down: torch.Tensor) -> torch.Tensor:

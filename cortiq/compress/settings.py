@@ -79,7 +79,9 @@ class FoldSettings:
     keep_frac: float = setting(0.75, "share of MLP neurons the fold keeps", gt=0, hi=1, set_by="keep_frac")
     #: "per_layer": every layer keeps keep_frac of its neurons; "global": one
     #: ranking over all layers, each layer keeping at least `floor` of its own
-    scope: str = setting("per_layer", "rank neurons per layer or over all layers", choices=SCOPES)
+    #: global is the default: on the panel of texts no stage trains on (bench/QUALITY.md) it kept
+    #: more of every one than per_layer, the pruned model before any heal most of all
+    scope: str = setting("global", "rank neurons per layer or over all layers", choices=SCOPES)
     #: at most keep_frac: a fold asked to keep less than the floor keeps that share in every
     #: layer at least (the floor then leaves nothing to rank, as per_layer)
     floor: float = setting(0.25, "global scope: the least share of its neurons each layer keeps (at most "
@@ -88,17 +90,16 @@ class FoldSettings:
     repair: bool = setting(False, "refit down_proj by least squares from the Grams of the MLP activations")
     #: ridge of the repair: λ = damp·mean(diag G[S, S])
     damp: float = setting(0.01, "ridge of the repair, times the mean diagonal of the Gram", lo=0)
-    #: per_layer scope: each layer keeps a multiple of this many neurons (the nearest to keep_frac of
-    #: its width, at least one multiple, at most the width): 64 or 128 give widths a GPU's matrix
-    #: kernels tile without a ragged last block; 1 keeps round(keep_frac·width)
-    multiple_of: int = setting(1, "per_layer scope: each layer keeps a multiple of this many neurons (e.g. 64 "
-                                  "for GPU-friendly widths)", lo=1, hi=1 << 16, added=True)
+    #: each layer keeps a multiple of this many neurons (the nearest to what the scope gives it, at
+    #: least one multiple, at most the width): 64 or 128 give widths a GPU's matrix kernels tile
+    #: without a ragged last block and that GPTQ's blocks follow; 1 keeps the scope's counts as they
+    #: are; 0 is 64 where every layer is at least 1024 wide, else 1 (cortiq.compress.folding.AUTO_MULTIPLE)
+    multiple_of: int = setting(0, "each layer keeps a multiple of this many neurons (0: 64 where every layer is "
+                                  "at least 1024 wide, else 1)", lo=0, hi=1 << 16, added=True)
     device: str = _group_device()
 
     def __post_init__(self):
         check(self, "fold settings")
-        if self.scope == "global" and self.multiple_of > 1:
-            raise CortiqError(f"fold multiple_of {self.multiple_of} applies to the per_layer scope, not global")
 
 
 @dataclass

@@ -27,10 +27,19 @@ def test_select_per_layer_keeps_a_multiple_when_asked():
     for s, k in zip(scores, kept):  # still the best of each layer, in order
         assert torch.equal(k, torch.topk(s, len(k)).indices.sort().values)
     assert [len(k) for k in select_kept(scores, 0.75, multiple_of=1)] == [150, 72, 30]
-    from cortiq.compress.settings import FoldSettings
 
-    with pytest.raises(CortiqError, match=r"^fold multiple_of 64 applies to the per_layer scope, not global$"):
-        FoldSettings(scope="global", multiple_of=64)
+
+def test_select_global_rounds_each_layers_count_to_the_multiple():
+    g = torch.Generator().manual_seed(1)
+    # layer 0 is all better than layer 1: the ranking gives it all 200 and 50 + the floor to layer 1
+    scores = [torch.randn(200, generator=g) + 9.0, torch.randn(160, generator=g), torch.randn(100, generator=g) - 9.0]
+    raw = select_kept(scores, 0.75, "global", floor=0.25)
+    assert [len(k) for k in raw] == [200, 120, 25]
+    kept = select_kept(scores, 0.75, "global", floor=0.25, multiple_of=32)
+    # 200 -> 192 (the nearest multiple), 120 -> 128, 25 -> one multiple at least
+    assert [len(k) for k in kept] == [192, 128, 32]
+    for s, k in zip(scores, kept):  # each layer's best that many, in order
+        assert torch.equal(k, torch.topk(s, len(k)).indices.sort().values)
 
 
 def test_select_global_respects_the_floor():
