@@ -301,14 +301,20 @@ def transformers_row(model: Path, prompts: list[list[int]], batch: int, max_toke
             "tok_s": tokens / wall}
 
 
-def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: int, cpu: bool) -> list[dict]:
-    # prompts: {kind: token-id prompts}; plans: {kind: the index of every prompt the levels sent}
+def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: int, cpu: bool,
+               heard: dict | None = None) -> list[dict]:
+    # prompts: {kind: token-id prompts}; plans: {kind: the index of every prompt the levels sent};
+    # heard: {kind: {prompt index: the plain server's answer text}}
     """Tokens a speculative round decides on the servers' own prompts, off the server: the engine
     alone (`decode`, greedy, EOS stops a row) and mtp heal's offline measure
     (`cortiq.mtp.measure_text`, the rounds a greedy decode walks) on each prompt's greedy
     continuation, each prompt weighted by how often the levels sent it. In f32 the server, the
     engine and the measure agree exactly (tests/serve/test_acceptance.py); here the measure runs
-    in bf16 (as the server) and in f32, so the ratio says how much is bf16 and how much the text."""
+    in bf16 (as the server) and in f32, so the ratio says how much is bf16 and how much the text.
+    In bf16 the engine's answers (all prompts in one batch) may differ from the server's (its
+    batches of 1 to 32): `same_as_server` counts the prompts whose engine answer is the plain
+    server's text, and `server_text_tokens_a_round` is the measure walking the server's own
+    answers (their text tokenized again, EOS after those that ended before max_tokens)."""
     import torch
 
     from bench.decode import offline
@@ -316,8 +322,11 @@ def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: 
     from cortiq.model import load_model
     from cortiq.model.generate import decode
 
+    from cortiq.tokenizer import from_doc
+
     f = open_cmf(model)
     eos = [int(i) for i in (f.tokenizer or {}).get("eos_ids") or [f.eos_id]]
+    tok = from_doc(f.tokenizer or {}, str(model))
     dev = "cpu" if cpu else "cuda"
     dtypes = [torch.float32] if cpu else [torch.bfloat16, torch.float32]
     out = []
@@ -338,9 +347,23 @@ def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: 
             dpr = offline(m, seqs, plens, draft, max_tokens, pad=eos[0]).get("walk", 0.0)
             rounds = sum(r.rounds * w for r, w in zip(spec, weight))
             kept = sum(r.accepted * w for r, w in zip(spec, weight))
-            out.append({"kind": kind, "dtype": str(dt)[6:], "depth": draft, "prompts": len(ps),
-                        "requests": sum(weight), "engine_tokens_a_round": 1 + kept / max(rounds, 1),
-                        "offline_tokens_a_round": 1 + dpr})
+            row = {"kind": kind, "dtype": str(dt)[6:], "depth": draft, "prompts": len(ps),
+                   "requests": sum(weight), "engine_tokens_a_round": 1 + kept / max(rounds, 1),
+                   "offline_tokens_a_round": 1 + dpr}
+            told = (heard or {}).get(kind) or {}
+            if told:
+                text = [tok.decode([t for t in r.tokens if t not in eos]) for r in spec]
+                row["same_as_server"] = f"{sum(told[i] == x for i, x in zip(uniq, text) if i in told)}/{len(told)}"
+                seqs, plens = [], []
+                for i, w in zip(uniq, weight):
+                    if i in told:
+                        ans = tok.encode(told[i], add_special_tokens=False).ids
+                        ans = ans + eos[:1] if len(ans) < max_tokens else ans
+                        seqs += [ids[i] + ans] * w
+                        plens += [len(ids[i])] * w
+                row["server_text_tokens_a_round"] = 1 + offline(m, seqs, plens, draft, max_tokens,
+                                                                pad=eos[0]).get("walk", 0.0)
+            out.append(row)
             del m
             if not cpu:
                 torch.cuda.empty_cache()
@@ -476,7 +499,11 @@ def main() -> int:
             banner = banner or line.split(", speculative")[0]
             print(f"[{tag}] {line}", file=sys.stderr, flush=True)
             try:
-                level(pool, srv.url, name, kind, pick(prompts[kind], 2, 1, 0), 8)  # warm-up
+                # warm-up: one request in this process (a level of one client runs here, and the first
+                # request of a process pays for the client's lazy setup: ~0.25 s, a quarter of the
+                # first level's wall time) and one in each of two pool processes
+                level(pool, srv.url, name, kind, pick(prompts[kind], 1, 1, 0), 8)
+                level(pool, srv.url, name, kind, pick(prompts[kind], 2, 1, 0), 8)
                 for c in clients:
                     r = level(pool, srv.url, name, kind, pick(prompts[kind], c, requests, c), max_tokens)
                     answers = r.pop("answers")
@@ -518,7 +545,11 @@ def main() -> int:
     spec_modes = [m for m in args.modes.split(",") if m != "plain"]
     if spec_modes and not args.no_offline:
         ids = {"chat": chat_ids(model, QUESTIONS), "text": prompts["text"]}
-        accept = acceptance(model, ids, {k: sent[k] for k in args.kinds.split(",")}, args.draft, max_tokens, args.cpu)
+        # the plain server's answers by prompt index: the measure also walks them, not only the engine's
+        heard = {k: {i: plain_answers[str(p)] for i, p in enumerate(prompts[k]) if str(p) in plain_answers}
+                 for k in args.kinds.split(",")}
+        accept = acceptance(model, ids, {k: sent[k] for k in args.kinds.split(",")}, args.draft, max_tokens, args.cpu,
+                            heard)
         for a in accept:
             print(f"[acceptance] {a}", file=sys.stderr, flush=True)
     print(f"\nbench/serve.py: {banner}; max_tokens {max_tokens}, {requests} requests per client, greedy, "
@@ -556,15 +587,16 @@ def main() -> int:
         print(f"\nTokens a round at depth {args.draft} on the same prompts: the servers (their count at shutdown, "
               "warm-up included), the engine alone and mtp heal's offline measure (per dtype)")
         print("| prompts | dtype | prompts (requests) | server speculative | server auto | engine alone | offline "
-              "| speculative / offline |")
-        print("|---|---|---|---|---|---|---|---|")
+              "| speculative / offline | engine answers = server's | offline on the server's answers |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for a in accept:
             sv, au = spec_rate.get(f"speculative-{a['kind']}"), spec_rate.get(f"auto-{a['kind']}")
             kept = a["offline_tokens_a_round"] - 1
             ratio = f"{(sv - 1) / kept:.2f}" if sv and kept > 0 else "-"
             print(f"| {a['kind']} | {a['dtype']} | {a['prompts']} ({a['requests']}) | {f'{sv:.3f}' if sv else '-'} | "
                   f"{f'{au:.3f}' if au else '-'} | {a['engine_tokens_a_round']:.3f} | "
-                  f"{a['offline_tokens_a_round']:.3f} | {ratio} |")
+                  f"{a['offline_tokens_a_round']:.3f} | {ratio} | {a.get('same_as_server', '-')} | "
+                  f"{f'{a[k]:.3f}' if (k := 'server_text_tokens_a_round') in a else '-'} |")
         print("(ratio: drafts kept a round, the speculative server over the offline measure)")
     for tag, prof in profiles.items():
         print(f"\nprofile {tag}: {breakdown(prof)}")
