@@ -515,7 +515,8 @@ def panel_main(argv) -> int:
         c = dataclasses.replace(c, device=device)
         h = dataclasses.replace(h, device=device)
         t0 = time.perf_counter()
-        pruned = cache / f"pruned-{store.digest('panel-pruned', 1, dataclasses.asdict(c), [str(rs and rs.sources)])}.cmf"
+        # keyed by the whole retain settings: their share and tokens change the masks' data too
+        pruned = cache / f"pruned-{store.digest('panel-pruned', 2, dataclasses.asdict(c), [rs and dataclasses.asdict(rs)])}.cmf"
         crep = compress(src, sets["heal"], c, pruned, work=work, log=log, retain=rs)
         t_c = time.perf_counter() - t0
         key = str(pruned)

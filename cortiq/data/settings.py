@@ -132,9 +132,10 @@ class RetainSettings:
     #: pydoc, measured best of the free sources (bench/QUALITY.md, "Which retain source": SmolLM2-135M,
     #: 25 % pruned, healed 2M tokens on Shakespeare, share 0.5, on the H200): the excess NLL over the
     #: source on program code fell from +1.04 with no retain data to +0.19, on chat from +0.41 to +0.19,
-    #: on licence text from +0.87 to +0.60, and on the heal data's own test split it stayed at -0.01.
-    #: `self` (the source's own samples) with pydoc is better on chat (+0.10) but needs minutes of
-    #: sampling on a CPU. A corpus the user's data is built from is left out (it is not other text).
+    #: on licence text from +0.87 to +0.60 (per-layer scope; global scope: +0.16, +0.17, +0.52), and on
+    #: the heal data's own test split it stayed at -0.01. `self` (the source's own samples) with pydoc
+    #: is better on licence text (+0.46) and chat (+0.12) but needs minutes of sampling on a CPU, where
+    #: the demo and the tests run. A corpus the user's data is built from is left out (it is not other text).
     sources: list[str] = setting(factory=lambda: [DEFAULT_RETAIN], help="retain text mixed into every batch of the masks, Grams "
                                  "and heal: corpus:pydoc, corpus:shakespeare, a tdata directory, or self (the source "
                                  "model's own generations), or none; their test splits make the general panel",
