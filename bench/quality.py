@@ -447,9 +447,11 @@ def panel_rows(tiny: bool, retain: list[str]):
         ("  dynamic mix", c, rs, dataclasses.replace(new, mix="dynamic")),
         ("  1 epoch, not the token budget", c, rs, dataclasses.replace(new, epochs=1.0, patience=0)),
         ("  activation score (--no-learn-masks)", dataclasses.replace(c, learn_masks=False), rs, new),
-        # global scope is the default (2026-12-04): the ablations of the scope are per-layer ranking and
-        # a lower floor under the global one
+        # scope auto is the default (2026-12-04: global by the gates, per layer by the activation score):
+        # the ablations of the scope are per-layer gates, global activation scores and a lower floor
         ("  per-layer scope", dataclasses.replace(c, fold=FoldSettings(scope="per_layer")), rs, new),
+        ("  activation score, global scope", dataclasses.replace(c, learn_masks=False, fold=FoldSettings(scope="global")),
+         rs, new),
         ("  fold floor 0.1", dataclasses.replace(c, fold=FoldSettings(floor=0.1)), rs, new),
         # the budget and the retain share the 2M-token rows leave open (their best step was their last)
         ("  4M heal tokens", c, rs, dataclasses.replace(new, tokens=2 * new.tokens)),

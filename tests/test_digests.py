@@ -37,8 +37,8 @@ PINNED = {
     "mix": "77b61acb2442e399a850397168b62c76",
     "masks": "6b239e29fb63c758a11d59413864887b",
     "grams": "849a57b01c5a326b25d7fb7a49877689",
-    # fold.scope global and fold.multiple_of 0 (auto), the defaults since 2026-12-04; before: 912edffb...
-    "fold": "ac46ff92bfc970373a5be77991f5ce9d",
+    # fold.scope auto and fold.multiple_of 0 (auto), the defaults since 2026-12-04; before: 912edffb...
+    "fold": "7bb67e4f779c1ee3a3ca6a0796003ba1",
     "gptq": "6ff151abf35176caf83095f89fd75ea7",
     "targets": "99531c8e6671f7bf65773a53b6fd2c21",
     "prefix": "22ca6f5a3e0acbbe35c8b54d58109fc6",

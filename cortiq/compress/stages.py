@@ -209,7 +209,8 @@ def fold(source_cmf, masks_dir, grams_dir, settings: FoldSettings, out_cmf, logg
             raise CortiqError(f"fold: no mask and no Grams for layers {missing[:4]}: give --masks or Grams of every layer")
         scores = [activation_scores(grams[i], count, src.tensor(mlp_names(i)[2])) for i in range(len(widths))]
         ranked_by = "activation"
-    kept = select_kept(scores, s.keep_frac, s.scope, s.floor, s.multiple_of)
+    scope = s.scope if s.scope != "auto" else ("global" if ranked_by == "mask" else "per_layer")  # FoldSettings.scope
+    kept = select_kept(scores, s.keep_frac, scope, s.floor, s.multiple_of)
     down = {}
     if s.repair:
         missing = [i for i in range(len(widths)) if i not in grams]
@@ -225,7 +226,7 @@ def fold(source_cmf, masks_dir, grams_dir, settings: FoldSettings, out_cmf, logg
             d = torch.diagonal(grams[i])
             dropped[i] = float(1.0 - d[k].sum() / d.sum().clamp_min(1e-30))
     n_src, n_kept = sum(widths), sum(len(k) for k in kept)
-    block = {"settings": dataclasses.asdict(s), "ranked_by": ranked_by, "source_neurons": n_src, "kept_neurons": n_kept,
+    block = {"settings": dataclasses.asdict(s), "ranked_by": ranked_by, "scope": scope, "source_neurons": n_src, "kept_neurons": n_kept,
              "repaired": bool(s.repair)}
     if mask_rep:
         block["mask"] = {"steps": mask_rep["metrics"]["mask_steps"], "step": mask_rep["metrics"]["mask_step"],
@@ -233,7 +234,7 @@ def fold(source_cmf, masks_dir, grams_dir, settings: FoldSettings, out_cmf, logg
                          "nll_hard": mask_rep["metrics"]["mask_nll_hard"], "reached_target": mask_rep.get("reached_target")}
     fold_cmf(src, kept, out_cmf, down, block)
     rep = {"metrics": {"fold_kept_share": n_kept / n_src, "fold_kept_neurons": float(n_kept)},
-           "widths": [len(k) for k in kept], "ranked_by": ranked_by}
+           "widths": [len(k) for k in kept], "ranked_by": ranked_by, "scope": scope}
     if dropped:
         rep["metrics"]["fold_dropped_energy"] = sum(dropped.values()) / len(dropped)
     if s.repair:

@@ -47,10 +47,10 @@ def test_fold_by_activation_with_repair_then_gptq(tiny, tmp_path):
     gs = GramSettings(window=64, batch=2)
     grep = capture_grams(m, td, None, gs, tmp_path / "grams")
     assert grep["count"] > 0
-    # per layer: 32 of each 64-wide layer, whole blocks of the q4 codec, so GPTQ runs on every one
-    r = fold(m, None, tmp_path / "grams", FoldSettings(keep_frac=0.5, repair=True, scope="per_layer"),
-             tmp_path / "s.cmf")
-    assert r["widths"] == [32, 32] and r["ranked_by"] == "activation"
+    # the default scope (auto) ranks activation scores per layer: 32 of each 64-wide layer, whole
+    # blocks of the q4 codec, so GPTQ runs on every one
+    r = fold(m, None, tmp_path / "grams", FoldSettings(keep_frac=0.5, repair=True), tmp_path / "s.cmf")
+    assert r["widths"] == [32, 32] and r["ranked_by"] == "activation" and r["scope"] == "per_layer"
     f = open_cmf(tmp_path / "s.cmf")
     assert f.arch.intermediate_sizes == [32, 32] and f.provenance["fold"]["repaired"]
     q = gptq(tmp_path / "s.cmf", tmp_path / "grams", GptqSettings(codec="q4", block=32), tmp_path / "q.cmf")
@@ -69,9 +69,10 @@ def test_compress_chain_records_the_mask_run(tiny, tmp_path):
     s = CompressSettings(masks=MaskSettings(**MASK), fold=FoldSettings(keep_frac=0.75), grams=GramSettings(window=64))
     rep = compress(m, td, s, tmp_path / "s.cmf", work=tmp_path / "work", log=lambda _: None)
     f = open_cmf(tmp_path / "s.cmf")
-    # one ranking over both layers (the default scope): 96 of 128 kept, each layer 16 at least
+    # one ranking of the gates over both layers (the default scope, auto): 96 of 128 kept, each layer 16 at least
     assert sum(f.arch.intermediate_sizes) == 96 and min(f.arch.intermediate_sizes) >= 16
     prov = f.provenance["fold"]
+    assert prov["scope"] == "global" and rep["metrics"]["fold_kept_share"] == 0.75
     assert prov["ranked_by"] == "mask" and prov["mask"]["pruned"] >= 0.25 and prov["mask"]["nll_hard"] > 0
     assert load_model(tmp_path / "s.cmf")(torch.zeros(1, 5, dtype=torch.long)).shape == (1, 5, 259)
     # a second run reuses the masks stage
@@ -87,8 +88,8 @@ def test_cli_compress_and_its_errors(tiny, tmp_path, capsys):
     m, td = tiny
     rc = main(["compress", str(m), "--data", str(td), "--out", str(tmp_path / "s.cmf"), "--keep-frac", "0.5",
                "--no-learn-masks", "--grams-window", "64", "--fold-repair", "--use-gptq", "--gptq-codec", "q8",
-               "--work", str(tmp_path / "w"), "--retain-sources", "none", "--fold-scope", "per_layer"])
-    assert rc == 0  # (per layer: widths of whole q8 blocks, so GPTQ beats round-to-nearest on each)
+               "--work", str(tmp_path / "w"), "--retain-sources", "none"])
+    assert rc == 0  # (auto scope, activation score: per layer, widths of whole q8 blocks, so GPTQ beats RTN on each)
     out = json.loads(capsys.readouterr().out)
     assert out["fold_kept_share"] == pytest.approx(0.5) and out["gptq_over_rtn"] < 1.0
     assert open_cmf(tmp_path / "s.cmf").info("model.layers.0.mlp.down_proj.weight").codec == "q8"
