@@ -214,6 +214,8 @@ def main():
     ap.add_argument("--depths", default="1,2,3")
     ap.add_argument("--reference-new", type=int, default=64, help="tokens for the (slow) reference loop row")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--fused", choices=("auto", "on", "off"), default="auto",
+                    help="the engine's compiled layer halves (auto: on CUDA for attention-only models)")
     a = ap.parse_args()
     global DEV
     if a.cpu:
@@ -247,6 +249,7 @@ def main():
             drafts.append((Path(d).stem, md, fd))
             log(f"draft {d}: preset {preset_of(fd) or 'none recorded'}")
     depths = [int(x) for x in a.depths.split(",") if x]
+    fused = {"auto": None, "on": True, "off": False}[a.fused]
     batches = [int(x) for x in a.batches.split(",")]
     data, chat = prompts_for(tok, max(batches), a.prompt_tokens, doc)
     dev = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
@@ -267,18 +270,18 @@ def main():
         ps = data[:B]
         room = a.prompt_tokens + a.new + 16
         t0 = time.perf_counter()
-        eng = DecodeEngine(model, slots=B, max_len=room)
+        eng = DecodeEngine(model, slots=B, max_len=room, fused=fused)
         build = time.perf_counter() - t0
         decode(model, ps, max_new=16, engine=eng)  # warm-up
         out = decode(model, ps, max_new=a.new, engine=eng)
         tps = B * a.new / out[0].seconds
         plain_tokens[B] = [r.tokens for r in out]
         d_ref = diff_count(out[0].tokens[: a.reference_new], ref.tokens) if B == 1 else None
-        row(who="engine", batch=B, tok_s=tps, build_s=build, differ_vs_reference=d_ref)
+        row(who="engine", batch=B, tok_s=tps, build_s=build, differ_vs_reference=d_ref, fused=eng.fused)
         del eng
         for name, md, _ in drafts:
             for k in depths:
-                eng = DecodeEngine(md, slots=B, max_len=room + 2 * k, draft=k)
+                eng = DecodeEngine(md, slots=B, max_len=room + 2 * k, draft=k, fused=fused)
                 decode(md, ps, max_new=16, draft=k, engine=eng)
                 sp = decode(md, ps, max_new=a.new, draft=k, engine=eng)
                 acc = sum(r.accepted for r in sp) / max(sum(r.rounds for r in sp), 1)

@@ -5,6 +5,7 @@ batches of different prompt lengths, slots joining and leaving mid-decode."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cortiq.convert.hf import convert_hf_dir
 from cortiq.errors import CortiqError
@@ -292,3 +293,92 @@ def test_cli_generate_fast_reference_and_speculative(tmp_path, capsys):
     assert _differ([1, 2, 3, 4], [1, 2, 5, 4]) == (1, 2)
     assert _differ([1, 2], [1, 2, 3]) == (1, 2)
     assert _differ([7], [7]) == (0, None)
+
+
+# ── the fused path (torch.compile'd layer halves) against the eager engine ──
+# Tiny models of awkward sizes, each compiled once per process (the compiled functions are
+# shared by every engine of one geometry): "plain" is SmolLM2's Llama layout (no bias, full
+# rotary, weight-style norms), "gated" every variant at once (q/k norms, output gate, partial
+# rotary, offset norms, qkv bias, MLP widths that differ per layer, neuron gates).
+FUSED_PROMPTS = [[5, 17, 200, 3, 99, 41, 7], [9, 250, 9, 31, 8]]
+
+
+@pytest.fixture(scope="module", params=["plain", "gated"])
+def fmodel(request, tmp_path_factory):
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    from tiny import write_random
+
+    from cortiq.arch import Arch
+
+    kw = dict(arch_name="llama", vocab_size=V, hidden_size=48, num_layers=2, intermediate_sizes=[75, 75],
+              num_heads=3, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-5, mtp_layers=1, max_position_embeddings=256)
+    if request.param == "gated":
+        kw.update(arch_name="qwen3_next", intermediate_sizes=[75, 61], qk_norm=True, attn_output_gate=True,
+                  partial_rotary_factor=0.5, norm_style="offset", attention_bias=True)
+    path = write_random(tmp_path_factory.mktemp(request.param) / "m.cmf", Arch(**kw))
+    m = load_model(path)
+    if request.param == "gated":
+        m.set_neuron_gates(True, init=0.5)
+    return m
+
+
+def _pair(model, **kw):
+    return DecodeEngine(model, fused=True, graphs=False, **kw), DecodeEngine(model, fused=False, graphs=False, **kw)
+
+
+def _close_state(ef, ee):
+    """The engines' caches and draft rows agree to f32 rounding; their host bounds exactly."""
+    for name in ("K", "V", "MK", "MV", "mtp_last"):
+        if hasattr(ee, name):
+            torch.testing.assert_close(getattr(ef, name), getattr(ee, name), atol=1e-4, rtol=1e-4)
+    assert ef.lengths() == ee.lengths() and ef.drafts.tolist() == ee.drafts.tolist()
+
+
+def test_fused_is_opt_in_off_cuda(fmodel):
+    assert not DecodeEngine(fmodel, max_len=32, graphs=False).fused  # default: CUDA only
+    ef, ee = _pair(fmodel, max_len=32)
+    assert ef.fused and not ee.fused
+
+
+def test_fused_steps_and_rounds_equal_eager(fmodel):
+    ef, ee = _pair(fmodel, slots=2, max_len=64, draft=2)
+    firsts = [[e.prefill(s, p) for s, p in enumerate(FUSED_PROMPTS)] for e in (ef, ee)]  # (the reference forward)
+    assert firsts[0] == firsts[1]
+    assert ef.step().tolist() == ee.step().tolist()
+    assert ef.steps(3).tolist() == ee.steps(3).tolist()
+    for _ in range(3):
+        (pf, nf), (pe, ne) = ef.spec_step(), ee.spec_step()
+        assert nf.tolist() == ne.tolist()
+        assert [pf[s, : n].tolist() for s, n in enumerate(nf.tolist())] == [pe[s, : n].tolist() for s, n in enumerate(ne.tolist())]
+    _close_state(ef, ee)
+    with torch.no_grad():  # the final hidden rows and logits of one more verify block
+        block = torch.cat([ee.pend[:, None], ee.drafts], 1)
+        (hf, _), (he, _) = ef._trunk(block, ef.pos), ee._trunk(block, ee.pos)
+        torch.testing.assert_close(hf, he, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(F.linear(hf, ef.head), F.linear(he, ee.head), atol=1e-4, rtol=1e-4)
+
+
+def test_fused_buckets_equal_eager(fmodel):
+    # bucketed steps over slot 0 alone (batch 1) and over both, at key lengths 16 and 32 and the
+    # whole cache, rounds of each depth and a round after a step that skipped the chain
+    ef, ee = _pair(fmodel, slots=2, max_len=64, draft=2, buckets=[1, 2], kv_buckets=[16, 32])
+
+    def both(fn):
+        rf, re = fn(ef), fn(ee)
+        if isinstance(re, tuple):  # a round: pred [S, k+1] (columns past n stale), n [S]
+            (pf, nf), (pe, ne) = rf, re
+            assert nf.tolist() == ne.tolist()
+            return [pf[s, :n].tolist() for s, n in enumerate(nf.tolist())] == [pe[s, :n].tolist() for s, n in enumerate(ne.tolist())]
+        return rf == re
+
+    assert both(lambda e: e.prefill(0, FUSED_PROMPTS[0]))
+    assert ef._kv_for(1, 1) == 16  # the next steps attend over a bucket of the key length, not the whole cache
+    for fn in (lambda e: e.step_on(1).tolist(), lambda e: e.spec_on(1, 1), lambda e: e.spec_on(1),
+               lambda e: e.step_on(1, chain=False).tolist(), lambda e: e.spec_on(1)):
+        assert both(fn)
+    assert both(lambda e: e.prefill(1, FUSED_PROMPTS[1]))
+    for _ in range(3):
+        assert both(lambda e: e.step_on(2).tolist()) and both(lambda e: e.spec_on(2))
+    _close_state(ef, ee)
