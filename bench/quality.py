@@ -490,9 +490,10 @@ def panel_main(argv) -> int:
     else:
         src = source_model(cache, tiny)
     sets = panel_sets(cache, src, tiny)
+    from cortiq.data.retain import resolve_sources
     from cortiq.data.settings import RetainSettings
 
-    retain = args.retain.split(",") if args.retain else RetainSettings().sources
+    retain = args.retain.split(",") if args.retain else resolve_sources(RetainSettings().sources)
     texts = ["heal test", "unseen plays", "pydoc", "code", "legal", "chat"]
     cap = 2000 if tiny else PANEL_CAP
 

@@ -321,7 +321,6 @@ def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: 
     from cortiq.cmf import open_cmf
     from cortiq.model import load_model
     from cortiq.model.generate import decode
-
     from cortiq.tokenizer import from_doc
 
     f = open_cmf(model)

@@ -29,7 +29,7 @@ from typing import Callable
 from .. import store
 from ..errors import CortiqError
 from ..pipeline import Stage
-from .settings import SELF, BuildSettings, RetainSettings
+from .settings import AUTO, AUTO_CPU, AUTO_GPU, SELF, BuildSettings, RetainSettings
 from .tdata import STAGE, VERSION, Record, Tdata, records_table
 
 
@@ -124,10 +124,29 @@ def retain_tdata(spec: str, source_cmf, settings: RetainSettings, run: Runner, r
     return spec
 
 
+def resolve_sources(sources: list[str], cuda: bool | None = None) -> list[str]:
+    """The sources with `auto` replaced by what it stands for here (AUTO_GPU where CUDA is
+    present, else AUTO_CPU), in place, each source once. The stages downstream are keyed by
+    the retain tdata they read, so a run on a GPU and one on a CPU never share a mix."""
+    if AUTO not in sources:
+        return list(sources)
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    out: list[str] = []
+    for s in sources:
+        for x in (AUTO_GPU if cuda else AUTO_CPU) if s == AUTO else (s,):
+            if x not in out:
+                out.append(x)
+    return out
+
+
 def other_sources(tdata_dir, sources: list[str]) -> list[str]:
     """The retain sources less the corpora the user's data is built from (the default, pydoc,
     is the flows' default data too): such a source is not other text, and its records, cut
     another way, would put text of the data's test split into the train windows."""
+    sources = resolve_sources(sources)
     built = set(Tdata.open(tdata_dir).meta.get("inputs", {}).get("sources") or ())
     left = [s for s in sources if not (s.startswith("corpus:") and s in built)]
     for s in sources:

