@@ -125,15 +125,16 @@ def retain_tdata(spec: str, source_cmf, settings: RetainSettings, run: Runner, r
 
 
 def resolve_sources(sources: list[str], cuda: bool | None = None) -> list[str]:
-    """The sources with `auto` replaced by what it stands for here (AUTO_GPU where CUDA is
-    present, else AUTO_CPU), in place, each source once. The stages downstream are keyed by
-    the retain tdata they read, so a run on a GPU and one on a CPU never share a mix."""
+    """The sources with `auto` replaced by what it stands for here (AUTO_GPU where the device
+    "auto" is CUDA, as the self source's sampling resolves it; else AUTO_CPU), in place, each
+    source once. The stages downstream are keyed by the retain tdata they read, so a run on a
+    GPU and one on a CPU never share a mix."""
     if AUTO not in sources:
         return list(sources)
     if cuda is None:
-        import torch
+        from ..devices import resolve_device
 
-        cuda = torch.cuda.is_available()
+        cuda = resolve_device("auto").type == "cuda"
     out: list[str] = []
     for s in sources:
         for x in (AUTO_GPU if cuda else AUTO_CPU) if s == AUTO else (s,):

@@ -137,11 +137,10 @@ class RetainSettings:
     #: 25 % pruned, healed 2M tokens on Shakespeare, share 0.5, on the H200): the excess NLL over the
     #: source on program code fell from +1.04 with no retain data to +0.19, on chat from +0.41 to +0.19,
     #: on licence text from +0.87 to +0.60 (per-layer scope; global scope: +0.16, +0.17, +0.52), and on
-    #: the heal data's own test split it stayed at -0.01. `self` (the source's own samples) with pydoc
-    #: is better on licence text (+0.46) and chat (+0.12) but needs minutes of sampling on a CPU, where
-    #: the demo and the tests run. Hence auto: self and pydoc on a GPU (global scope, H200: licence
-    #: text +0.457 against +0.518 with pydoc alone, chat +0.115 against +0.171, for 40 s of sampling),
-    #: pydoc alone on a CPU. A corpus the user's data is built from is left out (it is not other text).
+    #: the heal data's own test split it stayed at -0.01. `self` (the source's own samples) beside pydoc
+    #: (global scope) took licence text to +0.457 and chat to +0.115 for 40 s of sampling on the H200,
+    #: but needs minutes on a CPU, where the demo and the tests run: hence auto, self and pydoc on a
+    #: GPU and pydoc alone on a CPU. A corpus the user's data is built from is left out (it is not other text).
     sources: list[str] = setting(factory=lambda: [DEFAULT_RETAIN], help="retain text mixed into every batch of the masks, Grams "
                                  "and heal: corpus:pydoc, corpus:shakespeare, a tdata directory, self (the source "
                                  "model's own generations), auto (self and pydoc on a GPU, pydoc on a CPU), or none; "

@@ -207,11 +207,23 @@ class _Mlp:
 
     def add_to(self, h, x):
         """h += mlp(x), in place (the residual add rides on the down product). h, x [S, T, H]."""
-        g, u = F.linear(x, self.w_gu).split(self.width, -1)
-        a = F.silu(g) * u  # [S, T, I]
-        if self.mlp.neuron_logits is not None:
-            a = a * torch.sigmoid(self.mlp.neuron_logits).to(a.dtype)
-        return _add_linear(h, a, self.mlp.down_proj.weight)
+        return _add_linear(h, _swiglu(x, self.w_gu, self.mlp.neuron_logits), self.mlp.down_proj.weight)
+
+
+def _swiglu(x, w_gu, nl):
+    """The MLP's activations silu(x·W_gateᵀ)·(x·W_upᵀ) [..., I] from x [..., H] and the fused
+    [gate; up] weight w_gu [2I, H], times sigmoid(nl) [I] where the neurons have gates (nl not None)."""
+    g, u = F.linear(x, w_gu).chunk(2, -1)
+    a = F.silu(g) * u
+    return a if nl is None else a * torch.sigmoid(nl).to(a.dtype)
+
+
+def _merge_heads(o, gate, g: _Geo):
+    """SDPA's output o [S, Hkv, G·T, D] (grouped rows) as [S, T, Hq·D], times sigmoid(gate)
+    [S, T, Hq·D] where the layer gates its output (gate not None)."""
+    S, T = o.shape[0], o.shape[2] // (g.hq // g.hkv)
+    o = o.view(S, g.hkv, g.hq // g.hkv, T, g.d).permute(0, 3, 1, 2, 4).reshape(S, T, g.hq * g.d)
+    return o if gate is None else o * torch.sigmoid(gate)
 
 
 def _add_linear(h, x, w):
@@ -300,15 +312,9 @@ def _fused_fns(g: _Geo, ln: tuple[float, bool], qk: tuple[float, bool] | None):
         [S, T, Hq·D] or None -> the new h [S, T, H] (the residual adds ride on the o and down
         products, as `_add_linear` does in place)."""
         S, T, H = h.shape
-        o = o.view(S, g.hkv, g.hq // g.hkv, T, g.d).permute(0, 3, 1, 2, 4).reshape(S * T, g.hq * g.d)
-        if gate is not None:
-            o = o * torch.sigmoid(gate.reshape(S * T, g.hq * g.d))
+        o = _merge_heads(o, gate, g).reshape(S * T, g.hq * g.d)
         h = torch.addmm(h.reshape(S * T, H), o, w_o.t())  # [S·T, H]
-        gu, up = F.linear(_rms(h, ln2, *ln), w_gu).chunk(2, -1)  # gate and up blocks, [S·T, I] each
-        a = F.silu(gu) * up
-        if nl is not None:
-            a = a * torch.sigmoid(nl).to(a.dtype)
-        return torch.addmm(h, a, w_down.t()).view(S, T, H)
+        return torch.addmm(h, _swiglu(_rms(h, ln2, *ln), w_gu, nl), w_down.t()).view(S, T, H)
 
     def ctx(pos, ar_t, ar_l, cos, sin):
         return _ctx_rows(pos, ar_t, ar_l, cos, sin, g.hkv, g.hq // g.hkv, g.d)
@@ -654,7 +660,6 @@ class DecodeEngine:
             return self._attn_fused(L, h, ctx, K, V)
         cos, sin, idx, mask = ctx
         a = L.a
-        S, T, _ = h.shape
         K, V = K[:, :, : self.L], V[:, :, : self.L]  # the live part of the caches (views: writes land in them)
         x = L.ln1(h)
         qkv = F.linear(x, L.w_qkv, L.b_qkv)  # [S, T, (Hq(·2) + 2·Hkv)·D]
@@ -662,10 +667,7 @@ class DecodeEngine:
         K.scatter_(2, idx, k)
         V.scatter_(2, idx, v)
         o = F.scaled_dot_product_attention(qg, K, V, attn_mask=mask)  # [S, Hkv, G·T, D]
-        o = o.view(S, a.hkv, self.G, T, a.d).permute(0, 3, 1, 2, 4).reshape(S, T, a.hq * a.d)
-        if gate is not None:
-            o = o * torch.sigmoid(gate)
-        h = _add_linear(h, o, a.o_proj.weight)
+        h = _add_linear(h, _merge_heads(o, gate, L.geo), a.o_proj.weight)
         return L.mlp.add_to(h, L.ln2(h))
 
     def _attn_fused(self, L: _Attn, h, ctx, K, V):
