@@ -171,7 +171,7 @@ class Check:
                 figure, status = str(fn()), "PASS"
             except Failed as e:
                 figure, status = str(e), "FAIL"
-            except Exception as e:  # a row's bug must not cost the other rows
+            except (Exception, SystemExit) as e:  # a row's bug (or a bench helper's exit) must not cost the other rows
                 figure, status = f"{type(e).__name__}: {last_line(str(e))}", "FAIL"
         r = {"command": name, "status": status, "seconds": round(time.perf_counter() - t0, 1), "figure": figure}
         self.rows.append(r)
@@ -188,14 +188,19 @@ class Check:
             return ["--masks-max-steps", "4", "--masks-window", "64", "--masks-batch", "2", "--masks-val-windows", "2",
                     "--masks-eval-every", "2", "--grams-window", "64", "--grams-max-windows", "8"]
         return ["--masks-max-steps", "40", "--masks-window", "128", "--masks-batch", "2", "--masks-val-windows", "4",
-                "--masks-eval-every", "5"]
+                "--masks-eval-every", "5", *self.retain()]
+
+    def retain(self) -> list[str]:
+        # retain auto is the model's own text on CUDA, 1M tokens by default (~40 s on an H200), and every
+        # heal row of its own work folder samples it again: the check's few steps want a few windows of it
+        return [] if self.tiny else ["--retain-self-tokens", "32768"]
 
     def heal_size(self) -> list[str]:
         # the tiny model: ~27k train tokens of bytes, 4 windows of 64 a step: 0.02 epochs ~ 8 steps;
         # SmolLM2: ~100k train tokens, 8 windows of 256 a step: 0.15 epochs ~ 7 steps
         if self.tiny:
             return ["--window", "64", "--batch", "4", "--epochs", "0.02", "--eval-every", "4", "--topk", "8"]
-        return ["--window", "256", "--batch", "8", "--epochs", "0.15", "--eval-every", "4", "--topk", "32"]
+        return ["--window", "256", "--batch", "8", "--epochs", "0.15", "--eval-every", "4", "--topk", "32", *self.retain()]
 
     # ── the rows ─────────────────────────────────────────────────────────
 
@@ -291,7 +296,10 @@ class Check:
                      "--epochs", "1", "--eval-every", "20", "--gen-batch", "64", "--head-chunk", "256",
                      "--trunk-batch", "8"] if self.tiny else
                     ["--window", "128", "--tokens", "16384", "--topk", "16", "--refresh", "30", "--eval-every", "15",
-                     "--patience", "4", "--epochs", "1", "--batch", "2", "--gen-prompt", "64"])
+                     "--patience", "4", "--epochs", "1", "--batch", "2", "--gen-prompt", "64",
+                     # one generated window per data window: the fresh preset's 8192 took the row past its
+                     # 240 s on the H200 (2026-12-04)
+                     "--gen-windows", "0"])
             spec = f"{td}@{6000 if self.tiny else 16384}"
             out = self.cortiq("mtp", "heal", init, "--data", spec, "--out", drafted, *size, *self.dev)
             return re.search(r"drafts a round [0-9.]+ -> [0-9.]+[^\n]*", out).group(0)

@@ -302,3 +302,22 @@ def test_the_device_check_finds_the_flow_commands_in_an_uninstalled_tree(tmp_pat
     got = sorted((e.name, e.value) for e in dist.entry_points.select(group="cortiq.commands"))
     want = tomllib.loads((device_check.ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["cortiq.commands"]
     assert dist.metadata["Name"] == "cortiq" and got == sorted(want.items())
+
+
+def test_a_device_check_row_that_exits_is_a_failed_row_and_the_rows_go_on(tmp_path):
+    """bench.serve's Server ends with SystemExit when the server does not start: on the H200 (2026-12-04)
+    that ended the whole check at the serve row, with no table. A row's exit is its FAIL, the next row runs."""
+    import types
+
+    from bench import device_check
+
+    a = types.SimpleNamespace(tiny=True, cpu=True, work=str(tmp_path), fresh=False, only="", skip="")
+    c = device_check.Check(a)
+
+    def exits():
+        raise SystemExit("bench.serve: the server did not start:\ncortiq: /x/mtp.cmf: no such file")
+
+    c.row("serve", exits)
+    c.row("next", lambda: "42")
+    assert [(r["command"], r["status"], r["figure"]) for r in c.rows] == [
+        ("serve", "FAIL", "SystemExit: cortiq: /x/mtp.cmf: no such file"), ("next", "PASS", "42")]
