@@ -122,6 +122,8 @@ class Check:
                 raise Failed(f"timed out after {e.timeout:.0f} s") from None
             rc, out, err = p.returncode, p.stdout, p.stderr
         logf.write_text("$ " + " ".join(cmd) + "\n" + out + "\n--- stderr\n" + err)
+        if rc == 130 and self.a.in_process and not extra_env:
+            raise KeyboardInterrupt  # cortiq's own exit on a signal in this process: the check stops too
         if rc != 0:
             raise Failed(f"exit {rc}: {last_line(err or out)}")
         return out + "\n" + err
@@ -169,6 +171,12 @@ class Check:
             log(f"── {name}")
             try:
                 figure, status = str(fn()), "PASS"
+            except KeyboardInterrupt:
+                # SIGTERM (a call's time limit) or ^C: the row is recorded as stopped and the check ends,
+                # still writing its JSON and table of the rows done (main)
+                self.rows.append({"command": name, "status": "STOPPED", "seconds": round(time.perf_counter() - t0, 1),
+                                  "figure": "stopped by a signal"})
+                raise
             except Failed as e:
                 figure, status = str(e), "FAIL"
             except (Exception, SystemExit) as e:  # a row's bug (or a bench helper's exit) must not cost the other rows
@@ -498,12 +506,16 @@ def main() -> int:
         a.gguf = str(smollm2_path())
     t0 = time.perf_counter()
     c = Check(a)
-    rc = c.run()
+    try:
+        rc = c.run()
+    except KeyboardInterrupt:
+        rc = 1
     total = time.perf_counter() - t0
     write_json(a.out, "device_check.json", {"device": "cpu" if a.cpu else "cuda", "tiny": a.tiny, "gguf": a.gguf,
                                              "seconds": total, "rows": c.rows})
     passed = sum(r["status"] == "PASS" for r in c.rows)
-    print(f"\ndevice check: {passed} of {len(c.rows)} rows passed in {total:.0f} s "
+    stopped = any(r["status"] == "STOPPED" for r in c.rows)
+    print(f"\ndevice check: {passed} of {len(c.rows)} rows passed in {total:.0f} s{' (stopped)' if stopped else ''} "
           f"({'CPU' if a.cpu else 'CUDA'}{', tiny model' if a.tiny else ', SmolLM2-135M'})")
     print_table(["command", "result", "s", "key figure"],
                 [[r["command"], r["status"], f"{r['seconds']:.1f}", r["figure"].replace("|", "/")] for r in c.rows])

@@ -306,7 +306,8 @@ def test_the_device_check_finds_the_flow_commands_in_an_uninstalled_tree(tmp_pat
 
 def test_a_device_check_row_that_exits_is_a_failed_row_and_the_rows_go_on(tmp_path):
     """bench.serve's Server ends with SystemExit when the server does not start: on the H200 (2026-12-04)
-    that ended the whole check at the serve row, with no table. A row's exit is its FAIL, the next row runs."""
+    that ended the whole check at the serve row, with no table. A row's exit is its FAIL, the next row runs;
+    a signal stops the check, the row recorded as stopped (main then writes the rows done)."""
     import types
 
     from bench import device_check
@@ -317,7 +318,13 @@ def test_a_device_check_row_that_exits_is_a_failed_row_and_the_rows_go_on(tmp_pa
     def exits():
         raise SystemExit("bench.serve: the server did not start:\ncortiq: /x/mtp.cmf: no such file")
 
+    def stopped():
+        raise KeyboardInterrupt  # what SIGTERM (a call's time limit) becomes in the check
+
     c.row("serve", exits)
     c.row("next", lambda: "42")
+    with pytest.raises(KeyboardInterrupt):
+        c.row("heal", stopped)
     assert [(r["command"], r["status"], r["figure"]) for r in c.rows] == [
-        ("serve", "FAIL", "SystemExit: cortiq: /x/mtp.cmf: no such file"), ("next", "PASS", "42")]
+        ("serve", "FAIL", "SystemExit: cortiq: /x/mtp.cmf: no such file"), ("next", "PASS", "42"),
+        ("heal", "STOPPED", "stopped by a signal")]
