@@ -122,8 +122,8 @@ class Check:
                 raise Failed(f"timed out after {e.timeout:.0f} s") from None
             rc, out, err = p.returncode, p.stdout, p.stderr
         logf.write_text("$ " + " ".join(cmd) + "\n" + out + "\n--- stderr\n" + err)
-        if rc == 130 and self.a.in_process and not extra_env:
-            raise KeyboardInterrupt  # cortiq's own exit on a signal in this process: the check stops too
+        if rc == 130:  # cortiq's exit on a signal (in this process, or a child of this process group): stop too
+            raise KeyboardInterrupt
         if rc != 0:
             raise Failed(f"exit {rc}: {last_line(err or out)}")
         return out + "\n" + err
@@ -174,9 +174,7 @@ class Check:
             except KeyboardInterrupt:
                 # SIGTERM (a call's time limit) or ^C: the row is recorded as stopped and the check ends,
                 # still writing its JSON and table of the rows done (main)
-                self.rows.append({"command": name, "status": "STOPPED", "seconds": round(time.perf_counter() - t0, 1),
-                                  "figure": "stopped by a signal"})
-                raise
+                figure, status = "stopped by a signal", "STOPPED"
             except Failed as e:
                 figure, status = str(e), "FAIL"
             except (Exception, SystemExit) as e:  # a row's bug (or a bench helper's exit) must not cost the other rows
@@ -184,6 +182,8 @@ class Check:
         r = {"command": name, "status": status, "seconds": round(time.perf_counter() - t0, 1), "figure": figure}
         self.rows.append(r)
         log(f"   {status} {r['seconds']:.1f} s  {figure}")
+        if status == "STOPPED":
+            raise KeyboardInterrupt
 
     # ── sizes ────────────────────────────────────────────────────────────
 

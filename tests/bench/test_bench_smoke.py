@@ -328,3 +328,11 @@ def test_a_device_check_row_that_exits_is_a_failed_row_and_the_rows_go_on(tmp_pa
     assert [(r["command"], r["status"], r["figure"]) for r in c.rows] == [
         ("serve", "FAIL", "SystemExit: cortiq: /x/mtp.cmf: no such file"), ("next", "PASS", "42"),
         ("heal", "STOPPED", "stopped by a signal")]
+    # a command run in this process that cortiq ended on a signal (its exit 130) stops the check the same way
+    a.in_process = True
+    c.in_process = lambda args: (130, "", "cortiq: interrupted")
+    with pytest.raises(KeyboardInterrupt):
+        c.cortiq("heal", "x.cmf")
+    c.in_process = lambda args: (1, "", "cortiq: x.cmf: no such file")
+    with pytest.raises(device_check.Failed, match="exit 1: cortiq: x.cmf: no such file"):
+        c.cortiq("heal", "x.cmf")
