@@ -166,6 +166,16 @@ def check_device_check(d):
 #: script → (extra arguments after --cpu --tiny, the JSON it writes, the check of that JSON), the longest
 #: first: the order the benches start in, so that the last to start are short ones. "{work}" is the row's
 #: own folder (the benches that take --work default to a fixed folder under /tmp)
+def check_excess(d):
+    (m,) = d["models"]
+    # the quartiles and the shapes each split every token once: their tokens and shares of the excess add up
+    for kind in ("source NLL quartile", "shape"):
+        part = [r for r in m["rows"] if r["part"].startswith(kind)]
+        assert sum(r["tokens"] for r in part) == d["tokens"]
+        assert math.isclose(sum(r["share_excess"] for r in part), 1.0, rel_tol=1e-6)
+        assert math.isclose(sum(r["excess"] * r["tokens"] for r in part) / d["tokens"], m["excess"], rel_tol=1e-5, abs_tol=1e-6)
+
+
 BENCHES = {
     # the rows that run heal's other target kinds and memory plans, and compress's two other rankings,
     # run the same command with one option changed: left out here to keep the suite short (the H200
@@ -194,6 +204,7 @@ BENCHES = {
     "profile_step": ([], "profile_step.json", check_profile_step),
     "variants": ([], "variants.json", check_variants),
     "data_build": ([], "data_build.json", check_data_build),
+    "excess": ([], "excess.json", check_excess),
 }
 
 #: benches run at once: one a core this process may use (pytest-xdist's workers share them out)
