@@ -16,10 +16,11 @@
 #     cp .whl/b/* /root/whl/ && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --target /root/site /root/whl/*
 # and PYTHONPATH=/root/site:$PWD for the check (bench/RESULTS.md, "Device check").
 #
-#     bench/device_wheels.sh            # from the repository root; PY=python3 by default
+#     bench/device_wheels.sh            # from the repository root; PY=.venv/bin/python (else python3) by default
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-python3}
+# the serve list below reads versions from the project's own environment (make install), where it exists
+PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 PKGS=(
   aiosqlite==0.22.1 alembic==1.20.1 amplitude-analytics==1.3.0 annotated-types==0.8.0 apprise==2.0.1
   asgi-lifespan==2.1.0 asyncpg==0.32.0 beartype==0.23.1 blinker==1.9.0 burner-redis==0.1.7 cachetools==7.3.3
