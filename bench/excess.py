@@ -4,8 +4,8 @@ each token, and by the token's shape.
     python -m bench.excess --source SRC.cmf --model PRUNED.cmf [--model HEALED.cmf] --data TDATA --out DIR
     python -m bench.excess --cpu --tiny --out DIR     # a tiny random source and a fold of it: the code paths
 
-Each token of the text (the first --tokens of every record, all of it scored) is scored by the
-source and by each model, teacher-forced. The excess (model NLL minus source NLL, nats) is then
+The text's records, end to end, are cut into windows of --window tokens (the first --tokens of it);
+every token but a window's first is scored by the source and by each model, teacher-forced. The excess (model NLL minus source NLL, nats) is then
 summed by
 - the source's own NLL of the token, in quartiles over the text: a loss on the tokens the source
   predicts almost surely is lost recall of text the source knows by heart (licence boilerplate,
@@ -48,8 +48,9 @@ def shape_of(piece: str) -> str:
 
 
 @torch.no_grad()
-def token_nll(model_path, windows: torch.Tensor, device: str, batch: int = 8) -> torch.Tensor:
-    """NLL of each next token of windows [N, T] under the model -> [N, T-1] (f32 weights)."""
+def token_nll(model_path, windows: torch.Tensor, device: str, batch: int = 2) -> torch.Tensor:
+    """NLL of each next token of windows [N, T] under the model -> [N, T-1] (f32 weights; `batch`
+    windows a pass: their [batch, T, V] f32 logits are the pass's largest tensor, 200 MB for SmolLM2)."""
     from cortiq.model import load_model
 
     m = load_model(model_path, dtype=torch.float32, device=device)

@@ -163,9 +163,6 @@ def check_device_check(d):
     assert sum(r["status"] == "PASS" for r in rows) >= 14
 
 
-#: script → (extra arguments after --cpu --tiny, the JSON it writes, the check of that JSON), the longest
-#: first: the order the benches start in, so that the last to start are short ones. "{work}" is the row's
-#: own folder (the benches that take --work default to a fixed folder under /tmp)
 def check_excess(d):
     (m,) = d["models"]
     # the quartiles and the shapes each split every token once: their tokens and shares of the excess add up
@@ -176,6 +173,9 @@ def check_excess(d):
         assert math.isclose(sum(r["excess"] * r["tokens"] for r in part) / d["tokens"], m["excess"], rel_tol=1e-5, abs_tol=1e-6)
 
 
+#: script → (extra arguments after --cpu --tiny, the JSON it writes, the check of that JSON), the longest
+#: first: the order the benches start in, so that the last to start are short ones. "{work}" is the row's
+#: own folder (the benches that take --work default to a fixed folder under /tmp)
 BENCHES = {
     # the rows that run heal's other target kinds and memory plans, and compress's two other rankings,
     # run the same command with one option changed: left out here to keep the suite short (the H200
