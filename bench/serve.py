@@ -369,11 +369,15 @@ def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: 
     return out
 
 
-def step_times(model: Path, batches: list[int], max_len: int, context: int, reps: int, cpu: bool) -> list[dict]:
+def step_times(model: Path, batches: list[int], max_len: int, context: int, reps: int, cpu: bool,
+               draft: int = 0) -> list[dict]:
     """The server's plain decode step alone (its engine, captured graphs on CUDA): device ms a
     step at each batch size with every slot `context` tokens long, attending over the whole
     static cache of max_len positions (the reference) and over the shortest key-length bucket
-    holding the slots (what the server runs)."""
+    holding the slots (what the server runs). With `draft`, the speculative server's steps too, in
+    the key-length bucket: a round verifying each depth 1..draft, and the plain step that keeps the
+    draft's row and chain ready (`--spec-auto`'s plain step), so a round's price over a plain step
+    is read off one table (its drafts are the synthetic context's, so only the times mean anything)."""
     import torch
 
     from cortiq.cmf import open_cmf
@@ -385,25 +389,32 @@ def step_times(model: Path, batches: list[int], max_len: int, context: int, reps
     ids = [(7 * i + 3) % min(f.arch.vocab_size, 256) for i in range(context)]
     sync = (lambda: None) if cpu else torch.cuda.synchronize
     out = []
-    for how, kv in (("whole cache", []), ("key-length bucket", None)):
-        ad = DecodeAdapter(m, max(batches), max_len, kv_buckets=kv)
+    k = draft if draft and f.arch.mtp_layers else 0
+    kinds = [("whole cache", [], 0, "plain"), ("key-length bucket", None, 0, "plain")]
+    kinds += [("key-length bucket", None, k, "plain, draft kept")] + [
+        ("key-length bucket", None, k, f"round, depth {d}") for d in range(1, k + 1)] if k else []
+    for how, kv, dk, what in kinds:
+        ad = DecodeAdapter(m, max(batches), max_len, draft=dk, kv_buckets=kv)
         eng = ad.eng
+        # a round advances a slot up to depth+1 positions: every timed one must fit in the cache
+        d = int(what.rsplit(" ", 1)[1]) if what.startswith("round") else 0
+        go = (lambda b, d=d: eng.spec_on(b, d)) if d else eng.step_on
         with torch.no_grad():
-            for s in range(max(batches)):
-                eng.prefill(s, ids)
             for b in sorted(batches, reverse=True):
-                for s in range(b, max(batches)):
+                for s in range(max(batches)):
                     eng.release(s)
+                for s in range(b):
+                    eng.prefill(s, ids)
                 for _ in range(3):
-                    eng.step_on(b)
+                    go(b)
                 sync()
                 t0 = time.perf_counter()
                 for _ in range(reps):
-                    eng.step_on(b)
+                    go(b)
                 sync()
                 ms = 1000 * (time.perf_counter() - t0) / reps
-                out.append({"how": how, "batch": b, "context": context, "key_length": eng._kv_for(b, 0), "ms": ms,
-                            "tok_s": b * 1000 / ms})
+                out.append({"how": how, "step": what, "batch": b, "context": context,
+                            "key_length": eng._kv_for(b, d), "ms": ms, "tok_s": b * 1000 / ms})
         del ad, eng
     del m
     if not cpu:
@@ -536,8 +547,11 @@ def main() -> int:
             print(f"[transformers-{kind}] {hf_rows[kind]}", file=sys.stderr, flush=True)
     steps = []
     if not args.no_steps:
-        steps = step_times(model, clients, args.max_len, min(args.step_context, args.max_len // 2),
-                           10 if args.cpu else 200, args.cpu)
+        spec = args.draft if any(m != "plain" for m in args.modes.split(",")) else 0
+        reps = 10 if args.cpu else 200
+        # room for reps rounds of draft+1 positions past the context
+        ctx = min(args.step_context, args.max_len // 2, args.max_len - (reps + 4) * (spec + 1) - 8)
+        steps = step_times(model, clients, args.max_len, ctx, reps, args.cpu, spec)
         for r in steps:
             print(f"[steps] {r}", file=sys.stderr, flush=True)
     accept = []
@@ -577,11 +591,21 @@ def main() -> int:
         print("|---|---|---|---|---|")
         whole = {r["batch"]: r for r in steps if r["how"] == "whole cache"}
         for r in steps:
-            if r["how"] == "whole cache":
+            if r["how"] == "whole cache" or r["step"] != "plain":
                 continue
             w = whole[r["batch"]]
             print(f"| {r['batch']} | {w['ms']:.3f} | {r['ms']:.3f} ({r['key_length']}) | {w['ms'] / r['ms']:.2f} | "
                   f"{1000 / r['ms']:.0f} |")
+        spec_steps = [r for r in steps if r["step"] != "plain"]
+        if spec_steps:
+            names = list(dict.fromkeys(r["step"] for r in spec_steps))
+            ms = {(r["step"], r["batch"]): r["ms"] for r in steps if r["how"] != "whole cache"}
+            print("\nThe speculative server's steps alone (key-length bucket), ms; in brackets, × the plain step")
+            print("| batch | " + " | ".join(names) + " |")
+            print("|---|" + "---|" * len(names))
+            for b in sorted({r["batch"] for r in spec_steps}):
+                print(f"| {b} | " + " | ".join(f"{ms[(n, b)]:.3f} ({ms[(n, b)] / ms[('plain', b)]:.2f})"
+                                                for n in names) + " |")
     if accept:
         print(f"\nTokens a round at depth {args.draft} on the same prompts: the servers (their count at shutdown, "
               "warm-up included), the engine alone and mtp heal's offline measure (per dtype)")
@@ -601,7 +625,8 @@ def main() -> int:
         print(f"\nprofile {tag}: {breakdown(prof)}")
         if prof.get("torch_profiler"):
             print(prof["torch_profiler"])
-    res = {"model": name, "banner": banner, "rows": rows, "tokens_a_round": spec_rate, "transformers": hf_rows,
+    res = {"model": name, "banner": banner, "draft": args.draft, "rows": rows, "tokens_a_round": spec_rate,
+           "transformers": hf_rows,
            "acceptance": accept, "step_ms": steps,
            "profiles": profiles}
     for path in [out / "serve.json"] + ([Path(args.json)] if args.json else []):
