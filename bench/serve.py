@@ -10,7 +10,8 @@ clients (the official `openai` client, async), plain, speculative and auto
 Each mode and prompt kind starts its own server (a subprocess on a free
 127.0.0.1 port, --max-batch = the most clients), warms it up, then for each
 client count C runs C clients (shared out over --client-procs processes)
-that each send --requests streaming requests one after another (temperature 0; EOS ends an answer early). Prompt kinds,
+that each send --requests streaming requests one after another (temperature 0; EOS ends an answer early;
+a level sends at least --least requests in all, so one client's figures are not four prompts'). Prompt kinds,
 both from sources a draft trained on a novel, plays or the pydoc text never
 saw: `chat` (questions in the model's chat template, /v1/chat/completions)
 and `text` (windows of --prompt-tokens tokens of Python standard-library
@@ -179,8 +180,10 @@ async def one(client, model: str, kind: str, prompt, max_tokens: int) -> dict:
             "stream_tps": (n - 1) / (t1 - first) if first and n > 1 and t1 > first else float("nan")}
 
 
-def pick(prompts: list, clients: int, requests: int, offset: int) -> list[list]:
-    """The prompts of client c at a level: requests of them, from `offset` on, round the list."""
+def pick(prompts: list, clients: int, requests: int, offset: int, least: int = 0) -> list[list]:
+    """The prompts of client c at a level: requests of them (more where the level would send fewer
+    than `least` in all), from `offset` on, round the list."""
+    requests = max(requests, -(-least // clients))
     return [[prompts[(offset + c * requests + r) % len(prompts)] for r in range(requests)] for c in range(clients)]
 
 
@@ -464,12 +467,16 @@ def main() -> int:
                     help="skip the acceptance table (the engine alone and the offline measure on the same prompts)")
     ap.add_argument("--client-procs", type=int, default=None,
                     help="processes the clients are shared out over (default: 4 on a GPU, 1 on a CPU)")
+    ap.add_argument("--least", type=int, default=None,
+                    help="requests a level sends at least, in all (default: 16 GPU, 0 CPU: one client sends every "
+                         "chat question, not four of them)")
     ap.add_argument("--out", default=None, help="write the figures (serve.json) and profiles here")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
     args.client_procs = args.client_procs or (1 if args.cpu else 4)
     requests = args.requests or (1 if args.cpu else 4)
+    args.least = (0 if args.cpu else 16) if args.least is None else args.least
     max_tokens = args.max_tokens or (24 if args.cpu else 256)
     tmp = Path(tempfile.mkdtemp(prefix="cortiq-bench-serve-"))
     out = Path(args.out) if args.out else tmp
@@ -485,10 +492,10 @@ def main() -> int:
     from cortiq.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model)
-    biggest = max(clients) * requests
+    biggest = max(max(c * requests, args.least) for c in clients)
     prompts = {"chat": QUESTIONS, "text": text_prompts(tok, max(16, biggest), args.prompt_tokens)}
     # which prompt (by index) each level's clients send: the acceptance table weighs prompts alike
-    sent = {kind: [i for c in clients for mine in pick(list(range(len(ps))), c, requests, c) for i in mine]
+    sent = {kind: [i for c in clients for mine in pick(list(range(len(ps))), c, requests, c, args.least) for i in mine]
             for kind, ps in prompts.items()}
     dev = ["--device", "cpu"] if args.cpu else []
     rows, spec_rate, plain_answers, banner, profiles = [], {}, {}, "", {}
@@ -515,7 +522,7 @@ def main() -> int:
                 level(pool, srv.url, name, kind, pick(prompts[kind], 1, 1, 0), 8)
                 level(pool, srv.url, name, kind, pick(prompts[kind], 2, 1, 0), 8)
                 for c in clients:
-                    r = level(pool, srv.url, name, kind, pick(prompts[kind], c, requests, c), max_tokens)
+                    r = level(pool, srv.url, name, kind, pick(prompts[kind], c, requests, c, args.least), max_tokens)
                     answers = r.pop("answers")
                     if mode == "plain":
                         plain_answers.update(answers)
