@@ -23,7 +23,9 @@ cortiq.model.decode); tokens decided per speculative round (the server's
 count at shutdown, over its levels). Modes: `plain`; `speculative` (a round
 of --draft drafts every step); `auto` (--spec-auto: plain or a depth
 1..--draft each step, from measured step times and recent acceptance; the
-profile shows how often each depth ran).
+profile shows how often each depth ran); `tree` (a round of --draft drafts on each
+of the draft's top --branches first guesses, verified in one forward:
+--draft-branches).
 
 `transformers`: the same prompts as the largest level, run by transformers'
 continuous batching (`generate_batch`) where the installed version has it
@@ -305,7 +307,7 @@ def transformers_row(model: Path, prompts: list[list[int]], batch: int, max_toke
 
 
 def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: int, cpu: bool,
-               heard: dict | None = None) -> list[dict]:
+               heard: dict | None = None, branches: int = 1) -> list[dict]:
     # prompts: {kind: token-id prompts}; plans: {kind: the index of every prompt the levels sent};
     # heard: {kind: {prompt index: the plain server's answer text}}
     """Tokens a speculative round decides on the servers' own prompts, off the server: the engine
@@ -317,7 +319,9 @@ def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: 
     In bf16 the engine's answers (all prompts in one batch) may differ from the server's (its
     batches of 1 to 32): `same_as_server` counts the prompts whose engine answer is the plain
     server's text, and `server_text_tokens_a_round` is the measure walking the server's own
-    answers (their text tokenized again, EOS after those that ended before max_tokens)."""
+    answers (their text tokenized again, EOS after those that ended before max_tokens). With
+    `branches` > 1, `engine_tree_tokens_a_round`: the engine alone with a draft tree of that many
+    first guesses (the `tree` servers' rounds)."""
     import torch
 
     from bench.decode import offline
@@ -352,6 +356,11 @@ def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: 
             row = {"kind": kind, "dtype": str(dt)[6:], "depth": draft, "prompts": len(ps),
                    "requests": sum(weight), "engine_tokens_a_round": 1 + kept / max(rounds, 1),
                    "offline_tokens_a_round": 1 + dpr}
+            if branches > 1:
+                with torch.no_grad():
+                    tree = decode(m, ps, max_new=max_tokens, draft=draft, eos_ids=eos, branches=branches)
+                row["engine_tree_tokens_a_round"] = 1 + sum(r.accepted * w for r, w in zip(tree, weight)) / max(
+                    sum(r.rounds * w for r, w in zip(tree, weight)), 1)
             told = (heard or {}).get(kind) or {}
             if told:
                 text = [tok.decode([t for t in r.tokens if t not in eos]) for r in spec]
@@ -373,14 +382,15 @@ def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: 
 
 
 def step_times(model: Path, batches: list[int], max_len: int, context: int, reps: int, cpu: bool,
-               draft: int = 0) -> list[dict]:
+               draft: int = 0, branches: int = 1) -> list[dict]:
     """The server's plain decode step alone (its engine, captured graphs on CUDA): device ms a
     step at each batch size with every slot `context` tokens long, attending over the whole
     static cache of max_len positions (the reference) and over the shortest key-length bucket
     holding the slots (what the server runs). With `draft`, the speculative server's steps too, in
     the key-length bucket: a round verifying each depth 1..draft, and the plain step that keeps the
     draft's row and chain ready (`--spec-auto`'s plain step), so a round's price over a plain step
-    is read off one table (its drafts are the synthetic context's, so only the times mean anything)."""
+    is read off one table (its drafts are the synthetic context's, so only the times mean anything);
+    with `branches` > 1, a tree's round at each depth too."""
     import torch
 
     from cortiq.cmf import open_cmf
@@ -396,11 +406,14 @@ def step_times(model: Path, batches: list[int], max_len: int, context: int, reps
     kinds = [("whole cache", [], 0, "plain"), ("key-length bucket", None, 0, "plain")]
     kinds += [("key-length bucket", None, k, "plain, draft kept")] + [
         ("key-length bucket", None, k, f"round, depth {d}") for d in range(1, k + 1)] if k else []
+    kinds += [("key-length bucket", None, k, f"tree of {branches}, depth {d}")
+              for d in range(1, k + 1)] if k and branches > 1 else []
     for how, kv, dk, what in kinds:
-        ad = DecodeAdapter(m, max(batches), max_len, draft=dk, kv_buckets=kv)
+        ad = DecodeAdapter(m, max(batches), max_len, draft=dk, kv_buckets=kv,
+                           branches=branches if what.startswith("tree") else 1)
         eng = ad.eng
         # a round advances a slot up to depth+1 positions: every timed one must fit in the cache
-        d = int(what.rsplit(" ", 1)[1]) if what.startswith("round") else 0
+        d = int(what.rsplit(" ", 1)[1]) if what.startswith(("round", "tree")) else 0
         go = (lambda b, d=d: eng.spec_on(b, d)) if d else eng.step_on
         with torch.no_grad():
             for b in sorted(batches, reverse=True):
@@ -454,7 +467,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="completion tokens at most (default: 256 GPU, 24 CPU)")
     ap.add_argument("--prompt-tokens", type=int, default=48, help="tokens of a text prompt")
     ap.add_argument("--draft", type=int, default=3, help="drafts per speculative round (auto: the deepest)")
-    ap.add_argument("--modes", default="plain,speculative,auto", help="plain, speculative and/or auto")
+    ap.add_argument("--modes", default="plain,speculative,auto,tree", help="plain, speculative, auto and/or tree")
+    ap.add_argument("--branches", type=int, default=4, help="tree: the draft's first guesses a round, each chained")
     ap.add_argument("--kinds", default="chat,text", help="prompt kinds: chat and/or text")
     ap.add_argument("--max-len", type=int, default=1024, help="server context per request")
     ap.add_argument("--cache", default=str(Path.home() / "cache"), help="where the converted model is kept")
@@ -502,7 +516,8 @@ def main() -> int:
     pool = Clients(args.client_procs)
     for mode in args.modes.split(","):
         extra = {"plain": [], "speculative": ["--speculative", "--draft", str(args.draft)],
-                 "auto": ["--speculative", "--draft", str(args.draft), "--spec-auto"]}[mode]
+                 "auto": ["--speculative", "--draft", str(args.draft), "--spec-auto"],
+                 "tree": ["--speculative", "--draft", str(args.draft), "--draft-branches", str(args.branches)]}[mode]
         for kind in args.kinds.split(","):
             tag = f"{mode}-{kind}"
             prof_path = out / f"serve-{tag}.profile.json"
@@ -558,7 +573,8 @@ def main() -> int:
         reps = 10 if args.cpu else 200
         # room for reps rounds of draft+1 positions past the context
         ctx = min(args.step_context, args.max_len // 2, args.max_len - (reps + 4) * (spec + 1) - 8)
-        steps = step_times(model, clients, args.max_len, ctx, reps, args.cpu, spec)
+        steps = step_times(model, clients, args.max_len, ctx, reps, args.cpu, spec,
+                           args.branches if "tree" in args.modes.split(",") else 1)
         for r in steps:
             print(f"[steps] {r}", file=sys.stderr, flush=True)
     accept = []
@@ -569,7 +585,7 @@ def main() -> int:
         heard = {k: {i: plain_answers[str(p)] for i, p in enumerate(prompts[k]) if str(p) in plain_answers}
                  for k in args.kinds.split(",")}
         accept = acceptance(model, ids, {k: sent[k] for k in args.kinds.split(",")}, args.draft, max_tokens, args.cpu,
-                            heard)
+                            heard, args.branches if "tree" in spec_modes else 1)
         for a in accept:
             print(f"[acceptance] {a}", file=sys.stderr, flush=True)
     print(f"\nbench/serve.py: {banner}; max_tokens {max_tokens}, {requests} requests per client, greedy, "
@@ -617,22 +633,25 @@ def main() -> int:
         print(f"\nTokens a round at depth {args.draft} on the same prompts: the servers (their count at shutdown, "
               "warm-up included), the engine alone and mtp heal's offline measure (per dtype)")
         print("| prompts | dtype | prompts (requests) | server speculative | server auto | engine alone | offline "
-              "| speculative / offline | engine answers = server's | offline on the server's answers |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "| speculative / offline | engine answers = server's | offline on the server's answers "
+              "| server tree | engine tree |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        fmt = lambda v: f"{v:.3f}" if v else "-"  # noqa: E731
         for a in accept:
             sv, au = spec_rate.get(f"speculative-{a['kind']}"), spec_rate.get(f"auto-{a['kind']}")
             kept = a["offline_tokens_a_round"] - 1
             ratio = f"{(sv - 1) / kept:.2f}" if sv and kept > 0 else "-"
-            print(f"| {a['kind']} | {a['dtype']} | {a['prompts']} ({a['requests']}) | {f'{sv:.3f}' if sv else '-'} | "
-                  f"{f'{au:.3f}' if au else '-'} | {a['engine_tokens_a_round']:.3f} | "
-                  f"{a['offline_tokens_a_round']:.3f} | {ratio} | {a.get('same_as_server', '-')} | "
-                  f"{f'{a[k]:.3f}' if (k := 'server_text_tokens_a_round') in a else '-'} |")
+            print(f"| {a['kind']} | {a['dtype']} | {a['prompts']} ({a['requests']}) | {fmt(sv)} | {fmt(au)} | "
+                  f"{a['engine_tokens_a_round']:.3f} | {a['offline_tokens_a_round']:.3f} | {ratio} | "
+                  f"{a.get('same_as_server', '-')} | {fmt(a.get('server_text_tokens_a_round'))} | "
+                  f"{fmt(spec_rate.get('tree-' + a['kind']))} | "
+                  f"{fmt(a.get('engine_tree_tokens_a_round'))} |")
         print("(ratio: drafts kept a round, the speculative server over the offline measure)")
     for tag, prof in profiles.items():
         print(f"\nprofile {tag}: {breakdown(prof)}")
         if prof.get("torch_profiler"):
             print(prof["torch_profiler"])
-    res = {"model": name, "banner": banner, "draft": args.draft, "rows": rows, "tokens_a_round": spec_rate,
+    res = {"model": name, "banner": banner, "draft": args.draft, "branches": args.branches, "rows": rows, "tokens_a_round": spec_rate,
            "transformers": hf_rows,
            "acceptance": accept, "step_ms": steps,
            "profiles": profiles}

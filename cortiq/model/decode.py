@@ -282,6 +282,44 @@ def _ctx_rows(pos, ar_t, ar_l, cos, sin, hkv: int, G: int, D: int):
     return cos, sin, idx, mask
 
 
+class _Tree(NamedTuple):
+    """The fixed shape of a draft tree of `nb` branches at the root, each a chain of k drafts
+    (`_tree_tables`): the tables its verify blocks and chain steps index with."""
+
+    verify: dict  # depth d -> (rope offsets [T], ancestry [T, T] bool, paths [nb, d+1]); T = 1 + nb·d
+    chain: dict  # chain step j (1..k-1) -> (block rows [nb], rope offsets [nb], ancestry rows [nb, nb·(k-1)])
+
+
+def _tree_tables(nb: int, k: int, dev) -> _Tree:
+    """A root-branching draft tree: the draft's top `nb` guesses for the first token, each
+    continued greedily to a chain of k (EAGLE-2's tree, cut to its widest level: on SmolLM2's
+    draft, measured offline, `nb` chains of the top `nb` first guesses kept more drafts per
+    verified row than trees that branch deeper). One verify block holds the pending token
+    (row 0) and branch b's drafts 1..d at rows 1 + b·d ..; each row sees row 0 and its own
+    branch up to itself, at position pending + its depth. The chain's rows of steps 1..k-1
+    lie in a block of nb·(k-1) rows past the chain's first position, branch b's at b·(k-1) ..;
+    each sees its own branch's earlier rows."""
+    verify = {}
+    for d in range(1, k + 1):
+        T = 1 + nb * d
+        br = torch.cat([torch.tensor([-1]), torch.arange(nb).repeat_interleave(d)])  # [T] branch of a row
+        dep = torch.cat([torch.tensor([0]), torch.arange(1, d + 1).repeat(nb)])  # [T] depth of a row
+        anc = ((br[:, None] == br[None]) & (dep[None] <= dep[:, None])) | (torch.arange(T) == 0)[None]
+        paths = torch.cat([torch.zeros(nb, 1, dtype=torch.long),
+                           1 + torch.arange(nb)[:, None] * d + torch.arange(d)[None]], 1)  # [nb, d+1]
+        verify[d] = (dep.to(dev), anc.to(dev), paths.to(dev))
+    chain = {}
+    if k > 1:
+        C = k - 1
+        br = torch.arange(nb).repeat_interleave(C)  # [nb·C]
+        dep = torch.arange(C).repeat(nb)
+        anc = (br[:, None] == br[None]) & (dep[None] <= dep[:, None])  # [nb·C, nb·C]
+        for j in range(1, k):
+            rows = torch.arange(nb) * C + (j - 1)
+            chain[j] = (rows.to(dev), dep[rows].to(dev), anc[rows].to(dev))
+    return _Tree(verify, chain)
+
+
 def _dyn(t, *dims):
     """t with `dims` marked dynamic for torch.compile (batch, block and key-length dims: one
     graph for every size ≥ 2 of them, sizes of 1 get their own). -> t"""
@@ -327,7 +365,7 @@ class DecodeEngine:
 
     def __init__(self, model, slots: int = 1, max_len: int = 1024, draft: int = 0, sampling: bool = False,
                  graphs: bool | None = None, seed: int = 0, buckets: list[int] | None = None,
-                 kv_buckets: list[int] | None = None, fused: bool | None = None):
+                 kv_buckets: list[int] | None = None, fused: bool | None = None, branches: int = 1):
         arch = model.arch
         if slots < 1:
             raise CortiqError(f"decode engine: {slots} slots, need at least 1")
@@ -337,11 +375,18 @@ class DecodeEngine:
             raise CortiqError("speculative decoding needs an MTP draft block (model.mtp.*); this model has none")
         if max_len < draft + 2:
             raise CortiqError(f"decode engine: max_len {max_len} leaves no room to decode")
+        if branches < 1 or (branches > 1 and not draft):
+            raise CortiqError(f"decode engine: {branches} draft branches need a draft (draft ≥ 1, branches ≥ 1)")
+        if branches > 1 and LINEAR in arch.layer_types:
+            raise CortiqError("decode engine: a draft tree (branches > 1) runs attention-only models (a Gated "
+                              "DeltaNet state cannot hold several branches)")
         self.model, self.arch = model, arch
         w = model.model.embed_tokens.weight
         self.dev, self.dt = w.device, w.dtype
-        self.S, self.k = slots, draft
-        self.M = M = -(-max_len // 16) * 16  # attention masks want a 16-aligned key length
+        self.S, self.k, self.nb = slots, draft, branches
+        # a tree round writes past a slot's length up to nb·(depth + k) positions (its verify block and
+        # its branches' chain rows) where a chain writes depth + k: the caches keep that much beyond max_len
+        self.M = M = -(-(max_len + (branches - 1) * 2 * draft) // 16) * 16  # 16-aligned key length for the masks
         # key lengths a bucketed step attends over (each 16-aligned, the last M): a step whose
         # slots all lie below L reads only the first L positions of the caches
         kv = sorted({min(M, -(-int(x) // 16) * 16) for x in (kv_buckets or []) if int(x) > 0} | {M})
@@ -393,13 +438,16 @@ class DecodeEngine:
             # per-slot state
             self.pend = z(slots, dtype=torch.long)
             self.pos = z(slots, dtype=torch.long)  # tokens the trunk has seen = position of the pending token
-            self.drafts = z(slots, max(draft, 1), dtype=torch.long)  # the next round's drafts, chained ahead
+            # the next round's drafts, chained ahead: branch-major [S, nb·k] (branch b's chain at b·k..)
+            self.drafts = z(slots, max(draft, 1) * branches, dtype=torch.long)
             self.active = z(slots, dtype=torch.bool)
             self.temp = z(slots, dtype=torch.float32)
             self.out_tok = z(slots, dtype=torch.long)
             self.out_pred = z(slots, draft + 1, dtype=torch.long)
             self.out_n = z(slots, dtype=torch.long)
-            self.ar = torch.arange(M + draft + 1, device=dev)
+            self.ar = torch.arange(M + branches * draft + 1, device=dev)
+            if branches > 1:
+                self._tree = _tree_tables(branches, draft, dev)
             self.slot_ar = torch.arange(slots, device=dev)
             cos, sin = model.rope(torch.arange(M, device=dev))  # same values as the reference's per-call rope
             half = sin.shape[-1] // 2
@@ -527,7 +575,7 @@ class DecodeEngine:
         `depth` drafts writes or reads: the trunk's block (the pending token and the drafts)
         and the draft's chain after it, from the host's upper bound of each active slot's length."""
         hi = max((self._hi[s] for s in range(b) if self._on[s]), default=0)
-        need = hi + depth + self.k + 1
+        need = hi + self.nb * (depth + self.k) + 1  # a tree's block and chain rows: nb times a chain's
         return next((L for L in self.kv_sizes if L >= need), self.M)
 
     @torch.no_grad()
@@ -653,6 +701,24 @@ class DecodeEngine:
                                           _dyn(self.sin, 0))
         return _dyn(cos, 0, 1), _dyn(sin, 0, 1), idx, mask
 
+    def _ctx_tree(self, pos, rows, dep, anc):
+        """`_ctx` for rows of a tree block whose rows lie at cache positions pos.. (pos [S]):
+        query rows `rows` [R] of the block, row r written at pos + rows[r] and roped at
+        pos + dep[r]; every key before pos is seen, a key of the block where anc [R, Tb] says
+        (its ancestors and itself). -> (cos, sin [S, R, 1, rdim], write index [S, Hkv, R, D],
+        mask [S, 1, G·R, L]) as `_ctx`."""
+        S, L, R, Tb = pos.shape[0], self.L, rows.shape[0], anc.shape[1]
+        # (clamped as in `_ctx_rows`: only inactive slots' rows move, which nothing reads)
+        p = (pos[:, None] + dep).clamp(0, L - 1)  # [S, R]
+        w = (pos[:, None] + rows).clamp(0, L - 1)
+        cos, sin = self.cos[p][:, :, None], self.sin[p][:, :, None]
+        idx = w[:, None, :, None].expand(S, self.hkv, R, self.D)
+        rel = self.ar[:L][None] - pos[:, None]  # [S, L] a key's row in the block (< 0: before it)
+        seen = anc[:, rel.clamp(0, Tb - 1)].permute(1, 0, 2)  # [S, R, L]
+        ok = (rel < 0)[:, None] | (seen & (rel < Tb)[:, None])
+        mask = torch.zeros(S, R, L, dtype=cos.dtype, device=pos.device).masked_fill(~ok, float("-inf"))
+        return cos, sin, idx, mask[:, None].expand(S, self.G, R, L).reshape(S, 1, self.G * R, L)
+
     def _attn(self, L: _Attn, h, ctx, K, V):
         """A full-attention decoder layer on h [S, T, H] (updated in place: the residual
         adds ride on the o and down products), writing its keys and values to K, V [S, Hkv, M, D]."""
@@ -739,10 +805,11 @@ class DecodeEngine:
         h = _add_linear(h, o, g.out_proj.weight)
         return mlp.add_to(h, ln2(h)), full, torch.stack(states, 1)
 
-    def _trunk(self, tok, pos):
-        """The trunk on tokens [S, T] at positions pos.. -> (final hidden [S, T, H], GDN pending states)."""
+    def _trunk(self, tok, pos, ctx=None):
+        """The trunk on tokens [S, T] at positions pos.. (or as `ctx` places them) -> (final
+        hidden [S, T, H], GDN pending states)."""
         T = tok.shape[1]
-        ctx = self._ctx(pos, T)
+        ctx = self._ctx(pos, T) if ctx is None else ctx
         h = self.model.embed(tok)
         pending = []
         for i in range(len(self.kinds)):
@@ -762,9 +829,10 @@ class DecodeEngine:
             self.conv[j].copy_(full.gather(2, idx.expand(-1, full.shape[1], -1)))
             self.rec[j].copy_(states[self.slot_ar, a])
 
-    def _mtp(self, hrows, toks, pos0):
-        """The MTP block on trunk rows hrows [S, T, H] and the tokens after them [S, T] at positions pos0.."""
-        ctx = self._ctx(pos0, toks.shape[1])
+    def _mtp(self, hrows, toks, pos0, ctx=None):
+        """The MTP block on trunk rows hrows [S, T, H] and the tokens after them [S, T] at positions
+        pos0.. (or as `ctx` places them)."""
+        ctx = self._ctx(pos0, toks.shape[1]) if ctx is None else ctx
         x = torch.cat([self.mtp_e(self.model.embed(toks)), self.mtp_h(hrows)], -1)
         x = F.linear(x, self.model.mtp.eh_proj.weight)
         return self.mtp_out(self._attn(self.mtp_att, x, ctx, self.MK, self.MV))
@@ -775,16 +843,28 @@ class DecodeEngine:
         slots [S']: whose rows. The tests override this to steer which drafts are right.)"""
         return self._pick(xh)
 
+    def _draft_first(self, xh, base, slots):
+        """Chain step 0's drafts from the draft's row xh [S', 1, H] -> [S', nb]: the greedy one
+        (`_draft_pick`), or with a tree the draft's top nb, best first."""
+        if self.nb == 1:
+            return self._draft_pick(xh, 0, base, slots)
+        return F.linear(xh[:, 0], self.head.to(xh.dtype)).topk(self.nb, -1).indices
+
     def _chain(self, out0, base):
         """The next round's drafts from the draft's row out0 [S, 1, H] at position base-1
-        (chain step 0): steps 1..k-1 each read the previous step's row and token."""
-        xh, d = out0, self._draft_pick(out0, 0, base, self.slot_ar)
-        drafts = [d]
+        (chain step 0): steps 1..k-1 each read the previous step's row and token. With a tree,
+        each of the nb first guesses runs its own chain, the branches side by side as the rows
+        of one block (`_tree_tables`): a step costs the launches of one chain's."""
+        first = self._draft_first(out0, base, self.slot_ar)  # [S, nb]
+        drafts = [first]
+        xh, d = out0.expand(-1, self.nb, -1), first
         for j in range(1, self.k):
-            xh = self._mtp(xh, d, base - 1 + j)
-            d = self._draft_pick(xh, j, base, self.slot_ar)
+            ctx = None if self.nb == 1 else self._ctx_tree(base, *self._tree.chain[j])
+            xh = self._mtp(xh, d, base - 1 + j, ctx)
+            d = self._draft_pick(xh, j, base, self.slot_ar)  # [S, nb]
             drafts.append(d)
-        self.drafts.copy_(torch.where(self.active[:, None], torch.cat(drafts, 1), self.drafts))
+        new = torch.stack(drafts, 2).reshape(self.S, -1)  # [S, nb·k], branch b's chain at b·k..
+        self.drafts.copy_(torch.where(self.active[:, None], new, self.drafts))
 
     def _plain(self, chain: bool = True):
         act = self.active
@@ -807,12 +887,48 @@ class DecodeEngine:
         are decided, and the draft's rows up to n-1 read the trunk's own rows (rows past them,
         the chain's guesses)."""
         d = self.k if depth is None else depth
-        act, pos = self.active, self.pos
+        if self.nb > 1:
+            return self._spec_tree(d)
+        pos = self.pos
         block = torch.cat([self.pend[:, None], self.drafts[:, :d]], 1)  # [S, d+1] at positions n..n+d
         Hv, pending = self._trunk(block, pos)
         pred = self._pick(Hv)  # [S, d+1]: the trunk's token after each block token
         a = (block[:, 1:] == pred[:, :-1]).long().cumprod(1).sum(1)  # [S] drafts accepted
         self._commit(pending, a)
+        self._verified(Hv, pred, a, d)
+
+    def _spec_tree(self, d: int):
+        """`_spec` over a draft tree: one trunk pass verifies every branch's first d drafts
+        (`_tree_tables`), the branch keeping the most wins (the first of equals: branch 0, the
+        greedy chain, so a tree never keeps fewer than the chain), its rows' keys and values
+        move to follow the pending token, and the round ends as a chain's would on that branch."""
+        S, pos, ar = self.S, self.pos, self.slot_ar
+        dep, anc, paths = self._tree.verify[d]
+        T = anc.shape[0]
+        block = torch.cat([self.pend[:, None], self.drafts.view(S, self.nb, self.k)[:, :, :d].reshape(S, -1)], 1)
+        Hv, _ = self._trunk(block, pos, self._ctx_tree(pos, self.ar[:T], dep, anc))  # [S, T, H]
+        pred = self._pick(Hv)  # [S, T]
+        tok_b, pred_b = block[:, paths], pred[:, paths]  # [S, nb, d+1]: each branch's rows in order
+        kept = (tok_b[..., 1:] == pred_b[..., :-1]).long().cumprod(-1).sum(-1)  # [S, nb]
+        best = kept.argmax(-1)  # [S]
+        path = paths[best]  # [S, d+1] the kept branch's block rows
+        self._relocate(pos, path)
+        self._verified(Hv[ar[:, None], path], pred_b[ar, best], kept[ar, best], d)
+
+    def _relocate(self, pos, path):
+        """Keys and values of block rows path [S, d+1] (at pos + path) to pos, pos+1, ..., every
+        attention layer at once: the kept branch's rows then lie where a chain's would."""
+        nA, S, Hkv, M, D = self.K.shape
+        src = (pos[:, None] + path).clamp(max=M - 1)
+        dst = (pos[:, None] + self.ar[: path.shape[1]]).clamp(max=M - 1)
+        for C in (self.K, self.V):
+            ix = [t[None, :, None, :, None].expand(nA, S, Hkv, t.shape[1], D) for t in (src, dst)]
+            C.scatter_(3, ix[1], C.gather(3, ix[0]))
+
+    def _verified(self, Hv, pred, a, d: int):
+        """The end of a round: Hv [S, d+1, H] and pred [S, d+1], the trunk's rows and tokens
+        along the verified block (the kept branch's, for a tree), a [S] the drafts kept."""
+        act, pos = self.active, self.pos
         # the draft's rows n..n+d from the trunk's rows and tokens: rows ≤ n+a are the accepted
         # ones, row n+a is the next round's chain step 0 (rows past it are overwritten before use)
         out = self._mtp(Hv, pred, pos)
@@ -995,18 +1111,28 @@ class PrefillJob(_PromptJob):
             eng.rec[j, slot] = st.rec[0]
         eng.temp[slot] = self.temperature
         first = eng._pick(h_last, eng.temp[slot: slot + 1])[0, 0]
-        if eng.k:  # the first round's chain from row n-1
-            ms = self.ms
-            xh, xt = h_last, first.view(1, 1)
+        if eng.k:  # the first round's chain from row n-1 (each branch's, with a tree)
+            ms, nb = self.ms, eng.nb
             base, which = torch.tensor([n], device=eng.dev), torch.tensor([slot], device=eng.dev)
-            for j in range(eng.k):
-                xh = m.mtp_forward(xh, xt, n - 1 + j, ms)
-                if j == 0:
-                    eng.mtp_last[slot] = xh[0]
-                xt = eng._draft_pick(xh, j, base, which)  # [1, 1]
-                eng.drafts[slot, j] = xt[0, 0]
-            eng.MK[slot, :, : n - 1 + eng.k] = ms.k[0]
-            eng.MV[slot, :, : n - 1 + eng.k] = ms.v[0]
+            xh = m.mtp_forward(h_last, first.view(1, 1), n - 1, ms)  # [1, 1, H] chain step 0
+            eng.mtp_last[slot] = xh[0]
+            eng.MK[slot, :, :n] = ms.k[0]
+            eng.MV[slot, :, :n] = ms.v[0]
+            d = eng._draft_first(xh, base, which)  # [1, nb]
+            drafts = [d]
+            if eng.k > 1:  # the branches as a batch, each over its own copy of the draft's rows
+                bs = KVState()
+                bs.k, bs.v = ms.k.expand(nb, -1, -1, -1), ms.v.expand(nb, -1, -1, -1)
+                xh = xh.expand(nb, -1, -1)
+                for j in range(1, eng.k):
+                    xh = m.mtp_forward(xh, d.view(nb, 1), n - 1 + j, bs)
+                    d = eng._draft_pick(xh.reshape(1, nb, -1), j, base, which)  # [1, nb]
+                    drafts.append(d)
+                # branch 0's chain rows where the engine's own chain leaves them (nothing reads them
+                # before a round writes them again; kept so both prefills leave equal caches)
+                eng.MK[slot, :, : n - 1 + eng.k] = bs.k[0]
+                eng.MV[slot, :, : n - 1 + eng.k] = bs.v[0]
+            eng.drafts[slot] = torch.stack(drafts, 2).reshape(-1)
         eng.pend[slot] = first
         eng.pos[slot] = n
         eng.active[slot] = True
@@ -1031,9 +1157,10 @@ class StagedPrefill:
             raise CortiqError("decode engine: staged prefill runs attention-only models (a GDN layer's state "
                               "needs the reference forward)")
         self.eng = eng
-        self.sizes = sorted({min(int(c), eng.M) for c in sizes})  # a chunk never spans more positions than exist
+        self.sizes = sorted({min(int(c), eng.max_len) for c in sizes})  # a chunk never spans more positions than a slot holds
         C = self.sizes[-1]
-        st = self.st = DecodeEngine(eng.model, slots=1, max_len=eng.max_len, draft=eng.k, graphs=False)
+        st = self.st = DecodeEngine(eng.model, slots=1, max_len=eng.max_len, draft=eng.k, graphs=False,
+                                    branches=eng.nb)
         dev = eng.dev
         z = lambda *s, dtype=torch.long: torch.zeros(*s, dtype=dtype, device=dev)  # noqa: E731
         self.tok, self.nxt = z(1, C), z(1, C)  # the chunk's tokens and the token after each

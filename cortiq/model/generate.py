@@ -169,9 +169,10 @@ def _room(prompts, max_new: int, draft: int) -> int:
 @torch.no_grad()
 def decode(model, prompts: Sequence[Sequence[int]], max_new: int = 64, draft: int = 0, temperature: float = 0.0,
            eos_ids: Sequence[int] = (), on_token: Callable[[int, int], None] | None = None, seed: int = 0,
-           graphs: bool | None = None, engine=None) -> list[GenResult]:
+           graphs: bool | None = None, engine=None, branches: int = 1) -> list[GenResult]:
     """Decode every prompt at once on the static-cache engine (cortiq.model.decode),
-    one slot each: plain steps, or speculative rounds with `draft` ≥ 1 (greedy).
+    one slot each: plain steps, or speculative rounds with `draft` ≥ 1 (greedy; with
+    `branches` > 1 a draft tree of that many first guesses, each chained).
     A slot stops at an EOS id or after `max_new` tokens and is released while
     the others go on. `on_token(slot, token)` streams. Greedy output equals
     `generate`'s for each prompt alone (exactly in f32), speculative or not.
@@ -185,7 +186,7 @@ def decode(model, prompts: Sequence[Sequence[int]], max_new: int = 64, draft: in
     if max_new < 1:
         raise CortiqError(f"generate: max_new {max_new}, need at least 1")
     eng = engine or DecodeEngine(model, slots=len(prompts), max_len=_room(prompts, max_new, draft), draft=draft,
-                                 sampling=temperature > 0, graphs=graphs, seed=seed)
+                                 sampling=temperature > 0, graphs=graphs, seed=seed, branches=branches)
     if eng.S < len(prompts) or eng.k != draft:
         raise CortiqError(f"decode: the engine has {eng.S} slots and draft {eng.k}; asked {len(prompts)} and {draft}")
     eos = set(eos_ids)

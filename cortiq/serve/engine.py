@@ -154,11 +154,14 @@ class _WholePrefill:
         return self.eng.prefill(self.slot, self.ids)
 
 
-def make_engine(model, max_batch: int, max_len: int, draft: int = 0, kind: str = "auto") -> Engine:
-    """The decode engine by default; the loop engine when asked."""
+def make_engine(model, max_batch: int, max_len: int, draft: int = 0, kind: str = "auto",
+                branches: int = 1) -> Engine:
+    """The decode engine by default; the loop engine when asked (chains only: no draft tree)."""
     if kind in ("auto", "decode"):
-        return DecodeAdapter(model, max_batch, max_len, draft)
+        return DecodeAdapter(model, max_batch, max_len, draft, branches=branches)
     if kind == "loop":
+        if branches > 1:
+            raise CortiqError("engine loop: a draft tree (draft_branches > 1) needs the decode engine")
         return LoopEngine(model, max_batch, max_len, draft)
     raise CortiqError(f"engine kind {kind!r} (choose auto, decode or loop)")
 
@@ -271,11 +274,12 @@ class DecodeAdapter(Engine):
     steps_all = True
 
     def __init__(self, model, max_batch: int, max_len: int, draft: int = 0, graphs: bool | None = None,
-                 buckets: list[int] | None = None, kv_buckets: list[int] | None = None):
+                 buckets: list[int] | None = None, kv_buckets: list[int] | None = None, branches: int = 1):
         super().__init__(model, max_batch, max_len, draft)
         self.eng = _row_keeping_engine()(model, slots=max_batch, max_len=max_len, draft=draft, sampling=False,
                                          graphs=graphs, buckets=buckets or bucket_sizes(max_batch),
-                                         kv_buckets=kv_bucket_sizes(max_len) if kv_buckets is None else kv_buckets)
+                                         kv_buckets=kv_bucket_sizes(max_len) if kv_buckets is None else kv_buckets,
+                                         branches=branches)
         from ..model.decode import StagedPrefill
 
         # prompts by captured chunk graphs where the model allows (attention only)

@@ -34,6 +34,11 @@ class ServeSettings:
     #: step times and each request's recent acceptance (so a large batch or a draft that is
     #: rarely right runs plain steps); off: every all-greedy step is a round of `draft`
     spec_auto: bool = setting(False, "--speculative: choose plain or a depth 1..draft each step (measured)")
+    #: a draft tree: the draft's top guesses for a round's first token, each continued to a chain
+    #: of `draft`, all verified in one forward (the branch keeping most wins; 1: the chain alone).
+    #: A round then verifies branches·draft + 1 rows: nearly free while the step is bound by its
+    #: launches (few clients), not when many clients fill the batch (bench/DECODE.md)
+    draft_branches: int = setting(1, "--speculative: the draft's top first guesses, each chained (a tree)", lo=1)
     #: prompt tokens run per scheduler turn (a long prompt takes several turns, between the
     #: running requests' steps, so they do not stall); 0 = a whole prompt at once
     prefill_chunk: int = setting(256, "prompt tokens prefilled per step (0: whole prompts)", lo=0)

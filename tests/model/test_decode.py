@@ -382,3 +382,102 @@ def test_fused_buckets_equal_eager(fmodel):
     for _ in range(3):
         assert both(lambda e: e.step_on(2).tolist()) and both(lambda e: e.spec_on(2))
     _close_state(ef, ee)
+
+
+# ── a draft tree: the draft's top guesses for the first token, each chained ──
+class SteeredTree(Steered):
+    """Steered's drafts in a tree: of 3 first guesses the right one is guess p % 3 (p the
+    position it guesses; wrong where Steered's pattern says so), the others wrong; an engine
+    of nb branches gets the first nb guesses. Every branch's later steps guess right. So the
+    chain alone (branch 0) keeps a round's drafts only where p % 3 == 0, a tree of 3 wherever
+    Steered's pattern lets it."""
+
+    def _draft_pick(self, xh, j, base, slots):
+        return super()._draft_pick(xh, j, base, slots).expand(-1, xh.shape[1])
+
+    def _draft_first(self, xh, base, slots):
+        right = super()._draft_pick(xh, 0, base, slots)  # [S', 1]
+        p = (base + 1).clamp(max=self.truth.shape[1] - 1)
+        b = torch.arange(self.nb, device=right.device)[None]
+        return torch.where(b == (p % 3)[:, None], right, (right + 1 + b) % V)  # [S', nb]
+
+
+@pytest.mark.parametrize("draft", [1, 3])
+def test_tree_equals_greedy_and_keeps_every_branchs_drafts(model, draft):
+    truth, greedy = _truth(model, PROMPTS, 24)
+    kw = dict(slots=len(PROMPTS), max_len=64, draft=draft, graphs=False)
+    if model.arch.layer_types.count("linear_attention"):
+        with pytest.raises(CortiqError, match=r"^decode engine: a draft tree \(branches > 1\) runs attention-only"):
+            DecodeEngine(model, branches=3, **kw)
+        return
+    tree = decode(model, PROMPTS, max_new=24, draft=draft, engine=SteeredTree(model, truth, branches=3, **kw))
+    chain = decode(model, PROMPTS, max_new=24, draft=draft, engine=SteeredTree(model, truth, branches=1, **kw))
+    assert [r.tokens for r in tree] == [r.tokens for r in chain] == greedy
+    # the tree keeps the right branch's drafts wherever it is: more a round than branch 0 alone
+    assert sum(r.accepted for r in tree) / sum(r.rounds for r in tree) > \
+        sum(r.accepted for r in chain) / sum(r.rounds for r in chain)
+    assert draft in {a for r in tree for a in r.per_round} and 0 in {a for r in tree for a in r.per_round}
+
+
+def _reference_tree(model, seq, k, nb):
+    """The drafts the reference loop's MTP block makes from the state after seq (the trunk has
+    seen seq[:-1], seq[-1] pending): its top nb first guesses, each chained greedily. [nb·k]"""
+    from cortiq.model.decoder import KVState
+
+    with torch.no_grad():
+        t = torch.tensor([seq[:-1]])
+        n = t.shape[1]
+        H, _ = model.forward_hidden(t)
+        ms = KVState()
+        if n > 1:
+            model.mtp_forward(H[:, :-1], t[:, 1:], 0, ms)
+        x0 = model.mtp_forward(H[:, -1:], torch.tensor([[seq[-1]]]), n - 1, ms)
+        out = []
+        for first in model.logits(x0[0, -1]).topk(nb).indices.tolist():
+            st = KVState()
+            st.k, st.v = ms.k, ms.v
+            xh, xt, chain = x0, first, [first]
+            for j in range(1, k):
+                xh = model.mtp_forward(xh, torch.tensor([[xt]]), n - 1 + j, st)
+                xt = int(model.logits(xh[0, -1]).argmax())
+                chain.append(xt)
+            out += chain
+    return out
+
+
+@pytest.mark.parametrize("draft", [1, 3])
+def test_tree_drafts_held_between_rounds_are_the_reference_tree(model, draft):
+    # the model's own (random) draft: the winning branch varies round to round, so rounds move
+    # other branches' keys and values into place; the drafts held after prefill, rounds and plain
+    # steps are the reference's tree from that state, and the tokens stay greedy's
+    if model.arch.layer_types.count("linear_attention"):
+        pytest.skip("a draft tree runs attention-only models")
+    p = PROMPTS[0]
+    eng = DecodeEngine(model, slots=2, max_len=64, draft=draft, graphs=False, branches=3)
+    seq = p + [eng.prefill(1, p)]
+    assert eng.drafts[1].tolist() == _reference_tree(model, seq, draft, 3)
+    for r in range(7):
+        if r % 3 == 2:
+            seq.append(eng.step().tolist()[1])
+        else:
+            pred, n = eng.spec_step()
+            seq += pred[1, : n[1]].tolist()
+        assert eng.drafts[1].tolist() == _reference_tree(model, seq, draft, 3)
+    assert seq[len(p):] == greedy(model, p, len(seq) - len(p))
+
+
+def test_fused_tree_rounds_equal_eager(fmodel):
+    # rounds of a tree of 3 branches, bucketed, each depth, after a step that skipped the chain
+    ef, ee = _pair(fmodel, slots=2, max_len=64, draft=2, buckets=[1, 2], kv_buckets=[16, 32], branches=3)
+    for s, p in enumerate(FUSED_PROMPTS):
+        assert ef.prefill(s, p) == ee.prefill(s, p)
+    for fn in (lambda e: e.spec_on(2, 1), lambda e: e.spec_on(2), lambda e: e.step_on(2, chain=False),
+               lambda e: e.spec_on(2), lambda e: e.step_on(2)):
+        rf, re = fn(ef), fn(ee)
+        if isinstance(re, tuple):
+            (pf, nf), (pe, ne) = rf, re
+            assert nf.tolist() == ne.tolist()
+            assert all(pf[s, :n].tolist() == pe[s, :n].tolist() for s, n in enumerate(nf.tolist()))
+        else:
+            assert rf.tolist() == re.tolist()
+    _close_state(ef, ee)

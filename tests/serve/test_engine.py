@@ -72,6 +72,20 @@ def test_speculative_rounds_equal_greedy(kind, engine, draft, how):
         assert sum(r > 1 for r in per_round) >= len(per_round) // 4
 
 
+def test_a_draft_tree_answers_greedy():
+    # three first guesses a round, each chained: the branch keeping most wins, the answers stay greedy's
+    m = random_model(arch("llama"), mix=0.5)
+    prompts = [[1, 2, 3], [0, 3, 1, 2, 2, 1], [3], [2, 0]]
+    got, rounds = drive(make_engine(m, 4, 64, draft=3, branches=3), prompts, max_new=12, speculative=True,
+                        joins=[0, 1, 1, 4])
+    for p, g in zip(prompts, got):
+        assert g == generate(m, p, max_new=12).tokens
+    per_round = [r for rs in rounds for r in rs]
+    assert max(per_round) >= 2 and max(per_round) <= 4
+    with pytest.raises(CortiqError, match=r"^engine loop: a draft tree \(draft_branches > 1\) needs the decode engine$"):
+        make_engine(m, 2, 16, draft=1, kind="loop", branches=2)
+
+
 def test_the_engines_speculate_the_same_rounds():
     m = random_model(arch("llama"), mix=0.5, seed=3)
     prompts = [[1, 2, 3], [0, 3, 1, 2, 2, 1], [3]]

@@ -265,12 +265,12 @@ def test_add_many_equals_add_and_events_merge():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["plain", "auto"])
+@pytest.mark.parametrize("mode", ["plain", "auto", "tree"])
 def test_the_pipelined_scheduler_with_captured_graphs_answers_greedy(mode):
     """On CUDA (f32): bucket graphs, staged prefill graphs, steps launched ahead of the host."""
     m = random_model(arch("llama"), mix=0.5, seed=2).to("cuda")
-    draft = 3 if mode == "auto" else 0
-    eng = DecodeAdapter(m, 4, 64, draft=draft)
+    draft = 0 if mode == "plain" else 3
+    eng = DecodeAdapter(m, 4, 64, draft=draft, branches=3 if mode == "tree" else 1)
     assert eng.eng.graphs and eng.staged.graphs
     _answers_greedy(m, eng, _tok(), speculative=bool(draft), spec_auto=bool(draft), prefill_chunk=5)
 
@@ -287,7 +287,7 @@ class _Replay:
         self.fn()
 
 
-@pytest.mark.parametrize("mode", ["plain", "auto"])
+@pytest.mark.parametrize("mode", ["plain", "auto", "tree"])
 def test_graph_capture_warm_ups_on_fresh_buffers_then_replays_answer_greedy(mode, monkeypatch):
     """A graph's capture first runs its body eagerly on the buffers as construction left them
     (no prompt staged, every slot inactive): on CUDA an index out of range there is a
@@ -307,14 +307,15 @@ def test_graph_capture_warm_ups_on_fresh_buffers_then_replays_answer_greedy(mode
     monkeypatch.setattr(DecodeEngine, "_capture", capture)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     m = random_model(arch("llama"), mix=0.5, seed=2)
-    draft = 3 if mode == "auto" else 0
-    eng = DecodeAdapter(m, 4, 64, draft=draft, graphs=False)
+    draft = 0 if mode == "plain" else 3
+    eng = DecodeAdapter(m, 4, 64, draft=draft, graphs=False, branches=3 if mode == "tree" else 1)
     eng.eng.graphs = True
     eng.eng._capture_steps(bucketed=True)
     eng.staged = StagedPrefill(eng.eng)
     kinds = 1 + bool(draft) * (2 + draft)  # plain (with and without the chain), the chain alone, a round of each depth
-    assert eng.eng.kv_sizes == [32, 64]  # a graph per batch bucket, key length and kind
-    assert len(eng.staged.graphs) == 3 and len(eng.eng._bucket_graphs) == 3 * 2 * kinds
+    # a graph per batch bucket, key length and kind (a tree's caches hold its overhang past max_len: 80)
+    assert eng.eng.kv_sizes == ([32, 64, 80] if mode == "tree" else [32, 64])
+    assert len(eng.staged.graphs) == 3 and len(eng.eng._bucket_graphs) == 3 * len(eng.eng.kv_sizes) * kinds
     _answers_greedy(m, eng, _tok(), speculative=bool(draft), spec_auto=bool(draft), prefill_chunk=5)
     staged = list(eng.staged.graphs.values())
     assert sum(g.replays for g in staged) > 0 and sum(g.replays for g in graphs if g not in staged) > 0
