@@ -320,8 +320,8 @@ def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: 
     batches of 1 to 32): `same_as_server` counts the prompts whose engine answer is the plain
     server's text, and `server_text_tokens_a_round` is the measure walking the server's own
     answers (their text tokenized again, EOS after those that ended before max_tokens). With
-    `branches` > 1, `engine_tree_tokens_a_round`: the engine alone with a draft tree of that many
-    first guesses (the `tree` servers' rounds)."""
+    `branches` > 1, `engine_tree_tokens_a_round` and `offline_tree_tokens_a_round`: the engine alone
+    and the measure with a draft tree of that many first guesses (the `tree` servers' rounds)."""
     import torch
 
     from bench.decode import offline
@@ -361,6 +361,8 @@ def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: 
                     tree = decode(m, ps, max_new=max_tokens, draft=draft, eos_ids=eos, branches=branches)
                 row["engine_tree_tokens_a_round"] = 1 + sum(r.accepted * w for r, w in zip(tree, weight)) / max(
                     sum(r.rounds * w for r, w in zip(tree, weight)), 1)
+                row["offline_tree_tokens_a_round"] = 1 + offline(m, seqs, plens, draft, max_tokens, pad=eos[0],
+                                                                 branches=branches).get("walk", 0.0)
             told = (heard or {}).get(kind) or {}
             if told:
                 text = [tok.decode([t for t in r.tokens if t not in eos]) for r in spec]
@@ -634,8 +636,8 @@ def main() -> int:
               "warm-up included), the engine alone and mtp heal's offline measure (per dtype)")
         print("| prompts | dtype | prompts (requests) | server speculative | server auto | engine alone | offline "
               "| speculative / offline | engine answers = server's | offline on the server's answers "
-              "| server tree | engine tree |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "| server tree | engine tree | offline tree |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         fmt = lambda v: f"{v:.3f}" if v else "-"  # noqa: E731
         for a in accept:
             sv, au = spec_rate.get(f"speculative-{a['kind']}"), spec_rate.get(f"auto-{a['kind']}")
@@ -645,7 +647,7 @@ def main() -> int:
                   f"{a['engine_tokens_a_round']:.3f} | {a['offline_tokens_a_round']:.3f} | {ratio} | "
                   f"{a.get('same_as_server', '-')} | {fmt(a.get('server_text_tokens_a_round'))} | "
                   f"{fmt(spec_rate.get('tree-' + a['kind']))} | "
-                  f"{fmt(a.get('engine_tree_tokens_a_round'))} |")
+                  f"{fmt(a.get('engine_tree_tokens_a_round'))} | {fmt(a.get('offline_tree_tokens_a_round'))} |")
         print("(ratio: drafts kept a round, the speculative server over the offline measure)")
     for tag, prof in profiles.items():
         print(f"\nprofile {tag}: {breakdown(prof)}")

@@ -229,11 +229,12 @@ def _report(m: dict) -> dict:
 
 
 def measure_text(model, seqs, prompt_lens, chain: int = 3, span: int | None = None, chat=None, pad: int = 0,
-                 batch: int = 4, chunk: int = 1024) -> dict:
+                 batch: int = 4, chunk: int = 1024, branches: int = 1) -> dict:
     """mtp heal's measure on any token sequences: each a prompt of prompt_lens[i] tokens and
     the text after it (the model's greedy continuation: then "walk" is exactly what greedy
     speculative decoding at depth `chain` accepts a round over `span` new tokens, drafts past
-    the sequence's end not counted). `chat` [n] bool marks chat answers. One trunk pass and
+    the sequence's end not counted; with `branches` > 1, what rounds of a draft tree of that many
+    first guesses accept). `chat` [n] bool marks chat answers. One trunk pass and
     one draft pass (cortiq.mtp.draft.Chain, the code mtp heal measures with). -> {kind:
     {"hold", "drafts_per_round", "counted"}} for kinds "walk", "data", "chat", "every_row"."""
     import torch
@@ -250,7 +251,8 @@ def measure_text(model, seqs, prompt_lens, chain: int = 3, span: int | None = No
     lens = torch.tensor([len(x) for x in seqs], dtype=torch.int64)
     ti, tp, h = run_trunk(model, ids, 1, batch, chunk)
     ch = Chain(model, [TrunkSet("text", ids, lens, ti, tp, h)], chain, 0, pad, hold_all=True, batch=batch, chunk=chunk,
-               start=torch.as_tensor(list(prompt_lens), dtype=torch.int64) - 1, chat=chat, span=span)
+               start=torch.as_tensor(list(prompt_lens), dtype=torch.int64) - 1, chat=chat, span=span,
+               branches=branches)
     return _report(ch.measure())
 
 

@@ -131,7 +131,7 @@ def check_serve(d):
     assert all(r["tokens"] > 0 for r in _rows(d))
     # the plain step alone (whole cache against its key-length bucket) and the acceptance table
     assert d["step_ms"] and d["acceptance"], {k: d.get(k) for k in ("step_ms", "acceptance")}
-    assert all(a["engine_tree_tokens_a_round"] >= 1 for a in d["acceptance"])
+    assert all(a["engine_tree_tokens_a_round"] >= 1 and a["offline_tree_tokens_a_round"] >= 1 for a in d["acceptance"])
     # the speculative server's steps beside the plain one: the draft-keeping plain step and a round per depth
     steps = {(r["step"], r["batch"]) for r in d["step_ms"] if r["how"] == "key-length bucket"}
     want = ["plain", "plain, draft kept"] + [f"{how} {k}" for k in range(1, d["draft"] + 1)

@@ -37,13 +37,13 @@ def _serve_all(eng, prompts, max_tokens: int, **kw) -> dict:
     return sched.stats
 
 
-def _offline(m, prompts, depth: int) -> tuple[int, int]:
+def _offline(m, prompts, depth: int, branches: int = 1) -> tuple[int, int]:
     """(rounds, drafts kept) the offline measure walks over each prompt's greedy continuation.
     The continuation runs past the answer's NEW tokens, so the last round's drafts lie in the
     text; the server decides an answer's first token at prefill, so its rounds are the walk's
     over NEW - 1 tokens."""
     seqs = [p + generate(m, p, max_new=NEW + depth + 1).tokens for p in prompts]
-    r = measure_text(m, seqs, [len(p) for p in prompts], chain=depth, span=NEW - 1)["walk"]
+    r = measure_text(m, seqs, [len(p) for p in prompts], chain=depth, span=NEW - 1, branches=branches)["walk"]
     kept = sum(round(h * c) for h, c in zip(r["hold"], r["counted"]))  # a round keeps its leading held drafts
     return r["counted"][0], kept
 
@@ -57,4 +57,17 @@ def test_the_server_keeps_the_drafts_the_offline_measure_counts(kind, depth, eng
     eng = (DecodeAdapter if engine == "decode" else LoopEngine)(m, 4, 96, draft=depth)
     st = _serve_all(eng, PROMPTS, NEW, prefill_chunk=3)
     assert st["tokens"] == NEW * len(PROMPTS) and st["steps"] == 0  # every step was a round
+    assert (st["rounds"], st["round_tokens"] - st["rounds"]) == (rounds, kept)
+
+
+@pytest.mark.parametrize("depth,branches", [(3, 3), (1, 4)])
+def test_a_tree_keeps_what_the_offline_tree_measure_counts(depth, branches):
+    # the measure's tree: step 1 holds where the trunk's token is among the draft's top `branches`
+    m = random_model(arch("llama"), mix=0.5, seed=2)
+    rounds, kept = _offline(m, PROMPTS, depth, branches)
+    chain_rounds, chain_kept = _offline(m, PROMPTS, depth)
+    assert kept / rounds > chain_kept / chain_rounds  # the other first guesses add drafts: the test can fail
+    assert kept < depth * rounds
+    st = _serve_all(DecodeAdapter(m, 4, 96, draft=depth, branches=branches), PROMPTS, NEW, prefill_chunk=3)
+    assert st["tokens"] == NEW * len(PROMPTS) and st["steps"] == 0
     assert (st["rounds"], st["round_tokens"] - st["rounds"]) == (rounds, kept)
