@@ -320,6 +320,21 @@ def _tree_tables(nb: int, k: int, dev) -> _Tree:
     return _Tree(verify, chain)
 
 
+def _ctx_tree_rows(pos, rows, dep, anc, ar_l, cos, sin, hkv: int, G: int, D: int):
+    """`DecodeEngine._ctx_tree` as a pure function (ar_l = arange(L), cos and sin the RoPE tables)."""
+    S, L, R, Tb = pos.shape[0], ar_l.shape[0], rows.shape[0], anc.shape[1]
+    # (clamped as in `_ctx_rows`: only inactive slots' rows move, which nothing reads)
+    p = (pos[:, None] + dep).clamp(0, L - 1)  # [S, R]
+    w = (pos[:, None] + rows).clamp(0, L - 1)
+    cos, sin = cos[p][:, :, None], sin[p][:, :, None]
+    idx = w[:, None, :, None].expand(S, hkv, R, D)
+    rel = ar_l[None] - pos[:, None]  # [S, L] a key's row in the block (< 0: before it)
+    seen = anc[:, rel.clamp(0, Tb - 1)].permute(1, 0, 2)  # [S, R, L]
+    ok = (rel < 0)[:, None] | (seen & (rel < Tb)[:, None])
+    mask = torch.zeros(S, R, L, dtype=cos.dtype, device=pos.device).masked_fill(~ok, float("-inf"))
+    return cos, sin, idx, mask[:, None].expand(S, G, R, L).reshape(S, 1, G * R, L)
+
+
 def _dyn(t, *dims):
     """t with `dims` marked dynamic for torch.compile (batch, block and key-length dims: one
     graph for every size ≥ 2 of them, sizes of 1 get their own). -> t"""
@@ -357,7 +372,10 @@ def _fused_fns(g: _Geo, ln: tuple[float, bool], qk: tuple[float, bool] | None):
     def ctx(pos, ar_t, ar_l, cos, sin):
         return _ctx_rows(pos, ar_t, ar_l, cos, sin, g.hkv, g.hq // g.hkv, g.d)
 
-    return tuple(torch.compile(f, fullgraph=True, dynamic=False) for f in (pre, post, ctx))
+    def tree_ctx(pos, rows, dep, anc, ar_l, cos, sin):
+        return _ctx_tree_rows(pos, rows, dep, anc, ar_l, cos, sin, g.hkv, g.hq // g.hkv, g.d)
+
+    return tuple(torch.compile(f, fullgraph=True, dynamic=False) for f in (pre, post, ctx, tree_ctx))
 
 
 class DecodeEngine:
@@ -707,17 +725,12 @@ class DecodeEngine:
         pos + dep[r]; every key before pos is seen, a key of the block where anc [R, Tb] says
         (its ancestors and itself). -> (cos, sin [S, R, 1, rdim], write index [S, Hkv, R, D],
         mask [S, 1, G·R, L]) as `_ctx`."""
-        S, L, R, Tb = pos.shape[0], self.L, rows.shape[0], anc.shape[1]
-        # (clamped as in `_ctx_rows`: only inactive slots' rows move, which nothing reads)
-        p = (pos[:, None] + dep).clamp(0, L - 1)  # [S, R]
-        w = (pos[:, None] + rows).clamp(0, L - 1)
-        cos, sin = self.cos[p][:, :, None], self.sin[p][:, :, None]
-        idx = w[:, None, :, None].expand(S, self.hkv, R, self.D)
-        rel = self.ar[:L][None] - pos[:, None]  # [S, L] a key's row in the block (< 0: before it)
-        seen = anc[:, rel.clamp(0, Tb - 1)].permute(1, 0, 2)  # [S, R, L]
-        ok = (rel < 0)[:, None] | (seen & (rel < Tb)[:, None])
-        mask = torch.zeros(S, R, L, dtype=cos.dtype, device=pos.device).masked_fill(~ok, float("-inf"))
-        return cos, sin, idx, mask[:, None].expand(S, self.G, R, L).reshape(S, 1, self.G * R, L)
+        ar_l = self.ar[: self.L]
+        if self._fn is None:
+            return _ctx_tree_rows(pos, rows, dep, anc, ar_l, self.cos, self.sin, self.hkv, self.G, self.D)
+        cos, sin, idx, mask = self._fn[3](_dyn(pos, 0), rows, dep, anc, _dyn(ar_l, 0), _dyn(self.cos, 0),
+                                          _dyn(self.sin, 0))
+        return _dyn(cos, 0, 1), _dyn(sin, 0, 1), idx, mask
 
     def _attn(self, L: _Attn, h, ctx, K, V):
         """A full-attention decoder layer on h [S, T, H] (updated in place: the residual
@@ -740,7 +753,7 @@ class DecodeEngine:
         """`_attn` through the compiled halves (`_fused_fns`): pre and post around the eager
         cache writes and attention. -> a new h [S, T, H] (h itself is left as it was)."""
         cos, sin, idx, mask = ctx
-        pre, post, _ = self._fn
+        pre, post = self._fn[:2]
         K, V = K[:, :, : self.L], V[:, :, : self.L]
         # every weight detached: dynamo guards on requires_grad (a fused view of parameters may
         # carry it) and holds a parameter's shape static (a fold's MLP widths differ between
