@@ -25,7 +25,8 @@ of --draft drafts every step); `auto` (--spec-auto: plain or a depth
 1..--draft each step, from measured step times and recent acceptance; the
 profile shows how often each depth ran); `tree` (a round of --draft drafts on each
 of the draft's top --branches first guesses, verified in one forward:
---draft-branches).
+--draft-branches); `auto-tree` (--spec-auto over plain steps and chain and tree
+rounds of each depth).
 
 `transformers`: the same prompts as the largest level, run by transformers'
 continuous batching (`generate_batch`) where the installed version has it
@@ -469,7 +470,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="completion tokens at most (default: 256 GPU, 24 CPU)")
     ap.add_argument("--prompt-tokens", type=int, default=48, help="tokens of a text prompt")
     ap.add_argument("--draft", type=int, default=3, help="drafts per speculative round (auto: the deepest)")
-    ap.add_argument("--modes", default="plain,speculative,auto,tree", help="plain, speculative, auto and/or tree")
+    ap.add_argument("--modes", default="plain,speculative,tree,auto-tree",
+                    help="plain, speculative, auto, tree and/or auto-tree")
     ap.add_argument("--branches", type=int, default=4, help="tree: the draft's first guesses a round, each chained")
     ap.add_argument("--kinds", default="chat,text", help="prompt kinds: chat and/or text")
     ap.add_argument("--max-len", type=int, default=1024, help="server context per request")
@@ -519,7 +521,9 @@ def main() -> int:
     for mode in args.modes.split(","):
         extra = {"plain": [], "speculative": ["--speculative", "--draft", str(args.draft)],
                  "auto": ["--speculative", "--draft", str(args.draft), "--spec-auto"],
-                 "tree": ["--speculative", "--draft", str(args.draft), "--draft-branches", str(args.branches)]}[mode]
+                 "tree": ["--speculative", "--draft", str(args.draft), "--draft-branches", str(args.branches)],
+                 "auto-tree": ["--speculative", "--draft", str(args.draft), "--spec-auto", "--draft-branches",
+                               str(args.branches)]}[mode]
         for kind in args.kinds.split(","):
             tag = f"{mode}-{kind}"
             prof_path = out / f"serve-{tag}.profile.json"
@@ -576,7 +580,7 @@ def main() -> int:
         # room for reps rounds of draft+1 positions past the context
         ctx = min(args.step_context, args.max_len // 2, args.max_len - (reps + 4) * (spec + 1) - 8)
         steps = step_times(model, clients, args.max_len, ctx, reps, args.cpu, spec,
-                           args.branches if "tree" in args.modes.split(",") else 1)
+                           args.branches if {"tree", "auto-tree"} & set(args.modes.split(",")) else 1)
         for r in steps:
             print(f"[steps] {r}", file=sys.stderr, flush=True)
     accept = []
@@ -587,7 +591,7 @@ def main() -> int:
         heard = {k: {i: plain_answers[str(p)] for i, p in enumerate(prompts[k]) if str(p) in plain_answers}
                  for k in args.kinds.split(",")}
         accept = acceptance(model, ids, {k: sent[k] for k in args.kinds.split(",")}, args.draft, max_tokens, args.cpu,
-                            heard, args.branches if "tree" in spec_modes else 1)
+                            heard, args.branches if {"tree", "auto-tree"} & set(spec_modes) else 1)
         for a in accept:
             print(f"[acceptance] {a}", file=sys.stderr, flush=True)
     print(f"\nbench/serve.py: {banner}; max_tokens {max_tokens}, {requests} requests per client, greedy, "

@@ -495,7 +495,7 @@ class DecodeEngine:
         if bucketed:
             self._capture_buckets()
             self._g_step = self._bucket_graphs[("plain", self.S, True, self.M)]
-            self._g_spec = self._bucket_graphs.get(("spec", self.S, self.k, self.M))
+            self._g_spec = self._bucket_graphs.get(("spec", self.S, self.k, self.M, True))
         else:
             self._g_step = self._capture(self._plain)
             if self.k:
@@ -894,14 +894,15 @@ class DecodeEngine:
         self.pos.add_(act.long())
         self.out_tok.copy_(torch.where(act, nxt[:, 0], -1))
 
-    def _spec(self, depth: int | None = None):
+    def _spec(self, depth: int | None = None, tree: bool = True):
         """One round, verifying the first `depth` drafts (default all k). At its start a slot's
         trunk has seen positions 0..n-1 (n = pos), its pending token n and the k drafts after it
         are decided, and the draft's rows up to n-1 read the trunk's own rows (rows past them,
         the chain's guesses)."""
         d = self.k if depth is None else depth
-        if self.nb > 1:
+        if self.nb > 1 and tree:
             return self._spec_tree(d)
+        # (a chain round: on a tree engine, branch 0's drafts, the greedy chain, lead the row)
         pos = self.pos
         block = torch.cat([self.pend[:, None], self.drafts[:, :d]], 1)  # [S, d+1] at positions n..n+d
         Hv, pending = self._trunk(block, pos)
@@ -1003,7 +1004,9 @@ class DecodeEngine:
                     # auto's rounds measured 10-18 ms at 8 and 32 slots on the H200 (2.3-2.9 at 1, 16)
                     G[("chain", b, L)] = self._capture(lambda v=v, L=L: v._at(L, v._chain, v.mtp_last, v.pos), pool)
                     for d in range(1, self.k + 1):
-                        G[("spec", b, d, L)] = self._capture(lambda v=v, L=L, d=d: v._at(L, v._spec, d), pool)
+                        for t in {True, self.nb == 1}:  # a tree engine: its tree's rounds and the chain's
+                            G[("spec", b, d, L, t)] = self._capture(lambda v=v, L=L, d=d, t=t: v._at(L, v._spec, d, t),
+                                                                    pool)
 
     def _check_rows(self, b: int) -> None:
         if b not in self.buckets:
@@ -1033,10 +1036,12 @@ class DecodeEngine:
         return self.out_tok
 
     @torch.no_grad()
-    def spec_on(self, b: int, depth: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`spec_step()` over slots 0..b-1, verifying `depth` drafts (1..k, default k):
+    def spec_on(self, b: int, depth: int | None = None, tree: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`spec_step()` over slots 0..b-1, verifying `depth` drafts (1..k, default k), on the
+        draft tree (`tree`, default: when the engine has one) or on its greedy chain:
         pred[s, :n[s]] with n ≤ depth+1 (columns past depth+1 are stale)."""
         d = self.k if depth is None else depth
+        t = self.nb > 1 if tree is None else (bool(tree) and self.nb > 1)
         if not 1 <= d <= self.k:
             raise CortiqError(f"decode engine: depth {d} outside 1..{self.k}")
         self._check_rows(b)
@@ -1050,11 +1055,11 @@ class DecodeEngine:
             else:
                 v._at(L, v._chain, v.mtp_last, v.pos)
             self._stale = False
-        g = self._bucket_graphs.get(("spec", b, d, L))
+        g = self._bucket_graphs.get(("spec", b, d, L, t or self.nb == 1))
         if g is not None:
             g.replay()
         else:
-            v._at(L, v._spec, d)
+            v._at(L, v._spec, d, t)
         for s in range(b):
             self._hi[s] += (d + 1) * self._on[s]
         return self.out_pred, self.out_n

@@ -55,6 +55,8 @@ class Engine(ABC):
     steps_all = False
     #: the engine's own greedy tokens for the rows of the last prefill or step, or None
     picked = None
+    #: the draft tree's first guesses a round (1: chain rounds only)
+    branches = 1
 
     def __init__(self, model, max_batch: int, max_len: int, draft: int = 0):
         if max_batch < 1 or max_len < 2:
@@ -103,8 +105,9 @@ class Engine(ABC):
         return all(self.length(s) + need <= self.max_len for s in slots)
 
     def launch(self, slots: Sequence[int], depth: int = 0, sample: dict | None = None,
-               chain: bool = True) -> Launched:
-        """(chain: whether a plain step also drafts for the next round; engines that always do ignore it)"""
+               chain: bool = True, tree: bool | None = None) -> Launched:
+        """(chain: whether a plain step also drafts for the next round; engines that always do ignore it;
+        tree: a round on the draft tree, engines without one ignore it)"""
         import time
 
         from .sampling import sample_ids
@@ -133,10 +136,11 @@ class Engine(ABC):
 
 class Launched:
     """A launched step: `wait()` -> each slot's new tokens (list per slot, in launch order);
-    `seconds` (after wait): the step's own time (device time on CUDA)."""
+    `seconds` (after wait): the step's own time (device time on CUDA); `tree`: a round that
+    verified the draft tree."""
 
-    def __init__(self, slots, bucket: int, depth: int, new=None, seconds: float = 0.0):
-        self.slots, self.bucket, self.depth = list(slots), bucket, depth
+    def __init__(self, slots, bucket: int, depth: int, new=None, seconds: float = 0.0, tree: bool = False):
+        self.slots, self.bucket, self.depth, self.tree = list(slots), bucket, depth, tree
         self.new, self.seconds = new, seconds
 
     def wait(self) -> list[list[int]]:
@@ -226,8 +230,8 @@ class _DecodeLaunched(Launched):
     """A decode-adapter step in flight: its tokens are being copied into pinned host
     buffers behind the step on the device's stream; `wait()` waits for that copy only."""
 
-    def __init__(self, ad: "DecodeAdapter", slots, bucket, depth, bufs, done, t0, gens):
-        super().__init__(slots, bucket, depth)
+    def __init__(self, ad: "DecodeAdapter", slots, bucket, depth, bufs, done, t0, gens, tree: bool = False):
+        super().__init__(slots, bucket, depth, tree=tree)
         self.ad, self.bufs, self.done, self.t0, self.gens = ad, bufs, done, t0, gens
         self.hi_reads = ad.eng.hi_reads
 
@@ -280,6 +284,7 @@ class DecodeAdapter(Engine):
                                          graphs=graphs, buckets=buckets or bucket_sizes(max_batch),
                                          kv_buckets=kv_bucket_sizes(max_len) if kv_buckets is None else kv_buckets,
                                          branches=branches)
+        self.branches = branches
         from ..model.decode import StagedPrefill
 
         # prompts by captured chunk graphs where the model allows (attention only)
@@ -351,7 +356,8 @@ class DecodeAdapter(Engine):
         return all(hi[s] + need <= self.max_len for s in slots)
 
     @torch.no_grad()
-    def launch(self, slots, depth: int = 0, sample: dict | None = None, chain: bool = True) -> Launched:
+    def launch(self, slots, depth: int = 0, sample: dict | None = None, chain: bool = True,
+               tree: bool | None = None) -> Launched:
         import time
 
         from .sampling import sample_ids
@@ -368,8 +374,9 @@ class DecodeAdapter(Engine):
             t0 = time.perf_counter()
         bufs = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
+        tree = bool(depth) and self.branches > 1 and tree is not False  # None: the engine's own kind
         if depth:
-            pred, n = eng.spec_on(b, depth)
+            pred, n = eng.spec_on(b, depth, tree)
             bufs[1][:b].copy_(pred[:b], non_blocking=True)
             bufs[2][:b].copy_(n[:b], non_blocking=True)
         else:
@@ -387,7 +394,7 @@ class DecodeAdapter(Engine):
             done.record()
         else:  # eager: the step has run; its time is the call's
             t0 = time.perf_counter() - t0
-        return _DecodeLaunched(self, slots, b, depth, bufs, done, t0, [self.gen[s] for s in slots])
+        return _DecodeLaunched(self, slots, b, depth, bufs, done, t0, [self.gen[s] for s in slots], tree)
 
     def release(self, slot):
         self.eng.release(slot)

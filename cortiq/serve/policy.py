@@ -20,6 +20,12 @@ alone undercounts plain steps where the host is the slower side: on the H200
 at 32 chat clients (2026-12-03) the policy then chose plain steps that cost as
 much wall time as rounds, and ran at 0.95x a plain server while always
 speculating ran at 1.08x.
+
+With a draft tree (`--draft-branches`), a round of each depth can also verify the
+tree: its steps are timed apart from the chain's, and its expected tokens use each
+request's acceptance in tree rounds. A tree's verify block has branches·depth + 1
+rows, nearly free where the step is bound by its launches (few requests) and not
+where the batch is large; the policy finds where from the measured times.
 """
 
 from __future__ import annotations
@@ -34,48 +40,55 @@ def expected_tokens(alpha: float, depth: int) -> float:
 
 
 class DepthPolicy:
-    def __init__(self, k: int, explore: int = 64, warm: int = 2, decay: float = 0.8):
+    def __init__(self, k: int, explore: int = 64, warm: int = 2, decay: float = 0.8, tree: bool = False):
         self.k, self.explore, self.warm, self.decay = k, explore, warm, decay
-        self.time: dict[tuple[int, int], list] = {}  # (bucket, depth) -> [device seconds (moving average), samples]
-        self.period: dict[tuple[int, int], list] = {}  # (bucket, depth) -> [turn seconds (moving average), samples]
+        #: what a step can be: (0, False) plain, (d, False) a chain round of d drafts, (d, True) a tree's
+        self.actions = [(d, False) for d in range(k + 1)] + ([(d, True) for d in range(1, k + 1)] if tree else [])
+        self.tree = tree
+        self.time: dict[tuple, list] = {}  # (bucket, depth, tree) -> [device seconds (moving average), samples]
+        self.period: dict[tuple, list] = {}  # (bucket, depth, tree) -> [turn seconds (moving average), samples]
         self.turns: dict[int, int] = {}
-        #: acceptance over all requests: the prior of a request with few rounds
+        #: acceptance over all requests in chain and in tree rounds: the prior of a request with few rounds
         self.alpha = 0.5
-        self.chosen = [0] * (k + 1)  # how often each depth was chosen
+        self.alpha_tree = 0.5
+        self.chosen = {a: 0 for a in self.actions}  # how often each step kind was chosen
 
-    def choose_depth(self, bucket: int, alphas: Sequence[float]) -> int:
-        d = self._depth(bucket, alphas)
-        self.chosen[d] += 1
-        return d
+    def choose(self, bucket: int, alphas: Sequence[float], tree_alphas: Sequence[float] | None = None
+               ) -> tuple[int, bool]:
+        """The step for a batch at `bucket` whose requests keep drafts at `alphas` (chain rounds)
+        and `tree_alphas` (tree rounds; default the same) -> (depth, tree)."""
+        a = self._choose(bucket, alphas, alphas if tree_alphas is None else tree_alphas)
+        self.chosen[a] += 1
+        return a
 
-    def _depth(self, bucket: int, alphas: Sequence[float]) -> int:
-        for d in range(self.k + 1):
-            t = self.time.get((bucket, d))
+    def _choose(self, bucket: int, alphas, tree_alphas) -> tuple[int, bool]:
+        for a in self.actions:
+            t = self.time.get((bucket, *a))
             if t is None or t[1] < self.warm:
-                return d
+                return a
         n = self.turns[bucket] = self.turns.get(bucket, 0) + 1
-        rates = sorted(((sum(expected_tokens(a, d) for a in alphas) / self.cost(bucket, d), d)
-                        for d in range(self.k + 1)), reverse=True)
+        rates = sorted(((sum(expected_tokens(x, d) for x in (tree_alphas if t else alphas)) / self.cost(bucket, d, t),
+                         (d, t)) for d, t in self.actions), reverse=True)
         if n % self.explore == 0:
             return rates[1][1]
         return rates[0][1]
 
-    def cost(self, bucket: int, depth: int) -> float:
-        """Seconds a step of `depth` at `bucket` costs: its device time, or its turn's period
-        where that is longer (once the period is past its warm-up)."""
-        dev = self.time[(bucket, depth)][0]
-        p = self.period.get((bucket, depth))
+    def cost(self, bucket: int, depth: int, tree: bool = False) -> float:
+        """Seconds a step of `depth` (a tree's round: `tree`) at `bucket` costs: its device time,
+        or its turn's period where that is longer (once the period is past its warm-up)."""
+        dev = self.time[(bucket, depth, tree)][0]
+        p = self.period.get((bucket, depth, tree))
         return max(dev, p[0]) if p is not None and p[1] >= self.warm else dev
 
-    def record(self, bucket: int, depth: int, seconds: float) -> None:
+    def record(self, bucket: int, depth: int, seconds: float, tree: bool = False) -> None:
         """A step's device time."""
-        self._average(self.time, (bucket, depth), seconds)
+        self._average(self.time, (bucket, depth, tree), seconds)
 
-    def record_period(self, bucket: int, depth: int, seconds: float) -> None:
+    def record_period(self, bucket: int, depth: int, seconds: float, tree: bool = False) -> None:
         """The period of the turn that took a step's tokens (host work and the wait for it)."""
-        self._average(self.period, (bucket, depth), seconds)
+        self._average(self.period, (bucket, depth, tree), seconds)
 
-    def _average(self, table: dict, key: tuple[int, int], seconds: float) -> None:
+    def _average(self, table: dict, key: tuple, seconds: float) -> None:
         t = table.get(key)
         if t is None or t[1] < self.warm:  # the warm-up runs are not kept in the average
             table[key] = [seconds, 1 if t is None else t[1] + 1]
@@ -83,16 +96,26 @@ class DepthPolicy:
             t[0] = self.decay * t[0] + (1 - self.decay) * seconds
             t[1] += 1
 
-    def accepted(self, accepted: int, depth: int) -> float:
+    def accepted(self, accepted: int, depth: int, tree: bool = False) -> float:
         """One request's round: the drafts it kept -> the tries it counts (the drafts looked at:
-        the kept ones and the first wrong one, if any); the global acceptance follows."""
+        the kept ones and the first wrong one, if any); the global acceptance (of its kind) follows."""
         tries = accepted + (accepted < depth)
         if tries:
-            self.alpha = 0.99 * self.alpha + 0.01 * (accepted / tries)
+            if tree:
+                self.alpha_tree = 0.99 * self.alpha_tree + 0.01 * (accepted / tries)
+            else:
+                self.alpha = 0.99 * self.alpha + 0.01 * (accepted / tries)
         return tries
 
+    @staticmethod
+    def _name(depth: int, tree: bool) -> str:
+        return f"tree {depth}" if tree else str(depth)
+
     def summary(self) -> dict:
-        return {"chosen": {str(d): n for d, n in enumerate(self.chosen)},
-                "step_ms": {f"{b}x{d}": round(1000 * t[0], 3) for (b, d), t in sorted(self.time.items())},
-                "turn_ms": {f"{b}x{d}": round(1000 * t[0], 3) for (b, d), t in sorted(self.period.items())},
-                "alpha": round(self.alpha, 3)}
+        ms = lambda table: {f"{b}x{self._name(d, t)}": round(1000 * v[0], 3)  # noqa: E731
+                            for (b, d, t), v in sorted(table.items())}
+        out = {"chosen": {self._name(*a): n for a, n in self.chosen.items()}, "step_ms": ms(self.time),
+               "turn_ms": ms(self.period), "alpha": round(self.alpha, 3)}
+        if self.tree:
+            out["alpha_tree"] = round(self.alpha_tree, 3)
+        return out

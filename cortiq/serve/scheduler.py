@@ -71,6 +71,8 @@ class Request:
     spec: bool = False  # runs draft-and-verify rounds
     acc: float = 0.0  # recent drafts accepted and looked at (decaying sums): its acceptance
     tries: float = 0.0
+    acc_tree: float = 0.0  # the same in a draft tree's rounds
+    tries_tree: float = 0.0
 
     def cancel(self):
         """Safe from any thread: the scheduler drops the request before its next step."""
@@ -88,7 +90,8 @@ class Scheduler:
         self.tok = tokenizer
         self.eos = set(int(i) for i in eos_ids)
         self.speculative = bool(speculative and engine.draft)
-        self.policy = DepthPolicy(engine.draft) if (self.speculative and spec_auto) else None
+        self.policy = (DepthPolicy(engine.draft, tree=engine.branches > 1) if (self.speculative and spec_auto)
+                       else None)
         self.prefill_chunk = prefill_chunk
         self.overlap = overlap
         self.max_waiting = max_waiting
@@ -230,7 +233,7 @@ class Scheduler:
             self._finish(nxt)
             took, nxt = nxt, None
         if self.policy is not None and took is not None:
-            self.policy.record_period(took[0].bucket, took[0].depth, time.perf_counter() - t1)
+            self.policy.record_period(took[0].bucket, took[0].depth, time.perf_counter() - t1, took[0].tree)
         return nxt
 
     def _prefill(self):
@@ -255,15 +258,18 @@ class Scheduler:
             self.stats["requests"] += 1
             self._take([r], [[tok]])
 
-    def _depth(self, running) -> int:
-        """Drafts the next round verifies (0: a plain step)."""
+    def _depth(self, running) -> tuple[int, bool | None]:
+        """Drafts the next round verifies (0: a plain step), and whether on the draft tree (None:
+        the engine's own kind of round)."""
         if not (self.speculative and all(r.spec for r in running)):
-            return 0
-        if self.policy is None:
-            return self.engine.draft
+            return 0, None
+        pol = self.policy
+        if pol is None:
+            return self.engine.draft, None
         bucket = self.engine.bucket_for(max(r.slot for r in running) + 1)
-        prior = self.policy.alpha
-        return self.policy.choose_depth(bucket, [(r.acc + 2 * prior) / (r.tries + 2) for r in running])
+        chain = [(r.acc + 2 * pol.alpha) / (r.tries + 2) for r in running]
+        tree = [(r.acc_tree + 2 * pol.alpha_tree) / (r.tries_tree + 2) for r in running] if pol.tree else None
+        return pol.choose(bucket, chain, tree)
 
     def _launch(self, ahead: bool):
         """Launch the next step of the running requests -> (the step, its requests), or None
@@ -273,14 +279,14 @@ class Scheduler:
             return None
         eng = self.engine
         slots = [r.slot for r in running]
-        depth = self._depth(running)
+        depth, tree = self._depth(running)
         if depth and not eng.fits(slots, depth + 1):
-            depth = 0
+            depth, tree = 0, None
         if ahead and not eng.fits(slots, 1):
             return None
         t0 = time.perf_counter()
         sample = {r.slot: (r.temperature, r.top_p, r.rng.random()) for r in running if r.temperature > 0}
-        step = eng.launch(slots, depth, sample, chain=self.policy is None)
+        step = eng.launch(slots, depth, sample, chain=self.policy is None, tree=tree)
         self.prof["launch"] += time.perf_counter() - t0
         return step, running
 
@@ -303,13 +309,17 @@ class Scheduler:
             self.stats["steps"] += 1
         pol = self.policy
         if pol is not None:
-            pol.record(step.bucket, step.depth, step.seconds)
+            pol.record(step.bucket, step.depth, step.seconds, step.tree)
             if step.depth:
                 for i in keep:
                     r, toks = reqs[i], new[i]
-                    tries = pol.accepted(len(toks) - 1, step.depth)
-                    r.acc = 0.9 * r.acc + len(toks) - 1
-                    r.tries = 0.9 * r.tries + tries
+                    tries = pol.accepted(len(toks) - 1, step.depth, step.tree)
+                    if step.tree:
+                        r.acc_tree = 0.9 * r.acc_tree + len(toks) - 1
+                        r.tries_tree = 0.9 * r.tries_tree + tries
+                    else:
+                        r.acc = 0.9 * r.acc + len(toks) - 1
+                        r.tries = 0.9 * r.tries + tries
         self._take([reqs[i] for i in keep], [new[i] for i in keep])
 
     def _take(self, reqs: list, toks: list):

@@ -37,7 +37,8 @@ class ServeSettings:
     #: a draft tree: the draft's top guesses for a round's first token, each continued to a chain
     #: of `draft`, all verified in one forward (the branch keeping most wins; 1: the chain alone).
     #: A round then verifies branches·draft + 1 rows: nearly free while the step is bound by its
-    #: launches (few clients), not when many clients fill the batch (bench/DECODE.md)
+    #: launches (few clients), not when many clients fill the batch (bench/DECODE.md); with
+    #: spec_auto each step chooses between plain, chain and tree rounds from their measured times
     draft_branches: int = setting(1, "--speculative: the draft's top first guesses, each chained (a tree)", lo=1)
     #: prompt tokens run per scheduler turn (a long prompt takes several turns, between the
     #: running requests' steps, so they do not stall); 0 = a whole prompt at once

@@ -190,36 +190,62 @@ def _answers_greedy(m, eng, tok, **kw):
 
 
 @pytest.mark.parametrize("mode,engine", [("plain", "decode"), ("speculative", "decode"), ("auto", "decode"),
-                                         ("auto", "loop"), ("plain-sync", "decode")])
+                                         ("auto", "loop"), ("plain-sync", "decode"), ("tree", "decode"),
+                                         ("auto-tree", "decode")])
 def test_the_scheduler_answers_plain_greedy_decoding(mode, engine):
     """Concurrent requests joining and leaving, prompts prefilled 3 tokens a turn: every answer is
-    plain greedy decoding's, token for token, in plain, speculative and auto modes."""
+    plain greedy decoding's, token for token, in plain, speculative and auto modes, on a chain or
+    a draft tree of 3 first guesses (auto-tree: the policy chooses tree or chain rounds too)."""
     m = random_model(arch("llama"), mix=0.5, seed=2)
     draft = 0 if mode.startswith("plain") else 3
-    eng = (DecodeAdapter if engine == "decode" else LoopEngine)(m, 4, 64, draft=draft)
-    sched = _answers_greedy(m, eng, _tok(), speculative=bool(draft), spec_auto=mode == "auto", prefill_chunk=3,
-                            overlap=mode != "plain-sync")
+    kw = {"branches": 3} if "tree" in mode else {}
+    eng = (DecodeAdapter if engine == "decode" else LoopEngine)(m, 4, 64, draft=draft, **kw)
+    sched = _answers_greedy(m, eng, _tok(), speculative=bool(draft), spec_auto=mode.startswith("auto"),
+                            prefill_chunk=3, overlap=mode != "plain-sync")
+    if mode == "auto-tree":  # both kinds of round ran
+        assert {t for (d, t), n in sched.policy.chosen.items() if d and n} == {False, True}
     if draft:
         assert sched.stats["rounds"] > 0
-    if mode == "auto":
+    if mode.startswith("auto"):
         pol = sched.profile()["policy"]
-        assert sum(sched.policy.chosen) > 0 and pol["step_ms"] and pol["turn_ms"]
+        assert sum(sched.policy.chosen.values()) > 0 and pol["step_ms"] and pol["turn_ms"]
 
 
 def test_depth_policy_takes_what_pays():
     pol = DepthPolicy(3, explore=1000)
     tried = []
     for _ in range(8):  # each depth is timed twice first; cheap verify rounds
-        tried.append(pol.choose_depth(8, [0.9] * 8))
+        tried.append(pol.choose(8, [0.9] * 8)[0])
         pol.record(8, tried[-1], 1.0 + 0.1 * tried[-1])
     assert tried == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert pol.choose_depth(8, [0.9] * 8) == 3
-    assert pol.choose_depth(8, [0.05] * 8) == 0  # drafts rarely right: plain
+    assert pol.choose(8, [0.9] * 8)[0] == 3
+    assert pol.choose(8, [0.05] * 8)[0] == 0  # drafts rarely right: plain
     for d, t in enumerate([1.0, 2.0, 3.0, 4.0]):  # a compute-bound batch: a verify costs its rows
         for _ in range(10):
             pol.record(8, d, t)
-    assert pol.choose_depth(8, [0.9] * 8) == 0
+    assert pol.choose(8, [0.9] * 8)[0] == 0
     assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(0.0, 3) == 1.0
+
+
+def test_depth_policy_takes_the_tree_where_it_pays():
+    """With a draft tree, each depth's tree round is timed and chosen apart from the chain's: at a
+    small batch a tree round costs about a chain round and keeps more (0.8 against 0.5 a draft),
+    so it runs; at a large one its rows cost, and the chain runs."""
+    pol = DepthPolicy(2, explore=1000, tree=True)
+    assert pol.actions == [(0, False), (1, False), (2, False), (1, True), (2, True)]
+    cost = {(1, 0, False): 1.0, (1, 1, False): 1.2, (1, 2, False): 1.3, (1, 1, True): 1.25, (1, 2, True): 1.4,
+            (32, 0, False): 2.0, (32, 1, False): 2.6, (32, 2, False): 3.0, (32, 1, True): 4.0, (32, 2, True): 6.5}
+    for b in (1, 32):
+        tried = []
+        for _ in range(10):  # each kind is timed twice first
+            tried.append(pol.choose(b, [0.5] * b, [0.8] * b))
+            pol.record(b, *tried[-1][:1], cost[(b, *tried[-1])], tried[-1][1])
+        assert tried == [a for a in pol.actions for _ in range(2)]
+    assert pol.choose(1, [0.5], [0.8]) == (2, True)
+    assert pol.choose(32, [0.5] * 32, [0.8] * 32) == (2, False)
+    pol.accepted(2, 2, True)  # a tree round keeping both drafts moves the tree's prior, not the chain's
+    assert pol.alpha_tree > 0.5 == pol.alpha
+    assert pol.summary()["chosen"] == {"0": 4, "1": 4, "2": 5, "tree 1": 4, "tree 2": 5}
 
 
 def test_depth_policy_costs_a_step_by_its_turn_where_the_host_is_slower():
@@ -230,17 +256,17 @@ def test_depth_policy_costs_a_step_by_its_turn_where_the_host_is_slower():
     for d, t in ((0, 1e-3), (1, 2e-3)):
         for _ in range(4):
             pol.record(32, d, t)
-    assert pol.choose_depth(32, [0.4] * 32) == 0 and pol.cost(32, 1) == 2e-3
+    assert pol.choose(32, [0.4] * 32)[0] == 0 and pol.cost(32, 1) == 2e-3
     pol.record_period(32, 0, 3e-3)
-    assert pol.choose_depth(32, [0.4] * 32) == 0  # one period is a warm-up run: not yet the cost
+    assert pol.choose(32, [0.4] * 32)[0] == 0  # one period is a warm-up run: not yet the cost
     for d in (0, 0, 1, 1, 1):
         pol.record_period(32, d, 3e-3)
     assert pol.cost(32, 0) == pol.cost(32, 1) == 3e-3
-    assert pol.choose_depth(32, [0.4] * 32) == 1
+    assert pol.choose(32, [0.4] * 32)[0] == 1
     for _ in range(20):  # a device-bound batch: the turn waits for the step, device time rules again
         pol.record_period(32, 0, 1.05e-3)
         pol.record_period(32, 1, 2.05e-3)
-    assert pol.choose_depth(32, [0.4] * 32) == 0
+    assert pol.choose(32, [0.4] * 32)[0] == 0
     assert set(pol.summary()["turn_ms"]) == {"32x0", "32x1"}
 
 
@@ -312,7 +338,8 @@ def test_graph_capture_warm_ups_on_fresh_buffers_then_replays_answer_greedy(mode
     eng.eng.graphs = True
     eng.eng._capture_steps(bucketed=True)
     eng.staged = StagedPrefill(eng.eng)
-    kinds = 1 + bool(draft) * (2 + draft)  # plain (with and without the chain), the chain alone, a round of each depth
+    # plain (with and without the chain), the chain alone, a round of each depth (a tree engine: a tree's and a chain's)
+    kinds = 1 + bool(draft) * (2 + draft * (2 if mode == "tree" else 1))
     # a graph per batch bucket, key length and kind (a tree's caches hold its overhang past max_len: 80)
     assert eng.eng.kv_sizes == ([32, 64, 80] if mode == "tree" else [32, 64])
     assert len(eng.staged.graphs) == 3 and len(eng.eng._bucket_graphs) == 3 * len(eng.eng.kv_sizes) * kinds
