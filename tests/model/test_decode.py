@@ -97,9 +97,9 @@ def test_speculative_with_the_models_own_draft(model, draft):
         assert r.drafted == draft * r.rounds
 
 
-def _reference_drafts(model, seq, k):
-    """The draft chain the reference loop would run next: the trunk has seen seq[:-1],
-    seq[-1] is the pending token; the draft's rows come from the trunk's own rows."""
+def _reference_tree(model, seq, k, nb):
+    """The drafts the reference loop's MTP block makes from the state after seq (the trunk has
+    seen seq[:-1], seq[-1] pending): its top nb first guesses, each chained greedily. [nb·k]"""
     from cortiq.model.decoder import KVState
 
     with torch.no_grad():
@@ -109,12 +109,24 @@ def _reference_drafts(model, seq, k):
         ms = KVState()
         if n > 1:
             model.mtp_forward(H[:, :-1], t[:, 1:], 0, ms)
-        xh, xt, out = H[:, -1:], seq[-1], []
-        for j in range(k):
-            xh = model.mtp_forward(xh, torch.tensor([[xt]]), n - 1 + j, ms)
-            xt = int(model.logits(xh[0, -1]).argmax())
-            out.append(xt)
+        x0 = model.mtp_forward(H[:, -1:], torch.tensor([[seq[-1]]]), n - 1, ms)
+        out = []
+        for first in model.logits(x0[0, -1]).topk(nb).indices.tolist():
+            st = KVState()
+            st.k, st.v = ms.k, ms.v
+            xh, xt, chain = x0, first, [first]
+            for j in range(1, k):
+                xh = model.mtp_forward(xh, torch.tensor([[xt]]), n - 1 + j, st)
+                xt = int(model.logits(xh[0, -1]).argmax())
+                chain.append(xt)
+            out += chain
     return out
+
+
+def _reference_drafts(model, seq, k):
+    """The draft chain the reference loop would run next: the trunk has seen seq[:-1],
+    seq[-1] is the pending token; the draft's rows come from the trunk's own rows."""
+    return _reference_tree(model, seq, k, 1)
 
 
 @pytest.mark.parametrize("draft", [1, 3])
@@ -417,32 +429,6 @@ def test_tree_equals_greedy_and_keeps_every_branchs_drafts(model, draft):
     assert sum(r.accepted for r in tree) / sum(r.rounds for r in tree) > \
         sum(r.accepted for r in chain) / sum(r.rounds for r in chain)
     assert draft in {a for r in tree for a in r.per_round} and 0 in {a for r in tree for a in r.per_round}
-
-
-def _reference_tree(model, seq, k, nb):
-    """The drafts the reference loop's MTP block makes from the state after seq (the trunk has
-    seen seq[:-1], seq[-1] pending): its top nb first guesses, each chained greedily. [nb·k]"""
-    from cortiq.model.decoder import KVState
-
-    with torch.no_grad():
-        t = torch.tensor([seq[:-1]])
-        n = t.shape[1]
-        H, _ = model.forward_hidden(t)
-        ms = KVState()
-        if n > 1:
-            model.mtp_forward(H[:, :-1], t[:, 1:], 0, ms)
-        x0 = model.mtp_forward(H[:, -1:], torch.tensor([[seq[-1]]]), n - 1, ms)
-        out = []
-        for first in model.logits(x0[0, -1]).topk(nb).indices.tolist():
-            st = KVState()
-            st.k, st.v = ms.k, ms.v
-            xh, xt, chain = x0, first, [first]
-            for j in range(1, k):
-                xh = model.mtp_forward(xh, torch.tensor([[xt]]), n - 1 + j, st)
-                xt = int(model.logits(xh[0, -1]).argmax())
-                chain.append(xt)
-            out += chain
-    return out
 
 
 @pytest.mark.parametrize("draft", [1, 3])
