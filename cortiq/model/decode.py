@@ -1073,7 +1073,7 @@ class _PromptJob:
         eng._check_prefill(slot, ids, 0.0)  # the one-call prefill's checks (its rows are greedy or sampled later)
         self.slot, self.ids, self.n = slot, ids, len(ids)
         self.at = 0
-        self.first: int | None = None
+        self.first = None  # the first token once the last chunk has run (an int, or a tensor [1] on the device)
 
     @property
     def left(self) -> int:
@@ -1216,8 +1216,9 @@ class StagedPrefill:
     def job(self, slot: int, ids, chunk: int = 0) -> "StagedJob":
         return StagedJob(self, slot, ids, chunk)
 
-    def install(self, slot: int, n: int) -> int:
-        """The staged prompt of n tokens into `slot` of the engine, active -> its first token."""
+    def install(self, slot: int, n: int) -> torch.Tensor:
+        """The staged prompt of n tokens into `slot` of the engine, active -> its first token, a
+        LongTensor [1] on the device (read it with int(): the host then waits for the device)."""
         e, st = self.eng, self.st
         e.K[:, slot, :, :n].copy_(st.K[:, 0, :, :n])
         e.V[:, slot, :, :n].copy_(st.V[:, 0, :, :n])
@@ -1233,11 +1234,12 @@ class StagedPrefill:
         e.pos[slot] = n
         e.active[slot] = True
         e._hi[slot], e._on[slot] = n, True
-        return int(self.first[0])
+        return self.first.clone()  # (the staging buffer is the next prompt's)
 
 
 class StagedJob(_PromptJob):
-    """One prompt through `StagedPrefill`: `run()` -> None per chunk, then the first token."""
+    """One prompt through `StagedPrefill`: `run()` -> None per chunk, then the first token (a
+    LongTensor [1] on the device: a server need not wait for it)."""
 
     def __init__(self, sp: StagedPrefill, slot: int, ids, chunk: int):
         super().__init__(sp.eng, slot, ids)

@@ -89,7 +89,8 @@ class Engine(ABC):
         self._check_prompt(slot, ids)
         return _WholePrefill(self, slot, list(ids))
 
-    def set_pending(self, slot: int, tok: int) -> None:
+    def set_pending(self, slot: int, tok) -> None:
+        """tok: an int, or a one-element tensor (an engine that keeps it on the device reads it there)."""
         self._pending()[slot] = int(tok)
 
     def _pending(self) -> dict:
@@ -329,7 +330,10 @@ class DecodeAdapter(Engine):
         return _AdapterPrefill(self, slot, list(ids), chunk)
 
     def set_pending(self, slot, tok):
-        self.eng.pend[slot] = int(tok)
+        if isinstance(tok, torch.Tensor):  # the device's own copy: no wait for the host
+            self.eng.pend[slot: slot + 1].copy_(tok.reshape(1))
+        else:
+            self.eng.pend[slot] = int(tok)
 
     @torch.no_grad()
     def step(self, slots, tokens):
@@ -427,7 +431,8 @@ class _AdapterPrefill:
         ad.gen[slot] += 1
         ad.lens[slot] = self.n
         ad.on.add(slot)
-        ad.picked = torch.tensor([first], device=ad.device)
+        # the staged prefill's first token stays on the device (a tensor [1]): nothing waits for it here
+        ad.picked = first.reshape(1) if isinstance(first, torch.Tensor) else torch.tensor([first], device=ad.device)
         return ad._logits(torch.tensor([slot], device=ad.device))[0]
 
 

@@ -4,7 +4,7 @@ and leave between steps, so a new request never waits for the others to end.
 Each turn of the loop: admit waiting requests into free slots and run their
 prompts a chunk at a time (at most `prefill_chunk` prompt tokens a turn, so a
 long prompt does not stall the running requests; the last chunk decides the
-first token), then launch one batched forward for every running request —
+first token, on the device), then launch one batched forward for every running request —
 with `speculative`, greedy requests take a draft-and-verify round together
 and sampling requests a plain step together — and only then handle the
 previous step's tokens: their text, stop checks and the events to each
@@ -14,6 +14,12 @@ so the next step is under way while the host does that work.
 A request whose last token is in a step still running gets that step's
 tokens dropped (it has ended); a step is launched ahead only when every
 running request has room for it, else the loop first takes the running one.
+
+A prompt's first token does not come back to the host when its prefill ends:
+reading it there would wait for the step in flight and leave the device idle
+until the next launch, once per admitted request. It is copied to host memory
+behind the prefill, and handled (its text, stop checks, its event) when the
+loop takes the tokens of the first step launched after it, just before them.
 
 With `spec_auto`, a `DepthPolicy` picks each step between a plain step and
 rounds of 1..draft drafts, from the measured step times and each request's
@@ -32,6 +38,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import time
+
+import torch
 
 from ..errors import CortiqError
 from .detok import IncrementalText
@@ -102,6 +110,11 @@ class Scheduler:
         self.cond = threading.Condition()
         self.stopping = False
         self.thread: threading.Thread | None = None
+        #: prompts' first tokens on their way to the host: (request, slot, launches before it)
+        self.firsts: list[tuple[Request, int, int]] = []
+        self.launches = 0
+        self.first_buf = torch.zeros(engine.max_batch, dtype=torch.long,
+                                     pin_memory=engine.device.type == "cuda")  # [slots]
         #: counters for logs and benchmarks
         self.stats = {"steps": 0, "rounds": 0, "round_tokens": 0, "tokens": 0, "requests": 0}
         #: host seconds of the loop by part, and device seconds of the steps (profiles read them)
@@ -253,10 +266,11 @@ class Scheduler:
                 continue
             self.prefilling.pop(0)
             self.active[r.slot] = r
-            tok = int(sample_ids(logits[None], [r.temperature], [r.top_p], [r.rng.random()], eng.picked)[0])
+            tok = sample_ids(logits[None], [r.temperature], [r.top_p], [r.rng.random()], eng.picked)  # [1]
             eng.set_pending(r.slot, tok)
             self.stats["requests"] += 1
-            self._take([r], [[tok]])
+            self.first_buf[r.slot: r.slot + 1].copy_(tok, non_blocking=True)
+            self.firsts.append((r, r.slot, self.launches))
 
     def _depth(self, running) -> tuple[int, bool | None]:
         """Drafts the next round verifies (0: a plain step), and whether on the draft tree (None:
@@ -287,6 +301,8 @@ class Scheduler:
         t0 = time.perf_counter()
         sample = {r.slot: (r.temperature, r.top_p, r.rng.random()) for r in running if r.temperature > 0}
         step = eng.launch(slots, depth, sample, chain=self.policy is None, tree=tree)
+        self.launches += 1
+        step.seq = self.launches
         self.prof["launch"] += time.perf_counter() - t0
         return step, running
 
@@ -298,6 +314,7 @@ class Scheduler:
         t1 = time.perf_counter()
         self.prof["wait"] += t1 - t0
         self.prof["device"] += step.seconds
+        self._take_firsts(step.seq)
         # a request that ended while this step ran (its last token came in the step before)
         # gets nothing from it: its round is not counted, so the rounds and drafts kept are
         # those of the answers' own tokens (what the offline measure walks)
@@ -321,6 +338,18 @@ class Scheduler:
                         r.acc = 0.9 * r.acc + len(toks) - 1
                         r.tries = 0.9 * r.tries + tries
         self._take([reqs[i] for i in keep], [new[i] for i in keep])
+
+    def _take_firsts(self, seq: int):
+        """The first tokens of the prompts prefilled before launch `seq` (that step has ended, so
+        their copies to the host, queued before it, have too), before the step's own tokens."""
+        ready = [f for f in self.firsts if f[2] < seq]
+        if not ready:
+            return
+        self.firsts = [f for f in self.firsts if f[2] >= seq]
+        live = [(r, s) for r, s, _ in ready if r.slot == s and not r.cancelled]
+        if live:
+            toks = self.first_buf.tolist()
+            self._take([r for r, _ in live], [[toks[s]] for _, s in live])
 
     def _take(self, reqs: list, toks: list):
         """Newly decided tokens of running requests, in order; each ends at EOS, a stop

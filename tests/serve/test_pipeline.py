@@ -123,7 +123,7 @@ def test_staged_prefill_equals_the_reference_prefill(chunk):
         job, runs = sp.job(slot, p, chunk), 1
         while (got := job.run()) is None:
             runs += 1
-        assert got == first and runs == -(-len(p) // (min(chunk, 8) if chunk else 8))
+        assert int(got) == first and runs == -(-len(p) // (min(chunk, 8) if chunk else 8))
         n = len(p)
         torch.testing.assert_close(eng.K[:, slot, :, :n], ref.K[:, slot, :, :n], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(eng.MK[slot, :, : n + 1], ref.MK[slot, :, : n + 1], rtol=1e-4, atol=1e-4)
@@ -349,3 +349,22 @@ def test_graph_capture_warm_ups_on_fresh_buffers_then_replays_answer_greedy(mode
     if draft:  # auto's rounds after plain steps that skipped the chain run the chain's own graph
         chains = [g for k, g in eng.eng._bucket_graphs.items() if k[0] == "chain"]
         assert sum(g.replays for g in chains) > 0
+
+
+def test_a_prompts_first_token_is_taken_with_the_step_after_its_prefill():
+    """The prefill leaves a prompt's first token on the device (reading it would wait for the step
+    in flight): the turn that prefills sends nothing, the next turn sends the first token's text
+    and then the launched step's, in order, and the answer is plain greedy decoding's."""
+    m = random_model(arch("llama"), mix=0.5, seed=2)
+    tok = _tok()
+    sched = Scheduler(DecodeAdapter(m, 2, 64), tok, [])
+    got = []
+    req = Request(ids=PROMPTS[0], max_tokens=3, sink=got.append)
+    sched.submit(req)
+    flight = sched._turn([sched.waiting.popleft()], None)  # prefill, then the first step is launched
+    assert got == [] and [f[0] for f in sched.firsts] == [req]
+    flight = sched._turn([], flight)  # the step after the prefill ends: the first token, then its token
+    assert [e.tokens for e in got] == [1, 2] and sched.firsts == []
+    sched._turn([], flight)
+    want = generate(m, PROMPTS[0], max_new=3).tokens
+    assert "".join(e.text for e in got) == tok.decode(want) and got[-1].finish == "length"
