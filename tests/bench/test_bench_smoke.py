@@ -27,8 +27,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: bench/*.py that are imported, not run: the shared helpers and bench.run's stage code
-#: bench/ modules that are no bench: shared code, and a tool with tests of its own (tests/bench/test_draft_carry.py)
+#: bench/*.py that are no bench: the shared helpers, bench.run's stage code, and a tool with tests of
+#: its own (bench.draft_carry: tests/bench/test_draft_carry.py)
 MODULES = {"__init__", "common", "stages", "draft_carry"}
 
 
