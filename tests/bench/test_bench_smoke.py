@@ -128,7 +128,7 @@ def check_selfgen(d):
 
 
 def check_serve(d):
-    assert {r["mode"] for r in _rows(d)} == {"plain", "speculative", "auto", "tree", "auto-tree"}
+    assert {r["mode"] for r in _rows(d)} == {"plain", "speculative", "auto-tree"}
     assert all(r["tokens"] > 0 for r in _rows(d))
     # the plain step alone (whole cache against its key-length bucket) and the acceptance table
     assert d["step_ms"] and d["acceptance"], {k: d.get(k) for k in ("step_ms", "acceptance")}
@@ -194,8 +194,9 @@ BENCHES = {
                      "device_check.json", check_device_check),
     "relaunch": (["--work", "{work}"], "relaunch.json", check_relaunch),
     "dist": (["--work", "{work}"], "dist.json", check_dist),
-    # one prompt kind, two client levels: every mode's server, the transformers row, the same code
-    "serve": (["--kinds", "chat", "--clients", "2", "--no-hf", "--modes", "plain,speculative,auto,tree,auto-tree"],
+    # one prompt kind, two client levels: plain, speculative and auto over chain and tree rounds (the code
+    # of the auto and tree modes too), the transformers row, the same code
+    "serve": (["--kinds", "chat", "--clients", "2", "--no-hf", "--modes", "plain,speculative,auto-tree"],
               "serve.json", check_serve),
     "codecs": ([], "codecs.json", check_codecs),
     # one target kind at one budget: the same code as every row
