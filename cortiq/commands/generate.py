@@ -40,6 +40,9 @@ class GenerateSettings:
     speculative: bool = setting(False, "draft with the MTP block, verify greedily, and compare with plain decoding")
     #: tokens the MTP chain drafts a round; deeper drafts are accepted less often
     draft: int = setting(1, "--speculative: tokens drafted a round (MTP chain depth)", lo=1)
+    #: the draft's top guesses for a round's first token, each chained to `draft`, all verified in
+    #: one forward (a draft tree; the static-cache engine, attention-only models)
+    draft_branches: int = setting(1, "--speculative: the draft's top first guesses, each chained (a tree)", lo=1)
     #: the plain loop is the reference the static-cache engine is tested against
     reference: bool = setting(False, "decode with the plain reference loop (growing cache, eager) instead of the "
                                      "static-cache engine")
@@ -126,13 +129,17 @@ def run(args) -> int:
     model = load_model(f, dtype=dt, device=dev)
     if s.speculative and model.mtp is None:
         raise CortiqError(f"{args.model}: has no MTP draft block (model.mtp.*): --speculative needs one")
+    if s.draft_branches > 1 and (s.reference or not s.speculative):
+        raise CortiqError("generate: --draft-branches drafts a tree for --speculative on the static-cache engine "
+                          "(not with --reference)")
     sys.stdout.write(args.prompt if not s.chat else "")
     stream = _Stream(tok, sys.stdout)
     if s.speculative:
         if s.reference:
             spec = generate_speculative(model, prompt, s.max_new, draft=s.draft, eos_ids=eos, on_token=stream)
         else:
-            spec = generate_fast(model, prompt, s.max_new, draft=s.draft, eos_ids=eos, on_token=stream)
+            spec = generate_fast(model, prompt, s.max_new, draft=s.draft, eos_ids=eos, on_token=stream,
+                                 branches=s.draft_branches)
         stream.finish()
         plain = (generate if s.reference else generate_fast)(model, prompt, s.max_new, eos_ids=eos)
         n, first = _differ(spec.tokens, plain.tokens)

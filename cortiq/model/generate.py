@@ -239,7 +239,8 @@ def decode(model, prompts: Sequence[Sequence[int]], max_new: int = 64, draft: in
 
 def generate_fast(model, prompt: Sequence[int], max_new: int = 64, temperature: float = 0.0, draft: int = 0,
                   eos_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None, seed: int = 0,
-                  graphs: bool | None = None, engine=None) -> GenResult:
-    """`generate` / `generate_speculative` on the static-cache engine (one slot)."""
+                  graphs: bool | None = None, engine=None, branches: int = 1) -> GenResult:
+    """`generate` / `generate_speculative` on the static-cache engine (one slot; `branches` > 1: a
+    draft tree of that many first guesses, each chained)."""
     cb = (lambda s, t: on_token(t)) if on_token else None
-    return decode(model, [prompt], max_new, draft, temperature, eos_ids, cb, seed, graphs, engine)[0]
+    return decode(model, [prompt], max_new, draft, temperature, eos_ids, cb, seed, graphs, engine, branches)[0]

@@ -302,6 +302,11 @@ def test_cli_generate_fast_reference_and_speculative(tmp_path, capsys):
     cap = capsys.readouterr()
     assert cap.out == fast
     assert "output identical to plain greedy" in cap.err
+    assert main(["generate", *args, "--speculative", "--draft", "2", "--draft-branches", "3"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == fast and "output identical to plain greedy" in cap.err
+    assert main(["generate", *args, "--speculative", "--draft-branches", "3", "--reference"]) == 1
+    assert capsys.readouterr().err.strip().endswith("(not with --reference)")
     assert _differ([1, 2, 3, 4], [1, 2, 5, 4]) == (1, 2)
     assert _differ([1, 2], [1, 2, 3]) == (1, 2)
     assert _differ([7], [7]) == (0, None)
