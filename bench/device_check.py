@@ -20,7 +20,7 @@ tree, its own process, its exit status checked. In order:
   on CUDA by default);
 - `nll` of the healed model;
 - `mtp init` and `mtp heal` (figure: drafts kept a round, before and after);
-- `generate`, plain and `--speculative` (tokens/s, drafts accepted a round;
+- `generate`, plain, `--speculative` and its draft tree (`--draft-branches 3`) (tokens/s, drafts accepted a round;
   the speculative row fails where greedy output differs in f32);
 - `serve`, started on a free 127.0.0.1 port, asked one chat completion and one
   streamed by the official `openai` client, stopped by SIGTERM (it must exit 0);
@@ -327,6 +327,8 @@ class Check:
 
         self.row("generate", generate([]))
         self.row("generate --speculative", generate(["--speculative", "--draft", "2"]))
+        self.row("generate --speculative --draft-branches 3", generate(["--speculative", "--draft", "3",
+                                                                        "--draft-branches", "3"]))
         self.row("serve + openai client (chat, stream, SIGTERM)", lambda: self.serve(drafted), needs="openai")
 
         self.row("export --to hf + transformers", lambda: self.export_hf(healed, td))
