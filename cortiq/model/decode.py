@@ -292,9 +292,10 @@ class _Tree(NamedTuple):
 
 def _tree_tables(nb: int, k: int, dev) -> _Tree:
     """A root-branching draft tree: the draft's top `nb` guesses for the first token, each
-    continued greedily to a chain of k (EAGLE-2's tree, cut to its widest level: on SmolLM2's
+    continued greedily to a chain of k (EAGLE-2's tree, cut to its widest level: on a SmolLM2
     draft, measured offline, `nb` chains of the top `nb` first guesses kept more drafts per
-    verified row than trees that branch deeper). One verify block holds the pending token
+    verified row than trees that branch deeper, and four of them twice the chain's drafts a
+    round; bench/DECODE.md, "A draft tree"). One verify block holds the pending token
     (row 0) and branch b's drafts 1..d at rows 1 + b·d ..; each row sees row 0 and its own
     branch up to itself, at position pending + its depth. The chain's rows of steps 1..k-1
     lie in a block of nb·(k-1) rows past the chain's first position, branch b's at b·(k-1) ..;
