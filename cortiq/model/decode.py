@@ -1256,8 +1256,13 @@ class StagedJob(_PromptJob):
         L = b - a
         c = next(s for s in sp.sizes if s >= L)
         after = ids[a + 1: b + 1]
-        sp.tok[0, :L].copy_(torch.tensor(ids[a:b]))
-        sp.nxt[0, :L].copy_(torch.tensor(after + [0] * (L - len(after))))
+        host = torch.tensor([ids[a:b], after + [0] * (L - len(after))])  # [2, L]
+        if sp.eng.dev.type == "cuda":
+            # from pinned memory, queued behind the step in flight: a copy from pageable memory
+            # would wait for that step (the caching host allocator keeps the buffer until the copy ran)
+            host = host.pin_memory()
+        sp.tok[0, :L].copy_(host[0], non_blocking=True)
+        sp.nxt[0, :L].copy_(host[1], non_blocking=True)
         sp.start.fill_(a)
         sp.nreal.fill_(L)
         sp.final.fill_(b == n)

@@ -431,9 +431,10 @@ class _AdapterPrefill:
         ad.gen[slot] += 1
         ad.lens[slot] = self.n
         ad.on.add(slot)
-        # the staged prefill's first token stays on the device (a tensor [1]): nothing waits for it here
+        # the staged prefill's first token stays on the device (a tensor [1]), and the slot's row is
+        # indexed by a slice: a tensor made from a Python list would be copied, waiting for the step in flight
         ad.picked = first.reshape(1) if isinstance(first, torch.Tensor) else torch.tensor([first], device=ad.device)
-        return ad._logits(torch.tensor([slot], device=ad.device))[0]
+        return ad._logits(slice(slot, slot + 1))[0]
 
 
 class LoopEngine(Engine):
