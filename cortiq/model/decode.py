@@ -1036,13 +1036,17 @@ class DecodeEngine:
             self._hi[s] += self._on[s]
         return self.out_tok
 
+    def tree_round(self, tree: bool | None) -> bool:
+        """Whether a round asked for with `tree` (None: the engine's own kind) verifies the tree."""
+        return self.nb > 1 if tree is None else bool(tree) and self.nb > 1
+
     @torch.no_grad()
     def spec_on(self, b: int, depth: int | None = None, tree: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`spec_step()` over slots 0..b-1, verifying `depth` drafts (1..k, default k), on the
         draft tree (`tree`, default: when the engine has one) or on its greedy chain:
         pred[s, :n[s]] with n ≤ depth+1 (columns past depth+1 are stale)."""
         d = self.k if depth is None else depth
-        t = self.nb > 1 if tree is None else (bool(tree) and self.nb > 1)
+        t = self.tree_round(tree)
         if not 1 <= d <= self.k:
             raise CortiqError(f"decode engine: depth {d} outside 1..{self.k}")
         self._check_rows(b)
@@ -1135,22 +1139,20 @@ class PrefillJob(_PromptJob):
             base, which = torch.tensor([n], device=eng.dev), torch.tensor([slot], device=eng.dev)
             xh = m.mtp_forward(h_last, first.view(1, 1), n - 1, ms)  # [1, 1, H] chain step 0
             eng.mtp_last[slot] = xh[0]
-            eng.MK[slot, :, :n] = ms.k[0]
-            eng.MV[slot, :, :n] = ms.v[0]
             d = eng._draft_first(xh, base, which)  # [1, nb]
             drafts = [d]
-            if eng.k > 1:  # the branches as a batch, each over its own copy of the draft's rows
-                bs = KVState()
-                bs.k, bs.v = ms.k.expand(nb, -1, -1, -1), ms.v.expand(nb, -1, -1, -1)
-                xh = xh.expand(nb, -1, -1)
-                for j in range(1, eng.k):
-                    xh = m.mtp_forward(xh, d.view(nb, 1), n - 1 + j, bs)
-                    d = eng._draft_pick(xh.reshape(1, nb, -1), j, base, which)  # [1, nb]
-                    drafts.append(d)
-                # branch 0's chain rows where the engine's own chain leaves them (nothing reads them
-                # before a round writes them again; kept so both prefills leave equal caches)
-                eng.MK[slot, :, : n - 1 + eng.k] = bs.k[0]
-                eng.MV[slot, :, : n - 1 + eng.k] = bs.v[0]
+            # the branches as a batch, each over its own copy of the draft's rows
+            bs = KVState()
+            bs.k, bs.v = ms.k.expand(nb, -1, -1, -1), ms.v.expand(nb, -1, -1, -1)
+            xh = xh.expand(nb, -1, -1)
+            for j in range(1, eng.k):
+                xh = m.mtp_forward(xh, d.view(nb, 1), n - 1 + j, bs)
+                d = eng._draft_pick(xh.reshape(1, nb, -1), j, base, which)  # [1, nb]
+                drafts.append(d)
+            # the committed rows, then branch 0's chain rows where the engine's own chain leaves them
+            # (nothing reads those before a round writes them again; kept so both prefills leave equal caches)
+            eng.MK[slot, :, : n - 1 + eng.k] = bs.k[0]
+            eng.MV[slot, :, : n - 1 + eng.k] = bs.v[0]
             eng.drafts[slot] = torch.stack(drafts, 2).reshape(-1)
         eng.pend[slot] = first
         eng.pos[slot] = n

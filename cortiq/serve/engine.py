@@ -378,7 +378,7 @@ class DecodeAdapter(Engine):
             t0 = time.perf_counter()
         bufs = self._ring[self._next]
         self._next = (self._next + 1) % len(self._ring)
-        tree = bool(depth) and self.branches > 1 and tree is not False  # None: the engine's own kind
+        tree = bool(depth) and eng.tree_round(tree)
         if depth:
             pred, n = eng.spec_on(b, depth, tree)
             bufs[1][:b].copy_(pred[:b], non_blocking=True)
