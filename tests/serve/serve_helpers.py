@@ -104,6 +104,43 @@ def drive(engine, prompts, max_new: int, speculative: bool = False, joins=None):
     return [o[:max_new] for o in out], rounds
 
 
+
+class Replay:
+    """A CPU stand-in for a captured graph: each replay runs the body again, on the buffers as
+    they are then (what a replay of the recorded kernels reads)."""
+
+    def __init__(self, fn):
+        self.fn, self.replays = fn, 0
+
+    def replay(self):
+        self.replays += 1
+        self.fn()
+
+
+def stand_in_graphs(m, slots: int, max_len: int, monkeypatch, **kw):
+    """A `DecodeAdapter` whose bucket and staged prefill graphs are 'captured' on a CPU by the same
+    calls as on CUDA (`DecodeEngine._capture` without the CUDA graph: 2 warm-ups, then the record)
+    and replayed by re-running their bodies: the server's CUDA path, CPU-tested -> (adapter, every
+    stand-in graph)."""
+    from cortiq.model.decode import DecodeEngine, StagedPrefill
+    from cortiq.serve.engine import DecodeAdapter
+
+    graphs = []
+
+    def capture(self, fn, pool=None):
+        for _ in range(3):
+            fn()
+        graphs.append(Replay(fn))
+        return graphs[-1]
+
+    monkeypatch.setattr(DecodeEngine, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    eng = DecodeAdapter(m, slots, max_len, graphs=False, **kw)
+    eng.eng.graphs = True
+    eng.eng._capture_steps(bucketed=True)
+    eng.staged = StagedPrefill(eng.eng)
+    return eng, graphs
+
 ROOT = Path(__file__).resolve().parents[2]
 EOS = 256
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

@@ -15,7 +15,7 @@ from cortiq.mtp import measure_text
 from cortiq.serve.engine import DecodeAdapter, LoopEngine
 from cortiq.serve.scheduler import Request, Scheduler, collect
 
-from serve_helpers import arch, random_model
+from serve_helpers import arch, random_model, stand_in_graphs
 from test_pipeline import PROMPTS, _tok
 
 NEW = 20
@@ -69,5 +69,18 @@ def test_a_tree_keeps_what_the_offline_tree_measure_counts(depth, branches):
     assert kept / rounds > chain_kept / chain_rounds  # the other first guesses add drafts: the test can fail
     assert kept < depth * rounds
     st = _serve_all(DecodeAdapter(m, 4, 96, draft=depth, branches=branches), PROMPTS, NEW, prefill_chunk=3)
+    assert st["tokens"] == NEW * len(PROMPTS) and st["steps"] == 0
+    assert (st["rounds"], st["round_tokens"] - st["rounds"]) == (rounds, kept)
+
+
+@pytest.mark.parametrize("depth,branches,chunk", [(3, 1, 5), (1, 1, 0), (3, 3, 5)])
+def test_the_captured_graph_path_keeps_what_the_offline_measure_counts(depth, branches, chunk, monkeypatch):
+    # the server's CUDA path (bucket graphs, staged prefill graphs), CPU-tested with stand-in
+    # graphs: answers alone would not show a draft row written wrong, its count of drafts kept does
+    m = random_model(arch("llama"), mix=0.5, seed=2)
+    rounds, kept = _offline(m, PROMPTS, depth, branches)
+    eng, graphs = stand_in_graphs(m, 4, 96, monkeypatch, draft=depth, branches=branches)
+    st = _serve_all(eng, PROMPTS, NEW, prefill_chunk=chunk)
+    assert sum(g.replays for g in graphs) > 0
     assert st["tokens"] == NEW * len(PROMPTS) and st["steps"] == 0
     assert (st["rounds"], st["round_tokens"] - st["rounds"]) == (rounds, kept)

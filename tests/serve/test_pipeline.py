@@ -17,7 +17,7 @@ from cortiq.serve.policy import DepthPolicy, expected_tokens
 from cortiq.serve.scheduler import Event, Request, Scheduler, collect, merged
 from cortiq.tokenizer import byte_tokenizer_json
 
-from serve_helpers import EOS, arch, drive, random_model
+from serve_helpers import EOS, arch, drive, random_model, stand_in_graphs
 
 PROMPTS = [[5, 17, 200, 3, 99, 41, 7], [1], [250, 251, 2, 9, 9, 9, 9, 9, 9, 9, 9, 9, 33], [64, 65], [3, 1, 2],
            [0, 3, 1, 2, 2, 1, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 8], [2, 0], [9, 9, 8]]
@@ -301,18 +301,6 @@ def test_the_pipelined_scheduler_with_captured_graphs_answers_greedy(mode):
     _answers_greedy(m, eng, _tok(), speculative=bool(draft), spec_auto=bool(draft), prefill_chunk=5)
 
 
-class _Replay:
-    """A CPU stand-in for a captured graph: each replay runs the body again, on the buffers as
-    they are then (what a replay of the recorded kernels reads)."""
-
-    def __init__(self, fn):
-        self.fn, self.replays = fn, 0
-
-    def replay(self):
-        self.replays += 1
-        self.fn()
-
-
 @pytest.mark.parametrize("mode", ["plain", "auto", "tree"])
 def test_graph_capture_warm_ups_on_fresh_buffers_then_replays_answer_greedy(mode, monkeypatch):
     """A graph's capture first runs its body eagerly on the buffers as construction left them
@@ -320,24 +308,9 @@ def test_graph_capture_warm_ups_on_fresh_buffers_then_replays_answer_greedy(mode
     device-side assert that poisons the process. Here the bucket and staged prefill graphs are
     'captured' on a CPU by the same warm-up calls (then replayed by re-running the body): the
     warm-ups index in range and the adapter still answers as plain greedy decoding."""
-    from cortiq.model.decode import StagedPrefill
-
-    graphs = []
-
-    def capture(self, fn, pool=None):  # DecodeEngine._capture without the CUDA graph: 2 warm-ups, 1 record
-        for _ in range(3):
-            fn()
-        graphs.append(_Replay(fn))
-        return graphs[-1]
-
-    monkeypatch.setattr(DecodeEngine, "_capture", capture)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     m = random_model(arch("llama"), mix=0.5, seed=2)
     draft = 0 if mode == "plain" else 3
-    eng = DecodeAdapter(m, 4, 64, draft=draft, graphs=False, branches=3 if mode == "tree" else 1)
-    eng.eng.graphs = True
-    eng.eng._capture_steps(bucketed=True)
-    eng.staged = StagedPrefill(eng.eng)
+    eng, graphs = stand_in_graphs(m, 4, 64, monkeypatch, draft=draft, branches=3 if mode == "tree" else 1)
     # plain (with and without the chain), the chain alone, a round of each depth (a tree engine: a tree's and a chain's)
     kinds = 1 + bool(draft) * (2 + draft * (2 if mode == "tree" else 1))
     # a graph per batch bucket, key length and kind (a tree's caches hold its overhang past max_len: 80)
