@@ -304,10 +304,10 @@ class Check:
                      "--epochs", "1", "--eval-every", "20", "--gen-batch", "64", "--head-chunk", "256",
                      "--trunk-batch", "8"] if self.tiny else
                     ["--window", "128", "--tokens", "16384", "--topk", "16", "--refresh", "30", "--eval-every", "15",
-                     "--patience", "4", "--epochs", "1", "--batch", "2", "--gen-prompt", "64",
-                     # one generated window per data window: the fresh preset's 8192 took the row past its
-                     # 240 s on the H200 (2026-12-04)
-                     "--gen-windows", "0"])
+                     "--patience", "4", "--epochs", "1", "--batch", "2", "--gen-prompt", "64"])
+            # one generated window per data window: the fresh preset's 8192 took the row past its 240 s
+            # on the H200 (2026-12-04), and the tiny row to 135 s of a CPU core (7 s with this)
+            size += ["--gen-windows", "0"]
             spec = f"{td}@{6000 if self.tiny else 16384}"
             out = self.cortiq("mtp", "heal", init, "--data", spec, "--out", drafted, *size, *self.dev)
             return re.search(r"drafts a round [0-9.]+ -> [0-9.]+[^\n]*", out).group(0)
