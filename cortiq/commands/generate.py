@@ -42,7 +42,8 @@ class GenerateSettings:
     draft: int = setting(1, "--speculative: tokens drafted a round (MTP chain depth)", lo=1)
     #: the draft's top guesses for a round's first token, each chained to `draft`, all verified in
     #: one forward (a draft tree; the static-cache engine, attention-only models)
-    draft_branches: int = setting(1, "--speculative: the draft's top first guesses, each chained (a tree)", lo=1)
+    draft_branches: int = setting(1, "--speculative: verify the draft's top N first guesses, each chained, "
+                                           "in one forward (a tree: pays with few clients)", lo=1)
     #: the plain loop is the reference the static-cache engine is tested against
     reference: bool = setting(False, "decode with the plain reference loop (growing cache, eager) instead of the "
                                      "static-cache engine")

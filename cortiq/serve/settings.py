@@ -39,7 +39,8 @@ class ServeSettings:
     #: A round then verifies branches·draft + 1 rows: nearly free while the step is bound by its
     #: launches (few clients), not when many clients fill the batch (bench/DECODE.md); with
     #: spec_auto each step chooses between plain, chain and tree rounds from their measured times
-    draft_branches: int = setting(1, "--speculative: the draft's top first guesses, each chained (a tree)", lo=1)
+    draft_branches: int = setting(1, "--speculative: verify the draft's top N first guesses, each chained, "
+                                           "in one forward (a tree: pays with few clients)", lo=1)
     #: prompt tokens run per scheduler turn (a long prompt takes several turns, between the
     #: running requests' steps, so they do not stall); 0 = a whole prompt at once
     prefill_chunk: int = setting(256, "prompt tokens prefilled per step (0: whole prompts)", lo=0)
