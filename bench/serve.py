@@ -42,6 +42,9 @@ mtp heal's offline measure (cortiq.mtp.measure_text on each prompt's greedy cont
 in bf16 and f32 on a GPU), beside the servers' count and the ratio of drafts kept
 (--no-offline skips it). In f32 the server and the measure agree exactly
 (tests/serve/test_acceptance.py), so that ratio shows what bf16 and the draft's text do.
+The same measure then scores the static draft trees of --trees (the draft's top w_j at every
+node of step j; the engine runs the chain and N first guesses each chained), with the drafts
+a round of each verifies: which tree would pay to build next, on the real draft.
 
 --profile: every server writes where its decode loop's time went (host
 seconds in prefill, launching steps, waiting for the device, text and stop
@@ -62,6 +65,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import statistics
@@ -308,7 +312,7 @@ def transformers_row(model: Path, prompts: list[list[int]], batch: int, max_toke
 
 
 def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: int, cpu: bool,
-               heard: dict | None = None, branches: int = 1) -> list[dict]:
+               heard: dict | None = None, branches: int = 1, trees: list[tuple[int, ...]] = ()) -> list[dict]:
     # prompts: {kind: token-id prompts}; plans: {kind: the index of every prompt the levels sent};
     # heard: {kind: {prompt index: the plain server's answer text}}
     """Tokens a speculative round decides on the servers' own prompts, off the server: the engine
@@ -322,7 +326,9 @@ def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: 
     server's text, and `server_text_tokens_a_round` is the measure walking the server's own
     answers (their text tokenized again, EOS after those that ended before max_tokens). With
     `branches` > 1, `engine_tree_tokens_a_round` and `offline_tree_tokens_a_round`: the engine alone
-    and the measure with a draft tree of that many first guesses (the `tree` servers' rounds)."""
+    and the measure with a draft tree of that many first guesses (the `tree` servers' rounds).
+    `offline_trees`: the measure for each static tree of `trees` (its draft's top w_j at every node
+    of step j; {"w1,w2,...": tokens a round}): which tree would pay to build, beyond the engine's."""
     import torch
 
     from bench.decode import offline
@@ -364,6 +370,8 @@ def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: 
                     sum(r.rounds * w for r, w in zip(tree, weight)), 1)
                 row["offline_tree_tokens_a_round"] = 1 + offline(m, seqs, plens, draft, max_tokens, pad=eos[0],
                                                                  branches=branches).get("walk", 0.0)
+            row["offline_trees"] = {",".join(map(str, w)): 1 + offline(m, seqs, plens, draft, max_tokens, pad=eos[0],
+                                                                       branches=w).get("walk", 0.0) for w in trees}
             told = (heard or {}).get(kind) or {}
             if told:
                 text = [tok.decode([t for t in r.tokens if t not in eos]) for r in spec]
@@ -473,6 +481,9 @@ def main() -> int:
     ap.add_argument("--modes", default="plain,speculative,tree,auto-tree",
                     help="plain, speculative, auto, tree and/or auto-tree")
     ap.add_argument("--branches", type=int, default=4, help="tree: the draft's first guesses a round, each chained")
+    ap.add_argument("--trees", default="1;2;4;6;2,2;4,2;2,2,2;3,2,1;4,2,1",
+                    help="the acceptance table's static trees, offline: each the draft's top w_j at every node of "
+                         "step j (w1,w2,...), ';' between trees ('': none)")
     ap.add_argument("--kinds", default="chat,text", help="prompt kinds: chat and/or text")
     ap.add_argument("--max-len", type=int, default=1024, help="server context per request")
     ap.add_argument("--cache", default=str(Path.home() / "cache"), help="where the converted model is kept")
@@ -591,7 +602,8 @@ def main() -> int:
         heard = {k: {i: plain_answers[str(p)] for i, p in enumerate(prompts[k]) if str(p) in plain_answers}
                  for k in args.kinds.split(",")}
         accept = acceptance(model, ids, {k: sent[k] for k in args.kinds.split(",")}, args.draft, max_tokens, args.cpu,
-                            heard, args.branches if {"tree", "auto-tree"} & set(spec_modes) else 1)
+                            heard, args.branches if {"tree", "auto-tree"} & set(spec_modes) else 1,
+                            [tuple(int(w) for w in t.split(",")) for t in args.trees.split(";") if t.strip()])
         for a in accept:
             print(f"[acceptance] {a}", file=sys.stderr, flush=True)
     print(f"\nbench/serve.py: {banner}; max_tokens {max_tokens}, {requests} requests per client, greedy, "
@@ -653,6 +665,20 @@ def main() -> int:
                   f"{fmt(spec_rate.get('tree-' + a['kind']))} | "
                   f"{fmt(a.get('engine_tree_tokens_a_round'))} | {fmt(a.get('offline_tree_tokens_a_round'))} |")
         print("(ratio: drafts kept a round, the speculative server over the offline measure)")
+        names = list(dict.fromkeys(t for a in accept for t in a.get("offline_trees", {})))
+        if names:
+            def rows_of(t):  # drafts a tree of these widths verifies at depth args.draft
+                ws = [int(w) for w in t.split(",")] + [1] * args.draft
+                return sum(math.prod(ws[:j]) for j in range(1, args.draft + 1))
+
+            print(f"\nStatic draft trees, offline on the same continuations: tokens a round at depth {args.draft} "
+                  "(a tree w1,w2,...: the draft's top w_j at every node of step j; the engine runs 1 and N,1,1: "
+                  "--draft-branches N); in brackets, the drafts a round verifies")
+            print("| prompts | dtype | " + " | ".join(f"{t} ({rows_of(t)})" for t in names) + " |")
+            print("|---|---|" + "---|" * len(names))
+            for a in accept:
+                print(f"| {a['kind']} | {a['dtype']} | " + " | ".join(
+                    fmt(a["offline_trees"].get(t)) for t in names) + " |")
     for tag, prof in profiles.items():
         print(f"\nprofile {tag}: {breakdown(prof)}")
         if prof.get("torch_profiler"):

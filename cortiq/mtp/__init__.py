@@ -229,12 +229,14 @@ def _report(m: dict) -> dict:
 
 
 def measure_text(model, seqs, prompt_lens, chain: int = 3, span: int | None = None, chat=None, pad: int = 0,
-                 batch: int = 4, chunk: int = 1024, branches: int = 1) -> dict:
+                 batch: int = 4, chunk: int = 1024, branches: int | tuple[int, ...] = 1) -> dict:
     """mtp heal's measure on any token sequences: each a prompt of prompt_lens[i] tokens and
     the text after it (the model's greedy continuation: then "walk" is exactly what greedy
     speculative decoding at depth `chain` accepts a round over `span` new tokens, drafts past
-    the sequence's end not counted; with `branches` > 1, what rounds of a draft tree of that many
-    first guesses accept). `chat` [n] bool marks chat answers. One trunk pass and
+    the sequence's end not counted; with `branches` N > 1, what rounds of a draft tree of N
+    first guesses, each chained, accept (`--draft-branches N`); with a tuple (w_1, w_2, ...), a
+    tree whose every node at step j has the draft's top w_j as its children, which no engine
+    runs yet: what such a tree would keep). `chat` [n] bool marks chat answers. One trunk pass and
     one draft pass (cortiq.mtp.draft.Chain, the code mtp heal measures with). -> {kind:
     {"hold", "drafts_per_round", "counted"}} for kinds "walk", "data", "chat", "every_row"."""
     import torch

@@ -60,7 +60,9 @@ class Chain:
                  batch: int = 4, chunk: int = 1024, start: torch.Tensor | None = None,
                  chat: torch.Tensor | None = None, span: int | None = None, branches: int = 1):
         self.model, self.chain, self.stride, self.pad = model, chain, stride, pad
-        self.branches = branches  # the first guesses a round's draft tree chains (cortiq.model.decode)
+        # a draft tree's width at each chain step: an int N, N first guesses each chained (the tree
+        # of cortiq.model.decode); a tuple, the draft's top w_j at every node of step j (1 past it)
+        self.widths = (branches,) if isinstance(branches, int) else tuple(int(w) for w in branches)
         self.batch, self.chunk, self.span = batch, chunk, span
         self.names = [s.name for s in sets]
         self.bounds = torch.tensor([0] + [len(s) for s in sets]).cumsum(0)
@@ -182,19 +184,19 @@ class Chain:
         computes it: [chain, n, T], index p of step j the chain starting at row p (its guess
         for token p+j+1). `dump(j, out, top-k ids, probs)` sees every step's rows.
 
-        With `branches` > 1, what a draft tree of that many first guesses keeps: step 1's guess
-        is the trunk's token where it is among the draft's top `branches`, the branch holding
-        it being the one whose chain the later steps follow (each step reads the trunk's own
-        tokens, the tokens of that branch), so a walk over these counts keeps what the tree's
+        With a draft tree (`branches`), what the tree keeps: step j's guess is the trunk's token
+        where it is among the draft's top w_j (the tree's width at step j), the node holding it
+        being the one whose children the later steps follow (each step reads the trunk's own
+        tokens, the tokens of that path), so a walk over these counts keeps what the tree's
         rounds keep."""
         tops = []
         for b in self._batches(idx):
             steps = []
             for j, o in enumerate(self.steps(b, self.chain), 1):
-                nb = self.branches if j == 1 else 1
+                nb = self.widths[j - 1] if j <= len(self.widths) else 1
                 di, dp = self._top1(o, max(KK if dump is not None else 1, nb))
                 if nb > 1:
-                    want = shifted(self.t1[b], 1, -1)  # [n, T] the trunk's token step 1 guesses
+                    want = shifted(self.t1[b], j, -1)  # [n, T] the trunk's token step j guesses
                     steps.append(torch.where((di[..., :nb] == want[..., None]).any(-1), want, di[..., 0]))
                 else:
                     steps.append(di[..., 0])

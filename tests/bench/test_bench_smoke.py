@@ -133,6 +133,11 @@ def check_serve(d):
     # the plain step alone (whole cache against its key-length bucket) and the acceptance table
     assert d["step_ms"] and d["acceptance"], {k: d.get(k) for k in ("step_ms", "acceptance")}
     assert all(a["engine_tree_tokens_a_round"] >= 1 and a["offline_tree_tokens_a_round"] >= 1 for a in d["acceptance"])
+    # the static trees' table: its chain and its tree of --branches first guesses are the measure's own figures
+    for a in d["acceptance"]:
+        t = a["offline_trees"]
+        assert len(t) == 9 and t["1"] == a["offline_tokens_a_round"]
+        assert t[str(d["branches"])] == a["offline_tree_tokens_a_round"]
     # the speculative server's steps beside the plain one: the draft-keeping plain step and a round per depth
     steps = {(r["step"], r["batch"]) for r in d["step_ms"] if r["how"] == "key-length bucket"}
     want = ["plain", "plain, draft kept"] + [f"{how} {k}" for k in range(1, d["draft"] + 1)
