@@ -341,3 +341,28 @@ def test_a_prompts_first_token_is_taken_with_the_step_after_its_prefill():
     sched._turn([], flight)
     want = generate(m, PROMPTS[0], max_new=3).tokens
     assert "".join(e.text for e in got) == tok.decode(want) and got[-1].finish == "length"
+
+
+@pytest.mark.parametrize("mode", ["plain", "speculative", "tree", "auto-tree"])
+def test_answers_that_fill_the_context_end_at_its_last_position(mode):
+    """Requests that never stop by themselves run to the end of the context, several at once: each
+    ends "length" with its last position filled (a round that would pass the end is a plain step
+    or a shallower round instead, and a tree's overhang of rows past max_len is never written
+    into a neighbour's slot), and its tokens are plain greedy decoding's."""
+    m = random_model(arch("llama"), mix=0.5, seed=2)
+    draft = 0 if mode == "plain" else 3
+    eng = DecodeAdapter(m, 3, 40, draft=draft, branches=3 if "tree" in mode else 1)
+    tok = _tok()
+    sched = Scheduler(eng, tok, [], speculative=bool(draft), spec_auto=mode.startswith("auto"), prefill_chunk=5)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[5], PROMPTS[1]]
+    sched.start()
+    try:
+        got = _serve(sched, prompts, [1000] * len(prompts), starts=[0, 0, 0, 1])
+    finally:
+        sched.stop()
+    for p, (text, end, late) in zip(prompts, got):
+        # every position up to the adapter's limit (max_len less a verify block's room); the last
+        # token decided is pending and takes none
+        n = eng.max_len - len(p) + 1
+        assert late == [] and end.finish == "length" and end.tokens == n
+        assert text == tok.decode(generate(m, p, max_new=n).tokens)
