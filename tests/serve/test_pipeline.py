@@ -56,15 +56,17 @@ def test_a_bucket_step_equals_the_full_step(kind):
         a.step_on(3)
 
 
-@pytest.mark.parametrize("kind", ["llama", "hybrid"])
-def test_attention_over_a_key_length_bucket_equals_the_whole_cache(kind):
+@pytest.mark.parametrize("kind,branches", [("llama", 1), ("hybrid", 1), ("llama", 3)])
+def test_attention_over_a_key_length_bucket_equals_the_whole_cache(kind, branches):
     """Steps and rounds whose attention reads the caches only up to the shortest key length
     holding their slots give the tokens, caches and drafts of steps over the whole static
-    cache (the plain reference), with slots at different lengths crossing the buckets' edges."""
+    cache (the plain reference), with slots at different lengths crossing the buckets' edges;
+    a draft tree's rounds too (its verify block and chain rows reach further past a slot)."""
     m = random_model(arch(kind), mix=0.5)
-    ref = DecodeEngine(m, slots=4, max_len=64, draft=2, buckets=[1, 2, 4])
-    fast = DecodeEngine(m, slots=4, max_len=64, draft=2, buckets=[1, 2, 4], kv_buckets=[16, 24])
-    assert (ref.kv_sizes, fast.kv_sizes) == ([64], [16, 32, 64])  # 16-aligned, the whole cache last
+    ref = DecodeEngine(m, slots=4, max_len=64, draft=2, buckets=[1, 2, 4], branches=branches)
+    fast = DecodeEngine(m, slots=4, max_len=64, draft=2, buckets=[1, 2, 4], kv_buckets=[16, 24], branches=branches)
+    M = ref.M  # the whole cache: max_len, and a tree's overhang of rows past it
+    assert (ref.kv_sizes, fast.kv_sizes) == ([M], [16, 32, M])  # 16-aligned, the whole cache last
     used = []
     kv_for = fast._kv_for
     fast._kv_for = lambda b, d: (used.append(kv_for(b, d)), used[-1])[1]
@@ -82,7 +84,9 @@ def test_attention_over_a_key_length_bucket_equals_the_whole_cache(kind):
         else:
             assert ref.step_on(4, chain=i % 4 != 0)[:3].tolist() == fast.step_on(4, chain=i % 4 != 0)[:3].tolist()
     assert ref.pos.tolist() == fast.pos.tolist() and ref.drafts.tolist() == fast.drafts.tolist()
-    assert set(used) == {16, 32, 64}  # lengths ran below, between and past the buckets' edges
+    # lengths ran below, between and past the buckets' edges (a tree's rows past its slots need
+    # more than 16 positions from the shortest prompt on)
+    assert set(used) == ({32, M} if branches > 1 else {16, 32, M})
     for s, n in enumerate(ref.pos.tolist()[:3]):
         torch.testing.assert_close(fast.K[:, s, :, :n], ref.K[:, s, :, :n], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(fast.V[:, s, :, :n], ref.V[:, s, :, :n], rtol=1e-6, atol=1e-6)
