@@ -51,7 +51,8 @@ def load(model_path: str, s):
         raise CortiqError(f"{model_path}: has no MTP draft block (model.mtp.*): --speculative needs one "
                           "(cortiq mtp init / mtp heal give it one)")
     max_len = s.max_len or min(ctx, 4096)
-    check_kv_room(model.arch, s.max_batch, max_len, s.draft if s.speculative else 0, dt, dev)
+    check_kv_room(model.arch, s.max_batch, max_len, s.draft if s.speculative else 0, dt, dev,
+                  s.draft_branches if s.speculative else 1)
     engine = make_engine(model, s.max_batch, max_len, draft=s.draft if s.speculative else 0, kind=s.engine,
                          branches=s.draft_branches if s.speculative else 1)
     doc = f.tokenizer or {}
@@ -64,28 +65,32 @@ def load(model_path: str, s):
     if s.profile and s.profile_steps:
         sched.trace(s.profile_steps, str(Path(s.profile).with_suffix(".trace.json")))
     name = s.model_name or Path(model_path).name.removesuffix(".cmf")
-    # the engine's own limit: a speculative engine keeps room for a verify block past every slot
+    # (every position of max_len: a speculative engine's caches hold a verify block past it)
     served = Served(sched, tok, name, engine.max_len, doc.get("chat_template"), bos or "", eos or "",
                     s.max_body_kb * 1024)
     return served, dev, dt
 
 
-def kv_bytes(arch, slots: int, max_len: int, draft: int, dtype) -> int:
+def kv_bytes(arch, slots: int, max_len: int, draft: int, dtype, branches: int = 1) -> int:
     """The decode engine's KV cache: keys and values of every full-attention layer (and the
-    draft's, when it drafts) over `slots` sequences of `max_len` (rounded up to 16) positions."""
+    draft's, when it drafts) over `slots` sequences, each the positions the server's engine
+    holds for a request of `max_len` (`cortiq.model.decode.cache_len` of max_len + draft: a
+    round's verify block past the request's last position, and a tree's rows)."""
     import torch
 
+    from ..model.decode import cache_len
+
     layers = sum(t == "full_attention" for t in arch.layer_types) + (1 if draft else 0)
-    m = -(-(max_len + draft + 1) // 16) * 16
+    m = cache_len(max_len + draft, draft, branches)
     return 2 * layers * slots * arch.num_kv_heads * m * arch.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def check_kv_room(arch, slots: int, max_len: int, draft: int, dtype, device) -> None:
+def check_kv_room(arch, slots: int, max_len: int, draft: int, dtype, device, branches: int = 1) -> None:
     """Refuse a KV cache larger than the memory left on `device`, before it is allocated."""
     from ..devices import free_memory
     from ..errors import CortiqError
 
-    need, free = kv_bytes(arch, slots, max_len, draft, dtype), free_memory(device)
+    need, free = kv_bytes(arch, slots, max_len, draft, dtype, branches), free_memory(device)
     if need > free:
         raise CortiqError(f"serve: the KV cache of {slots} slots x {max_len} tokens needs {need / 1e9:.1f} GB, "
                           f"{device} has {free / 1e9:.1f} GB free: lower --max-len or --max-batch")

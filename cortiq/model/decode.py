@@ -379,6 +379,14 @@ def _fused_fns(g: _Geo, ln: tuple[float, bool], qk: tuple[float, bool] | None):
     return tuple(torch.compile(f, fullgraph=True, dynamic=False) for f in (pre, post, ctx, tree_ctx))
 
 
+def cache_len(max_len: int, draft: int = 0, branches: int = 1) -> int:
+    """Positions the engine's caches hold a slot (its M): max_len, and for a draft tree the
+    rows a round writes past it (a tree round writes up to nb·(depth + k) positions past a
+    slot's length, its verify block and its branches' chain rows, where a chain writes
+    depth + k), 16-aligned (the key length of the attention masks)."""
+    return -(-(max_len + (branches - 1) * 2 * draft) // 16) * 16
+
+
 class DecodeEngine:
     """Static-cache decoding over `slots` independent sequences (module docstring: the API)."""
 
@@ -403,9 +411,7 @@ class DecodeEngine:
         w = model.model.embed_tokens.weight
         self.dev, self.dt = w.device, w.dtype
         self.S, self.k, self.nb = slots, draft, branches
-        # a tree round writes past a slot's length up to nb·(depth + k) positions (its verify block and
-        # its branches' chain rows) where a chain writes depth + k: the caches keep that much beyond max_len
-        self.M = M = -(-(max_len + (branches - 1) * 2 * draft) // 16) * 16  # 16-aligned key length for the masks
+        self.M = M = cache_len(max_len, draft, branches)
         # key lengths a bucketed step attends over (each 16-aligned, the last M): a step whose
         # slots all lie below L reads only the first L positions of the caches
         kv = sorted({min(M, -(-int(x) // 16) * 16) for x in (kv_buckets or []) if int(x) > 0} | {M})
@@ -1178,7 +1184,8 @@ class StagedPrefill:
             raise CortiqError("decode engine: staged prefill runs attention-only models (a GDN layer's state "
                               "needs the reference forward)")
         self.eng = eng
-        self.sizes = sorted({min(int(c), eng.max_len) for c in sizes})  # a chunk never spans more positions than a slot holds
+        # a chunk never spans more positions than a prompt may have (it leaves the draft's k rows free)
+        self.sizes = sorted({min(int(c), eng.max_len - eng.k) for c in sizes})
         C = self.sizes[-1]
         st = self.st = DecodeEngine(eng.model, slots=1, max_len=eng.max_len, draft=eng.k, graphs=False,
                                     branches=eng.nb)

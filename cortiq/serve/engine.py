@@ -281,17 +281,20 @@ class DecodeAdapter(Engine):
     def __init__(self, model, max_batch: int, max_len: int, draft: int = 0, graphs: bool | None = None,
                  buckets: list[int] | None = None, kv_buckets: list[int] | None = None, branches: int = 1):
         super().__init__(model, max_batch, max_len, draft)
-        self.eng = _row_keeping_engine()(model, slots=max_batch, max_len=max_len, draft=draft, sampling=False,
+        # the engine's own max_len keeps room for a verify block of draft + 1 past a request's last
+        # position, so a request keeps every one of max_len (near the end, a round that does not fit
+        # is a plain step: `fits`)
+        self.eng = _row_keeping_engine()(model, slots=max_batch, max_len=max_len + draft, draft=draft, sampling=False,
                                          graphs=graphs, buckets=buckets or bucket_sizes(max_batch),
-                                         kv_buckets=kv_bucket_sizes(max_len) if kv_buckets is None else kv_buckets,
+                                         # (those below max_len: the engine's whole cache is the last,
+                                         # max_len and the rows a round writes past it)
+                                         kv_buckets=kv_bucket_sizes(max_len)[:-1] if kv_buckets is None else kv_buckets,
                                          branches=branches)
         self.branches = branches
         from ..model.decode import StagedPrefill
 
         # prompts by captured chunk graphs where the model allows (attention only)
         self.staged = None if self.eng.lin_idx else StagedPrefill(self.eng)
-        # the engine keeps room for a verify block of draft+1 past every slot's next step
-        self.max_len = max_len - draft
         self.lens = [0] * max_batch
         self.gen = [0] * max_batch  # bumped when a slot changes hands (late results skip it)
         self.on: set[int] = set()

@@ -377,7 +377,9 @@ class Scheduler:
                 pieces[i].append(piece)
                 if r.text.stopped:
                     ended.append((r, "stop", pieces[i]))
-                elif r.n_out >= r.max_tokens or eng.length(r.slot) + 1 > eng.max_len:
+                # the context is full once the prompt and every token but this (pending) one hold
+                # its positions: counted per token (the engine's length counts a whole round at once)
+                elif r.n_out >= r.max_tokens or len(r.ids) + r.n_out > eng.max_len:
                     ended.append((r, "length", pieces[i]))
                 elif j + 1 < len(toks[i]):
                     alive.append(i)

@@ -39,3 +39,17 @@ def test_speculative_needs_a_draft(tmp_path, capsys):
 def test_port_range(tmp_path, capsys, port):
     assert main(["serve", str(tmp_path / "m.cmf"), "--port", port]) == 1
     assert capsys.readouterr().err == f"cortiq: serve settings: port {port} is outside [0, 65535]\n"
+
+
+@pytest.mark.parametrize("draft,branches", [(0, 1), (3, 1), (3, 4)])
+def test_the_kv_estimate_is_what_the_engine_allocates(draft, branches):
+    # serve refuses a cache larger than the device's free memory by this estimate, before allocating
+    import torch
+
+    from cortiq.commands.serve import kv_bytes
+    from cortiq.serve.engine import DecodeAdapter
+
+    m = random_model(arch("llama"))
+    eng = DecodeAdapter(m, 3, 50, draft=draft, branches=branches).eng
+    caches = [eng.K, eng.V] + ([eng.MK, eng.MV] if draft else [])
+    assert kv_bytes(m.arch, 3, 50, draft, torch.float32, branches) == sum(c.numel() * c.element_size() for c in caches)

@@ -121,7 +121,7 @@ def test_staged_prefill_equals_the_reference_prefill(chunk):
     ref = DecodeEngine(m, slots=3, max_len=48, draft=2)
     eng = DecodeEngine(m, slots=3, max_len=48, draft=2)
     sp = StagedPrefill(eng, sizes=(4, 8))
-    assert StagedPrefill(eng).sizes == [16, 32, 48]  # no chunk spans more positions than the cache has
+    assert StagedPrefill(eng).sizes == [16, 32, 46]  # no chunk spans more positions than a prompt may have
     for slot, p in [(2, PROMPTS[5]), (0, PROMPTS[1]), (1, PROMPTS[2])]:
         first = ref.prefill(slot, p)
         job, runs = sp.job(slot, p, chunk), 1
@@ -317,8 +317,9 @@ def test_graph_capture_warm_ups_on_fresh_buffers_then_replays_answer_greedy(mode
     eng, graphs = stand_in_graphs(m, 4, 64, monkeypatch, draft=draft, branches=3 if mode == "tree" else 1)
     # plain (with and without the chain), the chain alone, a round of each depth (a tree engine: a tree's and a chain's)
     kinds = 1 + bool(draft) * (2 + draft * (2 if mode == "tree" else 1))
-    # a graph per batch bucket, key length and kind (a tree's caches hold its overhang past max_len: 80)
-    assert eng.eng.kv_sizes == ([32, 64, 80] if mode == "tree" else [32, 64])
+    # a graph per batch bucket, key length and kind (a drafting engine's whole cache holds a round
+    # past max_len, a tree's its overhang too: 80)
+    assert eng.eng.kv_sizes == ([32, 80] if draft else [32, 64])
     assert len(eng.staged.graphs) == 3 and len(eng.eng._bucket_graphs) == 3 * len(eng.eng.kv_sizes) * kinds
     _answers_greedy(m, eng, _tok(), speculative=bool(draft), spec_auto=bool(draft), prefill_chunk=5)
     staged = list(eng.staged.graphs.values())
@@ -350,9 +351,9 @@ def test_a_prompts_first_token_is_taken_with_the_step_after_its_prefill():
 @pytest.mark.parametrize("mode", ["plain", "speculative", "tree", "auto-tree"])
 def test_answers_that_fill_the_context_end_at_its_last_position(mode):
     """Requests that never stop by themselves run to the end of the context, several at once: each
-    ends "length" with its last position filled (a round that would pass the end is a plain step
-    or a shallower round instead, and a tree's overhang of rows past max_len is never written
-    into a neighbour's slot), and its tokens are plain greedy decoding's."""
+    ends "length" with its last position filled, the same in every mode (a round's tokens count
+    one by one, and a round that would pass the end is a plain step instead; a tree's rows past
+    max_len are never written into a neighbour's slot), and its tokens are plain greedy decoding's."""
     m = random_model(arch("llama"), mix=0.5, seed=2)
     draft = 0 if mode == "plain" else 3
     eng = DecodeAdapter(m, 3, 40, draft=draft, branches=3 if "tree" in mode else 1)
@@ -365,8 +366,6 @@ def test_answers_that_fill_the_context_end_at_its_last_position(mode):
     finally:
         sched.stop()
     for p, (text, end, late) in zip(prompts, got):
-        # every position up to the adapter's limit (max_len less a verify block's room); the last
-        # token decided is pending and takes none
-        n = eng.max_len - len(p) + 1
+        n = 40 - len(p) + 1  # the last token decided is pending and takes no position
         assert late == [] and end.finish == "length" and end.tokens == n
         assert text == tok.decode(generate(m, p, max_new=n).tokens)
