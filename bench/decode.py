@@ -132,8 +132,8 @@ def hf_generate(hf, prompts, new):
 def offline(model, seqs, plens, k: int, new: int, chat=None, pad: int = 0,
             branches: int | tuple[int, ...] = 1) -> dict:
     """mtp heal's measure (cortiq.mtp.measure_text) at depth k (of a draft tree: `branches` first
-    guesses, or a tuple of widths per step): {kind: drafts a round}. The engine emits the first new token at prefill, so its rounds
-    over `new` tokens are the walk's over new - 1."""
+    guesses, or a tuple of widths per step): {kind: drafts a round}. The engine emits the first
+    new token at prefill, so its rounds over `new` tokens are the walk's over new - 1."""
     from cortiq.mtp import measure_text
 
     with torch.no_grad():

@@ -58,7 +58,8 @@ class Chain:
 
     def __init__(self, model, sets: list[TrunkSet], chain: int, stride: int, pad: int, hold_all: bool = False,
                  batch: int = 4, chunk: int = 1024, start: torch.Tensor | None = None,
-                 chat: torch.Tensor | None = None, span: int | None = None, branches: int = 1):
+                 chat: torch.Tensor | None = None, span: int | None = None,
+                 branches: int | tuple[int, ...] = 1):
         self.model, self.chain, self.stride, self.pad = model, chain, stride, pad
         # a draft tree's width at each chain step: an int N, N first guesses each chained (the tree
         # of cortiq.model.decode); a tuple, the draft's top w_j at every node of step j (1 past it)
