@@ -467,6 +467,13 @@ def breakdown(prof: dict) -> str:
     return ", ".join(parts) + extra
 
 
+def write_json_atomic(path: Path, doc: dict) -> None:
+    """`doc` to `path` through a .partial file and a rename: a reader never sees half a file."""
+    part = path.with_name(path.name + ".partial")
+    part.write_text(json.dumps(doc, indent=2))
+    os.replace(part, path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="smoke run: a tiny random model on the CPU")
@@ -562,6 +569,10 @@ def main() -> int:
                     r["same"] = f"{sum(same)}/{len(same)}" if same else "-"
                     r["mode"], r["kind"] = mode, kind
                     rows.append(r)
+                    # each level as it ends: a run cut short (a device call's time limit) keeps its levels
+                    write_json_atomic(out / "serve.json", {"model": name, "draft": args.draft, "branches": args.branches,
+                                                           "rows": rows, "tokens_a_round": spec_rate,
+                                                           "complete": False})
                     print(f"[{tag}] {c} clients: {r['req_s']:.2f} req/s, {r['tok_s']:.0f} tok/s, TTFT "
                           f"{r['ttft_ms']:.0f} ms", file=sys.stderr, flush=True)
             finally:
@@ -686,11 +697,9 @@ def main() -> int:
     res = {"model": name, "banner": banner, "draft": args.draft, "branches": args.branches, "rows": rows, "tokens_a_round": spec_rate,
            "transformers": hf_rows,
            "acceptance": accept, "step_ms": steps,
-           "profiles": profiles}
+           "profiles": profiles, "complete": True}
     for path in [out / "serve.json"] + ([Path(args.json)] if args.json else []):
-        part = path.with_name(path.name + ".partial")
-        part.write_text(json.dumps(res, indent=2))
-        os.replace(part, path)
+        write_json_atomic(path, res)
     print(f"\nbench.serve: figures in {out / 'serve.json'}", file=sys.stderr)
     return 0
 

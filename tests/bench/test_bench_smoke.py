@@ -128,6 +128,7 @@ def check_selfgen(d):
 
 
 def check_serve(d):
+    assert d["complete"] is True  # (each level rewrites the file as it ends, complete: false)
     assert {r["mode"] for r in _rows(d)} == {"plain", "speculative", "auto-tree"}
     assert all(r["tokens"] > 0 for r in _rows(d))
     # the plain step alone (whole cache against its key-length bucket) and the acceptance table
