@@ -66,7 +66,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import signal
 import statistics
 import subprocess
@@ -75,7 +74,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import ROOT, env, finish, tiny_cmf
+from bench.common import ROOT, env, finish, tiny_cmf, write_json
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain what a prime number is.",
@@ -467,13 +466,6 @@ def breakdown(prof: dict) -> str:
     return ", ".join(parts) + extra
 
 
-def write_json_atomic(path: Path, doc: dict) -> None:
-    """`doc` to `path` through a .partial file and a rename: a reader never sees half a file."""
-    part = path.with_name(path.name + ".partial")
-    part.write_text(json.dumps(doc, indent=2))
-    os.replace(part, path)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="smoke run: a tiny random model on the CPU")
@@ -570,9 +562,8 @@ def main() -> int:
                     r["mode"], r["kind"] = mode, kind
                     rows.append(r)
                     # each level as it ends: a run cut short (a device call's time limit) keeps its levels
-                    write_json_atomic(out / "serve.json", {"model": name, "draft": args.draft, "branches": args.branches,
-                                                           "rows": rows, "tokens_a_round": spec_rate,
-                                                           "complete": False})
+                    write_json(out, "serve.json", {"model": name, "draft": args.draft, "branches": args.branches,
+                                                   "rows": rows, "tokens_a_round": spec_rate, "complete": False})
                     print(f"[{tag}] {c} clients: {r['req_s']:.2f} req/s, {r['tok_s']:.0f} tok/s, TTFT "
                           f"{r['ttft_ms']:.0f} ms", file=sys.stderr, flush=True)
             finally:
@@ -699,7 +690,7 @@ def main() -> int:
            "acceptance": accept, "step_ms": steps,
            "profiles": profiles, "complete": True}
     for path in [out / "serve.json"] + ([Path(args.json)] if args.json else []):
-        write_json_atomic(path, res)
+        write_json(path.parent, path.name, res)
     print(f"\nbench.serve: figures in {out / 'serve.json'}", file=sys.stderr)
     return 0
 
