@@ -132,13 +132,22 @@ def _chunk_terms(z, ids, p, mass, want_dz: bool):
 _COMPILED_TERMS = {}
 
 
+def _compile_terms(**kw):
+    """`_chunk_terms` under torch.compile with dynamo's automatic dynamic shapes: the first
+    chunk size gets a static graph, the second turns the row count symbolic, so two graphs serve
+    every size. A chunk's rows vary in `mtp heal` (its windows' scored rows differ, so the last
+    chunk of each batch has a size of its own); with static shapes every new size compiled again,
+    about 1.6 s each on a CPU, until dynamo's limit of 64 graphs: 100 s or more of a heal."""
+    return torch.compile(_chunk_terms, dynamic=None, **kw)
+
+
 def _terms_for(device: torch.device):
     """`_chunk_terms`, compiled once per process on CUDA; eager elsewhere (the CPU path and the tests' reference).
     Should the compilation fail, one line says so and the eager function (the same arithmetic) is used."""
     if device.type != "cuda":
         return _chunk_terms
     if "cuda" not in _COMPILED_TERMS:
-        compiled = torch.compile(_chunk_terms, dynamic=False)
+        compiled = _compile_terms()
 
         def terms(*a):
             try:

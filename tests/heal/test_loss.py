@@ -158,7 +158,7 @@ def test_no_gradient_is_made_under_no_grad():
 
 def test_the_compiled_chunk_terms_trace_to_the_eager_ones():
     # what CUDA runs is `_chunk_terms` through dynamo and AOT autograd; here without code generation
-    from cortiq.heal.loss import _chunk_terms
+    from cortiq.heal.loss import _chunk_terms, _compile_terms
 
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(5)
@@ -166,12 +166,33 @@ def test_the_compiled_chunk_terms_trace_to_the_eager_ones():
     ids = torch.stack([torch.randperm(97, generator=g)[:6] for _ in range(13)])
     p = torch.rand(13, 6, generator=g)
     mass = p.sum(1)
-    comp = torch.compile(_chunk_terms, backend="aot_eager", dynamic=False)
-    l1, d1 = comp(z, ids, p, mass, True)
-    l2, d2 = _chunk_terms(z, ids, p, mass, True)
-    torch.testing.assert_close(l1, l2)
-    assert d1.dtype == torch.bfloat16
-    torch.testing.assert_close(d1, d2)
+    comp = _compile_terms(backend="aot_eager")
+    for rows in (13, 7, 11):  # the second size runs the symbolic graph, the third reuses it
+        args = (z[:rows], ids[:rows], p[:rows], mass[:rows], True)
+        l1, d1 = comp(*args)
+        l2, d2 = _chunk_terms(*args)
+        torch.testing.assert_close(l1, l2)
+        assert d1.dtype == torch.bfloat16
+        torch.testing.assert_close(d1, d2)
+    torch._dynamo.reset()
+
+
+def test_the_compiled_chunk_terms_do_not_compile_again_for_each_chunk_size():
+    # mtp heal's batches score different row counts, so the last chunk's size changes from batch to
+    # batch: a graph per size recompiled ~1.6 s each until dynamo's limit (static shapes did)
+    from torch._dynamo.testing import CompileCounter
+
+    from cortiq.heal.loss import _compile_terms
+
+    torch._dynamo.reset()
+    count = CompileCounter()
+    comp = _compile_terms(backend=count)
+    g = torch.Generator().manual_seed(6)
+    for rows in (64, 41, 23, 64, 9, 57, 30):
+        z = torch.randn(rows, 50, generator=g)
+        p = torch.rand(rows, 4, generator=g)
+        comp(z, torch.randint(0, 50, (rows, 4), generator=g), p, p.sum(1), True)
+    assert count.frame_count == 2  # the first size's static graph, then one symbolic in the rows
     torch._dynamo.reset()
 
 
