@@ -90,7 +90,14 @@ Fused path (`fused`, on by default on CUDA for attention-only models): each
 full-attention layer runs as two torch.compile'd halves around the eager cache
 writes and SDPA: `pre` (RMSNorm, the qkv product, q/k norms, RoPE and the
 grouped layouts) and `post` (the output gate, the o product and residual, RMSNorm,
-the MLP and residual), and the step's positions, RoPE rows and mask as a third.
+the MLP and residual, and the norm that closes the trunk's last layer or the
+draft layer), and the step's positions, RoPE rows and mask as a third; the
+draft layer's input (its two norms, the concatenation and eh_proj) and a
+round's count of kept drafts are compiled too, and a chain step's positions are
+an offset into the compiled context's arange: a speculative round's own work
+(its draft passes and acceptance) is most of what it launches beyond a plain
+step, and with one slot a round costs its launches (bench/DECODE.md: on the CPU
+226 -> 206 operators a chain round of 3 drafts, against 162 a plain step).
 The weights are arguments, so every layer and the draft layer share one graph
 per shape, and a fold's per-layer MLP widths are marked dynamic (one graph for
 all). A 135M model's step is bound by kernel launches and small kernels, not by
@@ -344,10 +351,35 @@ def _dyn(t, *dims):
     return t
 
 
+def _mtp_input(e, hrows, we, e_style, wh, h_style, w_eh):
+    """The draft layer's input: its token's embedding e [S, T, H] and the row it continues
+    hrows [S, T, H] (the trunk's final row, or its own previous output), each normed (styles
+    (eps, f32)), side by side through eh_proj w_eh [H, 2H] -> [S, T, H]."""
+    return F.linear(torch.cat([_rms(e, we, *e_style), _rms(hrows, wh, *h_style)], -1), w_eh)
+
+
+def _kept(tok, pred):
+    """Drafts kept along the last dim: tok [..., d+1] a verify block's tokens (the pending one,
+    then the drafts), pred [..., d+1] the trunk's token after each -> [...] the length of the
+    agreeing prefix."""
+    return (tok[..., 1:] == pred[..., :-1]).long().cumprod(-1).sum(-1)
+
+
+class _Fns(NamedTuple):
+    """The fused path's compiled functions (`_fused_fns`)."""
+
+    pre: object
+    post: object
+    ctx: object
+    tree_ctx: object
+    mtp_input: object
+    kept: object
+
+
 @functools.lru_cache(maxsize=None)
-def _fused_fns(g: _Geo, ln: tuple[float, bool], qk: tuple[float, bool] | None):
+def _fused_fns(g: _Geo, ln: tuple[float, bool], qk: tuple[float, bool] | None) -> _Fns:
     """The compiled per-step functions of the fused path for one head geometry and norm style
-    ((eps, f32) of the layer norms and of the q/k norms, or None): -> (pre, post, ctx).
+    ((eps, f32) of the layer norms and of the q/k norms, or None).
     Weights come in as tensor arguments, so every layer of a model (and its draft layer)
     shares one graph per shape; what they specialise on is this key, held in the closures.
     Compiled with static shapes but the dims `_dyn` marks (dynamic=True would make every
@@ -361,14 +393,16 @@ def _fused_fns(g: _Geo, ln: tuple[float, bool], qk: tuple[float, bool] | None):
             return _heads(qkv, cos, sin, None, None, g)
         return _heads(qkv, cos, sin, lambda x: _rms(x, qn, *qk), lambda x: _rms(x, kn, *qk), g)
 
-    def post(h, o, gate, w_o, ln2, w_gu, w_down, nl):
+    def post(h, o, gate, w_o, ln2, w_gu, w_down, nl, wn=None, n_style=None):
         """The layer after the attention: h [S, T, H], o [S, Hkv, G·T, D] (SDPA's), gate
         [S, T, Hq·D] or None -> the new h [S, T, H] (the residual adds ride on the o and down
-        products, as `_add_linear` does in place)."""
+        products, as `_add_linear` does in place), normed by wn (style n_style) where given:
+        the trunk's last layer and the draft layer end in a norm, fused here, not launched alone."""
         S, T, H = h.shape
         o = _merge_heads(o, gate, g).reshape(S * T, g.hq * g.d)
         h = torch.addmm(h.reshape(S * T, H), o, w_o.t())  # [S·T, H]
-        return torch.addmm(h, _swiglu(_rms(h, ln2, *ln), w_gu, nl), w_down.t()).view(S, T, H)
+        h = torch.addmm(h, _swiglu(_rms(h, ln2, *ln), w_gu, nl), w_down.t()).view(S, T, H)
+        return h if wn is None else _rms(h, wn, *n_style)
 
     def ctx(pos, ar_t, ar_l, cos, sin):
         return _ctx_rows(pos, ar_t, ar_l, cos, sin, g.hkv, g.hq // g.hkv, g.d)
@@ -376,7 +410,7 @@ def _fused_fns(g: _Geo, ln: tuple[float, bool], qk: tuple[float, bool] | None):
     def tree_ctx(pos, rows, dep, anc, ar_l, cos, sin):
         return _ctx_tree_rows(pos, rows, dep, anc, ar_l, cos, sin, g.hkv, g.hq // g.hkv, g.d)
 
-    return tuple(torch.compile(f, fullgraph=True, dynamic=False) for f in (pre, post, ctx, tree_ctx))
+    return _Fns(*(torch.compile(f, fullgraph=True, dynamic=False) for f in (pre, post, ctx, tree_ctx, _mtp_input, _kept)))
 
 
 def cache_len(max_len: int, draft: int = 0, branches: int = 1) -> int:
@@ -714,16 +748,17 @@ class DecodeEngine:
         scores = torch.where(t > 0, lf / t.clamp_min(1e-6) - e.log(), lf)
         return scores.argmax(-1)
 
-    def _ctx(self, pos, T):
-        """Positions [S, T] from first positions pos [S] (clamped: inactive
+    def _ctx(self, pos, T, off: int = 0):
+        """Positions [S, T] from first positions pos [S] + off (clamped: inactive
         slots may point anywhere), with RoPE [S, T, 1, rdim], the KV write
         index [S, Hkv, T, D] and the additive mask [S, 1, G·T, L] (query row
-        g·T + t of a KV head sees keys ≤ its position; L the key length of this step)."""
-        ar_t, ar_l = self.ar[:T], self.ar[: self.L]
+        g·T + t of a KV head sees keys ≤ its position; L the key length of this step).
+        (off shifts the arange, not pos: no kernel of its own for a chain step's position.)"""
+        ar_t, ar_l = self.ar[off: off + T], self.ar[: self.L]
         if self._fn is None:
             return _ctx_rows(pos, ar_t, ar_l, self.cos, self.sin, self.hkv, self.G, self.D)
-        cos, sin, idx, mask = self._fn[2](_dyn(pos, 0), _dyn(ar_t, 0), _dyn(ar_l, 0), _dyn(self.cos, 0),
-                                          _dyn(self.sin, 0))
+        cos, sin, idx, mask = self._fn.ctx(_dyn(pos, 0), _dyn(ar_t, 0), _dyn(ar_l, 0), _dyn(self.cos, 0),
+                                           _dyn(self.sin, 0))
         return _dyn(cos, 0, 1), _dyn(sin, 0, 1), idx, mask
 
     def _ctx_tree(self, pos, rows, dep, anc):
@@ -735,15 +770,16 @@ class DecodeEngine:
         ar_l = self.ar[: self.L]
         if self._fn is None:
             return _ctx_tree_rows(pos, rows, dep, anc, ar_l, self.cos, self.sin, self.hkv, self.G, self.D)
-        cos, sin, idx, mask = self._fn[3](_dyn(pos, 0), rows, dep, anc, _dyn(ar_l, 0), _dyn(self.cos, 0),
-                                          _dyn(self.sin, 0))
+        cos, sin, idx, mask = self._fn.tree_ctx(_dyn(pos, 0), rows, dep, anc, _dyn(ar_l, 0), _dyn(self.cos, 0),
+                                                _dyn(self.sin, 0))
         return _dyn(cos, 0, 1), _dyn(sin, 0, 1), idx, mask
 
-    def _attn(self, L: _Attn, h, ctx, K, V):
+    def _attn(self, L: _Attn, h, ctx, K, V, norm: _Norm | None = None):
         """A full-attention decoder layer on h [S, T, H] (updated in place: the residual
-        adds ride on the o and down products), writing its keys and values to K, V [S, Hkv, M, D]."""
+        adds ride on the o and down products), writing its keys and values to K, V [S, Hkv, M, D];
+        its output normed by `norm` where given."""
         if self._fn is not None:
-            return self._attn_fused(L, h, ctx, K, V)
+            return self._attn_fused(L, h, ctx, K, V, norm)
         cos, sin, idx, mask = ctx
         a = L.a
         K, V = K[:, :, : self.L], V[:, :, : self.L]  # the live part of the caches (views: writes land in them)
@@ -754,13 +790,14 @@ class DecodeEngine:
         V.scatter_(2, idx, v)
         o = F.scaled_dot_product_attention(qg, K, V, attn_mask=mask)  # [S, Hkv, G·T, D]
         h = _add_linear(h, _merge_heads(o, gate, L.geo), a.o_proj.weight)
-        return L.mlp.add_to(h, L.ln2(h))
+        h = L.mlp.add_to(h, L.ln2(h))
+        return h if norm is None else norm(h)
 
-    def _attn_fused(self, L: _Attn, h, ctx, K, V):
+    def _attn_fused(self, L: _Attn, h, ctx, K, V, norm: _Norm | None = None):
         """`_attn` through the compiled halves (`_fused_fns`): pre and post around the eager
         cache writes and attention. -> a new h [S, T, H] (h itself is left as it was)."""
         cos, sin, idx, mask = ctx
-        pre, post = self._fn[:2]
+        pre, post = self._fn.pre, self._fn.post
         K, V = K[:, :, : self.L], V[:, :, : self.L]
         # every weight detached: dynamo guards on requires_grad (a fused view of parameters may
         # carry it) and holds a parameter's shape static (a fold's MLP widths differ between
@@ -779,8 +816,9 @@ class DecodeEngine:
             _dyn(w_down, 1)
             if nl is not None:
                 _dyn(nl, 0)
+        wn, n_style = (None, None) if norm is None else (norm.w, (norm.eps, norm.f32))
         return post(h, _dyn(o, 0, 2), None if gate is None else _dyn(gate, 0, 1), L.a.o_proj.weight.detach(),
-                    L.ln2.w, w_gu, w_down, nl)
+                    L.ln2.w, w_gu, w_down, nl, wn, n_style)
 
     def _gdn(self, i, h):
         """A GDN decoder layer on h [S, T, H] from the slot states; -> (h, conv
@@ -832,14 +870,15 @@ class DecodeEngine:
         ctx = self._ctx(pos, T) if ctx is None else ctx
         h = self.model.embed(tok)
         pending = []
+        last = len(self.kinds) - 1
         for i in range(len(self.kinds)):
             if i in self.att:
                 j = self.slot_of[i]
-                h = self._attn(self.att[i], h, ctx, self.K[j], self.V[j])
+                h = self._attn(self.att[i], h, ctx, self.K[j], self.V[j], self.final if i == last else None)
             else:
                 h, full, states = self._gdn(i, h)
                 pending.append((self.slot_of[i], full, states))
-        return self.final(h), pending
+        return (h if last in self.att else self.final(h)), pending
 
     def _commit(self, pending, a):
         """GDN states after the first a[s]+1 tokens of the block (a [S])."""
@@ -849,13 +888,14 @@ class DecodeEngine:
             self.conv[j].copy_(full.gather(2, idx.expand(-1, full.shape[1], -1)))
             self.rec[j].copy_(states[self.slot_ar, a])
 
-    def _mtp(self, hrows, toks, pos0, ctx=None):
+    def _mtp(self, hrows, toks, pos0, ctx=None, off: int = 0):
         """The MTP block on trunk rows hrows [S, T, H] and the tokens after them [S, T] at positions
-        pos0.. (or as `ctx` places them)."""
-        ctx = self._ctx(pos0, toks.shape[1]) if ctx is None else ctx
-        x = torch.cat([self.mtp_e(self.model.embed(toks)), self.mtp_h(hrows)], -1)
-        x = F.linear(x, self.model.mtp.eh_proj.weight)
-        return self.mtp_out(self._attn(self.mtp_att, x, ctx, self.MK, self.MV))
+        pos0 + off.. (or as `ctx` places them)."""
+        ctx = self._ctx(pos0, toks.shape[1], off) if ctx is None else ctx
+        e, (ne, nh) = self.model.embed(toks), (self.mtp_e, self.mtp_h)
+        args = (e, hrows, ne.w, (ne.eps, ne.f32), nh.w, (nh.eps, nh.f32), self.model.mtp.eh_proj.weight.detach())
+        x = _mtp_input(*args) if self._fn is None else self._fn.mtp_input(_dyn(e, 0, 1), _dyn(hrows, 0, 1), *args[2:])
+        return self._attn(self.mtp_att, x, ctx, self.MK, self.MV, self.mtp_out)
 
     def _draft_pick(self, xh, j: int, base, slots):
         """Draft token of chain step j from the draft's row xh [S', 1, H] -> [S', 1]: greedy.
@@ -880,7 +920,7 @@ class DecodeEngine:
         xh, d = out0.expand(-1, self.nb, -1), first
         for j in range(1, self.k):
             ctx = None if self.nb == 1 else self._ctx_tree(base, *self._tree.chain[j])
-            xh = self._mtp(xh, d, base - 1 + j, ctx)
+            xh = self._mtp(xh, d, base, ctx, off=j - 1)  # at positions base-1+j
             d = self._draft_pick(xh, j, base, self.slot_ar)  # [S, nb]
             drafts.append(d)
         new = torch.stack(drafts, 2).reshape(self.S, -1)  # [S, nb·k], branch b's chain at b·k..
@@ -914,7 +954,7 @@ class DecodeEngine:
         block = torch.cat([self.pend[:, None], self.drafts[:, :d]], 1)  # [S, d+1] at positions n..n+d
         Hv, pending = self._trunk(block, pos)
         pred = self._pick(Hv)  # [S, d+1]: the trunk's token after each block token
-        a = (block[:, 1:] == pred[:, :-1]).long().cumprod(1).sum(1)  # [S] drafts accepted
+        a = self._kept(block, pred)  # [S] drafts accepted
         self._commit(pending, a)
         self._verified(Hv, pred, a, d)
 
@@ -930,11 +970,15 @@ class DecodeEngine:
         Hv, _ = self._trunk(block, pos, self._ctx_tree(pos, self.ar[:T], dep, anc))  # [S, T, H]
         pred = self._pick(Hv)  # [S, T]
         tok_b, pred_b = block[:, paths], pred[:, paths]  # [S, nb, d+1]: each branch's rows in order
-        kept = (tok_b[..., 1:] == pred_b[..., :-1]).long().cumprod(-1).sum(-1)  # [S, nb]
+        kept = self._kept(tok_b, pred_b)  # [S, nb]
         best = kept.argmax(-1)  # [S]
         path = paths[best]  # [S, d+1] the kept branch's block rows
         self._relocate(pos, path)
         self._verified(Hv[ar[:, None], path], pred_b[ar, best], kept[ar, best], d)
+
+    def _kept(self, tok, pred):
+        """`_kept` (one fused kernel on the fused path, not four)."""
+        return _kept(tok, pred) if self._fn is None else self._fn.kept(_dyn(tok, 0), _dyn(pred, 0))
 
     def _relocate(self, pos, path):
         """Keys and values of block rows path [S, d+1] (at pos + path) to pos, pos+1, ..., every
