@@ -92,12 +92,13 @@ writes and SDPA: `pre` (RMSNorm, the qkv product, q/k norms, RoPE and the
 grouped layouts) and `post` (the output gate, the o product and residual, RMSNorm,
 the MLP and residual, and the norm that closes the trunk's last layer or the
 draft layer), and the step's positions, RoPE rows and mask as a third; the
-draft layer's input (its two norms, the concatenation and eh_proj) and a
-round's count of kept drafts are compiled too, and a chain step's positions are
-an offset into the compiled context's arange: a speculative round's own work
-(its draft passes and acceptance) is most of what it launches beyond a plain
-step, and with one slot a round costs its launches (bench/DECODE.md: on the CPU
-226 -> 206 operators a chain round of 3 drafts, against 162 a plain step).
+draft layer's input (its two norms, the concatenation and eh_proj), a round's
+count of kept drafts and a tree round's choice of branch are compiled too, and a
+chain step's positions are an offset into the compiled context's arange: a
+speculative round's own work (its draft passes and acceptance) is most of what
+it launches beyond a plain step, and with one slot a round costs its launches
+(bench/DECODE.md: on the CPU 226 -> 206 operators a chain round of 3 drafts,
+241 -> 211 a tree round of 4, against 162 a plain step).
 The weights are arguments, so every layer and the draft layer share one graph
 per shape, and a fold's per-layer MLP widths are marked dynamic (one graph for
 all). A 135M model's step is bound by kernel launches and small kernels, not by
@@ -365,6 +366,22 @@ def _kept(tok, pred):
     return (tok[..., 1:] == pred[..., :-1]).long().cumprod(-1).sum(-1)
 
 
+def _tree_choice(block, pred, paths, pos, ar_d, top: int):
+    """A tree round's verdict, from the verify block's tokens block [S, T], the trunk's token
+    after each pred [S, T] and each branch's block rows paths [nb, d+1] in order: the branch
+    keeping the most drafts (the first of equals) -> (its rows path [S, d+1], its trunk tokens
+    [S, d+1], its drafts kept [S], and the cache positions its keys and values move from and
+    to, src and dst [S, d+1], after the pending positions pos [S]; ar_d = arange(d+1); clamped
+    to top, as an inactive slot may point anywhere)."""
+    tok_b, pred_b = block[:, paths], pred[:, paths]  # [S, nb, d+1]: each branch's rows in order
+    kept = _kept(tok_b, pred_b)  # [S, nb]
+    best = kept.argmax(-1)  # [S]
+    path = paths[best]  # [S, d+1]
+    pred_k = pred_b.gather(1, best[:, None, None].expand(-1, 1, pred_b.shape[-1]))[:, 0]  # [S, d+1]
+    return (path, pred_k, kept.gather(1, best[:, None])[:, 0], (pos[:, None] + path).clamp(max=top),
+            (pos[:, None] + ar_d).clamp(max=top))
+
+
 class _Fns(NamedTuple):
     """The fused path's compiled functions (`_fused_fns`)."""
 
@@ -374,6 +391,7 @@ class _Fns(NamedTuple):
     tree_ctx: object
     mtp_input: object
     kept: object
+    tree_choice: object
 
 
 @functools.lru_cache(maxsize=None)
@@ -410,7 +428,8 @@ def _fused_fns(g: _Geo, ln: tuple[float, bool], qk: tuple[float, bool] | None) -
     def tree_ctx(pos, rows, dep, anc, ar_l, cos, sin):
         return _ctx_tree_rows(pos, rows, dep, anc, ar_l, cos, sin, g.hkv, g.hq // g.hkv, g.d)
 
-    return _Fns(*(torch.compile(f, fullgraph=True, dynamic=False) for f in (pre, post, ctx, tree_ctx, _mtp_input, _kept)))
+    return _Fns(*(torch.compile(f, fullgraph=True, dynamic=False) for f in (pre, post, ctx, tree_ctx, _mtp_input, _kept,
+                                                                                _tree_choice)))
 
 
 def cache_len(max_len: int, draft: int = 0, branches: int = 1) -> int:
@@ -969,23 +988,23 @@ class DecodeEngine:
         block = torch.cat([self.pend[:, None], self.drafts.view(S, self.nb, self.k)[:, :, :d].reshape(S, -1)], 1)
         Hv, _ = self._trunk(block, pos, self._ctx_tree(pos, self.ar[:T], dep, anc))  # [S, T, H]
         pred = self._pick(Hv)  # [S, T]
-        tok_b, pred_b = block[:, paths], pred[:, paths]  # [S, nb, d+1]: each branch's rows in order
-        kept = self._kept(tok_b, pred_b)  # [S, nb]
-        best = kept.argmax(-1)  # [S]
-        path = paths[best]  # [S, d+1] the kept branch's block rows
-        self._relocate(pos, path)
-        self._verified(Hv[ar[:, None], path], pred_b[ar, best], kept[ar, best], d)
+        args = (block, pred, paths, pos, self.ar[: d + 1], self.K.shape[3] - 1)
+        if self._fn is None:
+            path, pred_k, kept_k, src, dst = _tree_choice(*args)
+        else:  # (one or two fused kernels where eager launches a dozen)
+            path, pred_k, kept_k, src, dst = self._fn.tree_choice(_dyn(block, 0), _dyn(pred, 0), paths, _dyn(pos, 0),
+                                                                  *args[4:])
+        self._relocate(src, dst)  # the kept branch's rows then lie where a chain's would
+        self._verified(Hv[ar[:, None], path], pred_k, kept_k, d)
 
     def _kept(self, tok, pred):
         """`_kept` (one fused kernel on the fused path, not four)."""
         return _kept(tok, pred) if self._fn is None else self._fn.kept(_dyn(tok, 0), _dyn(pred, 0))
 
-    def _relocate(self, pos, path):
-        """Keys and values of block rows path [S, d+1] (at pos + path) to pos, pos+1, ..., every
-        attention layer at once: the kept branch's rows then lie where a chain's would."""
+    def _relocate(self, src, dst):
+        """Keys and values at cache positions src [S, d+1] to dst [S, d+1], every attention
+        layer at once."""
         nA, S, Hkv, M, D = self.K.shape
-        src = (pos[:, None] + path).clamp(max=M - 1)
-        dst = (pos[:, None] + self.ar[: path.shape[1]]).clamp(max=M - 1)
         for C in (self.K, self.V):
             ix = [t[None, :, None, :, None].expand(nA, S, Hkv, t.shape[1], D) for t in (src, dst)]
             C.scatter_(3, ix[1], C.gather(3, ix[0]))
