@@ -74,14 +74,15 @@ def load(model_path: str, s):
 def kv_bytes(arch, slots: int, max_len: int, draft: int, dtype, branches: int = 1) -> int:
     """The decode engine's KV cache: keys and values of every full-attention layer (and the
     draft's, when it drafts) over `slots` sequences, each the positions the server's engine
-    holds for a request of `max_len` (`cortiq.model.decode.cache_len` of max_len + draft: a
-    round's verify block past the request's last position, and a tree's rows)."""
+    holds for a request of `max_len` (`cortiq.model.decode.cache_len` of the adapter's
+    `engine_len`: a round's verify block past the request's last position, and a tree's rows)."""
     import torch
 
     from ..model.decode import cache_len
+    from ..serve.engine import DecodeAdapter
 
     layers = sum(t == "full_attention" for t in arch.layer_types) + (1 if draft else 0)
-    m = cache_len(max_len + draft, draft, branches)
+    m = cache_len(DecodeAdapter.engine_len(max_len, draft), draft, branches)
     return 2 * layers * slots * arch.num_kv_heads * m * arch.head_dim * torch.empty((), dtype=dtype).element_size()
 
 

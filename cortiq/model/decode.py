@@ -988,7 +988,7 @@ class DecodeEngine:
         block = torch.cat([self.pend[:, None], self.drafts.view(S, self.nb, self.k)[:, :, :d].reshape(S, -1)], 1)
         Hv, _ = self._trunk(block, pos, self._ctx_tree(pos, self.ar[:T], dep, anc))  # [S, T, H]
         pred = self._pick(Hv)  # [S, T]
-        args = (block, pred, paths, pos, self.ar[: d + 1], self.K.shape[3] - 1)
+        args = (block, pred, paths, pos, self.ar[: d + 1], self.M - 1)
         if self._fn is None:
             path, pred_k, kept_k, src, dst = _tree_choice(*args)
         else:  # (one or two fused kernels where eager launches a dozen)
@@ -1004,7 +1004,7 @@ class DecodeEngine:
     def _relocate(self, src, dst):
         """Keys and values at cache positions src [S, d+1] to dst [S, d+1], every attention
         layer at once."""
-        nA, S, Hkv, M, D = self.K.shape
+        nA, S, Hkv, _, D = self.K.shape
         for C in (self.K, self.V):
             ix = [t[None, :, None, :, None].expand(nA, S, Hkv, t.shape[1], D) for t in (src, dst)]
             C.scatter_(3, ix[1], C.gather(3, ix[0]))

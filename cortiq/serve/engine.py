@@ -278,14 +278,19 @@ class DecodeAdapter(Engine):
 
     steps_all = True
 
+    @staticmethod
+    def engine_len(max_len: int, draft: int) -> int:
+        """The decode engine's own max_len for requests of max_len: room for a verify block of
+        draft + 1 past a request's last position, so a request keeps every one of max_len (near
+        the end, a round that does not fit is a plain step: `fits`). The KV estimate of
+        `cortiq serve` sizes its cache by this too."""
+        return max_len + draft
+
     def __init__(self, model, max_batch: int, max_len: int, draft: int = 0, graphs: bool | None = None,
                  buckets: list[int] | None = None, kv_buckets: list[int] | None = None, branches: int = 1):
         super().__init__(model, max_batch, max_len, draft)
-        # the engine's own max_len keeps room for a verify block of draft + 1 past a request's last
-        # position, so a request keeps every one of max_len (near the end, a round that does not fit
-        # is a plain step: `fits`)
-        self.eng = _row_keeping_engine()(model, slots=max_batch, max_len=max_len + draft, draft=draft, sampling=False,
-                                         graphs=graphs, buckets=buckets or bucket_sizes(max_batch),
+        self.eng = _row_keeping_engine()(model, slots=max_batch, max_len=self.engine_len(max_len, draft), draft=draft,
+                                         sampling=False, graphs=graphs, buckets=buckets or bucket_sizes(max_batch),
                                          # (those below max_len: the engine's whole cache is the last,
                                          # max_len and the rows a round writes past it)
                                          kv_buckets=kv_bucket_sizes(max_len)[:-1] if kv_buckets is None else kv_buckets,
