@@ -401,15 +401,26 @@ def _fused_fns(g: _Geo, ln: tuple[float, bool], qk: tuple[float, bool] | None) -
     Weights come in as tensor arguments, so every layer of a model (and its draft layer)
     shares one graph per shape; what they specialise on is this key, held in the closures.
     Compiled with static shapes but the dims `_dyn` marks (dynamic=True would make every
-    weight's dims symbolic too); the cache writes and the attention stay eager between pre
-    and post: a scatter into a view of the whole cache inside a graph risks a copy of it."""
+    weight's dims symbolic too); the attention stays eager between pre and post."""
 
-    def pre(h, ln1, w_qkv, b_qkv, qn, kn, cos, sin):
-        """h [S, T, H] -> `_heads` of its layer: rms_norm, qkv product, q/k norms, rope, layouts."""
+    def pre(h, ln1, w_qkv, b_qkv, qn, kn, cos, sin, idx, K, V):
+        """h [S, T, H] -> `_heads` of its layer (rms_norm, qkv product, q/k norms, rope, layouts)
+        as (q, gate), its k and v written to the caches K, V [S, Hkv, M, D] at the rows the
+        write index idx [S, Hkv, T, D] names.
+        The writes are index_put_ into whole caches (a slot's leading slice of the engine's
+        contiguous cache is contiguous): inductor then writes k and v in place, in the kernel
+        that ropes them, where the eager path launches a scatter for each. (A scatter into the
+        key-length slice K[:, :, :L], a strided view, is compiled as a copy of the slice, the
+        scatter and a copy back.)"""
         qkv = F.linear(_rms(h, ln1, *ln), w_qkv, b_qkv)  # [S, T, (Hq(·2) + 2·Hkv)·D]
-        if qn is None:
-            return _heads(qkv, cos, sin, None, None, g)
-        return _heads(qkv, cos, sin, lambda x: _rms(x, qn, *qk), lambda x: _rms(x, kn, *qk), g)
+        norms = (None, None) if qn is None else (lambda x: _rms(x, qn, *qk), lambda x: _rms(x, kn, *qk))
+        q, k, v, gate = _heads(qkv, cos, sin, *norms, g)
+        S = h.shape[0]
+        at = (torch.arange(S, device=h.device)[:, None, None], torch.arange(g.hkv, device=h.device)[None, :, None],
+              idx[:, :, :, 0])  # [S, Hkv, T] each, broadcast
+        K.index_put_(at, k)
+        V.index_put_(at, v)
+        return q, gate
 
     def post(h, o, gate, w_o, ln2, w_gu, w_down, nl, wn=None, n_style=None):
         """The layer after the attention: h [S, T, H], o [S, Hkv, G·T, D] (SDPA's), gate
@@ -813,20 +824,17 @@ class DecodeEngine:
         return h if norm is None else norm(h)
 
     def _attn_fused(self, L: _Attn, h, ctx, K, V, norm: _Norm | None = None):
-        """`_attn` through the compiled halves (`_fused_fns`): pre and post around the eager
-        cache writes and attention. -> a new h [S, T, H] (h itself is left as it was)."""
+        """`_attn` through the compiled halves (`_fused_fns`): pre (which writes the caches) and
+        post around the eager attention. -> a new h [S, T, H] (h itself is left as it was)."""
         cos, sin, idx, mask = ctx
         pre, post = self._fn.pre, self._fn.post
-        K, V = K[:, :, : self.L], V[:, :, : self.L]
         # every weight detached: dynamo guards on requires_grad (a fused view of parameters may
         # carry it) and holds a parameter's shape static (a fold's MLP widths differ between
         # layers); the modules' own weights as they are now, as the eager path reads them
         qn, kn = (None, None) if L.qn is None else (L.qn.w, L.kn.w)
         b_qkv = None if L.b_qkv is None else L.b_qkv.detach()
-        q, k, v, gate = pre(_dyn(h, 0, 1), L.ln1.w, L.w_qkv.detach(), b_qkv, qn, kn, cos, sin)
-        K.scatter_(2, idx, k)
-        V.scatter_(2, idx, v)
-        o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)  # [S, Hkv, G·T, D]
+        q, gate = pre(_dyn(h, 0, 1), L.ln1.w, L.w_qkv.detach(), b_qkv, qn, kn, cos, sin, idx, _dyn(K, 0), _dyn(V, 0))
+        o = F.scaled_dot_product_attention(q, K[:, :, : self.L], V[:, :, : self.L], attn_mask=mask)  # [S, Hkv, G·T, D]
         m = L.mlp.mlp
         w_gu, w_down = L.mlp.w_gu.detach(), m.down_proj.weight.detach()
         nl = None if m.neuron_logits is None else m.neuron_logits.detach()
