@@ -382,6 +382,36 @@ def _tree_choice(block, pred, paths, pos, ar_d, top: int):
             (pos[:, None] + ar_d).clamp(max=top))
 
 
+def _plain_end(pend, pos, out_tok, act, nxt):
+    """The end of a plain step, on the engine's buffers in place: an active slot's pending
+    token pend [S] and output out_tok [S] become nxt [S] (an inactive slot's output -1), its
+    position pos [S] moves on by one."""
+    pend.copy_(torch.where(act, nxt, pend))
+    pos.add_(act.long())
+    out_tok.copy_(torch.where(act, nxt, -1))
+
+
+def _round_end(pend, pos, out_pred, out_n, mtp_last, act, pred, a, row):
+    """The end of a round, on the engine's buffers in place, from the verified block's trunk
+    tokens pred [S, d+1], the drafts kept a [S] and the draft's row for the next chain
+    row [S, 1, H]: an active slot's pending token becomes the trunk's token after its last kept
+    row, its position moves on by a+1; out_pred[:, :d+1] and out_n [S] (0 where inactive) say
+    what the round decided."""
+    n = (a + 1) * act.long()
+    mtp_last.copy_(row)
+    pend.copy_(torch.where(act, pred.gather(1, a[:, None])[:, 0], pend))
+    pos.add_(n)
+    out_pred[:, : pred.shape[1]].copy_(pred)
+    out_n.copy_(n)
+
+
+def _put_drafts(drafts, act, new):
+    """A chain's drafts, the list new of [S, nb] per chain step, into drafts [S, nb·k] in place
+    (branch b's chain at b·k..), an active slot's only."""
+    S = drafts.shape[0]
+    drafts.copy_(torch.where(act[:, None], torch.stack(new, 2).reshape(S, -1), drafts))
+
+
 class _Fns(NamedTuple):
     """The fused path's compiled functions (`_fused_fns`)."""
 
@@ -392,6 +422,9 @@ class _Fns(NamedTuple):
     mtp_input: object
     kept: object
     tree_choice: object
+    plain_end: object
+    round_end: object
+    put_drafts: object
 
 
 @functools.lru_cache(maxsize=None)
@@ -440,7 +473,8 @@ def _fused_fns(g: _Geo, ln: tuple[float, bool], qk: tuple[float, bool] | None) -
         return _ctx_tree_rows(pos, rows, dep, anc, ar_l, cos, sin, g.hkv, g.hq // g.hkv, g.d)
 
     return _Fns(*(torch.compile(f, fullgraph=True, dynamic=False) for f in (pre, post, ctx, tree_ctx, _mtp_input, _kept,
-                                                                                _tree_choice)))
+                                                                                _tree_choice, _plain_end, _round_end,
+                                                                                _put_drafts)))
 
 
 def cache_len(max_len: int, draft: int = 0, branches: int = 1) -> int:
@@ -950,23 +984,21 @@ class DecodeEngine:
             xh = self._mtp(xh, d, base, ctx, off=j - 1)  # at positions base-1+j
             d = self._draft_pick(xh, j, base, self.slot_ar)  # [S, nb]
             drafts.append(d)
-        new = torch.stack(drafts, 2).reshape(self.S, -1)  # [S, nb·k], branch b's chain at b·k..
-        self.drafts.copy_(torch.where(self.active[:, None], new, self.drafts))
+        self._book(_put_drafts, self.drafts, self.active, drafts)
 
     def _plain(self, chain: bool = True):
         act = self.active
         tok = self.pend[:, None]  # [S, 1]
         H, pending = self._trunk(tok, self.pos)
         nxt = self._pick(H, self.temp)  # [S, 1]
-        self._commit(pending, torch.zeros_like(self.pos))
+        if pending:
+            self._commit(pending, torch.zeros_like(self.pos))
         if self.k:  # keep the draft ready: its row for the token just decided, then the chain
             out0 = self._mtp(H, nxt, self.pos)
             self.mtp_last.copy_(out0)
             if chain:
                 self._chain(out0, self.pos + 1)
-        self.pend.copy_(torch.where(act, nxt[:, 0], self.pend))
-        self.pos.add_(act.long())
-        self.out_tok.copy_(torch.where(act, nxt[:, 0], -1))
+        self._book(_plain_end, self.pend, self.pos, self.out_tok, act, nxt[:, 0])
 
     def _spec(self, depth: int | None = None, tree: bool = True):
         """One round, verifying the first `depth` drafts (default all k). At its start a slot's
@@ -1009,6 +1041,16 @@ class DecodeEngine:
         """`_kept` (one fused kernel on the fused path, not four)."""
         return _kept(tok, pred) if self._fn is None else self._fn.kept(_dyn(tok, 0), _dyn(pred, 0))
 
+    def _book(self, fn, *args):
+        """A bookkeeping function fn (`_plain_end`, `_round_end`, `_put_drafts`: buffer updates
+        written in place) on args: on the fused path its compiled twin in `_Fns` (the same name
+        without the underscore), where its dozen small operators become a kernel or two. (Every
+        tensor's first dim is the slot, marked dynamic: one graph for all buckets ≥ 2.)"""
+        if self._fn is None:
+            return fn(*args)
+        dyn = [[_dyn(x, 0) for x in a] if isinstance(a, list) else _dyn(a, 0) for a in args]
+        return getattr(self._fn, fn.__name__[1:])(*dyn)
+
     def _relocate(self, src, dst):
         """Keys and values at cache positions src [S, d+1] to dst [S, d+1], every attention
         layer at once."""
@@ -1025,13 +1067,8 @@ class DecodeEngine:
         # ones, row n+a is the next round's chain step 0 (rows past it are overwritten before use)
         out = self._mtp(Hv, pred, pos)
         row = out[self.slot_ar, a][:, None]
-        self.mtp_last.copy_(row)
         self._chain(row, pos + a + 1)
-        self.pend.copy_(torch.where(act, pred[self.slot_ar, a], self.pend))
-        n = (a + 1) * act.long()
-        self.pos.add_(n)
-        self.out_pred[:, : d + 1].copy_(pred)
-        self.out_n.copy_(n)
+        self._book(_round_end, self.pend, pos, self.out_pred, self.out_n, self.mtp_last, act, pred, a, row)
 
     # ── steps over the first b slots (bucketed batch sizes) ──
     # Buffers whose first (or, for the layer-stacked caches, second) dimension is the slot: a

@@ -351,6 +351,8 @@ def _close_state(ef, ee):
         if hasattr(ee, name):
             torch.testing.assert_close(getattr(ef, name), getattr(ee, name), atol=1e-4, rtol=1e-4)
     assert ef.lengths() == ee.lengths() and ef.drafts.tolist() == ee.drafts.tolist()
+    for name in ("pend", "pos", "out_tok", "out_n"):  # the bookkeeping buffers, inactive slots' too
+        assert getattr(ef, name).tolist() == getattr(ee, name).tolist(), name
 
 
 def test_fused_is_opt_in_off_cuda(fmodel):
@@ -398,6 +400,11 @@ def test_fused_buckets_equal_eager(fmodel):
     assert both(lambda e: e.prefill(1, FUSED_PROMPTS[1]))
     for _ in range(3):
         assert both(lambda e: e.step_on(2).tolist()) and both(lambda e: e.spec_on(2))
+    _close_state(ef, ee)
+    for e in (ef, ee):  # an inactive slot in the bucket: its buffers stay, its output is -1
+        e.release(0)
+    assert both(lambda e: e.step_on(2).tolist()) and both(lambda e: e.spec_on(2))
+    assert ef.out_tok[0].item() == -1 and ef.out_n[0].item() == 0
     _close_state(ef, ee)
 
 
