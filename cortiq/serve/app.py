@@ -1,7 +1,8 @@
 """The HTTP side: an OpenAI-compatible FastAPI application over a `Scheduler`.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions
-(`stream: true` answers as server-sent events, ending with `data: [DONE]`).
+(`stream: true` answers as server-sent events, ending with `data: [DONE]`), and
+GET /metrics: the scheduler's counters in Prometheus' text format (`METRICS`).
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}},
 the framework's own included: 400 for a request the server cannot serve as
 asked (a body that is not a UTF-8 JSON object of exactly the declared types:
@@ -22,7 +23,7 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
@@ -196,6 +197,29 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
 
+#: GET /metrics, Prometheus' text format: (name, type, help, key of `Scheduler.counters`).
+#: Tokens a speculative round over a span of time = Δ round_tokens / Δ rounds.
+METRICS = (
+    ("cortiq_requests_total", "counter", "Requests prefilled (their first token decided).", "requests"),
+    ("cortiq_generation_tokens_total", "counter", "Tokens decided and sent.", "tokens"),
+    ("cortiq_decode_steps_total", "counter", "Plain decode steps run.", "steps"),
+    ("cortiq_spec_rounds_total", "counter", "Requests' speculative rounds (a round of a batch counts for each request "
+     "in it).", "rounds"),
+    ("cortiq_spec_round_tokens_total", "counter", "Tokens those rounds decided (the drafts kept plus the trunk's own).",
+     "round_tokens"),
+    ("cortiq_requests_running", "gauge", "Requests decoding now.", "running"),
+    ("cortiq_requests_waiting", "gauge", "Requests waiting for a slot or in prefill now.", "waiting"),
+)
+
+
+def metrics_text(counters: dict) -> str:
+    """`Scheduler.counters()` in Prometheus' text exposition format (version 0.0.4)."""
+    lines = []
+    for name, kind, doc, key in METRICS:
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name} {counters[key]}"]
+    return "\n".join(lines) + "\n"
+
+
 def build_app(served: Served) -> FastAPI:
     sched = served.scheduler
 
@@ -229,6 +253,10 @@ def build_app(served: Served) -> FastAPI:
     @app.exception_handler(Exception)
     async def _crash(request, e: Exception):
         return JSONResponse(_error_body("the server failed on this request", "server_error"), status_code=500)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(metrics_text(sched.counters()), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():

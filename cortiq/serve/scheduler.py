@@ -150,6 +150,14 @@ class Scheduler:
             if self._trace_path:
                 tr.export_chrome_trace(self._trace_path)
 
+    def counters(self) -> dict:
+        """The counters since the start (`stats`) and, now, the requests decoding (`running`) and
+        those waiting for a slot or in prefill (`waiting`). (The loop's thread moves them on
+        between reads: each value is whole, two of them may be a turn apart.)"""
+        with self.cond:
+            return {**self.stats, "running": len(self.active),
+                    "waiting": len(self.waiting) + len(self.prefilling)}
+
     def profile(self) -> dict:
         """The loop's time by part (host seconds; `device`: the steps' own time), the counters,
         and the policy's choices and step times."""

@@ -61,6 +61,33 @@ def test_models(server):
     assert ids == [MODEL]
 
 
+def _metrics(server) -> dict:
+    r = httpx.get(server.url.removesuffix("/v1") + "/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    lines = r.text.splitlines()
+    types = {ln.split()[2]: ln.split()[3] for ln in lines if ln.startswith("# TYPE ")}
+    values = {ln.split()[0]: int(ln.split()[1]) for ln in lines if ln and not ln.startswith("#")}
+    assert set(values) == set(types) and all(v >= 0 for v in values.values())
+    assert all(types[n] == ("counter" if n.endswith("_total") else "gauge") for n in types)
+    return values
+
+
+def test_metrics_count_a_request(server):
+    before = _metrics(server)
+    r = server.client().completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0)
+    after = _metrics(server)
+    d = {k: after[k] - before[k] for k in after}
+    assert d["cortiq_requests_total"] == 1
+    assert d["cortiq_generation_tokens_total"] == r.usage.completion_tokens
+    # every token after the first (the prefill's) comes from a plain step or a round (of 1..3 tokens: draft 2)
+    assert d["cortiq_decode_steps_total"] + d["cortiq_spec_round_tokens_total"] >= r.usage.completion_tokens - 1
+    rounds, round_tokens = d["cortiq_spec_rounds_total"], d["cortiq_spec_round_tokens_total"]
+    if "speculative" in server.log.read_text().splitlines()[0]:
+        assert rounds <= round_tokens <= 3 * rounds
+    else:
+        assert rounds == round_tokens == 0
+
+
 def test_completion_is_greedy_decoding(server, reference):
     c = server.client()
     for prompt, n in [("The quick brown fox", 24), ("x", 5), ("Sphinx of black quartz, judge my vow.", 40)]:
