@@ -393,10 +393,10 @@ def _plain_end(pend, pos, out_tok, act, nxt):
 
 def _round_end(pend, pos, out_pred, out_n, mtp_last, act, pred, a, row):
     """The end of a round, on the engine's buffers in place, from the verified block's trunk
-    tokens pred [S, d+1], the drafts kept a [S] and the draft's row for the next chain
-    row [S, 1, H]: an active slot's pending token becomes the trunk's token after its last kept
-    row, its position moves on by a+1; out_pred[:, :d+1] and out_n [S] (0 where inactive) say
-    what the round decided."""
+    tokens pred [S, d+1], the drafts kept a [S] and the draft's row after the last kept one,
+    row [S, 1, H] (the next chain's step 0, kept in mtp_last): an active slot's pending token
+    becomes the trunk's token after its last kept row, its position moves on by a+1;
+    out_pred[:, :d+1] and out_n [S] (0 where inactive) say what the round decided."""
     n = (a + 1) * act.long()
     mtp_last.copy_(row)
     pend.copy_(torch.where(act, pred.gather(1, a[:, None])[:, 0], pend))
@@ -440,8 +440,8 @@ def _fused_fns(g: _Geo, ln: tuple[float, bool], qk: tuple[float, bool] | None) -
         """h [S, T, H] -> `_heads` of its layer (rms_norm, qkv product, q/k norms, rope, layouts)
         as (q, gate), its k and v written to the caches K, V [S, Hkv, M, D] at the rows the
         write index idx [S, Hkv, T, D] names.
-        The writes are index_put_ into whole caches (a slot's leading slice of the engine's
-        contiguous cache is contiguous): inductor then writes k and v in place, in the kernel
+        The writes are index_put_ into whole caches (a bucket's leading slots of the engine's
+        contiguous cache are contiguous): inductor then writes k and v in place, in the kernel
         that ropes them, where the eager path launches a scatter for each. (A scatter into the
         key-length slice K[:, :, :L], a strided view, is compiled as a copy of the slice, the
         scatter and a copy back.)"""
@@ -1015,7 +1015,7 @@ class DecodeEngine:
         pred = self._pick(Hv)  # [S, d+1]: the trunk's token after each block token
         a = self._kept(block, pred)  # [S] drafts accepted
         self._commit(pending, a)
-        self._verified(Hv, pred, a, d)
+        self._verified(Hv, pred, a)
 
     def _spec_tree(self, d: int):
         """`_spec` over a draft tree: one trunk pass verifies every branch's first d drafts
@@ -1035,7 +1035,7 @@ class DecodeEngine:
             path, pred_k, kept_k, src, dst = self._fn.tree_choice(_dyn(block, 0), _dyn(pred, 0), paths, _dyn(pos, 0),
                                                                   *args[4:])
         self._relocate(src, dst)  # the kept branch's rows then lie where a chain's would
-        self._verified(Hv[ar[:, None], path], pred_k, kept_k, d)
+        self._verified(Hv[ar[:, None], path], pred_k, kept_k)
 
     def _kept(self, tok, pred):
         """`_kept` (one fused kernel on the fused path, not four)."""
@@ -1059,7 +1059,7 @@ class DecodeEngine:
             ix = [t[None, :, None, :, None].expand(nA, S, Hkv, t.shape[1], D) for t in (src, dst)]
             C.scatter_(3, ix[1], C.gather(3, ix[0]))
 
-    def _verified(self, Hv, pred, a, d: int):
+    def _verified(self, Hv, pred, a):
         """The end of a round: Hv [S, d+1, H] and pred [S, d+1], the trunk's rows and tokens
         along the verified block (the kept branch's, for a tree), a [S] the drafts kept."""
         act, pos = self.active, self.pos
