@@ -352,10 +352,13 @@ def _dyn(t, *dims):
     return t
 
 
-def _mtp_input(e, hrows, we, e_style, wh, h_style, w_eh):
-    """The draft layer's input: its token's embedding e [S, T, H] and the row it continues
-    hrows [S, T, H] (the trunk's final row, or its own previous output), each normed (styles
-    (eps, f32)), side by side through eh_proj w_eh [H, 2H] -> [S, T, H]."""
+def _mtp_input(toks, w_emb, hrows, we, e_style, wh, h_style, w_eh):
+    """The draft layer's input: its tokens' embeddings (toks [S, T] rows of w_emb [V, H]) and
+    the row each continues hrows [S, T, H] (the trunk's final row, or its own previous
+    output), each normed (styles (eps, f32)), side by side through eh_proj w_eh [H, 2H]
+    -> [S, T, H]. (The lookup inside: compiled, it is read by the norm's kernel, not a
+    kernel of its own.)"""
+    e = F.embedding(toks, w_emb)  # [S, T, H]
     return F.linear(torch.cat([_rms(e, we, *e_style), _rms(hrows, wh, *h_style)], -1), w_eh)
 
 
@@ -953,9 +956,11 @@ class DecodeEngine:
         """The MTP block on trunk rows hrows [S, T, H] and the tokens after them [S, T] at positions
         pos0 + off.. (or as `ctx` places them)."""
         ctx = self._ctx(pos0, toks.shape[1], off) if ctx is None else ctx
-        e, (ne, nh) = self.model.embed(toks), (self.mtp_e, self.mtp_h)
-        args = (e, hrows, ne.w, (ne.eps, ne.f32), nh.w, (nh.eps, nh.f32), self.model.mtp.eh_proj.weight.detach())
-        x = _mtp_input(*args) if self._fn is None else self._fn.mtp_input(_dyn(e, 0, 1), _dyn(hrows, 0, 1), *args[2:])
+        ne, nh = self.mtp_e, self.mtp_h
+        args = (toks, self.model.model.embed_tokens.weight.detach(), hrows, ne.w, (ne.eps, ne.f32), nh.w,
+                (nh.eps, nh.f32), self.model.mtp.eh_proj.weight.detach())
+        x = _mtp_input(*args) if self._fn is None else self._fn.mtp_input(_dyn(toks, 0, 1), args[1], _dyn(hrows, 0, 1),
+                                                                         *args[3:])
         return self._attn(self.mtp_att, x, ctx, self.MK, self.MV, self.mtp_out)
 
     def _draft_pick(self, xh, j: int, base, slots):
