@@ -6,8 +6,8 @@ HELP = "serve a model over an OpenAI-compatible HTTP API (batched, streaming, sp
 DESCRIPTION = (
     "An OpenAI-compatible endpoint for a CMF model: GET /v1/models, POST /v1/completions and "
     "/v1/chat/completions (the model's chat template), `stream: true` as server-sent events, max_tokens, "
-    "temperature, top_p, stop and seed; GET /metrics, the counters in Prometheus' text format. Concurrent requests share one batched forward: they join free slots "
-    "and leave between steps. --speculative drafts with the model's MTP block for greedy requests "
+    "temperature, top_p, stop and seed; GET /metrics, the counters in Prometheus' text format. Concurrent "
+    "requests share one batched forward: they join free slots and leave between steps. --speculative drafts with the model's MTP block for greedy requests "
     "(temperature 0; same tokens as plain decoding). Listens on 127.0.0.1 unless --host says otherwise; "
     "SIGTERM (or Ctrl-C) stops it after the running requests get --shutdown-timeout seconds. "
     "Needs the serve extra: pip install 'cortiq[serve]'."

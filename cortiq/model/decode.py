@@ -87,18 +87,19 @@ engine re-points those parameters of the model into one fused tensor per
 layer (views: the model computes the same, no copy is kept).
 
 Fused path (`fused`, on by default on CUDA for attention-only models): each
-full-attention layer runs as two torch.compile'd halves around the eager cache
-writes and SDPA: `pre` (RMSNorm, the qkv product, q/k norms, RoPE and the
-grouped layouts) and `post` (the output gate, the o product and residual, RMSNorm,
+full-attention layer runs as two torch.compile'd halves around the eager SDPA:
+`pre` (RMSNorm, the qkv product, q/k norms, RoPE and the grouped layouts, and
+the layer's key and value writes into its cache) and `post` (the output gate, the o product and residual, RMSNorm,
 the MLP and residual, and the norm that closes the trunk's last layer or the
 draft layer), and the step's positions, RoPE rows and mask as a third; the
-draft layer's input (its two norms, the concatenation and eh_proj), a round's
-count of kept drafts and a tree round's choice of branch are compiled too, and a
-chain step's positions are an offset into the compiled context's arange: a
-speculative round's own work (its draft passes and acceptance) is most of what
-it launches beyond a plain step, and with one slot a round costs its launches
-(bench/DECODE.md: on the CPU 226 -> 206 operators a chain round of 3 drafts,
-241 -> 211 a tree round of 4, against 162 a plain step).
+draft layer's input (its token lookup, two norms, the concatenation and
+eh_proj), a round's count of kept drafts, a tree round's choice of branch and
+the buffer updates that end a step or a round are compiled too, and a chain
+step's positions are an offset into the compiled context's arange: with one slot
+a step costs its launches, and a speculative round's own work (its draft passes
+and acceptance) is what it launches beyond a plain step (bench/DECODE.md: on
+an H200 a chain round of 3 drafts costs 1.28 plain steps with one slot; on the
+CPU it dispatches 126 operators against a plain step's 96).
 The weights are arguments, so every layer and the draft layer share one graph
 per shape, and a fold's per-layer MLP widths are marked dynamic (one graph for
 all). A 135M model's step is bound by kernel launches and small kernels, not by
@@ -989,7 +990,7 @@ class DecodeEngine:
             xh = self._mtp(xh, d, base, ctx, off=j - 1)  # at positions base-1+j
             d = self._draft_pick(xh, j, base, self.slot_ar)  # [S, nb]
             drafts.append(d)
-        self._book(_put_drafts, self.drafts, self.active, drafts)
+        self._by_slot(_put_drafts, self.drafts, self.active, drafts)
 
     def _plain(self, chain: bool = True):
         act = self.active
@@ -1003,7 +1004,7 @@ class DecodeEngine:
             self.mtp_last.copy_(out0)
             if chain:
                 self._chain(out0, self.pos + 1)
-        self._book(_plain_end, self.pend, self.pos, self.out_tok, act, nxt[:, 0])
+        self._by_slot(_plain_end, self.pend, self.pos, self.out_tok, act, nxt[:, 0])
 
     def _spec(self, depth: int | None = None, tree: bool = True):
         """One round, verifying the first `depth` drafts (default all k). At its start a slot's
@@ -1018,7 +1019,7 @@ class DecodeEngine:
         block = torch.cat([self.pend[:, None], self.drafts[:, :d]], 1)  # [S, d+1] at positions n..n+d
         Hv, pending = self._trunk(block, pos)
         pred = self._pick(Hv)  # [S, d+1]: the trunk's token after each block token
-        a = self._kept(block, pred)  # [S] drafts accepted
+        a = self._by_slot(_kept, block, pred)  # [S] drafts accepted
         self._commit(pending, a)
         self._verified(Hv, pred, a)
 
@@ -1042,15 +1043,12 @@ class DecodeEngine:
         self._relocate(src, dst)  # the kept branch's rows then lie where a chain's would
         self._verified(Hv[ar[:, None], path], pred_k, kept_k)
 
-    def _kept(self, tok, pred):
-        """`_kept` (one fused kernel on the fused path, not four)."""
-        return _kept(tok, pred) if self._fn is None else self._fn.kept(_dyn(tok, 0), _dyn(pred, 0))
-
-    def _book(self, fn, *args):
-        """A bookkeeping function fn (`_plain_end`, `_round_end`, `_put_drafts`: buffer updates
-        written in place) on args: on the fused path its compiled twin in `_Fns` (the same name
-        without the underscore), where its dozen small operators become a kernel or two. (Every
-        tensor's first dim is the slot, marked dynamic: one graph for all buckets ≥ 2.)"""
+    def _by_slot(self, fn, *args):
+        """A small function fn of tensors (or lists of them) whose first dim is the slot
+        (`_kept`; `_plain_end`, `_round_end`, `_put_drafts`, which update buffers in place) on
+        args: on the fused path its compiled twin in `_Fns` (the same name without the
+        underscore), where its handful of small operators become a kernel or two (the slot dims
+        marked dynamic: one graph for all buckets ≥ 2)."""
         if self._fn is None:
             return fn(*args)
         dyn = [[_dyn(x, 0) for x in a] if isinstance(a, list) else _dyn(a, 0) for a in args]
@@ -1073,7 +1071,7 @@ class DecodeEngine:
         out = self._mtp(Hv, pred, pos)
         row = out[self.slot_ar, a][:, None]
         self._chain(row, pos + a + 1)
-        self._book(_round_end, self.pend, pos, self.out_pred, self.out_n, self.mtp_last, act, pred, a, row)
+        self._by_slot(_round_end, self.pend, pos, self.out_pred, self.out_n, self.mtp_last, act, pred, a, row)
 
     # ── steps over the first b slots (bucketed batch sizes) ──
     # Buffers whose first (or, for the layer-stacked caches, second) dimension is the slot: a
