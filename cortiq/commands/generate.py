@@ -150,7 +150,7 @@ def run(args) -> int:
         else:
             verdict = (f"{n} of {len(plain.tokens)} tokens differ from plain greedy, from token {first} on"
                        + ("" if exact else f" ({str(dt)[6:]}: a near-tie argmax rounded differently in the "
-                                           f"{s.draft + 1}-row verify step; see --help)"))
+                                           f"{s.draft_branches * s.draft + 1}-row verify step; see --help)"))
         print(f"speculative: {len(spec.tokens)} tokens in {spec.rounds} rounds, "
               f"{spec.accepted_per_round:.2f} of {s.draft} drafts accepted per round "
               f"({spec.accepted}/{spec.drafted}), {spec.tokens_per_s:.1f} tok/s; "

@@ -98,8 +98,10 @@ the buffer updates that end a step or a round are compiled too, and a chain
 step's positions are an offset into the compiled context's arange: with one slot
 a step costs its launches, and a speculative round's own work (its draft passes
 and acceptance) is what it launches beyond a plain step (bench/DECODE.md: on
-an H200 a chain round of 3 drafts costs 1.28 plain steps with one slot; on the
-CPU it dispatches 126 operators against a plain step's 96).
+an H100 with one slot a chain round of 3 drafts costs 1.21 plain steps, a tree
+round of 4 branches 1.28). The picks (the head's argmax, a tree's top guesses)
+reduce a row of logits in two stages (`_argmax`): one reduction of a long row
+is one CUDA block, 13 µs of a 1.3 ms step, and a round picks four times.
 The weights are arguments, so every layer and the draft layer share one graph
 per shape, and a fold's per-layer MLP widths are marked dynamic (one graph for
 all). A 135M model's step is bound by kernel launches and small kernels, not by
@@ -251,16 +253,21 @@ def _rope(x, cos, sin, rdim: int):
     return out if rdim == D else torch.cat([out, x[..., rdim:]], -1)
 
 
-def _heads(qkv, cos, sin, qn, kn, g: _Geo):
+def _heads(qkv, cos, sin, qn, kn, g: _Geo, joint: bool = True):
     """The qkv product's rows qkv [S, T, (Hq(·2) + 2·Hkv)·D] as attention inputs: q in the
     grouped layout [S, Hkv, G·T, D] (query heads of one KV head as extra rows: no copy of the
     cache per group), k and v [S, Hkv, T, D] (q and k normed by the callables qn, kn where
-    not None, then roped), and the output gate [S, T, Hq·D] (None where not gated)."""
+    not None, then roped), and the output gate [S, T, Hq·D] (None where not gated).
+    joint: where q and k lie side by side in the product, one rotation for both (eager, one
+    launch of each op); compiled, joint=False ropes each alone, so each rotation has one
+    reader and is computed in that reader's kernel: q's in the copy to the grouped layout
+    (a copy from T = 2 on), k's in its cache write, where the shared rotation was a kernel of
+    its own and q's copy another."""
     S, T, _ = qkv.shape
     q, k, v = qkv.split(g.split, -1)
     v = v.view(S, T, g.hkv, g.d)
     gate = None
-    if qn is None and not g.gated:  # q and k side by side in the product: one rotation for both
+    if joint and qn is None and not g.gated:  # q and k side by side in the product: one rotation for both
         qk = _rope(qkv[..., : g.split[0] + g.split[1]].view(S, T, g.hq + g.hkv, g.d), cos, sin, g.rdim)
         q, k = qk[:, :, : g.hq], qk[:, :, g.hq:]
     else:
@@ -363,6 +370,45 @@ def _mtp_input(toks, w_emb, hrows, we, e_style, wh, h_style, w_eh):
     return F.linear(torch.cat([_rms(e, we, *e_style), _rms(hrows, wh, *h_style)], -1), w_eh)
 
 
+def _split(V: int) -> int:
+    """The chunk width of `_argmax` and `_topk` over a vocabulary of V: its smallest divisor in
+    1024..4096, or 0 (one reduction over the row) where it has none."""
+    return next((c for c in range(1024, 4097) if V % c == 0), 0)
+
+
+def _argmax(x, c: int):
+    """x [..., V] -> [...] the index of the largest, the first of equals (as argmax), in two
+    stages over chunks of c (`_split`: c divides V): each chunk's maximum, then the first chunk
+    holding the largest. One reduction over a long row runs as one CUDA block per row: 13 µs
+    for SmolLM2's 49152 logits on an H100 at one slot, launched by every pick of a step."""
+    if not c:
+        return x.argmax(-1)
+    v, i = x.unflatten(-1, (-1, c)).max(-1)  # [..., V/c]: each chunk's maximum, first of equals
+    j = v.argmax(-1, keepdim=True)  # [..., 1]
+    return (j * c + i.gather(-1, j))[..., 0]
+
+
+def _topk(x, k: int, c: int):
+    """x [..., V] -> [..., k] the indices of the k largest, largest first (as topk), in two
+    stages as `_argmax`: each chunk's top k, then the top k of those candidates."""
+    if not c:
+        return x.topk(k, -1).indices
+    v, i = x.unflatten(-1, (-1, c)).topk(k, -1)  # [..., V/c, k]
+    i = i + torch.arange(0, x.shape[-1], c, device=x.device)[:, None]  # indices into the row
+    j = v.flatten(-2).topk(k, -1).indices  # [..., k] into the candidates
+    return i.flatten(-2).gather(-1, j)
+
+
+def _pick_greedy(h, head, c: int):
+    """h [S, T, H] -> the head's argmax [S, T] (`_argmax`)."""
+    return _argmax(F.linear(h, head), c)
+
+
+def _pick_top(h, head, k: int, c: int):
+    """h [S, H] -> the head's top k [S, k], largest first (`_topk`)."""
+    return _topk(F.linear(h, head), k, c)
+
+
 def _kept(tok, pred):
     """Drafts kept along the last dim: tok [..., d+1] a verify block's tokens (the pending one,
     then the drafts), pred [..., d+1] the trunk's token after each -> [...] the length of the
@@ -429,6 +475,8 @@ class _Fns(NamedTuple):
     plain_end: object
     round_end: object
     put_drafts: object
+    pick_greedy: object
+    pick_top: object
 
 
 @functools.lru_cache(maxsize=None)
@@ -451,7 +499,7 @@ def _fused_fns(g: _Geo, ln: tuple[float, bool], qk: tuple[float, bool] | None) -
         scatter and a copy back.)"""
         qkv = F.linear(_rms(h, ln1, *ln), w_qkv, b_qkv)  # [S, T, (Hq(·2) + 2·Hkv)·D]
         norms = (None, None) if qn is None else (lambda x: _rms(x, qn, *qk), lambda x: _rms(x, kn, *qk))
-        q, k, v, gate = _heads(qkv, cos, sin, *norms, g)
+        q, k, v, gate = _heads(qkv, cos, sin, *norms, g, joint=False)
         S = h.shape[0]
         at = (torch.arange(S, device=h.device)[:, None, None], torch.arange(g.hkv, device=h.device)[None, :, None],
               idx[:, :, :, 0])  # [S, Hkv, T] each, broadcast
@@ -478,7 +526,7 @@ def _fused_fns(g: _Geo, ln: tuple[float, bool], qk: tuple[float, bool] | None) -
 
     return _Fns(*(torch.compile(f, fullgraph=True, dynamic=False) for f in (pre, post, ctx, tree_ctx, _mtp_input, _kept,
                                                                                 _tree_choice, _plain_end, _round_end,
-                                                                                _put_drafts)))
+                                                                                _put_drafts, _pick_greedy, _pick_top)))
 
 
 def cache_len(max_len: int, draft: int = 0, branches: int = 1) -> int:
@@ -580,6 +628,7 @@ class DecodeEngine:
             half = sin.shape[-1] // 2
             self.cos, self.sin = cos.to(dt), torch.cat([-sin[:, :half], sin[:, half:]], -1).to(dt)
         self.head = model.head_weight
+        self._chunk = _split(self.head.shape[0])  # the picks' chunk width (`_argmax`)
         on = (self.dev.type == "cuda" and not self.lin_idx) if fused is None else bool(fused)
         self._fn, self._ragged = self._compiled() if on else (None, False)
         self.fused = self._fn is not None
@@ -807,14 +856,16 @@ class DecodeEngine:
 
     def _pick(self, h, temp=None):
         """h [S, T, H] -> next tokens [S, T]: argmax, or a Gumbel-max sample where temp [S] > 0."""
-        logits = F.linear(h, self.head.to(h.dtype))  # [S, T, V]
+        head = self.head.to(h.dtype)
         if not self.sampling or temp is None:
-            return logits.argmax(-1)
-        lf = logits.float()
+            if self._fn is None:
+                return _pick_greedy(h, head, self._chunk)
+            return self._fn.pick_greedy(_dyn(h, 0, 1), head, self._chunk)
+        lf = F.linear(h, head).float()  # [S, T, V]
         e = torch.empty_like(lf).exponential_(generator=self.gen)
         t = temp[:, None, None]
         scores = torch.where(t > 0, lf / t.clamp_min(1e-6) - e.log(), lf)
-        return scores.argmax(-1)
+        return _argmax(scores, self._chunk)
 
     def _ctx(self, pos, T, off: int = 0):
         """Positions [S, T] from first positions pos [S] + off (clamped: inactive
@@ -975,7 +1026,10 @@ class DecodeEngine:
         (`_draft_pick`), or with a tree the draft's top nb, best first."""
         if self.nb == 1:
             return self._draft_pick(xh, 0, base, slots)
-        return F.linear(xh[:, 0], self.head.to(xh.dtype)).topk(self.nb, -1).indices
+        head = self.head.to(xh.dtype)
+        if self._fn is None:
+            return _pick_top(xh[:, 0], head, self.nb, self._chunk)
+        return self._fn.pick_top(_dyn(xh[:, 0], 0), head, self.nb, self._chunk)
 
     def _chain(self, out0, base):
         """The next round's drafts from the draft's row out0 [S, 1, H] at position base-1

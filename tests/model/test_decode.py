@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from cortiq.convert.hf import convert_hf_dir
 from cortiq.errors import CortiqError
 from cortiq.model import load_model
-from cortiq.model.decode import DecodeEngine
+from cortiq.model.decode import DecodeEngine, _argmax, _split, _topk
 from cortiq.model.generate import decode, generate, generate_fast
 
 from model_helpers import V, _perturb_norms, save_hf, tiny_llama, tiny_qwen3_next
@@ -312,6 +312,28 @@ def test_cli_generate_fast_reference_and_speculative(tmp_path, capsys):
     assert _differ([7], [7]) == (0, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_stage_picks_equal_the_plain_reductions(dtype):
+    # rows of 7 chunks of 37 with ties: bf16 values of a few levels tie within a chunk and across
+    # chunks, and the row's largest is planted in a late chunk and again in an earlier one
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-8, 8, (3, 5, 259), generator=g).to(dtype) if dtype == torch.bfloat16 else \
+        torch.randn(3, 5, 259, generator=g)
+    x[0, 0, 200] = x[0, 0, 40] = 50.0
+    assert _split(49152) == 1024 and _split(151936) == 1187 and _split(259) == 0
+    assert _argmax(x, 37).tolist() == x.argmax(-1).tolist()
+    assert _argmax(x, 37)[0, 0].item() == 40  # the first of equals
+    assert _argmax(x, 0).tolist() == x.argmax(-1).tolist()
+    for k in (1, 4):
+        i = _topk(x, k, 37)
+        assert i.shape == (3, 5, k)
+        # the same values, largest first, at distinct indices (which of equals is unspecified, as topk's)
+        assert x.gather(-1, i).tolist() == x.topk(k, -1).values.tolist()
+        assert (i.sort(-1).values.diff(dim=-1) > 0).all()
+    cf = torch.compile(_argmax, fullgraph=True)
+    assert cf(x, 37).tolist() == x.argmax(-1).tolist()
+
+
 # ── the fused path (torch.compile'd layer halves) against the eager engine ──
 # Tiny models of awkward sizes, each compiled once per process (the compiled functions are
 # shared by every engine of one geometry): "plain" is SmolLM2's Llama layout (no bias, full
@@ -342,7 +364,12 @@ def fmodel(request, tmp_path_factory):
 
 
 def _pair(model, **kw):
-    return DecodeEngine(model, fused=True, graphs=False, **kw), DecodeEngine(model, fused=False, graphs=False, **kw)
+    # the picks in two stages over 7 chunks of 37 logits, as SmolLM2's 49152 run in 48 of 1024
+    # (`_split` finds no chunk width for this vocabulary of 259)
+    pair = DecodeEngine(model, fused=True, graphs=False, **kw), DecodeEngine(model, fused=False, graphs=False, **kw)
+    for e in pair:
+        e._chunk = 37
+    return pair
 
 
 def _close_state(ef, ee):
