@@ -51,10 +51,10 @@ def load(model_path: str, s):
         raise CortiqError(f"{model_path}: has no MTP draft block (model.mtp.*): --speculative needs one "
                           "(cortiq mtp init / mtp heal give it one)")
     max_len = s.max_len or min(ctx, 4096)
-    check_kv_room(model.arch, s.max_batch, max_len, s.draft if s.speculative else 0, dt, dev,
-                  s.draft_branches if s.speculative else 1)
+    nb = s.branches(model.arch, dev)
+    check_kv_room(model.arch, s.max_batch, max_len, s.draft if s.speculative else 0, dt, dev, nb)
     engine = make_engine(model, s.max_batch, max_len, draft=s.draft if s.speculative else 0, kind=s.engine,
-                         branches=s.draft_branches if s.speculative else 1)
+                         branches=nb)
     doc = f.tokenizer or {}
     eos_ids = [int(i) for i in doc.get("eos_ids") or []]
     bos_id = doc.get("bos_id")
@@ -127,7 +127,7 @@ def run(args) -> int:
         raise CortiqError(f"serve: cannot listen on {s.host}:{s.port}: {e.strerror}") from None
     host, port = sock.getsockname()[:2]
     eng = served.scheduler.engine
-    auto = (f", {s.draft_branches} branches" if s.draft_branches > 1 else "") + (", auto" if s.spec_auto else "")
+    auto = (f", {eng.branches} branches" if eng.branches > 1 else "") + (", auto" if s.spec_auto else "")
     print(f"cortiq serve: {served.model_id} on {dev} ({str(dt).removeprefix('torch.')}), "
           f"{type(eng).__name__} x{eng.max_batch}, context {served.max_len}"
           f"{f', speculative (draft {eng.draft}{auto})' if eng.draft else ''}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..arch import LINEAR
 from ..devices import COMPUTE
 from ..errors import CortiqError
 from ..settings_meta import check, setting
@@ -28,8 +29,9 @@ class ServeSettings:
     max_len: int = setting(0, "context per request in tokens (0: the model's, at most 4096)", lo=0)
     #: greedy requests draft with the MTP block and verify in one forward (same tokens, fewer forwards)
     speculative: bool = setting(False, "speculative decoding with the model's MTP draft (greedy requests)")
-    #: tokens the MTP chain drafts per round
-    draft: int = setting(1, "--speculative: tokens drafted per round", lo=1)
+    #: tokens the MTP chain drafts per round (3: of depths 1..3 the most tokens a second, in the
+    #: step times and acceptance of bench/DECODE.md)
+    draft: int = setting(3, "--speculative: tokens drafted per round", lo=1)
     #: choose each step between a plain step and a round of 1..draft drafts, from the measured
     #: step times and each request's recent acceptance (so a large batch or a draft that is
     #: rarely right runs plain steps); off: every all-greedy step is a round of `draft`
@@ -38,9 +40,14 @@ class ServeSettings:
     #: of `draft`, all verified in one forward (the branch keeping most wins; 1: the chain alone).
     #: A round then verifies branches·draft + 1 rows: nearly free while the step is bound by its
     #: launches (few clients), not when many clients fill the batch (bench/DECODE.md); with
-    #: spec_auto each step chooses between plain, chain and tree rounds from their measured times
-    draft_branches: int = setting(1, "--speculative: verify the draft's top N first guesses, each chained, "
-                                           "in one forward (a tree: pays with few clients)", lo=1)
+    #: spec_auto each step chooses between plain, chain and tree rounds from their measured times.
+    #: 0 (auto): 4 where a tree can run, the decode engine on CUDA and a model of attention layers
+    #: only (on an H100, SmolLM2-135M, draft 3: a tree of 4 kept more tokens a second than the
+    #: chain at 1, 8 and 32 clients on chat and on text, ×1.22 of plain at 32 chat clients where
+    #: the chain fell to ×0.96), else 1
+    draft_branches: int = setting(0, "--speculative: verify the draft's top N first guesses, each chained, "
+                                           "in one forward (a tree; 0: 4 on CUDA for attention-only models, "
+                                           "else 1)", lo=0)
     #: prompt tokens run per scheduler turn (a long prompt takes several turns, between the
     #: running requests' steps, so they do not stall); 0 = a whole prompt at once
     prefill_chunk: int = setting(256, "prompt tokens prefilled per step (0: whole prompts)", lo=0)
@@ -67,6 +74,15 @@ class ServeSettings:
     max_waiting: int = setting(256, "requests that may wait for a free slot", lo=1)
     #: seconds in-flight requests get after SIGTERM before they are cut
     shutdown_timeout: float = setting(5.0, "seconds running requests get after SIGTERM", lo=0)
+
+    def branches(self, arch, dev) -> int:
+        """The draft tree's branches for a model of `arch` served on device `dev`: 1 without
+        --speculative, draft_branches where set, else (0) 4 where a tree can run."""
+        if not self.speculative:
+            return 1
+        if self.draft_branches:
+            return self.draft_branches
+        return 4 if dev.type == "cuda" and self.engine != "loop" and LINEAR not in arch.layer_types else 1
 
     def __post_init__(self):
         check(self, "serve settings")

@@ -53,3 +53,20 @@ def test_the_kv_estimate_is_what_the_engine_allocates(draft, branches):
     eng = DecodeAdapter(m, 3, 50, draft=draft, branches=branches).eng
     caches = [eng.K, eng.V] + ([eng.MK, eng.MV] if draft else [])
     assert kv_bytes(m.arch, 3, 50, draft, torch.float32, branches) == sum(c.numel() * c.element_size() for c in caches)
+
+
+def test_draft_branches_auto_is_a_tree_where_one_runs():
+    import torch
+
+    from cortiq.serve.settings import ServeSettings
+
+    attn, mixed = arch(), arch("hybrid")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    spec = ServeSettings(speculative=True)
+    assert (spec.draft, spec.draft_branches) == (3, 0)
+    assert spec.branches(attn, cuda) == 4
+    assert spec.branches(attn, cpu) == 1  # (a CPU's verify rows cost compute: the chain)
+    assert spec.branches(mixed, cuda) == 1  # a Gated DeltaNet state holds one branch
+    assert ServeSettings(speculative=True, engine="loop").branches(attn, cuda) == 1
+    assert ServeSettings(speculative=True, draft_branches=3).branches(attn, cpu) == 3
+    assert ServeSettings(draft_branches=3).branches(attn, cuda) == 1  # no --speculative: no draft at all
