@@ -24,6 +24,8 @@ tree, its own process, its exit status checked. In order:
   the speculative row fails where greedy output differs in f32);
 - `serve`, started on a free 127.0.0.1 port, asked one chat completion and one
   streamed by the official `openai` client, stopped by SIGTERM (it must exit 0);
+  then `serve --speculative` at its default draft (on CUDA a tree) and plain,
+  both in f32, must give the same answer (figure: the rounds' tokens, /metrics);
 - `export --to hf`, the directory loaded by transformers
   (`AutoModelForCausalLM`, `AutoTokenizer`) and its NLL on test windows
   compared with cortiq's own model on the same windows (f32; pass within
@@ -330,6 +332,8 @@ class Check:
         self.row("generate --speculative --draft-branches 3", generate(["--speculative", "--draft", "3",
                                                                         "--draft-branches", "3"]))
         self.row("serve + openai client (chat, stream, SIGTERM)", lambda: self.serve(drafted), needs="openai")
+        self.row("serve --speculative (its default draft; f32: the plain answer)", lambda: self.serve_spec(drafted),
+                 needs="openai")
 
         self.row("export --to hf + transformers", lambda: self.export_hf(healed, td))
         self.row("export --to gguf + read back", lambda: self.export_gguf(healed))
@@ -338,30 +342,59 @@ class Check:
 
     # ── rows with more than one command ─────────────────────────────────
 
-    def serve(self, model: Path) -> str:
+    def served(self, model: Path, name: str, flags: list[str], ask):
+        """ask(client, server) against `serve` of model with flags, started on a free 127.0.0.1
+        port and stopped by SIGTERM (it must exit 0) -> (what ask returned, the server's log)."""
         import openai
 
         from bench.serve import Server
 
-        srv = Server(model, self.work / "logs" / "serve.log", ["--max-batch", "2", "--max-len", "512", *self.dev],
-                     timeout=self.a.row_timeout)
+        srv = Server(model, self.work / "logs" / f"{name}.log", ["--max-batch", "2", "--max-len", "512", *flags,
+                                                                 *self.dev], timeout=self.a.row_timeout)
         try:
-            c = openai.OpenAI(base_url=srv.url, api_key="-", max_retries=0, timeout=120)
-            q = [{"role": "user", "content": "What is the capital of France?"}]
+            out = ask(openai.OpenAI(base_url=srv.url, api_key="-", max_retries=0, timeout=120), srv)
+        finally:
+            logged = srv.stop()
+        if srv.proc.returncode != 0:
+            raise Failed(f"{' '.join(['serve', *flags])} exited {srv.proc.returncode} on SIGTERM: {last_line(logged)}")
+        return out, logged
+
+    def serve(self, model: Path) -> str:
+        q = [{"role": "user", "content": "What is the capital of France?"}]
+
+        def ask(c, srv):
             r = c.chat.completions.create(model=model.stem, messages=q, max_tokens=16, temperature=0)
-            text, n = r.choices[0].message.content, r.usage.completion_tokens
             t0, first, parts = time.perf_counter(), None, []
             for ch in c.chat.completions.create(model=model.stem, messages=q, max_tokens=16, temperature=0, stream=True):
                 if ch.choices and ch.choices[0].delta.content:
                     first = first or time.perf_counter()
                     parts.append(ch.choices[0].delta.content)
-        finally:
-            logged = srv.stop()
-        if srv.proc.returncode != 0:
-            raise Failed(f"serve exited {srv.proc.returncode} on SIGTERM: {last_line(logged)}")
-        if "".join(parts) != text:
-            raise Failed(f"the streamed answer {''.join(parts)!r} is not the plain one {text!r}")
-        return f"{n} tokens {text[:40]!r}; stream first token {((first or t0) - t0) * 1e3:.0f} ms, same text"
+            return r.choices[0].message.content, r.usage.completion_tokens, "".join(parts), (first or t0) - t0
+
+        (text, n, streamed, ttft), _ = self.served(model, "serve", [], ask)
+        if streamed != text:
+            raise Failed(f"the streamed answer {streamed!r} is not the plain one {text!r}")
+        return f"{n} tokens {text[:40]!r}; stream first token {ttft * 1e3:.0f} ms, same text"
+
+    def serve_spec(self, model: Path) -> str:
+        """`serve --speculative` at its defaults (on CUDA a tree of 4 first guesses, 3 drafts a round)
+        and plain `serve`, both in f32, asked one chat question: the same answer, and the speculative
+        server's rounds and their tokens from its /metrics."""
+        q = [{"role": "user", "content": "Explain what a prime number is."}]
+
+        def ask(c, srv):
+            r = c.chat.completions.create(model=model.stem, messages=q, max_tokens=64, temperature=0)
+            return r.choices[0].message.content, r.usage.completion_tokens, srv.metrics()
+
+        (plain, n, _), _ = self.served(model, "serve-f32", ["--dtype", "f32"], ask)
+        (spec, _, m), logged = self.served(model, "serve-speculative", ["--dtype", "f32", "--speculative"], ask)
+        if spec != plain:
+            raise Failed(f"the speculative answer {spec!r} is not the plain one {plain!r} (f32)")
+        banner = next((ln for ln in logged.splitlines() if "speculative (" in ln), "speculative (")
+        rounds = m.get("cortiq_spec_rounds_total", 0)
+        per = m.get("cortiq_spec_round_tokens_total", 0) / rounds if rounds else 0.0
+        return f"{n} tokens, the plain answer; {banner[banner.index('speculative ('):].rstrip()}: {rounds:.0f} rounds, " \
+               f"{per:.2f} tokens a round"
 
     def export_hf(self, model: Path, td: Path) -> str:
         import numpy as np
