@@ -312,14 +312,20 @@ def test_cli_generate_fast_reference_and_speculative(tmp_path, capsys):
     assert _differ([7], [7]) == (0, None)
 
 
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_two_stage_picks_equal_the_plain_reductions(dtype):
+def test_two_stage_picks_equal_the_plain_reductions(dtype, device):
     # rows of 7 chunks of 37 with ties: bf16 values of a few levels tie within a chunk and across
     # chunks, and the row's largest is planted in a late chunk and again in an earlier one
     g = torch.Generator().manual_seed(0)
     x = torch.randint(-8, 8, (3, 5, 259), generator=g).to(dtype) if dtype == torch.bfloat16 else \
         torch.randn(3, 5, 259, generator=g)
     x[0, 0, 200] = x[0, 0, 40] = 50.0
+    x = x.to(device)
     assert _split(49152) == 1024 and _split(151936) == 1187 and _split(259) == 0
     assert _argmax(x, 37).tolist() == x.argmax(-1).tolist()
     assert _argmax(x, 37)[0, 0].item() == 40  # the first of equals
@@ -330,8 +336,9 @@ def test_two_stage_picks_equal_the_plain_reductions(dtype):
         # the same values, largest first, at distinct indices (which of equals is unspecified, as topk's)
         assert x.gather(-1, i).tolist() == x.topk(k, -1).values.tolist()
         assert (i.sort(-1).values.diff(dim=-1) > 0).all()
-    cf = torch.compile(_argmax, fullgraph=True)
+    cf, ct = torch.compile(_argmax, fullgraph=True), torch.compile(_topk, fullgraph=True)  # (the fused path's picks)
     assert cf(x, 37).tolist() == x.argmax(-1).tolist()
+    assert x.gather(-1, ct(x, 4, 37)).tolist() == x.topk(4, -1).values.tolist()
 
 
 # ── the fused path (torch.compile'd layer halves) against the eager engine ──
