@@ -29,8 +29,8 @@ class ServeSettings:
     max_len: int = setting(0, "context per request in tokens (0: the model's, at most 4096)", lo=0)
     #: greedy requests draft with the MTP block and verify in one forward (same tokens, fewer forwards)
     speculative: bool = setting(False, "speculative decoding with the model's MTP draft (greedy requests)")
-    #: tokens the MTP chain drafts per round (3: of depths 1..3 the most tokens a second, in the
-    #: step times and acceptance of bench/DECODE.md)
+    #: tokens the MTP chain drafts per round (3: the depth of bench/DECODE.md's serving tables,
+    #: where a round of 3 keeps 1.8-2.8 tokens and costs 1.2-1.3 plain steps with one client)
     draft: int = setting(3, "--speculative: tokens drafted per round", lo=1)
     #: choose each step between a plain step and a round of 1..draft drafts, from the measured
     #: step times and each request's recent acceptance (so a large batch or a draft that is
