@@ -20,8 +20,8 @@ tree, its own process, its exit status checked. In order:
   on CUDA by default);
 - `nll` of the healed model;
 - `mtp init` and `mtp heal` (figure: drafts kept a round, before and after);
-- `generate`, plain, `--speculative` and its draft tree (`--draft-branches 3`) (tokens/s, drafts accepted a round;
-  the speculative row fails where greedy output differs in f32);
+- `generate`, plain, `--speculative` at its defaults (on CUDA a tree of 4), a chain (`--draft-branches 1`) and a
+  tree of 3 (tokens/s, drafts accepted a round; a speculative row fails where greedy output differs in f32);
 - `serve`, started on a free 127.0.0.1 port, asked one chat completion and one
   streamed by the official `openai` client, stopped by SIGTERM (it must exit 0);
   then `serve --speculative` at its default draft (on CUDA a tree) and plain,
@@ -328,7 +328,9 @@ class Check:
             return go
 
         self.row("generate", generate([]))
-        self.row("generate --speculative", generate(["--speculative", "--draft", "2"]))
+        self.row("generate --speculative (its defaults: on CUDA a tree)", generate(["--speculative"]))
+        self.row("generate --speculative --draft 2 --draft-branches 1 (the chain)",
+                 generate(["--speculative", "--draft", "2", "--draft-branches", "1"]))
         self.row("generate --speculative --draft-branches 3", generate(["--speculative", "--draft", "3",
                                                                         "--draft-branches", "3"]))
         self.row("serve + openai client (chat, stream, SIGTERM)", lambda: self.serve(drafted), needs="openai")

@@ -38,12 +38,14 @@ class GenerateSettings:
     chat: bool = setting(False, "wrap the prompt in the model's chat template as a user turn")
     #: the plain decode beside it is what the speed-up and the token-for-token check are measured against
     speculative: bool = setting(False, "draft with the MTP block, verify greedily, and compare with plain decoding")
-    #: tokens the MTP chain drafts a round; deeper drafts are accepted less often
-    draft: int = setting(1, "--speculative: tokens drafted a round (MTP chain depth)", lo=1)
+    #: tokens the MTP chain drafts a round; deeper drafts are accepted less often (3: as serve's)
+    draft: int = setting(3, "--speculative: tokens drafted a round (MTP chain depth)", lo=1)
     #: the draft's top guesses for a round's first token, each chained to `draft`, all verified in
-    #: one forward (a draft tree; the static-cache engine, attention-only models)
-    draft_branches: int = setting(1, "--speculative: verify the draft's top N first guesses, each chained, "
-                                           "in one forward (a tree: pays with few clients)", lo=1)
+    #: one forward (a draft tree; the static-cache engine, attention-only models); 0 (auto): as
+    #: serve's, `auto_branches` (4 on CUDA for attention-only models, else 1; 1 with --reference)
+    draft_branches: int = setting(0, "--speculative: verify the draft's top N first guesses, each chained, "
+                                           "in one forward (a tree; 0: 4 on CUDA for attention-only models, "
+                                           "else 1)", lo=0)
     #: the plain loop is the reference the static-cache engine is tested against
     reference: bool = setting(False, "decode with the plain reference loop (growing cache, eager) instead of the "
                                      "static-cache engine")
@@ -113,6 +115,7 @@ def run(args) -> int:
     from ..cmf import open_cmf
     from ..devices import resolve_compute, resolve_device
     from ..model import load_model
+    from ..model.decode import auto_branches
     from ..model.generate import generate, generate_fast, generate_speculative
     from ..settings_meta import from_args
     from ..tokenizer import from_doc
@@ -133,6 +136,7 @@ def run(args) -> int:
     if s.draft_branches > 1 and (s.reference or not s.speculative):
         raise CortiqError("generate: --draft-branches drafts a tree for --speculative on the static-cache engine "
                           "(not with --reference)")
+    nb = s.draft_branches or (1 if s.reference else auto_branches(model.arch, dev))
     sys.stdout.write(args.prompt if not s.chat else "")
     stream = _Stream(tok, sys.stdout)
     if s.speculative:
@@ -140,7 +144,7 @@ def run(args) -> int:
             spec = generate_speculative(model, prompt, s.max_new, draft=s.draft, eos_ids=eos, on_token=stream)
         else:
             spec = generate_fast(model, prompt, s.max_new, draft=s.draft, eos_ids=eos, on_token=stream,
-                                 branches=s.draft_branches)
+                                 branches=nb)
         stream.finish()
         plain = (generate if s.reference else generate_fast)(model, prompt, s.max_new, eos_ids=eos)
         n, first = _differ(spec.tokens, plain.tokens)
@@ -150,7 +154,7 @@ def run(args) -> int:
         else:
             verdict = (f"{n} of {len(plain.tokens)} tokens differ from plain greedy, from token {first} on"
                        + ("" if exact else f" ({str(dt)[6:]}: a near-tie argmax rounded differently in the "
-                                           f"{s.draft_branches * s.draft + 1}-row verify step; see --help)"))
+                                           f"{nb * s.draft + 1}-row verify step; see --help)"))
         print(f"speculative: {len(spec.tokens)} tokens in {spec.rounds} rounds, "
               f"{spec.accepted_per_round:.2f} of {s.draft} drafts accepted per round "
               f"({spec.accepted}/{spec.drafted}), {spec.tokens_per_s:.1f} tok/s; "

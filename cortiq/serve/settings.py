@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..arch import LINEAR
 from ..devices import COMPUTE
 from ..errors import CortiqError
 from ..settings_meta import check, setting
@@ -41,10 +40,9 @@ class ServeSettings:
     #: A round then verifies branches·draft + 1 rows: nearly free while the step is bound by its
     #: launches (few clients), not when many clients fill the batch (bench/DECODE.md); with
     #: spec_auto each step chooses between plain, chain and tree rounds from their measured times.
-    #: 0 (auto): 4 where a tree can run, the decode engine on CUDA and a model of attention layers
-    #: only (on an H100, SmolLM2-135M, draft 3: a tree of 4 kept more tokens a second than the
-    #: chain at 1, 8 and 32 clients on chat and on text, ×1.22 of plain at 32 chat clients where
-    #: the chain fell to ×0.96), else 1
+    #: 0 (auto): `auto_branches` (4 on CUDA for attention-only models; on an H100 a tree of 4 kept
+    #: more tokens a second than the chain at 1, 8 and 32 clients, on chat and on text) with the
+    #: decode engine, else 1
     draft_branches: int = setting(0, "--speculative: verify the draft's top N first guesses, each chained, "
                                            "in one forward (a tree; 0: 4 on CUDA for attention-only models, "
                                            "else 1)", lo=0)
@@ -77,12 +75,14 @@ class ServeSettings:
 
     def branches(self, arch, dev) -> int:
         """The draft tree's branches for a model of `arch` served on device `dev`: 1 without
-        --speculative, draft_branches where set, else (0) 4 where a tree can run."""
+        --speculative, draft_branches where set, else (0) `auto_branches`' (the loop engine: 1)."""
+        from ..model.decode import auto_branches
+
         if not self.speculative:
             return 1
         if self.draft_branches:
             return self.draft_branches
-        return 4 if dev.type == "cuda" and self.engine != "loop" and LINEAR not in arch.layer_types else 1
+        return auto_branches(arch, dev) if self.engine != "loop" else 1
 
     def __post_init__(self):
         check(self, "serve settings")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from cortiq.convert.hf import convert_hf_dir
 from cortiq.errors import CortiqError
 from cortiq.model import load_model
-from cortiq.model.decode import DecodeEngine, _argmax, _split, _topk
+from cortiq.model.decode import DecodeEngine, _argmax, _split, _topk, auto_branches
 from cortiq.model.generate import decode, generate, generate_fast
 
 from model_helpers import V, _perturb_norms, save_hf, tiny_llama, tiny_qwen3_next
@@ -302,11 +302,15 @@ def test_cli_generate_fast_reference_and_speculative(tmp_path, capsys):
     cap = capsys.readouterr()
     assert cap.out == fast
     assert "output identical to plain greedy" in cap.err
+    assert main(["generate", *args, "--speculative"]) == 0  # its defaults: 3 drafts, a chain on a CPU
+    cap = capsys.readouterr()
+    assert cap.out == fast and "of 3 drafts accepted" in cap.err and "output identical to plain greedy" in cap.err
     assert main(["generate", *args, "--speculative", "--draft", "2", "--draft-branches", "3"]) == 0
     cap = capsys.readouterr()
     assert cap.out == fast and "output identical to plain greedy" in cap.err
     assert main(["generate", *args, "--speculative", "--draft-branches", "3", "--reference"]) == 1
     assert capsys.readouterr().err.strip().endswith("(not with --reference)")
+    assert auto_branches(arch, "cpu") == 1 and auto_branches(arch, "cuda") == 4
     assert _differ([1, 2, 3, 4], [1, 2, 5, 4]) == (1, 2)
     assert _differ([1, 2], [1, 2, 3]) == (1, 2)
     assert _differ([7], [7]) == (0, None)
