@@ -549,7 +549,8 @@ def main() -> int:
     rows, spec_rate, plain_answers, banner, profiles = [], {}, {}, "", {}
     pool = Clients(args.client_procs)
     for mode in args.modes.split(","):
-        chain = ["--speculative", "--draft", str(args.draft), "--draft-branches", "1"]  # (serve's default on CUDA: a tree)
+        # (serve's own default on CUDA is a tree: the chain's modes say --draft-branches 1)
+        chain = ["--speculative", "--draft", str(args.draft), "--draft-branches", "1"]
         extra = {"plain": [], "speculative": chain, "auto": [*chain, "--spec-auto"],
                  "tree": ["--speculative", "--draft", str(args.draft), "--draft-branches", str(args.branches)],
                  "auto-tree": ["--speculative", "--draft", str(args.draft), "--spec-auto", "--draft-branches",

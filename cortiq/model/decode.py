@@ -868,9 +868,7 @@ class DecodeEngine:
         """h [S, T, H] -> next tokens [S, T]: argmax, or a Gumbel-max sample where temp [S] > 0."""
         head = self.head.to(h.dtype)
         if not self.sampling or temp is None:
-            if self._fn is None:
-                return _pick_greedy(h, head, self._chunk)
-            return self._fn.pick_greedy(_dyn(h, 0, 1), head, self._chunk)
+            return self._twin(_pick_greedy, _dyn(h, 0, 1), head, self._chunk)
         lf = F.linear(h, head).float()  # [S, T, V]
         e = torch.empty_like(lf).exponential_(generator=self.gen)
         t = temp[:, None, None]
@@ -1019,10 +1017,8 @@ class DecodeEngine:
         pos0 + off.. (or as `ctx` places them)."""
         ctx = self._ctx(pos0, toks.shape[1], off) if ctx is None else ctx
         ne, nh = self.mtp_e, self.mtp_h
-        args = (toks, self.model.model.embed_tokens.weight.detach(), hrows, ne.w, (ne.eps, ne.f32), nh.w,
-                (nh.eps, nh.f32), self.model.mtp.eh_proj.weight.detach())
-        x = _mtp_input(*args) if self._fn is None else self._fn.mtp_input(_dyn(toks, 0, 1), args[1], _dyn(hrows, 0, 1),
-                                                                         *args[3:])
+        x = self._twin(_mtp_input, _dyn(toks, 0, 1), self.model.model.embed_tokens.weight.detach(), _dyn(hrows, 0, 1),
+                       ne.w, (ne.eps, ne.f32), nh.w, (nh.eps, nh.f32), self.model.mtp.eh_proj.weight.detach())
         return self._attn(self.mtp_att, x, ctx, self.MK, self.MV, self.mtp_out)
 
     def _draft_pick(self, xh, j: int, base, slots):
@@ -1036,10 +1032,7 @@ class DecodeEngine:
         (`_draft_pick`), or with a tree the draft's top nb, best first."""
         if self.nb == 1:
             return self._draft_pick(xh, 0, base, slots)
-        head = self.head.to(xh.dtype)
-        if self._fn is None:
-            return _pick_top(xh[:, 0], head, self.nb, self._chunk)
-        return self._fn.pick_top(_dyn(xh[:, 0], 0), head, self.nb, self._chunk)
+        return self._twin(_pick_top, _dyn(xh[:, 0], 0), self.head.to(xh.dtype), self.nb, self._chunk)
 
     def _chain(self, out0, base):
         """The next round's drafts from the draft's row out0 [S, 1, H] at position base-1
@@ -1098,25 +1091,23 @@ class DecodeEngine:
         block = torch.cat([self.pend[:, None], self.drafts.view(S, self.nb, self.k)[:, :, :d].reshape(S, -1)], 1)
         Hv, _ = self._trunk(block, pos, self._ctx_tree(pos, self.ar[:T], dep, anc))  # [S, T, H]
         pred = self._pick(Hv)  # [S, T]
-        args = (block, pred, paths, pos, self.ar[: d + 1], self.M - 1)
-        if self._fn is None:
-            path, pred_k, kept_k, src, dst = _tree_choice(*args)
-        else:  # (one or two fused kernels where eager launches a dozen)
-            path, pred_k, kept_k, src, dst = self._fn.tree_choice(_dyn(block, 0), _dyn(pred, 0), paths, _dyn(pos, 0),
-                                                                  *args[4:])
+        # (compiled, one or two fused kernels where eager launches a dozen)
+        path, pred_k, kept_k, src, dst = self._twin(_tree_choice, _dyn(block, 0), _dyn(pred, 0), paths, _dyn(pos, 0),
+                                                    self.ar[: d + 1], self.M - 1)
         self._relocate(src, dst)  # the kept branch's rows then lie where a chain's would
         self._verified(Hv[ar[:, None], path], pred_k, kept_k)
 
+    def _twin(self, fn, *args):
+        """fn(*args), or on the fused path its compiled twin in `_Fns` (the same name without the
+        underscore), where its small operators become a kernel or two. The caller marks the
+        args' dynamic dims (`_dyn`: slots, block rows; an eager call ignores the marks)."""
+        return (fn if self._fn is None else getattr(self._fn, fn.__name__[1:]))(*args)
+
     def _by_slot(self, fn, *args):
-        """A small function fn of tensors (or lists of them) whose first dim is the slot
-        (`_kept`; `_plain_end`, `_round_end`, `_put_drafts`, which update buffers in place) on
-        args: on the fused path its compiled twin in `_Fns` (the same name without the
-        underscore), where its handful of small operators become a kernel or two (the slot dims
-        marked dynamic: one graph for all buckets ≥ 2)."""
-        if self._fn is None:
-            return fn(*args)
-        dyn = [[_dyn(x, 0) for x in a] if isinstance(a, list) else _dyn(a, 0) for a in args]
-        return getattr(self._fn, fn.__name__[1:])(*dyn)
+        """`_twin` of a small function fn of tensors (or lists of them) whose first dim is the
+        slot (`_kept`; `_plain_end`, `_round_end`, `_put_drafts`, which update buffers in place),
+        that dim marked dynamic in each: one graph for all buckets ≥ 2."""
+        return self._twin(fn, *[[_dyn(x, 0) for x in a] if isinstance(a, list) else _dyn(a, 0) for a in args])
 
     def _relocate(self, src, dst):
         """Keys and values at cache positions src [S, d+1] to dst [S, d+1], every attention
