@@ -109,6 +109,14 @@ def check_profile_step(d):
     assert d["ms"]["step"] > 0
 
 
+def check_attention(d):
+    rows = _rows(d)
+    _no_error(rows)
+    # every form of the call computes the engine's attention: in f32 they agree with SDPA to rounding
+    assert {r["variant"] for r in rows} >= {"SDPA as called", "bool mask", "math", "matmul-softmax-matmul"}
+    assert all(r["max_err"] < 1e-4 for r in rows), rows
+
+
 def check_quality(d):
     assert d["rows"] and all("gap" in r for r in d["rows"])
 
@@ -218,6 +226,7 @@ BENCHES = {
     "compress": ([], "compress_bench.json", check_compress),
     "llamacpp": ([], "llamacpp.json", check_llamacpp),
     "profile_step": ([], "profile_step.json", check_profile_step),
+    "attention": ([], "attention.json", check_attention),
     "variants": ([], "variants.json", check_variants),
     "data_build": ([], "data_build.json", check_data_build),
     "excess": ([], "excess.json", check_excess),
