@@ -1,6 +1,6 @@
 """The decode engine's attention call alone, in every form torch offers (for bench/DECODE.md): one device call.
 
-    python -m bench.attention [--out DIR]
+    python -m bench.attention [--shapes 1x1x512,32x13x512] [--skip flex_attention] [--out DIR]
     python -m bench.attention --cpu --tiny     # every variant once on a CPU, f32, against SDPA (no figures)
 
 The call as the fused engine makes it (cortiq.model.decode): SmolLM2-135M's 3 KV heads, 3 queries a KV head,
@@ -56,10 +56,10 @@ def variants(q, K, V, mask, compiled: bool):
                 return sdpa(q, K, V, attn_mask=mc)
         yield name, forced
     Kc, Vc = K.contiguous(), V.contiguous()
-    yield "K, V contiguous", lambda: sdpa(q, Kc, Vc, attn_mask=mc)
+    yield "K and V contiguous", lambda: sdpa(q, Kc, Vc, attn_mask=mc)
 
     def explicit():
-        s = torch.matmul(q, K.transpose(-1, -2)) * D ** -0.5 + mc
+        s = torch.matmul(q, K.transpose(-1, -2)) * D ** -0.5 + mc  # [S, Hkv, G·T, L]
         return torch.matmul(s.softmax(-1), V)
 
     yield "matmul-softmax-matmul", explicit
@@ -103,17 +103,32 @@ def kernels(fn) -> list[str]:
 
 
 def main():
-    a = parser(__doc__).parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--shapes", default=None, help="SxTxL,... slots, rows a slot, keys (default: the table's seven)")
+    ap.add_argument("--skip", default="", help="variants left out, comma-separated names as the table prints them")
+    a = ap.parse_args()
+    try:
+        shapes = [tuple(map(int, x.split("x", 2))) for x in a.shapes.split(",")] if a.shapes else SHAPES
+        assert all(len(x) == 3 and min(x) > 0 for x in shapes)
+    except (ValueError, AssertionError):
+        raise SystemExit(f"bench.attention: --shapes {a.shapes!r}: give SxTxL,... (slots, rows a slot, keys; each ≥ 1)")
+    skip = set(filter(None, a.skip.split(",")))
     cuda = not a.cpu
     if cuda:
         assert torch.cuda.is_available(), "the benchmark needs a CUDA device (--cpu --tiny smoke-tests it)"
     dev, dt = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     torch.manual_seed(0)
+    names = [n for n, _ in variants(*inputs(1, 1, 16, dev, dt), compiled=cuda)]
+    if skip - set(names):
+        raise SystemExit(f"bench.attention: --skip {','.join(sorted(skip - set(names)))}: no such variant here "
+                         f"(variants: {', '.join(names)})")
     rows = []
-    for S, T, L in SHAPES[1::3] if a.tiny else SHAPES:
+    for S, T, L in shapes[1::3] if a.tiny and not a.shapes else shapes:
         q, K, V, mask = inputs(S, T, L, dev, dt)
         ref = F.scaled_dot_product_attention(q, K, V, attn_mask=mask).float()
         for name, fn in variants(q, K, V, mask, compiled=cuda):
+            if name in skip:
+                continue
             row = {"slots": S, "rows": T, "keys": L, "variant": name}
             try:
                 row["max_err"] = (fn().float() - ref).abs().max().item()
@@ -129,8 +144,9 @@ def main():
     write_json(a.out, "attention.json", {"device": torch.cuda.get_device_name() if cuda else "cpu",
                                          "dtype": str(dt), "torch": torch.__version__, "rows": rows})
     print_table(["slots", "rows", "keys", "variant", "µs a call", "kernels", "max |err|"],
-                [[r["slots"], r["rows"], r["keys"], r["variant"], f"{r['us']:.2f}" if "us" in r else r.get("error", "-"),
-                  r.get("kernels", "-"), f"{r['max_err']:.3g}" if "max_err" in r else "-"] for r in rows])
+                [[r["slots"], r["rows"], r["keys"], r["variant"],
+                  f"{r['us']:.2f}" if "us" in r else r.get("error", "-"), r.get("kernels", "-"),
+                  f"{r['max_err']:.3g}" if "max_err" in r else "-"] for r in rows])
     return 0
 
 
