@@ -532,8 +532,8 @@ def _fused_fns(g: _Geo, ln: tuple[float, bool], qk: tuple[float, bool] | None) -
 def auto_branches(arch, dev) -> int:
     """A draft tree's branches where a command's setting leaves them to the engine (0): 4 where a
     tree runs and pays, a CUDA device and a model of attention layers only (on an H100,
-    SmolLM2-135M, 3 drafts a round: a tree of 4 served ×1.57 of plain to one chat client where
-    the chain served ×1.38, and ×1.22 at 32 where the chain fell to ×0.96; bench/DECODE.md),
+    SmolLM2-135M, 3 drafts a round: a tree of 4 served ×1.60 of plain to one chat client where
+    the chain served ×1.43, ×1.14 at 32 where the chain served ×1.06; bench/DECODE.md),
     else 1, the chain (a CPU pays for the verify rows in compute; a Gated DeltaNet state holds
     one branch)."""
     return 4 if torch.device(dev).type == "cuda" and LINEAR not in arch.layer_types else 1

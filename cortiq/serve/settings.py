@@ -42,7 +42,7 @@ class ServeSettings:
     #: spec_auto each step chooses between plain, chain and tree rounds from their measured times.
     #: 0 (auto): `auto_branches` (4 on CUDA for attention-only models; on an H100 a tree of 4 served
     #: more tokens a second than the chain at 1, 8 and 32 clients on chat and at 1 and 8 on text,
-    #: and 15.8k against 16.0k on text at 32) with the decode engine, else 1
+    #: and 19.1k against 19.3k on text at 32) with the decode engine, else 1
     draft_branches: int = setting(0, "--speculative: verify the draft's top N first guesses, each chained, "
                                            "in one forward (a tree; 0: 4 on CUDA for attention-only models, "
                                            "else 1)", lo=0)
