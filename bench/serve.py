@@ -550,11 +550,10 @@ def main() -> int:
     pool = Clients(args.client_procs)
     for mode in args.modes.split(","):
         # (serve's own default on CUDA is a tree: the chain's modes say --draft-branches 1)
-        chain = ["--speculative", "--draft", str(args.draft), "--draft-branches", "1"]
-        extra = {"plain": [], "speculative": chain, "auto": [*chain, "--spec-auto"],
-                 "tree": ["--speculative", "--draft", str(args.draft), "--draft-branches", str(args.branches)],
-                 "auto-tree": ["--speculative", "--draft", str(args.draft), "--spec-auto", "--draft-branches",
-                               str(args.branches)]}[mode]
+        spec = ["--speculative", "--draft", str(args.draft)]
+        chain, tree = [*spec, "--draft-branches", "1"], [*spec, "--draft-branches", str(args.branches)]
+        extra = {"plain": [], "speculative": chain, "auto": [*chain, "--spec-auto"], "tree": tree,
+                 "auto-tree": [*tree, "--spec-auto"]}[mode]
         prof_path = out / f"serve-{mode}.profile.json"
         extra_p = ["--profile", str(prof_path), "--profile-steps", str(args.profile_steps)] if args.profile else []
         srv = Server(model, tmp / f"{mode}.log", ["--max-batch", str(max(clients)), "--max-len", str(args.max_len),
