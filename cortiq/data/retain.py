@@ -29,7 +29,7 @@ from typing import Callable
 from .. import store
 from ..errors import CortiqError
 from ..pipeline import Stage
-from .settings import AUTO, AUTO_CPU, AUTO_GPU, SELF, BuildSettings, RetainSettings
+from .settings import AUTO, AUTO_CPU, AUTO_GPU, KNOWLEDGE, SELF, BuildSettings, RetainSettings
 from .tdata import STAGE, VERSION, Record, Tdata, records_table
 
 
@@ -46,8 +46,8 @@ def source_name(spec: str) -> str:
     """A retain source's short name in reports: pydoc, shakespeare, self, a tdata directory's name."""
     if spec.startswith("corpus:"):
         return spec.split(":", 1)[1]
-    if spec == SELF:
-        return SELF
+    if spec in (SELF, KNOWLEDGE):
+        return spec
     return Path(spec).name.removesuffix(".tdata") or spec
 
 
@@ -112,6 +112,11 @@ def retain_tdata(spec: str, source_cmf, settings: RetainSettings, run: Runner, r
         gen = SelfGenSettings(seed=settings.seed,
                               tokens=settings.self_tokens or settings.tokens or SelfGenSettings().tokens)
         return run(SELFGEN, "retain.self", model=str(source_cmf), settings=plain(gen))["path"]
+    if spec == KNOWLEDGE:
+        from ..pipeline import plain
+        from .knowledge import KNOWLEDGE as STAGE, KnowledgeSettings
+
+        return run(STAGE, "retain.knowledge", model=str(source_cmf), settings=plain(KnowledgeSettings(seed=settings.seed)))["path"]
     if spec.startswith("corpus:"):
         from .builder import DATA
         from ..pipeline import plain
@@ -119,7 +124,7 @@ def retain_tdata(spec: str, source_cmf, settings: RetainSettings, run: Runner, r
         return run(DATA, f"retain.{source_name(spec)}", sources=[spec], model=str(source_cmf),
                    settings=plain(BuildSettings(max_total_tokens=settings.tokens)))["path"]
     if not os.path.isdir(spec):
-        raise CortiqError(f"retain source {spec}: not corpus:NAME, self, or a tdata directory")
+        raise CortiqError(f"retain source {spec}: not corpus:NAME, self, knowledge or a tdata directory")
     Tdata.open(spec).check_tokenizer(source_cmf)
     return spec
 

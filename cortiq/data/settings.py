@@ -117,6 +117,8 @@ class SelfGenSettings:
 
 #: retain sources that are not paths: the source model's own generations
 SELF = "self"
+#: and its own knowledge: entities it lists, relation prompts it completes (cortiq.data.knowledge)
+KNOWLEDGE = "knowledge"
 #: the retain source when none is named: AUTO's sources on this machine (RetainSettings.sources says why)
 AUTO = "auto"
 DEFAULT_RETAIN = AUTO
