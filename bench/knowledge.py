@@ -27,12 +27,42 @@ from cortiq.data.settings import RetainSettings
 from cortiq.measure import score
 
 TEXTS = ("heal test", "unseen plays", "pydoc", "code", "legal", "chat")
-#: label -> retain sources ("auto" is the default's, resolved on this machine)
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row: its retain sources ("auto": the default's on this machine) and share, the fold's
+    scope and floor, and the knowledge source's lists and entities per category (0: its defaults)."""
+
+    sources: tuple[str, ...]
+    share: float = 0.5
+    scope: str = "auto"
+    floor: float = 0.25
+    lists: int = 0
+    entities: int = 0
+
+
+KNOW = ("self", "knowledge", "corpus:pydoc")
 ROWS = {
-    "defaults": ["auto"],
-    "knowledge": ["self", "knowledge", "corpus:pydoc"],
-    "knowledge, no self": ["knowledge", "corpus:pydoc"],
+    "defaults": Row(("auto",)),
+    "knowledge": Row(KNOW),
+    "knowledge+pydoc": Row(("knowledge", "corpus:pydoc")),
+    "knowledge share 0.7": Row(KNOW, share=0.7),
+    "knowledge only": Row(("knowledge",)),
+    "more knowledge": Row(KNOW, lists=16, entities=128),
+    "more knowledge floor 0.5": Row(KNOW, floor=0.5, lists=16, entities=128),
+    "more knowledge per layer": Row(KNOW, scope="per_layer", lists=16, entities=128),
 }
+
+
+def knowledge_sizes(row: Row) -> None:
+    """The knowledge source's lists and entities for this row: the retain source builds its
+    settings from the seed alone, so the row sets the class's defaults it is built with."""
+    from cortiq.data import knowledge
+
+    base = getattr(knowledge, "_DEFAULTS", knowledge.KnowledgeSettings)
+    knowledge._DEFAULTS = base
+    over = {k: v for k, v in (("lists", row.lists), ("entities", row.entities)) if v}
+    knowledge.KnowledgeSettings = (lambda seed=0: base(seed=seed, **over)) if over else base
 
 
 def panel_nll(path, sets, device, tiny) -> dict[str, float]:
@@ -55,19 +85,20 @@ def facts_of(models: dict, device: str, external: str | None) -> dict:
     return out
 
 
-def one_row(label, sources, src, sets, cache, out, device, tiny, external=None) -> dict:
+def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None) -> dict:
     from cortiq.compress import compress
-    from cortiq.compress.settings import CompressSettings, MaskSettings
+    from cortiq.compress.settings import CompressSettings, FoldSettings, MaskSettings
     from cortiq.heal.settings import HealSettings
     from cortiq.heal.stages import heal
 
     small = dict(masks=MaskSettings(max_steps=12, window=64, batch=2, val_windows=4, eval_every=4)) if tiny else {}
-    c = CompressSettings(**small, device=device)
+    c = CompressSettings(**small, device=device, fold=FoldSettings(scope=row.scope, floor=row.floor))
     h = HealSettings(device=device, **(dict(window=64, batch=4, eval_every=4, tokens=4096) if tiny else {}))
-    rs = RetainSettings(sources=sources, **(dict(tokens=8000) if tiny else {}))
+    rs = RetainSettings(sources=list(row.sources), share=row.share, **(dict(tokens=8000) if tiny else {}))
+    knowledge_sizes(row)
     work = cache / "stages"
     t0 = time.perf_counter()
-    key = store.digest("knowledge-pruned", 1, dataclasses.asdict(c), dataclasses.asdict(rs))
+    key = store.digest("knowledge-pruned", 1, dataclasses.asdict(c), [dataclasses.asdict(rs), dataclasses.asdict(row)])
     pruned = cache / f"pruned-{key}.cmf"
     compress(src, sets["heal"], c, pruned, work=work, log=log, retain=rs)
     t_c = time.perf_counter() - t0
@@ -75,7 +106,7 @@ def one_row(label, sources, src, sets, cache, out, device, tiny, external=None) 
     rep = heal(pruned, src, sets["heal"], h, healed, work_dir=work, progress=False, score_split=None, retain=rs)
     t_h = time.perf_counter() - t0 - t_c
     facts = facts_of({"source": src, "pruned": pruned, "healed": healed}, device, external)
-    row = {"label": label, "retain": sources, "compress_s": t_c, "heal_s": t_h, "steps": rep["metrics"]["steps"],
+    row = {"label": label, "row": dataclasses.asdict(row), "compress_s": t_c, "heal_s": t_h, "steps": rep["metrics"]["steps"],
            "facts": facts, "nll": {"pruned": panel_nll(pruned, sets, device, tiny),
                                    "healed": panel_nll(healed, sets, device, tiny)}}
     healed.unlink(missing_ok=True)
@@ -84,12 +115,12 @@ def one_row(label, sources, src, sets, cache, out, device, tiny, external=None) 
 
 def table(base: dict, rows: list[dict]) -> str:
     parts = [p for p in ("dev", "held", "external") if p in rows[0]["facts"]]
-    head = f"{'row':<22}{'model':<8}" + "".join(f"{'facts ' + p:>16}" for p in parts) + "".join(f"{t:>14}" for t in TEXTS) + f"{'s':>6}"
+    head = f"{'row':<28}{'model':<8}" + "".join(f"{'facts ' + p:>16}" for p in parts) + "".join(f"{t:>14}" for t in TEXTS) + f"{'s':>6}"
     lines = [head]
     for r in rows:
         for m in ("pruned", "healed"):
             f = [r["facts"][p][m] for p in parts]
-            lines.append(f"{r['label'] if m == 'pruned' else '':<22}{m:<8}"
+            lines.append(f"{r['label'] if m == 'pruned' else '':<28}{m:<8}"
                          + "".join(f"{x['kept']:>8}/{x['source_known']:<3}{(x['kept_share'] or 0):>5.0%}" for x in f)
                          + "".join(f"{r['nll'][m][t] - base[t]:>+14.3f}" for t in TEXTS)
                          + (f"{r['compress_s'] + r['heal_s']:>6.0f}" if m == "healed" else ""))
@@ -104,7 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default=None, help="models, tdata and stage outputs (default ~/cache/knowledge)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where knowledge.json goes")
     ap.add_argument("--facts-file", default=None, help="a fact TSV kept outside the repository, scored too")
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"rows, comma-separated, of: {', '.join(ROWS)}")
+    ap.add_argument("--rows", default="defaults,knowledge", help=f"rows, comma-separated, of: {', '.join(ROWS)}")
     args = ap.parse_args(argv)
     device, cache, out = run_dirs(args, "knowledge")
     src = cache / "smollm2.cmf"

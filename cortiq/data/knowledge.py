@@ -60,6 +60,12 @@ CATEGORIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "body": ("parts of the human body", ("The {X} is the organ that", "The human body has")),
     "science": ("units and laws of physics", ("{X} is a unit of", "{X} was named after")),
     "language": ("languages of the world", ("{X} is spoken mainly in", "{X} is written in the alphabet")),
+    "landmark": ("famous buildings and landmarks", ("{X} is located in the city of", "{X} was built in the year")),
+    "object": ("everyday things and their colors", ("The color of {X} is", "{X} is usually made of")),
+    "calendar": ("the months of the year and the days of the week", ("The month after {X} is",
+                                                                     "The day after {X} is")),
+    "shape": ("geometric shapes", ("The number of sides of a {X} is", "A {X} has")),
+    "job": ("jobs and professions", ("A {X} works in a", "A {X} uses a")),
 }
 
 LEAD = "{X} is"
