@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from cortiq.convert.hf import convert_hf_dir
 from cortiq.errors import CortiqError
 from cortiq.model import load_model
-from cortiq.model.decode import DecodeEngine, _argmax, _split, _topk, auto_branches
+from cortiq.model.decode import DecodeEngine, auto_branches
+from cortiq.model.decode.picks import _argmax, _split, _topk
 from cortiq.model.generate import decode, generate, generate_fast
 
 from model_helpers import V, _perturb_norms, save_hf, tiny_llama, tiny_qwen3_next
