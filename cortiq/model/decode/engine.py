@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from ...arch import FULL, LINEAR
 from ...errors import CortiqError
-from .layers import (_Attn, _Mlp, _Norm, _add_linear, _ctx_rows, _ctx_tree_rows, _dyn, _fuse, _fused_fns, _heads,
-                     _merge_heads, _mtp_input)
+from .forward import StaticForward
+from .layers import _Attn, _Mlp, _Norm, _dyn, _fuse
 from .picks import _argmax, _pick_greedy, _pick_top, _split
 from .prefill import PrefillJob
 from .speculative import _kept, _plain_end, _put_drafts, _round_end, _tree_choice, _tree_tables
@@ -33,7 +33,7 @@ def cache_len(max_len: int, draft: int = 0, branches: int = 1) -> int:
     return -(-(max_len + (branches - 1) * 2 * draft) // 16) * 16
 
 
-class DecodeEngine:
+class DecodeEngine(StaticForward):
     """Static-cache decoding over `slots` independent sequences (module docstring: the API)."""
 
     def __init__(self, model, slots: int = 1, max_len: int = 1024, draft: int = 0, sampling: bool = False,
@@ -312,23 +312,6 @@ class DecodeEngine:
         return self.out_pred, self.out_n
 
     # ── internals ──
-    def _compiled(self):
-        """The fused path's compiled functions and whether the MLP widths differ between layers
-        (a fold of global scope: their width dims are then marked dynamic too, one graph for
-        all widths), or (None, False) where the attention layers differ in geometry or norm
-        style (never within one arch: the eager path then runs)."""
-        layers = list(self.att.values()) + ([self.mtp_att] if self.k else [])
-        keys = {(L.geo, L.styles()) for L in layers}
-        geo, styles = next(iter(keys), (None, None))
-        if len(keys) != 1 or styles is None:
-            return None, False
-        # one graph per (shape class, geometry) and compiled function: raise dynamo's limit of
-        # 8 per function, as `CausalLM.compile_layers` does, for several engines in a process
-        cfg = torch._dynamo.config
-        name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-        setattr(cfg, name, max(getattr(cfg, name), 64))
-        return _fused_fns(geo, *styles), len({L.mlp.width for L in layers}) > 1
-
     def _room(self, need: int) -> None:
         """Every active slot must fit `need` more positions (and the verify block) in max_len."""
         if not any(self._on[s] and self._hi[s] + need + self.k > self.max_len for s in range(self.S)):
@@ -364,152 +347,6 @@ class DecodeEngine:
         t = temp[:, None, None]
         scores = torch.where(t > 0, lf / t.clamp_min(1e-6) - e.log(), lf)
         return _argmax(scores, self._chunk)
-
-    def _ctx(self, pos, T, off: int = 0):
-        """Positions [S, T] from first positions pos [S] + off (clamped: inactive
-        slots may point anywhere), with RoPE [S, T, 1, rdim], the KV write
-        index [S, Hkv, T, D] and the additive mask [S, 1, G·T, L] (query row
-        g·T + t of a KV head sees keys ≤ its position; L the key length of this step).
-        (off shifts the arange, not pos: no kernel of its own for a chain step's position.)"""
-        ar_t, ar_l = self.ar[off: off + T], self.ar[: self.L]
-        if self._fn is None:
-            return _ctx_rows(pos, ar_t, ar_l, self.cos, self.sin, self.hkv, self.G, self.D)
-        cos, sin, idx, mask = self._fn.ctx(_dyn(pos, 0), _dyn(ar_t, 0), _dyn(ar_l, 0), _dyn(self.cos, 0),
-                                           _dyn(self.sin, 0))
-        return _dyn(cos, 0, 1), _dyn(sin, 0, 1), idx, mask
-
-    def _ctx_tree(self, pos, rows, dep, anc):
-        """`_ctx` for rows of a tree block whose rows lie at cache positions pos.. (pos [S]):
-        query rows `rows` [R] of the block, row r written at pos + rows[r] and roped at
-        pos + dep[r]; every key before pos is seen, a key of the block where anc [R, Tb] says
-        (its ancestors and itself). -> (cos, sin [S, R, 1, rdim], write index [S, Hkv, R, D],
-        mask [S, 1, G·R, L]) as `_ctx`."""
-        ar_l = self.ar[: self.L]
-        if self._fn is None:
-            return _ctx_tree_rows(pos, rows, dep, anc, ar_l, self.cos, self.sin, self.hkv, self.G, self.D)
-        cos, sin, idx, mask = self._fn.tree_ctx(_dyn(pos, 0), rows, dep, anc, _dyn(ar_l, 0), _dyn(self.cos, 0),
-                                                _dyn(self.sin, 0))
-        return _dyn(cos, 0, 1), _dyn(sin, 0, 1), idx, mask
-
-    def _attn(self, L: _Attn, h, ctx, K, V, norm: _Norm | None = None):
-        """A full-attention decoder layer on h [S, T, H] (updated in place: the residual
-        adds ride on the o and down products), writing its keys and values to K, V [S, Hkv, M, D];
-        its output normed by `norm` where given."""
-        if self._fn is not None:
-            return self._attn_fused(L, h, ctx, K, V, norm)
-        cos, sin, idx, mask = ctx
-        a = L.a
-        K, V = K[:, :, : self.L], V[:, :, : self.L]  # the live part of the caches (views: writes land in them)
-        x = L.ln1(h)
-        qkv = F.linear(x, L.w_qkv, L.b_qkv)  # [S, T, (Hq(·2) + 2·Hkv)·D]
-        qg, k, v, gate = _heads(qkv, cos, sin, L.qn, L.kn, L.geo)  # [S, Hkv, G·T, D], [S, Hkv, T, D] ×2
-        K.scatter_(2, idx, k)
-        V.scatter_(2, idx, v)
-        o = F.scaled_dot_product_attention(qg, K, V, attn_mask=mask)  # [S, Hkv, G·T, D]
-        h = _add_linear(h, _merge_heads(o, gate, L.geo), a.o_proj.weight)
-        h = L.mlp.add_to(h, L.ln2(h))
-        return h if norm is None else norm(h)
-
-    def _attn_fused(self, L: _Attn, h, ctx, K, V, norm: _Norm | None = None):
-        """`_attn` through the compiled halves (`_fused_fns`): pre (which writes the caches) and
-        post around the eager attention. -> a new h [S, T, H] (h itself is left as it was)."""
-        cos, sin, idx, mask = ctx
-        pre, post = self._fn.pre, self._fn.post
-        # every weight detached: dynamo guards on requires_grad (a fused view of parameters may
-        # carry it) and holds a parameter's shape static (a fold's MLP widths differ between
-        # layers); the modules' own weights as they are now, as the eager path reads them
-        qn, kn = (None, None) if L.qn is None else (L.qn.w, L.kn.w)
-        b_qkv = None if L.b_qkv is None else L.b_qkv.detach()
-        q, gate = pre(_dyn(h, 0, 1), L.ln1.w, L.w_qkv.detach(), b_qkv, qn, kn, cos, sin, idx, _dyn(K, 0), _dyn(V, 0))
-        o = F.scaled_dot_product_attention(q, K[:, :, : self.L], V[:, :, : self.L], attn_mask=mask)  # [S, Hkv, G·T, D]
-        m = L.mlp.mlp
-        w_gu, w_down = L.mlp.w_gu.detach(), m.down_proj.weight.detach()
-        nl = None if m.neuron_logits is None else m.neuron_logits.detach()
-        if self._ragged:
-            _dyn(w_gu, 0)
-            _dyn(w_down, 1)
-            if nl is not None:
-                _dyn(nl, 0)
-        wn, n_style = (None, None) if norm is None else (norm.w, (norm.eps, norm.f32))
-        return post(h, _dyn(o, 0, 2), None if gate is None else _dyn(gate, 0, 1), L.a.o_proj.weight.detach(),
-                    L.ln2.w, w_gu, w_down, nl, wn, n_style)
-
-    def _gdn(self, i, h):
-        """A GDN decoder layer on h [S, T, H] from the slot states; -> (h, conv
-        window [S, C, K-1+T], state after each token [S, T, Hv, Dk, Dv]). The
-        state is not written: the caller commits the accepted prefix's."""
-        ln1, ln2, mlp, w_in, split = self.lin[i]
-        j = self.slot_of[i]
-        g = self.model.layers[i].linear_attn
-        S, T, _ = h.shape
-        x = ln1(h)
-        qkv, z, b, a = F.linear(x, w_in).split(split, -1)
-        qkv = qkv.transpose(1, 2)  # [S, C, T]
-        full = torch.cat([self.conv[j].to(qkv.dtype), qkv], -1)  # [S, C, K-1+T]
-        # the causal depthwise conv as windows × taps (a CPU conv1d call on a few columns costs ~80 ms)
-        y = F.silu((full.unfold(2, g.K, 1) * g.conv1d.weight[:, 0, None, :]).sum(-1)).transpose(1, 2)  # [S, T, C]
-        q, k, v = y.split([g.key_dim, g.key_dim, g.value_dim], -1)
-        from ..gdn import l2norm
-
-        q = l2norm(q.reshape(S, T, g.hk, g.dk).float())
-        k = l2norm(k.reshape(S, T, g.hk, g.dk).float())
-        v = v.reshape(S, T, g.hv, g.dv)
-        if g.hv != g.hk:
-            q = q.repeat_interleave(g.hv // g.hk, 2)
-            k = k.repeat_interleave(g.hv // g.hk, 2)
-        beta = b.float().sigmoid()  # [S, T, Hv]
-        gl = -g.A_log.float().exp() * F.softplus(a.float() + g.dt_bias.float())  # [S, T, Hv]
-        # the reference recurrence (gated_delta_rule_ref), keeping the state after every token
-        q, k = q.to(v.dtype).float() * g.dk ** -0.5, k.to(v.dtype).float()
-        vf = v.float()
-        St = self.rec[j]
-        outs, states = [], []
-        for t in range(T):  # T ≤ draft+1: a fixed unroll inside the captured step
-            St = St * gl[:, t].exp()[..., None, None]
-            kv = torch.einsum("bhkv,bhk->bhv", St, k[:, t])
-            delta = (vf[:, t] - kv) * beta[:, t, :, None]
-            St = St + k[:, t, :, :, None] * delta[:, :, None, :]
-            outs.append(torch.einsum("bhkv,bhk->bhv", St, q[:, t]))
-            states.append(St)
-        o = torch.stack(outs, 1).to(v.dtype)  # [S, T, Hv, Dv]
-        z = z.reshape(S, T, g.hv, g.dv)
-        o = g.norm(o, z).reshape(S, T, g.value_dim)
-        h = _add_linear(h, o, g.out_proj.weight)
-        return mlp.add_to(h, ln2(h)), full, torch.stack(states, 1)
-
-    def _trunk(self, tok, pos, ctx=None):
-        """The trunk on tokens [S, T] at positions pos.. (or as `ctx` places them) -> (final
-        hidden [S, T, H], GDN pending states)."""
-        T = tok.shape[1]
-        ctx = self._ctx(pos, T) if ctx is None else ctx
-        h = self.model.embed(tok)
-        pending = []
-        last = len(self.kinds) - 1
-        for i in range(len(self.kinds)):
-            if i in self.att:
-                j = self.slot_of[i]
-                h = self._attn(self.att[i], h, ctx, self.K[j], self.V[j], self.final if i == last else None)
-            else:
-                h, full, states = self._gdn(i, h)
-                pending.append((self.slot_of[i], full, states))
-        return (h if last in self.att else self.final(h)), pending
-
-    def _commit(self, pending, a):
-        """GDN states after the first a[s]+1 tokens of the block (a [S])."""
-        for j, full, states in pending:
-            K1 = self.conv.shape[-1]
-            idx = (a + 1)[:, None, None] + torch.arange(K1, device=self.dev)  # [S, 1, K-1]
-            self.conv[j].copy_(full.gather(2, idx.expand(-1, full.shape[1], -1)))
-            self.rec[j].copy_(states[self.slot_ar, a])
-
-    def _mtp(self, hrows, toks, pos0, ctx=None, off: int = 0):
-        """The MTP block on trunk rows hrows [S, T, H] and the tokens after them [S, T] at positions
-        pos0 + off.. (or as `ctx` places them)."""
-        ctx = self._ctx(pos0, toks.shape[1], off) if ctx is None else ctx
-        ne, nh = self.mtp_e, self.mtp_h
-        x = self._twin(_mtp_input, _dyn(toks, 0, 1), self.model.model.embed_tokens.weight.detach(), _dyn(hrows, 0, 1),
-                       ne.w, (ne.eps, ne.f32), nh.w, (nh.eps, nh.f32), self.model.mtp.eh_proj.weight.detach())
-        return self._attn(self.mtp_att, x, ctx, self.MK, self.MV, self.mtp_out)
 
     def _draft_pick(self, xh, j: int, base, slots):
         """Draft token of chain step j from the draft's row xh [S', 1, H] -> [S', 1]: greedy.
@@ -586,18 +423,6 @@ class DecodeEngine:
                                                     self.ar[: d + 1], self.M - 1)
         self._relocate(src, dst)  # the kept branch's rows then lie where a chain's would
         self._verified(Hv[ar[:, None], path], pred_k, kept_k)
-
-    def _twin(self, fn, *args):
-        """fn(*args), or on the fused path its compiled twin in `_Fns` (the same name without the
-        underscore), where its small operators become a kernel or two. The caller marks the
-        args' dynamic dims (`_dyn`: slots, block rows; an eager call ignores the marks)."""
-        return (fn if self._fn is None else getattr(self._fn, fn.__name__[1:]))(*args)
-
-    def _by_slot(self, fn, *args):
-        """`_twin` of a small function fn of tensors (or lists of them) whose first dim is the
-        slot (`_kept`; `_plain_end`, `_round_end`, `_put_drafts`, which update buffers in place),
-        that dim marked dynamic in each: one graph for all buckets ≥ 2."""
-        return self._twin(fn, *[[_dyn(x, 0) for x in a] if isinstance(a, list) else _dyn(a, 0) for a in args])
 
     def _relocate(self, src, dst):
         """Keys and values at cache positions src [S, d+1] to dst [S, d+1], every attention
