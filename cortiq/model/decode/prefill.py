@@ -40,9 +40,9 @@ class PrefillJob(_PromptJob):
             raise CortiqError(f"temperature {temperature}: must be ≥ 0")
         self.eng, self.temperature = eng, temperature
         self.chunk = chunk if chunk > 0 else self.n
-        self.t = torch.tensor([self.ids], device=eng.dev)
+        self.t = torch.tensor([self.ids], device=eng.device)
         self.cache = eng.model.new_cache()
-        self.ms = KVState() if eng.k else None
+        self.ms = KVState() if eng.draft else None
 
     @torch.no_grad()
     def run(self) -> int | None:
@@ -51,7 +51,7 @@ class PrefillJob(_PromptJob):
             return self.first
         a, b = self.at, min(self.at + self.chunk, n)
         H, _ = m.forward_hidden(t[:, a:b], cache=self.cache)  # [1, b-a, H]
-        if eng.k:  # the draft's rows a..e-1: each reads its trunk row and the prompt token after it
+        if eng.draft:  # the draft's rows a..e-1: each reads its trunk row and the prompt token after it
             e = min(b, n - 1)
             if e > a:
                 m.mtp_forward(H[:, : e - a], t[:, a + 1 : e + 1], a, self.ms)
@@ -64,39 +64,41 @@ class PrefillJob(_PromptJob):
     def _install(self, h_last) -> int:
         eng, m, n, slot, cache = self.eng, self.eng.model, self.n, self.slot, self.cache
         for i in eng.attn_idx:
-            st, j = cache.states[i], eng.slot_of[i]
-            eng.K[j, slot, :, :n] = st.k[0]
-            eng.V[j, slot, :, :n] = st.v[0]
+            st, j = cache.states[i], eng.kind_index[i]
+            eng.k_cache[j, slot, :, :n] = st.k[0]
+            eng.v_cache[j, slot, :, :n] = st.v[0]
         for i in eng.lin_idx:
-            st, j = cache.states[i], eng.slot_of[i]
+            st, j = cache.states[i], eng.kind_index[i]
             eng.conv[j, slot] = st.conv[0]
             eng.rec[j, slot] = st.rec[0]
         eng.temp[slot] = self.temperature
+        if eng.final_rows is not None:
+            eng.final_rows[slot] = h_last[0, -1]
         first = eng._pick(h_last, eng.temp[slot: slot + 1])[0, 0]
-        if eng.k:  # the first round's chain from row n-1 (each branch's, with a tree)
-            ms, nb = self.ms, eng.nb
-            base, which = torch.tensor([n], device=eng.dev), torch.tensor([slot], device=eng.dev)
+        if eng.draft:  # the first round's chain from row n-1 (each branch's, with a tree)
+            ms, branches = self.ms, eng.branches
+            base, which = torch.tensor([n], device=eng.device), torch.tensor([slot], device=eng.device)
             xh = m.mtp_forward(h_last, first.view(1, 1), n - 1, ms)  # [1, 1, H] chain step 0
             eng.mtp_last[slot] = xh[0]
-            d = eng._draft_first(xh, base, which)  # [1, nb]
+            d = eng._draft_first(xh, base, which)  # [1, branches]
             drafts = [d]
             # the branches as a batch, each over its own copy of the draft's rows
             bs = KVState()
-            bs.k, bs.v = ms.k.expand(nb, -1, -1, -1), ms.v.expand(nb, -1, -1, -1)
-            xh = xh.expand(nb, -1, -1)
-            for j in range(1, eng.k):
-                xh = m.mtp_forward(xh, d.view(nb, 1), n - 1 + j, bs)
-                d = eng._draft_pick(xh.reshape(1, nb, -1), j, base, which)  # [1, nb]
+            bs.k, bs.v = ms.k.expand(branches, -1, -1, -1), ms.v.expand(branches, -1, -1, -1)
+            xh = xh.expand(branches, -1, -1)
+            for j in range(1, eng.draft):
+                xh = m.mtp_forward(xh, d.view(branches, 1), n - 1 + j, bs)
+                d = eng._draft_pick(xh.reshape(1, branches, -1), j, base, which)  # [1, branches]
                 drafts.append(d)
             # the committed rows, then branch 0's chain rows where the engine's own chain leaves them
             # (nothing reads those before a round writes them again; kept so both prefills leave equal caches)
-            eng.MK[slot, :, : n - 1 + eng.k] = bs.k[0]
-            eng.MV[slot, :, : n - 1 + eng.k] = bs.v[0]
+            eng.mtp_k_cache[slot, :, : n - 1 + eng.draft] = bs.k[0]
+            eng.mtp_v_cache[slot, :, : n - 1 + eng.draft] = bs.v[0]
             eng.drafts[slot] = torch.stack(drafts, 2).reshape(-1)
-        eng.pend[slot] = first
+        eng.pending[slot] = first
         eng.pos[slot] = n
         eng.active[slot] = True
-        eng._hi[slot], eng._on[slot] = n, True
+        eng._bound[slot], eng._live[slot] = n, True
         return int(first)
 
 
@@ -117,11 +119,11 @@ class StagedPrefill:
             raise CortiqError("decode engine: staged prefill runs attention-only models (a GDN layer's state "
                               "needs the reference forward)")
         self.eng = eng
-        # a chunk never spans more positions than a prompt may have (it leaves the draft's k rows free)
-        self.sizes = sorted({min(int(c), eng.max_len - eng.k) for c in sizes})
+        # a chunk never spans more positions than a prompt may have (it leaves the draft's rows free)
+        self.sizes = sorted({min(int(c), eng.max_len - eng.draft) for c in sizes})
         C = self.sizes[-1]
         st = self.st = eng.staging_engine()
-        dev = eng.dev
+        dev = eng.device
         z = lambda *s, dtype=torch.long: torch.zeros(*s, dtype=dtype, device=dev)  # noqa: E731
         self.tok, self.nxt = z(1, C), z(1, C)  # the chunk's tokens and the token after each
         self.start, self.final = z(1), z(1, dtype=torch.bool)
@@ -130,7 +132,7 @@ class StagedPrefill:
         # CUDA a device-side assert that poisons every later call in the process)
         self.nreal = torch.ones(1, dtype=torch.long, device=dev)
         self.first = z(1)
-        self.row = torch.zeros(1, eng.arch.hidden_size, dtype=eng.dt, device=dev)  # the prompt's last final row
+        self.row = torch.zeros(1, eng.arch.hidden_size, dtype=eng.dtype, device=dev)  # the prompt's last final row
         st.active.fill_(True)
         self.graphs = {}
         if eng.graphs:
@@ -144,7 +146,7 @@ class StagedPrefill:
         H, _ = st._trunk(tok, self.start)  # [1, c, H]: K, V rows start..start+c-1
         last = H[0].index_select(0, self.nreal - 1)[None]  # [1, 1, H]
         first = st._pick(last)[:, 0]  # [1]
-        if st.k:
+        if st.draft:
             st._mtp(H, nxt, self.start)  # the draft's rows of the chunk (its last real one is redone below)
             # the last real row reads the token after it: the next chunk's first, or on the last
             # chunk the first decided token; that row is chain step 0 of the first round
@@ -162,20 +164,20 @@ class StagedPrefill:
         """The staged prompt of n tokens into `slot` of the engine, active -> its first token, a
         LongTensor [1] on the device (read it with int(): the host then waits for the device)."""
         e, st = self.eng, self.st
-        e.K[:, slot, :, :n].copy_(st.K[:, 0, :, :n])
-        e.V[:, slot, :, :n].copy_(st.V[:, 0, :, :n])
-        if e.k:
-            e.MK[slot, :, : n + e.k].copy_(st.MK[0, :, : n + e.k])
-            e.MV[slot, :, : n + e.k].copy_(st.MV[0, :, : n + e.k])
+        e.k_cache[:, slot, :, :n].copy_(st.k_cache[:, 0, :, :n])
+        e.v_cache[:, slot, :, :n].copy_(st.v_cache[:, 0, :, :n])
+        if e.draft:
+            e.mtp_k_cache[slot, :, : n + e.draft].copy_(st.mtp_k_cache[0, :, : n + e.draft])
+            e.mtp_v_cache[slot, :, : n + e.draft].copy_(st.mtp_v_cache[0, :, : n + e.draft])
             e.drafts[slot].copy_(st.drafts[0])
             e.mtp_last[slot].copy_(st.mtp_last[0])
-        if hasattr(e, "serve_rows"):
-            e.serve_rows[slot].copy_(self.row[0])
+        if e.final_rows is not None:
+            e.final_rows[slot].copy_(self.row[0])
         e.temp[slot] = 0.0
-        e.pend[slot: slot + 1].copy_(self.first)
+        e.pending[slot: slot + 1].copy_(self.first)
         e.pos[slot] = n
         e.active[slot] = True
-        e._hi[slot], e._on[slot] = n, True
+        e._bound[slot], e._live[slot] = n, True
         return self.first.clone()  # (the staging buffer is the next prompt's)
 
 
@@ -198,7 +200,7 @@ class StagedJob(_PromptJob):
         c = next(s for s in sp.sizes if s >= L)
         after = ids[a + 1: b + 1]
         host = torch.tensor([ids[a:b], after + [0] * (L - len(after))])  # [2, L]
-        if sp.eng.dev.type == "cuda":
+        if sp.eng.device.type == "cuda":
             # from pinned memory, queued behind the step in flight: a copy from pageable memory
             # would wait for that step (the caching host allocator keeps the buffer until the copy ran)
             host = host.pin_memory()

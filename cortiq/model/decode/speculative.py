@@ -9,16 +9,16 @@ import torch
 
 
 class _Tree(NamedTuple):
-    """The fixed shape of a draft tree of `nb` branches at the root, each a chain of k drafts
-    (`_tree_tables`): the tables its verify blocks and chain steps index with."""
+    """The fixed shape of a draft tree of nb = `branches` branches at the root, each a chain of
+    k = `draft` drafts (`_tree_tables`): the tables its verify blocks and chain steps index with."""
 
     verify: dict  # depth d -> (rope offsets [T], ancestry [T, T] bool, paths [nb, d+1]); T = 1 + nb·d
     chain: dict  # chain step j (1..k-1) -> (block rows [nb], rope offsets [nb], ancestry rows [nb, nb·(k-1)])
 
 
-def _tree_tables(nb: int, k: int, dev) -> _Tree:
-    """A root-branching draft tree: the draft's top `nb` guesses for the first token, each
-    continued greedily to a chain of k (EAGLE-2's tree, cut to its widest level: on a SmolLM2
+def _tree_tables(branches: int, draft: int, dev) -> _Tree:
+    """A root-branching draft tree: the draft's top nb = `branches` guesses for the first token,
+    each continued greedily to a chain of k = `draft` (EAGLE-2's tree, cut to its widest level: on a SmolLM2
     draft, measured offline, `nb` chains of the top `nb` first guesses kept more drafts per
     verified row than trees that branch deeper, and four of them twice the chain's drafts a
     round; bench/DECODE.md, "A draft tree"). One verify block holds the pending token
@@ -26,6 +26,7 @@ def _tree_tables(nb: int, k: int, dev) -> _Tree:
     branch up to itself, at position pending + its depth. The chain's rows of steps 1..k-1
     lie in a block of nb·(k-1) rows past the chain's first position, branch b's at b·(k-1) ..;
     each sees its own branch's earlier rows."""
+    nb, k = branches, draft
     verify = {}
     for d in range(1, k + 1):
         T = 1 + nb * d
