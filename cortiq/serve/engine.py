@@ -318,10 +318,10 @@ class DecodeAdapter(Engine):
     def speculate(self, slots, tokens, depth: int = 0):
         slots_t = self._feed(slots, tokens)
         pred, n = self.eng.spec_on(self._rows(), depth or None)
-        p, k = pred[slots_t].tolist(), n[slots_t].tolist()
-        for s, ki in zip(slots, k):
-            self.lens[s] += ki
-        return [row[:ki] for row, ki in zip(p, k)]
+        p, kept = pred[slots_t].tolist(), n[slots_t].tolist()
+        for s, n_s in zip(slots, kept):
+            self.lens[s] += n_s
+        return [row[:n_s] for row, n_s in zip(p, kept)]
 
     def bucket_for(self, rows: int) -> int:
         return self.eng.bucket_for(rows)
@@ -449,28 +449,28 @@ class LoopEngine(Engine):
     def speculate(self, slots, tokens, depth: int = 0):
         return [self._round(s, t, depth or self.draft) for s, t in zip(slots, tokens)]
 
-    def _round(self, slot: int, tok: int, k: int) -> list[int]:
-        """One draft-and-verify round of one slot (k drafts), as model.generate.generate_speculative runs it."""
+    def _round(self, slot: int, tok: int, depth: int) -> list[int]:
+        """One draft-and-verify round of one slot (`depth` drafts), as model.generate.generate_speculative runs it."""
         m, dev = self.model, self.device
         cache, h_prev = self.caches[slot], self.h_last[slot]
         n = cache.seen
-        if n + k + 1 > self.max_len:
-            raise CortiqError(f"engine: slot {slot} has no room for a round of {k} drafts")
+        if n + depth + 1 > self.max_len:
+            raise CortiqError(f"engine: slot {slot} has no room for a round of {depth} drafts")
         mtp_state = cache.extra[0]
         mtp_snap = mtp_state.snapshot()
         drafts, xh, xt = [], h_prev, tok
-        for j in range(k):
+        for j in range(depth):
             xh = m.mtp_forward(xh, torch.tensor([[xt]], device=dev), n - 1 + j, mtp_state)
             xt = int(m.logits(xh[0, -1]).argmax())
             drafts.append(xt)
         snap = cache.snapshot()
         block = torch.tensor([[tok] + drafts], device=dev)
-        Hv, _ = m.forward_hidden(block, cache=cache)  # [1, k+1, H]
+        Hv, _ = m.forward_hidden(block, cache=cache)  # [1, depth+1, H]
         pred = m.logits(Hv[0]).argmax(-1).tolist()
         a = 0
-        while a < k and drafts[a] == pred[a]:
+        while a < depth and drafts[a] == pred[a]:
             a += 1
-        if a < k:
+        if a < depth:
             if self.has_gdn:  # a recurrent state cannot be cut: re-run the accepted tokens
                 cache.restore(snap)
                 Hv, _ = m.forward_hidden(block[:, : a + 1], cache=cache)
