@@ -183,7 +183,7 @@ def bucket_sizes(slots: int) -> list[int]:
 def kv_bucket_sizes(max_len: int, shortest: int = 32) -> list[int]:
     """Key lengths a step's attention is built for: 32, 64, ... below max_len, then max_len. A
     step reads the caches up to the shortest that holds its slots (attention over the whole
-    static cache of 1024 positions was a quarter of a batch-1 step's device time on an H200),
+    static cache was a large part of a small batch's step: bench/DECODE.md, "The engine's design notes"),
     at the price of one captured graph per length, batch bucket and kind of step."""
     return [L for L in bucket_sizes(max_len) if L >= shortest] or [max_len]
 

@@ -1,5 +1,17 @@
 """`DecodeEngine`: the static-cache engine's state, steps and rounds, graph capture and
-bucket views (the package docstring: the API)."""
+bucket views (the package docstring: the API and the buffers).
+
+A speculative round: the trunk verifies [pending, d_1..d_draft] (drafted at the end of the
+previous round, or by prefill) in one forward; a = the drafts that equal the trunk's own
+choices; then one draft-layer pass over the draft+1 verified rows (the trunk's hidden rows and
+tokens) writes the draft's rows for the accepted positions and is, at row a, the next round's
+chain step 0; chain steps 1..draft-1 follow. So a round costs one trunk pass and `draft`
+draft-layer passes, and the accept count never leaves the device: one graph, one sync.
+Rollback: attention entries of rejected drafts are left beyond the slot's new length (the next
+round overwrites them before any query can see them); each GDN layer keeps the state after
+every token of the verify block and the state after the accepted prefix is selected on the
+device. A tree round verifies every branch in one block and moves the winning branch's keys
+and values to where a chain's would lie (`_spec_tree`)."""
 
 from __future__ import annotations
 
@@ -17,9 +29,8 @@ from .speculative import _kept, _plain_end, _put_drafts, _round_end, _tree_choic
 
 def auto_branches(arch, dev) -> int:
     """A draft tree's branches where a command's setting leaves them to the engine (0): 4 where a
-    tree runs and pays, a CUDA device and a model of attention layers only (on an H100,
-    SmolLM2-135M, 3 drafts a round: a tree of 4 served ×1.60 of plain to one chat client where
-    the chain served ×1.43, ×1.14 at 32 where the chain served ×1.06; bench/DECODE.md),
+    tree runs and pays, a CUDA device and a model of attention layers only (a tree of 4 served
+    more than the chain at 1 and at 32 clients: bench/DECODE.md, "The final serving table"),
     else 1, the chain (a CPU pays for the verify rows in compute; a Gated DeltaNet state holds
     one branch)."""
     return 4 if torch.device(dev).type == "cuda" and LINEAR not in arch.layer_types else 1
@@ -34,19 +45,12 @@ def cache_len(max_len: int, draft: int = 0, branches: int = 1) -> int:
 
 
 class DecodeEngine(StaticForward):
-    """Static-cache decoding over `slots` independent sequences (the package docstring: the API).
-
-    State (tensors on the model's device; "slots" the first dim unless said):
-    - `k_cache`, `v_cache` [attention layers, slots, kv_heads, cache_len, head_dim]; the draft
-      layer's `mtp_k_cache`, `mtp_v_cache` [slots, kv_heads, cache_len, head_dim];
-    - `conv` [GDN layers, slots, channels, conv width - 1], `rec` [GDN layers, slots, Hv, Dk, Dv] f32;
-    - per slot: `pending` (decided, not yet fed), `pos` (tokens the trunk has seen = the pending
-      token's position), `drafts` [slots, branches·draft] (the next round's), `active`, `temp`,
-      the outputs `out_tok`, `out_pred` [slots, draft+1], `out_n`, and with `keep_rows`
-      `final_rows` [slots, hidden]: the trunk's final row each slot's last next-token choice read
-      (a prefill's last prompt row, each plain step's row), refreshed by the captured graphs too.
-    On the host: `length_bound(slot)`, an upper bound of each slot's length that the entry points
-    keep without waiting for the device."""
+    """Static-cache decoding over `slots` independent sequences (the package docstring: the API
+    and the buffers). Beside those: the outputs `out_tok` [slots], `out_pred` [slots, draft+1]
+    and `out_n` [slots]; with `keep_rows`, `final_rows` [slots, hidden], the trunk's final row
+    each slot's last next-token choice read (a prefill's last prompt row, each plain step's
+    row), refreshed by the captured graphs too; on the host, `length_bound(slot)`, an upper
+    bound of each slot's length that the entry points keep without waiting for the device."""
 
     def __init__(self, model, slots: int = 1, max_len: int = 1024, draft: int = 0, sampling: bool = False,
                  graphs: bool | None = None, seed: int = 0, buckets: list[int] | None = None,
@@ -526,8 +530,8 @@ class DecodeEngine(StaticForward):
                 if self.draft:
                     graphs[("plain", b, False, n)] = self._capture(lambda v=v, n=n: v._at(n, v._plain, False), pool)
                     # the chain a round runs first after plain steps that skipped it (--spec-auto):
-                    # while it ran eagerly, its draft-1 draft passes were launches on the host, and
-                    # auto's rounds measured 10-18 ms at 8 and 32 slots on the H200 (2.3-2.9 at 1, 16)
+                    # eager, its draft-1 draft passes were launches on the host, and made those
+                    # rounds several plain steps long (bench/DECODE.md, "The engine's design notes")
                     graphs[("chain", b, n)] = self._capture(lambda v=v, n=n: v._at(n, v._chain, v.mtp_last, v.pos),
                                                             pool)
                     for d in range(1, self.draft + 1):

@@ -1,5 +1,7 @@
 """The model's forward over the engine's static buffers: the trunk, the draft layer, and each
-layer kind, eager (the reference) or through the compiled layer halves (`_fused_fns`)."""
+layer kind, eager or through the compiled layer halves (`layers._fused_fns`). The eager path is
+the reference the tests compare the compiled one with (caches, hidden rows and logits, every
+step and round kind)."""
 
 from __future__ import annotations
 
@@ -114,7 +116,8 @@ class StaticForward:
         qkv, z, b, a = F.linear(x, w_in).split(split, -1)
         qkv = qkv.transpose(1, 2)  # [S, C, T]
         full = torch.cat([self.conv[j].to(qkv.dtype), qkv], -1)  # [S, C, K-1+T]
-        # the causal depthwise conv as windows × taps (a CPU conv1d call on a few columns costs ~80 ms)
+        # the causal depthwise conv as windows × taps (a CPU conv1d call on a few columns is slow:
+        # bench/DECODE.md, "The engine's design notes")
         y = F.silu((full.unfold(2, g.K, 1) * g.conv1d.weight[:, 0, None, :]).sum(-1)).transpose(1, 2)  # [S, T, C]
         q, k, v = y.split([g.key_dim, g.key_dim, g.value_dim], -1)
         from ..gdn import l2norm

@@ -1,7 +1,26 @@
 """The decoder's layers over the engine's static buffers: each layer's weights fused for a step
 (`_Attn`, `_Mlp`, `_Norm`), the pure functions a step is made of (RoPE, the grouped head
 layouts, a step's positions and masks, the draft layer's input), and their compiled twins
-(`_fused_fns`)."""
+(`_fused_fns`).
+
+The q/k/v and gate/up projections run as one matrix product each: the engine re-points those
+parameters of the model into one fused tensor per layer (`_fuse`; views, so the model computes
+the same and no copy is kept).
+
+The fused path (`DecodeEngine(fused=...)`, on by default on CUDA for attention-only models)
+runs each full-attention layer as two torch.compile'd halves around the eager SDPA:
+- `pre`: RMSNorm, the qkv product, q/k norms, RoPE and the grouped layouts, and the layer's
+  key and value writes into its cache;
+- `post`: the output gate, the o product and residual, RMSNorm, the MLP and residual, and the
+  norm that closes the trunk's last layer or the draft layer.
+Compiled too: a step's positions, RoPE rows and mask; the draft layer's input (its token
+lookup, two norms, the concatenation and eh_proj); a round's count of kept drafts and a tree
+round's choice of branch; the picks; the buffer updates that end a step or a round. A chain
+step's positions are an offset into the compiled context's arange. So with one slot a step
+costs its launches, and a round's own work (its draft passes and acceptance) is what it
+launches beyond a plain step. The weights are arguments: every layer and the draft layer share
+one graph per shape, and a fold's per-layer MLP widths are marked dynamic (one graph for all).
+Why a step is built around its launches, and what each fusion saved: bench/DECODE.md, "The engine's design notes"."""
 
 from __future__ import annotations
 
@@ -175,7 +194,7 @@ def _heads(qkv, cos, sin, qn, kn, g: _Geo, joint: bool = True):
 
 def _ctx_rows(pos, ar_t, ar_l, cos, sin, hkv: int, G: int, D: int):
     """`DecodeEngine._ctx` as a pure function: pos [S] first positions, ar_t = arange(T),
-    ar_l = arange(L), cos and sin the RoPE tables [M, rdim]."""
+    ar_l = arange(L), cos and sin the RoPE tables [cache_len, rdim]."""
     S, T, L = pos.shape[0], ar_t.shape[0], ar_l.shape[0]
     # an active slot's positions lie below L (the entry points choose L from the host's
     # bound of the lengths); the clamp only moves inactive slots' rows, which nothing reads
@@ -248,7 +267,7 @@ def _fused_fns(g: _Geo, ln: tuple[float, bool], qk: tuple[float, bool] | None) -
 
     def pre(h, ln1, w_qkv, b_qkv, qn, kn, cos, sin, idx, K, V):
         """h [S, T, H] -> `_heads` of its layer (rms_norm, qkv product, q/k norms, rope, layouts)
-        as (q, gate), its k and v written to the caches K, V [S, Hkv, M, D] at the rows the
+        as (q, gate), its k and v written to the caches K, V [S, Hkv, cache_len, D] at the rows the
         write index idx [S, Hkv, T, D] names.
         The writes are index_put_ into whole caches (a bucket's leading slots of the engine's
         contiguous cache are contiguous): inductor then writes k and v in place, in the kernel

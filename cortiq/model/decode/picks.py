@@ -15,8 +15,8 @@ def _split(V: int) -> int:
 def _argmax(x, c: int):
     """x [..., V] -> [...] the index of the largest, the first of equals (as argmax), in two
     stages over chunks of c (`_split`: c divides V): each chunk's maximum, then the first chunk
-    holding the largest. One reduction over a long row runs as one CUDA block per row: 13 µs
-    for SmolLM2's 49152 logits on an H100 at one slot, launched by every pick of a step."""
+    holding the largest. One reduction over a long row runs as one CUDA block per row, and
+    every pick of a step waits for it (bench/DECODE.md, "The engine's design notes")."""
     if not c:
         return x.argmax(-1)
     v, i = x.unflatten(-1, (-1, c)).max(-1)  # [..., V/c]: each chunk's maximum, first of equals
