@@ -268,6 +268,12 @@ class DecodeEngine(StaticForward):
             self._bound[s], self._live[s] = n_s, True
         return first.tolist()
 
+    def _installed(self, slot: int, n: int) -> None:
+        """A slot prefilled with n prompt tokens (its caches and pending token written) becomes active."""
+        self.pos[slot] = n
+        self.active[slot] = True
+        self._bound[slot], self._live[slot] = n, True
+
     def _at(self, key_len: int, fn, *args):
         """fn(*args) with the attention reading the first key_len cache positions."""
         self.key_len = key_len
@@ -296,8 +302,7 @@ class DecodeEngine(StaticForward):
             else:
                 self._plain()
             out[i].copy_(self.out_tok)
-        for s in range(self.slots):
-            self._bound[s] += n * self._live[s]
+        self._advance(self.slots, n)
         return out
 
     def release(self, slot: int) -> None:
@@ -325,31 +330,32 @@ class DecodeEngine(StaticForward):
 
     @torch.no_grad()
     def step(self) -> torch.Tensor:
-        self._room(1)
-        self.key_len = self.cache_len
-        if self._step_graph is not None:
-            self._step_graph.replay()
-        else:
-            self._plain()
-        for s in range(self.slots):
-            self._bound[s] += self._live[s]
+        self._full_width(self._step_graph, self._plain, 1)
         return self.out_tok
 
     @torch.no_grad()
     def spec_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.draft:
             raise CortiqError("decode engine: spec_step needs an engine built with draft ≥ 1")
-        self._room(self.draft + 1)
-        self.key_len = self.cache_len
-        if self._spec_graph is not None:
-            self._spec_graph.replay()
-        else:
-            self._spec()
-        for s in range(self.slots):
-            self._bound[s] += (self.draft + 1) * self._live[s]
+        self._full_width(self._spec_graph, self._spec, self.draft + 1)
         return self.out_pred, self.out_n
 
     # ── internals ──
+    def _full_width(self, graph, run, need: int) -> None:
+        """A step or round over every slot, reading the whole cache: its graph's replay, or `run`
+        eagerly; each active slot may then hold `need` more positions."""
+        self._room(need)
+        self.key_len = self.cache_len
+        if graph is not None:
+            graph.replay()
+        else:
+            run()
+        self._advance(self.slots, need)
+
+    def _advance(self, b: int, need: int) -> None:
+        """Raise the host's bound of each active slot below b by `need` positions."""
+        for s in range(b):
+            self._bound[s] += need * self._live[s]
     def _room(self, need: int) -> None:
         """Every active slot must fit `need` more positions (and the verify block) in max_len."""
         if not any(self._live[s] and self._bound[s] + need + self.draft > self.max_len for s in range(self.slots)):
@@ -562,8 +568,7 @@ class DecodeEngine(StaticForward):
             v._at(key_len, v._plain, chain)
         if self.draft:
             self._stale = not chain
-        for s in range(b):
-            self._bound[s] += self._live[s]
+        self._advance(b, 1)
         return self.out_tok
 
     def tree_round(self, tree: bool | None) -> bool:
@@ -595,8 +600,7 @@ class DecodeEngine(StaticForward):
             g.replay()
         else:
             v._at(key_len, v._spec, d, t)
-        for s in range(b):
-            self._bound[s] += (d + 1) * self._live[s]
+        self._advance(b, d + 1)
         return self.out_pred, self.out_n
 
 

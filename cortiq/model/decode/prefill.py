@@ -96,9 +96,7 @@ class PrefillJob(_PromptJob):
             eng.mtp_v_cache[slot, :, : n - 1 + eng.draft] = bs.v[0]
             eng.drafts[slot] = torch.stack(drafts, 2).reshape(-1)
         eng.pending[slot] = first
-        eng.pos[slot] = n
-        eng.active[slot] = True
-        eng._bound[slot], eng._live[slot] = n, True
+        eng._installed(slot, n)
         return int(first)
 
 
@@ -175,9 +173,7 @@ class StagedPrefill:
             e.final_rows[slot].copy_(self.row[0])
         e.temp[slot] = 0.0
         e.pending[slot: slot + 1].copy_(self.first)
-        e.pos[slot] = n
-        e.active[slot] = True
-        e._bound[slot], e._live[slot] = n, True
+        e._installed(slot, n)
         return self.first.clone()  # (the staging buffer is the next prompt's)
 
 
