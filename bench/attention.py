@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import finish, log, parser, print_table, write_json
-from cortiq.model.decode import _ctx_rows
+from cortiq.model.decode.layers import _ctx_rows
 
 HKV, G, D, M = 3, 3, 64, 1040  # SmolLM2-135M's attention; M: the engine's cache rows at context 1024
 SHAPES = ((1, 1, 256), (1, 1, 512), (1, 4, 512), (1, 13, 512), (32, 1, 512), (32, 4, 512), (32, 13, 512))

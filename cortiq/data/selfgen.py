@@ -103,14 +103,14 @@ def generate_rows(model, prompts: Iterable[Sequence[int]], max_new: int | Sequen
     eng = DecodeEngine(model, slots=slots, max_len=room + block + 1, sampling=temperature > 0,
                        graphs=graphs, seed=seed)
     eos = np.asarray(sorted({int(e) for e in eos_ids}), dtype=np.int64)
-    S = eng.S
+    S = eng.slots
     row = np.full(S, -1, dtype=np.int64)  # the prompt each slot decodes (-1: free)
     need = np.zeros(S, dtype=np.int64)  # tokens the slot's row may still take
     outs: list[list[np.ndarray]] = []
     committed = 0  # tokens the rows drawn so far may take: the finished rows' and the live rows' whole budgets
     bar = tqdm(total=total, desc=desc, unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True,
                disable=not progress)
-    buf = torch.empty(block, S, dtype=torch.long, device=eng.dev)
+    buf = torch.empty(block, S, dtype=torch.long, device=eng.device)
     exhausted = False
     drawn = 0
 

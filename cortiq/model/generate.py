@@ -187,8 +187,9 @@ def decode(model, prompts: Sequence[Sequence[int]], max_new: int = 64, draft: in
         raise CortiqError(f"generate: max_new {max_new}, need at least 1")
     eng = engine or DecodeEngine(model, slots=len(prompts), max_len=_room(prompts, max_new, draft), draft=draft,
                                  sampling=temperature > 0, graphs=graphs, seed=seed, branches=branches)
-    if eng.S < len(prompts) or eng.k != draft:
-        raise CortiqError(f"decode: the engine has {eng.S} slots and draft {eng.k}; asked {len(prompts)} and {draft}")
+    if eng.slots < len(prompts) or eng.draft != draft:
+        raise CortiqError(f"decode: the engine has {eng.slots} slots and draft {eng.draft}; asked {len(prompts)} and "
+                          f"{draft}")
     eos = set(eos_ids)
     res = [GenResult([], 0.0, 0.0) for _ in prompts]
     live = set()
@@ -226,8 +227,8 @@ def decode(model, prompts: Sequence[Sequence[int]], max_new: int = 64, draft: in
                     eng.release(s)
                     live.discard(s)
                     break
-    if eng.dev.type == "cuda":
-        torch.cuda.synchronize(eng.dev)
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize(eng.device)
     t2 = time.perf_counter()
     for r in res:
         r.seconds = t2 - t1

@@ -51,7 +51,7 @@ def test_the_kv_estimate_is_what_the_engine_allocates(draft, branches):
 
     m = random_model(arch("llama"))
     eng = DecodeAdapter(m, 3, 50, draft=draft, branches=branches).eng
-    caches = [eng.K, eng.V] + ([eng.MK, eng.MV] if draft else [])
+    caches = [eng.k_cache, eng.v_cache] + ([eng.mtp_k_cache, eng.mtp_v_cache] if draft else [])
     assert kv_bytes(m.arch, 3, 50, draft, torch.float32, branches) == sum(c.numel() * c.element_size() for c in caches)
 
 
