@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .. import dist, tracking
+from ..data.windowing import batch_indices
 from ..errors import CortiqError
 from . import memory as mem
 from .kinds import DEFAULT, KINDS, TargetKind
@@ -132,19 +133,13 @@ def train_index(n: int, batch: int) -> np.ndarray:
     return np.arange(nb * batch, dtype=np.int64).reshape(nb, batch)
 
 
-def val_index(n: int, batch: int) -> np.ndarray:
-    """Val batches: at least one when any window exists (the tail repeats)."""
-    nb = max(n // batch, int(n > 0))
-    return (np.arange(nb * batch, dtype=np.int64) % max(n, 1)).reshape(nb, batch)
-
-
 def val_index_by_source(source: np.ndarray, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """Val batches of one source each (the held-out loss of every source apart):
     (index [n_batches, batch], the source of each batch [n_batches])."""
     idx, src = [], []
     for k in np.unique(source):  # sources, a handful
         mine = np.flatnonzero(source == k)
-        rows = mine[val_index(len(mine), batch)]
+        rows = mine[batch_indices(len(mine), batch)]
         idx.append(rows)
         src.append(np.full(len(rows), k, dtype=np.int64))
     return np.concatenate(idx), np.concatenate(src)
