@@ -235,14 +235,14 @@ def available_corpora() -> list[str]:
 def chat_openings(f, tok, where: str) -> list[list[int]]:
     """Every request of REQUESTS as one user turn in `f`'s chat template with the generation
     prompt (sandboxed; plain `user:` text for a model without a template), as token ids."""
-    from .chats import render_chat
+    from .chats import chat_text
 
     doc = f.tokenizer or {}
     bos_id, eos_ids = doc.get("bos_id"), doc.get("eos_ids") or []
     bos = tok.id_to_token(bos_id) if bos_id is not None else ""
     eos = tok.id_to_token(eos_ids[0]) if eos_ids else ""
-    texts = [render_chat(doc.get("chat_template"), [{"role": "user", "content": r}], True, bos or "", eos or "", where)
-             for r in REQUESTS]
+    texts = [chat_text(doc.get("chat_template"), [{"role": "user", "content": r}], where, bos_token=bos or "",
+                       eos_token=eos or "") for r in REQUESTS]
     return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
 
@@ -261,15 +261,15 @@ def asked_openings(model, f, n: int, *, seed: int, temperature: float = 1.0, lon
     and more are drawn (by `seed`, reproducibly): fewer than n when 8 rounds of draws do not find
     them, or a round finds none. [] for a model without a chat template. -> [n] token-id lists."""
     from ..tokenizer import from_doc
-    from .chats import render_chat
+    from .chats import chat_text
 
     doc = f.tokenizer or {}
     if n <= 0 or not doc.get("chat_template"):
         return []
     tok = from_doc(doc, str(f.path))
     bos_id, eos_ids = doc.get("bos_id"), [int(e) for e in (doc.get("eos_ids") or [f.eos_id])]
-    text = render_chat(doc["chat_template"], [{"role": "user", "content": _MARK}], True,
-                       tok.id_to_token(bos_id) if bos_id is not None else "", tok.id_to_token(eos_ids[0]), str(f.path))
+    text = chat_text(doc["chat_template"], [{"role": "user", "content": _MARK}], str(f.path),
+                     bos_token=tok.id_to_token(bos_id) if bos_id is not None else "", eos_token=tok.id_to_token(eos_ids[0]))
     if text.count(_MARK) != 1:
         return []
     head, tail = (tok.encode(t, add_special_tokens=False).ids for t in text.split(_MARK))
