@@ -11,15 +11,14 @@ import numpy as np
 import torch
 
 from .. import codecs, dist, pipeline, store, tracking
-from ..devices import rank_device
+from ..devices import rank_device, resolve_compute
 from ..errors import CortiqError
-from ..measure import gap_recovered, panel_gap, score, text_gap  # noqa: F401  (heal's names for them)
 from ..pipeline import Stage, settings_gpus
 from . import prefix as prefix_mod
 from . import qat
 from . import targets as targets_mod
 from .kinds import stored_kind
-from .settings import HealSettings, resolve_compute
+from .settings import HealSettings
 
 TRAIN_VERSION = "1"
 #: the healed model's version (the export stage's)

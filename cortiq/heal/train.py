@@ -29,10 +29,9 @@ from ..data.windowing import batch_indices
 from ..errors import CortiqError
 from . import memory as mem
 from .kinds import DEFAULT, KINDS, TargetKind
-from .parallel import CHECKPOINT, load_checkpoint  # noqa: F401  (the trainer's names for them)
 from .rows import WindowRows
-from ..train_loop import Best, LoopState, Update, update
-from .schedule import genesis_decay, genesis_from, lr_shape
+from ..train_loop import Best, LoopState, Update, lr_shape, skips_on_device, update
+from .schedule import genesis_decay, genesis_from
 from .settings import HealSettings
 
 #: the f16 loss scale's start (halved at each non-finite step)
@@ -417,7 +416,7 @@ class HealRun:
         tail.checkpointed = mplan.layers
         self.micro = s.micro_windows() if "micro" in mplan else 0
         self.opt = mem.make_optimizer(groups, s.lr, device, adam8="adam8" in mplan)
-        self.on_device = mem.skips_on_device(self.opt)
+        self.on_device = skips_on_device(self.opt)
         self.params = [p for _, p in tail.named()]
         self.lowest = tail.train_from
         self.order = Order(nb, s.seed)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from cortiq.heal.rows import WindowRows
-from cortiq.heal.targets import mix_targets
+from cortiq.heal.kinds import mix_targets
 from cortiq.data.windowing import batch_indices
 from cortiq.heal.train import SplitData, train_index
 from cortiq.model.decoder import run_body
