@@ -367,7 +367,7 @@ def worker_big(a) -> int:
     import pyarrow as pa
 
     from cortiq import dist
-    from cortiq.heal.parallel import Sharding, prepare
+    from cortiq.heal.parallel import Fsdp, prepare
     from cortiq.heal.rows import WindowRows
     from cortiq.heal.settings import HealSettings
     from cortiq.data.windowing import batch_indices
@@ -397,7 +397,7 @@ def worker_big(a) -> int:
     else:  # one rank sharded all the same: FSDP2's hooks around the (compiled, checkpointed) layers
         if compiled:
             tail.model.compile_layers()
-        sharding = Sharding(tail, "fsdp", dev, cdt).wrap()
+        sharding = Fsdp(tail, dev, cdt).wrap()
 
     T, B, k, V = a.big_window, a.big_batch, 32, g["vocab"]
     rng = np.random.default_rng(0)
