@@ -367,10 +367,11 @@ def worker_big(a) -> int:
     import pyarrow as pa
 
     from cortiq import dist
-    from cortiq.heal.parallel import Sharding, prepare
+    from cortiq.heal.parallel import Fsdp, prepare
     from cortiq.heal.rows import WindowRows
     from cortiq.heal.settings import HealSettings
-    from cortiq.heal.train import SplitData, StudentTail, fit, train_index, val_index
+    from cortiq.data.windowing import batch_indices
+    from cortiq.heal.train import SplitData, StudentTail, fit, train_index
     from cortiq.model import CausalLM
     from cortiq.tracking import MemoryLogger
 
@@ -396,7 +397,7 @@ def worker_big(a) -> int:
     else:  # one rank sharded all the same: FSDP2's hooks around the (compiled, checkpointed) layers
         if compiled:
             tail.model.compile_layers()
-        sharding = Sharding(tail, "fsdp", dev, cdt).wrap()
+        sharding = Fsdp(tail, dev, cdt).wrap()
 
     T, B, k, V = a.big_window, a.big_batch, 32, g["vocab"]
     rng = np.random.default_rng(0)
@@ -410,7 +411,7 @@ def worker_big(a) -> int:
         p = rng.random((n, T, k), dtype=np.float32)
         return SplitData(rng.integers(0, V, (n, T)), rows(rng.integers(0, V, (n, T, k)).astype(np.uint32)),
                          rows(p / p.sum(-1, keepdims=True)), np.full(n, float(T)),
-                         train_index(n, B) if train else val_index(n, B))
+                         train_index(n, B) if train else batch_indices(n, B))
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

@@ -135,14 +135,14 @@ def healed_draft(work: str | os.PathLike = WORK, model: str = "smollm2", pydoc_t
 
 
 def chat_prompts(f, n: int) -> list[list[int]]:
-    from cortiq.data.chats import render_chat
+    from cortiq.data.chats import chat_text
     from cortiq.tokenizer import from_doc
 
     doc = f.tokenizer or {}
     tok = from_doc(doc, str(f.path))
     out = []
     for q in CHAT[:n]:
-        text = render_chat(doc.get("chat_template"), [{"role": "user", "content": q}], True, "", "", str(f.path))
+        text = chat_text(doc.get("chat_template"), [{"role": "user", "content": q}], str(f.path))
         out.append(tok.encode(text, add_special_tokens=False).ids)
     return out
 

@@ -117,7 +117,7 @@ def text_prompts(tok, n: int, T: int) -> list[list[int]]:
 def chat_ids(model: Path, questions: list[str]) -> list[list[int]]:
     """The questions in the model's chat template, tokenized as the server does."""
     from cortiq.cmf import open_cmf
-    from cortiq.serve.chat import render_chat
+    from cortiq.serve.chat import chat_prompt
     from cortiq.tokenizer import from_doc
 
     f = open_cmf(model)
@@ -125,8 +125,8 @@ def chat_ids(model: Path, questions: list[str]) -> list[list[int]]:
     tok = from_doc(doc, str(model))
     eos = [int(i) for i in doc.get("eos_ids") or []]
     bos = tok.id_to_token(doc["bos_id"]) if doc.get("bos_id") is not None else ""
-    return [tok.encode(render_chat(doc.get("chat_template"), [{"role": "user", "content": q}], bos or "",
-                                   tok.id_to_token(eos[0]) if eos else ""), add_special_tokens=False).ids
+    return [tok.encode(chat_prompt(doc.get("chat_template"), [{"role": "user", "content": q}], bos_token=bos or "",
+                                   eos_token=tok.id_to_token(eos[0]) if eos else ""), add_special_tokens=False).ids
             for q in questions]
 
 

@@ -23,12 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CortiqError
-from ..train_loop import adam, skips_on_device  # noqa: F401  (skips_on_device: the step's name for it)
+from ..train_loop import adam
 from .kinds import DEFAULT, KINDS, TargetKind
 from .settings import MEMORY_PARTS
 
-#: what `memory: lean` runs with
-LEAN = MEMORY_PARTS
 #: the share of the free device memory the step's estimate may take when no budget is
 #: set (the estimate leaves out the allocator's fragmentation and cuBLAS/compile workspaces)
 STEP_SHARE = 0.85
@@ -198,7 +196,7 @@ def choose_memory(memory: str, parts: tuple[str, ...] | None, sh: StepShape, mic
                  "load here (pip install 'cortiq[lean]')")
         return plan
     avail = have()
-    plan = MemoryPlan(tuple(p for p in LEAN if p != "adam8" or avail), L, L)
+    plan = MemoryPlan(tuple(p for p in MEMORY_PARTS if p != "adam8" or avail), L, L)
     if say:
         _say(plan, sh, micro_windows, allow, budget, False,
              "" if avail else " (without 8-bit Adam moments: torchao does not load here: pip install 'cortiq[lean]')")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
-from ..devices import COMPUTE, resolve_compute  # noqa: F401  (heal's names for them)
+from ..devices import COMPUTE
 from ..errors import CortiqError
 from ..settings_meta import BATCH, EPOCHS, TOPK, WINDOW, check, setting
 from .kinds import CHOICES, DEFAULT, TargetKind, kind_in_effect

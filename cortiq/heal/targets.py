@@ -24,7 +24,7 @@ from .. import store, tracking
 from ..errors import CortiqError
 from .. import dist
 from ..pipeline import Stage, key_of, settings_gpus
-from .kinds import KINDS, REST_ID, mix_targets  # noqa: F401  (the targets' names for them)
+from .kinds import KINDS, mix_targets
 from .rows import RowWriter, WindowRows, open_split
 from .settings import HealSettings
 
@@ -119,7 +119,7 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
     from tqdm import tqdm
 
     from ..devices import rank_device
-    from .settings import resolve_compute
+    from ..devices import resolve_compute
 
     s = settings
     out = Path(out)

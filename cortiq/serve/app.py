@@ -27,7 +27,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
-from .chat import ChatError, render_chat
+from ..chat import ChatTemplateError
+from .chat import chat_prompt
 from .scheduler import Busy, Event, Outbox, Request as GenRequest, Scheduler, merged
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
@@ -418,8 +419,8 @@ def build_app(served: Served) -> FastAPI:
             text = c if isinstance(c, str) or c is None else "".join(part.text for part in c)
             msgs.append({"role": m.role, "content": text or ""})
         try:
-            prompt = render_chat(served.chat_template, msgs, served.bos, served.eos)
-        except ChatError as e:
+            prompt = chat_prompt(served.chat_template, msgs, bos_token=served.bos, eos_token=served.eos)
+        except ChatTemplateError as e:
             raise ApiError(400, str(e), "messages") from None
         ids = served.tokenizer.encode(prompt, add_special_tokens=False).ids
         req = _request(body, ids, body.max_completion_tokens or body.max_tokens)
