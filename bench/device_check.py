@@ -349,7 +349,7 @@ class Check:
         port and stopped by SIGTERM (it must exit 0) -> (what ask returned, the server's log)."""
         import openai
 
-        from bench.serve import Server
+        from bench.serve.serve import Server
 
         srv = Server(model, self.work / "logs" / f"{name}.log", ["--max-batch", "2", "--max-len", "512", *flags,
                                                                  *self.dev], timeout=self.a.row_timeout)

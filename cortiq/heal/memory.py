@@ -91,7 +91,7 @@ def step_bytes(sh: StepShape, parts: tuple[str, ...], micro_windows: int, layers
     head chunks of 1024 rows 39.2 / 37.9, every layer checkpointed 24.8 / 24.6,
     8-bit moments 35.4 / 33.9, both 16.9 / 16.7; with micro-batches of one
     window it runs ~2 GiB low (29.2 / 31.1, with 8-bit moments 21.3 / 23.3),
-    a plan auto ranks after checkpointing. bench/memory.py prints the estimate
+    a plan auto ranks after checkpointing. bench/heal/memory.py prints the estimate
     beside the measured peak."""
     n = -(-sh.windows // micro_windows) if "micro" in parts else 1  # micro-batches
     tok = -(-sh.tokens // n)  # tokens of one (micro-)batch

@@ -1,5 +1,5 @@
 """Settings of the heal stage (S4): the original GPU tool's settings plus what a resumable
-torch run needs. The defaults are the recipe bench/quality.py measured on an
+torch run needs. The defaults are the recipe bench/quality/quality.py measured on an
 H200 (bench/QUALITY.md): SmolLM2-135M with 25 % of its MLP neurons pruned,
 healed on Shakespeare plays with 32 teacher draws per position, pure
 distillation, lr 6e-4, windows of 512, 16 a step; scored on plays it never saw

@@ -429,7 +429,7 @@ class CausalLM(nn.Module):
         one graph per layer kind, reused by every layer of that kind). On the
         H200 this fuses the norms, RoPE, SwiGLU and residual adds: the trunk
         forward of a Qwen3-1.7B geometry went from 80.8 to 44.3 ms per 8192
-        tokens (bench/variants.py). CUDA runs use it; the CPU path stays eager.
+        tokens (bench/heal/variants.py). CUDA runs use it; the CPU path stays eager.
 
         `layers`: the indices of the trunk layers that will run (default all).
         A heal whose frozen prefix is cached holds placeholders where the

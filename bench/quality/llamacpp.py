@@ -1,6 +1,6 @@
 """q4 in llama.cpp: a model's GGUF export scores in llama.cpp as the model scores in cortiq.
 
-    python -m bench.llamacpp --llama-bin DIR --model Q4.cmf --gguf Q4.gguf [--model B.cmf --gguf B.gguf ...]
+    python -m bench.quality.llamacpp --llama-bin DIR --model Q4.cmf --gguf Q4.gguf [--model B.cmf --gguf B.gguf ...]
                              --text FILE [--ctx 512 --chunks 8] [--prompt TEXT --n-predict 24] [--cpu]
 
 DIR holds llama.cpp's `llama-perplexity`, `llama-tokenize` and `llama-completion` (built from source:

@@ -1,9 +1,9 @@
 """Compress on CUDA against the CPU: one call, one table.
 
-    python -m bench.compress --data TDATA [--model smollm2|random|M.cmf] [--parts masks,overlap,stages]
+    python -m bench.pipeline.compress --data TDATA [--model smollm2|random|M.cmf] [--parts masks,overlap,stages]
                              [--reference REF] [--out DIR]
-    python -m bench.compress --data TDATA --model M.cmf --write-reference REF     # the CPU side of the overlap
-    python -m bench.compress --cpu --tiny     # every row on a tiny random model and pydoc tdata, CPU as "CUDA"
+    python -m bench.pipeline.compress --data TDATA --model M.cmf --write-reference REF   # the CPU side of the overlap
+    python -m bench.pipeline.compress --cpu --tiny   # every row on a tiny random model and pydoc tdata, CPU as "CUDA"
 
 Every stage is the library's own code at the stage's default settings:
 DTG-MA masks (`learn_model_masks`: window 256, batch 4, ≤ 200 steps), the

@@ -1,7 +1,7 @@
 """A fresh MTP draft, trained with `mtp heal`'s defaults, judged where it is used.
 
-    python -m bench.mtp [--model smollm2|MODEL.cmf] [--data SPEC] [--work DIR] [--out DIR]
-    python -m bench.mtp --cpu --tiny          # a tiny random model on the CPU: a smoke test of the script
+    python -m bench.mtp.mtp [--model smollm2|MODEL.cmf] [--data SPEC] [--work DIR] [--out DIR]
+    python -m bench.mtp.mtp --cpu --tiny      # a tiny random model on the CPU: a smoke test of the script
 
 What it runs (as a user would): SmolLM2-135M converted, `mtp init` (a fresh
 draft), `mtp heal` with its default settings (the fresh preset, chosen from
@@ -119,7 +119,7 @@ def healed_draft(work: str | os.PathLike = WORK, model: str = "smollm2", pydoc_t
                  shakespeare_tokens: int = 480000, device: str = "auto") -> Path:
     """SmolLM2 with a draft from `mtp init` + `mtp heal` at the defaults (f16 draft), built once under
     `work` and reused: what a decode benchmark measures speculative decoding with.
-    From another script: importlib.util.spec_from_file_location("mtp_bench", "bench/mtp.py")."""
+    From another script: importlib.util.spec_from_file_location("mtp_bench", "bench/mtp/mtp.py")."""
     from cortiq.mtp import MtpSettings, mtp_heal
 
     work = Path(work)

@@ -1,7 +1,7 @@
 """Which fast paths pay, measured in one device call (notes for bench/RESULTS.md).
 
-    python -m bench.variants [--geom qwen3-1.7b] [--out DIR]
-    python -m bench.variants --cpu --tiny     # every variant's code at a tiny geometry on a CPU (no figures)
+    python -m bench.heal.variants [--geom qwen3-1.7b] [--out DIR]
+    python -m bench.heal.variants --cpu --tiny   # every variant's code at a tiny geometry on a CPU (no figures)
 
 Each variant changes one thing against cortiq's plain path at the benchmark
 geometry and batch: the teacher's top-k in bf16 instead of f32 logits, SDPA's
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from bench import run as R
-from bench import stages as S
+from bench.heal import stages as S
 from bench.common import finish, parser, print_table, write_json
 from cortiq.heal.loss import topk_kl
 

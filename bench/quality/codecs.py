@@ -1,11 +1,11 @@
 """What each codec costs a healed model, on the heal's text and on text of other sources: one call, one table.
 
-    python -m bench.codecs [--gguf PATH] [--out DIR] [--cache DIR]
-    python -m bench.codecs --cpu --tiny          # a smoke run of every code path (measures nothing)
+    python -m bench.quality.codecs [--gguf PATH] [--out DIR] [--cache DIR]
+    python -m bench.quality.codecs --cpu --tiny   # a smoke run of every code path (measures nothing)
 
 What runs is the library's own code: SmolLM2-135M-Instruct (the GGUF at
 --gguf, default the bundled one) converted to CMF; the Shakespeare plays split
-as bench/quality.py splits them (most of them the heal corpus); 25 % of the
+as bench/quality/quality.py splits them (most of them the heal corpus); 25 % of the
 MLP neurons pruned with `cortiq compress`'s defaults; healed with the heal
 defaults (cortiq.heal.heal, one epoch of the heal corpus); then the healed
 model in each codec:
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import sysconfig
 import time
@@ -39,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import finish, log, run_dirs, smollm2_cmf, table, tiny_cmf
-from bench.quality import _on_device, compressed, plays, split_plays
+from bench.common import default_out, finish, log, run_dirs, smollm2_cmf, table, tiny_cmf
+from bench.quality.quality import _on_device, compressed, plays, split_plays
 
 from cortiq import store
 from cortiq.heal.settings import HealSettings
@@ -141,7 +140,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a small random model and little text: checks the code paths")
     ap.add_argument("--gguf", default=None, help="the SmolLM2-135M GGUF (default: the bundled one)")
     ap.add_argument("--cache", default=None, help="converted/compressed models and tdata (default ~/cache/codecs)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where codecs.json goes (default $OUT or .)")
+    ap.add_argument("--out", default=default_out(), help="where codecs.json goes (default $OUT or bench/results/)")
     ap.add_argument("--retain", default="", help="retain sources mixed into the compress, the heals and the GPTQ/AWQ "
                                                  "calibration, comma-separated (e.g. self,corpus:pydoc; default none)")
     ap.add_argument("--clip-grids", default="1", help="QuantSettings.clip_grid values for the GPTQ/AWQ q4 rows, "

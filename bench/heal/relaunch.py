@@ -1,11 +1,11 @@
 """A heal stage with gpus: N run from a plain process, as a flow's Prefect task
 runs it: `cortiq.pipeline.run` relaunches the stage under torchrun.
 
-    python -m bench.relaunch [--out DIR]          # 2 GPUs (about 4 minutes on 2×H200)
-    python -m bench.relaunch --cpu --tiny         # the code paths: 2 gloo ranks on the CPU, no figures
+    python -m bench.heal.relaunch [--out DIR]     # 2 GPUs (about 4 minutes on 2×H200)
+    python -m bench.heal.relaunch --cpu --tiny    # the code paths: 2 gloo ranks on the CPU, no figures
 
 A random-init model of Qwen3-0.6B geometry (bench/run.py's GEOMS; its MLPs
-perturbed to make the student, as bench/dist.py makes them) and pydoc text:
+perturbed to make the student, as bench/heal/dist.py makes them) and pydoc text:
 the teacher top-k stage and the training stage run through the stage runner
 with gpus 1, then gpus N, each into a fresh stage cache, the caller in this
 plain process. Checked and printed: the digests are the same both ways; the
@@ -56,7 +56,7 @@ def main() -> int:
     from cortiq.heal.stages import TRAIN
     from cortiq.heal.targets import TARGETS
     from cortiq.tracking import MemoryLogger
-    from bench.dist import make_models
+    from bench.heal.dist import make_models
     from bench.run import GEOMS
 
     cuda = not a.cpu

@@ -1,4 +1,4 @@
-"""cortiq's own stages at a benchmark geometry (called by bench.run and bench.memory).
+"""cortiq's own stages at a benchmark geometry (called by bench.run and bench.heal.memory).
 
 A module, not a script: it has no command line and no smoke mode of its own;
 `python -m bench.run --cpu --tiny` runs every function here.
