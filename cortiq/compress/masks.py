@@ -236,7 +236,7 @@ class _Graphed:
     """The mask step (forward, loss, L1 pull, backward) and the held-out pass,
     each captured once as a CUDA graph and replayed: the step is a few
     thousand small kernels whose launches, not their arithmetic, bound it
-    eagerly (SmolLM2-135M on an H200: 84 ms eager for ~1 ms of matrix work).
+    eagerly (bench/RESULTS.md, "The DTG-MA mask step, eager against CUDA graphs").
 
     Inputs are static device buffers the caller's batches are copied into,
     the pressure l1 a 0-d tensor; the gradients live in the graph's pool
@@ -321,7 +321,8 @@ def learn_model_masks(model, train, val, settings: MaskSettings, on_eval=None, p
     `compute` when that is not f32 (bf16 on CUDA: the gates' gradients are
     f32, cross-entropy is taken on f32 logits). With `graph` on CUDA the step
     and the held-out pass replay CUDA graphs (what `cortiq compress` does on a
-    GPU: 5x faster a step on an H200; the plain eager step is the reference
+    GPU: several times faster a step, bench/RESULTS.md, "The DTG-MA mask step,
+    eager against CUDA graphs"; the plain eager step is the reference
     they are tested against, and the CPU's path). The gates are removed again
     at the end."""
     s = settings

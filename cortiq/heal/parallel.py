@@ -42,19 +42,19 @@ CHECKPOINT_DIR = "checkpoint.dcp"
 #: share of one device's memory the whole-tail (ddp) sharding may fill with weights, gradients and Adam state
 DDP_SHARE = 0.5
 #: trained weights from which `shard: auto` picks FSDP2 over DDP where both fit. One rank wrapped each
-#: way (bench/dist.py, one H200, 16 windows of 512 a step, where the step of two GPUs is CPU-bound):
-#: at the Qwen3-1.7B geometry (1.4B trained) DDP ran at 0.87x the unwrapped step, FSDP2 at 0.95x, and
-#: on two H200s FSDP2 was the faster (1.69x against 1.56x) in 0.58x the memory; at Qwen3-0.6B (0.44B)
-#: FSDP2's per-unit hooks weigh more against the smaller layers: DDP 0.89x, FSDP2 0.69x
+#: way (bench/RESULTS.md, "The sharded step's CPU cost": 16 windows of 512 a step, where the step of two
+#: GPUs is CPU-bound): at the Qwen3-1.7B geometry (1.4B trained) FSDP2 cost less than DDP, and on two GPUs
+#: it was the faster in less memory; at Qwen3-0.6B (0.44B) FSDP2's per-unit hooks weigh more against the
+#: smaller layers and DDP cost less
 FSDP_FROM = 1_000_000_000
 #: share of one device's memory under which FSDP2 keeps each layer's gathered bf16 weights from its
 #: forward to its backward (one all-gather a step instead of two; the whole tail's compute weights stay)
 KEEP_GATHERED_SHARE = 0.1
 #: decoder layers per FSDP2 unit (one all-gather, one reduce-scatter, one set of hooks) when the gathered
-#: weights are kept. FSDP2's hooks cost ~1 ms of CPU a unit, about a 1.7B layer's forward at 8192 tokens
-#: on an H200, so units of one layer leave the GPU waiting on the CPU: a one-rank FSDP2 heal of the
-#: Qwen3-1.7B geometry (16 windows of 512, bench/dist.py) left it idle 33 ms a step with units of one
-#: layer, 15 ms with units of four
+#: weights are kept. FSDP2's hooks cost about as much CPU a unit as a 1.7B layer's forward at 8192 tokens
+#: takes on the GPU, so units of one layer leave the GPU waiting on the CPU: a one-rank FSDP2 heal of the
+#: Qwen3-1.7B geometry left it idle less than half as long a step with units of four as with units of one
+#: (bench/RESULTS.md, "Where the two-GPU step goes" and "The sharded step's CPU cost")
 UNIT_LAYERS = 4
 
 

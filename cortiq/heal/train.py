@@ -84,8 +84,9 @@ class Ahead:
     """The next batch on its way to a CUDA device while this step computes: its
     host gather (numpy), pinning and copy run on a worker thread, issued right
     after the step's backward is launched, so the main thread goes on launching
-    the step's kernels (on two H200s the main thread is the bottleneck of a
-    sharded step, and pinning a batch there cost it ~4 ms); the copy goes on a
+    the step's kernels (on two GPUs the main thread is the bottleneck of a
+    sharded step, and pinning a batch there cost it a part of every step:
+    bench/RESULTS.md, "The sharded step's CPU cost"); the copy goes on a
     side stream that the step's stream waits for when the batch is taken.
     Elsewhere a batch is read when asked (a CPU has no copy to hide, and its
     ops stay on the main thread's own intra-op threads)."""

@@ -40,9 +40,10 @@ class ServeSettings:
     #: A round then verifies branches·draft + 1 rows: nearly free while the step is bound by its
     #: launches (few clients), not when many clients fill the batch (bench/DECODE.md); with
     #: spec_auto each step chooses between plain, chain and tree rounds from their measured times.
-    #: 0 (auto): `auto_branches` (4 on CUDA for attention-only models; on an H100 a tree of 4 served
-    #: more tokens a second than the chain at 1, 8 and 32 clients on chat and at 1 and 8 on text,
-    #: and 19.1k against 19.3k on text at 32) with the decode engine, else 1
+    #: 0 (auto): `auto_branches` (4 on CUDA for attention-only models: a tree of 4 served more
+    #: tokens a second than the chain at every client count on chat and at 1 and 8 on text, and
+    #: about as many on text at 32, bench/DECODE.md, "The final serving table") with the decode
+    #: engine, else 1
     draft_branches: int = setting(0, "--speculative: verify the draft's top N first guesses, each chained, "
                                            "in one forward (a tree; 0: 4 on CUDA for attention-only models, "
                                            "else 1)", lo=0)

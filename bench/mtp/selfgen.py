@@ -2,9 +2,9 @@
 continuous batching on the static-cache decode engine) against the two it
 replaced, in one call, with a sample of its text.
 
-    python -m bench.selfgen --gguf PATH/SmolLM2-135M-Instruct.gguf --out DIR   # the H200 run (needs the gguf wheel)
-    python -m bench.selfgen --model MODEL.cmf --out DIR
-    python -m bench.selfgen --cpu --tiny                                      # a CPU smoke test (seconds)
+    python -m bench.mtp.selfgen --gguf PATH/SmolLM2-135M-Instruct.gguf --out DIR   # the H200 run (needs the gguf wheel)
+    python -m bench.mtp.selfgen --model MODEL.cmf --out DIR
+    python -m bench.mtp.selfgen --cpu --tiny                                  # a CPU smoke test (seconds)
 
 Rows (bf16 on CUDA, f32 on the CPU; tokens/s counts generated tokens over the
 whole call, engine construction and CUDA-graph capture included):
@@ -26,6 +26,7 @@ Results: a table on stdout and --out/selfgen.json.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -75,7 +76,8 @@ def timed(fn, dev):
     return r, time.perf_counter() - t
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
+    """The command line, with the sizes that depend on --tiny filled in and the model's path resolved."""
     ap = parser(__doc__.split("\n\n")[0], cpu_help="run on the CPU",
                 tiny_help="a tiny random model and few tokens: checks the code paths")
     ap.add_argument("--gguf", default=None, help="SmolLM2's GGUF file (converted once into --work)")
@@ -90,52 +92,35 @@ def main(argv=None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=None, help="most tokens per answer in that comparison (default 64; tiny 16)")
     ap.add_argument("--samples", type=int, default=3, help="sample rows shown per opening kind")
     a = ap.parse_args(argv)
-
-    from cortiq.cmf import open_cmf
-    from cortiq.data.selfgen import Openings, SelfGenSettings, chat_openings, generate_rows
-    from cortiq.data.sources import corpus_documents
-    from cortiq.devices import resolve_compute
-    from cortiq.model import load_model
-    from cortiq.model.generate import generate
-    from cortiq.tokenizer import from_doc
-
     tiny = a.tiny
-    slots = [int(x) for x in (a.slots or ("4,16" if tiny else "64,256,512")).split(",")]
-    tokens = a.tokens or (512 if tiny else 131072)
-    max_new = a.max_new or (32 if tiny else 256)
-    old_rows = a.old_rows or (8 if tiny else 512)
-    answers = a.answers or (3 if tiny else 4)
-    answer_tokens = a.answer_tokens or (16 if tiny else 64)
+    a.slots = [int(x) for x in (a.slots or ("4,16" if tiny else "64,256,512")).split(",")]
+    a.tokens = a.tokens or (512 if tiny else 131072)
+    a.max_new = a.max_new or (32 if tiny else 256)
+    a.old_rows = a.old_rows or (8 if tiny else 512)
+    a.answers = a.answers or (3 if tiny else 4)
+    a.answer_tokens = a.answer_tokens or (16 if tiny else 64)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     if tiny:
-        path = work / "tiny.cmf"
-        if not path.exists():
-            tiny_cmf(path)  # no chat template: the chat openings fall back as on such a model
+        a.path = work / "tiny.cmf"
+        if not a.path.exists():
+            tiny_cmf(a.path)  # no chat template: the chat openings fall back as on such a model
     elif a.model:
-        path = Path(a.model)
+        a.path = Path(a.model)
     elif a.gguf:
-        path = smollm2_cmf(work, a.gguf)
+        a.path = smollm2_cmf(work, a.gguf)
     else:
         ap.error("give --gguf PATH, --model MODEL.cmf, or --cpu --tiny")
-    dev = torch.device("cpu" if a.cpu or not torch.cuda.is_available() else "cuda")
-    dt = resolve_compute("auto", dev)
-    f = open_cmf(path)
-    model = load_model(f, dtype=dt, device=dev)
-    doc = f.tokenizer or {}
-    tok = from_doc(doc, str(path))
-    eos = list(doc.get("eos_ids") or [f.eos_id])
-    say(f"{path.name} on {dev} ({str(dt).removeprefix('torch.')})")
-    rows, texts = [], {}
+    return a
 
-    def row(name, n_tok, secs, **extra):
-        rows.append({"row": name, "tokens": int(n_tok), "seconds": secs, "tok_s": n_tok / secs if secs > 0 else 0.0, **extra})
-        say(f"{name}: {n_tok} tokens in {secs:.2f} s, {n_tok / max(secs, 1e-9):,.0f} tok/s")
 
-    # ── the stage's own generation at each slot count ──
-    for S in slots:
-        s = SelfGenSettings(tokens=tokens, max_new=max_new, slots=S, device=dev.type)
-        op = Openings(f, s)
+def selfgen_rows(a, c, row, texts: dict) -> None:
+    """The stage's own generation at each slot count; a sample of each opening kind from the last."""
+    from cortiq.data.selfgen import Openings, SelfGenSettings, generate_rows
+
+    for S in a.slots:
+        s = SelfGenSettings(tokens=a.tokens, max_new=a.max_new, slots=S, device=c.dev.type)
+        op = Openings(c.f, s)
         drawn = []
 
         def prompts():
@@ -143,45 +128,84 @@ def main(argv=None) -> int:
                 drawn.append(ids)
                 yield ids
 
-        new, secs = timed(lambda: generate_rows(model, prompts(), s.max_new, temperature=s.temperature, eos_ids=eos,
-                                                total=s.tokens, slots=S, max_prompt=op.max_len, seed=s.seed), dev)
+        new, secs = timed(lambda: generate_rows(c.model, prompts(), s.max_new, temperature=s.temperature,
+                                                eos_ids=c.eos, total=s.tokens, slots=S, max_prompt=op.max_len,
+                                                seed=s.seed), c.dev)
         n = sum(len(x) for x in new)
-        ended = sum(1 for x in new if len(x) and int(x[-1]) in eos)
+        ended = sum(1 for x in new if len(x) and int(x[-1]) in c.eos)
         row(f"selfgen {S}", n, secs, slots=S, rows=len(new), ended_at_eos=ended)
-        if S == slots[-1]:
+        if S == a.slots[-1]:
             for kind in ("bos", "chat", "corpus"):
                 idx = [i for i, k in enumerate(op.kinds[: len(new)]) if k == kind][: a.samples]
-                texts[kind] = [{"opening": tok.decode(drawn[i], skip_special_tokens=False),
-                                "text": tok.decode(new[i].tolist(), skip_special_tokens=False)} for i in idx]
+                texts[kind] = [{"opening": c.tok.decode(drawn[i], skip_special_tokens=False),
+                                "text": c.tok.decode(new[i].tolist(), skip_special_tokens=False)} for i in idx]
 
-    # ── the draft's old generator: one length of prompts, an eager step per token ──
+
+def old_generator_rows(a, c, row) -> None:
+    """The draft's old generator (one length of prompts, an eager step per token) against the new one on
+    the same prompts, greedy."""
+    from cortiq.data.selfgen import generate_rows
+    from cortiq.data.sources import corpus_documents
+
     pyd = "\n\n".join(d.text for d in corpus_documents("pydoc")[:400])
-    ids = np.asarray(tok.encode(pyd, add_special_tokens=False).ids, dtype=np.int64)
+    ids = np.asarray(c.tok.encode(pyd, add_special_tokens=False).ids, dtype=np.int64)
     P = 64
-    n_win = min(old_rows, len(ids) // (2 * P))
+    n_win = min(a.old_rows, len(ids) // (2 * P))
     starts = np.linspace(0, len(ids) - P - 1, n_win).astype(np.int64)
     pr = torch.as_tensor(np.stack([ids[s: s + P] for s in starts]))
-    _, secs = timed(lambda: old_continue_batch(model, pr, max_new), dev)
-    row("old continue_batch", len(pr) * max_new, secs, slots=len(pr))
-    new, secs = timed(lambda: generate_rows(model, pr.tolist(), max_new, slots=len(pr)), dev)
+    _, secs = timed(lambda: old_continue_batch(c.model, pr, a.max_new), c.dev)
+    row("old continue_batch", len(pr) * a.max_new, secs, slots=len(pr))
+    new, secs = timed(lambda: generate_rows(c.model, pr.tolist(), a.max_new, slots=len(pr)), c.dev)
     row("new, same prompts (greedy)", sum(len(x) for x in new), secs, slots=len(pr))
 
-    # ── data build --generate-with's old loop: one prompt at a time ──
-    reqs = chat_openings(f, tok, str(path))[::37][:answers]
-    plain, secs = timed(lambda: [generate(model, p, max_new=answer_tokens, eos_ids=eos).tokens for p in reqs], dev)
+
+def answer_rows(a, c, row) -> None:
+    """data build --generate-with's old loop (one prompt at a time) against the new generator, one batch."""
+    from cortiq.data.selfgen import chat_openings, generate_rows
+    from cortiq.model.generate import generate
+
+    reqs = chat_openings(c.f, c.tok, str(a.path))[::37][:a.answers]
+    plain, secs = timed(lambda: [generate(c.model, p, max_new=a.answer_tokens, eos_ids=c.eos).tokens for p in reqs],
+                        c.dev)
     row("old generate_answers", sum(len(x) for x in plain), secs, slots=1)
-    new, secs = timed(lambda: generate_rows(model, reqs, answer_tokens, eos_ids=eos, slots=len(reqs)), dev)
+    new, secs = timed(lambda: generate_rows(c.model, reqs, a.answer_tokens, eos_ids=c.eos, slots=len(reqs)), c.dev)
     row("new, same requests (batched)", sum(len(x) for x in new), secs, slots=len(reqs))
 
-    print(f"\nself-generated text, {path.name} on {dev} ({str(dt).removeprefix('torch.')}), max_new {max_new}\n")
+
+def main(argv=None) -> int:
+    from cortiq.cmf import open_cmf
+    from cortiq.devices import resolve_compute
+    from cortiq.model import load_model
+    from cortiq.tokenizer import from_doc
+
+    a = parse_args(argv)
+    path = a.path
+    c = argparse.Namespace(dev=torch.device("cpu" if a.cpu or not torch.cuda.is_available() else "cuda"))
+    dt = resolve_compute("auto", c.dev)
+    c.f = f = open_cmf(path)
+    c.model = load_model(f, dtype=dt, device=c.dev)
+    doc = f.tokenizer or {}
+    c.tok = from_doc(doc, str(path))
+    c.eos = list(doc.get("eos_ids") or [f.eos_id])
+    say(f"{path.name} on {c.dev} ({str(dt).removeprefix('torch.')})")
+    rows, texts = [], {}
+
+    def row(name, n_tok, secs, **extra):
+        rows.append({"row": name, "tokens": int(n_tok), "seconds": secs, "tok_s": n_tok / secs if secs > 0 else 0.0, **extra})
+        say(f"{name}: {n_tok} tokens in {secs:.2f} s, {n_tok / max(secs, 1e-9):,.0f} tok/s")
+
+    selfgen_rows(a, c, row, texts)
+    old_generator_rows(a, c, row)
+    answer_rows(a, c, row)
+    print(f"\nself-generated text, {path.name} on {c.dev} ({str(dt).removeprefix('torch.')}), max_new {a.max_new}\n")
     print_table(["row", "slots", "tokens", "seconds", "tok/s"],
                 [[r["row"], r["slots"], r["tokens"], f"{r['seconds']:.2f}", f"{r['tok_s']:,.0f}"] for r in rows])
     for kind, xs in texts.items():
         print(f"\n── {kind} openings ──")
         for x in xs:
             print(f"[{x['opening'][-60:]!r}] {x['text'][:300]!r}")
-    write_json(a.out, "selfgen.json", {"model": str(path), "device": str(dev), "dtype": str(dt), "max_new": max_new,
-                                       "rows": rows, "samples": texts})
+    write_json(a.out, "selfgen.json", {"model": str(path), "device": str(c.dev), "dtype": str(dt),
+                                       "max_new": a.max_new, "rows": rows, "samples": texts})
     return 0
 
 

@@ -1,7 +1,7 @@
 """A fresh MTP draft, trained with `mtp heal`'s defaults, judged where it is used.
 
-    python -m bench.mtp [--model smollm2|MODEL.cmf] [--data SPEC] [--work DIR] [--out DIR]
-    python -m bench.mtp --cpu --tiny          # a tiny random model on the CPU: a smoke test of the script
+    python -m bench.mtp.mtp [--model smollm2|MODEL.cmf] [--data SPEC] [--work DIR] [--out DIR]
+    python -m bench.mtp.mtp --cpu --tiny      # a tiny random model on the CPU: a smoke test of the script
 
 What it runs (as a user would): SmolLM2-135M converted, `mtp init` (a fresh
 draft), `mtp heal` with its default settings (the fresh preset, chosen from
@@ -119,7 +119,7 @@ def healed_draft(work: str | os.PathLike = WORK, model: str = "smollm2", pydoc_t
                  shakespeare_tokens: int = 480000, device: str = "auto") -> Path:
     """SmolLM2 with a draft from `mtp init` + `mtp heal` at the defaults (f16 draft), built once under
     `work` and reused: what a decode benchmark measures speculative decoding with.
-    From another script: importlib.util.spec_from_file_location("mtp_bench", "bench/mtp.py")."""
+    From another script: importlib.util.spec_from_file_location("mtp_bench", "bench/mtp/mtp.py")."""
     from cortiq.mtp import MtpSettings, mtp_heal
 
     work = Path(work)
@@ -186,7 +186,8 @@ def pick(n_all: int, n: int) -> np.ndarray:
     return np.unique(np.linspace(0, n_all - 1, min(n, n_all)).round().astype(int)) if n_all else np.zeros(0, int)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The command line; --cpu sets the device, --tiny the small sizes and a work folder of their own."""
     ap = parser(__doc__.split("\n\n")[0], cpu_help="run on the CPU (device cpu)",
                 tiny_help="a tiny random model, a little data and small settings: a smoke test of this script")
     ap.add_argument("--model", default="smollm2", help="'smollm2' or a model without a draft (.cmf)")
@@ -214,65 +215,70 @@ def main() -> int:
         args.prompts, args.questions = min(args.prompts, 4), min(args.questions, 2)
         if args.work == str(WORK):
             args.work = str(WORK.parent / "mtp-bench-tiny")
+    return args
 
-    from cortiq.mtp import MtpSettings, _chain, _draft_tensors, _remeasure, heldout_windows, mtp_heal, resolve, write_draft
-    from cortiq.devices import rank_device
 
-    if args.only_draft:
-        print(healed_draft(args.work, args.model, args.pydoc_tokens, args.shakespeare_tokens, args.device))
-        return 0
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    res: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"}
+#: the measure's figures per prompt kind, beside the overall one
+KINDS = ("data", "chat", "every_row")
 
-    def save():
-        write_json(args.out, "mtp.json", res)
 
-    init, spec = prepare(args, work)
-    res["prep_s"] = time.perf_counter() - T0
-    extra = {**(TINY if args.tiny else {}), **(json.loads(args.extra) if args.extra else {})}
-    run_dir = work / "run"
-    run_dir.mkdir(exist_ok=True)
-    paths = {c: run_dir / f"healed.{c}.cmf" for c in ("f16", "q8", "q4")}
-    s = MtpSettings(codec="f16", also=[("q8", str(paths["q8"])), ("q4", str(paths["q4"]))], trunk_cache=str(work / "trunk"),
-                    time_limit=args.time_limit, device=args.device, **extra)
-    sr = resolve(open_cmf(init), s)
+def heal_draft(args, c) -> None:
+    """mtp init's draft healed at the defaults (f16, with q8 and q4 copies): the heal's figures and each
+    codec's offline measure into the result."""
+    from cortiq.mtp import MtpSettings, mtp_heal, resolve
+
+    c.init, c.spec = prepare(args, c.work)
+    c.res["prep_s"] = time.perf_counter() - T0
+    c.extra = {**(TINY if args.tiny else {}), **(json.loads(args.extra) if args.extra else {})}
+    c.run_dir = c.work / "run"
+    c.run_dir.mkdir(exist_ok=True)
+    c.paths = {k: c.run_dir / f"healed.{k}.cmf" for k in ("f16", "q8", "q4")}
+    s = MtpSettings(codec="f16", also=[("q8", str(c.paths["q8"])), ("q4", str(c.paths["q4"]))],
+                    trunk_cache=str(c.work / "trunk"), time_limit=args.time_limit, device=args.device, **c.extra)
+    c.sr = sr = resolve(open_cmf(c.init), s)
     say(f"preset {sr.preset}: lr {sr.lr:g}, {sr.epochs:g} epochs, window {sr.window}, batch {sr.batch}, "
-        f"prompt {sr.gen_prompt}, chat share {sr.gen_chat:g}, span {sr.span}, eval every {sr.eval_every}; data {spec}")
+        f"prompt {sr.gen_prompt}, chat share {sr.gen_chat:g}, span {sr.span}, eval every {sr.eval_every}; data {c.spec}")
     t = time.perf_counter()
-    rep = mtp_heal(init, spec, s, paths["f16"])
-    kinds = ("data", "chat", "every_row")
-    res["heal"] = {"seconds": time.perf_counter() - t, "preset": rep["preset"], "settings": rep["settings"],
-                   "metrics": rep["metrics"], "before": rep["before"]["hold"]}
-    res["offline"] = {("f16" if k == "out:f16" else k): {"hold": v["hold"], "drafts_per_round": v["drafts_per_round"],
-                                                         "bytes": v["bytes"],
-                                                         **{x: v[x]["drafts_per_round"] for x in kinds if x in v}}
-                      for k, v in rep["codecs"].items()}
-    save()
+    rep = mtp_heal(c.init, c.spec, s, c.paths["f16"])
+    c.res["heal"] = {"seconds": time.perf_counter() - t, "preset": rep["preset"], "settings": rep["settings"],
+                     "metrics": rep["metrics"], "before": rep["before"]["hold"]}
+    c.res["offline"] = {("f16" if k == "out:f16" else k): {"hold": v["hold"], "drafts_per_round": v["drafts_per_round"],
+                                                           "bytes": v["bytes"],
+                                                           **{x: v[x]["drafts_per_round"] for x in KINDS if x in v}}
+                        for k, v in rep["codecs"].items()}
+    c.save()
 
-    # ── q4: which tensors are sensitive ──
-    f = open_cmf(paths["f16"])
-    dev = rank_device(sr.device, "mtp settings")
-    m = load_model(f, device=dev)
-    ch, _ = _chain(m, f, spec, sr)
+
+def q4_variants(c):
+    """q4: which tensors are sensitive (all at q4 with the sensitive ones at q8, and eh_proj kept at f16),
+    each measured offline. Returns the loaded healed model, which the next part reads its windows with."""
+    from cortiq.devices import rank_device
+    from cortiq.mtp import _chain, _draft_tensors, _remeasure, write_draft
+
+    c.f = f = open_cmf(c.paths["f16"])
+    c.dev = rank_device(c.sr.device, "mtp settings")
+    m = load_model(f, device=c.dev)
+    ch, _ = _chain(m, f, c.spec, c.sr)
     tensors = _draft_tensors(m)
     for tag, sens, keep in (("q4 all", (), "q8"), ("q4 eh_proj f16", None, "f16")):
-        pth = run_dir / f"healed.{tag.replace(' ', '_')}.cmf"
+        pth = c.run_dir / f"healed.{tag.replace(' ', '_')}.cmf"
         if sens is None:
             write_draft(f, tensors, "q4", pth, None, sensitive_codec=keep)
         else:
             write_draft(f, tensors, "q4", pth, None, sensitive=sens)
-        r = _remeasure(ch, pth, sr, tag)
-        res["offline"][tag] = {"hold": r["hold"], "drafts_per_round": r["drafts_per_round"], "bytes": r["bytes"],
-                               **{x: r[x]["drafts_per_round"] for x in kinds if x in r}}
-        save()
+        r = _remeasure(ch, pth, c.sr, tag)
+        c.res["offline"][tag] = {"hold": r["hold"], "drafts_per_round": r["drafts_per_round"], "bytes": r["bytes"],
+                                 **{x: r[x]["drafts_per_round"] for x in KINDS if x in r}}
+        c.save()
     del ch
+    return m
 
-    # ── real decoding on the held-out windows' prompts, against the measure on those windows ──
-    hw = heldout_windows(m, f, spec, sr)
-    del m
-    new = args.max_new or sr.span or (sr.window - sr.gen_prompt)
-    eos = (f.tokenizer or {}).get("eos_ids") or [f.eos_id]
+
+def heldout_sets(args, c, m) -> dict:
+    """Up to --prompts held-out windows per kind: {kind: (prompts, windows, prompt lengths, chat flags)}."""
+    from cortiq.mtp import heldout_windows
+
+    hw = heldout_windows(m, c.f, c.spec, c.sr)
     sets = {}
     for kind in ("data", "chat"):
         idx = (hw["chat"] if kind == "chat" else ~hw["chat"]).nonzero().flatten()
@@ -282,61 +288,71 @@ def main() -> int:
         seqs = [hw["ids"][i, : hw["lens"][i]].tolist() for i in idx]
         plens = [int(hw["start"][i]) + 1 for i in idx]
         sets[kind] = ([x[:p] for x, p in zip(seqs, plens)], seqs, plens, hw["chat"][idx])
-    qs = chat_prompts(f, args.questions)
-    res["real"] = []
-    plan = [("f16", d, k) for d in (1, 2, 3) for k in list(sets) + (["questions"] if qs else [])] + \
-           [(c, 3, k) for c in ("q8", "q4") for k in sets]
+    return sets
+
+
+def real_decoding(args, c) -> None:
+    """Real decoding on the held-out windows' prompts (and free questions), against the measure on those
+    windows, per codec and depth, while the budget lasts."""
+    qs = chat_prompts(c.f, args.questions)
+    c.res["real"] = []
+    plan = [("f16", d, k) for d in (1, 2, 3) for k in list(c.sets) + (["questions"] if qs else [])] + \
+           [(codec, 3, k) for codec in ("q8", "q4") for k in c.sets]
     reserve = 60.0 if args.compare_raw else 5.0
     for codec, depth, kind in plan:
-        if res["real"] and left(args.budget) < reserve:
+        if c.res["real"] and left(args.budget) < reserve:
             say(f"budget: real decoding stops before {codec} depth {depth} {kind}")
             break
-        prompts = qs if kind == "questions" else sets[kind][0]
-        r = real(paths[codec], prompts, depth, new, dev, eos)
+        prompts = qs if kind == "questions" else c.sets[kind][0]
+        r = real(c.paths[codec], prompts, depth, c.new, c.dev, c.eos)
         texts = r.pop("texts")
         if kind == "questions":  # no held-out window: the measure on the decoded text itself
-            off = offline(paths[codec], texts, [len(p) for p in prompts], depth, new, None, dev).get("walk", 0.0)
+            off = offline(c.paths[codec], texts, [len(p) for p in prompts], depth, c.new, None, c.dev).get("walk", 0.0)
         else:
-            _, seqs, plens, chat = sets[kind]
-            off = offline(paths[codec], seqs, plens, depth, new, chat, dev).get(kind, 0.0)
-        r.update({"codec": codec, "depth": depth, "prompts_from": kind, "max_new": new, "offline": off,
+            _, seqs, plens, chat = c.sets[kind]
+            off = offline(c.paths[codec], seqs, plens, depth, c.new, chat, c.dev).get(kind, 0.0)
+        r.update({"codec": codec, "depth": depth, "prompts_from": kind, "max_new": c.new, "offline": off,
                   "ratio": r["accepted_per_round"] / max(off, 1e-9)})
-        res["real"].append(r)
+        c.res["real"].append(r)
         say(f"real {codec} depth {depth} {kind}: {r['accepted_per_round']:.3f} a round "
             f"(offline {off:.3f}; {r['prompts']} prompts, {r['seconds']:.1f} s)")
-        save()
+        c.save()
 
-    # ── the same on the data's own text ──
-    if args.compare_raw and left(args.budget) > 45 and "data" in sets:
-        tl = max(min(res["heal"]["metrics"]["train_seconds"], left(args.budget) - 40), 5.0)
-        raw = run_dir / "raw.f16.cmf"
-        s2 = MtpSettings(codec="f16", generate=False, trunk_cache=str(work / "trunk"), time_limit=tl, device=args.device,
-                         **extra)
-        say(f"mtp heal on the data's own text (time limit {tl:.0f} s)")
-        t = time.perf_counter()
-        rep2 = mtp_heal(init, spec, s2, raw)
-        off2 = rep2["codecs"]["out:f16"]
-        res["raw"] = {"seconds": time.perf_counter() - t, "metrics": rep2["metrics"], "hold": off2["hold"],
-                      "drafts_per_round": off2["drafts_per_round"], "real": []}
-        save()
-        for kind in sets:
-            prompts, seqs, plens, chat = sets[kind]
-            r = real(raw, prompts, 3, new, dev, eos)
-            r.pop("texts")
-            r.update({"depth": 3, "prompts_from": kind, "offline": offline(raw, seqs, plens, 3, new, chat, dev).get(kind, 0.0)})
-            res["raw"]["real"].append(r)
-            save()
-    res["total_s"] = time.perf_counter() - T0
-    save()
 
-    # ── table ──
+def raw_compare(args, c) -> None:
+    """The same training on the data's own text instead of the model's continuations, in the time left."""
+    from cortiq.mtp import MtpSettings, mtp_heal
+
+    tl = max(min(c.res["heal"]["metrics"]["train_seconds"], left(args.budget) - 40), 5.0)
+    raw = c.run_dir / "raw.f16.cmf"
+    s2 = MtpSettings(codec="f16", generate=False, trunk_cache=str(c.work / "trunk"), time_limit=tl,
+                     device=args.device, **c.extra)
+    say(f"mtp heal on the data's own text (time limit {tl:.0f} s)")
+    t = time.perf_counter()
+    rep2 = mtp_heal(c.init, c.spec, s2, raw)
+    off2 = rep2["codecs"]["out:f16"]
+    c.res["raw"] = {"seconds": time.perf_counter() - t, "metrics": rep2["metrics"], "hold": off2["hold"],
+                    "drafts_per_round": off2["drafts_per_round"], "real": []}
+    c.save()
+    for kind in c.sets:
+        prompts, seqs, plens, chat = c.sets[kind]
+        r = real(raw, prompts, 3, c.new, c.dev, c.eos)
+        r.pop("texts")
+        r.update({"depth": 3, "prompts_from": kind,
+                  "offline": offline(raw, seqs, plens, 3, c.new, chat, c.dev).get(kind, 0.0)})
+        c.res["raw"]["real"].append(r)
+        c.save()
+
+
+def report(res: dict, sr, new: int) -> None:
+    """The offline table, the real-decoding table and the raw-text comparison."""
     hm = res["heal"]["metrics"]
     print(f"\ndevice: {res['device']}; heal {res['heal']['seconds']:.0f} s ({hm['steps']:.0f} steps, "
           f"training {hm['train_seconds']:.0f} s, preset {res['heal']['preset']}); total {res['total_s']:.0f} s")
     print(f"offline: held-out windows, chain {sr.chain}, decode rounds over {sr.span} new tokens from each prompt's end")
     print_table(["draft", "hold per chain step", "drafts/round", "data", "chat", "every row", "draft MB"],
                 [[k, " / ".join(f"{x:.3f}" for x in v["hold"]), f"{v['drafts_per_round']:.3f}",
-                  *(f"{v[x]:.3f}" if x in v else "" for x in ("data", "chat", "every_row")), f"{v['bytes'] / 1e6:.2f}"]
+                  *(f"{v[x]:.3f}" if x in v else "" for x in KINDS), f"{v['bytes'] / 1e6:.2f}"]
                  for k, v in res["offline"].items()])
     print(f"\nreal: the engine (f32), greedy, {new} new tokens; offline: the same measure on the same prompts' held-out "
           f"windows (questions: on the decoded text)")
@@ -350,6 +366,29 @@ def main() -> int:
         for r in rw["real"]:
             print(f"  real depth 3 {r['prompts_from']}: {r['accepted_per_round']:.3f} a round "
                   f"(offline {r['offline']:.3f}, {r['rounds']} rounds)")
+
+
+def main() -> int:
+    args = parse_args()
+    if args.only_draft:
+        print(healed_draft(args.work, args.model, args.pydoc_tokens, args.shakespeare_tokens, args.device))
+        return 0
+    c = argparse.Namespace(work=Path(args.work))  # what the parts share
+    c.work.mkdir(parents=True, exist_ok=True)
+    c.res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"}
+    c.save = lambda: write_json(args.out, "mtp.json", c.res)
+    heal_draft(args, c)
+    m = q4_variants(c)
+    c.sets = heldout_sets(args, c, m)
+    del m
+    c.new = args.max_new or c.sr.span or (c.sr.window - c.sr.gen_prompt)
+    c.eos = (c.f.tokenizer or {}).get("eos_ids") or [c.f.eos_id]
+    real_decoding(args, c)
+    if args.compare_raw and left(args.budget) > 45 and "data" in c.sets:
+        raw_compare(args, c)
+    c.res["total_s"] = time.perf_counter() - T0
+    c.save()
+    report(c.res, c.sr, c.new)
     return 0
 
 

@@ -1,8 +1,8 @@
 """A trained draft between device leases: its model.mtp.* tensors as files small enough for a
 device call to bring back, and those files put back into a model with the same trunk.
 
-    python -m bench.draft_carry save DRAFTED.cmf DIR          # DIR/draft-0.safetensors, draft-1...
-    python -m bench.draft_carry load INIT.cmf DIR OUT.cmf     # INIT (mtp init's output) with the draft
+    python -m bench.mtp.draft_carry save DRAFTED.cmf DIR        # DIR/draft-0.safetensors, draft-1...
+    python -m bench.mtp.draft_carry load INIT.cmf DIR OUT.cmf   # INIT (mtp init's output) with the draft
 
 Why: a device call brings back files of at most 16 MiB, and a draft at `mtp heal`'s defaults takes
 about 470 s of the H200 to train (bench/DECODE.md); a later lease, on a fresh machine, rebuilds the
@@ -54,7 +54,7 @@ def save(model: str, folder: str) -> list[Path]:
         save_file(part, str(tmp), metadata=meta)
         tmp.replace(path)
         paths.append(path)
-    log(f"bench.draft_carry: {len(names)} draft tensors of {model} in {len(paths)} files under {out}")
+    log(f"bench.mtp.draft_carry: {len(names)} draft tensors of {model} in {len(paths)} files under {out}")
     return paths
 
 
@@ -67,7 +67,7 @@ def load(init: str, folder: str, out: str) -> Path:
     f = open_cmf(init)
     files = sorted(Path(folder).glob("draft-*.safetensors"))
     if not files:
-        raise CortiqError(f"{folder}: no draft-*.safetensors files (made by `python -m bench.draft_carry save`)")
+        raise CortiqError(f"{folder}: no draft-*.safetensors files (made by `python -m bench.mtp.draft_carry save`)")
     got = {}
     for p in files:
         with safe_open(str(p), "pt") as sf:
@@ -88,7 +88,7 @@ def load(init: str, folder: str, out: str) -> Path:
                                   f"{s.codec} {tuple(st.shape)} {st.dtype}")
             s.get = lambda t=t: Stored(t)
     path = write_cmf(out, f.doc, specs)
-    log(f"bench.draft_carry: {out}: {init} with the {len(got)} draft tensors of {folder}")
+    log(f"bench.mtp.draft_carry: {out}: {init} with the {len(got)} draft tensors of {folder}")
     return path
 
 
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
         else:
             load(a.init, a.folder, a.out)
     except CortiqError as e:
-        print(f"bench.draft_carry: {e}", file=sys.stderr)
+        print(f"bench.mtp.draft_carry: {e}", file=sys.stderr)
         return 2
     return 0
 

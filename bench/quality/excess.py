@@ -1,8 +1,8 @@
 """Where a model's excess NLL over its source goes on one text: by how sure the source was of
 each token, and by the token's shape.
 
-    python -m bench.excess --source SRC.cmf --model PRUNED.cmf [--model HEALED.cmf] --data TDATA --out DIR
-    python -m bench.excess --cpu --tiny --out DIR     # a tiny random source and a fold of it: the code paths
+    python -m bench.quality.excess --source SRC.cmf --model PRUNED.cmf [--model HEALED.cmf] --data TDATA --out DIR
+    python -m bench.quality.excess --cpu --tiny --out DIR   # a tiny random source and a fold of it: the code paths
 
 The text's records, end to end, are cut into windows of --window tokens (the first --tokens of it);
 every token but a window's first is scored by the source and by each model, teacher-forced. The excess (model NLL minus source NLL, nats) is then
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         a.data = str(pydoc_tdata(a.source, work / "text", 3000, record_tokens=128))
         a.window, a.tokens = 64, 1024
     if not (a.source and a.model and a.data):
-        raise SystemExit("bench.excess: give --source, --model and --data (or --cpu --tiny)")
+        raise SystemExit("bench.quality.excess: give --source, --model and --data (or --cpu --tiny)")
     td = Tdata.open(a.data)
     # the records end to end, cut into windows: every token scored in the context of the ones before it
     ids = np.concatenate([np.asarray(r.ids, dtype=np.int64) for r in td.records(None)])
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
         print_table(["part", "tokens", "share of the text", "source NLL", "excess", "share of the excess"],
                     [[x["part"], x["tokens"], f"{x['share_tokens']:.2f}", f"{x['source_nll']:.2f}",
                       f"{x['excess']:+.3f}", f"{x['share_excess']:.2f}"] for x in r["rows"]])
-    log(f"bench.excess: {res['seconds']:.0f} s")
+    log(f"bench.quality.excess: {res['seconds']:.0f} s")
     return 0
 
 

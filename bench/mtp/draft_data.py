@@ -1,12 +1,12 @@
 """Which self-generated data trains the draft best, judged on prompts it never saw.
 
-    python -m bench.draft_data [--gguf FILE] [--rows NAME,NAME] [--work DIR] [--out DIR]
-    python -m bench.draft_data --cpu --tiny          # a tiny random model on the CPU: a smoke test
+    python -m bench.mtp.draft_data [--gguf FILE] [--rows NAME,NAME] [--work DIR] [--out DIR]
+    python -m bench.mtp.draft_data --cpu --tiny      # a tiny random model on the CPU: a smoke test
 
 Each row is `mtp init` + `mtp heal` on the pydoc text with the defaults but for the
 settings the row names (ROWS), on the same converted SmolLM2-135M. Each draft is then
 judged where the serving bench judges it: tokens a greedy speculative round decides at
-depth 3 on bench.serve's chat questions (with the further questions below, which no
+depth 3 on bench.serve.serve's chat questions (with the further questions below, which no
 stage trains on) and on its windows of standard-library source (another source than
 the pydoc text the draft's prompts are cut from), by the offline measure
 (cortiq.mtp.measure_text on each prompt's greedy continuation) in bf16 and in f32, and
@@ -36,7 +36,7 @@ ROWS = {
     "asked, 8192 windows, 2 epochs": {"gen_windows": 8192, "gen_ask": 1.0, "epochs": 2.0},
 }
 
-#: chat questions beside bench.serve's, of other kinds and phrasings (none in any training list)
+#: chat questions beside bench.serve.serve's, of other kinds and phrasings (none in any training list)
 MORE_QUESTIONS = [
     "What are the main causes of the First World War?", "How does a refrigerator keep food cold?",
     "Write a limerick about a programmer.", "What is the Pythagorean theorem?",
@@ -54,7 +54,7 @@ MORE_QUESTIONS = [
 
 
 def measure(model: Path, chat: list[list[int]], text: list[list[int]], max_tokens: int, cpu: bool) -> list[dict]:
-    from bench.serve import acceptance
+    from bench.serve.serve import acceptance
 
     prompts = {"chat": chat, "text": text}
     plans = {k: list(range(len(v))) for k, v in prompts.items()}
@@ -77,8 +77,8 @@ def main() -> int:
     names = [n.strip() for n in (args.rows.split("|") if "|" in args.rows else _split(args.rows)) if n.strip()]
     bad = [n for n in names if n not in ROWS]
     if bad:
-        raise SystemExit(f"bench.draft_data: no row {bad[0]!r} (rows: {', '.join(ROWS)})")
-    from bench.serve import QUESTIONS, chat_ids, text_prompts
+        raise SystemExit(f"bench.mtp.draft_data: no row {bad[0]!r} (rows: {', '.join(ROWS)})")
+    from bench.serve.serve import QUESTIONS, chat_ids, text_prompts
     from cortiq.mtp import MtpSettings, mtp_heal, mtp_init
     from cortiq.tokenizer import load_tokenizer
 
@@ -109,7 +109,7 @@ def main() -> int:
     results = []
     for name in names:
         if args.budget and results and time.time() - t0 + results[-1]["seconds_total"] > args.budget:
-            log(f"bench.draft_data: {name}: skipped (the budget of {args.budget:.0f} s would not hold it)")
+            log(f"bench.mtp.draft_data: {name}: skipped (the budget of {args.budget:.0f} s would not hold it)")
             continue
         t1 = time.time()
         kw = {**ROWS[name], **{k: v for k, v in extra.items() if k != "gen_windows_cap"}}
@@ -123,7 +123,7 @@ def main() -> int:
         row = {"row": name, "settings": ROWS[name], "heal_seconds": heal_s, "steps": m.get("steps"),
                "estimate": m.get("drafts_per_round_after"), "measures": acc, "seconds_total": time.time() - t1}
         results.append(row)
-        log(f"bench.draft_data: {name}: healed in {heal_s:.0f} s, measured in {row['seconds_total'] - heal_s:.0f} s")
+        log(f"bench.mtp.draft_data: {name}: healed in {heal_s:.0f} s, measured in {row['seconds_total'] - heal_s:.0f} s")
         write_json(args.out, "draft_data.json", {"rows": results, "max_tokens": max_tokens,
                                                   "chat_prompts": len(chat), "text_prompts": len(text)})
     print(f"Tokens a round at depth 3 ({len(chat)} chat questions, {len(text)} windows of standard-library source, "

@@ -1,8 +1,8 @@
 """Heal on more than one GPU: the same heal on 1 and on 2 GPUs, then one
 fully sharded step of an 8B geometry, in one call.
 
-    python -m bench.dist [--out DIR]                 # 2 GPUs (about 6 minutes on 2×H200)
-    python -m bench.dist --cpu --tiny                # the code paths: 2 gloo ranks on the CPU, no figures
+    python -m bench.heal.dist [--out DIR]            # 2 GPUs (about 6 minutes on 2×H200)
+    python -m bench.heal.dist --cpu --tiny           # the code paths: 2 gloo ranks on the CPU, no figures
 
 1. A random-init model of Qwen3-1.7B geometry (bench/run.py's GEOMS; its MLPs
    perturbed to make the student) is healed on the pydoc text by the library's
@@ -39,7 +39,7 @@ import torch
 from bench.common import env as child_env
 from bench.common import finish, log, parser, pydoc_tdata, write_json
 from bench.run import GEOMS
-from bench.stages import arch_of
+from bench.heal.stages import arch_of
 
 BIG = {
     # Qwen3-8B: hidden 4096, 36 layers, MLP 12288, 32 heads / 8 KV heads of 128, untied head
@@ -80,7 +80,7 @@ def make_models(g: dict, d: Path, device: str) -> tuple[Path, Path]:
 
 
 def torchrun(n: int, args: list[str], env: dict, timeout: float) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "bench.dist", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "bench.heal.dist", *args]
     log("$ " + " ".join(cmd))
     try:
         return subprocess.run(cmd, env=env, timeout=timeout).returncode
@@ -88,7 +88,7 @@ def torchrun(n: int, args: list[str], env: dict, timeout: float) -> int:
         return 124
 
 
-def main():
+def parse_args():
     ap = parser(__doc__, cpu_help="gloo ranks on the CPU (no figures)", tiny_help="tiny geometries and data (a smoke test)")
     ap.add_argument("--geom", default="qwen3-1.7b", help="the healed geometry (bench/run.py GEOMS)")
     ap.add_argument("--big", default="qwen3-8b", help="the fully sharded step's geometry")
@@ -122,6 +122,55 @@ def main():
     if a.tiny:
         a.geom, a.big, a.tokens, a.window, a.batch, a.steps, a.eval_every = "tiny", "tiny", 12_000, 32, 4, 6, 2
         a.big_window, a.big_batch = 32, 2
+    return a
+
+
+def heal_runs(a, out: Path, env: dict, common: list[str]) -> list[dict]:
+    """One torchrun of the heal worker per --runs entry: each row its result (or its exit status)."""
+    rows = []
+    for i, spec in enumerate(r for r in a.runs.split(",") if r):
+        n, shard, *opts = spec.split(":") + ["auto"] * (":" not in spec)
+        n = int(n)
+        keep = next((o for o in opts if o in ("keep", "reshard")), "")
+        units = next((int(o[1:]) for o in opts if o.startswith("u")), 0)
+        res = out / f"heal-{i}.json"
+        res.unlink(missing_ok=True)
+        t1 = time.time()
+        rc = torchrun(n, ["--worker", "heal", "--result", str(res), "--compile", str(int(not a.cpu)), "--shard", shard,
+                          "--keep", keep, "--units", str(units), *common] + (["--cpu"] if a.cpu else [])
+                      + (["--profile"] if a.profile else []), env, 300)
+        row = json.loads(res.read_text()) if res.exists() else {"error": f"exit {rc}"}
+        row.update({"part": f"heal {a.geom}" + (f" {shard}" if shard != "auto" else "") + (f" {keep}" if keep else "")
+                    + (f" u{units}" if units else ""),
+                    "gpus": n, "wall_s": time.time() - t1})
+        rows.append(row)
+        log(json.dumps({k: v for k, v in row.items() if k != "profile"})[:400])
+    return rows
+
+
+def big_runs(a, out: Path, env: dict, common: list[str]) -> list[dict]:
+    """The sharded step of the big geometry: compiled first, then (where that fails) eager, per --big-runs."""
+    rows = []
+    for compile_ in (int(c) for c in a.big_runs.split(",") if c and (not a.cpu or c == "0")):
+        res = out / "big.json"
+        res.unlink(missing_ok=True)
+        t1 = time.time()
+        big_gpus = a.big_gpus or a.gpus
+        rc = torchrun(big_gpus, ["--worker", "big", "--result", str(res), "--compile", str(compile_),
+                                 "--big-memory", a.big_memory, *common] + (["--cpu"] if a.cpu else []), env, 300)
+        row = json.loads(res.read_text()) if res.exists() else {"error": f"exit {rc}"}
+        row.update({"part": f"fsdp step {a.big}" + ("" if compile_ else " (eager)")
+                    + (f" {a.big_memory}" if a.big_memory != "auto" else ""), "gpus": big_gpus,
+                    "wall_s": time.time() - t1})
+        rows.append(row)
+        log(json.dumps(row)[:400])
+        if "error" not in row:
+            break
+    return rows
+
+
+def main():
+    a = parse_args()
     if a.worker == "heal":
         return worker_heal(a)
     if a.worker == "big":
@@ -146,39 +195,7 @@ def main():
     common = ["--geom", a.geom, "--tokens", str(a.tokens), "--window", str(a.window), "--batch", str(a.batch),
               "--steps", str(a.steps), "--eval-every", str(a.eval_every), "--work", str(work), "--data", str(td),
               "--big", a.big, "--big-window", str(a.big_window), "--big-batch", str(a.big_batch)]
-    rows = []
-    for i, spec in enumerate(r for r in a.runs.split(",") if r):
-        n, shard, *opts = spec.split(":") + ["auto"] * (":" not in spec)
-        n = int(n)
-        keep = next((o for o in opts if o in ("keep", "reshard")), "")
-        units = next((int(o[1:]) for o in opts if o.startswith("u")), 0)
-        res = out / f"heal-{i}.json"
-        res.unlink(missing_ok=True)
-        t1 = time.time()
-        rc = torchrun(n, ["--worker", "heal", "--result", str(res), "--compile", str(int(cuda)), "--shard", shard,
-                          "--keep", keep, "--units", str(units), *common] + (["--cpu"] if a.cpu else []) + (["--profile"] if a.profile else []),
-                      env, 300)
-        row = json.loads(res.read_text()) if res.exists() else {"error": f"exit {rc}"}
-        row.update({"part": f"heal {a.geom}" + (f" {shard}" if shard != "auto" else "") + (f" {keep}" if keep else "")
-                    + (f" u{units}" if units else ""),
-                    "gpus": n, "wall_s": time.time() - t1})
-        rows.append(row)
-        log(json.dumps({k: v for k, v in row.items() if k != "profile"})[:400])
-    for compile_ in (int(c) for c in a.big_runs.split(",") if c and (cuda or c == "0")):
-        res = out / "big.json"
-        res.unlink(missing_ok=True)
-        t1 = time.time()
-        big_gpus = a.big_gpus or a.gpus
-        rc = torchrun(big_gpus, ["--worker", "big", "--result", str(res), "--compile", str(compile_),
-                                 "--big-memory", a.big_memory, *common] + (["--cpu"] if a.cpu else []), env, 300)
-        row = json.loads(res.read_text()) if res.exists() else {"error": f"exit {rc}"}
-        row.update({"part": f"fsdp step {a.big}" + ("" if compile_ else " (eager)")
-                    + (f" {a.big_memory}" if a.big_memory != "auto" else ""), "gpus": big_gpus,
-                    "wall_s": time.time() - t1})
-        rows.append(row)
-        log(json.dumps(row)[:400])
-        if "error" not in row:
-            break
+    rows = heal_runs(a, out, env, common) + big_runs(a, out, env, common)
     dev = "CPU (gloo)" if a.cpu else f"{a.gpus}× {torch.cuda.get_device_name()}"
     write_json(out, "dist.json", {"device": dev, "torch": torch.__version__, "rows": rows})
     table(rows, dev, a)

@@ -1,17 +1,17 @@
 """The whole pipeline on one GPU, stage by stage: wall time and throughput; heal's
 memory plans against the transformers KD baseline; the mask step eager and graphed.
 
-    python -m bench.pipeline [--parts masks,memory,pipeline] [--geoms qwen3-0.6b,qwen3-1.7b] [--out DIR]
-    python -m bench.pipeline --cpu --tiny        # every part's code on a CPU at tiny sizes, no numbers
+    python -m bench.pipeline.pipeline [--parts masks,memory,pipeline] [--geoms qwen3-0.6b,qwen3-1.7b] [--out DIR]
+    python -m bench.pipeline.pipeline --cpu --tiny   # every part's code on a CPU at tiny sizes, no numbers
 
 On the GPU machine (python3.12, torch 2.11, no prefect/mlflow) the 8-bit Adam
 plans need torchao: its wheel travels with the working tree and goes in with
 
-    python3 -m pip install --no-deps --target /tmp/site .dev/whl_mem/torchao-*.whl && PYTHONPATH=/tmp/site python3 -m bench.pipeline
+    python3 -m pip install --no-deps --target /tmp/site .dev/whl_mem/torchao-*.whl && PYTHONPATH=/tmp/site python3 -m bench.pipeline.pipeline
 
 (without it those plans' rows say so and the others run). Parts, in the order
-given: `masks` (bench/memory.py: the DTG-MA step eager vs `graph=True`, random
-SmolLM2-135M geometry), `memory` (bench/memory.py: heal's student step at
+given: `masks` (bench/heal/memory.py: the DTG-MA step eager vs `graph=True`, random
+SmolLM2-135M geometry), `memory` (bench/heal/memory.py: heal's student step at
 `--memory-geom` under each memory plan, and the transformers KD baseline: tokens/s,
 peak memory, auto's estimate), `pipeline` (below, per geometry of `--geoms`).
 Each part's rows go to pipeline.json as soon as it ends; a part not started
@@ -39,7 +39,7 @@ import torch
 
 from bench.common import finish, log, parser, print_table, write_json
 from bench.run import GEOMS
-from bench.stages import arch_of
+from bench.heal.stages import arch_of
 
 
 def sync():
@@ -185,7 +185,7 @@ def print_pipeline(rows, a, dev):
 
 
 def main():
-    from bench import memory as M
+    from bench.heal import memory as M
 
     ap = parser(__doc__, cpu_help="smoke-test the code paths on the CPU",
                 tiny_help="tiny geometries and short runs (with --cpu: the smoke test)")
@@ -234,7 +234,7 @@ def main():
         elif part == "pipeline":
             res["pipeline"] += pipeline_rows(geom, a, Path(a.work))
         else:
-            raise SystemExit(f"bench.pipeline: unknown part {part!r} (masks, memory, pipeline)")
+            raise SystemExit(f"bench.pipeline.pipeline: unknown part {part!r} (masks, memory, pipeline)")
         log(f"{label}: {time.time() - t0:.0f} s")
         res["secs"] = time.time() - t_start
         write_json(a.out, "pipeline.json", res)

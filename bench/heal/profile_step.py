@@ -1,7 +1,7 @@
 """Where the student step's time goes (for bench/RESULTS.md): one device call.
 
-    python -m bench.profile_step [--geom qwen3-1.7b] [--out DIR]
-    python -m bench.profile_step --cpu --tiny     # the same parts at a tiny geometry on a CPU (no figures)
+    python -m bench.heal.profile_step [--geom qwen3-1.7b] [--out DIR]
+    python -m bench.heal.profile_step --cpu --tiny   # the same parts at a tiny geometry on a CPU (no figures)
 
 Times the parts of heal's step at the benchmark geometry separately (the
 trunk forward+backward, the fused head + top-k KL forward+backward, the Adam
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from bench import run as R
-from bench import stages as S
+from bench.heal import stages as S
 from bench.common import finish, parser, print_table, write_json
 from cortiq.heal.loss import topk_kl
 from cortiq.heal.train import StudentTail, batch_loss

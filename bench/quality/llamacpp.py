@@ -1,10 +1,11 @@
 """q4 in llama.cpp: a model's GGUF export scores in llama.cpp as the model scores in cortiq.
 
-    python -m bench.llamacpp --llama-bin DIR --model Q4.cmf --gguf Q4.gguf [--model B.cmf --gguf B.gguf ...]
+    python -m bench.quality.llamacpp --llama-bin DIR --model Q4.cmf --gguf Q4.gguf [--model B.cmf --gguf B.gguf ...]
                              --text FILE [--ctx 512 --chunks 8] [--prompt TEXT --n-predict 24] [--cpu]
 
-DIR holds llama.cpp's `llama-perplexity`, `llama-tokenize` and `llama-completion` (built from source:
-/work/shared/STACK.md, "llama.cpp, built here"). For each (model, GGUF) pair:
+DIR holds llama.cpp's `llama-perplexity`, `llama-tokenize` and `llama-completion` (built from source with
+cmake, e.g. the `vendor/llama.cpp` of the llama-cpp-python sdist: bench/QUALITY.md, "q4 in llama.cpp").
+For each (model, GGUF) pair:
 
 - tokens: the text as llama-perplexity tokenizes it (llama-tokenize, given exactly what llama-perplexity's
   `-f` reads: one trailing newline dropped, no escapes, special-token text as plain text, BOS when the GGUF

@@ -1,4 +1,4 @@
-"""cortiq's own stages at a benchmark geometry (called by bench.run and bench.memory).
+"""cortiq's own stages at a benchmark geometry (called by bench.run and bench.heal.memory).
 
 A module, not a script: it has no command line and no smoke mode of its own;
 `python -m bench.run --cpu --tiny` runs every function here.
@@ -10,6 +10,8 @@ autocast and the fused head + top-k KL of cortiq/heal/loss.py, fused Adam.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
@@ -43,15 +45,24 @@ def build(arch: Arch, dtype, device="cuda") -> CausalLM:
 
 
 def run(name, g, B, T, steps, rate, *, timed, peak_reset, peak_gib, flops_per_token, device="cuda"):
-    arch = arch_of(g)
-    row = {"geom": name, "who": "cortiq"}
-    ids = torch.randint(0, g["vocab"], (B, T), device=device)
     H, L = g["hidden"], g["layers"]
     head_f = 2 * H * g["vocab"]
-    layer_f = (flops_per_token(g, T, False) - head_f) / L  # forward matmul FLOPs per token per layer
+    c = SimpleNamespace(arch=arch_of(g), ids=torch.randint(0, g["vocab"], (B, T), device=device), B=B, T=T, H=H, L=L,
+                        steps=steps, rate=rate, timed=timed, peak_reset=peak_reset, peak_gib=peak_gib, device=device,
+                        head_f=head_f,
+                        layer_f=(flops_per_token(g, T, False) - head_f) / L)  # forward matmul FLOPs per token per layer
+    row = {"geom": name, "who": "cortiq"}
+    tids, tps, h_prefix = teacher_rows(c, row)
+    student_rows(c, row, tids, tps, h_prefix)
+    mtp_row(c, row, tids, tps)
+    return row
 
-    # ── teacher: bf16 weights, top-k of the next token in row chunks ──
-    teacher = build(arch, torch.bfloat16, device).eval()
+
+def teacher_rows(c, row: dict):
+    """The teacher's top-k pass (bf16 weights, row chunks), the frozen prefix on the same weights, and the
+    MTP trunk pass (the same pass); returns the teacher's (ids, probabilities) and the prefix's rows."""
+    B, T, L, ids, device = c.B, c.T, c.L, c.ids, c.device
+    teacher = build(c.arch, torch.bfloat16, device).eval()
     if device == "cuda":
         teacher.compile_layers()
 
@@ -60,22 +71,22 @@ def run(name, g, B, T, steps, rate, *, timed, peak_reset, peak_gib, flops_per_to
         h, _ = teacher.forward_hidden(ids)
         return teacher.topk_next(h, K, chunk=8192)
 
-    peak_reset()
-    s = timed(teacher_pass)
+    c.peak_reset()
+    s = c.timed(teacher_pass)
     row["teacher_tok_s"] = B * T / s
-    row["teacher_mfu"] = (L * layer_f + head_f) * B * T / s / rate
-    row["teacher_peak_gib"] = peak_gib()
+    row["teacher_mfu"] = (L * c.layer_f + c.head_f) * B * T / s / c.rate
+    row["teacher_peak_gib"] = c.peak_gib()
     tids, tps = teacher_pass()
     tids, tps = tids.reshape(B * T, K), tps.reshape(B * T, K)
 
     # ── frozen prefix (half the layers) on the bf16 weights ──
-    cut = L // 2
+    c.cut = L // 2
 
     @torch.no_grad()
     def prefix_pass():
-        return teacher.run_layers(teacher.embed(ids), 0, cut)
+        return teacher.run_layers(teacher.embed(ids), 0, c.cut)
 
-    s = timed(prefix_pass)
+    s = c.timed(prefix_pass)
     row["prefix_tok_s"] = B * T / s
     h_prefix = prefix_pass().float()
 
@@ -83,54 +94,64 @@ def run(name, g, B, T, steps, rate, *, timed, peak_reset, peak_gib, flops_per_to
     row["mtp_trunk_tok_s"] = row["teacher_tok_s"]  # the same pass: forward_hidden + topk_next, hidden kept
     del teacher
     torch.cuda.empty_cache() if device == "cuda" else None
+    return tids, tps, h_prefix
 
-    # ── the student step: heal's own (StudentTail + batch_loss), all layers trained as
-    #    the baseline's, f32 master weights, bf16 autocast, compiled layers, fused Adam ──
+
+def student_step(c, train_from, h0, tids, tps):
+    """heal's own student step (StudentTail + batch_loss) from layer `train_from` (on the cached prefix
+    rows h0, if given): f32 master weights, bf16 autocast, compiled layers, fused Adam."""
     from cortiq.heal.train import StudentTail, batch_loss
 
-    def student_step(train_from, h0):
-        student = build(arch, torch.float32, device)
-        tail = StudentTail(student, train_from, ffn_only=False, drop_prefix=h0 is not None)
-        if device == "cuda":
-            student.compile_layers(tail.running)  # a cached prefix leaves placeholders that never run
-        params = [p for _, p in tail.named()]
-        opt = torch.optim.Adam(params, lr=1e-5, fused=device == "cuda")
-        dev = torch.device(device)
+    device = c.device
+    student = build(c.arch, torch.float32, device)
+    tail = StudentTail(student, train_from, ffn_only=False, drop_prefix=h0 is not None)
+    if device == "cuda":
+        student.compile_layers(tail.running)  # a cached prefix leaves placeholders that never run
+    params = [p for _, p in tail.named()]
+    opt = torch.optim.Adam(params, lr=1e-5, fused=device == "cuda")
+    dev = torch.device(device)
 
-        def step():
-            loss = batch_loss(tail, ids, h0, tids, tps, 8192, dev, torch.bfloat16 if device == "cuda" else torch.float32)
-            (loss / float(B * T)).backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    def step():
+        loss = batch_loss(tail, c.ids, h0, tids, tps, 8192, dev, torch.bfloat16 if device == "cuda" else torch.float32)
+        (loss / float(c.B * c.T)).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
-        return student, step
+    return student, step
 
-    student, step = student_step(0, None)
-    peak_reset()
-    s = timed(step, warm=3, reps=steps)
+
+def student_rows(c, row: dict, tids, tps, h_prefix) -> None:
+    """The student step with all layers trained (as the baseline trains them), then the seed's shape: the
+    tail (train_from = L/2) on the cached prefix; each with its epoch rate."""
+    B, T, L = c.B, c.T, c.L
+    student, step = student_step(c, 0, None, tids, tps)
+    c.peak_reset()
+    s = c.timed(step, warm=3, reps=c.steps)
     row["step_tok_s"] = B * T / s
     # useful FLOPs: layers fwd+bwd (3×), head fwd + grad w.r.t. hidden (2×; the head is frozen)
-    row["step_mfu"] = (3 * L * layer_f + 2 * head_f) * B * T / s / rate
-    row["step_peak_gib"] = peak_gib()
+    row["step_mfu"] = (3 * L * c.layer_f + 2 * c.head_f) * B * T / s / c.rate
+    row["step_peak_gib"] = c.peak_gib()
     # one epoch of heal = the teacher pass once + the steps over the same tokens
     row["epoch_tok_s"] = 1.0 / (1.0 / row["teacher_tok_s"] + 1.0 / row["step_tok_s"])
     del student, step
-    torch.cuda.empty_cache() if device == "cuda" else None
+    torch.cuda.empty_cache() if c.device == "cuda" else None
 
-    # the seed's shape: the tail (train_from = L/2) on the cached prefix
-    student, step = student_step(cut, h_prefix)
-    peak_reset()
-    s = timed(step, warm=3, reps=steps)
+    student, step = student_step(c, c.cut, h_prefix, tids, tps)
+    c.peak_reset()
+    s = c.timed(step, warm=3, reps=c.steps)
     row["tail_step_tok_s"] = B * T / s
-    row["tail_step_peak_gib"] = peak_gib()
+    row["tail_step_peak_gib"] = c.peak_gib()
     row["tail_epoch_tok_s"] = 1.0 / (1.0 / row["teacher_tok_s"] + 1.0 / row["prefix_tok_s"] + 1.0 / row["tail_step_tok_s"])
     del student, step
-    student = build(arch, torch.float32, device)
+
+
+def mtp_row(c, row: dict, tids, tps) -> None:
+    """The MTP draft step: the block on the trunk's rows, KL to the trunk one further."""
+    B, T, H, ids, device = c.B, c.T, c.H, c.ids, c.device
+    student = build(c.arch, torch.float32, device)
     if device == "cuda":
         student.compile_layers()
-
-    # ── the MTP draft step: the block on the trunk's rows, KL to the trunk one further ──
     for p in student.parameters():
         p.requires_grad_(False)
     mparams = list(student.mtp.parameters())
@@ -149,7 +170,6 @@ def run(name, g, B, T, steps, rate, *, timed, peak_reset, peak_gib, flops_per_to
         mopt.step()
         mopt.zero_grad(set_to_none=True)
 
-    s = timed(mtp_step, warm=2, reps=steps)
+    s = c.timed(mtp_step, warm=2, reps=c.steps)
     row["mtp_step_tok_s"] = n / s
     del student, mopt
-    return row

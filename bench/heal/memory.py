@@ -1,10 +1,10 @@
 """Heal's student step under each memory plan against the plain transformers KD
 loop, and the DTG-MA mask step eager against CUDA-graphed (called by
-bench/pipeline.py; runnable alone).
+bench/pipeline/pipeline.py; runnable alone).
 
-    python -m bench.memory [--geom qwen3-1.7b] [--batch 4] [--seq 2048] [--steps 5] [--out DIR]
-    python -m bench.memory --parts baseline,plain,partial,auto   # the partial-checkpoint rows alone
-    python -m bench.memory --cpu --tiny        # the code paths on a CPU, measures nothing
+    python -m bench.heal.memory [--geom qwen3-1.7b] [--batch 4] [--seq 2048] [--steps 5] [--out DIR]
+    python -m bench.heal.memory --parts baseline,plain,partial,auto   # the partial-checkpoint rows alone
+    python -m bench.heal.memory --cpu --tiny   # the code paths on a CPU, measures nothing
 
 The step is the trainer's own: `StudentTail` (all layers trained, as the
 baseline trains them), `step_backward` (micro-batches when the plan says so;
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from bench import run as R
-from bench import stages as S
+from bench.heal import stages as S
 from bench.common import finish, log, parser, write_json
 
 #: the plans timed: (label, memory parts, head chunk rows, gradient made in the head's

@@ -1,11 +1,11 @@
 """What each codec costs a healed model, on the heal's text and on text of other sources: one call, one table.
 
-    python -m bench.codecs [--gguf PATH] [--out DIR] [--cache DIR]
-    python -m bench.codecs --cpu --tiny          # a smoke run of every code path (measures nothing)
+    python -m bench.quality.codecs [--gguf PATH] [--out DIR] [--cache DIR]
+    python -m bench.quality.codecs --cpu --tiny   # a smoke run of every code path (measures nothing)
 
 What runs is the library's own code: SmolLM2-135M-Instruct (the GGUF at
 --gguf, default the bundled one) converted to CMF; the Shakespeare plays split
-as bench/quality.py splits them (most of them the heal corpus); 25 % of the
+as bench/quality/quality.py splits them (most of them the heal corpus); 25 % of the
 MLP neurons pruned with `cortiq compress`'s defaults; healed with the heal
 defaults (cortiq.heal.heal, one epoch of the heal corpus); then the healed
 model in each codec:
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import sysconfig
 import time
@@ -39,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import finish, log, run_dirs, smollm2_cmf, table, tiny_cmf
-from bench.quality import _on_device, compressed, plays, split_plays
+from bench.common import default_out, finish, log, run_dirs, smollm2_cmf, table, tiny_cmf
+from bench.quality.quality import _on_device, compressed, plays, split_plays
 
 from cortiq import store
 from cortiq.heal.settings import HealSettings
@@ -135,13 +134,13 @@ def heal_settings(tiny: bool, device: str, **kw) -> HealSettings:
     return HealSettings(device=device, checkpoint_every=0, **kw)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (with --tiny: a smoke test)")
     ap.add_argument("--tiny", action="store_true", help="a small random model and little text: checks the code paths")
     ap.add_argument("--gguf", default=None, help="the SmolLM2-135M GGUF (default: the bundled one)")
     ap.add_argument("--cache", default=None, help="converted/compressed models and tdata (default ~/cache/codecs)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where codecs.json goes (default $OUT or .)")
+    ap.add_argument("--out", default=default_out(), help="where codecs.json goes (default $OUT or bench/results/)")
     ap.add_argument("--retain", default="", help="retain sources mixed into the compress, the heals and the GPTQ/AWQ "
                                                  "calibration, comma-separated (e.g. self,corpus:pydoc; default none)")
     ap.add_argument("--clip-grids", default="1", help="QuantSettings.clip_grid values for the GPTQ/AWQ q4 rows, "
@@ -149,97 +148,134 @@ def main(argv=None) -> int:
     ap.add_argument("--down-8bit", default="none", help="QuantSettings.down_8bit values for the q4 AWQ rows, "
                     "comma-separated (the first is the plain row's; the others add a row each)")
     ap.add_argument("--no-qat", action="store_true", help="leave out the q4 QAT-KD row (its heal)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    device, cache, out = run_dirs(args, "codecs")
-    tiny = args.tiny
-    work = cache / "stages"
-    t_all = time.perf_counter()
-    times = {}
 
-    def timed(name, fn):
-        t0 = time.perf_counter()
-        r = fn()
-        times[name] = time.perf_counter() - t0
-        log(f"{name}: {times[name]:.1f} s")
-        return r
+def timed(times: dict, name: str, fn):
+    """fn(), its seconds logged and kept in times[name]."""
+    t0 = time.perf_counter()
+    r = fn()
+    times[name] = time.perf_counter() - t0
+    log(f"{name}: {times[name]:.1f} s")
+    return r
 
-    from cortiq.data.retain import cli_runner, with_retain
-    from cortiq.data.settings import RetainSettings
+
+def heal_qat_row(c, pruned, sets, rs):
+    """The q4 QAT-KD heal (compiled on CUDA; where that fails, the same heal eager), or None with --no-qat."""
     from cortiq.heal import heal
-    from cortiq.quant import QuantSettings, requantize
 
-    source = timed("source", lambda: source_model(cache, args.gguf, tiny))
-    sets = timed("tdata", lambda: tdata_sets(cache, source, tiny))
-    rs = RetainSettings(sources=[x for x in args.retain.split(",") if x], **({"tokens": 8000} if tiny else {}))
-    # the calibration reads the same mix the heal trains on (the recode stage's --data is that mix)
-    calib = timed("retain", lambda: with_retain(sets["heal"], source, rs, cli_runner(work, progress=False), work,
-                                                 progress=False)[0])
-    pruned = timed("compress", lambda: compressed(cache, source, sets["heal"], tiny, device, rs))
-    models: dict[str, Path] = {}
-    healed = cache / (f"healed{'-' + Path(calib).name if rs.sources else ''}.cmf")
-    rep = timed("heal", lambda: heal(pruned, source, sets["heal"], heal_settings(tiny, device), healed,
-                                     work_dir=work, progress=False, score_split=None, retain=rs))
-    heal_tokens = rep["metrics"]["steps"] * (64 * 4 if tiny else HealSettings().window * HealSettings().batch)
-    qat = healed.with_name(healed.stem + "-qat-q4.cmf")
     def heal_qat(**kw):
-        return heal(pruned, source, sets["heal"], heal_settings(tiny, device, qat_codec="q4", **kw), qat, work_dir=work,
-                    progress=False, score_split=None, retain=rs)
+        return heal(pruned, c.source, sets["heal"], heal_settings(c.tiny, c.device, qat_codec="q4", **kw), c.qat,
+                    work_dir=c.work, progress=False, score_split=None, retain=rs)
 
     rep_q = None
     try:
-        if not args.no_qat:
-            rep_q = timed("heal qat q4", heal_qat)
-            times["qat_compiled"] = device == "cuda"
+        if not c.args.no_qat:
+            rep_q = timed(c.times, "heal qat q4", heal_qat)
+            c.times["qat_compiled"] = c.device == "cuda"
     except Exception as e:  # noqa: BLE001  (the table still comes out: the same heal, eager)
         log(f"QAT heal with compiled layers failed ({type(e).__name__}: {str(e)[:300]}); again eager")
-        rep_q = timed("heal qat q4", lambda: heal_qat(compile=False))
-        times["qat_compiled"] = False
-    for codec in ("f16", "q8", "q4"):
-        p = healed.with_name(f"{healed.stem}-{codec}-rtn.cmf")
-        timed(f"recode {codec}", lambda: recode(healed, p, codec))
-        models[f"{codec} rtn" if codec != "f16" else "f16"] = p
-    # what a 4-bit file was before cortiq.codecs.KEEP_8BIT: the embedding (SmolLM2's head too) in q4 as well
-    models["q4 rtn, embedding q4"] = timed("recode q4, embedding q4", lambda: all_q4(healed))
-    quant_rep = {}
+        rep_q = timed(c.times, "heal qat q4", lambda: heal_qat(compile=False))
+        c.times["qat_compiled"] = False
+    return rep_q
+
+
+def quant_runs(args) -> list[tuple[str, str, int, str]]:
+    """(codec, method, clip grid, down_8bit) of each GPTQ/AWQ row: the plain rows, then a row per further
+    clip grid and per further down_8bit value."""
     clips = [int(x) for x in args.clip_grids.split(",")]
     downs = args.down_8bit.split(",")
     runs = [("q8", "gptq", clips[0], downs[0]), ("q4", "gptq", clips[0], downs[0]), ("q4", "awq", clips[0], downs[0])]
     runs += [(c, m, g, downs[0]) for g in clips[1:] for c, m in (("q4", "gptq"), ("q4", "awq"))]
     runs += [("q4", "awq", clips[0], d) for d in downs[1:]]
-    for codec, method, grid, down in runs:
-        s = QuantSettings(method=method, device=device, clip_grid=grid, down_8bit=down,
+    return runs
+
+
+def codec_models(c, healed: Path, calib) -> tuple[dict, dict]:
+    """The healed model in each codec: round-to-nearest, the all-q4 ablation, GPTQ/AWQ ({row: path},
+    {row: the quantize stage's metrics})."""
+    from cortiq.quant import QuantSettings, requantize
+
+    models: dict[str, Path] = {}
+    for codec in ("f16", "q8", "q4"):
+        p = healed.with_name(f"{healed.stem}-{codec}-rtn.cmf")
+        timed(c.times, f"recode {codec}", lambda: recode(healed, p, codec))
+        models[f"{codec} rtn" if codec != "f16" else "f16"] = p
+    # what a 4-bit file was before cortiq.codecs.KEEP_8BIT: the embedding (SmolLM2's head too) in q4 as well
+    models["q4 rtn, embedding q4"] = timed(c.times, "recode q4, embedding q4", lambda: all_q4(healed))
+    quant_rep = {}
+    clip0, down0 = int(c.args.clip_grids.split(",")[0]), c.args.down_8bit.split(",")[0]
+    for codec, method, grid, down in quant_runs(c.args):
+        s = QuantSettings(method=method, device=c.device, clip_grid=grid, down_8bit=down,
                           **({"method_8bit": method} if codec == "q8" else {}),
-                          **({"window": 64, "max_windows": 8} if tiny else {}))
-        tag = (f"{codec} {method}" + (f" clip {grid}" if grid != clips[0] else "")
-               + (f" down q8 {down}" if down != downs[0] else ""))
-        r = timed(tag, lambda: requantize(healed, calib, codec, s, work, progress=False))
+                          **({"window": 64, "max_windows": 8} if c.tiny else {}))
+        tag = (f"{codec} {method}" + (f" clip {grid}" if grid != clip0 else "")
+               + (f" down q8 {down}" if down != down0 else ""))
+        r = timed(c.times, tag, lambda: requantize(healed, calib, codec, s, c.work, progress=False))
         models[tag] = Path(r["path"])
         quant_rep[tag] = r["quantize"]["report"]["metrics"]
-    if rep_q is not None:
-        models["q4 qat-kd"] = qat
+    return models, quant_rep
 
+
+def score_all(c, models: dict, sets: dict) -> dict[str, dict[str, float]]:
+    """{row: {text: NLL per token}} of every model on every text."""
     nll: dict[str, dict[str, float]] = {}
     for text, split in TEXTS:
-        got = timed(f"score {text}", lambda: score({k: str(v) for k, v in models.items()}, sets["heal" if text == "own"
-                                                   else text], split, "all", device, progress=False, window=512))
+        got = timed(c.times, f"score {text}", lambda: score({k: str(v) for k, v in models.items()},
+                                                            sets["heal" if text == "own" else text], split, "all",
+                                                            c.device, progress=False, window=512))
         for k, v in got.items():
             nll.setdefault(k, {})[text] = v
-    base = nll["f16"]
-    names = [t for t, _ in TEXTS]
+    return nll
+
+
+def report(c, models, nll, heal_tokens, rep_q, rs) -> str:
+    """The table, with its header line and the total time."""
     from cortiq.cmf import open_cmf
 
+    base = nll["f16"]
+    names = [t for t, _ in TEXTS]
     rows = [[k, f"{open_cmf(p).nbytes() / 1e6:.1f}"]
             + [f"{nll[k][n]:.4f}" + ("" if k == "f16" else f" ({nll[k][n] - base[n]:+.3f})") for n in names]
             for k, p in models.items()]
-    lines = [f"codecs of the healed SmolLM2-135M ({'tiny smoke run' if tiny else torch.cuda.get_device_name()}): "
+    lines = [f"codecs of the healed SmolLM2-135M ({'tiny smoke run' if c.tiny else torch.cuda.get_device_name()}): "
              f"25 % of MLP neurons pruned, healed {heal_tokens / 1e6:.2f}M tokens"
              + (f" (QAT: {rep_q['metrics']['steps']} steps, the same)" if rep_q else "") + f"; clip grids "
-             f"{args.clip_grids}; retain {', '.join(rs.sources) or 'none'}; NLL per "
+             f"{c.args.clip_grids}; retain {', '.join(rs.sources) or 'none'}; NLL per "
              f"token, (Δ vs f16)",
              table(["model", "MB", *names], rows)]
-    lines.append(f"total {time.perf_counter() - t_all:.0f} s")
-    printed = "\n".join(lines)
+    lines.append(f"total {time.perf_counter() - c.t_all:.0f} s")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from cortiq.data.retain import cli_runner, with_retain
+    from cortiq.data.settings import RetainSettings
+    from cortiq.heal import heal
+
+    args = parse_args(argv)
+    device, cache, out = run_dirs(args, "codecs")
+    c = argparse.Namespace(args=args, device=device, tiny=args.tiny, work=cache / "stages", times={},
+                           t_all=time.perf_counter())
+    tiny, work, times = c.tiny, c.work, c.times
+    c.source = source = timed(times, "source", lambda: source_model(cache, args.gguf, tiny))
+    sets = timed(times, "tdata", lambda: tdata_sets(cache, source, tiny))
+    rs = RetainSettings(sources=[x for x in args.retain.split(",") if x], **({"tokens": 8000} if tiny else {}))
+    # the calibration reads the same mix the heal trains on (the recode stage's --data is that mix)
+    calib = timed(times, "retain", lambda: with_retain(sets["heal"], source, rs, cli_runner(work, progress=False), work,
+                                                        progress=False)[0])
+    pruned = timed(times, "compress", lambda: compressed(cache, source, sets["heal"], tiny, device, rs))
+    healed = cache / (f"healed{'-' + Path(calib).name if rs.sources else ''}.cmf")
+    rep = timed(times, "heal", lambda: heal(pruned, source, sets["heal"], heal_settings(tiny, device), healed,
+                                            work_dir=work, progress=False, score_split=None, retain=rs))
+    heal_tokens = rep["metrics"]["steps"] * (64 * 4 if tiny else HealSettings().window * HealSettings().batch)
+    c.qat = healed.with_name(healed.stem + "-qat-q4.cmf")
+    rep_q = heal_qat_row(c, pruned, sets, rs)
+    models, quant_rep = codec_models(c, healed, calib)
+    if rep_q is not None:
+        models["q4 qat-kd"] = c.qat
+    nll = score_all(c, models, sets)
+    printed = report(c, models, nll, heal_tokens, rep_q, rs)
     result = {"nll": nll, "times": times, "quant": quant_rep, "heal_tokens": heal_tokens,
               "heldout": {"f16 heal": rep["metrics"]["heldout_best"], "qat heal": rep_q and rep_q["metrics"]["heldout_best"]},
               "models": {k: str(v) for k, v in models.items()}, "table": printed, "tiny": tiny,

