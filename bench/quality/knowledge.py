@@ -1,7 +1,7 @@
 """Facts kept against excess NLL: which retain data keeps what the source knows.
 
-    python -m bench.knowledge --gguf PATH --out DIR [--rows defaults,knowledge]   # one GPU
-    python -m bench.knowledge --cpu --tiny --out DIR                              # the code paths
+    python -m bench.quality.knowledge --gguf PATH --out DIR [--rows defaults,knowledge]   # one GPU
+    python -m bench.quality.knowledge --cpu --tiny --out DIR                              # the code paths
 
 Each row is a whole `compress()` (25 % of the MLP neurons, every other setting at its
 default) and `heal()` at its defaults on heal data of one source (the first Shakespeare
@@ -21,7 +21,7 @@ import os
 import time
 
 from bench.common import finish, log, run_dirs
-from bench.quality import PANEL_CAP, panel_sets, source_model
+from bench.quality.quality import PANEL_CAP, panel_sets, source_model
 from cortiq import store
 from cortiq.data.settings import RetainSettings
 from cortiq.measure import score
