@@ -639,7 +639,7 @@ def tree_branches(args, modes) -> int:
     return args.branches if {"tree", "auto-tree"} & set(modes) else 1
 
 
-def the_steps(args, r) -> list[dict]:
+def step_table(args, r) -> list[dict]:
     """The plain step alone and, where a speculative mode ran, the speculative server's steps."""
     spec = args.draft if any(m != "plain" for m in r.modes) else 0
     reps = 10 if args.cpu else 200
@@ -650,7 +650,7 @@ def the_steps(args, r) -> list[dict]:
     return steps
 
 
-def the_acceptance(args, r) -> list[dict]:
+def acceptance_table(args, r) -> list[dict]:
     """The acceptance table on the prompts the levels sent, beside the plain server's own answers."""
     ids = {"chat": chat_ids(r.model, QUESTIONS), "text": r.prompts["text"]}
     # the plain server's answers by prompt index: the measure also walks them, not only the engine's
@@ -762,9 +762,9 @@ def main() -> int:
     r = setup(args)
     serve_modes(args, r)
     hf_rows = {} if args.no_hf else transformers_rows(args, r)
-    steps = [] if args.no_steps else the_steps(args, r)
+    steps = [] if args.no_steps else step_table(args, r)
     run_offline = any(m != "plain" for m in r.modes) and not args.no_offline
-    accept = the_acceptance(args, r) if run_offline else []
+    accept = acceptance_table(args, r) if run_offline else []
     print_levels(args, r, hf_rows)
     if steps:
         print_steps(args, steps)
