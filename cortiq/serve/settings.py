@@ -28,8 +28,8 @@ class ServeSettings:
     max_len: int = setting(0, "context per request in tokens (0: the model's, at most 4096)", lo=0)
     #: greedy requests draft with the MTP block and verify in one forward (same tokens, fewer forwards)
     speculative: bool = setting(False, "speculative decoding with the model's MTP draft (greedy requests)")
-    #: tokens the MTP chain drafts per round (3: the depth of bench/DECODE.md's serving tables,
-    #: where a round of 3 keeps 1.8-2.8 tokens and costs 1.2-1.3 plain steps with one client)
+    #: tokens the MTP chain drafts per round: 3, the depth the serving tables measure (bench/DECODE.md,
+    #: "The final serving table, one call"; what a round keeps and costs: "Reading the figures")
     draft: int = setting(3, "--speculative: tokens drafted per round", lo=1)
     #: choose each step between a plain step and a round of 1..draft drafts, from the measured
     #: step times and each request's recent acceptance (so a large batch or a draft that is
@@ -40,9 +40,9 @@ class ServeSettings:
     #: A round then verifies branches·draft + 1 rows: nearly free while the step is bound by its
     #: launches (few clients), not when many clients fill the batch (bench/DECODE.md); with
     #: spec_auto each step chooses between plain, chain and tree rounds from their measured times.
-    #: 0 (auto): `auto_branches` (4 on CUDA for attention-only models; on an H100 a tree of 4 served
-    #: more tokens a second than the chain at 1, 8 and 32 clients on chat and at 1 and 8 on text,
-    #: and 19.1k against 19.3k on text at 32) with the decode engine, else 1
+    #: 0 (auto): `auto_branches` (4 on CUDA for attention-only models, where a tree of 4 served more
+    #: than the chain in nearly every row of bench/DECODE.md, "The final serving table, one call")
+    #: with the decode engine, else 1
     draft_branches: int = setting(0, "--speculative: verify the draft's top N first guesses, each chained, "
                                            "in one forward (a tree; 0: 4 on CUDA for attention-only models, "
                                            "else 1)", lo=0)
