@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 
 from .chat import ChatError, render_chat
 from .protocol import ApiError, ChatBody, CommonBody, CompletionBody, error_body, invalid_fields, parse_body, stops
-from .scheduler import Busy, Event, Outbox, Request as GenRequest, Scheduler, merged
+from .scheduler import Busy, Event, Outbox, Refused, Request as GenRequest, Scheduler, merged
 
 
 @dataclass
@@ -251,6 +251,8 @@ async def _events(served: Served, req: GenRequest):
         served.scheduler.submit(req)
     except Busy as e:
         raise ApiError(429 if "waiting" in str(e) else 503, str(e), code="server_busy", kind="server_error") from None
+    except Refused as e:
+        raise ApiError(400, str(e), e.param) from None
     try:
         while True:
             ev = merged(await q.get(), _queue_nowait(q))

@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+from .sampling import temperature_error, top_p_error
 
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 256
@@ -38,8 +41,8 @@ class CommonBody(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = 1.0
+    top_p: float = 1.0
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: dict | None = None
@@ -48,6 +51,23 @@ class CommonBody(BaseModel):
     user: str | None = None
     presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
     frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+
+    # the sampler's own rules (serve.sampling), so that no request's row can fail a batch
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v: float) -> float:
+        return _sampling(v, temperature_error(v))
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v: float) -> float:
+        return _sampling(v, top_p_error(v))
+
+
+def _sampling(v: float, why: str | None) -> float:
+    if why:
+        raise PydanticCustomError("sampling", why)
+    return v
 
 
 class CompletionBody(CommonBody):

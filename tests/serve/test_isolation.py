@@ -1,0 +1,237 @@
+"""One request cannot break the others: sampling parameters that would keep no token are
+refused before they reach a batch, a failure in one request's own work ends that request
+alone (the others' tokens unchanged), a failed batched step ends the requests it ran and
+the server goes on."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+
+import cortiq.serve.scheduler as scheduler_mod
+from cortiq.serve.detok import IncrementalText
+from cortiq.serve.engine import DecodeAdapter
+from cortiq.serve.sampling import sample_ids
+from cortiq.serve.scheduler import Refused, Request, Scheduler
+
+from serve_helpers import EOS, Server, arch, random_model
+from test_pipeline import PROMPTS, _tok
+
+MODEL = "tiny"
+
+
+# ── the scheduler: one request's failure ──
+def _requests() -> list[Request]:
+    """Four healthy requests (two greedy, two sampled) and, last, the one a test poisons."""
+    return [Request(ids=PROMPTS[0], max_tokens=12), Request(ids=PROMPTS[2], max_tokens=12, temperature=0.8,
+                                                            top_p=0.9, seed=3),
+            Request(ids=PROMPTS[5], max_tokens=12), Request(ids=PROMPTS[6], max_tokens=12, temperature=1.2, seed=4),
+            Request(ids=PROMPTS[7] * 3, max_tokens=12, temperature=0.7, top_p=0.5, seed=5)]
+
+
+def _serve(eng, reqs: list[Request], before_start=None, **kw) -> list[tuple[str, str | None, str]]:
+    """Every request submitted, then the scheduler started (so they share the first turns) ->
+    per request (its text, its finish, its error)."""
+    sched = Scheduler(eng, _tok(), [EOS], **kw)
+    events = [[] for _ in reqs]
+    done = [threading.Event() for _ in reqs]
+    for r, evs, d in zip(reqs, events, done):
+        r.sink = lambda ev, evs=evs, d=d: (evs.append(ev), ev.finish and d.set())
+        sched.submit(r)
+    if before_start is not None:
+        before_start(reqs)
+    sched.start()
+    try:
+        for r, d in zip(reqs, done):
+            assert d.wait(120) or r.cancelled
+    finally:
+        sched.stop()
+    assert sched.counters()["running"] == 0 and not sched.prefilling
+    return [("".join(e.text for e in evs), evs[-1].finish if evs else None, evs[-1].error if evs else "")
+            for evs in events]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(arch("llama"), mix=0.5, seed=2)
+
+
+def _fail_prefill(eng, poisoned: Request):
+    prefill_job = eng.prefill_job
+
+    def job_of(slot, ids, chunk=0):
+        job = prefill_job(slot, ids, chunk)
+        if list(ids) == poisoned.ids:
+            run, runs = job.run, []
+
+            def failing():  # the second chunk of its prompt fails
+                runs.append(1)
+                if len(runs) == 2:
+                    raise RuntimeError("injected: its prefill failed")
+                return run()
+
+            job.run = failing
+        return job
+
+    eng.prefill_job = job_of
+
+
+def _fail_first_token(monkeypatch):
+    def sample(logits, temperature, top_p, u, greedy=None):
+        if list(top_p) == [0.5]:  # the poisoned request's first token
+            raise RuntimeError("injected: its first token failed")
+        return sample_ids(logits, temperature, top_p, u, greedy)
+
+    monkeypatch.setattr(scheduler_mod, "sample_ids", sample)
+
+
+def _fail_text(monkeypatch, reqs):
+    """The poisoned request's text fails to decode from its 4th token on (in the batched decode
+    of every request's text, and alone)."""
+    bad = reqs[-1].text
+    add_many, add = IncrementalText.add_many, bad.add
+
+    def many(texts, tokens):
+        if any(x is bad and len(x.ids) >= 3 for x in texts):
+            raise RuntimeError("injected: its text failed")
+        return add_many(texts, tokens)
+
+    def alone(tok):
+        if len(bad.ids) >= 3:
+            raise RuntimeError("injected: its text failed")
+        return add(tok)
+
+    monkeypatch.setattr(IncrementalText, "add_many", staticmethod(many))
+    bad.add = alone
+
+
+def _fail_sink(reqs):
+    """The poisoned request's consumer goes away after its first event (its sink raises)."""
+    r = reqs[-1]
+    sink, seen = r.sink, []
+
+    def gone(ev):
+        seen.append(ev)
+        if len(seen) > 1:
+            raise RuntimeError("injected: its event loop is closed")
+        sink(ev)
+
+    r.sink = gone
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("where", ["prefill", "first token", "text", "consumer"])
+def test_a_failure_in_one_requests_work_ends_it_alone(model, where, speculative, monkeypatch, capsys):
+    def engine():
+        return DecodeAdapter(model, 5, 96, draft=2 if speculative else 0)
+
+    kw = dict(speculative=speculative, prefill_chunk=4)
+    clean = _serve(engine(), _requests(), **kw)
+    assert all(f in ("stop", "length") for _, f, _ in clean)
+    eng, reqs = engine(), _requests()
+    if where == "prefill":
+        _fail_prefill(eng, reqs[-1])
+    elif where == "first token":
+        _fail_first_token(monkeypatch)
+    hook = {"text": lambda rs: _fail_text(monkeypatch, rs), "consumer": _fail_sink}.get(where)
+    got = _serve(eng, reqs, before_start=hook, **kw)
+    assert got[:4] == clean[:4]  # the healthy requests' answers, token for token
+    if where == "consumer":
+        assert reqs[-1].cancelled  # dropped; nothing more to send it
+    else:
+        text, finish, error = got[-1]
+        assert finish == "error" and "injected" in error
+        assert "cortiq serve: a request failed: RuntimeError: injected" in capsys.readouterr().err
+
+
+def test_a_failed_batched_step_ends_the_requests_it_ran_and_the_server_goes_on(model, capsys):
+    """A step that fails may have written every slot it ran: those requests end (an error
+    event); one still in prefill then is untouched, and is answered as it is alone."""
+    short, long = Request(ids=[1, 2, 3], max_tokens=8), Request(ids=PROMPTS[5] * 2, max_tokens=8)
+    alone = _serve(DecodeAdapter(model, 4, 96), [Request(ids=long.ids, max_tokens=8)], prefill_chunk=4)
+    eng = DecodeAdapter(model, 4, 96)
+    launch, calls = eng.launch, []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected: the step failed")
+        return launch(*a, **kw)
+
+    eng.launch = failing
+    # turn 1 prefills the short prompt whole and the long one's first chunk, then the step fails
+    got = _serve(eng, [short, long], prefill_chunk=4)
+    assert got[0][1] == "error" and "injected: the step failed" in got[0][2]
+    assert got[1] == alone[0]
+    assert "cortiq serve: decoding failed: RuntimeError: injected" in capsys.readouterr().err
+
+
+def test_the_sampler_keeps_a_token_whatever_a_row_asks():
+    """Rows whose top_p is 0 in float32 (1e-300, 5e-324) or whose logits are NaN keep their top
+    token instead of failing the batch; the rows beside them choose as they do alone."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    logits[5] = float("nan")
+    T, P = [1.0, 1e-30, 0.8, 1.0, 1.2, 1.0], [1e-300, 1e-300, 0.9, 5e-324, 1.0, 0.9]
+    u = [0.3, 0.9, 0.5, 0.7, 0.2, 0.4]
+    got = sample_ids(logits, T, P, u).tolist()
+    assert [got[b] for b in (0, 1, 3)] == [int(logits[b].argmax()) for b in (0, 1, 3)] and 0 <= got[5] < 50
+    for b in (2, 4):
+        assert got[b] == int(sample_ids(logits[b: b + 1], [T[b]], [P[b]], [u[b]])[0])
+
+
+@pytest.mark.parametrize("field, kw", [("top_p", dict(temperature=1.0, top_p=1e-300)),
+                                       ("top_p", dict(temperature=1.0, top_p=5e-324)),
+                                       ("temperature", dict(temperature=1e-30, top_p=1e-300)),
+                                       ("temperature", dict(temperature=float("nan"))),
+                                       ("top_p", dict(temperature=1.0, top_p=float("inf"))),
+                                       ("max_tokens", dict(max_tokens=0)),
+                                       ("prompt", dict(ids=[1, 259]))])
+def test_the_scheduler_refuses_a_row_that_could_fail_a_batch(model, field, kw):
+    sched = Scheduler(DecodeAdapter(model, 2, 32), _tok(), [EOS])
+    with pytest.raises(Refused) as e:
+        sched.submit(Request(**{"ids": [1, 2], "max_tokens": 4, **kw}))
+    assert e.value.param == field and str(e.value).startswith(field + ": ")
+    assert not sched.waiting
+
+
+# ── the server: a poisoned request among streams ──
+@pytest.fixture(scope="module")
+def server(served_model, tmp_path_factory):
+    srv = Server(served_model, tmp_path_factory.mktemp("log") / "serve.log", "--max-batch", "5", "--max-len", "128")
+    yield srv
+    assert srv.stop() == 0, srv.log.read_text()
+    assert "Traceback" not in srv.log.read_text()
+
+
+STREAMS = [dict(prompt="The quick brown fox", temperature=0), dict(prompt="Sphinx of black quartz", temperature=0.9,
+                                                                     seed=1),
+           dict(prompt="Pack my box", temperature=0), dict(prompt="How vexingly", temperature=1.1, top_p=0.8, seed=2)]
+
+
+def _stream(c, kw) -> str:
+    return "".join(ch.choices[0].text for ch in c.completions.create(model=MODEL, max_tokens=24, stream=True, **kw))
+
+
+@pytest.mark.parametrize("param, poison", [("top_p", dict(top_p=1e-300)), ("top_p", dict(top_p=5e-324)),
+                                           ("temperature", dict(temperature=1e-30, top_p=1e-300))])
+def test_a_poisoned_request_among_four_streams(server, param, poison):
+    c = server.client()
+    with ThreadPoolExecutor(4) as pool:
+        alone = list(pool.map(lambda kw: _stream(c, kw), STREAMS))
+
+    def poisoned():
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=MODEL, prompt="poison", max_tokens=24, stream=True, **poison)
+        return e.value.response.json()["error"]
+
+    with ThreadPoolExecutor(5) as pool:
+        healthy = [pool.submit(_stream, c, kw) for kw in STREAMS]
+        err = pool.submit(poisoned).result()
+        together = [f.result() for f in healthy]
+    assert together == alone
+    assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"].startswith(param)
