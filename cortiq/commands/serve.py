@@ -68,7 +68,7 @@ def load(model_path: str, s):
     name = s.model_name or Path(model_path).name.removesuffix(".cmf")
     # (every position of max_len: a speculative engine's caches hold a verify block past it)
     served = Served(sched, tok, name, engine.max_len, doc.get("chat_template"), bos or "", eos or "",
-                    s.max_body_kb * 1024)
+                    s.max_body_kb * 1024, s.prompt_chars(engine.max_len))
     return served, dev, dt
 
 

@@ -6,9 +6,13 @@ GET /metrics: the scheduler's counters in Prometheus' text format (`METRICS`).
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}},
 the framework's own included: 400 for a request the server cannot serve as
 asked (a body that is not a UTF-8 JSON object of exactly the declared types:
-nothing is coerced; `protocol` reads it), 404 for another model name or an
+nothing is coerced; `protocol` reads it; a prompt over the server's character
+bound, refused before it is tokenized), 404 for another model name or an
 unknown path, 405 for a wrong method, 413 for a body over the limit, 429 when
 the waiting queue is full.
+
+Prompts are rendered and tokenized on worker threads, not on the event loop: a
+long prompt's tokenizing would hold up every other request's events meanwhile.
 
 The handlers are module-level functions over one `Served` (what the application
 serves), which `build_app` puts on the application's state.
@@ -24,6 +28,7 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -47,6 +52,8 @@ class Served:
     bos: str = ""
     eos: str = ""
     max_body: int = 1 << 20
+    #: the longest prompt (characters, a chat's rendered prompt included) tokenized; longer ones get a 400
+    max_prompt_chars: int = 1 << 17
     #: the HTTP side's share of a profile: seconds writing SSE chunks, chunks, loop wake-ups
     profile: dict = field(default_factory=lambda: {"sse_seconds": 0.0, "sse_chunks": 0})
     #: one Outbox per event loop that submits requests (the scheduler thread posts events through it)
@@ -175,7 +182,8 @@ async def completions(request: Request):
             raise ApiError(400, "one prompt per request (a list of several prompts is not supported)", "prompt")
         p = p[0]
     if isinstance(p, str):
-        ids = served.tokenizer.encode(p).ids
+        _bound(served, len(p), "prompt")
+        ids = await to_thread.run_sync(_encode, served, p, True)
     else:
         vocab = served.scheduler.engine.vocab_size
         bad = [t for t in p if not 0 <= t < vocab]
@@ -194,16 +202,36 @@ async def chat(request: Request):
         c = m.content
         text = c if isinstance(c, str) or c is None else "".join(part.text for part in c)
         msgs.append({"role": m.role, "content": text or ""})
-    try:
-        prompt = render_chat(served.chat_template, msgs, served.bos, served.eos)
-    except ChatError as e:
-        raise ApiError(400, str(e), "messages") from None
-    ids = served.tokenizer.encode(prompt, add_special_tokens=False).ids
+    _bound(served, sum(len(m["content"]) for m in msgs), "messages")
+    ids = await to_thread.run_sync(_chat_ids, served, msgs)
     req = _request(served, body, ids, body.max_completion_tokens or body.max_tokens)
     return await _serve(served, req, body, "chat")
 
 
 # ── what the endpoints share ──
+def _bound(served: Served, chars: int, param: str) -> None:
+    """Refuse a prompt over the character bound before any work is spent on it."""
+    if chars > served.max_prompt_chars:
+        raise ApiError(400, f"the prompt has {chars} characters; this server takes at most {served.max_prompt_chars} "
+                       "(--max-prompt-chars)", param, "prompt_too_long")
+
+
+def _encode(served: Served, text: str, special: bool) -> list[int]:
+    """The token ids of `text` (on a worker thread: the tokenizers library lets other threads
+    run during a batch call, not during `encode`, so one text goes through `encode_batch`)."""
+    return served.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids
+
+
+def _chat_ids(served: Served, msgs: list[dict]) -> list[int]:
+    """The token ids of a conversation under the model's chat template (on a worker thread)."""
+    try:
+        prompt = render_chat(served.chat_template, msgs, served.bos, served.eos)
+    except ChatError as e:
+        raise ApiError(400, str(e), "messages") from None
+    _bound(served, len(prompt), "messages")
+    return _encode(served, prompt, False)
+
+
 async def _accept(served: Served, request: Request, model: type[BaseModel], unsupported: str) -> BaseModel:
     """The body, for the model this server serves, without the one option of its kind it refuses."""
     body = parse_body(await request.body(), model)

@@ -11,6 +11,7 @@ This module imports pydantic (the serve extra), not fastapi.
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -125,12 +126,50 @@ def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
         raise ApiError(400, f"the request body is not JSON ({e})", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise ApiError(400, f"the request body is a JSON {type(obj).__name__}, not an object", code="invalid_json")
+    if _SURROGATE.search(text):
+        _check_unicode(obj)
     try:
         return model.model_validate(obj, strict=True)
     except ValidationError as e:
         raise invalid_fields(e.errors()) from None
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
+
+
+#: a JSON escape of a UTF-16 surrogate, the only way a parsed string can hold one (UTF-8 cannot)
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _encodes(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_unicode(obj: dict) -> None:
+    """Refuse (400, naming the field) a body holding a string that is not text: a lone UTF-16
+    surrogate (`"a\\udc80b"`; a pair is one character, and fine) cannot be encoded as UTF-8,
+    so no tokenizer, template or answer could take it."""
+    for key, value in obj.items():
+        if not _encodes(key):
+            raise ApiError(400, "a field name is not valid Unicode (a lone UTF-16 surrogate)", code="invalid_string")
+        todo = [value]
+        while todo:
+            v = todo.pop()
+            if isinstance(v, str):
+                ok = _encodes(v)
+            elif isinstance(v, dict):
+                ok = all(_encodes(k) for k in v)
+                todo += v.values()
+            else:
+                ok = True
+                if isinstance(v, list):
+                    todo += v
+            if not ok:
+                raise ApiError(400, f"{key}: a string that is not valid Unicode (a lone UTF-16 surrogate)", key,
+                               "invalid_string")
 
 
 def stops(stop) -> list[str]:

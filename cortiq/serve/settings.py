@@ -68,6 +68,11 @@ class ServeSettings:
     # ── limits ──
     #: largest request body accepted (413 above)
     max_body_kb: int = setting(1024, "largest request body in KiB", lo=1)
+    #: a prompt that fits the context averages far fewer characters a token than 32 (English text
+    #: about 4), and tokenizing costs time by the character: a longer prompt is refused unread
+    max_prompt_chars: int = setting(0, "longest prompt in characters; longer ones get a 400 before they are "
+                                       "tokenized (0: 32 per token of the context)", lo=0,
+                                    show="32 x the context")
     #: requests that may wait for a slot (429 above)
     max_waiting: int = setting(256, "requests that may wait for a free slot", lo=1)
     #: seconds in-flight requests get after SIGTERM before they are cut
@@ -83,6 +88,10 @@ class ServeSettings:
         if self.draft_branches:
             return self.draft_branches
         return auto_branches(arch, dev) if self.engine != "loop" else 1
+
+    def prompt_chars(self, context: int) -> int:
+        """The longest prompt in characters taken for a context of `context` tokens."""
+        return self.max_prompt_chars or 32 * context
 
     def __post_init__(self):
         check(self, "serve settings")

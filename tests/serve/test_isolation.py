@@ -1,13 +1,16 @@
 """One request cannot break the others: sampling parameters that would keep no token are
 refused before they reach a batch, a failure in one request's own work ends that request
 alone (the others' tokens unchanged), a failed batched step ends the requests it ran and
-the server goes on."""
+the server goes on; prompts are bounded and tokenized off the event loop; a string that is
+not text is a 400 naming its field."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 import torch
@@ -18,7 +21,7 @@ from cortiq.serve.engine import DecodeAdapter
 from cortiq.serve.sampling import sample_ids
 from cortiq.serve.scheduler import Refused, Request, Scheduler
 
-from serve_helpers import EOS, Server, arch, random_model
+from serve_helpers import CHATML, EOS, Server, arch, random_model
 from test_pipeline import PROMPTS, _tok
 
 MODEL = "tiny"
@@ -199,10 +202,92 @@ def test_the_scheduler_refuses_a_row_that_could_fail_a_batch(model, field, kw):
     assert not sched.waiting
 
 
-# ── the server: a poisoned request among streams ──
+# ── the HTTP side, in this process: tokenizing off the event loop, the prompt bound ──
+class Recording:
+    """The byte tokenizer, recording the threads its prompts are encoded on; a prompt starting
+    with HOLD waits in its encode until `release` is set (`held`: whether it was)."""
+
+    def __init__(self):
+        self.tok, self.threads, self.texts = _tok(), [], []
+        self.entered, self.release, self.held = threading.Event(), threading.Event(), None
+
+    def encode_batch(self, texts, **kw):
+        self.threads.append(threading.get_ident())
+        self.texts += texts
+        if texts[0].startswith("HOLD"):
+            self.entered.set()
+            self.held = self.release.wait(120)
+        return self.tok.encode_batch(texts, **kw)
+
+    def encode(self, text, **kw):
+        return self.encode_batch([text], **kw)[0]
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def _in_process(model, tok, go, **served):
+    """`go(client)` against the application in this process (its scheduler started here)."""
+    from cortiq.serve.app import Served, build_app
+
+    sched = Scheduler(DecodeAdapter(model, 2, 64), tok, [EOS])
+    app = build_app(Served(sched, tok, MODEL, 64, CHATML, **served))
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t/v1") as c:
+            return await go(c)
+
+    sched.start()
+    try:
+        return asyncio.run(run())
+    finally:
+        sched.stop()
+
+
+def test_prompts_are_tokenized_off_the_event_loop(model):
+    tok = Recording()
+
+    async def go(c):
+        loop = threading.get_ident()
+        held = asyncio.create_task(c.post("/completions", json={"model": MODEL, "prompt": "HOLD" + "x" * 30,
+                                                                  "max_tokens": 2, "temperature": 0}))
+        while not tok.entered.is_set():  # the long prompt is in its encode now
+            await asyncio.sleep(0.01)
+        small = await c.post("/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1})
+        chat = await c.post("/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 1})
+        tok.release.set()  # only now may the held prompt's encode end
+        return loop, small, chat, await held
+
+    loop, small, chat, held = _in_process(model, tok, go)
+    assert small.status_code == chat.status_code == held.status_code == 200, (small.text, chat.text, held.text)
+    assert tok.held is True  # the small requests were answered while the held one was being tokenized
+    assert len(tok.threads) == 3 and loop not in tok.threads
+
+
+def test_a_prompt_over_the_character_bound_is_refused_unread(model):
+    tok = Recording()
+
+    async def go(c):
+        out = [await c.post("/completions", json={"model": MODEL, "prompt": "y" * 41}),
+               await c.post("/chat/completions", json={"model": MODEL, "messages": [
+                   {"role": "user", "content": "y" * 21}, {"role": "user", "content": "y" * 20}]}),
+               await c.post("/completions", json={"model": MODEL, "prompt": "y" * 40, "max_tokens": 1})]
+        return out
+
+    prompt, chat, ok = _in_process(model, tok, go, max_prompt_chars=40)
+    for r, param in ((prompt, "prompt"), (chat, "messages")):
+        err = r.json()["error"]
+        assert r.status_code == 400 and (err["param"], err["code"]) == (param, "prompt_too_long"), r.text
+        assert "41 characters" in err["message"] and "at most 40" in err["message"]
+    assert ok.status_code == 200 and tok.texts == ["y" * 40]  # the refused prompts were never tokenized
+
+
+# ── the server: a poisoned request among streams, strings that are not text ──
 @pytest.fixture(scope="module")
 def server(served_model, tmp_path_factory):
-    srv = Server(served_model, tmp_path_factory.mktemp("log") / "serve.log", "--max-batch", "5", "--max-len", "128")
+    srv = Server(served_model, tmp_path_factory.mktemp("log") / "serve.log", "--max-batch", "5", "--max-len", "128",
+                 "--max-prompt-chars", "1000")
     yield srv
     assert srv.stop() == 0, srv.log.read_text()
     assert "Traceback" not in srv.log.read_text()
@@ -235,3 +320,33 @@ def test_a_poisoned_request_among_four_streams(server, param, poison):
         together = [f.result() for f in healthy]
     assert together == alone
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"].startswith(param)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/completions", '{"model": "tiny", "prompt": "a\\udc80b"}', "prompt"),
+    ("/completions", '{"model": "tiny", "prompt": ["a\\ud800"]}', "prompt"),
+    ("/completions", '{"model": "tiny", "prompt": "a", "stop": ["\\udfff"]}', "stop"),
+    ("/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a\\udc80b"}]}', "messages"),
+    ("/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+                          '"text": "\\udc80"}]}]}', "messages"),
+    ("/completions", '{"model": "tiny\\udc80", "prompt": "a"}', "model"),
+])
+def test_a_string_that_is_not_text_is_a_400_naming_its_field(server, path, body, param):
+    r = httpx.post(server.url + path, content=body.encode(), headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == (param, "invalid_string") and "surrogate" in err["message"]
+
+
+def test_a_surrogate_pair_is_one_character_and_fine(server):
+    body = '{"model": "tiny", "prompt": "a\\ud83d\\ude00", "max_tokens": 2}'
+    r = httpx.post(server.url + "/completions", content=body.encode(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5  # "a" and the emoji's 4 bytes
+
+
+def test_the_server_bounds_a_prompts_characters(server):
+    c = server.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="z" * 1001, max_tokens=2)
+    assert e.value.response.json()["error"]["code"] == "prompt_too_long"
