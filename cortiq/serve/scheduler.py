@@ -43,6 +43,8 @@ so does the server.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import sys
 import threading
@@ -53,7 +55,7 @@ import time
 
 import torch
 
-from ..errors import CortiqError
+from ..errors import CortiqError, write_error
 from .detok import IncrementalText
 from .policy import DepthPolicy
 from .sampling import sample_ids, temperature_error, top_p_error
@@ -181,7 +183,20 @@ class Scheduler:
             key = "self_cuda_time_total" if self.engine.device.type == "cuda" else "self_cpu_time_total"
             self.trace_table = tr.key_averages().table(sort_by=key, row_limit=25)
             if self._trace_path:
-                tr.export_chrome_trace(self._trace_path)
+                self._export_trace(tr, self._trace_path)
+
+    @staticmethod
+    def _export_trace(tr, path: str) -> None:
+        """The Chrome trace into `path` (written to PATH.partial, renamed once whole). A failed
+        write is one line on stderr naming the path, and leaves no .partial: the server goes on."""
+        part = path + ".partial"
+        try:
+            tr.export_chrome_trace(part)
+            os.replace(part, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(part)
+            print(f"cortiq serve: {write_error(path, e)}", file=sys.stderr)
 
     def counters(self) -> dict:
         """The counters since the start (`stats`) and, now, the requests decoding (`running`) and

@@ -30,7 +30,9 @@ class ServeSettings:
     speculative: bool = setting(False, "speculative decoding with the model's MTP draft (greedy requests)")
     #: tokens the MTP chain drafts per round: 3, the depth the serving tables measure (bench/DECODE.md,
     #: "The final serving table, one call"; what a round keeps and costs: "Reading the figures")
-    draft: int = setting(3, "--speculative: tokens drafted per round", lo=1)
+    draft: int = setting(3, "--speculative: tokens drafted per round", lo=1, hi=16,
+                         why="a round's drafts run one after another, and one is kept only where every draft "
+                             "before it was: a deeper round costs more than it can keep")
     #: choose each step between a plain step and a round of 1..draft drafts, from the measured
     #: step times and each request's recent acceptance (so a large batch or a draft that is
     #: rarely right runs plain steps); off: every all-greedy step is a round of `draft`
@@ -45,7 +47,9 @@ class ServeSettings:
     #: with the decode engine, else 1
     draft_branches: int = setting(0, "--speculative: verify the draft's top N first guesses, each chained, "
                                            "in one forward (a tree; 0: 4 on CUDA for attention-only models, "
-                                           "else 1)", lo=0)
+                                           "else 1)", lo=0, hi=16,
+                                  why="a round verifies branches x draft + 1 rows a request, and the tree's "
+                                      "masks grow with their square: more first guesses cost more than they keep")
     #: prompt tokens run per scheduler turn (a long prompt takes several turns, between the
     #: running requests' steps, so they do not stall); 0 = a whole prompt at once
     prefill_chunk: int = setting(256, "prompt tokens prefilled per step (0: whole prompts)", lo=0)

@@ -7,6 +7,7 @@ not text is a 400 naming its field."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -283,14 +284,17 @@ def test_a_prompt_over_the_character_bound_is_refused_unread(model):
     assert ok.status_code == 200 and tok.texts == ["y" * 40]  # the refused prompts were never tokenized
 
 
-# ── the server: a poisoned request among streams, strings that are not text ──
+# ── the server: a poisoned request among streams, strings that are not text, the profile ──
 @pytest.fixture(scope="module")
 def server(served_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile")
     srv = Server(served_model, tmp_path_factory.mktemp("log") / "serve.log", "--max-batch", "5", "--max-len", "128",
-                 "--max-prompt-chars", "1000")
+                 "--max-prompt-chars", "1000", "--profile", str(out / "p.json"))
     yield srv
     assert srv.stop() == 0, srv.log.read_text()
     assert "Traceback" not in srv.log.read_text()
+    prof = json.loads((out / "p.json").read_text())  # written whole at shutdown, no .partial beside it
+    assert "host_seconds" in prof and [p.name for p in out.iterdir()] == ["p.json"]
 
 
 STREAMS = [dict(prompt="The quick brown fox", temperature=0), dict(prompt="Sphinx of black quartz", temperature=0.9,
