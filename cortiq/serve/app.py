@@ -13,6 +13,8 @@ the waiting queue is full.
 
 Prompts are rendered and tokenized on worker threads, not on the event loop: a
 long prompt's tokenizing would hold up every other request's events meanwhile.
+Long ones take turns on a few threads, so a burst of them leaves cores free
+(bench/serve_isolation.py measures what a small request waits meanwhile).
 
 The handlers are module-level functions over one `Served` (what the application
 serves), which `build_app` puts on the application's state.
@@ -23,12 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from anyio import to_thread
+from anyio import CapacityLimiter, to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -58,6 +61,8 @@ class Served:
     profile: dict = field(default_factory=lambda: {"sse_seconds": 0.0, "sse_chunks": 0})
     #: one Outbox per event loop that submits requests (the scheduler thread posts events through it)
     outboxes: dict = field(default_factory=dict)
+    #: the threads long prompts are tokenized on, a few at once (`_tokenize`)
+    long_lane: CapacityLimiter = field(default_factory=lambda: CapacityLimiter(max(1, (os.cpu_count() or 2) // 2)))
 
 
 class BodyLimit:
@@ -182,8 +187,7 @@ async def completions(request: Request):
             raise ApiError(400, "one prompt per request (a list of several prompts is not supported)", "prompt")
         p = p[0]
     if isinstance(p, str):
-        _bound(served, len(p), "prompt")
-        ids = await to_thread.run_sync(_encode, served, p, True)
+        ids = await _tokenize(served, len(p), "prompt", _encode, served, p, True)
     else:
         vocab = served.scheduler.engine.vocab_size
         bad = [t for t in p if not 0 <= t < vocab]
@@ -202,8 +206,7 @@ async def chat(request: Request):
         c = m.content
         text = c if isinstance(c, str) or c is None else "".join(part.text for part in c)
         msgs.append({"role": m.role, "content": text or ""})
-    _bound(served, sum(len(m["content"]) for m in msgs), "messages")
-    ids = await to_thread.run_sync(_chat_ids, served, msgs)
+    ids = await _tokenize(served, sum(len(m["content"]) for m in msgs), "messages", _chat_ids, served, msgs)
     req = _request(served, body, ids, body.max_completion_tokens or body.max_tokens)
     return await _serve(served, req, body, "chat")
 
@@ -214,6 +217,18 @@ def _bound(served: Served, chars: int, param: str) -> None:
     if chars > served.max_prompt_chars:
         raise ApiError(400, f"the prompt has {chars} characters; this server takes at most {served.max_prompt_chars} "
                        "(--max-prompt-chars)", param, "prompt_too_long")
+
+
+#: prompts of more characters are tokenized in `Served.long_lane`, at most half the cores' worth at
+#: once, so that a burst of them leaves cores to the event loop and the scheduler's thread
+LONG_PROMPT = 1 << 14
+
+
+async def _tokenize(served: Served, chars: int, param: str, fn, *args) -> list[int]:
+    """`fn(*args)`: the token ids of a prompt of `chars` characters (the field `param`), refused
+    over the bound before any work, else made on a worker thread (in the long lane if it is long)."""
+    _bound(served, chars, param)
+    return await to_thread.run_sync(fn, *args, limiter=served.long_lane if chars > LONG_PROMPT else None)
 
 
 def _encode(served: Served, text: str, special: bool) -> list[int]:

@@ -245,7 +245,12 @@ def _in_process(model, tok, go, **served):
         sched.stop()
 
 
-def test_prompts_are_tokenized_off_the_event_loop(model):
+@pytest.mark.parametrize("lane", ["short", "long"])
+def test_prompts_are_tokenized_off_the_event_loop(model, lane, monkeypatch):
+    import cortiq.serve.app
+
+    if lane == "long":  # the held prompt is long (tokenized in the lane of long ones, a few at once), "hi" is not
+        monkeypatch.setattr(cortiq.serve.app, "LONG_PROMPT", 20)
     tok = Recording()
 
     async def go(c):
