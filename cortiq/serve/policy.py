@@ -1,4 +1,4 @@
-"""Speculation that decides per step: plain, or a round verifying 1..draft drafts.
+"""Speculation that decides per step: plain, or a round verifying 1..k drafts.
 
 A round of depth d over a batch decides, per request, 1 + α + α² + … + α^d
 tokens on average, where α is that request's chance that a draft is right
@@ -16,10 +16,10 @@ events), and the period of the loop's turn that took its tokens (the wait for
 the device plus the host's launch, text and stop checks; the prompt chunks
 prefilled that turn left out). The loop overlaps the host's work with the next
 step, so the turn's period is what a step costs in throughput. Device time
-alone undercounts plain steps where the host is the slower side: at 32 chat
-clients the policy then chose plain steps that cost as much wall time as
-rounds, and ran below a plain server while always speculating ran above it
-(bench/DECODE.md, "The depth policy costs a step by its turn").
+alone undercounts plain steps where the host is the slower side: the policy
+then chose plain steps that cost as much wall time as rounds, and served less
+than always speculating did (bench/DECODE.md, "The depth policy costs a step by
+its turn, and a draft of 8192 windows").
 
 With a draft tree (`--draft-branches`), a round of each depth can also verify the
 tree: its steps are timed apart from the chain's, and its expected tokens use each
@@ -40,12 +40,10 @@ def expected_tokens(alpha: float, depth: int) -> float:
 
 
 class DepthPolicy:
-    def __init__(self, draft: int, explore: int = 64, warm: int = 2, decay: float = 0.8, tree: bool = False):
-        """draft: the engine's drafts a round (the deepest round); tree: the engine has a draft tree."""
-        self.draft, self.explore, self.warm, self.decay = draft, explore, warm, decay
+    def __init__(self, k: int, explore: int = 64, warm: int = 2, decay: float = 0.8, tree: bool = False):
+        self.k, self.explore, self.warm, self.decay = k, explore, warm, decay
         #: what a step can be: (0, False) plain, (d, False) a chain round of d drafts, (d, True) a tree's
-        self.actions = [(d, False) for d in range(draft + 1)] + \
-            ([(d, True) for d in range(1, draft + 1)] if tree else [])
+        self.actions = [(d, False) for d in range(k + 1)] + ([(d, True) for d in range(1, k + 1)] if tree else [])
         self.tree = tree
         self.time: dict[tuple, list] = {}  # (bucket, depth, tree) -> [device seconds (moving average), samples]
         self.period: dict[tuple, list] = {}  # (bucket, depth, tree) -> [turn seconds (moving average), samples]
