@@ -23,6 +23,7 @@ COMMAND_SETTINGS = {
     "cortiq data self": ("cortiq.data.settings", "SelfGenSettings"),
     "cortiq generate": ("cortiq.commands.generate", "GenerateSettings"),
     "cortiq nll": ("cortiq.commands.nll", "NllSettings"),
+    "cortiq facts": ("cortiq.commands.facts", "FactsSettings"),
     "cortiq export": ("cortiq.commands.export", "ExportSettings"),
     "cortiq serve": ("cortiq.serve.settings", "ServeSettings"),
 }

