@@ -97,6 +97,10 @@ def run(args) -> int:
     for name, label in (("data", "your data"), ("panel", "general panel")):
         if name in texts:
             print(gap_line(label, texts[name]))
+    if rep.get("facts"):
+        from ..facts.stages import facts_line
+
+        print(facts_line(rep["facts"]))
     if "data" in texts and "panel" not in texts:
         # said, not left out: measured on SmolLM2-135M (25 % pruned, healed on one book), text of other
         # sources lost several times more without retain data than with pydoc mixed in (bench/QUALITY.md,
@@ -107,5 +111,5 @@ def run(args) -> int:
     # whole or not at all, and a full disk named (a half-written report would read as finished)
     write_text(str(args.out) + ".report.json", json.dumps({"metrics": m, "nll": rep.get("nll"),
                                                            "eval_nll": rep.get("eval_nll"), "gap": gap, "texts": texts,
-                                                           "evals": rep["evals"]}, indent=2))
+                                                           "facts": rep.get("facts"), "evals": rep["evals"]}, indent=2))
     return 0

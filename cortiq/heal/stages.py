@@ -287,14 +287,30 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
     if gap is not None and "gap_recovered" in gap:
         report["metrics"]["gap_recovered"] = gap["gap_recovered"]
         logger.log_metrics({"heal.gap_recovered": gap["gap_recovered"]})
-    if texts:
+    facts = _facts(runner, models, s.device, report, logger)
+    if texts or facts:
         report["gap"], report["texts"] = gap, named
-        deliver_scored(healed, out, {"gap": gap, "texts": named})
+        deliver_scored(healed, out, {"gap": gap, "texts": named, **({"facts": facts} if facts else {})})
     else:
         pipeline.deliver({"path": healed}, out)
     logger.log_artifact(str(out))
     report["metrics"]["secs"] = time.perf_counter() - t0
     return report
+
+
+def _facts(runner, models: dict, device: str, report: dict, logger: tracking.Logger) -> dict:
+    """Facts kept of the source's, pruned and healed (cortiq.facts: the probe's held part), into
+    the report and the logger; none without a source to compare with."""
+    if "source" not in models:
+        return {}
+    from ..facts.stages import ProbeSettings, facts_chain
+
+    facts = report["facts"] = facts_chain(runner, models, ProbeSettings(device=device))
+    got = {f"facts.{label}.{k}": float(c[k]) for label, c in facts.items() for k in ("kept", "kept_share", "known")
+           if c.get(k) is not None}
+    report["metrics"].update(got)
+    logger.log_metrics({f"heal.{k}": v for k, v in got.items()})
+    return facts
 
 
 def deliver_scored(healed, out, scores: dict) -> Path:

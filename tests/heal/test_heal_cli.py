@@ -24,6 +24,13 @@ def test_cli_heals_and_reports(tmp_path, capsys):
     assert prov["ce"] == 0.25 and prov["settings"]["ffn_only"] and prov["prefix"] in ("f32", "f16")
     rep = json.loads((tmp_path / "h.cmf.report.json").read_text())
     assert rep["metrics"]["heldout_best"] <= rep["metrics"]["heldout_start"]
+    # facts kept, named, in the printed report, the report file and the provenance
+    from cortiq.facts import load_facts
+
+    assert "facts kept (the fact probe's held part" in text
+    assert set(rep["facts"]) == {"pruned", "healed"} and prov["facts"] == rep["facts"]
+    assert rep["facts"]["healed"]["facts"] == len(load_facts("held"))
+    assert rep["metrics"]["facts.healed.known"] == rep["facts"]["healed"]["known"]
 
 
 def test_cli_with_retain_data_reports_the_data_and_the_general_panel_by_name(tmp_path, capsys):
@@ -39,8 +46,10 @@ def test_cli_with_retain_data_reports_the_data_and_the_general_panel_by_name(tmp
                "--retain-sources", str(retain), "--retain-share", "0.5", "--work", str(tmp_path / "work"), "--quiet"])
     assert rc == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-2].startswith("your data: gap recovered") and "excess NLL over the source" in lines[-2]
-    assert lines[-1].startswith("general panel: ") and "code" in lines[-1] and "excess NLL over the source" in lines[-1]
+    # the three measures, each named, last: the user's data, the general panel, the facts kept
+    assert lines[-3].startswith("your data: gap recovered") and "excess NLL over the source" in lines[-3]
+    assert lines[-2].startswith("general panel: ") and "code" in lines[-2] and "excess NLL over the source" in lines[-2]
+    assert lines[-1].startswith("facts kept (the fact probe's held part, ")
     rep = json.loads((tmp_path / "h.cmf.report.json").read_text())
     panel = rep["texts"]["panel"]
     assert list(panel["parts"]) == ["code"]

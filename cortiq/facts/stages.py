@@ -1,0 +1,78 @@
+"""The fact probe as a stage: each model's per-fact scores, cached by the model's digest, so
+a report compares pruned and healed with their source without scoring the source twice."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import store
+from ..pipeline import Stage
+from ..settings_meta import check, setting
+from .probe import FactScores, compare
+
+#: the file of a facts stage output that holds its per-fact scores
+SCORES = "facts.json"
+
+
+@dataclass
+class ProbeSettings:
+    """What the facts stage scores (cortiq.facts.probe)."""
+
+    part: str = setting("held", "the fact probe's part (held: the one methods are judged by)",
+                        choices=("held", "dev", "all"))
+    device: str = setting("auto", "where the model scores: auto (CUDA when present), cpu, cuda, cuda:N", how=True)
+
+    def __post_init__(self):
+        check(self, "probe settings")
+
+
+def _facts(out, ctx, model, settings: ProbeSettings) -> dict:
+    from .probe import probe
+
+    s = settings
+    r = probe({"model": model}, source=None, part=s.part, device=s.device, progress=ctx.progress)
+    sc = r["scores"]["model"]
+    metrics = {"facts": float(len(sc.known)), "known": float(sc.known.sum())}
+    with store.stage_dir(out, {"stage": FACTS.name, "digest": ctx.digest, "metrics": metrics}) as d:
+        (d / SCORES).write_text(json.dumps({"part": s.part, "known": sc.known.tolist(), "logprob": sc.logprob.tolist()}))
+    return {"metrics": metrics}
+
+
+FACTS = Stage("facts", "1", _facts, ProbeSettings, ("model",),
+              doc="which facts of the fact probe a model knows (per fact: known, the answer's log-prob)")
+
+
+def read_scores(path) -> FactScores:
+    d = json.loads((Path(path) / SCORES).read_text())
+    known = np.asarray(d["known"], dtype=bool)
+    return FactScores(known, np.asarray(d["logprob"], dtype=np.float64), np.zeros(len(known), np.int64))
+
+
+def facts_chain(runner, models: dict[str, str], settings: ProbeSettings | None = None) -> dict[str, dict]:
+    """The facts stage on each model ({label: CMF}; one labelled "source" is the others'
+    reference) -> {label: compare(...)} for every label but the source's."""
+    s = settings or ProbeSettings()
+    scores = {label: read_scores(runner.run(FACTS, f"facts.{label}", model=str(m),
+                                            settings=dataclasses.asdict(s))["path"])
+              for label, m in models.items()}
+    base = scores.get("source")
+    return {label: {"part": s.part, **compare(sc, base)} for label, sc in scores.items() if label != "source"}
+
+
+def facts_line(facts: dict[str, dict]) -> str:
+    """`facts kept (the fact probe's held part, 201 facts): pruned 34 of the source's 115 (30 %), healed 78 (68 %)`."""
+    if not facts:
+        return ""
+    first = next(iter(facts.values()))
+    head = f"facts kept (the fact probe's {first['part']} part, {first['facts']} facts): "
+    if first.get("source_known") is None:
+        return head.replace("facts kept", "facts known") + ", ".join(f"{k} {c['known']}" for k, c in facts.items())
+    parts = [f"{label} {c['kept']}" + (f" of the source's {c['source_known']}" if i == 0 else "")
+             + (f" ({100 * c['kept_share']:.0f} %)" if c["kept_share"] is not None else "")
+             for i, (label, c) in enumerate(facts.items())]
+    return head + ", ".join(parts)
