@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 
 from .measure import Text, score_chain
-from .pipeline import plain
 
 
 # ── re-encode ──
@@ -40,15 +39,13 @@ def reencode_chain(runner, model, tdata, codecs, quant, trained_in: str = "none"
 
     for codec in codecs:
         if uses_grams(codec, quant) and codec != trained_in:
-            grams = runner.run(QGRAMS, f"qgrams.{codec}", model=model, tdata=tdata, codec=codec,
-                               settings=plain(quant))["path"]
-            enc = runner.run(QUANTIZE, f"reencode.{codec}", model=model, grams=grams, codec=codec,
-                             settings=plain(quant))["path"]
+            grams = runner.run(QGRAMS, f"qgrams.{codec}", model=model, tdata=tdata, codec=codec, settings=quant)["path"]
+            enc = runner.run(QUANTIZE, f"reencode.{codec}", model=model, grams=grams, codec=codec, settings=quant)["path"]
         else:
             enc = runner.run(REENCODE, f"reencode.{codec}", model=model, codec=codec)["path"]
         for t in texts:
             at = "score." if t.kind == "data" else f"score.panel.{t.name}."
-            runner.run(SCORE, f"{at}reencode.{codec}", model=enc, tdata=t.tdata, settings=plain(t.settings))
+            runner.run(SCORE, f"{at}reencode.{codec}", model=enc, tdata=t.tdata, settings=t.settings)
 
 
 # ── a parameter set, as the flows run it ──
@@ -60,7 +57,7 @@ def source_and_data(runner, s) -> tuple[str, str]:
     from .data.builder import DATA
 
     source = s.source if source_kind(s.source) == "cmf" else runner.run(SOURCE, source=s.source)["path"]
-    tdata = runner.run(DATA, sources=s.extra("data", "sources"), model=source, settings=plain(s.stage("data")))["path"]
+    tdata = runner.run(DATA, sources=s.data.sources, model=source, settings=s.data.build_settings())["path"]
     return source, tdata
 
 
@@ -84,10 +81,10 @@ def eval_text(runner, s, source: str) -> Text | None:
     """Every record of data.eval_sources (tokenized as the data is), when the parameter set names them."""
     from .data.builder import DATA
 
-    ev = s.extra("data", "eval_sources")
+    ev = s.data.eval_sources
     if not ev:
         return None
-    etd = runner.run(DATA, "data.eval", sources=ev, model=source, settings=plain(s.stage("data")))["path"]
+    etd = runner.run(DATA, "data.eval", sources=ev, model=source, settings=s.data.build_settings())["path"]
     return Text("eval", etd, _score_settings(s, "all"), f"held-out text of another source: {', '.join(ev)}",
                 at="score.eval.")
 
@@ -111,8 +108,8 @@ def student(runner, s) -> Made:
     from .data.retain import with_retain
 
     source, tdata = source_and_data(runner, s)
-    mixed, panel = with_retain(tdata, source, s.stage("retain"), runner.run, None, progress=False)
-    return Made(source, tdata, mixed, panel, compress_chain(runner, source, mixed, s.stage("compress")))
+    mixed, panel = with_retain(tdata, source, s.retain, runner.run, None, progress=False)
+    return Made(source, tdata, mixed, panel, compress_chain(runner, source, mixed, s.compress))
 
 
 def healed(runner, s) -> Made:
@@ -121,7 +118,7 @@ def healed(runner, s) -> Made:
     from .heal.stages import heal_chain
 
     m = student(runner, s)
-    m.healed = heal_chain(runner, m.source, m.student, m.mixed, s.stage("heal"))
+    m.healed = heal_chain(runner, m.source, m.student, m.mixed, s.heal)
     models = {"source": m.source, "pruned": m.student, "healed": m.healed}
     m.texts = [data_text(s, m.tdata), *panel_texts(s, m.panel)]
     score_chain(runner, models, m.texts)
@@ -141,8 +138,8 @@ def pipeline(runner, s) -> tuple[str, Made]:
     m = healed(runner, s)
     final = m.healed
     if s.mtp_enabled:
-        final = mtp_chain(runner, final, m.tdata, s.stage("mtp"))
-    reencode_chain(runner, final, m.tdata, s.codecs, s.stage("quant"), s.stage("heal").qat_codec, m.texts)
+        final = mtp_chain(runner, final, m.tdata, s.mtp)
+    reencode_chain(runner, final, m.tdata, s.codecs, s.quant, s.heal.qat_codec, m.texts)
     return final, m
 
 
@@ -151,6 +148,6 @@ def mtp_only(runner, s) -> str:
     from .mtp import mtp_chain
 
     source, tdata = source_and_data(runner, s)
-    final = mtp_chain(runner, source, tdata, s.stage("mtp"))
-    reencode_chain(runner, final, tdata, s.codecs, s.stage("quant"), s.stage("heal").qat_codec, [data_text(s, tdata)])
+    final = mtp_chain(runner, source, tdata, s.mtp)
+    reencode_chain(runner, final, tdata, s.codecs, s.quant, s.heal.qat_codec, [data_text(s, tdata)])
     return final

@@ -144,7 +144,7 @@ def score_chain(runner, models: dict[str, str], texts: list[Text]) -> dict:
     returns the named texts every report shows (`named_texts`)."""
     for t in texts:
         for label, model in models.items():
-            runner.run(SCORE, f"{t.at}{label}", model=model, tdata=t.tdata, settings=dataclasses.asdict(t.settings))
+            runner.run(SCORE, f"{t.at}{label}", model=model, tdata=t.tdata, settings=t.settings)
     return named_texts(runner.results, texts, tuple(models))
 
 
@@ -185,11 +185,8 @@ def named_texts(results: dict, texts: list[Text], labels: tuple[str, ...] = ("so
 class ScoreSettings:
     """What the score stage measures: the NLL per scored token of a tdata split."""
 
-    #: "all": every record, whatever its split
     split: str = setting("test", "the split scored (all: every record)", choices=("train", "val", "test", "all"))
-    #: 0: each record in one pass
     window: int = setting(0, "tokens per scoring pass (0: each record whole)", lo=0)
-    #: 0: every record of the split
     max_tokens: int = setting(0, "scored tokens of the leading records that hold them (0: all)", lo=0)
     loss_on: str = setting("answer", "tokens scored: answer (each record's scored span) or all",
                            choices=("answer", "all"))

@@ -74,7 +74,8 @@ class Stage:
     version: str
     #: make(out, ctx, **params) -> the stage's report ({"metrics": {...}, ...}); writes `out`
     make: Callable[..., dict]
-    #: the settings dataclass the `settings` parameter is built into (a dict from YAML or Prefect)
+    #: the settings dataclass the stage takes (`params` builds it from the dict that arrives at an
+    #: edge: a Prefect task's parameters, a torchrun job)
     settings: type | None = None
     #: parameters that are input paths, digested by content (None: absent, digested as "-")
     inputs: tuple[str, ...] = ()
@@ -99,7 +100,8 @@ class Stage:
     gpus: Callable[[dict], int] | None = None
 
     def params(self, params: dict) -> dict:
-        """The parameters with `settings` built into its dataclass and `normalize` applied."""
+        """The parameters with `settings` built into its dataclass (where it came as a dict) and
+        `normalize` applied."""
         p = dict(params)
         if self.settings is not None and isinstance(p.get("settings"), dict):
             p["settings"] = _build(self.settings, p["settings"], self.name)
@@ -298,19 +300,21 @@ JOB, LOG, RESULT = "job.json", "log.jsonl", "result.json"
 JOB_VERSION = 1
 
 
-def _job_value(x, where: str):
-    """`x` as JSON values: a dataclass as its dict, a path as its string; anything else is refused."""
+def _json_value(x, where: str):
+    """`x` as JSON values: a dataclass as its dict, a path as its string; anything else is refused.
+    The one flattening of settings: `Stage.params` builds the same dataclass back, so the digest
+    a stage gets its parameters from either side of an edge is the same."""
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         x = dataclasses.asdict(x)
     if isinstance(x, os.PathLike):
         return os.fspath(x)
     if isinstance(x, dict):
-        return {str(k): _job_value(v, f"{where}.{k}") for k, v in x.items()}
+        return {str(k): _json_value(v, f"{where}.{k}") for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_job_value(v, f"{where}[{i}]") for i, v in enumerate(x)]
+        return [_json_value(v, f"{where}[{i}]") for i, v in enumerate(x)]
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
-    raise CortiqError(f"parameter {where}: a {type(x).__name__} cannot be handed to the ranks (paths, settings and "
+    raise CortiqError(f"parameter {where}: a {type(x).__name__} cannot leave the process (paths, settings and "
                       f"plain values only)")
 
 
@@ -331,15 +335,16 @@ def find_stage(module: str, name: str) -> Stage | None:
     return None
 
 
-def job_params(stage: Stage, params: dict) -> dict:
-    """The parameters as the job file holds them (what `Stage.params` builds the same settings from)."""
-    return {k: _job_value(v, f"{stage.name}.{k}") for k, v in params.items()}
+def json_params(stage: Stage, params: dict) -> dict:
+    """The parameters as they leave the process, as JSON values: a Prefect task's parameters, a
+    torchrun job (what `Stage.params` builds the same settings from on the other side)."""
+    return {k: _json_value(v, f"{stage.name}.{k}") for k, v in params.items()}
 
 
 def write_job(d: Path, stage: Stage, root, progress: bool, params: dict) -> Path:
     """The job file of one relaunched stage run in the folder `d`."""
     job = {"version": JOB_VERSION, "stage": _stage_ref(stage), "root": os.fspath(Path(root).resolve()),
-           "progress": bool(progress), "params": job_params(stage, params)}
+           "progress": bool(progress), "params": json_params(stage, params)}
     path = Path(d) / JOB
     path.write_text(json.dumps(job, indent=1, allow_nan=True))
     return path
@@ -444,11 +449,6 @@ def deliver(result: dict, out: str | os.PathLike) -> Path:
             raise
     os.replace(tmp, out)
     return out
-
-
-def plain(x):
-    """A settings dataclass as the plain dict Prefect parameters and YAML hold."""
-    return dataclasses.asdict(x) if dataclasses.is_dataclass(x) and not isinstance(x, type) else x
 
 
 def _jsonable(x):

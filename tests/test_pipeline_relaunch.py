@@ -63,9 +63,9 @@ def test_a_parameter_that_is_not_json_is_refused_in_one_line():
     from cortiq.heal.stages import TRAIN
 
     with pytest.raises(CortiqError) as e:
-        pipeline.job_params(TRAIN, {"settings": HealSettings(), "student": {"x": [1, object()]}})
-    assert str(e.value) == ("parameter train.student.x[1]: a object cannot be handed to the ranks (paths, settings "
-                            "and plain values only)")
+        pipeline.json_params(TRAIN, {"settings": HealSettings(), "student": {"x": [1, object()]}})
+    assert str(e.value) == ("parameter train.student.x[1]: a object cannot leave the process (paths, settings and "
+                            "plain values only)")
 
 
 def test_a_stage_not_declared_in_a_module_cannot_be_relaunched():

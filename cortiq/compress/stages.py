@@ -370,23 +370,21 @@ GPTQ = Stage("gptq", VERSIONS["gptq"], _gptq, GptqSettings, ("model", "grams"), 
 def compress_chain(runner, source, tdata, settings, say=lambda m: None) -> str:
     """masks → grams (when the fold repairs, ranks without masks, or GPTQ needs them) → fold →
     gptq (`settings`: CompressSettings), on `tdata` (retain text mixed in already): the student."""
-    from .. import pipeline
-
     s = settings
     masks = grams = None
     if s.learn_masks:
-        r = runner.run(MASKS, model=source, tdata=tdata, settings=pipeline.plain(s.masks))
+        r = runner.run(MASKS, model=source, tdata=tdata, settings=s.masks)
         masks, m = r["path"], r["report"]["metrics"]
         say(f"masks: {m['mask_pruned'] * 100:.1f} % pruned at step {m['mask_step']:.0f} of {m['mask_steps']:.0f}; "
             f"val NLL open {m['mask_nll_open']:.4f}, hard {m['mask_nll_hard']:.4f}")
     if s.needs_grams:
-        grams = runner.run(GRAMS, model=source, tdata=tdata, settings=pipeline.plain(s.grams))["path"]
-    r = runner.run(FOLD, model=source, masks=masks, grams=grams, settings=pipeline.plain(s.fold))
+        grams = runner.run(GRAMS, model=source, tdata=tdata, settings=s.grams)["path"]
+    r = runner.run(FOLD, model=source, masks=masks, grams=grams, settings=s.fold)
     student = r["path"]
     say(f"fold: kept {r['report']['metrics']['fold_kept_share'] * 100:.1f} % of the MLP neurons"
         f"{' (repaired)' if s.fold.repair else ''}")
     if s.use_gptq:
-        r = runner.run(GPTQ, model=student, grams=grams, settings=pipeline.plain(s.gptq))
+        r = runner.run(GPTQ, model=student, grams=grams, settings=s.gptq)
         student = r["path"]
         say(f"gptq: {s.gptq.codec}, output error {r['report']['metrics']['gptq_over_rtn']:.3f}× round-to-nearest's")
     return student

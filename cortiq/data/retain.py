@@ -105,19 +105,17 @@ def retain_tdata(spec: str, source_cmf, settings: RetainSettings, run: Runner, r
     generations, cortiq.data.selfgen's cached stage), `corpus:NAME` (the data stage
     on the bundled corpus, the source's tokenizer), or a tdata directory as it is."""
     if spec == SELF:
-        from ..pipeline import plain
         from .selfgen import SELFGEN, SelfGenSettings
 
         # through the caller's runner, as the corpus sources: a flow's task, or the CLI's cache
         gen = SelfGenSettings(seed=settings.seed,
                               tokens=settings.self_tokens or settings.tokens or SelfGenSettings().tokens)
-        return run(SELFGEN, "retain.self", model=str(source_cmf), settings=plain(gen))["path"]
+        return run(SELFGEN, "retain.self", model=str(source_cmf), settings=gen)["path"]
     if spec.startswith("corpus:"):
         from .builder import DATA
-        from ..pipeline import plain
 
         return run(DATA, f"retain.{source_name(spec)}", sources=[spec], model=str(source_cmf),
-                   settings=plain(BuildSettings(max_total_tokens=settings.tokens)))["path"]
+                   settings=BuildSettings(max_total_tokens=settings.tokens))["path"]
     if not os.path.isdir(spec):
         raise CortiqError(f"retain source {spec}: not corpus:NAME, self, or a tdata directory")
     Tdata.open(spec).check_tokenizer(source_cmf)
@@ -167,10 +165,8 @@ def with_retain(tdata_dir, source_cmf, settings: RetainSettings, run: Runner, ro
              for s in sources}
     if len(panel) != len(sources):
         raise CortiqError(f"retain settings: two sources share a name in {sources}")
-    from ..pipeline import plain
-
     mixed = run(MIX, "mix", tdata=str(tdata_dir), retain=list(panel.values()), names=list(panel),
-                settings=plain(settings))["path"]
+                settings=settings)["path"]
     return mixed, panel
 
 

@@ -181,20 +181,19 @@ def export(student_cmf, trained, out, provenance: dict, codec: str = "keep") -> 
 PANEL_TOKENS = 32768
 
 
-def heal_chain(runner, teacher, student, tdata, settings) -> str | None:
+def heal_chain(runner, teacher, student, tdata, s: HealSettings) -> str | None:
     """teacher targets → frozen prefix (when layers below `train_from` stay frozen) → train →
-    the healed CMF (`settings`: HealSettings). Under torchrun every rank runs the passes and the
-    training; rank 0 alone exports (the others return None)."""
-    h = pipeline.plain(settings)
-    targets = runner.run(targets_mod.TARGETS, teacher=teacher, tdata=tdata, settings=h)["path"]
+    the healed CMF. Under torchrun every rank runs the passes and the training; rank 0 alone
+    exports (the others return None)."""
+    targets = runner.run(targets_mod.TARGETS, teacher=teacher, tdata=tdata, settings=s)["path"]
     prefix = None
-    if settings.train_from > 0:
-        prefix = runner.run(prefix_mod.PREFIX, student=student, tdata=tdata, settings=h)["path"]
-    trained = runner.run(TRAIN, student=student, targets=targets, prefix=prefix, tdata=tdata, settings=h)["path"]
+    if s.train_from > 0:
+        prefix = runner.run(prefix_mod.PREFIX, student=student, tdata=tdata, settings=s)["path"]
+    trained = runner.run(TRAIN, student=student, targets=targets, prefix=prefix, tdata=tdata, settings=s)["path"]
     if not dist.is_main():
         return None
-    return runner.run(HEAL, student=student, teacher=teacher, train=trained, prefix=prefix, settings=h,
-                      codec=settings.export_codec)["path"]
+    return runner.run(HEAL, student=student, teacher=teacher, train=trained, prefix=prefix, settings=s,
+                      codec=s.export_codec)["path"]
 
 
 def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,

@@ -498,12 +498,11 @@ def mtp_chain(runner, model, data: str, settings, say=_say) -> str:
     a spec PATH[@TOKENS],...) → the draft trained on it (`settings`: MtpSettings); each `also`
     (codec, path) of the settings is then written from the result and re-measured (rank 0)."""
     from ..cmf import open_cmf
-    from ..pipeline import plain
     from .init import has_draft
 
     if not has_draft(open_cmf(model)):
         model = runner.run(MTP_INIT, model=model)["path"]
-    m = plain(replace(settings, also=[]))  # the stage writes its own output; `also` is done below
+    m = replace(settings, also=[])  # the stage writes its own output; `also` is done below
     trunk = runner.run(TRUNK, model=model, tdata=data, settings=m)["path"]
     r = runner.run(MTP, model=model, tdata=data, trunk=trunk, settings=m)
     if dist.is_main():

@@ -30,8 +30,7 @@ from flows.summary import summary
 def machinery(params: dict) -> dict:
     s = load_settings(params)
     with run_tracked(s, "machinery") as st:
-        tdata = st.run(DATA, sources=s.extra("data", "sources"), model=s.source,
-                       settings={k: v for k, v in s.data.items() if k != "sources"})["path"]
+        tdata = st.run(DATA, sources=s.data.sources, model=s.source, settings=s.data.build_settings())["path"]
         score_chain(st, {"source": s.source}, [data_text(s, tdata)])
         for codec in s.codecs:
             enc = st.run(REENCODE, f"reencode.{codec}", model=s.source, codec=codec)["path"]

@@ -33,7 +33,7 @@ def inputs(tmp_path_factory):
     """The student and the teacher's targets, made once: every test only reads them."""
     tmp = tmp_path_factory.mktemp("inputs")
     teacher, student, td = healing_pair(tmp)
-    h = pipeline.plain(HealSettings(**SETTINGS))
+    h = HealSettings(**SETTINGS)
     # conftest's temp home is a test's, set after a module's fixtures: this one gets its own
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CORTIQ_HOME", str(tmp / "cortiq-home"))
@@ -43,7 +43,7 @@ def inputs(tmp_path_factory):
 
 def _train(root, inputs, gpus):
     log = MemoryLogger()
-    r = pipeline.run(TRAIN, root, log, progress=False, settings=pipeline.plain(HealSettings(**SETTINGS, gpus=gpus)),
+    r = pipeline.run(TRAIN, root, log, progress=False, settings=HealSettings(**SETTINGS, gpus=gpus),
                      **inputs)
     return r, log
 
@@ -59,7 +59,7 @@ def test_a_failed_rank_is_one_error_and_the_next_run_equals_one_process(tmp_path
     # the failed rank's error first (rank 0 may meet the closed connection after it, and says so second)
     assert msg.startswith("train: 2 processes under torchrun exited with status 1 (rank 1: InjectedFailure: train: "
                           "failure injected by $CORTIQ_FAIL_STAGE") and "\n" not in msg
-    pl = pipeline.plan(TRAIN, tmp_path / "two", settings=pipeline.plain(HealSettings(**SETTINGS, gpus=2)), **inputs)
+    pl = pipeline.plan(TRAIN, tmp_path / "two", settings=HealSettings(**SETTINGS, gpus=2), **inputs)
     assert not pl.ready() and not pl.report.exists() and not (pl.out / store.META).exists()
     monkeypatch.delenv(pipeline.FAIL_ENV)
     # the next run makes it: what an in-process run returns, under the same digest
@@ -91,7 +91,7 @@ def test_a_failed_rank_is_one_error_and_the_next_run_equals_one_process(tmp_path
 
 def test_a_bad_input_the_ranks_meet_is_its_one_line_said_once(tmp_path, inputs):
     # targets of another window
-    s = pipeline.plain(HealSettings(**{**SETTINGS, "window": 16}, gpus=2))
+    s = HealSettings(**{**SETTINGS, "window": 16}, gpus=2)
     bad = pipeline.plan(TRAIN, tmp_path / "bad", settings=s, **inputs)
     with pytest.raises(CortiqError) as e:
         pipeline.run(TRAIN, tmp_path / "bad", progress=False, settings=s, **inputs)
