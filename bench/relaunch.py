@@ -1,5 +1,5 @@
 """A heal stage with gpus: N run from a plain process, as a flow's Prefect task
-runs it: `cortiq.pipeline.run` relaunches the stage under torchrun.
+runs it: `cortiq.runner.run` relaunches the stage under torchrun.
 
     python -m bench.relaunch [--out DIR]          # 2 GPUs (about 4 minutes on 2×H200)
     python -m bench.relaunch --cpu --tiny         # the code paths: 2 gloo ranks on the CPU, no figures
@@ -49,7 +49,7 @@ def main() -> int:
 
     import torch
 
-    from cortiq import pipeline
+    from cortiq import runner
     from cortiq.data import Tdata, windows
     from cortiq.errors import CortiqError
     from cortiq.heal.settings import HealSettings
@@ -72,18 +72,18 @@ def main() -> int:
     n_train = len(windows(Tdata.open(td), "train", a.window, loss_on="all"))
     epochs = a.steps / max(n_train // a.batch, 1)
 
-    def settings(n: int) -> dict:
-        return pipeline.plain(HealSettings(window=a.window, batch=a.batch, epochs=epochs, train_from=0, topk=32,
-                                           loss_on="all", eval_every=a.eval_every, checkpoint_every=a.eval_every,
-                                           lr=3e-4, compile=cuda, device="cuda" if cuda else "cpu", gpus=n))
+    def settings(n: int) -> HealSettings:
+        return HealSettings(window=a.window, batch=a.batch, epochs=epochs, train_from=0, topk=32, loss_on="all",
+                            eval_every=a.eval_every, checkpoint_every=a.eval_every, lr=3e-4, compile=cuda,
+                            device="cuda" if cuda else "cpu", gpus=n)
 
     def stages(n: int, root: Path) -> dict:
         shutil.rmtree(root, ignore_errors=True)
         lt, lr = MemoryLogger(), MemoryLogger()
         t1 = time.time()
-        tg = pipeline.run(TARGETS, root, lt, progress=False, teacher=src, tdata=td, settings=settings(n))
+        tg = runner.run(TARGETS, root, lt, progress=False, teacher=src, tdata=td, settings=settings(n))
         t2 = time.time()
-        tr = pipeline.run(TRAIN, root, lr, progress=False, student=stu, targets=tg["path"], prefix=None, tdata=td,
+        tr = runner.run(TRAIN, root, lr, progress=False, student=stu, targets=tg["path"], prefix=None, tdata=td,
                           settings=settings(n))
         t3 = time.time()
         m = tr["report"]["metrics"]
@@ -100,18 +100,18 @@ def main() -> int:
     # a rank that fails: one error line, the output not complete
     root = work / "cache-fail"
     shutil.rmtree(root, ignore_errors=True)
-    tg = pipeline.run(TARGETS, root, progress=False, teacher=src, tdata=td, settings=settings(1))
+    tg = runner.run(TARGETS, root, progress=False, teacher=src, tdata=td, settings=settings(1))
     params = dict(student=stu, targets=tg["path"], prefix=None, tdata=td, settings=settings(a.gpus))
-    os.environ[pipeline.FAIL_ENV] = "train@1"
+    os.environ[runner.FAIL_ENV] = "train@1"
     t1 = time.time()
     try:
-        pipeline.run(TRAIN, root, progress=False, **params)
+        runner.run(TRAIN, root, progress=False, **params)
         fail = {"error": None}
     except CortiqError as e:
         fail = {"error": str(e)}
     finally:
-        del os.environ[pipeline.FAIL_ENV]
-    fail.update({"wall_s": time.time() - t1, "incomplete": not pipeline.plan(TRAIN, root, **params).ready()})
+        del os.environ[runner.FAIL_ENV]
+    fail.update({"wall_s": time.time() - t1, "incomplete": not runner.cache_entry(TRAIN, root, **params).ready()})
     dev = "CPU (gloo)" if a.cpu else f"{a.gpus}× {torch.cuda.get_device_name()}"
     write_json(a.out, "relaunch.json", {"device": dev, "torch": torch.__version__, "geom": a.geom,
                                         "rows": rows, "failure": fail})
@@ -124,7 +124,7 @@ def table(rows, fail, dev, a) -> int:
     one, many = rows
     same = one["targets_digest"] == many["targets_digest"] and one["train_digest"] == many["train_digest"]
     print(f"\n{dev}, torch {torch.__version__}; {a.geom}: window {a.window}, global batch {a.batch}, "
-          f"{one['steps']} steps; the stages run by cortiq.pipeline.run from a plain process")
+          f"{one['steps']} steps; the stages run by cortiq.runner.run from a plain process")
     print("\n| step | held-out loss, gpus 1 | held-out loss, gpus %d | difference |" % a.gpus)
     print("| --- | --- | --- | --- |")
     for e1, e2 in zip(one["evals"], many["evals"]):

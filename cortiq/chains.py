@@ -2,7 +2,7 @@
 
 A chain calls `runner.run(stage, key=None, **params)` for each stage and passes the
 outputs' paths on; `runner.results` keeps each run's result under its key. The command
-line passes `cortiq.pipeline.LocalRunner` (`cortiq.pipeline.run` in this process), the
+line passes `cortiq.runner.LocalRunner` (`cortiq.runner.run` in this process), the
 flows their Prefect runner (`flows.common.Stages`: each stage a cached task): one list
 of stages, one cache under the cortiq home's `work/`, whichever runs first.
 
@@ -16,7 +16,7 @@ One chain per pipeline, beside its stages:
 and here a parameter set's chains as the flows and `cortiq demo` run them: `source_and_data`,
 `student` (→ compress), `healed` (→ heal → score), `pipeline` (→ mtp heal → re-encode), `mtp_only`.
 
-Adding a stage: declare it beside its function (`cortiq.pipeline.Stage`) and add its line to
+Adding a stage: declare it beside its function (`cortiq.runner.Stage`) and add its line to
 its chain; the command line and every flow run it from then on.
 """
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from . import codecs, store
 from .errors import CortiqError
-from .pipeline import Stage
+from .runner import Stage
 from .settings_meta import check, setting
 
 
@@ -179,7 +179,7 @@ def named_texts(results: dict, texts: list[Text], labels: tuple[str, ...] = ("so
     return out
 
 
-# ── the stages, declared once (cortiq.pipeline runs them for the flows) ──
+# ── the stages, declared once (cortiq.runner runs them for the flows) ──
 
 @dataclass
 class ScoreSettings:

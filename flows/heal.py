@@ -13,7 +13,7 @@ from prefect import flow
 from cortiq import chains
 from cortiq.settings import load_settings
 
-from . import pipeline as P
+from . import flow_run as P
 from .summary import log_gap
 
 

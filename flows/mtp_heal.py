@@ -13,7 +13,7 @@ from prefect import flow
 from cortiq import chains
 from cortiq.settings import load_settings
 
-from . import pipeline as P
+from . import flow_run as P
 
 
 @flow(name="mtp-heal", log_prints=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cortiq import pipeline
+from cortiq import runner
 from cortiq.data.settings import BuildSettings
 from cortiq.settings import load_settings
 
@@ -76,10 +76,10 @@ PINNED_OTHER = {
 }
 
 
-def _stages() -> list[pipeline.Stage]:
+def _stages() -> list[runner.Stage]:
     out = []
     for m in MODULES:
-        out += [v for v in vars(importlib.import_module(m)).values() if isinstance(v, pipeline.Stage)]
+        out += [v for v in vars(importlib.import_module(m)).values() if isinstance(v, runner.Stage)]
     return list({id(s): s for s in out}.values())
 
 
@@ -87,7 +87,7 @@ def D(name):
     return {"digest": name}
 
 
-def demo_chain(s, tok) -> list[tuple[str, pipeline.Stage, dict]]:
+def demo_chain(s, tok) -> list[tuple[str, runner.Stage, dict]]:
     """(node, stage, params) of the demo's chain of stages, every upstream output given by its node's
     name (`digests` replaces it by that node's digest), grams and gptq included."""
     from cortiq.compress import FOLD, GPTQ, GRAMS, MASKS
@@ -156,7 +156,7 @@ def digests(nodes, pinned: bool = False) -> dict[str, str]:
     for name, stage, params in nodes:
         p = {k: ([inp(x[1:]) for x in v] if isinstance(v, list) and v and str(v[0]).startswith("@")
                  else inp(v[1:]) if isinstance(v, str) and v.startswith("@") else v) for k, v in params.items()}
-        out[name] = pipeline.digest_of(stage, **p)
+        out[name] = runner.digest_of(stage, **p)
     return out
 
 
@@ -180,9 +180,9 @@ def test_the_demo_keeps_its_digests_but_the_mtp_stage(demo, tok):
 
 def test_the_settings_keep_their_digests_across_an_edge(demo, tok):
     """A chain hands the stages their settings dataclasses; a Prefect task or a torchrun rank gets
-    them as JSON values (`pipeline.json_params`) and builds them back: the same digests."""
+    them as JSON values (`runner.json_params`) and builds them back: the same digests."""
     nodes = demo_chain(demo, tok)
-    edged = [(n, stage, pipeline.json_params(stage, p)) for n, stage, p in nodes]
+    edged = [(n, stage, runner.json_params(stage, p)) for n, stage, p in nodes]
     assert all(not dataclasses.is_dataclass(p.get("settings")) for _, _, p in edged)
     assert digests(edged, pinned=True) == PINNED
 
@@ -199,15 +199,15 @@ def test_the_keys_of_their_own_shapes_keep_their_digests():
     got = {}
     for name, h in {"ce1": HealSettings(ce=1.0), "topk": HealSettings(target="topk", seed=3),
                     "qat": HealSettings(qat_codec="q4")}.items():
-        got[f"targets.{name}"] = pipeline.digest_of(TARGETS, teacher=D("src"), tdata=D("mix"), settings=h)
-        got[f"train.{name}"] = pipeline.digest_of(TRAIN, student=D("student"), targets=D("targets"), prefix=None,
+        got[f"targets.{name}"] = runner.digest_of(TARGETS, teacher=D("src"), tdata=D("mix"), settings=h)
+        got[f"train.{name}"] = runner.digest_of(TRAIN, student=D("student"), targets=D("targets"), prefix=None,
                                                   tdata=D("mix"), settings=h)
         if name != "topk":
-            got[f"heal.{name}"] = pipeline.digest_of(HEAL, student=D("student"), teacher=D("src"), train=D("train"),
+            got[f"heal.{name}"] = runner.digest_of(HEAL, student=D("student"), teacher=D("src"), train=D("train"),
                                                      prefix=None, settings=h, codec=h.export_codec)
-    got["qgrams.awq"] = pipeline.digest_of(QGRAMS, model=D("final"), tdata=D("data"), codec="q4",
+    got["qgrams.awq"] = runner.digest_of(QGRAMS, model=D("final"), tdata=D("data"), codec="q4",
                                            settings=QuantSettings(method="awq"))
-    got["selfgen"] = pipeline.digest_of(SELFGEN, model=D("src"), settings=SelfGenSettings())
+    got["selfgen"] = runner.digest_of(SELFGEN, model=D("src"), settings=SelfGenSettings())
     assert got == PINNED_OTHER
 
 
@@ -251,12 +251,12 @@ def test_every_field_changes_exactly_the_stages_it_feeds(stage, tmp_path, monkey
                   if stage.name in ("qgrams", "quantize", "heal", "mix", "data") else {})
     if stage.name == "heal":
         params["codec"] = "keep"
-    base = pipeline.digest_of(stage, **params, settings=cls())
+    base = runner.digest_of(stage, **params, settings=cls())
     fields = {f.name: f for f in dataclasses.fields(cls)}
     seen = 0
     for name, obj in _all_variants(cls):
         f = fields[name]
-        changed = pipeline.digest_of(stage, **params, settings=obj) != base
+        changed = runner.digest_of(stage, **params, settings=obj) != base
         want = stage.name in WHOLE or _fed(cls, f, stage, obj)
         assert changed == want, f"{stage.name}: {cls.__name__}.{name} {'changed' if changed else 'left'} the digest"
         seen += 1

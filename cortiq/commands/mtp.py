@@ -75,7 +75,7 @@ def run(args) -> int:
     _open(args.model)  # a model without a draft is pointed at `mtp init` (one line here, not one per rank)
     if s.gpus > 1 and not dist.under_torchrun():
         return dist.launch(args._argv, s.gpus)  # this command again, one process per GPU
-    from .. import pipeline
+    from ..runner import LocalRunner, deliver
     from ..mtp import mtp_chain
     from ..store import home
 
@@ -83,11 +83,11 @@ def run(args) -> int:
     try:
         # the chain the flows run, through the same cache: a second run with the same model, data and
         # settings reuses the trunk pass and the trained draft
-        runner = pipeline.LocalRunner(args.work or home() / "work", say=lambda m: print(m, file=sys.stderr))
+        runner = LocalRunner(args.work or home() / "work", say=lambda m: print(m, file=sys.stderr))
         made = mtp_chain(runner, args.model, args.data, s, say=lambda m: print(m, file=sys.stderr))
         if not dist.is_main():  # another rank than 0: rank 0 reports
             return 0
-        pipeline.deliver({"path": made}, args.out)
+        deliver({"path": made}, args.out)
     finally:
         dist.finish()
     r = runner.results["mtp"]

@@ -9,7 +9,7 @@ Stage functions in the common shape (docs/internals.md, "Stages"):
     compress(source_cmf, tdata_dir, CompressSettings, out_cmf, logger) -> report   (the chain, for the CLI)
 
 `out_dir` is the finished stage directory to write (meta.json last). The
-stages as the runner knows them (cortiq.pipeline): MASKS, GRAMS, FOLD, GPTQ.
+stages as the runner knows them (cortiq.runner): MASKS, GRAMS, FOLD, GPTQ.
 """
 
 from .._lazy import exports

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .. import store, tracking
 from ..errors import CortiqError
-from ..pipeline import Stage
+from ..runner import Stage
 from .settings import CompressSettings, FoldSettings, GptqSettings, GramSettings, MaskSettings
 
 
@@ -22,9 +22,9 @@ GRAMS_FILE = "grams.safetensors"
 
 def _meta(stage: str, settings, model, tdata, extra=None) -> dict:
     """A masks/grams directory's meta.json: its digest is the one the stage runner names it by."""
-    from .. import pipeline
+    from ..runner import digest_of
 
-    d = pipeline.digest_of({"masks": MASKS, "grams": GRAMS}[stage], model=model, tdata=tdata, settings=settings)
+    d = digest_of({"masks": MASKS, "grams": GRAMS}[stage], model=model, tdata=tdata, settings=settings)
     m = {"stage": stage, "version": VERSIONS[stage], "digest": d, "settings": dataclasses.asdict(settings),
          "inputs": [str(model), str(tdata)]}
     m.update(extra or {})
@@ -335,7 +335,7 @@ def gptq(student_cmf, grams_dir, settings: GptqSettings, out_cmf, logger: tracki
     return rep
 
 
-# ── the stages, declared once (cortiq.pipeline runs them for the CLI and the flows) ──
+# ── the stages, declared once (cortiq.runner runs them for the CLI and the flows) ──
 
 def _masks(out, ctx, model, tdata, settings):
     return learn_masks(Path(model), Path(tdata), settings, out, ctx.logger, settings.device, settings.compute_dtype)
@@ -398,18 +398,18 @@ def compress(source_cmf, tdata_dir, settings: CompressSettings, out_cmf, logger:
     home's work/, where the flows keep theirs too) is complete; the student is then put at
     `out_cmf`. `retain` (cortiq.data.settings.RetainSettings) mixes retain text into the data
     the masks and Grams see. Returns every stage's report."""
-    from .. import pipeline
     from ..data.retain import with_retain
+    from ..runner import LocalRunner, deliver
 
     s = settings
     _resources(s.device, s.compute_dtype)  # a bad device fails here, before any stage runs
     say = log or (lambda m: print(m, file=sys.stderr))
-    runner = pipeline.LocalRunner(Path(work) if work else store.home() / "work", logger, say=say)
+    runner = LocalRunner(Path(work) if work else store.home() / "work", logger, say=say)
     if retain is not None and retain.sources:
         tdata_dir, panel = with_retain(tdata_dir, source_cmf, retain, runner.run, None, logger)
         say(f"retain: {', '.join(panel)} mixed in at {retain.share:.0%} -> {tdata_dir}")
     student = compress_chain(runner, source_cmf, tdata_dir, s, say)
-    pipeline.deliver({"path": student}, out_cmf)
+    deliver({"path": student}, out_cmf)
     say(f"student -> {out_cmf}")
     stages = {r["stage"]: r["report"] for r in runner.results.values() if r["stage"] in VERSIONS}
     return {"stages": stages, "metrics": {k: v for st in stages.values() for k, v in st.get("metrics", {}).items()}}

@@ -11,12 +11,12 @@ and never holds the whole model in memory.
 """
 
 
-# ── the stage, declared once (cortiq.pipeline runs it for the flows) ──
+# ── the stage, declared once (cortiq.runner runs it for the flows) ──
 
 from pathlib import Path as _Path
 
 from ..errors import CortiqError as _CortiqError
-from ..pipeline import Stage as _Stage
+from ..runner import Stage as _Stage
 
 
 def source_kind(source: str) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import store
 from ..errors import CortiqError
-from ..pipeline import Stage
+from ..runner import Stage
 from .settings import BuildSettings
 from .chats import chat_parts
 from .sources import _LINE_END, _SENT_END, Document, Item, _cut_at, line_parts, read_source
@@ -427,7 +427,7 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
     return write_tdata(out, records, meta)
 
 
-# ── the stage, declared once (cortiq.pipeline runs it for the flows) ──
+# ── the stage, declared once (cortiq.runner runs it for the flows) ──
 
 def _data(out, ctx, sources, model, settings) -> dict:
     td = build(list(sources), model, out, settings)

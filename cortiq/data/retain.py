@@ -28,7 +28,7 @@ from typing import Callable
 
 from .. import store
 from ..errors import CortiqError
-from ..pipeline import Stage
+from ..runner import Stage
 from .settings import AUTO, AUTO_CPU, AUTO_GPU, SELF, BuildSettings, RetainSettings
 from .tdata import STAGE, VERSION, Record, Tdata, records_table
 
@@ -81,7 +81,7 @@ def mix_tdata(tdata_dir, retain: list, names: list[str], settings: RetainSetting
 
 
 def _mix_sources(p: dict) -> dict:
-    from ..pipeline import input_digest
+    from ..runner import input_digest
 
     # the sources by content (their tokens and size enter through their own digests)
     return {"names": list(p["names"]), "retain": [input_digest(x) for x in p["retain"]]}
@@ -95,7 +95,7 @@ MIX = Stage("mix", "1", lambda out, ctx, tdata, retain, names, settings:
 
 # ── retain sources ───────────────────────────────────────────────────────
 
-#: run(stage, key, **params) -> the stage's result ({"path": ...}): cortiq.pipeline.run or a flow's task
+#: run(stage, key, **params) -> the stage's result ({"path": ...}): cortiq.runner.run or a flow's task
 Runner = Callable[..., dict]
 
 
@@ -171,7 +171,8 @@ def with_retain(tdata_dir, source_cmf, settings: RetainSettings, run: Runner, ro
 
 
 def cli_runner(root, logger=None, progress: bool = True) -> Runner:
-    """The Runner of the commands: `run` of a cortiq.pipeline.LocalRunner under `root`."""
-    from .. import pipeline, tracking
+    """The Runner of the commands: `run` of a cortiq.runner.LocalRunner under `root`."""
+    from .. import tracking
+    from ..runner import LocalRunner
 
-    return pipeline.LocalRunner(root, logger or tracking.NULL, progress).run
+    return LocalRunner(root, logger or tracking.NULL, progress).run

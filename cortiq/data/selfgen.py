@@ -42,7 +42,7 @@ import numpy as np
 
 from .. import tracking
 from ..errors import CortiqError
-from ..pipeline import Stage
+from ..runner import Stage
 from .settings import DEFAULT_SLOTS, SelfGenSettings
 
 __all__ = ["SelfGenSettings", "SELFGEN", "self_tdata", "generate_rows", "Openings", "REQUESTS", "DEFAULT_SLOTS",
@@ -412,6 +412,6 @@ SELFGEN = Stage(STAGE_NAME, VERSION, _make, SelfGenSettings, ("model",), extra=_
 def self_tdata(model_cmf, settings: SelfGenSettings, root, logger: tracking.Logger = tracking.NULL,
                progress: bool = True) -> Path:
     """SELFGEN run through the pipeline's runner under `root` (reused when made before) -> its tdata directory."""
-    from ..pipeline import run
+    from ..runner import run
 
     return Path(run(SELFGEN, root, logger, progress, model=model_cmf, settings=settings)["path"])

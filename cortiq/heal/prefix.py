@@ -20,7 +20,7 @@ import pyarrow as pa
 import torch
 
 from .. import dist, store, tracking
-from ..pipeline import Stage, key_of, settings_gpus
+from ..runner import Stage, key_of, settings_gpus
 from .rows import RowWriter, WindowRows, open_split
 from ..devices import rank_device
 from .settings import HealSettings, mem_budget_bytes
@@ -45,7 +45,7 @@ def plan(n_windows: int, T: int, hidden: int, budget_bytes: int, train_from: int
 
 def digest_of(student_cmf, tdata_dir, s: HealSettings) -> str:
     """The digest the stage runner names this prefix by."""
-    from ..pipeline import digest_of as _digest
+    from ..runner import digest_of as _digest
 
     return _digest(PREFIX, student=student_cmf, tdata=tdata_dir, settings=s)
 

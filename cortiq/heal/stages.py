@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import codecs, dist, pipeline, store, tracking
+from .. import codecs, dist, store, tracking
 from ..devices import rank_device
 from ..errors import CortiqError
 from ..measure import gap_recovered, panel_gap, score, text_gap  # noqa: F401  (heal's names for them)
-from ..pipeline import Stage, settings_gpus
+from ..runner import LocalRunner, Stage, deliver, digest_of, settings_gpus
 from . import prefix as prefix_mod
 from . import qat
 from . import targets as targets_mod
@@ -117,7 +117,7 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
         if s.compile and dev.type == "cuda":
             obj.teacher.compile_layers()
     # a checkpoint resumes only the run it was taken in: the digest the stage runner names this training by
-    key = key or pipeline.digest_of(TRAIN, student=student_cmf, targets=targets_dir, prefix=prefix_dir,
+    key = key or digest_of(TRAIN, student=student_cmf, targets=targets_dir, prefix=prefix_dir,
                                     tdata=tdata_dir, settings=s)
     if not dist.is_main():
         logger = tracking.NULL  # rank 0 reports for all
@@ -229,7 +229,7 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
     work = Path(work_dir) if work_dir is not None else store.home() / "work"
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    runner = pipeline.LocalRunner(work, logger, progress)
+    runner = LocalRunner(work, logger, progress)
     user_data, panel = tdata_dir, {}
     if retain is not None and retain.sources:
         from ..data.retain import with_retain
@@ -290,7 +290,7 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
         report["gap"], report["texts"] = gap, named
         deliver_scored(healed, out, {"gap": gap, "texts": named})
     else:
-        pipeline.deliver({"path": healed}, out)
+        deliver({"path": healed}, out)
     logger.log_artifact(str(out))
     report["metrics"]["secs"] = time.perf_counter() - t0
     return report
@@ -309,7 +309,7 @@ def deliver_scored(healed, out, scores: dict) -> Path:
     return write_cmf(out, doc, copy_specs(src))
 
 
-# ── the stages, declared once (cortiq.pipeline runs them for the CLI and the flows) ──
+# ── the stages, declared once (cortiq.runner runs them for the CLI and the flows) ──
 
 def _train(out, ctx, student, targets, prefix, tdata, settings) -> dict:
     # the output directory is the run's work directory: a killed run, started

@@ -23,7 +23,7 @@ import torch
 from .. import store, tracking
 from ..errors import CortiqError
 from .. import dist
-from ..pipeline import Stage, key_of, settings_gpus
+from ..runner import Stage, key_of, settings_gpus
 from .kinds import KINDS, REST_ID, mix_targets  # noqa: F401  (the targets' names for them)
 from .rows import RowWriter, WindowRows, open_split
 from .settings import HealSettings
@@ -98,7 +98,7 @@ def window_sets(tdata_dir, s: HealSettings):
 
 def digest_of(teacher_cmf, tdata_dir, s: HealSettings) -> str:
     """The digest the stage runner names these targets by."""
-    from ..pipeline import digest_of as _digest
+    from ..runner import digest_of as _digest
 
     return _digest(TARGETS, teacher=teacher_cmf, tdata=tdata_dir, settings=s)
 

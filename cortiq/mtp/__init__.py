@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .. import dist, tracking
 from ..errors import CortiqError
-from ..pipeline import Stage, key_of, settings_gpus
+from ..runner import Stage, key_of, settings_gpus
 from .settings import PRESETS, MtpSettings
 
 __all__ = ["MtpSettings", "trunk_pass", "mtp_heal", "mtp_chain", "recode_draft", "mtp_init", "resolve", "measure_text",
@@ -513,7 +513,7 @@ def mtp_chain(runner, model, data: str, settings, say=_say) -> str:
     return r["path"]
 
 
-# ── the stages, declared once (cortiq.pipeline runs them for the flows) ──
+# ── the stages, declared once (cortiq.runner runs them for the flows) ──
 
 def _init_stage(out, ctx, model) -> dict:
     return mtp_init(Path(model), out) or {}

@@ -1,7 +1,7 @@
 """Quantization of a final model into cortiq's block codecs by GPTQ (or AWQ-style
 scales and GPTQ) from calibration windows of its data.
 
-Two stages (cortiq.pipeline runs them for `cortiq recode` and the flows'
+Two stages (cortiq.runner runs them for `cortiq recode` and the flows'
 re-encode stage):
 
 - `qgrams`: the Grams of every grouped linear input (cortiq.quant.layers) of
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .. import store, tracking
 from ..errors import CortiqError
-from ..pipeline import Stage
+from ..runner import Stage
 from .settings import BLOCK_CODECS, METHODS, QuantSettings
 
 __all__ = ["QuantSettings", "METHODS", "BLOCK_CODECS", "QGRAMS", "QUANTIZE", "capture", "quantize", "requantize",
@@ -229,13 +229,13 @@ def requantize(model_cmf, tdata_dir, codec: str, s: QuantSettings, work, logger:
                progress: bool = True, log=None) -> dict:
     """qgrams → quantize through the stage runner under `work` (each reused when
     complete): {"path": the quantized model, "grams": {...}, "quantize": {...}}."""
-    from .. import pipeline
+    from ..runner import run
 
     _check(codec, s)
     say = log or (lambda m: print(m, file=sys.stderr))
     params = {"codec": codec, "settings": s}
-    g = pipeline.run(QGRAMS, work, logger, progress, model=model_cmf, tdata=tdata_dir, **params)
+    g = run(QGRAMS, work, logger, progress, model=model_cmf, tdata=tdata_dir, **params)
     if g["reused"]:
         say(f"qgrams: reusing {g['path']}")
-    q = pipeline.run(QUANTIZE, work, logger, progress, model=model_cmf, grams=g["path"], **params)
+    q = run(QUANTIZE, work, logger, progress, model=model_cmf, grams=g["path"], **params)
     return {"path": q["path"], "grams": g, "quantize": q}

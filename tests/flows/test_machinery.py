@@ -18,11 +18,11 @@ from prefect import flow
 
 from cortiq.data.builder import DATA
 from cortiq.measure import REENCODE
-from cortiq.pipeline import FAIL_ENV, InjectedFailure
+from cortiq.runner import FAIL_ENV, InjectedFailure
 from cortiq.settings import load_settings
 from cortiq.chains import data_text
 from cortiq.measure import score_chain
-from flows.pipeline import run_tracked
+from flows.flow_run import run_tracked
 from flows.summary import summary
 
 
@@ -138,7 +138,7 @@ def test_failure_in_a_middle_stage_then_rerun_resumes_there(tiny, monkeypatch):
 def test_retries_rerun_a_failing_stage(tiny, monkeypatch):
     # a stage that keeps failing is tried 1 + retries times, then the flow fails
     calls = []
-    import cortiq.pipeline as m
+    import cortiq.runner as m
 
     real = m.run
 

@@ -39,7 +39,7 @@ def test_the_cli_runner_then_the_flow_share_every_stage_of_the_one_chain(tiny, t
     """cortiq.chains.pipeline run by the command line's runner, then the compress-and-heal flow on the
     same parameters: the flow runs the same stages with the same digests and recomputes none."""
     from cortiq import chains
-    from cortiq.pipeline import LocalRunner
+    from cortiq.runner import LocalRunner
     from cortiq.settings import load_settings
     from flows.compress_and_heal import compress_and_heal
 

@@ -36,7 +36,7 @@ def test_the_digests_do_not_depend_on_the_gpus(tmp_path):
     from cortiq.heal.stages import TRAIN
     from cortiq.mtp import MTP, TRUNK
     from cortiq.mtp.settings import MtpSettings
-    from cortiq.pipeline import key_of
+    from cortiq.runner import key_of
 
     one, two = HealSettings(), HealSettings(gpus=2, shard="fsdp")
     for stage in (targets_mod.TARGETS, prefix_mod.PREFIX, TRAIN):

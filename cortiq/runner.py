@@ -22,7 +22,7 @@ any device.
 
 More than one GPU: a stage whose settings say `gpus: N > 1` (its `gpus` hook),
 run from a plain process, runs as N processes under torchrun, each rank
-calling `run` itself (cortiq.pipeline_worker); the caller gets back what an
+calling `run` itself (cortiq.runner_worker); the caller gets back what an
 in-process run returns, and the metrics rank 0 logged are played into the
 caller's logger. The digest does not depend on N.
 
@@ -189,8 +189,8 @@ def input_digest(value) -> str:
     return store.file_digest(value)
 
 
-def plan(stage: Stage, root: str | os.PathLike, **params) -> CacheEntry:
-    """The plan of a stage run: its digest over (name, version, key, named input digests) and its paths."""
+def cache_entry(stage: Stage, root: str | os.PathLike, **params) -> CacheEntry:
+    """Where a stage run's output goes: its digest over (name, version, key, named input digests) and its paths."""
     p = stage.params(params)
     missing = [n for n in stage.inputs if n not in p]
     if missing:
@@ -206,7 +206,7 @@ def plan(stage: Stage, root: str | os.PathLike, **params) -> CacheEntry:
 
 def digest_of(stage: Stage, **params) -> str:
     """The digest `run` names the output by (a stage records it in its meta.json)."""
-    return plan(stage, ".", **params).digest
+    return cache_entry(stage, ".", **params).digest
 
 
 def run(stage: Stage, root: str | os.PathLike, logger: tracking.Logger = tracking.NULL, progress: bool = True,
@@ -222,31 +222,31 @@ def run(stage: Stage, root: str | os.PathLike, logger: tracking.Logger = trackin
     did not start, runs as N processes under torchrun (`_relaunch`)."""
     from . import dist
 
-    pl = plan(stage, root, **params)
+    entry = cache_entry(stage, root, **params)
     p = stage.params(params)
     n = stage.gpus(p) if stage.gpus is not None else 1
     if n > 1 and not dist.under_torchrun():
-        return _relaunch(stage, pl, root, logger, progress, n, params)
-    pl.out.parent.mkdir(parents=True, exist_ok=True)
+        return _relaunch(stage, entry, root, logger, progress, n, params)
+    entry.out.parent.mkdir(parents=True, exist_ok=True)
     # under torchrun every rank runs a stage that splits (each its share of the windows) and
     # rank 0 decides, locks and reports for all: a lock per rank would deadlock the stage's
     # collectives. A stage that runs in one process only (no `gpus` hook) runs in the calling
     # process alone, without a collective: rank 0 exports and scores while the others are done
     alone = stage.gpus is None
     main = dist.is_main() or alone
-    with store.locked(pl.out) if main else contextlib.nullcontext():
-        if (pl.ready() if alone else dist.agree(pl.ready())):
-            return _result(pl, reused=True)
+    with store.locked(entry.out) if main else contextlib.nullcontext():
+        if (entry.ready() if alone else dist.agree(entry.ready())):
+            return _result(entry, reused=True)
         if _injected(stage.name, dist.rank()):
             raise InjectedFailure(f"{stage.name}: failure injected by ${FAIL_ENV}")
-        report = stage.make(pl.out, Context(pl.digest, logger, progress), **p)
+        report = stage.make(entry.out, Context(entry.digest, logger, progress), **p)
         if not alone:
             dist.barrier()
         if main:
-            _finish(stage, pl, report)
+            _finish(stage, entry, report)
         if not alone:
             dist.barrier()
-        return _result(pl, reused=False)
+        return _result(entry, reused=False)
 
 
 def _injected(name: str, rank: int) -> bool:
@@ -255,7 +255,8 @@ def _injected(name: str, rank: int) -> bool:
     return want == name and (not at or r == str(rank))
 
 
-def _relaunch(stage: Stage, pl: CacheEntry, root, logger: tracking.Logger, progress: bool, n: int, params: dict) -> dict:
+def _relaunch(stage: Stage, entry: CacheEntry, root, logger: tracking.Logger, progress: bool, n: int,
+              params: dict) -> dict:
     """`run` as n processes under torchrun on this machine: the stage, root and
     parameters go to the ranks as a JSON job (settings as plain dicts, built
     again by each rank: the same digest), each rank calls `run`, rank 0 writes
@@ -271,25 +272,25 @@ def _relaunch(stage: Stage, pl: CacheEntry, root, logger: tracking.Logger, progr
 
     from . import dist
 
-    if pl.ready():
-        return _result(pl, reused=True)
-    job = Path(tempfile.mkdtemp(prefix=f"cortiq-{stage.name}-{pl.digest[:12]}-"))
+    if entry.ready():
+        return _result(entry, reused=True)
+    job = Path(tempfile.mkdtemp(prefix=f"cortiq-{stage.name}-{entry.digest[:12]}-"))
     try:
         spec = write_job(job, stage, root, progress, params)
-        rc = dist.launch([str(spec)], n, module="cortiq.pipeline_worker")
+        rc = dist.launch([str(spec)], n, module="cortiq.runner_worker")
         tracking.replay(job / LOG, logger)
         if rc != 0:
             why = rank_errors(job)
             raise CortiqError(f"{stage.name}: {n} processes under torchrun exited with status {rc}"
-                              + (f" ({why})" if why else "") + f"; {pl.out} was not completed")
+                              + (f" ({why})" if why else "") + f"; {entry.out} was not completed")
         done = json.loads((job / RESULT).read_text())
     finally:
         shutil.rmtree(job, ignore_errors=True)
-    if done["digest"] != pl.digest:
-        raise CortiqError(f"{stage.name}: the ranks ran digest {done['digest']}, this process planned {pl.digest}")
-    if not pl.ready():
-        raise CortiqError(f"{pl.out}: the {stage.name} stage's ranks exited without completing it")
-    return _result(pl, reused=bool(done["reused"]))
+    if done["digest"] != entry.digest:
+        raise CortiqError(f"{stage.name}: the ranks ran digest {done['digest']}, this process expected {entry.digest}")
+    if not entry.ready():
+        raise CortiqError(f"{entry.out}: the {stage.name} stage's ranks exited without completing it")
+    return _result(entry, reused=bool(done["reused"]))
 
 
 # ── a stage relaunched under torchrun: the job the ranks get, what they hand back ──
@@ -381,23 +382,23 @@ def rank_errors(d: Path) -> str:
     return "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(sorted(r, key=int))}: {e}" for e, r in by.items())
 
 
-def _finish(stage: Stage, pl: CacheEntry, report) -> None:
+def _finish(stage: Stage, entry: CacheEntry, report) -> None:
     """Check the stage left a complete output, then write its report (last)."""
     if report is None:
         report = {}
     if not isinstance(report, dict):
         raise CortiqError(f"{stage.name}: the stage returned {type(report).__name__}, not a report dict")
-    if stage.output == "cmf" and not pl.out.is_file():
-        raise CortiqError(f"{pl.out}: the {stage.name} stage returned without writing its model")
-    if stage.output != "cmf" and not store.is_complete(pl.out):
-        raise CortiqError(f"{pl.out}: the {stage.name} stage returned without finishing its output (no meta.json)")
-    pl.report.parent.mkdir(parents=True, exist_ok=True)
-    store.write_text(pl.report, json.dumps(report, indent=1, sort_keys=True, default=_jsonable))
+    if stage.output == "cmf" and not entry.out.is_file():
+        raise CortiqError(f"{entry.out}: the {stage.name} stage returned without writing its model")
+    if stage.output != "cmf" and not store.is_complete(entry.out):
+        raise CortiqError(f"{entry.out}: the {stage.name} stage returned without finishing its output (no meta.json)")
+    entry.report.parent.mkdir(parents=True, exist_ok=True)
+    store.write_text(entry.report, json.dumps(report, indent=1, sort_keys=True, default=_jsonable))
 
 
-def _result(pl: CacheEntry, reused: bool) -> dict:
-    return {"stage": pl.stage, "digest": pl.digest, "path": str(pl.out), "report": json.loads(pl.report.read_text()),
-            "reused": reused}
+def _result(entry: CacheEntry, reused: bool) -> dict:
+    return {"stage": entry.stage, "digest": entry.digest, "path": str(entry.out),
+            "report": json.loads(entry.report.read_text()), "reused": reused}
 
 
 class LocalRunner:
