@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         log(f"{name}: {times[name]:.1f} s")
         return r
 
-    from cortiq.data.retain import cli_runner, with_retain
+    from cortiq.data.stages import cli_runner, with_retain
     from cortiq.data.settings import RetainSettings
     from cortiq.heal import heal
     from cortiq.quant import QuantSettings, requantize

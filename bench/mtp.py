@@ -215,7 +215,8 @@ def main() -> int:
         if args.work == str(WORK):
             args.work = str(WORK.parent / "mtp-bench-tiny")
 
-    from cortiq.mtp import MtpSettings, _chain, _draft_tensors, _remeasure, heldout_windows, mtp_heal, resolve, write_draft
+    from cortiq.mtp import MtpSettings
+    from cortiq.mtp.heal import _chain, _draft_tensors, _remeasure, heldout_windows, mtp_heal, resolve, write_draft
     from cortiq.devices import rank_device
 
     if args.only_draft:

@@ -54,7 +54,7 @@ def main() -> int:
     from cortiq.errors import CortiqError
     from cortiq.heal.settings import HealSettings
     from cortiq.heal.stages import TRAIN
-    from cortiq.heal.targets import TARGETS
+    from cortiq.heal.stages import TARGETS
     from cortiq.tracking import MemoryLogger
     from bench.dist import make_models
     from bench.run import GEOMS

@@ -139,6 +139,23 @@ class Text:
         self.at = self.at or ("score." if self.kind == "data" else f"score.panel.{self.name}.")
 
 
+def scored_texts(how: ScoreSettings, data: tuple | None = None, panel: dict | None = None, panel_tokens: int = 0,
+                 eval: tuple | None = None) -> list[Text]:
+    """The texts a report scores the models on, each as `how` says: `data` (tdata, label), the
+    data's own `how.split`; `panel` ({name: tdata}), each retain source's test split (capped at
+    `panel_tokens` scored tokens where given); `eval` (name, tdata, label), every record of held-out
+    text of another source."""
+    texts = []
+    if data is not None:
+        texts.append(Text("data", str(data[0]), how, data[1], "data"))
+    for name, d in (panel or {}).items():
+        texts.append(Text(name, str(d), dataclasses.replace(how, split="test", max_tokens=panel_tokens or how.max_tokens),
+                          f"the test split of the retain source {name} (never trained on)"))
+    if eval is not None:
+        texts.append(Text(eval[0], str(eval[1]), dataclasses.replace(how, split="all"), eval[2], at="score.eval."))
+    return texts
+
+
 def score_chain(runner, models: dict[str, str], texts: list[Text]) -> dict:
     """The score stage for each model ({label: CMF}) on each text (run as `text.at` + label);
     returns the named texts every report shows (`named_texts`)."""
@@ -215,8 +232,8 @@ def _reencode(out, ctx, model, codec) -> dict:
     return {"metrics": {"bytes": float(open_cmf(out).nbytes())}, "codec": codec}
 
 
-SCORE = Stage("score", "2", _score, ScoreSettings, ("model", "tdata"),
+SCORE = Stage("score", 2, _score, ScoreSettings, ("model", "tdata"),
               doc="NLL per scored token of a model on a tdata split (\"all\": every record), and its size")
-REENCODE = Stage("reencode", "2", _reencode, None, ("model",), extra=lambda p: {"codec": p["codec"],
+REENCODE = Stage("reencode", 2, _reencode, None, ("model",), extra=lambda p: {"codec": p["codec"],
                  **codecs.rule_key(p["codec"])}, output="cmf",
                  doc="a model in another codec (plain codecs everywhere, quantized ones on matrices)")

@@ -70,8 +70,9 @@ class Stage:
 
     #: the stage's one name: output folder prefix, task name, flow key and metric prefix
     name: str
-    #: bumped when what the stage computes changes (old outputs are then not reused)
-    version: str
+    #: bumped when what the stage computes changes (old outputs are then not reused); the digest
+    #: hashes it as text, as it did when versions were written as strings
+    version: int
     #: make(out, ctx, **params) -> the stage's report ({"metrics": {...}, ...}); writes `out`
     make: Callable[..., dict]
     #: the settings dataclass the stage takes (`params` builds it from the dict that arrives at an
@@ -98,6 +99,10 @@ class Stage:
     #: from a process not under torchrun already relaunches it under torchrun
     #: (None: a stage that runs in one process only)
     gpus: Callable[[dict], int] | None = None
+
+    def __post_init__(self):
+        if type(self.version) is not int:  # one way to write it: 1, bumped to 2, ...
+            raise TypeError(f"stage {self.name}: version {self.version!r} is not a whole number")
 
     def params(self, params: dict) -> dict:
         """The parameters with `settings` built into its dataclass (where it came as a dict) and
@@ -180,9 +185,7 @@ def input_digest(value) -> str:
     if isinstance(value, dict):
         return str(value["digest"])
     if isinstance(value, str) and not os.path.lexists(value) and ("," in value or "@" in value):
-        from .data.windowing import parse_spec
-
-        sets = parse_spec(value)
+        sets = store.parse_data_spec(value)
         if len(sets) > 1 or sets[0][1] is not None:
             return ",".join(f"{store.file_digest(p)}@{n if n is not None else ''}" for p, n in sets)
         value = sets[0][0]

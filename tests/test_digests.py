@@ -25,9 +25,8 @@ import test_settings_meta
 from test_settings_meta import COMPANIONS, _candidates, _variants
 
 #: the modules that declare stages
-MODULES = ["cortiq.compress.stages", "cortiq.data.builder", "cortiq.data.retain", "cortiq.data.selfgen",
-           "cortiq.heal.targets", "cortiq.heal.prefix", "cortiq.heal.stages", "cortiq.mtp", "cortiq.measure",
-           "cortiq.convert", "cortiq.quant"]
+MODULES = ["cortiq.compress.stages", "cortiq.convert.stages", "cortiq.data.stages", "cortiq.heal.stages",
+           "cortiq.measure", "cortiq.mtp.stages", "cortiq.quant.stages"]
 
 #: computed on main before the rule (the demo's settings; upstream outputs given as {"digest": name})
 PINNED = {
@@ -91,14 +90,11 @@ def demo_chain(s, tok) -> list[tuple[str, runner.Stage, dict]]:
     """(node, stage, params) of the demo's chain of stages, every upstream output given by its node's
     name (`digests` replaces it by that node's digest), grams and gptq included."""
     from cortiq.compress import FOLD, GPTQ, GRAMS, MASKS
-    from cortiq.convert import SOURCE
-    from cortiq.data.builder import DATA
-    from cortiq.data.retain import MIX
-    from cortiq.heal.prefix import PREFIX
-    from cortiq.heal.stages import HEAL, TRAIN
-    from cortiq.heal.targets import TARGETS
+    from cortiq.convert.stages import SOURCE
+    from cortiq.data.stages import DATA, MIX
+    from cortiq.heal.stages import EXPORT, PREFIX, TARGETS, TRAIN
     from cortiq.measure import REENCODE, SCORE, ScoreSettings
-    from cortiq.mtp import MTP, MTP_INIT, TRUNK
+    from cortiq.mtp.stages import MTP, MTP_INIT, TRUNK
     from cortiq.quant import QGRAMS, QUANTIZE, uses_grams
 
     r, c, h, m, q = s.retain, s.compress, s.heal, s.mtp, s.quant
@@ -115,7 +111,7 @@ def demo_chain(s, tok) -> list[tuple[str, runner.Stage, dict]]:
         ("targets", TARGETS, dict(teacher="@source", tdata="@mix", settings=h)),
         ("prefix", PREFIX, dict(student="@fold", tdata="@mix", settings=h)),
         ("train", TRAIN, dict(student="@fold", targets="@targets", prefix="@prefix", tdata="@mix", settings=h)),
-        ("heal", HEAL, dict(student="@fold", teacher="@source", train="@train", prefix="@prefix", settings=h,
+        ("heal", EXPORT, dict(student="@fold", teacher="@source", train="@train", prefix="@prefix", settings=h,
                             codec=h.export_codec)),
         ("score", SCORE, dict(model="@heal", tdata="@data", settings=ScoreSettings(
             window=s.score_window, max_tokens=s.score_tokens))),
@@ -188,11 +184,10 @@ def test_the_settings_keep_their_digests_across_an_edge(demo, tok):
 
 
 def test_the_keys_of_their_own_shapes_keep_their_digests():
-    from cortiq.data.selfgen import SELFGEN
+    from cortiq.data.stages import SELFGEN
     from cortiq.data.settings import SelfGenSettings
     from cortiq.heal.settings import HealSettings
-    from cortiq.heal.stages import HEAL, TRAIN
-    from cortiq.heal.targets import TARGETS
+    from cortiq.heal.stages import EXPORT, TARGETS, TRAIN
     from cortiq.quant import QGRAMS
     from cortiq.quant.settings import QuantSettings
 
@@ -203,7 +198,7 @@ def test_the_keys_of_their_own_shapes_keep_their_digests():
         got[f"train.{name}"] = runner.digest_of(TRAIN, student=D("student"), targets=D("targets"), prefix=None,
                                                   tdata=D("mix"), settings=h)
         if name != "topk":
-            got[f"heal.{name}"] = runner.digest_of(HEAL, student=D("student"), teacher=D("src"), train=D("train"),
+            got[f"heal.{name}"] = runner.digest_of(EXPORT, student=D("student"), teacher=D("src"), train=D("train"),
                                                      prefix=None, settings=h, codec=h.export_codec)
     got["qgrams.awq"] = runner.digest_of(QGRAMS, model=D("final"), tdata=D("data"), codec="q4",
                                            settings=QuantSettings(method="awq"))
@@ -354,3 +349,14 @@ def test_over_the_demo_chain_a_field_changes_its_stages_and_those_downstream(dem
             assert changed == closure(direct), f"{group}.{name}: changed {sorted(changed)}, fed {sorted(direct)}"
             walked += 1
     assert walked > 60
+
+
+def test_the_mtp_heal_records_the_mtp_stages_key():
+    """mtp heal writes its settings' part of the mtp stage's key into its report and provenance
+    without the stage's declaration (cortiq.mtp.heal sits below cortiq.mtp.stages): the same key."""
+    from cortiq.mtp.heal import settings_key
+    from cortiq.mtp.settings import MtpSettings
+    from cortiq.mtp.stages import MTP
+
+    for _, s in [("defaults", MtpSettings())] + list(_variants(MtpSettings)):
+        assert settings_key(s) == runner.key_of(MTP, s)

@@ -19,8 +19,8 @@ from cortiq.errors import CortiqError
 from test_settings_meta import _variants
 
 #: the modules that declare the pipeline's stages
-MODULES = ["cortiq.compress.stages", "cortiq.data.builder", "cortiq.heal.targets", "cortiq.heal.prefix",
-           "cortiq.heal.stages", "cortiq.mtp", "cortiq.measure", "cortiq.convert"]
+MODULES = ["cortiq.compress.stages", "cortiq.convert.stages", "cortiq.data.stages", "cortiq.heal.stages",
+           "cortiq.measure", "cortiq.mtp.stages", "cortiq.quant.stages"]
 
 
 def _stages() -> list[runner.Stage]:

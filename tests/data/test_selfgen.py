@@ -4,7 +4,8 @@ and the SELFGEN stage (tdata out, reproducible by seed, taken from the cache the
 import numpy as np
 import pytest
 
-from cortiq.data.selfgen import REQUESTS, SELFGEN, SelfGenSettings, generate_rows, self_tdata
+from cortiq.data.selfgen import REQUESTS, SelfGenSettings, generate_rows
+from cortiq.data.stages import SELFGEN, self_tdata
 from cortiq.data.tdata import Tdata
 from cortiq.errors import CortiqError
 from cortiq.model import load_model

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from cortiq.data.builder import DATA
+from cortiq.data.stages import DATA
 from cortiq.measure import REENCODE
 from cortiq.runner import FAIL_ENV, InjectedFailure
 from cortiq.settings import load_settings

@@ -14,7 +14,7 @@ from cortiq import runner, store
 from cortiq.errors import CortiqError
 from cortiq.heal.settings import HealSettings
 from cortiq.heal.stages import TRAIN, TRAINED
-from cortiq.heal.targets import TARGETS
+from cortiq.heal.stages import TARGETS
 from cortiq.tracking import MemoryLogger
 
 from heal_models import healing_pair
