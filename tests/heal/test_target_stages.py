@@ -11,7 +11,6 @@ import torch
 from cortiq import store
 from cortiq.cmf import open_cmf
 from cortiq.heal import HealSettings, heal
-from cortiq.heal import prefix as prefix_mod
 from cortiq.heal import stages as heal_stages
 from cortiq.heal import targets as targets_mod
 from cortiq.heal.loss import dense_kl_reference
