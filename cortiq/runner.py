@@ -1,6 +1,7 @@
 """A pipeline stage, declared once, and the one runner every caller goes through.
 
-A `Stage` names what it makes (`name`, also the folder prefix of its outputs,
+Each stage is declared in its package's stages.py (cortiq/<package>/stages.py;
+the score and re-encode stages in cortiq/measure.py). A `Stage` names what it makes (`name`, also the folder prefix of its outputs,
 the Prefect task's name and the prefix of its metrics), its `version`, its
 settings dataclass, which parameters are inputs (paths digested by content),
 which other parameters its output depends on (`extra`), and the function that
