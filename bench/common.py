@@ -2,7 +2,7 @@
 options, the JSON result, the Markdown table, the bundled SmolLM2 and the
 tiny random model of the smoke modes.
 
-Every script runs from the repository root as `python -m bench.NAME`, so
+Every script runs from the repository root as `python -m bench.GROUP.NAME`, so
 `cortiq` and `bench` import as packages without any edit of `sys.path`; a
 script that starts a subprocess (torchrun ranks, a server, the CLI) passes
 `env()` so the child imports the same tree.
@@ -23,6 +23,14 @@ from cortiq.exit import finish  # noqa: F401 (each bench script ends by it)
 ROOT = Path(__file__).resolve().parents[1]
 #: converted models and other inputs kept between GPU calls
 CACHE = Path.home() / "cache"
+#: where a bench's JSON result goes when neither --out nor $OUT names a folder: the raw results' folder,
+#: kept apart from the scripts (a result worth keeping is committed there under a dated name)
+RESULTS = ROOT / "bench" / "results"
+
+
+def default_out() -> str:
+    """--out's default: $OUT, else bench/results/."""
+    return os.environ.get("OUT") or str(RESULTS)
 
 
 def log(*a) -> None:
@@ -33,12 +41,12 @@ def log(*a) -> None:
 def parser(doc: str | None, *, tiny: bool = True, cpu_help: str = "run on the CPU (with --tiny: a smoke test)",
            tiny_help: str = "tiny sizes and short runs: checks the code paths in seconds, measures nothing"):
     """An argument parser with the options every bench has: --cpu, --tiny (unless `tiny` is False) and
-    --out (default $OUT, else the working folder)."""
+    --out (default $OUT, else bench/results/)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu", action="store_true", help=cpu_help)
     if tiny:
         ap.add_argument("--tiny", action="store_true", help=tiny_help)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where the JSON result goes (default $OUT or .)")
+    ap.add_argument("--out", default=default_out(), help="where the JSON result goes (default $OUT or bench/results/)")
     return ap
 
 

@@ -216,8 +216,26 @@ class Check:
 
     def run(self) -> int:
         w = self.work
-        src, td = w / "source.cmf", w / "pydoc.tdata"
-        student, healed = w / "student-masks.cmf", w / "healed.cmf"
+        self.src, self.td = w / "source.cmf", w / "pydoc.tdata"
+        self.student, self.healed = w / "student-masks.cmf", w / "healed.cmf"
+        self.init, self.drafted = w / "mtp-init.cmf", w / "mtp.cmf"
+        self.rows_inputs()
+        self.rows_compress()
+        self.rows_heal()
+        self.row("nll (healed, test split)", lambda: f"{self.nll(self.healed):.4f} nats/token")
+        self.rows_mtp()
+        self.rows_generate()
+        self.row("serve + openai client (chat, stream, SIGTERM)", lambda: self.serve(self.drafted), needs="openai")
+        self.row("serve --speculative (its default draft; f32: the plain answer)", lambda: self.serve_spec(self.drafted),
+                 needs="openai")
+        self.row("export --to hf + transformers", lambda: self.export_hf(self.healed, self.td))
+        self.row("export --to gguf + read back", lambda: self.export_gguf(self.healed))
+        self.row("demo flow (cortiq demo --params)", lambda: self.demo(self.src), needs="prefect")
+        return 1 if any(r["status"] == "FAIL" for r in self.rows) else 0
+
+    def rows_inputs(self) -> None:
+        """The source model (the GGUF converted; the tiny model made here) and the pydoc tdata."""
+        src, td = self.src, self.td
 
         def convert():
             out = self.cortiq("convert", self.a.gguf, src)
@@ -239,66 +257,72 @@ class Check:
 
         self.row("data build --corpus pydoc", data_build)
 
-        def nll(model) -> float:
-            out = self.cortiq("nll", model, td, "--split", "test", "--json", *self.dev)
-            return json.loads(out[out.index("{"):out.rindex("}") + 1])["nll"]
+    def nll(self, model) -> float:
+        out = self.cortiq("nll", model, self.td, "--split", "test", "--json", *self.dev)
+        return json.loads(out[out.index("{"):out.rindex("}") + 1])["nll"]
 
-        def compress(flags, out):
-            def go():
-                text = self.cortiq("compress", src, "--data", td, "--keep-frac", "0.75", "--out", out, "--work",
-                                   w / "stages", *self.masks(), *flags, *self.dev)
-                m = json.loads(text[text.index("{"):text.index("}") + 1])  # the metrics it prints
-                masks = f", masks' val NLL {m['mask_nll_hard']:.4f}" if "mask_nll_hard" in m else ""
-                return f"kept {m['fold_kept_share']:.0%} of the MLP neurons{masks}; {out.stat().st_size / 1e6:.1f} MB"
-            return go
+    def compress_row(self, flags, out):
+        def go():
+            text = self.cortiq("compress", self.src, "--data", self.td, "--keep-frac", "0.75", "--out", out, "--work",
+                               self.work / "stages", *self.masks(), *flags, *self.dev)
+            m = json.loads(text[text.index("{"):text.index("}") + 1])  # the metrics it prints
+            masks = f", masks' val NLL {m['mask_nll_hard']:.4f}" if "mask_nll_hard" in m else ""
+            return f"kept {m['fold_kept_share']:.0%} of the MLP neurons{masks}; {out.stat().st_size / 1e6:.1f} MB"
+        return go
 
-        self.row("compress (DTG-MA masks)", compress([], student))
-        self.row("compress --no-learn-masks (activation score)", compress(["--no-learn-masks"], w / "student-act.cmf"))
-        self.row("compress --fold-repair", compress(["--fold-repair"], w / "student-repair.cmf"))
-        self.row("compress --use-gptq", compress(["--use-gptq"], w / "student-gptq.cmf"))
+    def rows_compress(self) -> None:
+        w = self.work
+        self.row("compress (DTG-MA masks)", self.compress_row([], self.student))
+        self.row("compress --no-learn-masks (activation score)", self.compress_row(["--no-learn-masks"],
+                                                                                   w / "student-act.cmf"))
+        self.row("compress --fold-repair", self.compress_row(["--fold-repair"], w / "student-repair.cmf"))
+        self.row("compress --use-gptq", self.compress_row(["--use-gptq"], w / "student-gptq.cmf"))
 
+    def heal_row(self, flags, out, score=True, work="stages"):
+        def go():
+            self.cortiq("heal", self.student, "--teacher", self.src, "--data", self.td, "--out", out, "--work",
+                        self.work / work, "--quiet", *self.heal_size(), *flags, *self.dev,
+                        *([] if score else ["--no-score"]))
+            rep = json.loads(Path(str(out) + ".report.json").read_text())
+            m = rep["metrics"]
+            steps = f"{int(m['steps'])} steps, {m['sec_per_step']:.2f} s/step"
+            held = f"held-out {m['heldout_start']:.4f} -> {m['heldout_best']:.4f}"
+            if not all(math.isfinite(m[k]) for k in ("heldout_start", "heldout_best")):
+                raise Failed(f"a non-finite held-out loss: {held}")
+            if not score:
+                return f"{held}; {steps}"
+            n = rep["nll"]
+            if not all(math.isfinite(v) for v in n.values()):
+                raise Failed(f"a non-finite NLL: {n}")
+            gap = (n["student"] - n["healed"]) / (n["student"] - n["source"]) if n["student"] != n["source"] else 0.0
+            return (f"NLL source {n['source']:.4f} pruned {n['student']:.4f} healed {n['healed']:.4f} "
+                    f"(gap {gap:.0%}); {steps}")
+        return go
+
+    def rows_heal(self) -> None:
+        w = self.work
         layers = 2 if self.tiny else 30
         frozen = 1 if self.tiny else 20
-
-        def heal(flags, out, score=True, work="stages"):
-            def go():
-                self.cortiq("heal", student, "--teacher", src, "--data", td, "--out", out, "--work", w / work,
-                            "--quiet", *self.heal_size(), *flags, *self.dev, *([] if score else ["--no-score"]))
-                rep = json.loads(Path(str(out) + ".report.json").read_text())
-                m = rep["metrics"]
-                steps = f"{int(m['steps'])} steps, {m['sec_per_step']:.2f} s/step"
-                held = f"held-out {m['heldout_start']:.4f} -> {m['heldout_best']:.4f}"
-                if not all(math.isfinite(m[k]) for k in ("heldout_start", "heldout_best")):
-                    raise Failed(f"a non-finite held-out loss: {held}")
-                if not score:
-                    return f"{held}; {steps}"
-                n = rep["nll"]
-                if not all(math.isfinite(v) for v in n.values()):
-                    raise Failed(f"a non-finite NLL: {n}")
-                gap = (n["student"] - n["healed"]) / (n["student"] - n["source"]) if n["student"] != n["source"] else 0.0
-                return (f"NLL source {n['source']:.4f} pruned {n['student']:.4f} healed {n['healed']:.4f} "
-                        f"(gap {gap:.0%}); {steps}")
-            return go
-
-        self.row("heal --train-from 0 (sampled, memory auto)", heal(["--train-from", "0"], healed))
-        self.row(f"heal --train-from {frozen} (of {layers})", heal(["--train-from", str(frozen)], w / "healed-tf.cmf"))
+        self.row("heal --train-from 0 (sampled, memory auto)", self.heal_row(["--train-from", "0"], self.healed))
+        self.row(f"heal --train-from {frozen} (of {layers})", self.heal_row(["--train-from", str(frozen)],
+                                                                            w / "healed-tf.cmf"))
         for t in CHOICES:
             if t != "sampled":  # the first row's
                 # eager: the kind changes the targets and the loss, not the layers (the rows around it compile)
-                self.row(f"heal --target {t}", heal(["--target", t, "--no-compile"], w / f"healed-{t.replace('+', '-')}.cmf",
-                                                    False))
+                self.row(f"heal --target {t}", self.heal_row(["--target", t, "--no-compile"],
+                                                             w / f"healed-{t.replace('+', '-')}.cmf", False))
         for m in MEMORY_PLANS:
             # each in a stage cache of its own: the plan is how, not what (it enters no digest), so in
             # the shared one every plan would be handed the first row's healed model and train nothing
-            self.row(f"heal --memory {m}", heal(["--memory", m], w / f"healed-mem-{m}.cmf", False, f"stages-mem-{m}"),
+            self.row(f"heal --memory {m}", self.heal_row(["--memory", m], w / f"healed-mem-{m}.cmf", False,
+                                                         f"stages-mem-{m}"),
                      needs="torchao" if m in ("adam8", "lean") else None)
 
-        self.row("nll (healed, test split)", lambda: f"{nll(healed):.4f} nats/token")
-
-        init, drafted = w / "mtp-init.cmf", w / "mtp.cmf"
+    def rows_mtp(self) -> None:
+        init, drafted, td = self.init, self.drafted, self.td
 
         def mtp_init():
-            out = self.cortiq("mtp", "init", src, "--out", init)
+            out = self.cortiq("mtp", "init", self.src, "--out", init)
             return last_line(out)
 
         def mtp_heal():
@@ -317,30 +341,22 @@ class Check:
         self.row("mtp init", mtp_init)
         self.row("mtp heal", mtp_heal)
 
-        prompt = "The capital of France is"
+    def generate_row(self, flags):
+        def go():
+            out = self.cortiq("generate", self.drafted, "The capital of France is", "--max-new", "32", *flags,
+                              *self.dev)
+            if "--speculative" in flags:
+                return re.search(r"speculative: [^;]*;[^;]*", out).group(0)
+            return re.search(r"\d+ tokens, [0-9.]+ tok/s", out).group(0)
+        return go
 
-        def generate(flags):
-            def go():
-                out = self.cortiq("generate", drafted, prompt, "--max-new", "32", *flags, *self.dev)
-                if "--speculative" in flags:
-                    return re.search(r"speculative: [^;]*;[^;]*", out).group(0)
-                return re.search(r"\d+ tokens, [0-9.]+ tok/s", out).group(0)
-            return go
-
-        self.row("generate", generate([]))
-        self.row("generate --speculative (its defaults: on CUDA a tree)", generate(["--speculative"]))
+    def rows_generate(self) -> None:
+        self.row("generate", self.generate_row([]))
+        self.row("generate --speculative (its defaults: on CUDA a tree)", self.generate_row(["--speculative"]))
         self.row("generate --speculative --draft 2 --draft-branches 1 (the chain)",
-                 generate(["--speculative", "--draft", "2", "--draft-branches", "1"]))
-        self.row("generate --speculative --draft-branches 3", generate(["--speculative", "--draft", "3",
-                                                                        "--draft-branches", "3"]))
-        self.row("serve + openai client (chat, stream, SIGTERM)", lambda: self.serve(drafted), needs="openai")
-        self.row("serve --speculative (its default draft; f32: the plain answer)", lambda: self.serve_spec(drafted),
-                 needs="openai")
-
-        self.row("export --to hf + transformers", lambda: self.export_hf(healed, td))
-        self.row("export --to gguf + read back", lambda: self.export_gguf(healed))
-        self.row("demo flow (cortiq demo --params)", lambda: self.demo(src), needs="prefect")
-        return 1 if any(r["status"] == "FAIL" for r in self.rows) else 0
+                 self.generate_row(["--speculative", "--draft", "2", "--draft-branches", "1"]))
+        self.row("generate --speculative --draft-branches 3", self.generate_row(["--speculative", "--draft", "3",
+                                                                                 "--draft-branches", "3"]))
 
     # ── rows with more than one command ─────────────────────────────────
 
@@ -349,7 +365,7 @@ class Check:
         port and stopped by SIGTERM (it must exit 0) -> (what ask returned, the server's log)."""
         import openai
 
-        from bench.serve import Server
+        from bench.serve.serve import Server
 
         srv = Server(model, self.work / "logs" / f"{name}.log", ["--max-batch", "2", "--max-len", "512", *flags,
                                                                  *self.dev], timeout=self.a.row_timeout)

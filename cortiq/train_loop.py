@@ -87,8 +87,9 @@ def update(opt, loss, grad_norm, set_rate, on_device: bool) -> Update:
     `on_device` (skips_on_device(opt), decided once a run): the update is launched
     before the host reads the two values, its kernels queued behind the backward,
     and skipped on the device when they are not finite (found_inf: no update, step
-    count kept); the host waits once, after. (On two H200s, waiting before the
-    update left the GPU idle ~6 ms a step.) Otherwise it reads first and steps after."""
+    count kept); the host waits once, after (waiting before the update left the GPU
+    idle at the end of every sharded step: bench/RESULTS.md, "Where the two-GPU step
+    goes"). Otherwise it reads first and steps after."""
     import torch
 
     rate = math.nan

@@ -5,9 +5,9 @@ fluent active-run API: the active run is per thread, and a Prefect task in
 another thread would silently open a stray run (measured with MLflow 3). mlflow is imported
 lazily (it takes ~1.5 s).
 
-Metrics are sent in batches: on a SQLite store each `log_batch` is a few commits
-(measured ~15-50 ms on 2 cores), so one call per training step or per history row
-cost a tiny run more than its training did. A run's loggers share one queue that
+Metrics are sent in batches: on a SQLite store each `log_batch` is a few commits,
+so one call per training step or per history row cost a tiny run more than its
+training did. A run's loggers share one queue that
 is sent when a second has passed since the last send (training curves stay live
 to the second), at every stage's end and when the run ends.
 

@@ -115,7 +115,8 @@ LAYERS = (
     # formats, the stage runner and what every stage shares
     ("base", {"errors", "exit", "_lazy", "arch", "codecs", "cmf", "store", "tokenizer", "chat", "settings_meta",
               "tracking", "dist", "devices", "train_loop", "runner", "runner_worker"}),
-    ("model", {"model"}),
+    # the decoders, and the fact probe that reads what they know
+    ("model", {"model", "facts"}),
     # what the stages read: tdata, and models converted to CMF
     ("data", {"data", "convert"}),
     ("stages", {"compress", "heal", "mtp", "quant", "measure"}),

@@ -99,7 +99,8 @@ def run(args) -> int:
             print(gap_line(label, texts[name]))
     if "data" in texts and "panel" not in texts:
         # said, not left out: measured on SmolLM2-135M (25 % pruned, healed on one book), text of other
-        # sources lost +0.7 to +1.0 nats without retain data, and +0.19 on program source with pydoc mixed in
+        # sources lost several times more without retain data than with pydoc mixed in (bench/QUALITY.md,
+        # "Which retain source")
         print("general panel: none (no retain source apart from your data's own corpus, no --eval-data): text of "
               "other sources went unscored, and it can lose far more than your data; --retain-sources (corpus:pydoc, "
               "corpus:shakespeare, self or a tdata directory) mixes some in and scores its held-out part")

@@ -26,8 +26,93 @@ def add_arguments(p):
     add_settings(p, ServeSettings, title="serve settings")
 
 
-def load(model_path: str, s):
-    """(Served, Scheduler) for a model file: the engine, scheduler and text side, not yet listening."""
+#: options that act only with another: (the option's setting, the setting it needs)
+NEEDS = (("draft", "speculative"), ("draft_branches", "speculative"), ("spec_auto", "speculative"),
+         ("profile_steps", "profile"))
+
+
+def named(argv: list[str] | None, s) -> set[str]:
+    """The settings the serve command line `argv` (from the command's name on) names, whatever
+    their values; without a command line, those away from their defaults."""
+    import argparse
+    import dataclasses
+
+    if argv is None or not argv or argv[0] != "serve":
+        return {f.name for f in dataclasses.fields(s) if getattr(s, f.name) != f.default}
+    p = argparse.ArgumentParser(add_help=False)
+    add_arguments(p)
+    unset = object()
+    # argparse sets an option's default only where the namespace lacks it: what stays unset was not given
+    ns = p.parse_args(argv[1:], namespace=argparse.Namespace(**{f.name: unset for f in dataclasses.fields(s)}))
+    return {k for k, v in vars(ns).items() if v is not unset}
+
+
+def check_start(model_path: str, s, f, given: set[str], dev) -> tuple[int, int]:
+    """Every refusal of `cortiq serve` that needs no loaded model, in one place, before the
+    weights load: an option that acts only with another, a --max-len past the model's context,
+    a round of drafts the context cannot hold, a --profile that cannot be written or would
+    overwrite the served model. -> (max_len, the draft tree's branches)"""
+    from ..errors import CortiqError
+    from ..settings_meta import flag
+
+    for name, needs in NEEDS:
+        if name in given and getattr(s, name) is not False and not getattr(s, needs):
+            raise CortiqError(f"serve: {flag('', name)} acts only with {flag('', needs)}")
+    ctx = int(f.arch.max_position_embeddings)
+    if s.max_len > ctx:
+        raise CortiqError(f"{model_path}: --max-len {s.max_len} is past the model's context of {ctx} tokens "
+                          "(max_position_embeddings)")
+    max_len = s.max_len or min(ctx, 4096)
+    nb = s.branches(f.arch, dev)
+    rows = nb * s.draft + 1
+    if s.speculative and rows >= max_len:
+        raise CortiqError(f"serve: a round of --draft {s.draft} on {nb} branches verifies {rows} positions, "
+                          f"and the context is {max_len}: lower --draft or --draft-branches")
+    if s.profile:
+        check_profile(s.profile, s.profile_steps, f.paths)
+    return max_len, nb
+
+
+def profile_paths(profile: str, steps: int) -> list:
+    """The files --profile writes: the JSON, and with --profile-steps the Chrome trace beside it."""
+    from pathlib import Path
+
+    out = Path(profile)
+    return [out] + ([out.with_suffix(".trace.json")] if steps else [])
+
+
+def check_profile(profile: str, steps: int, inputs: list) -> None:
+    """--profile's folder exists and is writable, and no file it writes (nor its .partial) is
+    one of `inputs` (the served model's files) or their .partial and .lock names."""
+    import os
+
+    from ..errors import CortiqError
+
+    outs = profile_paths(profile, steps)
+    folder = outs[0].parent
+    if not folder.is_dir():
+        raise CortiqError(f"serve: --profile {profile}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise CortiqError(f"serve: --profile {profile}: the folder {folder} is not writable")
+    taken = {}
+    for p in inputs:
+        for q in (p, p.with_name(p.name + ".partial"), p.with_name(p.name + ".lock")):
+            taken[os.path.realpath(q)] = p
+    for out in outs:
+        if out.is_dir():
+            raise CortiqError(f"serve: --profile {profile}: {out} is a folder")
+        for o in (out, out.with_name(out.name + ".partial")):
+            hit = taken.get(os.path.realpath(o))
+            if hit is None and o.exists():  # a hard link to one of them
+                hit = next((p for p in inputs if os.path.samefile(o, p)), None)
+            if hit is not None:
+                raise CortiqError(f"serve: --profile {profile} would overwrite the served model ({hit}): "
+                                  "write it elsewhere")
+
+
+def load(model_path: str, s, given: set[str] = frozenset()):
+    """(Served, device, dtype) for a model file: the engine, scheduler and text side, not yet
+    listening. `given`: the settings the command line names (`named`)."""
     from pathlib import Path
 
     from ..cmf import open_cmf
@@ -42,17 +127,12 @@ def load(model_path: str, s):
     dev = resolve_device(s.device, "serve")
     dt = resolve_compute(s.dtype, dev)
     f = open_cmf(model_path)
+    max_len, nb = check_start(model_path, s, f, given, dev)
     tok = from_doc(f.tokenizer, str(model_path))
-    ctx = int(f.arch.max_position_embeddings)
-    if s.max_len > ctx:
-        raise CortiqError(f"{model_path}: --max-len {s.max_len} is past the model's context of {ctx} tokens "
-                          "(max_position_embeddings)")
     model = load_model(f, dtype=dt, device=dev)
     if s.speculative and model.mtp is None:
         raise CortiqError(f"{model_path}: has no MTP draft block (model.mtp.*): --speculative needs one "
                           "(cortiq mtp init / mtp heal give it one)")
-    max_len = s.max_len or min(ctx, 4096)
-    nb = s.branches(model.arch, dev)
     check_kv_room(model.arch, s.max_batch, max_len, s.draft if s.speculative else 0, dt, dev, nb)
     engine = make_engine(model, s.max_batch, max_len, draft=s.draft if s.speculative else 0, kind=s.engine,
                          branches=nb)
@@ -64,11 +144,11 @@ def load(model_path: str, s):
     sched = Scheduler(engine, tok, eos_ids, speculative=s.speculative, max_waiting=s.max_waiting,
                       spec_auto=s.spec_auto, prefill_chunk=s.prefill_chunk)
     if s.profile and s.profile_steps:
-        sched.trace(s.profile_steps, str(Path(s.profile).with_suffix(".trace.json")))
+        sched.trace(s.profile_steps, str(profile_paths(s.profile, s.profile_steps)[1]))
     name = s.model_name or Path(model_path).name.removesuffix(".cmf")
     # (every position of max_len: a speculative engine's caches hold a verify block past it)
     served = Served(sched, tok, name, engine.max_len, doc.get("chat_template"), bos or "", eos or "",
-                    s.max_body_kb * 1024)
+                    s.max_body_kb * 1024, s.prompt_chars(engine.max_len))
     return served, dev, dt
 
 
@@ -87,15 +167,36 @@ def kv_bytes(arch, slots: int, max_len: int, draft: int, dtype, branches: int = 
     return 2 * layers * slots * arch.num_kv_heads * m * arch.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def round_bytes(arch, slots: int, max_len: int, draft: int, branches: int = 1) -> int:
+    """An estimate of a speculative round's largest working buffers: every head's attention
+    scores of its verify rows (branches·draft + 1 a slot) over the whole cache, in f32, and a
+    draft tree's ancestry masks (a square of its rows for each depth)."""
+    from ..model.decode import cache_len
+    from ..serve.engine import DecodeAdapter
+
+    if not draft:
+        return 0
+    rows = branches * draft + 1
+    m = cache_len(DecodeAdapter.engine_len(max_len, draft), draft, branches)
+    masks = 0
+    if branches > 1:
+        masks = sum((1 + branches * d) ** 2 for d in range(1, draft + 1)) + (branches * (draft - 1)) ** 2
+    return 4 * slots * arch.num_heads * rows * m + masks
+
+
 def check_kv_room(arch, slots: int, max_len: int, draft: int, dtype, device, branches: int = 1) -> None:
-    """Refuse a KV cache larger than the memory left on `device`, before it is allocated."""
+    """Refuse a KV cache (and a round's buffers) larger than the memory left on `device`, before
+    they are allocated."""
     from ..devices import free_memory
     from ..errors import CortiqError
 
-    need, free = kv_bytes(arch, slots, max_len, draft, dtype, branches), free_memory(device)
+    need = kv_bytes(arch, slots, max_len, draft, dtype, branches) + round_bytes(arch, slots, max_len, draft, branches)
+    free = free_memory(device)
     if need > free:
-        raise CortiqError(f"serve: the KV cache of {slots} slots x {max_len} tokens needs {need / 1e9:.1f} GB, "
-                          f"{device} has {free / 1e9:.1f} GB free: lower --max-len or --max-batch")
+        what, lower = ((" (with a round's buffers)", ", --max-batch, --draft or --draft-branches") if draft
+                       else ("", " or --max-batch"))
+        raise CortiqError(f"serve: the KV cache of {slots} slots x {max_len} tokens needs {need / 1e9:.1f} GB{what}, "
+                          f"{device} has {free / 1e9:.1f} GB free: lower --max-len{lower}")
 
 
 def run(args) -> int:
@@ -113,7 +214,7 @@ def run(args) -> int:
     except ImportError:
         raise CortiqError(MISSING) from None
     s = from_args(ServeSettings, args)
-    served, dev, dt = load(args.model, s)
+    served, dev, dt = load(args.model, s, named(getattr(args, "_argv", None), s))
     from ..serve.app import build_app
 
     app = build_app(served)
@@ -147,12 +248,23 @@ def run(args) -> int:
     print(f"cortiq serve: stopped after {st['requests']} requests, {st['tokens']} tokens{spec}", file=sys.stderr)
     if s.profile:
         import json
-        import os
-        from pathlib import Path
 
-        prof = {**served.scheduler.profile(), **served.profile}
-        out = Path(s.profile)
-        tmp = out.with_name(out.name + ".partial")
-        tmp.write_text(json.dumps(prof, indent=2))
-        os.replace(tmp, out)
+        write_profile(s.profile, json.dumps({**served.scheduler.profile(), **served.profile}, indent=2))
     return 0
+
+
+def write_profile(path: str, text: str) -> None:
+    """`text` into `path` whole (through PATH.partial, renamed once written); a failed write is
+    one line naming `path`, and leaves no .partial."""
+    import contextlib
+    import os
+
+    from ..errors import write_error
+    from ..store import write_text
+
+    try:
+        write_text(path, text)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".partial")
+        raise write_error(path, e) from None

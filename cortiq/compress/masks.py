@@ -68,6 +68,109 @@ def l1_pull(params: Sequence[torch.Tensor], l1, n_all: int) -> torch.Tensor:
     return torch.sigmoid(torch.cat([p.reshape(-1) for p in params])).sum() * (l1 / n_all)
 
 
+@dataclass
+class _MaskLoop:
+    """The mask loop's state: the L1 pressure, the steps run and skipped, and the checkpoints
+    kept, each (held-out loss of its hard mask, its logits, the share it prunes, its step)."""
+
+    s: MaskSettings
+    #: the share of neurons to prune
+    target: float
+    #: neurons in all
+    n_all: int
+    l1: float
+    #: the most pruned checkpoint so far: what ranks the neurons when the target is not reached
+    most: tuple
+    #: the best checkpoint at or past the target
+    best: tuple | None = None
+    first_at_target: int | None = None
+    done: int = 0
+    skipped: int = 0
+    in_a_row: int = 0
+    history: list[dict] = field(default_factory=list)
+
+    def skip(self) -> None:
+        """A non-finite step, left out; too many in a row end the run."""
+        self.skipped += 1
+        self.in_a_row += 1
+        if self.in_a_row >= MAX_NONFINITE:
+            raise CortiqError(f"DTG-MA: {MAX_NONFINITE} non-finite steps in a row")
+
+    def settled(self) -> bool:
+        """`settle` evaluations have passed since the target was first reached."""
+        return self.first_at_target is not None and self.done >= self.first_at_target + self.s.settle * self.s.eval_every
+
+    def keep(self, e: float, saved: list[torch.Tensor], pruned: float) -> None:
+        """An evaluation's checkpoint: the pressure rises short of the target, and the
+        checkpoint is kept where it is the most pruned or the best at the target."""
+        if pruned < self.target:
+            self.l1 = self.l1 * self.s.l1_grow + self.s.l1_step
+        # ties go to the later checkpoint: short of any pruning, the most
+        # trained logits still rank the neurons (the first ones do not)
+        if pruned >= self.most[2]:
+            self.most = (e, saved, pruned, self.done)
+        if pruned >= self.target:
+            if self.first_at_target is None:
+                self.first_at_target = self.done
+            if self.best is None or e < self.best[0]:
+                self.best = (e, saved, pruned, self.done)
+
+    def result(self, nll_open: float, dev) -> MaskResult:
+        nll_hard, logits, pruned, step = self.best if self.best is not None else self.most
+        return MaskResult([t.to(dev) for t in logits], nll_open, nll_hard, pruned, step, self.done, self.skipped,
+                          self.best is not None, self.history)
+
+
+def _open_loss(params: Sequence[nn.Parameter], val: Callable[[], float], mask_init: float) -> float:
+    """The held-out loss of the open model (every gate exactly 1); the logits are then set to mask_init."""
+    with torch.no_grad():
+        for p in params:
+            p.fill_(1e4)
+    nll_open = float(val())
+    with torch.no_grad():
+        for p in params:
+            p.fill_(mask_init)
+    return nll_open
+
+
+def _plain_step(opt, params: Sequence[nn.Parameter], step_loss: Callable[[int], torch.Tensor], n_all: int):
+    """The eager step(b, l1): batch b's loss plus the L1 pull, backward; the task loss returned."""
+
+    def step(b: int, l1: float) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        task = step_loss(b)
+        (task + l1_pull(params, l1, n_all)).backward()
+        return task.detach()
+
+    return step
+
+
+def _finite_loss(task: torch.Tensor, params: Sequence[nn.Parameter]) -> float | None:
+    """The step's loss, or None when it or any gradient is not finite (one host sync a step)."""
+    if any(p.grad is None for p in params):
+        return None
+    t = task.float().reshape(1)
+    ok = torch.isfinite(torch.cat([t] + [p.grad.reshape(-1).float() for p in params])).all()
+    loss, ok = torch.cat([t, ok.float().reshape(1)]).tolist()
+    return loss if ok == 1.0 else None
+
+
+def _evaluate(st: _MaskLoop, params: Sequence[nn.Parameter], val: Callable[[], float], loss: float) -> dict:
+    """Score the hard mask (σ > τ) on the held-out windows, put the logits back, and offer the
+    checkpoint to the loop. -> the history row."""
+    saved = [p.detach().clone() for p in params]
+    alive = _set_hard(params, st.s.tau)
+    with torch.no_grad():
+        e = float(val())
+        for p, v in zip(params, saved):
+            p.copy_(v)
+    pruned = 1.0 - alive / st.n_all
+    st.keep(e, saved, pruned)
+    row = {"step": st.done, "loss": loss, "val_hard": e, "pruned": pruned, "l1": st.l1}
+    st.history.append(row)
+    return row
+
+
 def train_masks(
     params: Sequence[nn.Parameter],
     n_train_batches: int,
@@ -89,88 +192,33 @@ def train_masks(
     if n_train_batches < 1:
         raise CortiqError("DTG-MA: no train batches")
     s = settings
-    n_all = sum(p.numel() for p in params)
-    target = min(max(1.0 - s.keep_frac, 0.0), 0.95)
     dev = params[0].device
-    with torch.no_grad():
-        for p in params:
-            p.fill_(1e4)  # the open model: every gate exactly 1
-    nll_open = float(val())
-    with torch.no_grad():
-        for p in params:
-            p.fill_(s.mask_init)
+    n_all = sum(p.numel() for p in params)
+    nll_open = _open_loss(params, val, s.mask_init)
     # fused on CUDA: one kernel for every layer's logits instead of a launch train per tensor
     opt = torch.optim.Adam(params, lr=s.lr, betas=(0.9, 0.999), eps=1e-8, fused=dev.type == "cuda")
-    l1 = s.l1_init
-    best = None  # (nll, logits, pruned, step)
-    most = (nll_open, [p.detach().clone() for p in params], 0.0, 0)
-    first_at_target = None
-    done = skipped = in_a_row = 0
-    history: list[dict] = []
+    step = step or _plain_step(opt, params, step_loss, n_all)
+    st = _MaskLoop(s, min(max(1.0 - s.keep_frac, 0.0), 0.95), n_all, s.l1_init,
+                   most=(nll_open, [p.detach().clone() for p in params], 0.0, 0))
     gen = torch.Generator().manual_seed(s.seed)
-
-    def plain_step(b, l1):
-        opt.zero_grad(set_to_none=True)
-        task = step_loss(b)
-        (task + l1_pull(params, l1, n_all)).backward()
-        return task.detach()
-
-    step = step or plain_step
-    stop = False
-    while not stop and done < s.max_steps:
+    while not st.settled() and st.done < s.max_steps:
         for b in torch.randperm(n_train_batches, generator=gen).tolist():
-            if done >= s.max_steps:
+            if st.done >= s.max_steps or st.settled():
                 break
-            task = step(b, l1)
-            # one host sync per step: the loss and whether it and every gradient are finite
-            t = task.float().reshape(1)
-            if any(p.grad is None for p in params):
-                loss, finite = float(t), False
-            else:
-                ok = torch.isfinite(torch.cat([t] + [p.grad.reshape(-1).float() for p in params])).all()
-                loss, ok = torch.cat([t, ok.float().reshape(1)]).tolist()
-                finite = ok == 1.0
-            if not finite:
-                skipped += 1
-                in_a_row += 1
-                if in_a_row >= MAX_NONFINITE:
-                    raise CortiqError(f"DTG-MA: {MAX_NONFINITE} non-finite steps in a row")
+            loss = _finite_loss(step(b, st.l1), params)
+            if loss is None:
+                st.skip()
                 continue
-            in_a_row = 0
+            st.in_a_row = 0
             opt.step()
-            done += 1
+            st.done += 1
             if progress:
-                progress(done, {"loss": loss, "l1": l1})
-            if done % s.eval_every:
-                continue
-            saved = [p.detach().clone() for p in params]
-            alive = _set_hard(params, s.tau)
-            with torch.no_grad():
-                e = float(val())
-                for p, v in zip(params, saved):
-                    p.copy_(v)
-            pruned = 1.0 - alive / n_all
-            if pruned < target:
-                l1 = l1 * s.l1_grow + s.l1_step
-            # ties go to the later checkpoint: short of any pruning, the most
-            # trained logits still rank the neurons (the first ones do not)
-            if pruned >= most[2]:
-                most = (e, saved, pruned, done)
-            if pruned >= target:
-                if first_at_target is None:
-                    first_at_target = done
-                if best is None or e < best[0]:
-                    best = (e, saved, pruned, done)
-            row = {"step": done, "loss": loss, "val_hard": e, "pruned": pruned, "l1": l1}
-            history.append(row)
-            if on_eval:
-                on_eval(row)
-            if first_at_target is not None and done >= first_at_target + s.settle * s.eval_every:
-                stop = True
-                break
-    chosen = best if best is not None else most
-    nll_hard, logits, pruned, step = chosen
-    return MaskResult([t.to(dev) for t in logits], nll_open, nll_hard, pruned, step, done, skipped, best is not None, history)
+                progress(st.done, {"loss": loss, "l1": st.l1})
+            if st.done % s.eval_every == 0:
+                row = _evaluate(st, params, val, loss)
+                if on_eval:
+                    on_eval(row)
+    return st.result(nll_open, dev)
 
 
 # ── on a model ────────────────────────────────────────────────────────────
@@ -188,7 +236,7 @@ class _Graphed:
     """The mask step (forward, loss, L1 pull, backward) and the held-out pass,
     each captured once as a CUDA graph and replayed: the step is a few
     thousand small kernels whose launches, not their arithmetic, bound it
-    eagerly (SmolLM2-135M on an H200: 84 ms eager for ~1 ms of matrix work).
+    eagerly (bench/RESULTS.md, "The DTG-MA mask step, eager against CUDA graphs").
 
     Inputs are static device buffers the caller's batches are copied into,
     the pressure l1 a 0-d tensor; the gradients live in the graph's pool
@@ -273,7 +321,8 @@ def learn_model_masks(model, train, val, settings: MaskSettings, on_eval=None, p
     `compute` when that is not f32 (bf16 on CUDA: the gates' gradients are
     f32, cross-entropy is taken on f32 logits). With `graph` on CUDA the step
     and the held-out pass replay CUDA graphs (what `cortiq compress` does on a
-    GPU: 5x faster a step on an H200; the plain eager step is the reference
+    GPU: several times faster a step, bench/RESULTS.md, "The DTG-MA mask step,
+    eager against CUDA graphs"; the plain eager step is the reference
     they are tested against, and the CPU's path). The gates are removed again
     at the end."""
     s = settings

@@ -76,11 +76,11 @@ class FoldSettings:
     #: "per_layer": every layer keeps keep_frac of its neurons; "global": one
     #: ranking over all layers, each layer keeping at least `floor` of its own; "auto": global
     #: where the masks' gates rank the neurons, per_layer where the activation score does.
-    #: Measured on the panel of texts no stage trains on (bench/QUALITY.md, SmolLM2-135M 25 %
-    #: pruned, H200): with the gates global kept more of every one than per_layer (licence text
-    #: +0.52 against +0.61 healed, the pruned model +0.12 against +0.28 on the heal data); with
-    #: the activation score global was far worse (pruned +1.02): each layer's activations and
-    #: down-projection norms have their own scale, so one ranking of them prunes some layers bare
+    #: Measured on the panel of texts no stage trains on (bench/QUALITY.md, "Activation score and
+    #: global scope with the default retain source": SmolLM2-135M 25 % pruned): with the gates global
+    #: kept more of every one than per_layer, healed and pruned; with the activation score global was
+    #: far worse: each layer's activations and down-projection norms have their own scale, so one
+    #: ranking of them prunes some layers bare
     scope: str = setting("auto", "rank neurons per layer or over all layers (auto: global by the masks' gates, "
                                  "per layer by the activation score)", choices=SCOPES)
     #: at most keep_frac: a fold asked to keep less than the floor keeps that share in every

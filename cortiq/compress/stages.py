@@ -95,8 +95,8 @@ def learn_masks(source_cmf, tdata_dir, settings: MaskSettings, out_dir, logger: 
         logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
     try:
-        # CUDA graphs on the GPU: the step is launch-bound at these sizes (measured on an H200, SmolLM2-135M's
-        # geometry, 4 windows of 256: 65.9 ms a step eager, 13.5 ms replayed, the same masks)
+        # CUDA graphs on the GPU: the step is launch-bound at these sizes, and replayed it is several times
+        # faster with the same masks (bench/RESULTS.md, "The DTG-MA mask step, eager against CUDA graphs")
         r = learn_model_masks(model, train, val, s, on_eval, progress, compute=cdt, graph=dev.type == "cuda")
     finally:
         bar.close()

@@ -266,16 +266,8 @@ def _trim_padding(cfg: dict, arch, plan: dict, cfg_path: Path) -> None:
             plan[name] = (shape, dt, cut(get, name, w, dim))
 
 
-def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, codec: str = "keep") -> Path:
-    """Convert a HF model directory to a CMF file at `out_path`.
-
-    codec "keep": every tensor as the checkpoint stores it (f32/f16/bf16); a
-    codec name: that codec for 2-D weights, the plain source type for norms,
-    biases, conv kernels and per-head vectors (quantized codecs do not apply)."""
-    import torch
-    from safetensors import safe_open
-
-    src = Path(src_dir)
+def _config(src: Path, codec: str) -> tuple[dict, Path, object]:
+    """(config.json, its path, the arch it describes), the codec name checked."""
     if not src.is_dir():
         raise CortiqError(f"{src}: not a directory")
     cfg_path = src / "config.json"
@@ -289,36 +281,46 @@ def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, code
     except CortiqError as e:
         raise CortiqError(f"{cfg_path}: {e}") from None
     arch.linear_proj_layout = "split"  # the fused layout is split below
-    tok = _tokenizer(src, cfg)
-    where = _weight_files(src)
+    return cfg, cfg_path, arch
 
-    # plan: canonical name → (shape, source dtype, getter)
-    handles: dict[Path, object] = {}
 
-    def handle(p: Path):
-        if p not in handles:
-            handles[p] = safe_open(str(p), framework="pt")
-        return handles[p]
+class _Tensors:
+    """The checkpoint's tensors by HF name, read one at a time; each file opened once."""
 
-    def shape_dtype(hf_name):
+    def __init__(self, where: dict[str, Path]):
+        self.where = where
+        self.handles: dict[Path, object] = {}
+
+    def _handle(self, p: Path):
+        from safetensors import safe_open
+
+        if p not in self.handles:
+            self.handles[p] = safe_open(str(p), framework="pt")
+        return self.handles[p]
+
+    def shape_dtype(self, hf_name: str) -> tuple[tuple, str]:
         try:
-            sl = handle(where[hf_name]).get_slice(hf_name)
+            sl = self._handle(self.where[hf_name]).get_slice(hf_name)
             return tuple(sl.get_shape()), sl.get_dtype()
         except Exception as e:  # noqa: BLE001 (safetensors' own error type)
-            raise CortiqError(f"{where[hf_name]}: cannot read tensor {hf_name!r} ({_one_line(e)})") from None
+            raise CortiqError(f"{self.where[hf_name]}: cannot read tensor {hf_name!r} ({_one_line(e)})") from None
 
-    def read(hf_name):
+    def read(self, hf_name: str):
         try:
-            return handle(where[hf_name]).get_tensor(hf_name)
+            return self._handle(self.where[hf_name]).get_tensor(hf_name)
         except Exception as e:  # noqa: BLE001
-            raise CortiqError(f"{where[hf_name]}: cannot read tensor {hf_name!r} ({_one_line(e)})") from None
+            raise CortiqError(f"{self.where[hf_name]}: cannot read tensor {hf_name!r} ({_one_line(e)})") from None
 
-    def reader(hf_name):
-        return lambda: read(hf_name)
+    def reader(self, hf_name: str):
+        return lambda: self.read(hf_name)
 
+
+def _plan(src: Path, arch, tensors: _Tensors) -> dict[str, tuple]:
+    """Canonical name → (shape, source dtype, getter) of every tensor carried, the fused GDN
+    projections split; a mixture-of-experts checkpoint is refused."""
     plan: dict[str, tuple] = {}
     moe = []
-    for hf_name in where:
+    for hf_name in tensors.where:
         name = _canonical(hf_name)
         if name is None:
             continue
@@ -327,25 +329,29 @@ def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, code
             continue
         if name == "lm_head.weight" and arch.tie_word_embeddings:
             continue
-        shape, dt = shape_dtype(hf_name)
+        shape, dt = tensors.shape_dtype(hf_name)
+        get = tensors.reader(hf_name)
         if name.endswith("linear_attn.in_proj_qkvz.weight"):
             base = name[: -len("in_proj_qkvz.weight")]
             H = shape[1]
             hv, dv = arch.linear_num_value_heads, arch.linear_value_head_dim
             qkv_rows = shape[0] - hv * dv
-            get = reader(hf_name)
             plan[base + "in_proj_qkv.weight"] = ((qkv_rows, H), dt, lambda g=get: _split_qkvz(arch, g())[0])
             plan[base + "in_proj_z.weight"] = ((hv * dv, H), dt, lambda g=get: _split_qkvz(arch, g())[1])
         elif name.endswith("linear_attn.in_proj_ba.weight"):
             base = name[: -len("in_proj_ba.weight")]
             hv, H = arch.linear_num_value_heads, shape[1]
-            get = reader(hf_name)
             plan[base + "in_proj_b.weight"] = ((hv, H), dt, lambda g=get: _split_ba(arch, g())[0])
             plan[base + "in_proj_a.weight"] = ((hv, H), dt, lambda g=get: _split_ba(arch, g())[1])
         else:
-            plan[name] = (shape, dt, reader(hf_name))
+            plan[name] = (shape, dt, get)
     if moe:
         raise CortiqError(f"{src}: mixture-of-experts MLPs ({moe[0]} ...) are not supported: cortiq runs dense MLPs")
+    return plan
+
+
+def _mtp_geometry(arch, plan: dict) -> None:
+    """The arch's MTP block as the tensors have it (none when they hold no `model.mtp.*`)."""
     if any(n.startswith("model.mtp.") for n in plan):
         arch.mtp_layers = max(arch.mtp_layers, 1)
         g = plan.get("model.mtp.layers.0.mlp.gate_proj.weight")
@@ -353,7 +359,12 @@ def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, code
             arch.mtp_intermediate_size = g[0][0]
     else:
         arch.mtp_layers, arch.mtp_intermediate_size = 0, 0
-    _trim_padding(cfg, arch, plan, cfg_path)
+
+
+def _model_shapes(src: Path, arch, plan: dict) -> dict[str, tuple]:
+    """The model's parameters (name → shape, in the model's order: embeddings, layers, norm,
+    head), refused unless the planned tensors are exactly these."""
+    import torch
 
     # the layer count against the tensors present, before a model of that many layers is planned
     layers = {int(m.group(1)) for n in plan if (m := re.match(r"model\.layers\.(\d{1,9})\.", n))}
@@ -378,9 +389,23 @@ def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, code
     for n, shp in want.items():
         if tuple(plan[n][0]) != shp:
             raise CortiqError(f"{src}: tensor {n} has shape {list(plan[n][0])}, config.json says {list(shp)}")
+    return want
 
+
+def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, codec: str = "keep") -> Path:
+    """Convert a HF model directory to a CMF file at `out_path`.
+
+    codec "keep": every tensor as the checkpoint stores it (f32/f16/bf16); a
+    codec name: that codec for 2-D weights, the plain source type for norms,
+    biases, conv kernels and per-head vectors (quantized codecs do not apply)."""
+    src = Path(src_dir)
+    cfg, cfg_path, arch = _config(src, codec)
+    tok = _tokenizer(src, cfg)
+    plan = _plan(src, arch, _Tensors(_weight_files(src)))
+    _mtp_geometry(arch, plan)
+    _trim_padding(cfg, arch, plan, cfg_path)
     specs = []
-    for n in want:  # the model's order: embeddings, layers, norm, head
+    for n in _model_shapes(src, arch, plan):
         shape, dt, get = plan[n]
         specs.append(Spec(n, choose_codec(codec, shape, _ST_CODEC.get(dt, "f32"), n), shape, get))
     doc = new_doc(arch, tok, {"convert": {"source": str(src.resolve()), "format": "hf", "codec": codec}})

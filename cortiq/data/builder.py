@@ -68,6 +68,92 @@ def _pieces(tok, units: list[tuple[int, str]], limit: int, span: int) -> list[li
     return out
 
 
+class _UnitReader:
+    """`_units`' reading state: the paragraph, the line and (for a long line) the sentence
+    being read, fed one part of a line at a time."""
+
+    def __init__(self, where: str, limit_chars: int, max_tokens: int | None, span: int):
+        self.where, self.limit_chars, self.max_tokens = where, limit_chars, max_tokens
+        self.max_chars = None if max_tokens is None else max_tokens * span
+        self.para: list[str] = []  # the paragraph's lines while it is within limit_chars
+        self.size, self.over = 0, False  # its characters; whether it is past limit_chars (its lines are units)
+        self.run, self.body = 0, False  # blank lines ending it so far; whether it has a line that is not blank
+        self.line: list[str] = []  # the parts of the line being read
+        self.width, self.spaces = 0, True  # its characters; whether they are all spaces and tabs
+        self.sent: str | None = None  # once the line is past limit_chars: its text not yet cut into sentences
+        self.n = 0  # lines read
+
+    def read(self, part: str, ends: bool) -> Iterator[tuple[int, str]]:
+        """The units complete once `part` (a part of a line; `ends`: the line's last) is read."""
+        if self.sent is not None:  # a long line, cut into sentences as it is read
+            self.sent += part
+            yield from self._sentences(ends)
+        else:
+            self.line.append(part)
+            self.width += len(part)
+            self.spaces = self.spaces and _SPACES.fullmatch(part.removesuffix("\n")) is not None
+            if ends:
+                text = "".join(self.line)
+                if _BLANK.fullmatch(text):
+                    self.run += 1
+                else:
+                    yield from self._begin_line()
+                yield from self._add_line(text)
+            elif not self.spaces and self.width > self.limit_chars:  # a long line: its paragraph is over, its sentences are units
+                yield from self._begin_line()
+                if not self.over:
+                    yield from self._spill()
+                self.sent = "".join(self.line)
+                yield from self._sentences(False)
+            elif self.max_chars is not None and self.width > self.max_chars:
+                raise CortiqError(f"{self.where}:{self.n + 1}: a line of more than {self.max_chars} spaces: its record "
+                                  f"has more than max_tokens {self.max_tokens} tokens")
+        if ends:
+            self.n += 1
+            self.line, self.width, self.spaces, self.sent = [], 0, True, None
+
+    def end(self) -> Iterator[tuple[int, str]]:
+        """The last paragraph, once the text is read."""
+        if self.para:
+            yield PARA, "".join(self.para)
+
+    def _begin_line(self) -> Iterator[tuple[int, str]]:
+        # a line that is not blank: after a run of blank lines that follows a line, a new paragraph
+        if self.run and (self.body or self.run >= 2):
+            if self.para:
+                yield PARA, "".join(self.para)
+            self.para, self.size, self.over = [], 0, False
+        self.run, self.body = 0, True
+
+    def _add_line(self, text: str) -> Iterator[tuple[int, str]]:
+        if self.over:
+            yield LINE, text
+            return
+        self.para.append(text)
+        self.size += len(text)
+        if self.size > self.limit_chars:
+            yield from self._spill()
+
+    def _spill(self) -> Iterator[tuple[int, str]]:
+        # the paragraph is past limit_chars: its lines so far are units, and so is each line after
+        self.over = True
+        for t in self.para:
+            yield LINE, t
+        self.para = []
+
+    def _sentences(self, final: bool) -> Iterator[tuple[int, str]]:
+        # cut after each run of whitespace that follows an end of sentence; the last run is
+        # final only when something follows it (it may go on in the next part)
+        pieces = _cut_at(self.sent, _SENT_END)
+        keep = [] if final else [pieces.pop()]
+        for p in pieces:
+            yield SENT, p
+        self.sent = keep[0] if keep else None
+        if self.sent is not None and self.max_chars is not None and len(self.sent) > self.max_chars:
+            raise CortiqError(f"{self.where}:{self.n + 1}: a sentence of more than {self.max_chars} characters: its "
+                              f"record has more than max_tokens {self.max_tokens} tokens")
+
+
 def _units(chunks: Iterable[str], where: str, limit_chars: int, max_tokens: int | None,
            span: int) -> Iterator[tuple[int, str]]:
     """The units of a text, in order, read from `chunks` holding about limit_chars characters at
@@ -77,82 +163,10 @@ def _units(chunks: Iterable[str], where: str, limit_chars: int, max_tokens: int 
     characters counts as over the limit untokenized, so it is cut whole or in parts alike). A
     sentence of more than max_tokens * span characters (so of more than max_tokens tokens) is
     refused as it is read. Paragraphs end after a run of blank lines that follows a line (sources._PARA_END)."""
-    para: list[str] = []  # the paragraph's lines while it is within limit_chars
-    size, over = 0, False  # its characters; whether it is past limit_chars (its lines are units)
-    run, body = 0, False  # blank lines ending it so far; whether it has a line that is not blank
-    line: list[str] = []  # the parts of the line being read
-    width, spaces = 0, True  # its characters; whether they are all spaces and tabs
-    sent: str | None = None  # once the line is past limit_chars: its text not yet cut into sentences
-    n = 0  # lines read
-    max_chars = None if max_tokens is None else max_tokens * span
-
-    def begin_line() -> Iterator[tuple[int, str]]:
-        # a line that is not blank: after a run of blank lines that follows a line, a new paragraph
-        nonlocal para, size, over, run, body
-        if run and (body or run >= 2):
-            if para:
-                yield PARA, "".join(para)
-            para, size, over = [], 0, False
-        run, body = 0, True
-
-    def add_line(text: str) -> Iterator[tuple[int, str]]:
-        nonlocal para, size, over
-        if over:
-            yield LINE, text
-            return
-        para.append(text)
-        size += len(text)
-        if size > limit_chars:
-            over = True
-            for t in para:
-                yield LINE, t
-            para = []
-
-    def sentences(final: bool) -> Iterator[tuple[int, str]]:
-        # cut after each run of whitespace that follows an end of sentence; the last run is
-        # final only when something follows it (it may go on in the next part)
-        nonlocal sent
-        pieces = _cut_at(sent, _SENT_END)
-        keep = [] if final else [pieces.pop()]
-        for p in pieces:
-            yield SENT, p
-        sent = keep[0] if keep else None
-        if sent is not None and max_chars is not None and len(sent) > max_chars:
-            raise CortiqError(f"{where}:{n + 1}: a sentence of more than {max_chars} characters: its record has "
-                              f"more than max_tokens {max_tokens} tokens")
-
+    reader = _UnitReader(where, limit_chars, max_tokens, span)
     for part, ends in line_parts(chunks, limit_chars):
-        if sent is not None:  # a long line, cut into sentences as it is read
-            sent += part
-            yield from sentences(ends)
-        else:
-            line.append(part)
-            width += len(part)
-            spaces = spaces and _SPACES.fullmatch(part.removesuffix("\n")) is not None
-            if ends:
-                text = "".join(line)
-                if _BLANK.fullmatch(text):
-                    run += 1
-                else:
-                    yield from begin_line()
-                yield from add_line(text)
-            elif not spaces and width > limit_chars:  # a long line: its paragraph is over, its sentences are units
-                yield from begin_line()
-                if not over:
-                    over = True
-                    for t in para:
-                        yield LINE, t
-                    para = []
-                sent = "".join(line)
-                yield from sentences(False)
-            elif max_chars is not None and width > max_chars:
-                raise CortiqError(f"{where}:{n + 1}: a line of more than {max_chars} spaces: its record has more "
-                                  f"than max_tokens {max_tokens} tokens")
-        if ends:
-            n += 1
-            line, width, spaces, sent = [], 0, True, None
-    if para:
-        yield PARA, "".join(para)
+        yield from reader.read(part, ends)
+    yield from reader.end()
 
 
 def _pack(pieces: Iterable[tuple[str, int]], record_tokens: int, state: list) -> Iterator[str]:
@@ -329,31 +343,10 @@ def _batches(raws: Iterable[_Raw], chars: int) -> Iterator[list[_Raw]]:
         yield out
 
 
-def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLike, settings: BuildSettings | None = None,
-          progress: Callable[[str], None] | None = None, device: str | None = None, force: bool = False) -> Tdata:
-    """Tokenize `sources` (paths, or `corpus:NAME`) with the tokenizer of the CMF file `tokenizer`
-    into the tdata directory `out` (written whole or not at all; meta.json last). An existing `out`
-    is replaced when it is tdata or empty, anything else only with `force` (store.check_output).
-
-    Sources stream: plain text is read, cut, tokenized and sampled a batch at a time, JSONL a
-    line at a time, so memory is bounded by the records kept (`max_total_tokens`) and the batch,
-    not by the size of a file or its longest line; a record over max_tokens is refused as soon
-    as it is known to be (a text without breaks as soon as max_tokens' worth of it is read)."""
-    from ..cmf import open_cmf
-    from ..tokenizer import from_doc
-
-    settings = settings or BuildSettings()
-    if not sources:
-        raise CortiqError("no sources to build data from")
-    store.check_output(out, [], folder=True, kind="tdata", force=force)
-    cmf = open_cmf(tokenizer)
-    tdoc = cmf.tokenizer or {}
-    tok = from_doc(tdoc, str(tokenizer))
-    eos_id = cmf.eos_id
-    bos_id = tdoc.get("bos_id")
-    vocab = cmf.arch.vocab_size
-
-    span = chars_per_token(tok)
+def _read_sources(sources: list[str], settings: BuildSettings, span: int, cmf, device: str | None,
+                  progress: Callable[[str], None] | None) -> tuple[Iterable[Item], list[Document]]:
+    """(the JSONL items of `sources`, answered by the generating model when the settings name
+    one; their plain-text documents)."""
     items: list[Iterable[Item]] = []
     docs: list[Document] = []
     for s in sources:
@@ -361,7 +354,6 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
         items.append(i)
         docs += d
     items_all: Iterable[Item] = (it for i in items for it in i)
-
     if settings.generate_with:
         from .generate import generate_answers
 
@@ -369,15 +361,19 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
         if progress:
             progress(f"generating answers with {settings.generate_with}")
         generate_answers(items_all, settings.generate_with, cmf, settings.max_new, device, progress)
+    return items_all, docs
 
-    bos_s = tok.id_to_token(bos_id) if bos_id is not None else ""
-    eos_s = tok.id_to_token(eos_id) or ""
-    raws = (r for part in (_text_raws(docs, tok, settings, span), _item_raws(items_all, tdoc, bos_s, eos_s))
-            for r in part)
+
+def _tokenize(raws: Iterable[_Raw], tok, cmf, tokenizer, settings: BuildSettings, span: int,
+              progress: Callable[[str], None] | None) -> _Kept:
+    """The raw records checked (ids used once, within max_tokens) and tokenized a batch at a
+    time into the sample kept."""
+    tdoc = cmf.tokenizer or {}
+    bos_id, vocab = tdoc.get("bos_id"), cmf.arch.vocab_size
     kept = _Kept(settings.max_total_tokens)
     ids_seen = _RidsSeen()
     head = [bos_id] if bos_id is not None else []
-    tail = [eos_id] if settings.eos else []
+    tail = [cmf.eos_id] if settings.eos else []
     n = 0
     for batch in _batches(raws, BATCH):
         for rid, _, _, w, p, a, _, text in batch:
@@ -401,26 +397,62 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
                 raise CortiqError(f"{tokenizer}: its tokenizer makes id {int(ids.max())}, outside the model's "
                                   f"vocabulary ({vocab} ids)")
             kept.add(Record(rid, "", cat, ids, max(1, len(pre))), split)
-    if not kept.heap:
-        raise CortiqError(f"no records in {', '.join(sources)}")
+    return kept
 
+
+def _split_records(kept: _Kept, fractions) -> list[Record]:
+    """The records kept, each in its split (given, or by a hash of its id); an empty split that
+    the fractions call for is refused."""
     records, splits_given = kept.records()
     rids = [r.rid for r in records]
-    splits = assign_splits(rids, splits_given, settings.fractions)
+    splits = assign_splits(rids, splits_given, fractions)
     hashed = [g is None for g in splits_given]
     for r, s in zip(records, splits):
         r.split = s
-    for s, f in zip(SPLITS, settings.fractions):
+    for s, f in zip(SPLITS, fractions):
         if s == "train" or (f > 0 and any(hashed)):
             if not any(x == s for x in splits):
-                raise CortiqError(f"the {s} split is empty: {sum(hashed)} records split {settings.fractions[0]:g}/"
-                                  f"{settings.fractions[1]:g}/{settings.fractions[2]:g} left none there "
+                raise CortiqError(f"the {s} split is empty: {sum(hashed)} records split {fractions[0]:g}/"
+                                  f"{fractions[1]:g}/{fractions[2]:g} left none there "
                                   f"(more data, other --fractions, or name splits in the JSONL)")
+    return records
 
-    digest = build_digest(sources, tokenizer, settings)
+
+def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLike, settings: BuildSettings | None = None,
+          progress: Callable[[str], None] | None = None, device: str | None = None, force: bool = False) -> Tdata:
+    """Tokenize `sources` (paths, or `corpus:NAME`) with the tokenizer of the CMF file `tokenizer`
+    into the tdata directory `out` (written whole or not at all; meta.json last). An existing `out`
+    is replaced when it is tdata or empty, anything else only with `force` (store.check_output).
+
+    Sources stream: plain text is read, cut, tokenized and sampled a batch at a time, JSONL a
+    line at a time, so memory is bounded by the records kept (`max_total_tokens`) and the batch,
+    not by the size of a file or its longest line; a record over max_tokens is refused as soon
+    as it is known to be (a text without breaks as soon as max_tokens' worth of it is read)."""
+    from ..cmf import open_cmf
+    from ..tokenizer import from_doc
+
+    settings = settings or BuildSettings()
+    if not sources:
+        raise CortiqError("no sources to build data from")
+    store.check_output(out, [], folder=True, kind="tdata", force=force)
+    cmf = open_cmf(tokenizer)
+    tdoc = cmf.tokenizer or {}
+    tok = from_doc(tdoc, str(tokenizer))
+    eos_id, bos_id = cmf.eos_id, tdoc.get("bos_id")
+    span = chars_per_token(tok)
+    items, docs = _read_sources(sources, settings, span, cmf, device, progress)
+    bos_s = tok.id_to_token(bos_id) if bos_id is not None else ""
+    eos_s = tok.id_to_token(eos_id) or ""
+    raws = (r for part in (_text_raws(docs, tok, settings, span), _item_raws(items, tdoc, bos_s, eos_s))
+            for r in part)
+    kept = _tokenize(raws, tok, cmf, tokenizer, settings, span, progress)
+    if not kept.heap:
+        raise CortiqError(f"no records in {', '.join(sources)}")
+    records = _split_records(kept, settings.fractions)
     meta = {
-        "stage": STAGE, "version": VERSION, "digest": digest, "settings": asdict(settings),
-        "inputs": {"sources": list(sources), "tokenizer": str(tokenizer)},
-        "tokenizer_digest": tokenizer_digest(tdoc["json"]), "vocab_size": vocab, "eos_id": eos_id, "bos_id": bos_id,
+        "stage": STAGE, "version": VERSION, "digest": build_digest(sources, tokenizer, settings),
+        "settings": asdict(settings), "inputs": {"sources": list(sources), "tokenizer": str(tokenizer)},
+        "tokenizer_digest": tokenizer_digest(tdoc["json"]), "vocab_size": cmf.arch.vocab_size, "eos_id": eos_id,
+        "bos_id": bos_id,
     }
     return write_tdata(out, records, meta)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .. import store
 from ..errors import CortiqError
-from .settings import AUTO, AUTO_CPU, AUTO_GPU, SELF, RetainSettings
+from .settings import AUTO, AUTO_CPU, AUTO_GPU, KNOWLEDGE, SELF, RetainSettings
 from .tdata import STAGE, VERSION, Record, Tdata, records_table
 
 
@@ -44,8 +44,8 @@ def source_name(spec: str) -> str:
     """A retain source's short name in reports: pydoc, shakespeare, self, a tdata directory's name."""
     if spec.startswith("corpus:"):
         return spec.split(":", 1)[1]
-    if spec == SELF:
-        return SELF
+    if spec in (SELF, KNOWLEDGE):
+        return spec
     return Path(spec).name.removesuffix(".tdata") or spec
 
 

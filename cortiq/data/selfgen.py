@@ -56,24 +56,10 @@ KINDS = ("bos", "chat", "corpus")
 # ── the generator ────────────────────────────────────────────────────────
 
 
-def generate_rows(model, prompts: Iterable[Sequence[int]], max_new: int | Sequence[int], *, temperature: float = 0.0,
-                  eos_ids: Sequence[int] = (), total: int | None = None, slots: int = DEFAULT_SLOTS,
-                  max_prompt: int | None = None, seed: int = 0, block: int = BLOCK, graphs: bool | None = None,
-                  progress: bool = False, desc: str = "generate") -> list[np.ndarray]:
-    """The model's continuation of each prompt, decoded in one continuously refilled batch
-    (module docstring). A row ends after an EOS id (kept) or `max_new` tokens (one for all,
-    or one per prompt of a list). With `total`,
-    prompts are drawn only while the generated tokens (counting each live row's whole
-    budget) stay under it, and the last row's budget is cut, so the rows hold exactly
-    `total` tokens (fewer only when the prompts run out); `prompts` may then be an endless
-    iterator. `max_prompt` bounds the prompts' lengths (needed for an iterator). ->
-    [np.ndarray int64] the new tokens of each prompt drawn, in order. Greedy rows equal the
-    plain decoder's (`cortiq.model.generate.generate`) for each prompt alone, exactly in f32."""
-    import torch
-    from tqdm import tqdm
-
-    from ..model.decode import DecodeEngine
-
+def _bounds(prompts, max_new: int | Sequence[int], total: int | None, slots: int,
+            max_prompt: int | None) -> tuple[list[int] | None, int, int, int]:
+    """(each prompt's budget, or None for `max_new` alike; the slots worth running; the longest
+    row a slot holds; the longest prompt allowed) of a `generate_rows` call."""
     budgets = None if isinstance(max_new, int) else [int(b) for b in max_new]
     if budgets is not None and (not isinstance(prompts, Sequence) or len(budgets) != len(prompts)):
         raise CortiqError(f"generate: {len(budgets)} budgets for {'an iterator of' if not isinstance(prompts, Sequence) else len(prompts)} prompts")
@@ -96,82 +82,120 @@ def generate_rows(model, prompts: Iterable[Sequence[int]], max_new: int | Sequen
         # budget) + 1 rows are ever live at once: slots past that would decode nothing but
         # be computed every step (16x the work of 4096 tokens at 256 slots, on a CPU minutes)
         slots = max(1, min(slots, total // low + 1))
-    it: Iterator = iter(prompts)
-    eng = DecodeEngine(model, slots=slots, max_len=room + block + 1, sampling=temperature > 0,
-                       graphs=graphs, seed=seed)
-    eos = np.asarray(sorted({int(e) for e in eos_ids}), dtype=np.int64)
-    S = eng.S
-    row = np.full(S, -1, dtype=np.int64)  # the prompt each slot decodes (-1: free)
-    need = np.zeros(S, dtype=np.int64)  # tokens the slot's row may still take
-    outs: list[list[np.ndarray]] = []
-    committed = 0  # tokens the rows drawn so far may take: the finished rows' and the live rows' whole budgets
-    bar = tqdm(total=total, desc=desc, unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True,
-               disable=not progress)
-    buf = torch.empty(block, S, dtype=torch.long, device=eng.dev)
-    exhausted = False
-    drawn = 0
+    return budgets, slots, room, max_prompt
 
-    def finish(s: int) -> None:
-        nonlocal committed
-        committed -= int(need[s])  # the budget a row ended without
-        eng.release(s)
-        row[s], need[s] = -1, 0
 
-    def launch(take) -> None:
-        firsts = eng.prefill_many([s for s, _, _ in take], [p for _, p, _ in take], temperature)
+class _Batch:
+    """The continuously refilled batch of `generate_rows`: which prompt each engine slot
+    decodes, the tokens its row may still take, and every row's tokens so far."""
+
+    def __init__(self, eng, prompts, max_new, budgets, total, max_prompt, eos: np.ndarray, temperature: float, bar):
+        self.eng, self.it = eng, iter(prompts)
+        self.max_new, self.budgets, self.total, self.max_prompt = max_new, budgets, total, max_prompt
+        self.eos, self.temperature, self.bar = eos, temperature, bar
+        S = eng.slots
+        self.row = np.full(S, -1, dtype=np.int64)  # the prompt each slot decodes (-1: free)
+        self.need = np.zeros(S, dtype=np.int64)  # tokens the slot's row may still take
+        self.outs: list[list[np.ndarray]] = []
+        self.committed = 0  # tokens the rows drawn so far may take: the finished rows' and the live rows' whole budgets
+        self.exhausted = False
+        self.drawn = 0
+
+    def finish(self, s: int) -> None:
+        self.committed -= int(self.need[s])  # the budget a row ended without
+        self.eng.release(s)
+        self.row[s], self.need[s] = -1, 0
+
+    def launch(self, take) -> None:
+        """Prefill (slot, prompt, budget) rows in one padded forward; each gets its first token."""
+        firsts = self.eng.prefill_many([s for s, _, _ in take], [p for _, p, _ in take], self.temperature)
         for (s, _, b), t in zip(take, firsts):
-            row[s], need[s] = len(outs), b - 1
-            outs.append([np.asarray([t], dtype=np.int64)])
-            if need[s] == 0 or t in eos:
-                finish(s)
-        bar.update(len(take))
+            self.row[s], self.need[s] = len(self.outs), b - 1
+            self.outs.append([np.asarray([t], dtype=np.int64)])
+            if self.need[s] == 0 or t in self.eos:
+                self.finish(s)
+        self.bar.update(len(take))
 
-    def refill() -> None:
-        nonlocal exhausted, committed, drawn
-        while not exhausted:
+    def refill(self) -> None:
+        """Every free slot given the next prompt, within the total, in prefills of at most
+        PREFILL_TOKENS padded tokens."""
+        total = self.total
+        while not self.exhausted:
             take: list[tuple[int, list[int], int]] = []  # (slot, prompt, budget)
             width = 0
-            for s in np.flatnonzero(row < 0).tolist():
-                if total is not None and total - committed <= 0:
+            for s in np.flatnonzero(self.row < 0).tolist():
+                if total is not None and total - self.committed <= 0:
                     break
                 try:
-                    p = [int(t) for t in next(it)]
+                    p = [int(t) for t in next(self.it)]
                 except StopIteration:
-                    exhausted = True
+                    self.exhausted = True
                     break
-                b = budgets[drawn] if budgets is not None else max_new
-                b = b if total is None else min(b, total - committed)
-                if not p or len(p) > max_prompt:
-                    raise CortiqError(f"generate: a prompt of {len(p)} tokens (need 1 to {max_prompt})")
+                b = self.budgets[self.drawn] if self.budgets is not None else self.max_new
+                b = b if total is None else min(b, total - self.committed)
+                if not p or len(p) > self.max_prompt:
+                    raise CortiqError(f"generate: a prompt of {len(p)} tokens (need 1 to {self.max_prompt})")
                 if take and max(width, len(p)) * (len(take) + 1) > PREFILL_TOKENS:
-                    launch(take)
+                    self.launch(take)
                     take, width = [], 0
                 take.append((s, p, b))
-                committed += b
-                drawn += 1
+                self.committed += b
+                self.drawn += 1
                 width = max(width, len(p))
             if not take:
                 return
-            launch(take)
+            self.launch(take)
 
-    refill()
-    while (row >= 0).any():
-        live = np.flatnonzero(row >= 0)
-        n = int(min(block, need[live].max()))
-        toks = eng.steps(n, buf[:n]).cpu().numpy()[:, live]  # [n, L]: the block's one host sync
-        hit = np.isin(toks, eos) if eos.size else np.zeros(toks.shape, dtype=bool)
+    def decode(self, buf, block: int) -> None:
+        """Up to `block` steps of every live slot with one host sync; each row cut at its end
+        (vectorised over the block) and its slot released."""
+        live = np.flatnonzero(self.row >= 0)
+        n = int(min(block, self.need[live].max()))
+        toks = self.eng.steps(n, buf[:n]).cpu().numpy()[:, live]  # [n, L]: the block's one host sync
+        hit = np.isin(toks, self.eos) if self.eos.size else np.zeros(toks.shape, dtype=bool)
         first_eos = np.where(hit.any(0), hit.argmax(0) + 1, n + 1)  # [L] tokens up to the first EOS (n+1: none)
-        take = np.minimum(np.minimum(first_eos, need[live]), n)  # [L]
-        ended = (first_eos <= take) | (take == need[live])
+        take = np.minimum(np.minimum(first_eos, self.need[live]), n)  # [L]
+        ended = (first_eos <= take) | (take == self.need[live])
         for i, s in enumerate(live.tolist()):  # a loop over rows once a block, not over tokens
-            outs[row[s]].append(toks[: take[i], i])
-            need[s] -= take[i]
+            self.outs[self.row[s]].append(toks[: take[i], i])
+            self.need[s] -= take[i]
             if ended[i]:
-                finish(s)
-        bar.update(int(take.sum()))
-        refill()
+                self.finish(s)
+        self.bar.update(int(take.sum()))
+
+
+def generate_rows(model, prompts: Iterable[Sequence[int]], max_new: int | Sequence[int], *, temperature: float = 0.0,
+                  eos_ids: Sequence[int] = (), total: int | None = None, slots: int = DEFAULT_SLOTS,
+                  max_prompt: int | None = None, seed: int = 0, block: int = BLOCK, graphs: bool | None = None,
+                  progress: bool = False, desc: str = "generate") -> list[np.ndarray]:
+    """The model's continuation of each prompt, decoded in one continuously refilled batch
+    (module docstring). A row ends after an EOS id (kept) or `max_new` tokens (one for all,
+    or one per prompt of a list). With `total`,
+    prompts are drawn only while the generated tokens (counting each live row's whole
+    budget) stay under it, and the last row's budget is cut, so the rows hold exactly
+    `total` tokens (fewer only when the prompts run out); `prompts` may then be an endless
+    iterator. `max_prompt` bounds the prompts' lengths (needed for an iterator). ->
+    [np.ndarray int64] the new tokens of each prompt drawn, in order. Greedy rows equal the
+    plain decoder's (`cortiq.model.generate.generate`) for each prompt alone, exactly in f32."""
+    import torch
+    from tqdm import tqdm
+
+    from ..model.decode import DecodeEngine
+
+    budgets, slots, room, max_prompt = _bounds(prompts, max_new, total, slots, max_prompt)
+    eng = DecodeEngine(model, slots=slots, max_len=room + block + 1, sampling=temperature > 0,
+                       graphs=graphs, seed=seed)
+    eos = np.asarray(sorted({int(e) for e in eos_ids}), dtype=np.int64)
+    bar = tqdm(total=total, desc=desc, unit="tok", unit_scale=True, file=sys.stderr, dynamic_ncols=True,
+               disable=not progress)
+    rows = _Batch(eng, prompts, max_new, budgets, total, max_prompt, eos, temperature, bar)
+    buf = torch.empty(block, len(rows.row), dtype=torch.long, device=eng.device)
+    rows.refill()
+    while (rows.row >= 0).any():
+        rows.decode(buf, block)
+        rows.refill()
     bar.close()
-    return [np.concatenate(x) for x in outs]
+    return [np.concatenate(x) for x in rows.outs]
 
 
 # ── the openings ─────────────────────────────────────────────────────────
@@ -232,14 +256,14 @@ def available_corpora() -> list[str]:
 def chat_openings(f, tok, where: str) -> list[list[int]]:
     """Every request of REQUESTS as one user turn in `f`'s chat template with the generation
     prompt (sandboxed; plain `user:` text for a model without a template), as token ids."""
-    from .chats import render_chat
+    from .chats import chat_text
 
     doc = f.tokenizer or {}
     bos_id, eos_ids = doc.get("bos_id"), doc.get("eos_ids") or []
     bos = tok.id_to_token(bos_id) if bos_id is not None else ""
     eos = tok.id_to_token(eos_ids[0]) if eos_ids else ""
-    texts = [render_chat(doc.get("chat_template"), [{"role": "user", "content": r}], True, bos or "", eos or "", where)
-             for r in REQUESTS]
+    texts = [chat_text(doc.get("chat_template"), [{"role": "user", "content": r}], where, bos_token=bos or "",
+                       eos_token=eos or "") for r in REQUESTS]
     return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
 
@@ -258,15 +282,15 @@ def asked_openings(model, f, n: int, *, seed: int, temperature: float = 1.0, lon
     and more are drawn (by `seed`, reproducibly): fewer than n when 8 rounds of draws do not find
     them, or a round finds none. [] for a model without a chat template. -> [n] token-id lists."""
     from ..tokenizer import from_doc
-    from .chats import render_chat
+    from .chats import chat_text
 
     doc = f.tokenizer or {}
     if n <= 0 or not doc.get("chat_template"):
         return []
     tok = from_doc(doc, str(f.path))
     bos_id, eos_ids = doc.get("bos_id"), [int(e) for e in (doc.get("eos_ids") or [f.eos_id])]
-    text = render_chat(doc["chat_template"], [{"role": "user", "content": _MARK}], True,
-                       tok.id_to_token(bos_id) if bos_id is not None else "", tok.id_to_token(eos_ids[0]), str(f.path))
+    text = chat_text(doc["chat_template"], [{"role": "user", "content": _MARK}], str(f.path),
+                     bos_token=tok.id_to_token(bos_id) if bos_id is not None else "", eos_token=tok.id_to_token(eos_ids[0]))
     if text.count(_MARK) != 1:
         return []
     head, tail = (tok.encode(t, add_special_tokens=False).ids for t in text.split(_MARK))

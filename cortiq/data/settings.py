@@ -109,15 +109,17 @@ class SelfGenSettings:
     #: share of the chat openings whose request the model writes itself (asked_openings: the
     #: template up to a user turn, a request sampled at temperature 1), each used once, the rest
     #: from the fixed list of a few hundred requests. 0 until measured on the retain panel (for
-    #: the draft, model-written requests kept +0.17 drafts a round over the list's on text of
-    #: other sources); its key holds it only when on, so the default's outputs keep their digests
+    #: the draft, model-written requests kept more drafts a round than the list's on text of
+    #: other sources: bench/DECODE.md, "A draft trained on more of the model's own text"); its
+    #: key holds it only when on, so the default's outputs keep their digests
     ask: float = setting(0.0, "share of the chat openings whose request the model writes itself (each used once)",
                          lo=0, hi=1, when=lambda s: s.ask > 0)
     prefix_tokens: int = setting(32, "longest corpus prefix opening, in tokens (at least 4)", lo=4, hi=4096)
     fractions: tuple[float, float, float] = setting((0.9, 0.05, 0.05), "split fractions of the records (by a hash of "
                                                     "the record id)", metavar="TRAIN,VAL,TEST")
-    #: rows decoded at once: on an H200 a 135M model's step costs about the same from 64 to
-    #: 512 rows, so more rows are more tokens a second until memory or compute binds
+    #: rows decoded at once: a small model's step costs about the same over a wide range of
+    #: rows, so more rows are more tokens a second until memory or compute binds
+    #: (bench/MTP.md, "Self-generated text: rows decoded at once")
     slots: int = setting(DEFAULT_SLOTS, "rows decoded at once (engine slots)", lo=1, hi=1 << 16)
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N", how=True)
 
@@ -134,6 +136,8 @@ class SelfGenSettings:
 
 #: retain sources that are not paths: the source model's own generations
 SELF = "self"
+#: and its own knowledge: entities it lists, relation prompts it completes (cortiq.data.knowledge)
+KNOWLEDGE = "knowledge"
 #: the retain source when none is named: AUTO's sources on this machine (RetainSettings.sources says why)
 AUTO = "auto"
 DEFAULT_RETAIN = AUTO
@@ -151,13 +155,13 @@ class RetainSettings:
     #: train records join the train windows, their val records the held-out windows; their test
     #: records are never trained on and make the general panel every report scores. The default,
     #: pydoc, measured best of the free sources (bench/QUALITY.md, "Which retain source": SmolLM2-135M,
-    #: 25 % pruned, healed 2M tokens on Shakespeare, share 0.5, on the H200): the excess NLL over the
-    #: source on program code fell from +1.04 with no retain data to +0.19, on chat from +0.41 to +0.19,
-    #: on licence text from +0.87 to +0.60 (per-layer scope; global scope: +0.16, +0.17, +0.52), and on
-    #: the heal data's own test split it stayed at -0.01. `self` (the source's own samples) beside pydoc
-    #: (global scope) took licence text to +0.457 and chat to +0.115 for 40 s of sampling on the H200,
-    #: but needs minutes on a CPU, where the demo and the tests run: hence auto, self and pydoc on a
-    #: GPU and pydoc alone on a CPU. A corpus the user's data is built from is left out (it is not other text).
+    #: 25 % pruned, healed on Shakespeare): the excess NLL over the source fell on program code (most),
+    #: chat and licence text against no retain data, and on the heal data's own test split it stayed
+    #: where it was. `self` (the source's own samples) beside pydoc lowered licence
+    #: text and chat further for under a minute of sampling on a GPU (bench/QUALITY.md, "Global scope as
+    #: the default, and what licence text needs"), but needs minutes on a CPU, where the demo and the
+    #: tests run: hence auto, self and pydoc on a GPU and pydoc alone on a CPU. A corpus the user's data
+    #: is built from is left out (it is not other text).
     sources: list[str] = setting(factory=lambda: [DEFAULT_RETAIN], help="retain text mixed into every batch of the masks, Grams "
                                  "and heal: corpus:pydoc, corpus:shakespeare, a tdata directory, self (the source "
                                  "model's own generations), auto (self and pydoc on a GPU, pydoc on a CPU), or none; "

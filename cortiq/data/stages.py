@@ -1,6 +1,7 @@
 """The data stages and their chain: `data` (sources tokenized into tdata), `selfgen`
-(the model's own text, as tdata), `mix` (the user's data with retain sources mixed
-in); `with_retain` makes a parameter set's retain sources and mixes them into its data.
+(the model's own text, as tdata), `knowledge` (the model's answers about what it
+knows, as tdata), `mix` (the user's data with retain sources mixed in);
+`with_retain` makes a parameter set's retain sources and mixes them into its data.
 """
 
 from __future__ import annotations
@@ -8,10 +9,10 @@ from __future__ import annotations
 from typing import Callable
 
 from ..runner import Stage, input_digest
-from . import selfgen
+from . import knowledge, selfgen
 from .builder import build, build_digest
 from .retain import mix_tdata, other_sources, source_name
-from .settings import SELF, BuildSettings, RetainSettings, SelfGenSettings
+from .settings import KNOWLEDGE as KNOWLEDGE_SOURCE, SELF, BuildSettings, RetainSettings, SelfGenSettings
 
 #: run(stage, key, **params) -> the stage's result ({"path": ...}): `run` of a chain's runner
 Runner = Callable[..., dict]
@@ -41,13 +42,18 @@ def with_retain(tdata_dir, source_cmf, settings: RetainSettings, run: Runner, ro
 def retain_tdata(spec: str, source_cmf, settings: RetainSettings, run: Runner, root, logger=None,
                  progress: bool = True) -> str:
     """The tdata directory of one retain source: `self` (the source model's own
-    generations, the selfgen stage), `corpus:NAME` (the data stage on the bundled
-    corpus, the source's tokenizer), or a tdata directory as it is."""
+    generations, the selfgen stage), `knowledge` (its answers about what it knows, the
+    knowledge stage), `corpus:NAME` (the data stage on the bundled corpus, the source's
+    tokenizer), or a tdata directory as it is."""
     if spec == SELF:
         # through the caller's runner, as the corpus sources: a flow's task, or the CLI's cache
         gen = SelfGenSettings(seed=settings.seed,
                               tokens=settings.self_tokens or settings.tokens or SelfGenSettings().tokens)
         return run(SELFGEN, "retain.self", model=str(source_cmf), settings=gen)["path"]
+    if spec == KNOWLEDGE_SOURCE:
+        # the class read from its module when called (bench.quality.knowledge sets its defaults there)
+        return run(KNOWLEDGE, "retain.knowledge", model=str(source_cmf),
+                   settings=knowledge.KnowledgeSettings(seed=settings.seed))["path"]
     if spec.startswith("corpus:"):
         return run(DATA, f"retain.{source_name(spec)}", sources=[spec], model=str(source_cmf),
                    settings=BuildSettings(max_total_tokens=settings.tokens))["path"]
@@ -57,7 +63,7 @@ def retain_tdata(spec: str, source_cmf, settings: RetainSettings, run: Runner, r
     from .tdata import Tdata
 
     if not os.path.isdir(spec):
-        raise CortiqError(f"retain source {spec}: not corpus:NAME, self, or a tdata directory")
+        raise CortiqError(f"retain source {spec}: not corpus:NAME, self, knowledge or a tdata directory")
     Tdata.open(spec).check_tokenizer(source_cmf)
     return spec
 
@@ -94,6 +100,10 @@ def _selfgen(out, ctx, model, settings) -> dict:
     return selfgen.write_self_tdata(out, ctx.digest, model, settings, ctx.progress)
 
 
+def _knowledge(out, ctx, model, settings) -> dict:
+    return knowledge.write_knowledge_tdata(out, ctx.digest, model, settings, ctx.progress)
+
+
 def _mix(out, ctx, tdata, retain, names, settings) -> dict:
     return mix_tdata(tdata, list(retain), list(names), settings, out, ctx.digest)
 
@@ -116,5 +126,8 @@ DATA = Stage("data", 1, _data, BuildSettings, (),
 SELFGEN = Stage(selfgen.STAGE_NAME, 2, _selfgen, SelfGenSettings, ("model",), extra=_corpora,
                 layout=(("settings", None),),
                 doc="the model's own text from BOS, chat requests and corpus prefixes, as tdata (generated tokens scored)")
+KNOWLEDGE = Stage(knowledge.STAGE_NAME, 1, _knowledge, knowledge.KnowledgeSettings, ("model",),
+                  layout=(("settings", None),),
+                  doc="the source's own knowledge: entities it lists, relation prompts it completes, as tdata")
 MIX = Stage("mix", 1, _mix, RetainSettings, ("tdata",), extra=_mix_sources,
             doc="the user's data and the retain sources' train and val records in one tdata, drawn at their shares")

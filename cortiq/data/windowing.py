@@ -25,6 +25,21 @@ from ..store import parse_data_spec
 from .tdata import SPLITS, Tdata
 
 
+def n_batches(n: int, batch: int) -> int:
+    """Batches of n windows: n // batch, but at least one when there is any window (a short
+    val split still gets one batch)."""
+    if batch < 1:
+        raise CortiqError(f"batch must be at least 1, not {batch}")
+    return max(n // batch, int(n > 0))
+
+
+def batch_indices(n: int, batch: int) -> np.ndarray:
+    """[n_batches, batch] window numbers of n windows: batch b takes windows (b·batch + i) mod n,
+    so the last batch is filled up from the first windows."""
+    nb = n_batches(n, batch)
+    return (np.arange(nb * batch, dtype=np.int64) % max(n, 1)).reshape(nb, batch)
+
+
 class Batch(NamedTuple):
     ids: np.ndarray  # [B, T] int64
     next: np.ndarray  # [B, T] int64
@@ -54,15 +69,11 @@ class Windows:
 
     def n_batches(self, batch: int) -> int:
         """N // batch, but at least one when there is any window (a short val split still gets one batch)."""
-        if batch < 1:
-            raise CortiqError(f"batch must be at least 1, not {batch}")
-        n = len(self)
-        return max(n // batch, int(n > 0))
+        return n_batches(len(self), batch)
 
     def batch_indices(self, batch: int) -> np.ndarray:
-        """[n_batches, batch] window numbers; batch b takes windows (b·batch + i) mod N."""
-        nb = self.n_batches(batch)
-        return (np.arange(nb * batch, dtype=np.int64) % max(len(self), 1)).reshape(nb, batch)
+        """[n_batches, batch] window numbers (`batch_indices`)."""
+        return batch_indices(len(self), batch)
 
     def batch(self, b: int, batch: int) -> Batch:
         i = self.batch_indices(batch)[b]

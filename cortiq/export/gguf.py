@@ -197,15 +197,8 @@ def _file_type(plan: list[tuple]) -> int:
     return int(by[top])
 
 
-def export_gguf(model: str | os.PathLike | CmfFile, out_file: str | os.PathLike, pre: str | None = None,
-                name: str | None = None, progress: Callable[[str], None] | None = None) -> tuple[Path, list[str]]:
-    """Write the CMF model as the GGUF file `out_file` (see the module doc), through
-    `out_file.partial`. Returns the path and the CMF tensors left out (the MTP draft)."""
-    from gguf import GGML_QUANT_VERSION, GGUFWriter, RopeScalingType
-    from gguf import GGMLQuantizationType as Q
-
-    f = model if isinstance(model, CmfFile) else open_cmf(model)
-    out = Path(out_file)
+def _check_exportable(f: CmfFile, out: Path, pre: str | None) -> None:
+    """Refuse what llama.cpp would not run as cortiq writes it, before anything is written."""
     verify_file(f)  # what cortiq would refuse to load is not written out for others to load
     arch = f.arch
     if arch.arch_name not in SUPPORTED:
@@ -219,14 +212,17 @@ def export_gguf(model: str | os.PathLike | CmfFile, out_file: str | os.PathLike,
         raise CortiqError(f"pre-tokenizer {pre!r} is not one of {', '.join(PRE_NAMES)}")
     if out.exists() and out.is_dir():
         raise CortiqError(f"{out}: is a directory; give a .gguf file name")
-    tok = tokenizer_meta(f.tokenizer, arch.vocab_size, str(f.path), pre)
-    plan, left = _tensor_plan(f)
 
+
+def _add_metadata(w, f: CmfFile, tok: dict, plan: list[tuple], name: str) -> None:
+    """The model's geometry, file type and tokenizer as GGUF keys, and every tensor's info."""
+    from gguf import GGML_QUANT_VERSION, RopeScalingType
+    from gguf import GGMLQuantizationType as Q
+
+    arch = f.arch
+    sc = arch.rope_scaling
     widths = [f.info(f"model.layers.{i}.mlp.up_proj.weight").shape[0] for i in range(arch.num_layers)]
-    tmp = out.with_name(out.name + ".partial")
-    w = GGUFWriter(None, arch.arch_name)
-    conv = next((v for k, v in f.provenance.items() if k.split("#")[0] == "convert"), {})
-    w.add_name(name or conv.get("name") or out.stem)
+    w.add_name(name)
     w.add_block_count(arch.num_layers)
     w.add_context_length(arch.max_position_embeddings)
     w.add_embedding_length(arch.hidden_size)
@@ -259,6 +255,12 @@ def export_gguf(model: str | os.PathLike | CmfFile, out_file: str | os.PathLike,
         w.add_chat_template(tok["chat_template"])
     for gname, shape, dt, q, _ in plan:
         w.add_tensor_info(gname, shape, np.dtype(dt), int(np.prod(shape)) * np.dtype(dt).itemsize, raw_dtype=q)
+
+
+def _write(w, plan: list[tuple], out: Path, progress: Callable[[str], None] | None) -> None:
+    """The header, the keys and every planned tensor's data into `out.partial`, renamed to `out`
+    when complete; on any error the partial file is removed."""
+    tmp = out.with_name(out.name + ".partial")
     try:
         w.write_header_to_file(tmp)
         w.write_kv_data_to_file()
@@ -279,4 +281,21 @@ def export_gguf(model: str | os.PathLike | CmfFile, out_file: str | os.PathLike,
         if isinstance(e, OSError) and is_full(e):
             raise write_error(out, e) from None
         raise
+
+
+def export_gguf(model: str | os.PathLike | CmfFile, out_file: str | os.PathLike, pre: str | None = None,
+                name: str | None = None, progress: Callable[[str], None] | None = None) -> tuple[Path, list[str]]:
+    """Write the CMF model as the GGUF file `out_file` (see the module doc), through
+    `out_file.partial`. Returns the path and the CMF tensors left out (the MTP draft)."""
+    from gguf import GGUFWriter
+
+    f = model if isinstance(model, CmfFile) else open_cmf(model)
+    out = Path(out_file)
+    _check_exportable(f, out, pre)
+    tok = tokenizer_meta(f.tokenizer, f.arch.vocab_size, str(f.path), pre)
+    plan, left = _tensor_plan(f)
+    w = GGUFWriter(None, f.arch.arch_name)
+    conv = next((v for k, v in f.provenance.items() if k.split("#")[0] == "convert"), {})
+    _add_metadata(w, f, tok, plan, name or conv.get("name") or out.stem)
+    _write(w, plan, out, progress)
     return out, left

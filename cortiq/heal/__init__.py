@@ -20,7 +20,7 @@ _EXPORTS = {
     "topk_kl": "loss", "topk_kl_reference": "loss",
     "teacher_targets": "stages", "mix_targets": "kinds",
     "prefix_cache": "stages",
-    "check_inputs": "stages", "export": "stages", "score": "stages", "heal": "stages",
+    "check_inputs": "stages", "export": "stages", "heal": "stages",
 }
 
 __getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)

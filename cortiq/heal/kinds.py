@@ -78,8 +78,8 @@ class TargetKind:
     rest_slot: bool = False
     #: bytes per [chunk, vocab] entry the fused head + loss holds (the memory estimate's
     #: head term): the top-k loss makes its gradient in the forward in compiled passes
-    #: (bf16 logits and dL/dz: measured 3.8 B an entry, chunks of 8192 against 1024 rows
-    #: at 1.7B); the rest-bucket and dense losses run f32 passes eager (f32 logits, their
+    #: (bf16 logits and dL/dz, as measured from the peaks at two chunk sizes: bench/RESULTS.md,
+    #: "Every plan in whole"); the rest-bucket and dense losses run f32 passes eager (f32 logits, their
     #: exp, the target or scatter copy)
     head_entry: int = 4
 

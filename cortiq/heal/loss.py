@@ -70,8 +70,8 @@ class _TopkKL(torch.autograd.Function):
         acc, cdt = _dtypes(hidden)  # f32 for bf16/f16 rows; f64 stays f64
         # the head's matmuls run in the autocast dtype when autocast is on; the
         # backward (which autocast does not reach) uses the same, or its two
-        # recomputed [rows, V] products would run in f32 (measured on the H200:
-        # 206 of a 393 ms Qwen3-1.7B step)
+        # recomputed [rows, V] products would run in f32 and take half a
+        # Qwen3-1.7B step (bench/RESULTS.md, "What bounds the misses")
         ctx.in_dtype = hidden.dtype
         hidden = hidden.to(cdt)
         p = probs.to(acc)

@@ -3,15 +3,15 @@ checkpointing of some or all trained layers, micro-batches with gradient
 accumulation, 8-bit Adam moments), the estimate `memory: auto` decides by, and
 the optimizer each plan trains with.
 
-Where a plain step's memory goes, measured on an H200 (Qwen3-1.7B geometry, all
-28 layers trained, 4 windows of 2048, bf16 autocast, head chunks of 8192 rows):
-41.7 GiB at its peak, the end of the forward = f32 weights (6.4 GiB) + two f32
-Adam moments of the 1.41 B trained weights (10.5 GiB) + the layers' saved
-activations (~20 GiB) + the fused head's [chunk, vocab] buffers (~4.6 GiB).
-The savings cut the last three: checkpointing keeps one [tokens, hidden] input
-per recomputed layer instead of its activations, micro-batches divide what
-remains by their count, and 8-bit moments (blockwise, torchao's AdamW8bit with
-weight decay 0, i.e. Adam) are 2 B per trained weight instead of 8.
+Where a plain step's memory goes (bench/RESULTS.md, "Every plan in whole":
+Qwen3-1.7B geometry, all layers trained, bf16 autocast): its peak, the end of
+the forward, is the f32 weights + two f32 Adam moments of the trained weights
++ the layers' saved activations (the largest part) + the fused head's
+[chunk, vocab] buffers. The savings cut the last three: checkpointing keeps one
+[tokens, hidden] input per recomputed layer instead of its activations,
+micro-batches divide what remains by their count, and 8-bit moments (blockwise,
+torchao's AdamW8bit with weight decay 0, i.e. Adam) are 2 B per trained weight
+instead of 8.
 """
 
 from __future__ import annotations
@@ -23,21 +23,19 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CortiqError
-from ..train_loop import adam, skips_on_device  # noqa: F401  (skips_on_device: the step's name for it)
+from ..train_loop import adam
 from .kinds import DEFAULT, KINDS, TargetKind
 from .settings import MEMORY_PARTS
 
-#: what `memory: lean` runs with
-LEAN = MEMORY_PARTS
 #: the share of the free device memory the step's estimate may take when no budget is
 #: set (the estimate leaves out the allocator's fragmentation and cuBLAS/compile workspaces)
 STEP_SHARE = 0.85
-#: extra step time of each saving, as a share of the plain step's, measured on an H200
-#: (Qwen3-1.7B, 4 windows of 2048, all 28 layers trained; tokens/s against the plain
-#: step's 45.8k): checkpoint of every trained layer 0.78x (recomputing a layer costs
-#: about its forward, so k of L layers cost k/L of this), micro-batches of one window
-#: 0.72x (larger micro-batches cost less), 8-bit moments 0.70x (torchao's per-parameter
-#: kernels). Together they cost about the product of their factors: auto ranks plans by it.
+#: extra step time of each saving, as a share of the plain step's (bench/RESULTS.md, "Every
+#: plan in whole": Qwen3-1.7B, 4 windows of 2048, all layers trained): checkpoint of every
+#: trained layer (recomputing a layer costs about its forward, so k of L layers cost k/L of
+#: this), micro-batches of one window (larger micro-batches cost less), 8-bit moments
+#: (torchao's per-parameter kernels). Together they cost about the product of their
+#: factors: auto ranks plans by it.
 COST = {"checkpoint": 1 / 0.78 - 1, "micro": 1 / 0.72 - 1, "adam8": 1 / 0.70 - 1}
 GiB = float(1 << 30)
 
@@ -86,13 +84,10 @@ def step_bytes(sh: StepShape, parts: tuple[str, ...], micro_windows: int, layers
     - the backward's recompute of the lowest checkpointed layer: every gradient,
       the checkpointed inputs and one layer's activations (checkpointing the
       lowest layers puts this after the upper layers' activations are freed).
-    Against the peaks measured on an H200 at Qwen3-1.7B (4 × 2048 tokens, the
-    6.4 GiB of weights added), estimated / measured GiB: plain 43.2 / 41.7,
-    head chunks of 1024 rows 39.2 / 37.9, every layer checkpointed 24.8 / 24.6,
-    8-bit moments 35.4 / 33.9, both 16.9 / 16.7; with micro-batches of one
-    window it runs ~2 GiB low (29.2 / 31.1, with 8-bit moments 21.3 / 23.3),
-    a plan auto ranks after checkpointing. bench/memory.py prints the estimate
-    beside the measured peak."""
+    Fitted to the peaks measured at Qwen3-1.7B (the weights added), it is close on
+    every plan but micro-batches, where it runs low, a plan auto ranks after
+    checkpointing (bench/RESULTS.md, "Every plan in whole"). bench/heal/memory.py
+    prints the estimate beside the measured peak."""
     n = -(-sh.windows // micro_windows) if "micro" in parts else 1  # micro-batches
     tok = -(-sh.tokens // n)  # tokens of one (micro-)batch
     L = sh.layers
@@ -198,7 +193,7 @@ def choose_memory(memory: str, parts: tuple[str, ...] | None, sh: StepShape, mic
                  "load here (pip install 'cortiq[lean]')")
         return plan
     avail = have()
-    plan = MemoryPlan(tuple(p for p in LEAN if p != "adam8" or avail), L, L)
+    plan = MemoryPlan(tuple(p for p in MEMORY_PARTS if p != "adam8" or avail), L, L)
     if say:
         _say(plan, sh, micro_windows, allow, budget, False,
              "" if avail else " (without 8-bit Adam moments: torchao does not load here: pip install 'cortiq[lean]')")

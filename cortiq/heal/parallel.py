@@ -42,19 +42,19 @@ CHECKPOINT_DIR = "checkpoint.dcp"
 #: share of one device's memory the whole-tail (ddp) sharding may fill with weights, gradients and Adam state
 DDP_SHARE = 0.5
 #: trained weights from which `shard: auto` picks FSDP2 over DDP where both fit. One rank wrapped each
-#: way (bench/dist.py, one H200, 16 windows of 512 a step, where the step of two GPUs is CPU-bound):
-#: at the Qwen3-1.7B geometry (1.4B trained) DDP ran at 0.87x the unwrapped step, FSDP2 at 0.95x, and
-#: on two H200s FSDP2 was the faster (1.69x against 1.56x) in 0.58x the memory; at Qwen3-0.6B (0.44B)
-#: FSDP2's per-unit hooks weigh more against the smaller layers: DDP 0.89x, FSDP2 0.69x
+#: way (bench/RESULTS.md, "The sharded step's CPU cost": 16 windows of 512 a step, where the step of two
+#: GPUs is CPU-bound): at the Qwen3-1.7B geometry (1.4B trained) FSDP2 cost less than DDP, and on two GPUs
+#: it was the faster in less memory; at Qwen3-0.6B (0.44B) FSDP2's per-unit hooks weigh more against the
+#: smaller layers and DDP cost less
 FSDP_FROM = 1_000_000_000
 #: share of one device's memory under which FSDP2 keeps each layer's gathered bf16 weights from its
 #: forward to its backward (one all-gather a step instead of two; the whole tail's compute weights stay)
 KEEP_GATHERED_SHARE = 0.1
 #: decoder layers per FSDP2 unit (one all-gather, one reduce-scatter, one set of hooks) when the gathered
-#: weights are kept. FSDP2's hooks cost ~1 ms of CPU a unit, about a 1.7B layer's forward at 8192 tokens
-#: on an H200, so units of one layer leave the GPU waiting on the CPU: a one-rank FSDP2 heal of the
-#: Qwen3-1.7B geometry (16 windows of 512, bench/dist.py) left it idle 33 ms a step with units of one
-#: layer, 15 ms with units of four
+#: weights are kept. FSDP2's hooks cost about as much CPU a unit as a 1.7B layer's forward at 8192 tokens
+#: takes on the GPU, so units of one layer leave the GPU waiting on the CPU: a one-rank FSDP2 heal of the
+#: Qwen3-1.7B geometry left it idle less than half as long a step with units of four as with units of one
+#: (bench/RESULTS.md, "Where the two-GPU step goes" and "The sharded step's CPU cost")
 UNIT_LAYERS = 4
 
 
@@ -122,30 +122,216 @@ def choose_sharding(kind: str, tail, device, genesis: bool = False) -> str:
 
 
 class Sharding:
-    """How `fit` runs the tail on this process: "single", "ddp" or "fsdp"."""
+    """How `fit` runs the tail on this process, one subclass a kind (SHARDINGS): `Single` for
+    one process, `Ddp` and `Fsdp` across ranks. `fit` calls these hooks and is otherwise the
+    same for every kind. Each kind gives `local`, `sum_`, `snapshot`, `restore`, `save` and, for
+    reading a one-process checkpoint, `_adopt` and `_best_to_load`; `wrap`, `nosync` and
+    `following` do nothing where a kind does not say otherwise."""
 
-    def __init__(self, tail, kind: str, device, cdt, genesis: bool = False):
-        self.tail, self.kind, self.device, self.cdt = tail, kind, torch.device(device), cdt
+    kind = ""
+
+    def __init__(self, tail, device, cdt, genesis: bool = False):
+        self.tail, self.device, self.cdt = tail, torch.device(device), cdt
         self.genesis = genesis
         self.world = dist.world()
         #: gradients are averaged over ranks: a share's loss counts `world` times
-        self.grad_scale = float(self.world) if kind != "single" else 1.0
-        self.active: tuple | None = None
+        self.grad_scale = 1.0
         self.module = None
 
     # ── wrapping ──
     def wrap(self) -> "Sharding":
-        if self.kind == "single":
-            return self
-        if self.tail.num_layers - self.tail.train_from < 1:
-            raise CortiqError("heal: nothing to train across ranks")
-        if self.kind == "fsdp":
-            self._fully_shard()
-        else:
-            self._ddp()
         return self
 
-    def _ddp(self) -> None:
+    def nosync(self):
+        """A context for the backward passes of a step's micro-batches but the last."""
+        return contextlib.nullcontext()
+
+    def following(self) -> None:
+        """After Genesis changed which layers train."""
+
+    def _requires(self) -> tuple:
+        return tuple(p.requires_grad for _, p in self.tail.named())
+
+    # ── data ──
+    def clip(self, params, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to `max_norm` in place; their whole norm before, a [] tensor
+        on the device (read by the caller: no host wait here)."""
+        gn = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
+        return full(gn)
+
+    # ── checkpoints ──
+    def _tensors(self, opt, best: dict) -> dict:
+        """Every tensor of a distributed checkpoint by name (shards stay shards)."""
+        out = {"rng": torch.get_rng_state()}
+        state = adam_state(opt, self.tail.named())
+        for n, p in self.tail.named():
+            out[f"w/{n}"] = p.detach()
+            out[f"m/{n}"], out[f"v/{n}"], out[f"t/{n}"] = state[n]
+            out[f"b/{n}"] = best[n]
+        return out
+
+    def resume(self, work_dir: Path, key: str, opt) -> dict | None:
+        """The loop's state of the checkpoint under `work_dir` when it was made
+        with `key` (its weights, Adam state and RNG loaded in place), else None.
+        Either kind of checkpoint is read by either kind of run."""
+        d, pt = work_dir / CHECKPOINT_DIR, work_dir / CHECKPOINT
+        if (d / "loop.json").is_file():
+            return self._resume_dcp(d, key, opt)
+        ck = load_checkpoint(pt) if dist.agree(pt.exists()) else None
+        if ck is None or ck.get("key") != key:
+            return None
+        self.tail.load(ck["trained"])
+        kind = ck.get("optim_kind", "adam")
+        if kind != mem.optimizer_kind(opt):
+            # the memory plan changed the moments' kind: they start afresh, the rest resumes
+            if dist.is_main():
+                print(f"cortiq: {pt}: the checkpoint's {kind} moments do not fit this run's "
+                      f"{mem.optimizer_kind(opt)} optimizer; its moments restart", file=sys.stderr)
+        else:
+            self._adopt(ck, opt)
+        torch.set_rng_state(ck["rng"])
+        return ck
+
+    def _resume_dcp(self, d: Path, key: str, opt) -> dict | None:
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            plain = json.loads((d / "loop.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CortiqError(f"{d / 'loop.json'}: a damaged checkpoint ({e}); delete {d} to start over") from None
+        if plain.get("key") != key:
+            return None
+        best = self._best_to_load()
+        tensors = self._tensors(opt, best)
+        dcp.load(tensors, checkpoint_id=str(d))  # in place: weights, Adam state, best so far (resharded)
+        torch.set_rng_state(tensors["rng"])
+        plain["best_state"] = best
+        return plain
+
+
+class Single(Sharding):
+    """One process: the tail as it is, checkpoints in the plain `checkpoint.pt`."""
+
+    kind = "single"
+
+    def local(self, split):
+        """Every batch of `split` whole."""
+        return split
+
+    def sum_(self, x):
+        return x
+
+    def snapshot(self) -> dict:
+        """The trained weights as they are now (CPU copies)."""
+        return self.tail.state()
+
+    @torch.no_grad()
+    def restore(self, snap: dict) -> None:
+        self.tail.load(snap)
+
+    def save(self, work_dir: Path, plain: dict, opt) -> None:
+        """A resumable checkpoint: trained weights, Adam state, RNG and the loop's
+        `plain` state (key, data order, history, best so far)."""
+        save_checkpoint(work_dir / CHECKPOINT, {**plain, "trained": self.tail.state(), "optim": mem.optim_state(opt),
+                                                "optim_kind": mem.optimizer_kind(opt), "rng": torch.get_rng_state()})
+        shutil.rmtree(work_dir / CHECKPOINT_DIR, ignore_errors=True)
+
+    def _adopt(self, ck: dict, opt) -> None:
+        """A one-process checkpoint's Adam state into `opt`."""
+        mem.load_optim_state(opt, ck["optim"])
+
+    def _best_to_load(self) -> dict:
+        """Tensors a distributed checkpoint's best weights load into (whole, on the CPU)."""
+        return {n: torch.zeros_like(full(p), device="cpu") for n, p in self.tail.named()}
+
+
+class _Ranks(Sharding):
+    """What DDP and FSDP2 share: every rank takes its share of each batch, sums across
+    ranks, keeps its shard's best weights in place and writes a distributed checkpoint."""
+
+    def __init__(self, tail, device, cdt, genesis: bool = False):
+        super().__init__(tail, device, cdt, genesis)
+        self.grad_scale = float(self.world)
+
+    def wrap(self) -> "Sharding":
+        if self.tail.num_layers - self.tail.train_from < 1:
+            raise CortiqError("heal: nothing to train across ranks")
+        self._wrap()
+        return self
+
+    def _wrap(self) -> None:
+        raise NotImplementedError
+
+    def local(self, split):
+        """This rank's share of every batch of `split` (the whole batch kept as `group`)."""
+        share = dist.shard(split.index.shape[1])
+        if len(share) == 0:
+            raise CortiqError(f"heal: batch {split.index.shape[1]} is smaller than the {self.world} ranks")
+        return dataclasses.replace(split, index=split.index[:, share.start:share.stop], group=split.index)
+
+    def sum_(self, x):
+        return dist.sum_(x)
+
+    def snapshot(self) -> dict:
+        """The trained weights as they are now (copies of each shard in place)."""
+        return {n: p.detach().clone() for n, p in self.tail.named()}
+
+    @torch.no_grad()
+    def restore(self, snap: dict) -> None:
+        for n, p in self.tail.named():
+            p.copy_(snap[n])
+
+    def save(self, work_dir: Path, plain: dict, opt) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        d, part = work_dir / CHECKPOINT_DIR, work_dir / (CHECKPOINT_DIR + ".partial")
+        if dist.is_main():
+            shutil.rmtree(part, ignore_errors=True)
+        dist.barrier()
+        dcp.save(self._tensors(opt, plain["best_state"]), checkpoint_id=str(part))
+        if dist.is_main():
+            rest = {k: v for k, v in plain.items() if k != "best_state"}
+            (part / "loop.json").write_text(json.dumps({**rest, "world": self.world}))
+            shutil.rmtree(d, ignore_errors=True)
+            os.replace(part, d)
+            (work_dir / CHECKPOINT).unlink(missing_ok=True)
+        dist.barrier()
+
+    def _adopt(self, ck: dict, opt) -> None:
+        """A single process's checkpoint spread over these ranks: by parameter order."""
+        sd = ck["optim"]
+        order = [i for g in sd["param_groups"] for i in g["params"]]
+        state = adam_state(opt, self.tail.named())
+        for (n, _), i in zip(self.tail.named(), order):
+            m, v, t = state[n]
+            s = sd["state"].get(i)
+            if s is not None:
+                put(m, s["exp_avg"])
+                put(v, s["exp_avg_sq"])
+                t.copy_(s["step"])
+        ck["best_state"] = self._spread(ck["best_state"])
+
+    def _spread(self, whole: dict) -> dict:
+        out = {}
+        for n, p in self.tail.named():
+            out[n] = p.detach().clone()
+            put(out[n], whole[n])
+        return out
+
+    def _best_to_load(self) -> dict:
+        return self.snapshot()
+
+
+class Ddp(_Ranks):
+    """torch's DistributedDataParallel over the trained layers (each rank holds them whole)."""
+
+    kind = "ddp"
+
+    def __init__(self, tail, device, cdt, genesis: bool = False):
+        super().__init__(tail, device, cdt, genesis)
+        self.active: tuple | None = None
+
+    def _wrap(self) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         self.active = self._requires()
@@ -156,7 +342,25 @@ class Sharding:
         self.module = DDP(_Trained(self.tail), device_ids=ids, gradient_as_bucket_view=True)
         self.tail.wrapped = self.module
 
-    def _fully_shard(self) -> None:
+    def nosync(self):
+        """DDP adds the micro-batches' gradients up locally and reduces once, at the last one
+        (the same sum, one all-reduce a step instead of one per micro-batch)."""
+        return self.module.no_sync()
+
+    def following(self) -> None:
+        """DDP is rebuilt over the new set of trained layers."""
+        if self._requires() != self.active:
+            self._wrap()
+
+
+class Fsdp(_Ranks):
+    """FSDP2 (`fully_shard`) on units of trained layers and on the tail. It keeps reducing
+    each micro-batch (no `nosync`): skipping it would hold every layer's unsharded gradient
+    until the last one, the memory FSDP is there to save."""
+
+    kind = "fsdp"
+
+    def _wrap(self) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if self.genesis:
@@ -185,14 +389,6 @@ class Sharding:
         self.tail.wrapped = root
         self.tail.collect()  # fully_shard put new (sharded) parameters in place of the old
 
-    def nosync(self):
-        """A context for the backward passes of a step's micro-batches but the
-        last: DDP adds them up locally and reduces once, at the last one (the
-        same sum, one all-reduce a step instead of one per micro-batch). FSDP2
-        keeps reducing each micro-batch: skipping it would hold every layer's
-        unsharded gradient until the last one, the memory FSDP is there to save."""
-        return self.module.no_sync() if self.kind == "ddp" else contextlib.nullcontext()
-
     def keep_gathered(self) -> bool:
         """Whether the trained layers' weights in compute precision (2 bytes each
         in bf16, 4 in f32) take at most KEEP_GATHERED_SHARE of the device."""
@@ -200,139 +396,9 @@ class Sharding:
         need = size * sum(p.numel() for _, p in self.tail.named())
         return need <= KEEP_GATHERED_SHARE * device_bytes(self.device)
 
-    def _requires(self) -> tuple:
-        return tuple(p.requires_grad for _, p in self.tail.named())
 
-    def following(self) -> None:
-        """After Genesis changed which layers train: DDP is rebuilt over the new set."""
-        if self.kind == "ddp" and self._requires() != self.active:
-            self._ddp()
-
-    # ── data ──
-    def local(self, split):
-        """This rank's share of every batch of `split` (the whole batch kept as `group`)."""
-        if self.kind == "single":
-            return split
-        share = dist.shard(split.index.shape[1])
-        if len(share) == 0:
-            raise CortiqError(f"heal: batch {split.index.shape[1]} is smaller than the {self.world} ranks")
-        return dataclasses.replace(split, index=split.index[:, share.start:share.stop], group=split.index)
-
-    def sum_(self, x):
-        return x if self.kind == "single" else dist.sum_(x)
-
-    def clip(self, params, max_norm: float) -> torch.Tensor:
-        """Clip the gradients to `max_norm` in place; their whole norm before, a [] tensor
-        on the device (read by the caller: no host wait here)."""
-        gn = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
-        return full(gn)
-
-    # ── the best weights so far ──
-    def snapshot(self) -> dict:
-        """The trained weights as they are now (one process: CPU copies; ranks: copies of each shard in place)."""
-        if self.kind == "single":
-            return self.tail.state()
-        return {n: p.detach().clone() for n, p in self.tail.named()}
-
-    @torch.no_grad()
-    def restore(self, snap: dict) -> None:
-        if self.kind == "single":
-            self.tail.load(snap)
-            return
-        for n, p in self.tail.named():
-            p.copy_(snap[n])
-
-    # ── checkpoints ──
-    def save(self, work_dir: Path, plain: dict, opt) -> None:
-        """A resumable checkpoint: trained weights, Adam state, RNG and the loop's
-        `plain` state (key, data order, history, best so far)."""
-        if self.kind == "single":
-            save_checkpoint(work_dir / CHECKPOINT, {**plain, "trained": self.tail.state(), "optim": mem.optim_state(opt),
-                                          "optim_kind": mem.optimizer_kind(opt), "rng": torch.get_rng_state()})
-            shutil.rmtree(work_dir / CHECKPOINT_DIR, ignore_errors=True)
-            return
-        import torch.distributed.checkpoint as dcp
-
-        d, part = work_dir / CHECKPOINT_DIR, work_dir / (CHECKPOINT_DIR + ".partial")
-        if dist.is_main():
-            shutil.rmtree(part, ignore_errors=True)
-        dist.barrier()
-        dcp.save(self._tensors(opt, plain["best_state"]), checkpoint_id=str(part))
-        if dist.is_main():
-            rest = {k: v for k, v in plain.items() if k != "best_state"}
-            (part / "loop.json").write_text(json.dumps({**rest, "world": self.world}))
-            shutil.rmtree(d, ignore_errors=True)
-            os.replace(part, d)
-            (work_dir / CHECKPOINT).unlink(missing_ok=True)
-        dist.barrier()
-
-    def _tensors(self, opt, best: dict) -> dict:
-        """Every tensor of a distributed checkpoint by name (shards stay shards)."""
-        out = {"rng": torch.get_rng_state()}
-        state = adam_state(opt, self.tail.named())
-        for n, p in self.tail.named():
-            out[f"w/{n}"] = p.detach()
-            out[f"m/{n}"], out[f"v/{n}"], out[f"t/{n}"] = state[n]
-            out[f"b/{n}"] = best[n]
-        return out
-
-    def resume(self, work_dir: Path, key: str, opt) -> dict | None:
-        """The loop's state of the checkpoint under `work_dir` when it was made
-        with `key` (its weights, Adam state and RNG loaded in place), else None.
-        Either kind of checkpoint is read by either kind of run."""
-        d, pt = work_dir / CHECKPOINT_DIR, work_dir / CHECKPOINT
-        if (d / "loop.json").is_file():
-            return self._resume_dcp(d, key, opt)
-        ck = load_checkpoint(pt) if dist.agree(pt.exists()) else None
-        if ck is None or ck.get("key") != key:
-            return None
-        self.tail.load(ck["trained"])
-        kind = ck.get("optim_kind", "adam")
-        if kind != mem.optimizer_kind(opt):
-            # the memory plan changed the moments' kind: they start afresh, the rest resumes
-            if dist.is_main():
-                print(f"cortiq: {pt}: the checkpoint's {kind} moments do not fit this run's "
-                      f"{mem.optimizer_kind(opt)} optimizer; its moments restart", file=sys.stderr)
-        elif self.kind == "single":
-            mem.load_optim_state(opt, ck["optim"])
-        else:  # a single process's checkpoint spread over these ranks: by parameter order
-            sd = ck["optim"]
-            order = [i for g in sd["param_groups"] for i in g["params"]]
-            state = adam_state(opt, self.tail.named())
-            for (n, _), i in zip(self.tail.named(), order):
-                m, v, t = state[n]
-                s = sd["state"].get(i)
-                if s is not None:
-                    put(m, s["exp_avg"])
-                    put(v, s["exp_avg_sq"])
-                    t.copy_(s["step"])
-            ck["best_state"] = self._spread(ck["best_state"])
-        torch.set_rng_state(ck["rng"])
-        return ck
-
-    def _spread(self, whole: dict) -> dict:
-        out = {}
-        for n, p in self.tail.named():
-            out[n] = p.detach().clone()
-            put(out[n], whole[n])
-        return out
-
-    def _resume_dcp(self, d: Path, key: str, opt) -> dict | None:
-        import torch.distributed.checkpoint as dcp
-
-        try:
-            plain = json.loads((d / "loop.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise CortiqError(f"{d / 'loop.json'}: a damaged checkpoint ({e}); delete {d} to start over") from None
-        if plain.get("key") != key:
-            return None
-        best = self.snapshot() if self.kind != "single" else {n: torch.zeros_like(full(p), device="cpu")
-                                                              for n, p in self.tail.named()}
-        tensors = self._tensors(opt, best)
-        dcp.load(tensors, checkpoint_id=str(d))  # in place: weights, Adam state, best so far (resharded)
-        torch.set_rng_state(tensors["rng"])
-        plain["best_state"] = best
-        return plain
+#: each kind of `choose_sharding` and the class that runs it
+SHARDINGS: dict[str, type[Sharding]] = {"single": Single, "ddp": Ddp, "fsdp": Fsdp}
 
 
 def adam_state(opt, named) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -356,7 +422,7 @@ def prepare(tail, s, device, cdt, compile: bool = False) -> Sharding:
     if compile:
         # each layer compiled before it is wrapped: the order torch's own tests of fully_shard use
         tail.model.compile_layers(tail.running)
-    return Sharding(tail, choose_sharding(s.shard, tail, device, s.genesis), device, cdt, s.genesis).wrap()
+    return SHARDINGS[choose_sharding(s.shard, tail, device, s.genesis)](tail, device, cdt, s.genesis).wrap()
 
 
 # ── one-process checkpoints ─────────────────────────────────────────────

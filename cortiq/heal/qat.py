@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import codecs
-from .settings import QAT_CODECS  # noqa: F401  (qat's name for them)
 
 
 class _RoundTrip(torch.autograd.Function):

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import math
 
-from ..train_loop import lr_shape, warm_steps  # noqa: F401  (the heal's names for them)
-
 #: Genesis: the share of layers (from the top) trained in epoch 0, 1, 2, 3+
 GENESIS_FRACTIONS = (12 / 64, 24 / 64, 40 / 64, 1.0)
 

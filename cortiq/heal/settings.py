@@ -1,16 +1,16 @@
 """Settings of the heal stage (S4): the original GPU tool's settings plus what a resumable
-torch run needs. The defaults are the recipe bench/quality.py measured on an
-H200 (bench/QUALITY.md): SmolLM2-135M with 25 % of its MLP neurons pruned,
-healed on Shakespeare plays with 32 teacher draws per position, pure
+torch run needs. The defaults are the recipe bench/quality/quality.py measured
+(bench/QUALITY.md, "The defaults chosen"): SmolLM2-135M with 25 % of its MLP neurons
+pruned, healed on Shakespeare plays with 32 teacher draws per position, pure
 distillation, lr 6e-4, windows of 512, 16 a step; scored on plays it never saw
-(97 % of the gap recovered with 1M tokens) and on the pydoc text."""
+and on the pydoc text."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
-from ..devices import COMPUTE, resolve_compute  # noqa: F401  (heal's names for them)
+from ..devices import COMPUTE
 from ..errors import CortiqError
 from ..settings_meta import BATCH, EPOCHS, TOPK, WINDOW, check, setting
 from .kinds import CHOICES, DEFAULT, TargetKind, kind_in_effect
@@ -48,11 +48,11 @@ class HealSettings:
     #: its count/k: an unbiased estimate of the whole distribution, random-
     #: sampling KD), "full" (the whole distribution, the teacher run online at
     #: every step: the plain reference, for small models).
-    #: "sampled" by default: measured on an H200 (SmolLM2-135M, 25 % of the MLP
-    #: neurons pruned, 1M heal tokens, ce 0), the share of the pruning gap
-    #: recovered on plays the heal never saw was topk −63 % (worse than pruned:
-    #: the renormalised target over-sharpens), topk+rest 86 %, sampled 103 %,
-    #: full 104 % (the dense reference); sampled stores what topk stores
+    #: "sampled" by default: on plays the heal never saw (bench/QUALITY.md, "What
+    #: the first table says": SmolLM2-135M, 25 % of the MLP neurons pruned, ce 0)
+    #: topk left the model worse than pruned (the renormalised target
+    #: over-sharpens), topk+rest recovered most of the gap, and sampled all of
+    #: it, as full (the dense reference) did; sampled stores what topk stores
     target: str = setting(DEFAULT, "the teacher's side of the target: topk (renormalised top-k), topk+rest (the k "
                                      "entries and a bucket for the rest of the vocabulary), sampled (k draws from the "
                                      "teacher, unbiased), full (the whole distribution, teacher run online; small "
@@ -131,9 +131,8 @@ class HealSettings:
     #: backward: `checkpoint_layers` of them), "micro" (the batch in micro-batches of `micro_batch` windows,
     #: gradients accumulated: the same step), "adam8" (Adam's moments in 8 bits,
     #: blockwise, from torchao: the `lean` extra). How, not what: a resumed run may
-    #: change it (the optimizer restarts when the moments' kind changes). Measured on
-    #: an H200 at Qwen3-1.7B, 4 x 2048 tokens: checkpoint 0.38x the transformers KD
-    #: loop's peak at 0.78x the plain step's tokens/s; micro 0.48x at 0.72x; adam8 0.52x at 0.70x
+    #: change it (the optimizer restarts when the moments' kind changes). Each plan's
+    #: peak and speed at Qwen3-1.7B: bench/RESULTS.md, "Every plan in whole"
     memory: str = setting("auto", "the step's memory plan: auto (the fastest plan whose estimate fits "
                           "--device-mem-gb: plain, else checkpoint of the fewest layers, else more savings), "
                           "plain, lean (all of: checkpoint, micro, adam8), or a '+'-joined choice of checkpoint "
@@ -143,8 +142,8 @@ class HealSettings:
     #: with checkpoint in the plan: how many trained layers recompute their activations in the
     #: backward, counted from the lowest trained layer (0: all of them when the memory setting names
     #: checkpoint, the fewest whose estimate fits under auto). Recomputing a layer costs about its
-    #: forward, so k of L layers cost k/L of what checkpointing all of them costs (measured on an
-    #: H200 at Qwen3-1.7B: all 28 layers, 0.78x the plain step's tokens/s)
+    #: forward, so k of L layers cost k/L of what checkpointing all of them costs (bench/RESULTS.md,
+    #: "Every plan in whole")
     checkpoint_layers: int = setting(0, "with checkpoint: how many trained layers, from the lowest, are recomputed "
                                         "in the backward (0: all when --memory names checkpoint, the fewest that "
                                         "fit under auto)", lo=0, how=True)

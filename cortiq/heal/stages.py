@@ -16,15 +16,14 @@ from pathlib import Path
 import torch
 
 from .. import codecs, dist, store, tracking
-from ..devices import rank_device
+from ..devices import rank_device, resolve_compute
 from ..errors import CortiqError
-from ..measure import gap_recovered, panel_gap, score, text_gap  # noqa: F401  (heal's names for them)
 from ..runner import LocalRunner, Stage, deliver, digest_of, key_of, settings_gpus
 from . import prefix as prefix_mod
 from . import qat
 from . import targets as targets_mod
 from .kinds import stored_kind
-from .settings import HealSettings, resolve_compute
+from .settings import HealSettings
 
 #: the trained tensors in a train stage's directory
 TRAINED = "trained.safetensors"
@@ -128,7 +127,8 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
 
     from ..model import load_model
     from .parallel import prepare
-    from .train import Objective, SplitData, StudentTail, fit, train_index, val_index, val_index_by_source
+    from ..data.windowing import batch_indices
+    from .train import Objective, SplitData, StudentTail, fit, train_index, val_index_by_source
 
     s = settings
     work_dir = Path(work_dir)
@@ -155,7 +155,7 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
         elif source is not None:  # one source a batch: each source's held-out loss apart
             index, source = val_index_by_source(source, s.batch)
         else:
-            index = val_index(len(w), s.batch)
+            index = batch_indices(len(w), s.batch)
         splits[split] = SplitData(w.ids, tg.ids[split], tg.probs[split], tg.total[split], index, h0,
                                   source=source, names=w.names)
     cached = splits["train"].h0 is not None

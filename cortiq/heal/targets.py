@@ -23,7 +23,7 @@ import torch
 from .. import store, tracking
 from ..errors import CortiqError
 from .. import dist
-from .kinds import KINDS, REST_ID, mix_targets  # noqa: F401  (the targets' names for them)
+from .kinds import KINDS, mix_targets
 from .rows import RowWriter, WindowRows, open_split
 from .settings import HealSettings
 
@@ -109,7 +109,7 @@ def write_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, record: d
     from tqdm import tqdm
 
     from ..devices import rank_device
-    from .settings import resolve_compute
+    from ..devices import resolve_compute
 
     s = settings
     out = Path(out)

@@ -25,13 +25,13 @@ import numpy as np
 import torch
 
 from .. import dist, tracking
+from ..data.windowing import batch_indices
 from ..errors import CortiqError
 from . import memory as mem
 from .kinds import DEFAULT, KINDS, TargetKind
-from .parallel import CHECKPOINT, load_checkpoint  # noqa: F401  (the trainer's names for them)
 from .rows import WindowRows
-from ..train_loop import Best, LoopState, Update, update
-from .schedule import genesis_decay, genesis_from, lr_shape
+from ..train_loop import Best, LoopState, Update, lr_shape, skips_on_device, update
+from .schedule import genesis_decay, genesis_from
 from .settings import HealSettings
 
 #: the f16 loss scale's start (halved at each non-finite step)
@@ -84,8 +84,9 @@ class Ahead:
     """The next batch on its way to a CUDA device while this step computes: its
     host gather (numpy), pinning and copy run on a worker thread, issued right
     after the step's backward is launched, so the main thread goes on launching
-    the step's kernels (on two H200s the main thread is the bottleneck of a
-    sharded step, and pinning a batch there cost it ~4 ms); the copy goes on a
+    the step's kernels (on two GPUs the main thread is the bottleneck of a
+    sharded step, and pinning a batch there cost it a part of every step:
+    bench/RESULTS.md, "The sharded step's CPU cost"); the copy goes on a
     side stream that the step's stream waits for when the batch is taken.
     Elsewhere a batch is read when asked (a CPU has no copy to hide, and its
     ops stay on the main thread's own intra-op threads)."""
@@ -132,19 +133,13 @@ def train_index(n: int, batch: int) -> np.ndarray:
     return np.arange(nb * batch, dtype=np.int64).reshape(nb, batch)
 
 
-def val_index(n: int, batch: int) -> np.ndarray:
-    """Val batches: at least one when any window exists (the tail repeats)."""
-    nb = max(n // batch, int(n > 0))
-    return (np.arange(nb * batch, dtype=np.int64) % max(n, 1)).reshape(nb, batch)
-
-
 def val_index_by_source(source: np.ndarray, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """Val batches of one source each (the held-out loss of every source apart):
     (index [n_batches, batch], the source of each batch [n_batches])."""
     idx, src = [], []
     for k in np.unique(source):  # sources, a handful
         mine = np.flatnonzero(source == k)
-        rows = mine[val_index(len(mine), batch)]
+        rows = mine[batch_indices(len(mine), batch)]
         idx.append(rows)
         src.append(np.full(len(rows), k, dtype=np.int64))
     return np.concatenate(idx), np.concatenate(src)
@@ -422,7 +417,7 @@ class HealRun:
         tail.checkpointed = mplan.layers
         self.micro = s.micro_windows() if "micro" in mplan else 0
         self.opt = mem.make_optimizer(groups, s.lr, device, adam8="adam8" in mplan)
-        self.on_device = mem.skips_on_device(self.opt)
+        self.on_device = skips_on_device(self.opt)
         self.params = [p for _, p in tail.named()]
         self.lowest = tail.train_from
         self.order = Order(nb, s.seed)

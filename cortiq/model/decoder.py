@@ -231,12 +231,13 @@ class DecoderLayer(nn.Module):
     #: call stay outside it, and around the compiled body, not inside it:
     #: - FSDP2's hooks inside a checkpoint made its recompute save other tensors
     #:   than the forward did (CheckpointError, "different metadata") at the 1.7B
-    #:   and 8B geometries on H200s (torch 2.11);
+    #:   and 8B geometries on the GPU (torch 2.11);
     #: - a checkpoint inside the compiled region (the module's call compiled)
-    #:   gave gradients ~8% off the plain step's on an H200 under bf16 autocast
-    #:   (inductor), 22% off on a CPU; around the compiled body the recompute
+    #:   gave gradients off the plain step's, on the GPU under bf16 autocast
+    #:   (inductor) and on a CPU; around the compiled body the recompute
     #:   runs the same compiled graph, and the CPU gives the plain gradients
-    #:   exactly (tests/heal/test_memory.py).
+    #:   exactly (tests/heal/test_memory.py; the three placements measured:
+    #:   bench/RESULTS.md, "The sharded step's CPU cost").
     recompute = False
     #: `_forward` compiled by `CausalLM.compile_layers`, else None (eager)
     compiled = None
@@ -426,10 +427,10 @@ class CausalLM(nn.Module):
 
     def compile_layers(self, layers=None, **kw) -> "CausalLM":
         """torch.compile each decoder layer on its own (regional compilation:
-        one graph per layer kind, reused by every layer of that kind). On the
-        H200 this fuses the norms, RoPE, SwiGLU and residual adds: the trunk
-        forward of a Qwen3-1.7B geometry went from 80.8 to 44.3 ms per 8192
-        tokens (bench/variants.py). CUDA runs use it; the CPU path stays eager.
+        one graph per layer kind, reused by every layer of that kind). On a
+        GPU this fuses the norms, RoPE, SwiGLU and residual adds, which nearly
+        halves the trunk forward of a Qwen3-1.7B geometry (bench/RESULTS.md,
+        "What bounds the misses"). CUDA runs use it; the CPU path stays eager.
 
         `layers`: the indices of the trunk layers that will run (default all).
         A heal whose frozen prefix is cached holds placeholders where the
@@ -446,11 +447,11 @@ class CausalLM(nn.Module):
         every = trunk + ([] if self.mtp is None else list(self.mtp.layers))
         # Layers of several MLP widths (a fold of global scope keeps a width of its own in
         # every layer): with static shapes each width is a graph of its own per grad mode,
-        # and on the H200 a heal of SmolLM2 with 30 widths took 160 s where one width took
-        # 55 s (bench/QUALITY.md). Dynamo keeps a module's parameters static whatever
-        # `dynamic` says, so the MLP weights go in as arguments (`_WeightsIn`), parameters
-        # may be dynamic, and the width that changes at the second compile turns symbolic:
-        # two graphs per grad mode for any number of widths.
+        # and a heal of SmolLM2 with 30 widths took several times as long as with one
+        # (bench/QUALITY.md, "Activation score and global scope"). Dynamo keeps a module's
+        # parameters static whatever `dynamic` says, so the MLP weights go in as arguments
+        # (`_WeightsIn`), parameters may be dynamic, and the width that changes at the second
+        # compile turns symbolic: two graphs per grad mode for any number of widths.
         ragged = len({int(layer.mlp.gate_proj.weight.shape[0]) for layer in every}) > 1
         if ragged:
             cfg.force_parameter_static_shapes = False

@@ -75,6 +75,41 @@ def generate(model, prompt: Sequence[int], max_new: int = 64, temperature: float
     return GenResult(out, time.perf_counter() - t1, t1 - t0)
 
 
+def _draft_chain(model, h_prev: torch.Tensor, tok: int, pos: int, depth: int, mtp_state, dev) -> list[int]:
+    """The MTP block's greedy drafts from (h_prev, tok), a chain of `depth` steps (step j reads
+    step j-1's hidden row) at positions pos, pos+1, ..."""
+    drafts: list[int] = []
+    xh, xt = h_prev, tok
+    for j in range(depth):
+        d_h = model.mtp_forward(xh, torch.tensor([[xt]], device=dev), pos + j, mtp_state)
+        xt = int(model.logits(d_h[0, -1]).argmax())
+        drafts.append(xt)
+        xh = d_h
+    return drafts
+
+
+def _verify(model, cache, tok: int, drafts: list[int], n: int, has_gdn: bool, dev):
+    """The trunk over [tok, d_0, ..., d_{k-1}] at positions n..n+k in one forward, and the
+    drafts it accepts (a: those equal to its own next token), the cache rolled back to positions
+    0..n+a. -> (its hidden rows [1, ≥a+1, H], its token after each block row, a, the block)."""
+    snap = cache.snapshot()
+    block = torch.tensor([[tok] + drafts], device=dev)
+    Hv, _ = model.forward_hidden(block, cache=cache)  # [1, k+1, H]
+    pred = model.logits(Hv[0]).argmax(-1).tolist()  # pred[i]: the trunk's token after block[i]
+    a = 0
+    while a < len(drafts) and drafts[a] == pred[a]:
+        a += 1
+    if a < len(drafts):  # roll the trunk back to positions 0..n+a
+        if has_gdn:  # a recurrent state cannot be cut: re-run the accepted tokens from the snapshot
+            cache.restore(snap)
+            Hv, _ = model.forward_hidden(block[:, : a + 1], cache=cache)
+        else:  # attention caches are cut: keep the block's first a+1 keys and values
+            for s in cache.states:
+                s.restore(n + a + 1)
+            cache.seen = n + a + 1
+    return Hv, pred, a, block
+
+
 @torch.no_grad()
 def generate_speculative(model, prompt: Sequence[int], max_new: int = 64, draft: int = 1,
                          eos_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None) -> GenResult:
@@ -114,44 +149,17 @@ def generate_speculative(model, prompt: Sequence[int], max_new: int = 64, draft:
         return t in eos or len(out) >= max_new
 
     while True:
-        # ── draft: the MTP chain from (h_{n-1}, tok) ──
         mtp_snap = mtp_state.snapshot()
-        drafts: list[int] = []
-        xh, xt = h_prev, tok
-        for j in range(draft):
-            d_h = model.mtp_forward(xh, torch.tensor([[xt]], device=dev), n - 1 + j, mtp_state)
-            xt = int(model.logits(d_h[0, -1]).argmax())
-            drafts.append(xt)
-            xh = d_h
-        # ── verify: the trunk over [tok, d_0, ..., d_{k-1}] at positions n..n+k ──
-        snap = cache.snapshot()
-        block = torch.tensor([[tok] + drafts], device=dev)
-        Hv, _ = model.forward_hidden(block, cache=cache)  # [1, k+1, H]
-        pred = model.logits(Hv[0]).argmax(-1).tolist()  # pred[i]: the trunk's token after block[i]
-        a = 0
-        while a < draft and drafts[a] == pred[a]:
-            a += 1
+        drafts = _draft_chain(model, h_prev, tok, n - 1, draft, mtp_state, dev)
+        Hv, pred, a, block = _verify(model, cache, tok, drafts, n, has_gdn, dev)
         res.rounds += 1
         res.drafted += draft
         res.accepted += a
         res.per_round.append(a)
-        if a < draft:  # roll the trunk back to positions 0..n+a
-            if has_gdn:  # a recurrent state cannot be cut: re-run the accepted tokens from the snapshot
-                cache.restore(snap)
-                Hv, _ = model.forward_hidden(block[:, : a + 1], cache=cache)
-            else:  # attention caches are cut: keep the block's first a+1 keys and values
-                for s in cache.states:
-                    s.restore(n + a + 1)
-                cache.seen = n + a + 1
-        # ── the MTP block's rows n-1..n-1+a from the trunk's own hidden rows ──
+        # the MTP block's rows n-1..n-1+a from the trunk's own hidden rows
         mtp_state.restore(mtp_snap)
         model.mtp_forward(torch.cat([h_prev, Hv[:, :a]], 1), block[:, : a + 1], n - 1, mtp_state)
-        stop = False
-        for t in [tok] + drafts[:a]:
-            if emit(t):
-                stop = True
-                break
-        if stop:
+        if any(emit(t) for t in [tok] + drafts[:a]):  # stops at the first token that ends the output
             break
         n += a + 1
         h_prev = Hv[:, a : a + 1]
@@ -187,8 +195,9 @@ def decode(model, prompts: Sequence[Sequence[int]], max_new: int = 64, draft: in
         raise CortiqError(f"generate: max_new {max_new}, need at least 1")
     eng = engine or DecodeEngine(model, slots=len(prompts), max_len=_room(prompts, max_new, draft), draft=draft,
                                  sampling=temperature > 0, graphs=graphs, seed=seed, branches=branches)
-    if eng.S < len(prompts) or eng.k != draft:
-        raise CortiqError(f"decode: the engine has {eng.S} slots and draft {eng.k}; asked {len(prompts)} and {draft}")
+    if eng.slots < len(prompts) or eng.draft != draft:
+        raise CortiqError(f"decode: the engine has {eng.slots} slots and draft {eng.draft}; asked {len(prompts)} and "
+                          f"{draft}")
     eos = set(eos_ids)
     res = [GenResult([], 0.0, 0.0) for _ in prompts]
     live = set()
@@ -226,8 +235,8 @@ def decode(model, prompts: Sequence[Sequence[int]], max_new: int = 64, draft: in
                     eng.release(s)
                     live.discard(s)
                     break
-    if eng.dev.type == "cuda":
-        torch.cuda.synchronize(eng.dev)
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize(eng.device)
     t2 = time.perf_counter()
     for r in res:
         r.seconds = t2 - t1

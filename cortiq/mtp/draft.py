@@ -38,14 +38,6 @@ from .trunk import TrunkSet
 KK = 4
 
 
-def shifted(ids: torch.Tensor, j: int, pad: int) -> torch.Tensor:
-    """ids[:, p + j] at column p; `pad` past the end. [B, T]"""
-    out = torch.full_like(ids, pad)
-    if j < ids.shape[1]:
-        out[:, : ids.shape[1] - j] = ids[:, j:]
-    return out
-
-
 class Chain:
     """Every window of every data set, the trunk's rows and the chain's sources.
 
@@ -91,7 +83,7 @@ class Chain:
     # ── the draft ──
     def draft(self, src: torch.Tensor, ids: torch.Tensor, j: int) -> torch.Tensor:
         """The block on source rows src [B, T, H] reading tokens p+j -> normed output [B, T, H]."""
-        return self.model.mtp_forward(src.to(self.dev), shifted(ids.to(self.dev), j, self.pad))
+        return self.model.mtp_forward(src.to(self.dev), M.shifted(ids.to(self.dev), j, self.pad))
 
     def _batches(self, idx: torch.Tensor):
         for a in range(0, len(idx), self.batch):
@@ -106,7 +98,7 @@ class Chain:
             x = self.h[b].to(self.dev, self.dtype)
             ids, lens, o = self.ids[b].to(self.dev), self.lens[b].to(self.dev), off[a : a + self.batch].to(self.dev)
             for j in range(2, self.chain + 1):
-                y = self.model.mtp_forward(x, shifted(ids, 1, self.pad))
+                y = self.model.mtp_forward(x, M.shifted(ids, 1, self.pad))
                 x = M.splice(x, y, lens, o, self.stride, j)
             out.append(x.cpu())
         return torch.cat(out)
@@ -197,7 +189,7 @@ class Chain:
                 nb = self.widths[j - 1] if j <= len(self.widths) else 1
                 di, dp = self._top1(o, max(KK if dump is not None else 1, nb))
                 if nb > 1:
-                    want = shifted(self.t1[b], j, -1)  # [n, T] the trunk's token step j guesses
+                    want = M.shifted(self.t1[b], j, -1)  # [n, T] the trunk's token step j guesses
                     steps.append(torch.where((di[..., :nb] == want[..., None]).any(-1), want, di[..., 0]))
                 else:
                     steps.append(di[..., 0])

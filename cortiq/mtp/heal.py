@@ -300,9 +300,9 @@ def write_draft(f, tensors: dict, codec: str, path, stage_block: dict | None = N
     below 8 bits a weight named in `sensitive` goes to `sensitive_codec`; None: the
     whole-model rule's names, cortiq.codecs.KEEP_8BIT, which hold the draft's eh_proj).
 
-    eh_proj at q8 was measured on an H200 with SmolLM2-135M after 666 steps (bench/MTP.md):
-    f16 0.904 drafts a round, q4 with eh_proj at q8 0.886, all q4 0.897 — no difference beyond
-    noise once eh_proj has moved far from its initial [0 | I]; kept for drafts trained less."""
+    eh_proj at q8 makes no difference beyond noise to a trained draft, whose eh_proj has moved
+    far from its initial [0 | I] (bench/MTP.md, "the 6-epoch preset" and "Conclusions"); it is
+    kept for drafts trained less."""
     from ..cmf import copy_specs, with_provenance, write_cmf
     from ..codecs import KEEP_8BIT, choose_codec
 

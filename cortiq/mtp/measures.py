@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 
-def _shift(x: torch.Tensor, s: int, fill: int = -1) -> torch.Tensor:
+def shifted(x: torch.Tensor, s: int, fill: int) -> torch.Tensor:
     """x[:, p + s] at column p ([N, T]); `fill` past the end."""
     out = torch.full_like(x, fill)
     if s < x.shape[1]:
@@ -56,9 +56,9 @@ def chain_counts(ids: torch.Tensor, lens: torch.Tensor, t1: torch.Tensor, draft:
     out = torch.zeros(chain, 2, dtype=torch.int64)
     for j in range(1, chain + 1):
         valid = pos[None, :] < (lens[:, None] - j)  # [N, T] rows whose step-j target exists
-        on &= _shift(ids, j, -1) == _shift(t1, j - 1, -2)  # token p+j fed to the chain is the trunk's own
+        on &= shifted(ids, j, -1) == shifted(t1, j - 1, -2)  # token p+j fed to the chain is the trunk's own
         alive = valid & on & held
-        hit = alive & (draft[j - 1] == _shift(t1, j, -3))
+        hit = alive & (draft[j - 1] == shifted(t1, j, -3))
         out[j - 1, 0] = alive.sum()
         out[j - 1, 1] = hit.sum()
         held = hit

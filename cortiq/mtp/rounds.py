@@ -27,14 +27,7 @@ import contextlib
 
 import torch
 
-
-
-def _shift(ids: torch.Tensor, j: int, pad: int) -> torch.Tensor:
-    """ids[:, p + j] at column p; `pad` past the end. [B, T]"""
-    out = torch.full_like(ids, pad)
-    if j < ids.shape[1]:
-        out[:, : ids.shape[1] - j] = ids[:, j:]
-    return out
+from .measures import shifted
 
 
 def _attend(q, k, v, extra: list, rep: int) -> torch.Tensor:
@@ -72,7 +65,7 @@ def decode_steps(model, h: torch.Tensor, ids: torch.Tensor, steps: int, pad: int
     dev = h.device
 
     def block_input(src, j):
-        return mtp.eh_proj(torch.cat([mtp.enorm(model.embed(_shift(ids, j, pad))), mtp.hnorm(src)], -1))
+        return mtp.eh_proj(torch.cat([mtp.enorm(model.embed(shifted(ids, j, pad))), mtp.hnorm(src)], -1))
 
     def rest(x, o, gate):
         o = o.transpose(1, 2).reshape(B, T, attn.hq * attn.d)
@@ -105,7 +98,7 @@ def decode_steps_reference(model, h: torch.Tensor, ids: torch.Tensor, steps: int
     """Each chain start r alone, through the block's KV cache as speculative decoding runs it:
     rows 0..r-1 from the trunk, then step 1 at row r, step 2 at row r+1... (tests only)."""
     B, T = ids.shape
-    nxt = [_shift(ids, j, pad) for j in range(steps + 1)]
+    nxt = [shifted(ids, j, pad) for j in range(steps + 1)]
     outs = [torch.zeros_like(h) for _ in range(steps)]
     for r in range(T):
         st = model.mtp.layers[0].new_state()

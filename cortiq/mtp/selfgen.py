@@ -2,10 +2,10 @@
 continuations of prompts cut from its data and of chat requests.
 
 A draft trained on a book's text learns the book, but in decoding it drafts
-against what the model writes, which is another distribution (measured on an
-H200 with SmolLM2-135M: a draft trained on a novel held 0.47 of its step-1
-drafts on the novel's held-out text but had 0.30 accepted a round in real
-decoding). Draft-training practice (EAGLE-3, HASS, FastMTP) trains on the
+against what the model writes, which is another distribution (a draft trained
+on a novel held far more of its drafts on the novel's held-out text than real
+decoding accepted: bench/MTP.md, "A draft trained on a book's text").
+Draft-training practice (EAGLE-3, HASS, FastMTP) trains on the
 target model's own generations instead; this module makes them.
 
 Each data window's first `gen_prompt` tokens are a prompt; the model continues

@@ -53,25 +53,23 @@ def parse_taps(spec) -> tuple[str, list[int]] | None:
 #: hidden row through and ignores the next token), so it needs a learning rate
 #: fifty times higher, its input side trained, and many more steps; and it is
 #: trained on the model's own continuations of the data's prompts, what it
-#: drafts against in real decoding. Measured on an H200 with SmolLM2-135M on
-#: raw book text: the retrain values kept 0.001 drafts a round; lr 1e-3, the
-#: input side trained and 4 epochs 0.861 offline, but only 0.30 a round at
-#: depth 1 in real decoding (the draft learned the book, the model writes its
-#: own text). Windows of 320 (a 64-token prompt and 256 generated tokens) cover
-#: the 200 tokens a decode's measure walks (`span`) with the chain's look-ahead,
-#: and give a data set 1.6x the prompts windows of 512 gave for the same tokens,
-#: without training on a long greedy continuation's repetitive tail; 8 of them a
-#: step. 8192 generated windows for 2 epochs (bench/DECODE.md, "A draft trained on
-#: more of the model's own text"): the whole pydoc text makes only ~345 windows of
-#: 320, and a draft trained 6 epochs on their continuations kept 0.33 drafts a round
-#: on chat questions and 0.27 on standard-library source it never saw (H200,
-#: SmolLM2-135M, depth 3, bf16). 4096 windows (prompts cut at 12 offsets of each
-#: window, chat requests the model wrote) for 3 epochs (4140 steps, 260 s there)
-#: kept 0.77 and 1.16; 8192 for 2 epochs (5526 steps, 464 s) 0.86 and 1.35, and
-#: served chat 1.46x and that text 1.67x faster than plain at 1 client. At 4096
-#: windows 6 epochs against 3 raised the held-out estimate only from 0.975 to 1.05:
-#: more distinct windows pay, more passes over the same ones little. A held-out evaluation walks
-#: the held-out windows, so it runs every 200 steps, and 10 without a new best stop.
+#: drafts against in real decoding. On raw book text the retrain values kept next to no
+#: drafts, and a higher rate with the input side trained learned the book but little of
+#: what real decoding accepts (the model writes its own text: bench/MTP.md, "A draft
+#: trained on a book's text"). Windows of 320 (a 64-token prompt and 256 generated
+#: tokens) cover the 200 tokens a decode's measure walks (`span`) with the chain's
+#: look-ahead, and give a data set 1.6x the prompts windows of 512 gave for the same
+#: tokens, without training on a long greedy continuation's repetitive tail; 8 of them a
+#: step. 8192 generated windows for 2 epochs (bench/DECODE.md, "A draft trained on more
+#: of the model's own text" and "The depth policy costs a step by its turn, and a draft
+#: of 8192 windows"): the whole pydoc text makes only a few hundred windows of 320, and
+#: a draft trained 6 epochs on their continuations kept few drafts on chat questions and
+#: standard-library source it never saw; prompts cut at 12 offsets of each window (chat
+#: requests the model wrote) multiply the distinct continuations, and 4096 windows for 3
+#: epochs, then 8192 for 2, kept more on both, 8192 serving both faster than plain at 1
+#: client. At 4096 windows 6 epochs against 3 raised the held-out estimate little: more
+#: distinct windows pay, more passes over the same ones little. A held-out evaluation
+#: walks the held-out windows, so it runs every 200 steps, and 10 without a new best stop.
 PRESETS = {
     "retrain": {"lr": 2e-5, "warm": 0.1, "epochs": 1.0, "train_input": False, "patience": 6, "eval_every": 25,
                 "window": 2048, "batch": 2, "generate": False, "gen_windows": 0},
@@ -137,16 +135,16 @@ class MtpSettings:
                                       feeds=("trunk", "mtp"))
     #: share of the prompts replaced by a chat request in the model's chat template (the model
     #: answers it; models without a template get none): half, as chat answers are harder to draft
-    #: than data continuations (on an H200 with SmolLM2 and a quarter of them chat: 0.42 accepted a
-    #: round at depth 3 against 1.09 on data)
+    #: than data continuations (a draft kept far fewer a round on chat prompts than on data:
+    #: bench/DECODE.md, "The final run")
     gen_chat: float = setting(0.5, "share of the prompts replaced by a chat request in the model's chat template",
                               lo=0, hi=1, feeds=("trunk", "mtp"))
     #: share of those chat requests the model writes itself (cortiq.data.selfgen.asked_openings:
     #: the template up to a user turn, a request sampled at temperature 1, then the greedy answer),
     #: each used once; the rest come from the fixed list of a few hundred requests, which repeat.
-    #: All: with 4096 fresh windows on the H200 (SmolLM2-135M, depth 3, bf16) the draft kept 0.77
-    #: drafts a round on chat questions of another source against 0.60 with the fixed list, and
-    #: 1.16 against 1.00 on standard-library source
+    #: All: with 4096 fresh windows the draft kept more drafts a round with requests the model wrote
+    #: than with the fixed list, on chat questions of another source and on standard-library source
+    #: (bench/DECODE.md, "A draft trained on more of the model's own text")
     gen_ask: float = setting(1.0, "share of the chat requests the model writes itself (each used once; the rest "
                                   "from a fixed list)", lo=0, hi=1, feeds=("trunk", "mtp"))
     #: 0: greedy continuations (what greedy speculative decoding verifies against); > 0: sampled

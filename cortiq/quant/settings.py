@@ -24,25 +24,23 @@ class QuantSettings:
     #: windows of the data, layer by layer on the outputs of the layers already quantized; "awq": the same with
     #: activation-aware per-input-channel scales searched first and folded into the op before (RMSNorm weight,
     #: up_proj rows); "rtn": round-to-nearest, no data (the codec's own encode)
-    #: the default is awq by measurement (bench/QUALITY.md, "Codecs of the healed model": on the H200, SmolLM2-135M
-    #: pruned 25 % and healed 2M tokens, q4 awq cost 0.003-0.028 nats less than q4 gptq on each of five texts, the
-    #: pydoc, program source and licence texts of other sources among them, for 1.1x gptq's time)
+    #: the default is awq by measurement (bench/QUALITY.md, "Codecs of the healed model": on SmolLM2-135M pruned
+    #: 25 % and healed, q4 awq cost less than q4 gptq on each of five texts, the pydoc, program source and licence
+    #: texts of other sources among them, for little more time)
     method: str = setting("awq", "how the q4/q4_64 blocks are chosen (q8: method_8bit): gptq (from the Grams of calibration windows, "
                                   "layer by layer), awq (activation-aware scales folded into the op before, then "
                                   "GPTQ), rtn (round-to-nearest, no data)", choices=METHODS)
-    #: q8 by rounding to nearest is within 0.004 nats of f16 on every text measured (bench/QUALITY.md, "Codecs of
-    #: the healed model": SmolLM2-135M pruned 25 % and healed, five texts of four sources, on the H200), so the
+    #: q8 by rounding to nearest is as good as f16 on every text measured (bench/QUALITY.md, "Codecs of
+    #: the healed model": SmolLM2-135M pruned 25 % and healed, five texts of four sources), so the
     #: Grams' forward and GPTQ buy it nothing a user could see; on 2 CPU cores they cost `make demo` 132 s
     method_8bit: str = setting("rtn", "how q8 blocks are chosen (method applies below 8 bits): rtn by default, "
                                       "gptq or awq to calibrate q8 as well", choices=METHODS, added=True)
     #: below 8 bits, the down_proj of some decoder layers written at q8 instead (cortiq.quant.layers.more_bits):
     #: the MLP's output matrix, which the pruning narrowed and the residual stream adds in whole. "ends" by
-    #: measurement (bench/QUALITY.md, "down_proj at q8"; H200, SmolLM2-135M pruned 25 % and healed 2M tokens, q4
-    #: by AWQ): Δ over f16 on the heal source's held-out text / unseen plays / pydoc / program source / licence
-    #: text +0.014 / +0.014 / -0.008 / +0.031 / +0.058 with every down_proj in q4 (84.1 MB), +0.005 / +0.003 /
-    #: -0.015 / +0.022 / +0.038 with "ends" (88.5 MB), +0.001 / -0.001 / -0.019 / +0.016 / +0.022 with "all"
-    #: (92.8 MB): of the three, "ends" is the cheapest that keeps every text within 0.05 nats. In the key (no `added`): a q4
-    #: cached before it had every down_proj in q4
+    #: measurement (bench/QUALITY.md, "down_proj at q8": SmolLM2-135M pruned 25 % and healed, q4 by AWQ, scored
+    #: on the heal source's held-out text, unseen plays, pydoc, program source and licence text): of none, "ends"
+    #: and "all", "ends" is the cheapest that keeps every text within 0.05 nats of f16. In the key (no `added`): a
+    #: q4 cached before it had every down_proj in q4
     down_8bit: str = setting("ends", "below 8 bits, the layers whose down_proj stays at q8: none, ends (the first and "
                                      "last eighth and every third layer between), all", choices=DOWN_8BIT)
     # ── calibration (the windows the Grams are taken over) ──

@@ -6,8 +6,18 @@ GET /metrics: the scheduler's counters in Prometheus' text format (`METRICS`).
 Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}},
 the framework's own included: 400 for a request the server cannot serve as
 asked (a body that is not a UTF-8 JSON object of exactly the declared types:
-nothing is coerced), 404 for another model name or an unknown path, 405 for a
-wrong method, 413 for a body over the limit, 429 when the waiting queue is full.
+nothing is coerced; `protocol` reads it; a prompt over the server's character
+bound, refused before it is tokenized), 404 for another model name or an
+unknown path, 405 for a wrong method, 413 for a body over the limit, 429 when
+the waiting queue is full.
+
+Prompts are rendered and tokenized on worker threads, not on the event loop: a
+long prompt's tokenizing would hold up every other request's events meanwhile.
+Long ones take turns on a few threads, so a burst of them leaves cores free
+(bench/serve_isolation.py measures what a small request waits meanwhile).
+
+The handlers are module-level functions over one `Served` (what the application
+serves), which `build_app` puts on the application's state.
 This module imports fastapi: only the serve command imports it.
 """
 
@@ -15,23 +25,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Literal
 
+from anyio import CapacityLimiter, to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from .chat import ChatError, render_chat
-from .scheduler import Busy, Event, Outbox, Request as GenRequest, Scheduler, merged
-
-MAX_STOP = 4  # stop strings per request (OpenAI's limit)
-MAX_STOP_CHARS = 256
+from ..chat import ChatTemplateError
+from .chat import chat_prompt
+from .protocol import ApiError, ChatBody, CommonBody, CompletionBody, error_body, invalid_fields, parse_body, stops
+from .scheduler import Busy, Event, Outbox, Refused, Request as GenRequest, Scheduler, merged
 
 
 @dataclass
@@ -46,109 +56,14 @@ class Served:
     bos: str = ""
     eos: str = ""
     max_body: int = 1 << 20
+    #: the longest prompt (characters, a chat's rendered prompt included) tokenized; longer ones get a 400
+    max_prompt_chars: int = 1 << 17
     #: the HTTP side's share of a profile: seconds writing SSE chunks, chunks, loop wake-ups
     profile: dict = field(default_factory=lambda: {"sse_seconds": 0.0, "sse_chunks": 0})
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-
-def _error_body(message: str, kind: str = "invalid_request_error", param=None, code=None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-# ── request bodies (unknown fields are refused rather than silently ignored) ──
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=1)
-    stream: bool = False
-    stream_options: dict | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    user: str | None = None
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-
-
-class CompletionBody(_Common):
-    prompt: str | list[str] | list[int]
-    echo: bool = Field(default=False)
-    logprobs: None = None
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-
-class ChatBody(_Common):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = Field(default=False)
-
-
-def _invalid_fields(errs: list) -> ApiError:
-    """One 400 for pydantic's errors: `param` is the top-level field at fault (never a
-    character position or a union member's type name), the message the distinct reasons."""
-    locs = [[x for x in e.get("loc", ()) if x != "body"] for e in errs]
-    param = str(locs[0][0]) if locs and locs[0] and isinstance(locs[0][0], str) else None
-    why = list(dict.fromkeys(e.get("msg", "invalid") for e, loc in zip(errs, locs) if (loc[:1] or [None])[0] == param))
-    return ApiError(400, f"{param + ': ' if param else ''}{' or '.join(why[:3]) or 'invalid request'}", param)
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON value")
-
-
-async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    """The request body as `model`, strictly: UTF-8 JSON (no NaN or Infinity, bounded nesting),
-    an object whose fields have exactly their declared types (no string or boolean is coerced:
-    `"stream": "yes"` and a prompt of booleans are refused). Any failure is an ApiError (400)."""
-    raw = await request.body()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ApiError(400, f"the request body is not UTF-8 (byte {e.start})", code="invalid_json") from None
-    try:
-        obj = json.loads(text, parse_constant=_no_constant)
-    except RecursionError:
-        raise ApiError(400, "the request body is JSON nested too deeply", code="invalid_json") from None
-    except ValueError as e:  # JSONDecodeError included
-        raise ApiError(400, f"the request body is not JSON ({e})", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise ApiError(400, f"the request body is a JSON {type(obj).__name__}, not an object", code="invalid_json")
-    try:
-        return model.model_validate(obj, strict=True)
-    except ValidationError as e:
-        raise _invalid_fields(e.errors()) from None
-    except RecursionError:
-        raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
-
-
-def _stops(stop) -> list[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > MAX_STOP:
-        raise ApiError(400, f"stop: at most {MAX_STOP} strings, got {len(stops)}", "stop")
-    if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
-        raise ApiError(400, f"stop: each string must have 1..{MAX_STOP_CHARS} characters", "stop")
-    return stops
+    #: one Outbox per event loop that submits requests (the scheduler thread posts events through it)
+    outboxes: dict = field(default_factory=dict)
+    #: the threads long prompts are tokenized on, a few at once (`_tokenize`)
+    long_lane: CapacityLimiter = field(default_factory=lambda: CapacityLimiter(max(1, (os.cpu_count() or 2) // 2)))
 
 
 class BodyLimit:
@@ -178,8 +93,8 @@ class BodyLimit:
                 too_big = True
                 break
         if too_big:
-            resp = JSONResponse(_error_body(f"the request body is over the limit of {self.limit} bytes", param=None,
-                                            code="request_too_large"), status_code=413)
+            resp = JSONResponse(error_body(f"the request body is over the limit of {self.limit} bytes", param=None,
+                                           code="request_too_large"), status_code=413)
             return await resp(scope, receive, send)
         body = b"".join(m.get("body", b"") for m in chunks if m["type"] == "http.request")
         disconnect = [m for m in chunks if m["type"] != "http.request"]
@@ -220,209 +135,269 @@ def metrics_text(counters: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_app(served: Served) -> FastAPI:
-    sched = served.scheduler
+# ── the application's life and its errors ──
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    sched = app.state.served.scheduler
+    sched.start()
+    try:
+        yield
+    finally:
+        sched.stop()
 
-    @asynccontextmanager
-    async def lifespan(app):
-        sched.start()
-        try:
-            yield
-        finally:
-            sched.stop()
 
-    app = FastAPI(title="cortiq", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+async def _api_error(request: Request, e: ApiError):
+    return JSONResponse(error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request, e: ApiError):
-        return JSONResponse(_error_body(e.message, e.kind, e.param, e.code), status_code=e.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, e: RequestValidationError):
-        return await _api_error(request, _invalid_fields(list(e.errors())))
+async def _invalid(request: Request, e: RequestValidationError):
+    return await _api_error(request, invalid_fields(list(e.errors())))
 
-    @app.exception_handler(HTTPException)
-    async def _http(request, e: HTTPException):
-        # the framework's own refusals (an unknown path, a wrong method) in the same shape
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        msg = {404: f"no such endpoint: {request.url.path}",
-               405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
-        return JSONResponse(_error_body(msg, param=None, code=code), status_code=e.status_code,
-                            headers=getattr(e, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _crash(request, e: Exception):
-        return JSONResponse(_error_body("the server failed on this request", "server_error"), status_code=500)
+async def _http(request: Request, e: HTTPException):
+    # the framework's own refusals (an unknown path, a wrong method) in the same shape
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    msg = {404: f"no such endpoint: {request.url.path}",
+           405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+    return JSONResponse(error_body(msg, param=None, code=code), status_code=e.status_code,
+                        headers=getattr(e, "headers", None))
 
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(metrics_text(sched.counters()), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": served.model_id, "object": "model", "created": 0,
-                                            "owned_by": "cortiq", "max_model_len": served.max_len}]}
+async def _crash(request: Request, e: Exception):
+    return JSONResponse(error_body("the server failed on this request", "server_error"), status_code=500)
 
-    async def _accept(request: Request, model: type[BaseModel], unsupported: str) -> BaseModel:
-        """The body, for the model this server serves, without the one option of its kind it refuses."""
-        body = await parse_body(request, model)
-        if body.model != served.model_id:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {served.model_id!r}",
-                           "model", "model_not_found")
-        if getattr(body, unsupported):
-            raise ApiError(400, f"{unsupported} is not supported", unsupported)
-        return body
 
-    def _request(body: _Common, ids: list[int], max_tokens: int | None) -> GenRequest:
-        if not ids:
-            raise ApiError(400, "the prompt encodes to no tokens", "prompt")
-        room = served.max_len - len(ids)
-        if room < 1:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens; this server's context is {served.max_len}",
-                           "messages" if isinstance(body, ChatBody) else "prompt", "context_length_exceeded")
-        if body.stream_options and set(body.stream_options) - {"include_usage"}:
-            raise ApiError(400, "stream_options: only include_usage is supported", "stream_options")
-        return GenRequest(ids=ids, max_tokens=min(max_tokens or room, room), temperature=body.temperature,
-                          top_p=body.top_p, seed=body.seed, stop=_stops(body.stop))
+# ── the endpoints ──
+async def metrics(request: Request):
+    counters = request.app.state.served.scheduler.counters()
+    return PlainTextResponse(metrics_text(counters), media_type="text/plain; version=0.0.4")
 
-    def _usage(req: GenRequest, ev: Event) -> dict:
-        return {"prompt_tokens": len(req.ids), "completion_tokens": ev.tokens,
-                "total_tokens": len(req.ids) + ev.tokens}
 
-    outboxes: dict = {}
+async def models(request: Request):
+    served: Served = request.app.state.served
+    return {"object": "list", "data": [{"id": served.model_id, "object": "model", "created": 0,
+                                        "owned_by": "cortiq", "max_model_len": served.max_len}]}
 
-    def _queue_nowait(q):
-        while not q.empty():
-            yield q.get_nowait()
 
-    async def _events(req: GenRequest):
-        """Submit `req` and yield its events (those that queued up while the consumer was
-        busy as one); a consumer that goes away cancels it."""
-        loop = asyncio.get_running_loop()
-        box = outboxes.get(loop)
-        if box is None:
-            box = outboxes[loop] = Outbox(loop)
-            served.profile["outbox"] = box.stats
-        q: asyncio.Queue[Event] = asyncio.Queue()
-        req.sink = lambda ev: box.post(q, ev)
-        try:
-            sched.submit(req)
-        except Busy as e:
-            raise ApiError(429 if "waiting" in str(e) else 503, str(e), code="server_busy",
-                           kind="server_error") from None
-        try:
-            while True:
-                ev = merged(await q.get(), _queue_nowait(q))
-                yield ev
-                if ev.finish:
-                    return
-        finally:
-            req.cancel()
+async def completions(request: Request):
+    served: Served = request.app.state.served
+    body = await _accept(served, request, CompletionBody, "echo")
+    p = body.prompt
+    if isinstance(p, list) and p and isinstance(p[0], str):
+        if len(p) != 1:
+            raise ApiError(400, "one prompt per request (a list of several prompts is not supported)", "prompt")
+        p = p[0]
+    if isinstance(p, str):
+        ids = await _tokenize(served, len(p), "prompt", _encode, served, p, True)
+    else:
+        vocab = served.scheduler.engine.vocab_size
+        bad = [t for t in p if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token ids {bad[:4]} are outside the vocabulary (0..{vocab - 1})", "prompt")
+        ids = list(p)
+    req = _request(served, body, ids, body.max_tokens if body.max_tokens is not None else 16)
+    return await _serve(served, req, body, "text")
 
-    async def _first(gen):
-        """The first event now (so a refusal is an HTTP error, not a broken stream)."""
-        try:
-            return await gen.__anext__()
-        except StopAsyncIteration:
-            return Event(finish="error", error="no answer")
 
-    def _sse(obj) -> str:
-        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+async def chat(request: Request):
+    served: Served = request.app.state.served
+    body = await _accept(served, request, ChatBody, "logprobs")
+    msgs = []
+    for m in body.messages:
+        c = m.content
+        text = c if isinstance(c, str) or c is None else "".join(part.text for part in c)
+        msgs.append({"role": m.role, "content": text or ""})
+    ids = await _tokenize(served, sum(len(m["content"]) for m in msgs), "messages", _chat_ids, served, msgs)
+    req = _request(served, body, ids, body.max_completion_tokens or body.max_tokens)
+    return await _serve(served, req, body, "chat")
 
-    async def _serve(req: GenRequest, stream: bool, include_usage: bool, kind: str):
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        gen = _events(req)
-        first = await _first(gen)
-        if first.finish == "error":
-            await gen.aclose()
-            raise ApiError(500, first.error, kind="server_error")
 
-        def choice(text: str | None, finish: str | None, final: bool):
-            if kind == "chat":
-                if not stream:
-                    return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                            "logprobs": None}
-                delta = {} if text is None else {"content": text}
-                return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+# ── what the endpoints share ──
+def _bound(served: Served, chars: int, param: str) -> None:
+    """Refuse a prompt over the character bound before any work is spent on it."""
+    if chars > served.max_prompt_chars:
+        raise ApiError(400, f"the prompt has {chars} characters; this server takes at most {served.max_prompt_chars} "
+                       "(--max-prompt-chars)", param, "prompt_too_long")
 
-        obj = "chat.completion" if kind == "chat" else "text_completion"
-        head = {"id": rid, "created": created, "model": served.model_id}
+
+#: prompts of more characters are tokenized in `Served.long_lane`, at most half the cores' worth at
+#: once, so that a burst of them leaves cores to the event loop and the scheduler's thread
+LONG_PROMPT = 1 << 14
+
+
+async def _tokenize(served: Served, chars: int, param: str, fn, *args) -> list[int]:
+    """`fn(*args)`: the token ids of a prompt of `chars` characters (the field `param`), refused
+    over the bound before any work, else made on a worker thread (in the long lane if it is long)."""
+    _bound(served, chars, param)
+    return await to_thread.run_sync(fn, *args, limiter=served.long_lane if chars > LONG_PROMPT else None)
+
+
+def _encode(served: Served, text: str, special: bool) -> list[int]:
+    """The token ids of `text` (on a worker thread: the tokenizers library lets other threads
+    run during a batch call, not during `encode`, so one text goes through `encode_batch`)."""
+    return served.tokenizer.encode_batch([text], add_special_tokens=special)[0].ids
+
+
+def _chat_ids(served: Served, msgs: list[dict]) -> list[int]:
+    """The token ids of a conversation under the model's chat template (on a worker thread)."""
+    try:
+        prompt = chat_prompt(served.chat_template, msgs, bos_token=served.bos, eos_token=served.eos)
+    except ChatTemplateError as e:
+        raise ApiError(400, str(e), "messages") from None
+    _bound(served, len(prompt), "messages")
+    return _encode(served, prompt, False)
+
+
+async def _accept(served: Served, request: Request, model: type[BaseModel], unsupported: str) -> BaseModel:
+    """The body, for the model this server serves, without the one option of its kind it refuses."""
+    body = parse_body(await request.body(), model)
+    if body.model != served.model_id:
+        raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {served.model_id!r}",
+                       "model", "model_not_found")
+    if getattr(body, unsupported):
+        raise ApiError(400, f"{unsupported} is not supported", unsupported)
+    return body
+
+
+def _request(served: Served, body: CommonBody, ids: list[int], max_tokens: int | None) -> GenRequest:
+    if not ids:
+        raise ApiError(400, "the prompt encodes to no tokens", "prompt")
+    room = served.max_len - len(ids)
+    if room < 1:
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; this server's context is {served.max_len}",
+                       "messages" if isinstance(body, ChatBody) else "prompt", "context_length_exceeded")
+    if body.stream_options and set(body.stream_options) - {"include_usage"}:
+        raise ApiError(400, "stream_options: only include_usage is supported", "stream_options")
+    return GenRequest(ids=ids, max_tokens=min(max_tokens or room, room), temperature=body.temperature,
+                      top_p=body.top_p, seed=body.seed, stop=stops(body.stop))
+
+
+def _usage(req: GenRequest, ev: Event) -> dict:
+    return {"prompt_tokens": len(req.ids), "completion_tokens": ev.tokens, "total_tokens": len(req.ids) + ev.tokens}
+
+
+def _queue_nowait(q):
+    while not q.empty():
+        yield q.get_nowait()
+
+
+async def _events(served: Served, req: GenRequest):
+    """Submit `req` and yield its events (those that queued up while the consumer was
+    busy as one); a consumer that goes away cancels it."""
+    loop = asyncio.get_running_loop()
+    box = served.outboxes.get(loop)
+    if box is None:
+        box = served.outboxes[loop] = Outbox(loop)
+        served.profile["outbox"] = box.stats
+    q: asyncio.Queue[Event] = asyncio.Queue()
+    req.sink = lambda ev: box.post(q, ev)
+    try:
+        served.scheduler.submit(req)
+    except Busy as e:
+        raise ApiError(429 if "waiting" in str(e) else 503, str(e), code="server_busy", kind="server_error") from None
+    except Refused as e:
+        raise ApiError(400, str(e), e.param) from None
+    try:
+        while True:
+            ev = merged(await q.get(), _queue_nowait(q))
+            yield ev
+            if ev.finish:
+                return
+    finally:
+        req.cancel()
+
+
+async def _first(gen):
+    """The first event now (so a refusal is an HTTP error, not a broken stream)."""
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        return Event(finish="error", error="no answer")
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _choice(kind: str, stream: bool, text: str | None, finish: str | None) -> dict:
+    """One choice of an answer (`stream`: of a chunk of one) in OpenAI's shape for `kind`."""
+    if kind == "chat":
         if not stream:
-            parts, ev = [first.text], first
-            while not ev.finish:
-                ev = await gen.__anext__()
-                parts.append(ev.text)
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                    "logprobs": None}
+        return {"index": 0, "delta": {} if text is None else {"content": text}, "finish_reason": finish,
+                "logprobs": None}
+    return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+
+async def _serve(served: Served, req: GenRequest, body: CommonBody, kind: str):
+    """Run `req` and answer it: one JSON object, or (`body.stream`) a stream of server-sent events."""
+    head = {"id": ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
+            "model": served.model_id}
+    gen = _events(served, req)
+    first = await _first(gen)
+    if first.finish == "error":
+        await gen.aclose()
+        raise ApiError(500, first.error, kind="server_error")
+    if not body.stream:
+        return await _whole(req, gen, first, head, kind)
+    usage = bool((body.stream_options or {}).get("include_usage"))
+    return StreamingResponse(_stream(served, req, gen, first, head, kind, usage), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _whole(req: GenRequest, gen, first: Event, head: dict, kind: str) -> dict:
+    """The answer as one object, once its last event is in."""
+    parts, ev = [first.text], first
+    while not ev.finish:
+        ev = await gen.__anext__()
+        parts.append(ev.text)
+    if ev.finish == "error":
+        raise ApiError(500, ev.error, kind="server_error")
+    return {**head, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "choices": [_choice(kind, False, "".join(parts), ev.finish)], "usage": _usage(req, ev)}
+
+
+async def _stream(served: Served, req: GenRequest, gen, first: Event, head: dict, kind: str, usage: bool):
+    """The answer's server-sent events, from `first` on; an error mid-answer is an error event."""
+    chunk = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    prof = served.profile
+    try:
+        if kind == "chat":
+            yield _sse({**head, "object": chunk, "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}]})
+        ev = first
+        while True:
             if ev.finish == "error":
-                raise ApiError(500, ev.error, kind="server_error")
-            return {**head, "object": obj, "choices": [choice("".join(parts), ev.finish, True)],
-                    "usage": _usage(req, ev)}
+                yield _sse(error_body(ev.error, "server_error"))
+                break
+            if ev.text:
+                t0 = time.perf_counter()
+                line = _sse({**head, "object": chunk, "choices": [_choice(kind, True, ev.text, None)]})
+                prof["sse_seconds"] += time.perf_counter() - t0
+                prof["sse_chunks"] += 1
+                yield line
+            if ev.finish:
+                yield _sse({**head, "object": chunk, "choices": [_choice(kind, True, None, ev.finish)]})
+                if usage:
+                    yield _sse({**head, "object": chunk, "choices": [], "usage": _usage(req, ev)})
+                break
+            ev = await gen.__anext__()
+        yield "data: [DONE]\n\n"
+    finally:
+        await gen.aclose()
 
-        async def body():
-            chunk = "chat.completion.chunk" if kind == "chat" else "text_completion"
-            try:
-                if kind == "chat":
-                    yield _sse({**head, "object": chunk, "choices": [
-                        {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                         "logprobs": None}]})
-                ev = first
-                while True:
-                    if ev.finish == "error":
-                        yield _sse(_error_body(ev.error, "server_error"))
-                        break
-                    if ev.text:
-                        t0 = time.perf_counter()
-                        line = _sse({**head, "object": chunk, "choices": [choice(ev.text, None, False)]})
-                        served.profile["sse_seconds"] += time.perf_counter() - t0
-                        served.profile["sse_chunks"] += 1
-                        yield line
-                    if ev.finish:
-                        yield _sse({**head, "object": chunk, "choices": [choice(None, ev.finish, True)]})
-                        if include_usage:
-                            yield _sse({**head, "object": chunk, "choices": [], "usage": _usage(req, ev)})
-                        break
-                    ev = await gen.__anext__()
-                yield "data: [DONE]\n\n"
-            finally:
-                await gen.aclose()
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await _accept(request, CompletionBody, "echo")
-        p = body.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
-            if len(p) != 1:
-                raise ApiError(400, "one prompt per request (a list of several prompts is not supported)", "prompt")
-            p = p[0]
-        if isinstance(p, str):
-            ids = served.tokenizer.encode(p).ids
-        else:
-            bad = [t for t in p if not 0 <= t < sched.engine.vocab_size]
-            if bad:
-                raise ApiError(400, f"token ids {bad[:4]} are outside the vocabulary (0..{sched.engine.vocab_size - 1})",
-                               "prompt")
-            ids = list(p)
-        req = _request(body, ids, body.max_tokens if body.max_tokens is not None else 16)
-        return await _serve(req, body.stream, bool((body.stream_options or {}).get("include_usage")), "text")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = await _accept(request, ChatBody, "logprobs")
-        msgs = []
-        for m in body.messages:
-            c = m.content
-            text = c if isinstance(c, str) or c is None else "".join(part.text for part in c)
-            msgs.append({"role": m.role, "content": text or ""})
-        try:
-            prompt = render_chat(served.chat_template, msgs, served.bos, served.eos)
-        except ChatError as e:
-            raise ApiError(400, str(e), "messages") from None
-        ids = served.tokenizer.encode(prompt, add_special_tokens=False).ids
-        req = _request(body, ids, body.max_completion_tokens or body.max_tokens)
-        return await _serve(req, body.stream, bool((body.stream_options or {}).get("include_usage")), "chat")
-
+def build_app(served: Served) -> BodyLimit:
+    """The application serving `served`, behind the body limit."""
+    app = FastAPI(title="cortiq", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.served = served
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(HTTPException, _http)
+    app.add_exception_handler(Exception, _crash)
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
     return BodyLimit(app, served.max_body)

@@ -4,14 +4,12 @@ budget, since a template is code that came with a model file."""
 
 from __future__ import annotations
 
-from .. import chat
-from ..chat import ChatTemplateError as ChatError  # noqa: F401  (the server's name for it)
+from ..chat import ChatTemplateError, render_chat
 
 
-def render_chat(template: str | None, messages: list[dict], bos: str = "", eos: str = "",
-                add_generation_prompt: bool = True) -> str:
-    """The prompt text of a conversation ([{role, content}]) under `template`."""
+def chat_prompt(template: str | None, messages: list[dict], *, bos_token: str = "", eos_token: str = "") -> str:
+    """The prompt text of a chat request ([{role, content}]) under `template`, with the
+    generation prompt; a model without a template is refused (ChatTemplateError)."""
     if not template:
-        raise ChatError("the model carries no chat template: use /v1/completions")
-    return chat.render_chat(template, messages, "the model's chat template", add_generation_prompt=add_generation_prompt,
-                            bos_token=bos, eos_token=eos)
+        raise ChatTemplateError("the model carries no chat template: use /v1/completions")
+    return render_chat(template, messages, "the model's chat template", bos_token=bos_token, eos_token=eos_token)

@@ -171,45 +171,6 @@ def make_engine(model, max_batch: int, max_len: int, draft: int = 0, kind: str =
     raise CortiqError(f"engine kind {kind!r} (choose auto, decode or loop)")
 
 
-def _row_keeping_engine():
-    """DecodeEngine, keeping the trunk's last final hidden row per slot: the
-    row its own next-token choice reads (prefill's last prompt row, each plain
-    step's row), copied into a buffer made before the engine captures its
-    step, so the captured graph refreshes it at every replay."""
-    from ..model.decode import DecodeEngine
-
-    class RowKeeping(DecodeEngine):
-        def __init__(self, model, slots: int, **kw):
-            w = model.model.embed_tokens.weight
-            self.serve_rows = torch.zeros(slots, model.arch.hidden_size, dtype=w.dtype, device=w.device)  # [S, H]
-            self._prefill_slot = None
-            super().__init__(model, slots=slots, **kw)
-
-        def prefill_job(self, slot, ids, temperature=0.0, chunk=0):
-            job = super().prefill_job(slot, ids, temperature, chunk)
-            run = job.run
-
-            def run_keeping():  # the last chunk's pick is the prefill's: keep that slot's row
-                self._prefill_slot = slot
-                try:
-                    return run()
-                finally:
-                    self._prefill_slot = None
-
-            job.run = run_keeping
-            return job
-
-        def _pick(self, h, temp=None):
-            if temp is not None:  # the trunk's next-token choice: h [S, 1, H], or [1, 1, H] in prefill
-                if self._prefill_slot is not None:
-                    self.serve_rows[self._prefill_slot] = h[0, -1]
-                else:
-                    self.serve_rows.copy_(h[:, -1])
-            return super()._pick(h, temp)
-
-    return RowKeeping
-
-
 def bucket_sizes(slots: int) -> list[int]:
     """Batch sizes a step is built for: 1, 2, 4, ... below `slots`, then `slots`."""
     out, b = [], 1
@@ -222,7 +183,7 @@ def bucket_sizes(slots: int) -> list[int]:
 def kv_bucket_sizes(max_len: int, shortest: int = 32) -> list[int]:
     """Key lengths a step's attention is built for: 32, 64, ... below max_len, then max_len. A
     step reads the caches up to the shortest that holds its slots (attention over the whole
-    static cache of 1024 positions was a quarter of a batch-1 step's device time on an H200),
+    static cache was a large part of a small batch's step: bench/DECODE.md, "The engine's design notes"),
     at the price of one captured graph per length, batch bucket and kind of step."""
     return [L for L in bucket_sizes(max_len) if L >= shortest] or [max_len]
 
@@ -234,7 +195,7 @@ class _DecodeLaunched(Launched):
     def __init__(self, ad: "DecodeAdapter", slots, bucket, depth, bufs, done, t0, gens, tree: bool = False):
         super().__init__(slots, bucket, depth, tree=tree)
         self.ad, self.bufs, self.done, self.t0, self.gens = ad, bufs, done, t0, gens
-        self.hi_reads = ad.eng.hi_reads
+        self.bound_reads = ad.eng.bound_reads
 
     def wait(self):
         if self.new is not None:
@@ -251,12 +212,12 @@ class _DecodeLaunched(Launched):
         else:
             tok = self.bufs[0][: self.bucket].tolist()
             self.new = [[tok[s]] for s in slots]
-        hi, exact = ad.eng._hi, ad.eng.hi_reads != self.hi_reads
+        exact = ad.eng.bound_reads != self.bound_reads
         for s, g, new in zip(slots, self.gens, self.new):
             if ad.gen[s] == g:  # the slot still holds the request this step advanced
                 ad.lens[s] += len(new)
                 if not exact:  # the bound counted every draft as kept (unless it was read back since)
-                    hi[s] -= self.depth + 1 - len(new)
+                    ad.eng.drop_unkept(s, self.depth + 1 - len(new))
         return self.new
 
 
@@ -265,7 +226,8 @@ class DecodeAdapter(Engine):
     keeps each slot's pending token and advances every active slot at once;
     the server decides tokens itself (top-p, a seed per request), so each call
     first sets the pending tokens to the scheduler's, and the logits come from
-    the trunk's last hidden row per slot through the head. `picked` holds the
+    the trunk's last hidden row per slot (the engine's `final_rows`, which the
+    captured graphs refresh) through the head. `picked` holds the
     engine's own greedy tokens of the last call, which the scheduler takes
     for greedy requests (the same argmax, from the engine's own product).
 
@@ -289,14 +251,15 @@ class DecodeAdapter(Engine):
     def __init__(self, model, max_batch: int, max_len: int, draft: int = 0, graphs: bool | None = None,
                  buckets: list[int] | None = None, kv_buckets: list[int] | None = None, branches: int = 1):
         super().__init__(model, max_batch, max_len, draft)
-        self.eng = _row_keeping_engine()(model, slots=max_batch, max_len=self.engine_len(max_len, draft), draft=draft,
-                                         sampling=False, graphs=graphs, buckets=buckets or bucket_sizes(max_batch),
-                                         # (those below max_len: the engine's whole cache is the last,
-                                         # max_len and the rows a round writes past it)
-                                         kv_buckets=kv_bucket_sizes(max_len)[:-1] if kv_buckets is None else kv_buckets,
-                                         branches=branches)
+        from ..model.decode import DecodeEngine, StagedPrefill
+
+        self.eng = DecodeEngine(model, slots=max_batch, max_len=self.engine_len(max_len, draft), draft=draft,
+                                sampling=False, graphs=graphs, buckets=buckets or bucket_sizes(max_batch),
+                                # (those below max_len: the engine's whole cache is the last,
+                                # max_len and the rows a round writes past it)
+                                kv_buckets=kv_bucket_sizes(max_len)[:-1] if kv_buckets is None else kv_buckets,
+                                branches=branches, keep_rows=True)
         self.branches = branches
-        from ..model.decode import StagedPrefill
 
         # prompts by captured chunk graphs where the model allows (attention only)
         self.staged = None if self.eng.lin_idx else StagedPrefill(self.eng)
@@ -313,13 +276,13 @@ class DecodeAdapter(Engine):
         self._next = 0
 
     def _logits(self, slots_t):
-        return self.model.logits(self.eng.serve_rows[slots_t]).float()  # [B, V]
+        return self.model.logits(self.eng.final_rows[slots_t]).float()  # [B, V]
 
     def _feed(self, slots, tokens):
         if set(slots) != self.on:
             raise CortiqError(f"engine: steps every active slot together ({sorted(self.on)}), not {sorted(slots)}")
         slots_t = torch.tensor(list(slots), device=self.device)
-        self.eng.pend[slots_t] = torch.tensor(list(tokens), device=self.device)
+        self.eng.pending[slots_t] = torch.tensor(list(tokens), device=self.device)
         return slots_t
 
     def _rows(self) -> int:
@@ -339,9 +302,9 @@ class DecodeAdapter(Engine):
 
     def set_pending(self, slot, tok):
         if isinstance(tok, torch.Tensor):  # the device's own copy: no wait for the host
-            self.eng.pend[slot: slot + 1].copy_(tok.reshape(1))
+            self.eng.pending[slot: slot + 1].copy_(tok.reshape(1))
         else:
-            self.eng.pend[slot] = int(tok)
+            self.eng.pending[slot] = int(tok)
 
     @torch.no_grad()
     def step(self, slots, tokens):
@@ -355,17 +318,17 @@ class DecodeAdapter(Engine):
     def speculate(self, slots, tokens, depth: int = 0):
         slots_t = self._feed(slots, tokens)
         pred, n = self.eng.spec_on(self._rows(), depth or None)
-        p, k = pred[slots_t].tolist(), n[slots_t].tolist()
-        for s, ki in zip(slots, k):
-            self.lens[s] += ki
-        return [row[:ki] for row, ki in zip(p, k)]
+        p, kept = pred[slots_t].tolist(), n[slots_t].tolist()
+        for s, n_s in zip(slots, kept):
+            self.lens[s] += n_s
+        return [row[:n_s] for row, n_s in zip(p, kept)]
 
     def bucket_for(self, rows: int) -> int:
         return self.eng.bucket_for(rows)
 
     def fits(self, slots, need):
-        hi = self.eng._hi  # the engine's host-side bound, launched steps included
-        return all(hi[s] + need <= self.max_len for s in slots)
+        # the engine's host-side bound, launched steps included
+        return all(self.eng.length_bound(s) + need <= self.max_len for s in slots)
 
     @torch.no_grad()
     def launch(self, slots, depth: int = 0, sample: dict | None = None, chain: bool = True,
@@ -399,7 +362,7 @@ class DecodeAdapter(Engine):
                 rows = [sample[s] for s in ss]
                 tok = sample_ids(self._logits(st), [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
                              out[st])
-                eng.pend[st] = tok
+                eng.pending[st] = tok
                 out[st] = tok
             bufs[0][:b].copy_(out[:b], non_blocking=True)
         if done is not None:
@@ -486,28 +449,28 @@ class LoopEngine(Engine):
     def speculate(self, slots, tokens, depth: int = 0):
         return [self._round(s, t, depth or self.draft) for s, t in zip(slots, tokens)]
 
-    def _round(self, slot: int, tok: int, k: int) -> list[int]:
-        """One draft-and-verify round of one slot (k drafts), as model.generate.generate_speculative runs it."""
+    def _round(self, slot: int, tok: int, depth: int) -> list[int]:
+        """One draft-and-verify round of one slot (`depth` drafts), as model.generate.generate_speculative runs it."""
         m, dev = self.model, self.device
         cache, h_prev = self.caches[slot], self.h_last[slot]
         n = cache.seen
-        if n + k + 1 > self.max_len:
-            raise CortiqError(f"engine: slot {slot} has no room for a round of {k} drafts")
+        if n + depth + 1 > self.max_len:
+            raise CortiqError(f"engine: slot {slot} has no room for a round of {depth} drafts")
         mtp_state = cache.extra[0]
         mtp_snap = mtp_state.snapshot()
         drafts, xh, xt = [], h_prev, tok
-        for j in range(k):
+        for j in range(depth):
             xh = m.mtp_forward(xh, torch.tensor([[xt]], device=dev), n - 1 + j, mtp_state)
             xt = int(m.logits(xh[0, -1]).argmax())
             drafts.append(xt)
         snap = cache.snapshot()
         block = torch.tensor([[tok] + drafts], device=dev)
-        Hv, _ = m.forward_hidden(block, cache=cache)  # [1, k+1, H]
+        Hv, _ = m.forward_hidden(block, cache=cache)  # [1, depth+1, H]
         pred = m.logits(Hv[0]).argmax(-1).tolist()
         a = 0
-        while a < k and drafts[a] == pred[a]:
+        while a < depth and drafts[a] == pred[a]:
             a += 1
-        if a < k:
+        if a < depth:
             if self.has_gdn:  # a recurrent state cannot be cut: re-run the accepted tokens
                 cache.restore(snap)
                 Hv, _ = m.forward_hidden(block[:, : a + 1], cache=cache)

@@ -16,10 +16,10 @@ events), and the period of the loop's turn that took its tokens (the wait for
 the device plus the host's launch, text and stop checks; the prompt chunks
 prefilled that turn left out). The loop overlaps the host's work with the next
 step, so the turn's period is what a step costs in throughput. Device time
-alone undercounts plain steps where the host is the slower side: on the H200
-at 32 chat clients (2026-12-03) the policy then chose plain steps that cost as
-much wall time as rounds, and ran at 0.95x a plain server while always
-speculating ran at 1.08x.
+alone undercounts plain steps where the host is the slower side: the policy
+then chose plain steps that cost as much wall time as rounds, and served less
+than always speculating did (bench/DECODE.md, "The depth policy costs a step by
+its turn, and a draft of 8192 windows").
 
 With a draft tree (`--draft-branches`), a round of each depth can also verify the
 tree: its steps are timed apart from the chain's, and its expected tokens use each

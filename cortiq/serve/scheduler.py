@@ -27,10 +27,24 @@ recent acceptance.
 
 The HTTP side talks to it through `submit` (thread-safe) and reads `Event`s
 from an asyncio queue the scheduler fills through the request's event loop.
+
+One request's failure ends that request alone. What a batched step reads of each
+request, its sampling parameters and its prompt's tokens, is checked at `submit`
+(`Refused`), so no request's row can fail a step that others share; the work done
+for one request at a time, its prefill and first token, its text and stop checks,
+the delivery of its events, is guarded one request at a time, and a failure there
+ends that request with an "error" event while the others go on untouched. A failure
+of the batched step itself is not retried: it may have written some slots' caches
+and moved their positions (a Gated DeltaNet state is updated in place), so the
+running requests' state is unknown and a retry could decode them wrongly without a
+sign. It ends the requests that step ran; those waiting or in prefill go on, and
+so does the server.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import sys
 import threading
@@ -41,10 +55,10 @@ import time
 
 import torch
 
-from ..errors import CortiqError
+from ..errors import CortiqError, write_error
 from .detok import IncrementalText
 from .policy import DepthPolicy
-from .sampling import sample_ids
+from .sampling import sample_ids, temperature_error, top_p_error
 
 
 @dataclass
@@ -89,6 +103,27 @@ class Request:
 
 class Busy(CortiqError):
     """The waiting queue is full."""
+
+
+class Refused(CortiqError):
+    """A request the scheduler cannot run as asked; `param`: its field at fault."""
+
+    def __init__(self, param: str, why: str):
+        super().__init__(f"{param}: {why}")
+        self.param = param
+
+
+def refusal(req: Request, vocab_size: int) -> Refused | None:
+    """Why `req` cannot join a batch (None: it can): what a batched step reads of it must be
+    in range, so that its row cannot fail the step for the requests beside it."""
+    for param, why in (("temperature", temperature_error(req.temperature)), ("top_p", top_p_error(req.top_p))):
+        if why:
+            return Refused(param, why)
+    if req.max_tokens < 1:
+        return Refused("max_tokens", f"{req.max_tokens} is below 1")
+    if not req.ids or min(req.ids) < 0 or max(req.ids) >= vocab_size:
+        return Refused("prompt", f"its token ids must be 1 or more, in 0..{vocab_size - 1}")
+    return None
 
 
 class Scheduler:
@@ -148,7 +183,20 @@ class Scheduler:
             key = "self_cuda_time_total" if self.engine.device.type == "cuda" else "self_cpu_time_total"
             self.trace_table = tr.key_averages().table(sort_by=key, row_limit=25)
             if self._trace_path:
-                tr.export_chrome_trace(self._trace_path)
+                self._export_trace(tr, self._trace_path)
+
+    @staticmethod
+    def _export_trace(tr, path: str) -> None:
+        """The Chrome trace into `path` (written to PATH.partial, renamed once whole). A failed
+        write is one line on stderr naming the path, and leaves no .partial: the server goes on."""
+        part = path + ".partial"
+        try:
+            tr.export_chrome_trace(part)
+            os.replace(part, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.remove(part)
+            print(f"cortiq serve: {write_error(path, e)}", file=sys.stderr)
 
     def counters(self) -> dict:
         """The counters since the start (`stats`) and, now, the requests decoding (`running`) and
@@ -171,6 +219,10 @@ class Scheduler:
 
     # ── the HTTP side ──
     def submit(self, req: Request) -> None:
+        """Queue `req` (Busy: the queue is full or the server stops; Refused: it cannot run as asked)."""
+        bad = refusal(req, self.engine.vocab_size)
+        if bad is not None:
+            raise bad
         with self.cond:
             if self.stopping:
                 raise Busy("the server is shutting down")
@@ -210,13 +262,11 @@ class Scheduler:
                 t0 = time.perf_counter()
                 try:
                     flight = self._turn(admit, flight)
-                except Exception as e:  # an engine failure ends the running requests, not the server
+                except Exception as e:  # a batched step failed: it ends the requests it ran (module docstring)
                     print(f"cortiq serve: decoding failed: {type(e).__name__}: {e}", file=sys.stderr)
                     flight = None
-                    for r in (list(self.active.values()) + [r for r, _ in self.prefilling]
-                              + [r for r in admit if r.slot < 0]):
+                    for r in list(self.active.values()):
                         self._end(r, "error", f"decoding failed: {e}")
-                    self.prefilling.clear()
                 self.prof["loop"] += time.perf_counter() - t0
                 self.prof["turns"] += 1
                 self._trace_turn()
@@ -236,7 +286,10 @@ class Scheduler:
                 continue
             r.slot = self.free.pop(0)
             r.spec = self.speculative and r.temperature <= 0
-            self.prefilling.append((r, eng.prefill_job(r.slot, r.ids, self.prefill_chunk)))
+            try:
+                self.prefilling.append((r, eng.prefill_job(r.slot, r.ids, self.prefill_chunk)))
+            except Exception as e:
+                self._fail(r, e)
         self._prefill()
         t1 = time.perf_counter()
         prof["prefill"] += t1 - t0
@@ -260,7 +313,7 @@ class Scheduler:
     def _prefill(self):
         """Prompt chunks of the prefilling requests, oldest first, up to prefill_chunk tokens
         (at least one chunk); a finished prompt decides its request's first token."""
-        eng, budget = self.engine, self.prefill_chunk or float("inf")
+        budget = self.prefill_chunk or float("inf")
         while self.prefilling and budget > 0:
             r, job = self.prefilling[0]
             if r.cancelled:
@@ -268,17 +321,26 @@ class Scheduler:
                 self._end(r, None)
                 continue
             left = job.left
-            logits = job.run()
-            budget -= left - job.left
-            if logits is None:
-                continue
-            self.prefilling.pop(0)
-            self.active[r.slot] = r
-            tok = sample_ids(logits[None], [r.temperature], [r.top_p], [r.rng.random()], eng.picked)  # [1]
-            eng.set_pending(r.slot, tok)
-            self.stats["requests"] += 1
-            self.first_buf[r.slot: r.slot + 1].copy_(tok, non_blocking=True)
-            self.firsts.append((r, r.slot, self.launches))
+            try:
+                logits = job.run()
+                budget -= left - job.left
+                if logits is not None:
+                    self.prefilling.pop(0)
+                    self._first(r, logits)
+            except Exception as e:  # this prompt's own work: it alone ends
+                if self.prefilling and self.prefilling[0][0] is r:
+                    self.prefilling.pop(0)
+                self._fail(r, e)
+
+    def _first(self, r: Request, logits):
+        """A prompt's last chunk has run: its first token, decided on the device, and its slot running."""
+        eng = self.engine
+        self.active[r.slot] = r
+        tok = sample_ids(logits[None], [r.temperature], [r.top_p], [r.rng.random()], eng.picked)  # [1]
+        eng.set_pending(r.slot, tok)
+        self.stats["requests"] += 1
+        self.first_buf[r.slot: r.slot + 1].copy_(tok, non_blocking=True)
+        self.firsts.append((r, r.slot, self.launches))
 
     def _depth(self, running) -> tuple[int, bool | None]:
         """Drafts the next round verifies (0: a plain step), and whether on the draft tree (None:
@@ -366,7 +428,7 @@ class Scheduler:
         t0 = time.perf_counter()
         eng = self.engine
         pieces = [[] for _ in reqs]
-        ended: list = []  # (request, finish, pieces)
+        ended: list = []  # (request, finish, pieces); finish None: its text failed (pieces: the error)
         alive, j = list(range(len(reqs))), 0
         while alive:
             adding = []
@@ -378,10 +440,13 @@ class Scheduler:
                     ended.append((r, "stop", pieces[i]))
                 else:
                     adding.append(i)
-            texts = IncrementalText.add_many([reqs[i].text for i in adding], [toks[i][j] for i in adding])
+            texts = _texts([reqs[i].text for i in adding], [toks[i][j] for i in adding])
             alive = []
             for i, piece in zip(adding, texts):
                 r = reqs[i]
+                if isinstance(piece, Exception):
+                    ended.append((r, None, piece))
+                    continue
                 pieces[i].append(piece)
                 if r.text.stopped:
                     ended.append((r, "stop", pieces[i]))
@@ -395,7 +460,10 @@ class Scheduler:
         t1 = time.perf_counter()
         done = {id(r) for r, _, _ in ended}
         for r, finish, ps in ended:
-            self._end(r, finish, "", ps)
+            if finish is None:
+                self._fail(r, ps)
+            else:
+                self._end(r, finish, "", ps)
         for i, r in enumerate(reqs):
             if id(r) not in done:
                 r.next_tok = toks[i][-1]
@@ -418,10 +486,34 @@ class Scheduler:
         text = "".join(pieces) + (r.text.finish() if finish != "error" else "")
         self._send(r, Event(text=text, finish=finish, tokens=r.n_out, error=error))
 
+    def _fail(self, r: Request, e: Exception):
+        """Work done for `r` alone failed: `r` ends with an "error" event; the others go on."""
+        print(f"cortiq serve: a request failed: {type(e).__name__}: {e}", file=sys.stderr)
+        self._end(r, "error", f"decoding failed: {e}")
+
     @staticmethod
     def _send(r: Request, ev: Event):
-        if r.sink is not None:
+        if r.sink is None:
+            return
+        try:
             r.sink(ev)
+        except Exception:  # its consumer is gone (say, its event loop closed): it is dropped before its next step
+            r.cancelled = True
+
+
+def _texts(texts: list, tokens: list) -> list:
+    """`IncrementalText.add_many` (each text after its next token); where that fails, each
+    text alone, and for a text whose own decode fails, the exception in its place."""
+    try:
+        return IncrementalText.add_many(texts, tokens)
+    except Exception:
+        out = []
+        for x, t in zip(texts, tokens):
+            try:
+                out.append(x.add(t))
+            except Exception as e:
+                out.append(e)
+        return out
 
 
 class Outbox:

@@ -24,9 +24,11 @@ class ServeSettings:
     max_len: int = setting(0, "context per request in tokens (0: the model's, at most 4096)", lo=0)
     #: greedy requests draft with the MTP block and verify in one forward (same tokens, fewer forwards)
     speculative: bool = setting(False, "speculative decoding with the model's MTP draft (greedy requests)")
-    #: tokens the MTP chain drafts per round (3: the depth of bench/DECODE.md's serving tables,
-    #: where a round of 3 keeps 1.8-2.8 tokens and costs 1.2-1.3 plain steps with one client)
-    draft: int = setting(3, "--speculative: tokens drafted per round", lo=1)
+    #: tokens the MTP chain drafts per round: 3, the depth the serving tables measure (bench/DECODE.md,
+    #: "The final serving table, one call"; what a round keeps and costs: "Reading the figures")
+    draft: int = setting(3, "--speculative: tokens drafted per round", lo=1, hi=16,
+                         why="a round's drafts run one after another, and one is kept only where every draft "
+                             "before it was: a deeper round costs more than it can keep")
     #: choose each step between a plain step and a round of 1..draft drafts, from the measured
     #: step times and each request's recent acceptance (so a large batch or a draft that is
     #: rarely right runs plain steps); off: every all-greedy step is a round of `draft`
@@ -36,12 +38,14 @@ class ServeSettings:
     #: A round then verifies branches·draft + 1 rows: nearly free while the step is bound by its
     #: launches (few clients), not when many clients fill the batch (bench/DECODE.md); with
     #: spec_auto each step chooses between plain, chain and tree rounds from their measured times.
-    #: 0 (auto): `auto_branches` (4 on CUDA for attention-only models; on an H100 a tree of 4 served
-    #: more tokens a second than the chain at 1, 8 and 32 clients on chat and at 1 and 8 on text,
-    #: and 19.1k against 19.3k on text at 32) with the decode engine, else 1
+    #: 0 (auto): `auto_branches` (4 on CUDA for attention-only models, where a tree of 4 served more
+    #: than the chain in nearly every row of bench/DECODE.md, "The final serving table, one call")
+    #: with the decode engine, else 1
     draft_branches: int = setting(0, "--speculative: verify the draft's top N first guesses, each chained, "
                                            "in one forward (a tree; 0: 4 on CUDA for attention-only models, "
-                                           "else 1)", lo=0)
+                                           "else 1)", lo=0, hi=16,
+                                  why="a round verifies branches x draft + 1 rows a request, and the tree's "
+                                      "masks grow with their square: more first guesses cost more than they keep")
     #: prompt tokens run per scheduler turn (a long prompt takes several turns, between the
     #: running requests' steps, so they do not stall); 0 = a whole prompt at once
     prefill_chunk: int = setting(256, "prompt tokens prefilled per step (0: whole prompts)", lo=0)
@@ -62,6 +66,11 @@ class ServeSettings:
     # ── limits ──
     #: largest request body accepted (413 above)
     max_body_kb: int = setting(1024, "largest request body in KiB", lo=1)
+    #: a prompt that fits the context averages far fewer characters a token than 32 (English text
+    #: about 4), and tokenizing costs time by the character: a longer prompt is refused unread
+    max_prompt_chars: int = setting(0, "longest prompt in characters; longer ones get a 400 before they are "
+                                       "tokenized (0: 32 per token of the context)", lo=0,
+                                    show="32 x the context")
     #: requests that may wait for a slot (429 above)
     max_waiting: int = setting(256, "requests that may wait for a free slot", lo=1)
     shutdown_timeout: float = setting(5.0, "seconds running requests get after SIGTERM", lo=0)
@@ -76,6 +85,10 @@ class ServeSettings:
         if self.draft_branches:
             return self.draft_branches
         return auto_branches(arch, dev) if self.engine != "loop" else 1
+
+    def prompt_chars(self, context: int) -> int:
+        """The longest prompt in characters taken for a context of `context` tokens."""
+        return self.max_prompt_chars or 32 * context
 
     def __post_init__(self):
         check(self, "serve settings")

@@ -1,8 +1,8 @@
-"""Every bench script runs: `python -m bench.NAME --cpu --tiny` (the GPU run's own code at tiny sizes),
+"""Every bench script runs: `python -m bench.GROUP.NAME --cpu --tiny` (the GPU run's own code at tiny sizes),
 each in its own process as the GPU call runs it, and writes the JSON rows it is expected to write.
 
 A bench that breaks (an import, a renamed library function, a wrong argument) fails here, not on the
-next GPU call. A new bench/*.py must get a row below or be named a module (not a script).
+next GPU call. A new bench/**/*.py must get a row below or be named a module (not a script).
 
 The benches start together when the first row asks, as many at once as this process has cores (each
 bench's torch runs one thread), longest first; each row waits for its own and checks it. Each runs
@@ -27,9 +27,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: bench/*.py that are no bench: the shared helpers, bench.run's stage code, and a tool with tests of
-#: its own (bench.draft_carry: tests/bench/test_draft_carry.py)
-MODULES = {"__init__", "common", "stages", "draft_carry"}
+#: bench/**/*.py that are no bench: the packages, the shared helpers, bench.run's stage code, and a tool with
+#: tests of its own (bench.mtp.draft_carry: tests/bench/test_draft_carry.py)
+MODULES = {"common", "heal.stages", "mtp.draft_carry"}
 
 
 def _rows(doc, key="rows"):
@@ -206,30 +206,30 @@ BENCHES = {
     "device_check": (["--work", "{work}", "--in-process",
                       "--skip", "heal --target,heal --memory,compress --no-learn-masks,compress --fold-repair"],
                      "device_check.json", check_device_check),
-    "relaunch": (["--work", "{work}"], "relaunch.json", check_relaunch),
-    "dist": (["--work", "{work}"], "dist.json", check_dist),
+    "heal.relaunch": (["--work", "{work}"], "relaunch.json", check_relaunch),
+    "heal.dist": (["--work", "{work}"], "dist.json", check_dist),
     # one prompt kind, two client levels: plain, speculative and auto over chain and tree rounds (the code
     # of the auto and tree modes too), the transformers row, the same code
-    "serve": (["--kinds", "chat", "--clients", "2", "--no-hf", "--modes", "plain,speculative,auto-tree"],
-              "serve.json", check_serve),
-    "codecs": ([], "codecs.json", check_codecs),
+    "serve.serve": (["--kinds", "chat", "--clients", "2", "--no-hf", "--modes", "plain,speculative,auto-tree"],
+                    "serve.json", check_serve),
+    "quality.codecs": ([], "codecs.json", check_codecs),
     # one target kind at one budget: the same code as every row
-    "quality": (["--kinds", "sampled", "--budgets", "0.004", "--default-budget", "0"], "quality.json", check_quality),
-    "pipeline": (["--work", "{work}"], "pipeline.json", check_pipeline),
-    "memory": ([], "memory.json", check_memory),
-    "decode": ([], "decode.json", check_decode),
-    "mtp": (["--no-compare-raw"], "mtp.json", check_mtp),
+    "quality.quality": (["--kinds", "sampled", "--budgets", "0.004", "--default-budget", "0"], "quality.json", check_quality),
+    "pipeline.pipeline": (["--work", "{work}"], "pipeline.json", check_pipeline),
+    "heal.memory": ([], "memory.json", check_memory),
+    "serve.decode": ([], "decode.json", check_decode),
+    "mtp.mtp": (["--no-compare-raw"], "mtp.json", check_mtp),
     # the defaults and the row of more windows and asked requests (capped to 200 windows on the CPU)
-    "draft_data": (["--work", "{work}", "--rows", "defaults|asked, 4096 windows"], "draft_data.json", check_draft_data),
+    "mtp.draft_data": (["--work", "{work}", "--rows", "defaults|asked, 4096 windows"], "draft_data.json", check_draft_data),
     "run": ([], "bench.json", check_run),
-    "selfgen": ([], "selfgen.json", check_selfgen),
-    "compress": ([], "compress_bench.json", check_compress),
-    "llamacpp": ([], "llamacpp.json", check_llamacpp),
-    "profile_step": ([], "profile_step.json", check_profile_step),
-    "attention": ([], "attention.json", check_attention),
-    "variants": ([], "variants.json", check_variants),
-    "data_build": ([], "data_build.json", check_data_build),
-    "excess": ([], "excess.json", check_excess),
+    "mtp.selfgen": ([], "selfgen.json", check_selfgen),
+    "pipeline.compress": ([], "compress_bench.json", check_compress),
+    "quality.llamacpp": ([], "llamacpp.json", check_llamacpp),
+    "heal.profile_step": ([], "profile_step.json", check_profile_step),
+    "serve.attention": ([], "attention.json", check_attention),
+    "heal.variants": ([], "variants.json", check_variants),
+    "pipeline.data_build": ([], "data_build.json", check_data_build),
+    "quality.excess": ([], "excess.json", check_excess),
 }
 
 #: benches run at once: one a core this process may use (pytest-xdist's workers share them out)
@@ -308,8 +308,9 @@ def benches(request, tmp_path_factory):
 
 
 def test_every_bench_has_a_smoke_row():
-    scripts = {p.stem for p in (ROOT / "bench").glob("*.py")}
-    assert scripts - MODULES == set(BENCHES), "a bench/*.py without a smoke row (or a row without its script)"
+    scripts = {".".join(p.relative_to(ROOT / "bench").with_suffix("").parts)
+               for p in (ROOT / "bench").rglob("*.py") if p.name != "__init__.py"}
+    assert scripts - MODULES == set(BENCHES), "a bench/**/*.py without a smoke row (or a row without its script)"
 
 
 @pytest.mark.slow
@@ -341,7 +342,7 @@ def test_the_device_check_finds_the_flow_commands_in_an_uninstalled_tree(tmp_pat
 
 
 def test_a_device_check_row_that_exits_is_a_failed_row_and_the_rows_go_on(tmp_path):
-    """bench.serve's Server ends with SystemExit when the server does not start: on the H200 (2026-12-04)
+    """bench.serve.serve's Server ends with SystemExit when the server does not start: on the H200 (2026-12-04)
     that ended the whole check at the serve row, with no table. A row's exit is its FAIL, the next row runs;
     a signal stops the check, the row recorded as stopped (main then writes the rows done)."""
     import types
@@ -352,7 +353,7 @@ def test_a_device_check_row_that_exits_is_a_failed_row_and_the_rows_go_on(tmp_pa
     c = device_check.Check(a)
 
     def exits():
-        raise SystemExit("bench.serve: the server did not start:\ncortiq: /x/mtp.cmf: no such file")
+        raise SystemExit("bench.serve.serve: the server did not start:\ncortiq: /x/mtp.cmf: no such file")
 
     def stopped():
         raise KeyboardInterrupt  # what SIGTERM (a call's time limit) becomes in the check

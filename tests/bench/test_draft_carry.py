@@ -1,11 +1,11 @@
-"""bench.draft_carry: a draft saved from one model and loaded into another of the same trunk
+"""bench.mtp.draft_carry: a draft saved from one model and loaded into another of the same trunk
 gives back the drafted model's tensors, byte for byte; mismatched files are refused."""
 
 import pytest
 import torch
 
 from bench.common import tiny_cmf
-from bench.draft_carry import PREFIX, load, main, save
+from bench.mtp.draft_carry import PREFIX, load, main, save
 from cortiq.cmf import open_cmf
 from cortiq.errors import CortiqError
 
@@ -23,7 +23,7 @@ def test_a_draft_saved_and_loaded_is_the_drafted_model(tmp_path, monkeypatch):
         if s.name in trunk:
             s.get = lambda n=s.name: Stored(a.stored(n))
     write_cmf(tmp_path / "same-trunk.cmf", b.doc, specs)
-    monkeypatch.setattr("bench.draft_carry.PART", 2000)  # several files
+    monkeypatch.setattr("bench.mtp.draft_carry.PART", 2000)   # several files
     files = save(str(drafted), str(tmp_path / "d"))
     assert len(files) > 1
     out = load(str(tmp_path / "same-trunk.cmf"), str(tmp_path / "d"), str(tmp_path / "out.cmf"))
@@ -40,5 +40,5 @@ def test_mismatched_files_are_refused(tmp_path, capsys):
         load(str(wide), str(tmp_path / "d"), str(tmp_path / "x.cmf"))
     assert not (tmp_path / "x.cmf").exists()
     assert main(["load", str(small), str(tmp_path / "nothing"), str(tmp_path / "y.cmf")]) == 2
-    assert capsys.readouterr().err.strip().endswith("no draft-*.safetensors files (made by `python -m bench.draft_carry save`)")
+    assert capsys.readouterr().err.strip().endswith("no draft-*.safetensors files (made by `python -m bench.mtp.draft_carry save`)")
     assert main(["save", str(tiny_cmf(tmp_path / "plain.cmf")), str(tmp_path / "e")]) == 2

@@ -117,7 +117,7 @@ def test_a_corpus_the_data_is_built_from_is_left_out(tmp_path, tok_cmf, capsys, 
 
 
 def test_bad_retain_sources_say_so(tmp_path, mixed):
-    with pytest.raises(CortiqError, match="not corpus:NAME, self, or a tdata directory"):
+    with pytest.raises(CortiqError, match="not corpus:NAME, self, knowledge or a tdata directory"):
         mixed(sources=[str(tmp_path / "nowhere")])
     with pytest.raises(CortiqError, match="named twice"):
         RetainSettings(sources=["corpus:pydoc", "corpus:pydoc"])

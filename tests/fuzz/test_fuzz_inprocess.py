@@ -187,7 +187,8 @@ def test_a_damaged_checkpoint_restarts_the_stage(tmp_path, capsys):
     from heal_toy import ToyLM, toy_split
 
     from cortiq.heal.settings import HealSettings
-    from cortiq.heal.train import CHECKPOINT, StudentTail, fit
+    from cortiq.heal.parallel import CHECKPOINT
+    from cortiq.heal.train import StudentTail, fit
 
     def setup():
         teacher, student = ToyLM(seed=0), ToyLM(seed=1)

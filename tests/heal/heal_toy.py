@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from cortiq.heal.rows import WindowRows
-from cortiq.heal.targets import mix_targets
-from cortiq.heal.train import SplitData, train_index, val_index
+from cortiq.heal.kinds import mix_targets
+from cortiq.data.windowing import batch_indices
+from cortiq.heal.train import SplitData, train_index
 from cortiq.model.decoder import run_body
 
 
@@ -90,7 +91,7 @@ def toy_split(teacher, n, T, batch, k, ce=0.0, seed=0, train=True, prefix_of=Non
         tp = tp / tp.sum(-1, keepdim=True)
     mi, mp = mix_targets(tid.reshape(-1, k), tp.reshape(-1, k), ids[:, 1:].reshape(-1), weight.reshape(-1), ce)
     kk = mi.shape[1]
-    index = train_index(n, batch) if train else val_index(n, batch)
+    index = train_index(n, batch) if train else batch_indices(n, batch)
     h0 = None
     if prefix_of is not None:
         tail, = prefix_of

@@ -10,7 +10,7 @@ import torch
 
 from cortiq.heal.kinds import CE, DEFAULT, KINDS, kind_in_effect
 from cortiq.heal.settings import HealSettings
-from cortiq.heal.targets import mix_targets
+from cortiq.heal.kinds import mix_targets
 from cortiq.heal.train import Objective
 
 B, T, H, HT, V, K, CHUNK = 3, 7, 10, 9, 53, 6, 8

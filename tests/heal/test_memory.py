@@ -13,7 +13,7 @@ import torch
 
 from cortiq.errors import CortiqError
 from cortiq.heal import memory as mem
-from cortiq.heal.settings import HealSettings
+from cortiq.heal.settings import MEMORY_PARTS, HealSettings
 from cortiq.heal.train import StudentTail, batch_loss, fit, step_backward
 
 from heal_models import arch
@@ -205,9 +205,9 @@ QWEN17 = mem.StepShape(trained=1_409_000_000, tokens=8192, windows=4, hidden=204
 
 def test_each_saving_lowers_the_estimate_and_lean_halves_it():
     plain = mem.step_bytes(QWEN17, (), 1)
-    for part in mem.LEAN:
+    for part in MEMORY_PARTS:
         assert mem.step_bytes(QWEN17, (part,), 1) < plain, part
-    assert mem.step_bytes(QWEN17, mem.LEAN, 1) < plain / 2
+    assert mem.step_bytes(QWEN17, MEMORY_PARTS, 1) < plain / 2
     # micro-batches of all the windows are one batch
     assert mem.step_bytes(QWEN17, ("micro",), 4) == plain
     # k checkpointed layers: 0 is plain, all of them is what None means; each one lowers it until
@@ -255,7 +255,7 @@ def test_auto_is_plain_when_it_fits_else_the_fewest_checkpointed_layers_that_fit
                       layers=9) == mem.MemoryPlan(("checkpoint",), 9, L)
     capsys.readouterr()
     # nothing fits: lean, all layers checkpointed, said so
-    assert mem.choose_memory("auto", None, QWEN17, 1, 1, True) == mem.MemoryPlan(mem.LEAN, L, L)
+    assert mem.choose_memory("auto", None, QWEN17, 1, 1, True) == mem.MemoryPlan(MEMORY_PARTS, L, L)
     assert "no plan's estimate fits" in capsys.readouterr().err
     assert mem.choose_memory("auto", None, QWEN17, 1, 1, False) == mem.MemoryPlan(("checkpoint", "micro"), L, L)
     assert "torchao does not load here" in capsys.readouterr().err
@@ -264,7 +264,7 @@ def test_auto_is_plain_when_it_fits_else_the_fewest_checkpointed_layers_that_fit
     assert mem.choose_memory("plain", (), QWEN17, 1, 1, True) == mem.MemoryPlan((), 0, L)
     assert mem.choose_memory("checkpoint", ("checkpoint",), QWEN17, 1, None, True) == mem.MemoryPlan(("checkpoint",), L, L)
     assert mem.choose_memory("checkpoint", ("checkpoint",), QWEN17, 1, 1, True, layers=5) == mem.MemoryPlan(("checkpoint",), 5, L)
-    assert mem.choose_memory("lean", mem.LEAN, QWEN17, 1, 1, True, layers=99) == mem.MemoryPlan(mem.LEAN, L, L)
+    assert mem.choose_memory("lean", MEMORY_PARTS, QWEN17, 1, 1, True, layers=99) == mem.MemoryPlan(MEMORY_PARTS, L, L)
     assert capsys.readouterr().err == ""
     assert str(mem.MemoryPlan(("checkpoint", "micro"), 5, L)) == f"checkpoint:5/{L}+micro"
     assert str(mem.MemoryPlan(("checkpoint", "micro"), L, L)) == "checkpoint+micro" and str(mem.MemoryPlan((), 0, L)) == "plain"
@@ -276,7 +276,7 @@ def test_a_tighter_allowance_never_picks_a_cheaper_plan():
     L = QWEN17.layers
     for sh in (QWEN17, dataclasses.replace(QWEN17, chunk=1024), dataclasses.replace(QWEN17, head_entry=12)):
         plain = mem.step_bytes(sh, (), 1)
-        lean = mem.step_bytes(sh, mem.LEAN, 1, L)
+        lean = mem.step_bytes(sh, MEMORY_PARTS, 1, L)
         allows = torch.linspace(lean * 0.9, plain * 1.05, 400).tolist()
         for avail in (True, False):
             plans = [mem.choose_memory("auto", None, sh, 1, a, avail) for a in allows]
@@ -286,7 +286,7 @@ def test_a_tighter_allowance_never_picks_a_cheaper_plan():
                 if mem.step_bytes(sh, p.parts, 1, p.layers) <= a:
                     # no fitting plan costs less (every combination, every layer count)
                     for mask in range(8):
-                        ps = tuple(x for i, x in enumerate(mem.LEAN) if mask >> i & 1)
+                        ps = tuple(x for i, x in enumerate(MEMORY_PARTS) if mask >> i & 1)
                         if "adam8" in ps and not avail:
                             continue
                         for k in (range(1, L + 1) if "checkpoint" in ps else (0,)):
@@ -295,7 +295,7 @@ def test_a_tighter_allowance_never_picks_a_cheaper_plan():
                                 assert q.cost() >= p.cost() - 1e-12, (a, p, q)
                     if "checkpoint" in p and p.layers > 1:  # the fewest layers that fit
                         assert mem.step_bytes(sh, p.parts, 1, p.layers - 1) > a
-            assert plans[0].parts == (mem.LEAN if avail else ("checkpoint", "micro"))
+            assert plans[0].parts == (MEMORY_PARTS if avail else ("checkpoint", "micro"))
             assert plans[-1] == mem.MemoryPlan((), 0, L)
             assert any(p.parts == ("checkpoint",) and 1 < p.layers < L for p in plans)
 

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from cortiq.heal.schedule import genesis_decay, genesis_from, lr_shape, warm_steps
+from cortiq.heal.schedule import genesis_decay, genesis_from
+from cortiq.train_loop import lr_shape, warm_steps
 
 
 def test_warmup_is_linear_then_cosine_to_a_tenth():

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from cortiq.heal.loss import dense_kl, dense_kl_reference, topk_kl, topk_rest_kl, topk_rest_kl_reference
-from cortiq.heal.targets import REST_ID, sparse_rows, topk_rest_reference
+from cortiq.heal.kinds import REST_ID
+from cortiq.heal.targets import sparse_rows, topk_rest_reference
 
 N, H, V, K = 37, 24, 101, 5
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from cortiq.heal.loss import topk_kl
-from cortiq.heal.targets import mix_targets, mix_targets_reference
+from cortiq.heal.kinds import mix_targets
+from cortiq.heal.targets import mix_targets_reference
 
 
 def _teacher(n=23, v=41, k=6, seed=1):

@@ -116,10 +116,10 @@ def test_a_non_finite_step_skipped_on_the_device_equals_the_host_skip(tmp_path, 
     # window 0's targets are NaN: the step of its batch is skipped once an epoch. The fused Adam
     # is launched before the host reads the loss (found_inf skips it on the device); the host
     # path reads first and does not call it. Same weights, same Adam state, same steps
-    from cortiq.heal import memory as mem
+    from cortiq.heal import train as T
 
     def run(on_device: bool, sub: str):
-        monkeypatch.setattr(mem, "skips_on_device", lambda opt: on_device)
+        monkeypatch.setattr(T, "skips_on_device", lambda opt: on_device)
         tail, tr, va = _setup()
         part = tr.tprobs.parts[0].copy()
         part[0] = float("nan")

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from cortiq.convert.hf import convert_hf_dir
 from cortiq.errors import CortiqError
 from cortiq.model import load_model
-from cortiq.model.decode import DecodeEngine, _argmax, _split, _topk, auto_branches
+from cortiq.model.decode import DecodeEngine, auto_branches
+from cortiq.model.decode.picks import _argmax, _split, _topk
 from cortiq.model.generate import decode, generate, generate_fast
 
 from model_helpers import V, _perturb_norms, save_hf, tiny_llama, tiny_qwen3_next
@@ -379,17 +380,17 @@ def _pair(model, **kw):
     # (`_split` finds no chunk width for this vocabulary of 259)
     pair = DecodeEngine(model, fused=True, graphs=False, **kw), DecodeEngine(model, fused=False, graphs=False, **kw)
     for e in pair:
-        e._chunk = 37
+        e._pick_chunk = 37
     return pair
 
 
 def _close_state(ef, ee):
     """The engines' caches and draft rows agree to f32 rounding; their host bounds exactly."""
-    for name in ("K", "V", "MK", "MV", "mtp_last"):
+    for name in ("k_cache", "v_cache", "mtp_k_cache", "mtp_v_cache", "mtp_last"):
         if hasattr(ee, name):
             torch.testing.assert_close(getattr(ef, name), getattr(ee, name), atol=1e-4, rtol=1e-4)
     assert ef.lengths() == ee.lengths() and ef.drafts.tolist() == ee.drafts.tolist()
-    for name in ("pend", "pos", "out_tok", "out_n"):  # the bookkeeping buffers, inactive slots' too
+    for name in ("pending", "pos", "out_tok", "out_n"):  # the bookkeeping buffers, inactive slots' too
         assert getattr(ef, name).tolist() == getattr(ee, name).tolist(), name
 
 
@@ -411,7 +412,7 @@ def test_fused_steps_and_rounds_equal_eager(fmodel):
         assert [pf[s, : n].tolist() for s, n in enumerate(nf.tolist())] == [pe[s, : n].tolist() for s, n in enumerate(ne.tolist())]
     _close_state(ef, ee)
     with torch.no_grad():  # the final hidden rows and logits of one more verify block
-        block = torch.cat([ee.pend[:, None], ee.drafts], 1)
+        block = torch.cat([ee.pending[:, None], ee.drafts], 1)
         (hf, _), (he, _) = ef._trunk(block, ef.pos), ee._trunk(block, ee.pos)
         torch.testing.assert_close(hf, he, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(F.linear(hf, ef.head), F.linear(he, ee.head), atol=1e-4, rtol=1e-4)
@@ -449,8 +450,8 @@ def test_fused_buckets_equal_eager(fmodel):
 # ── a draft tree: the draft's top guesses for the first token, each chained ──
 class SteeredTree(Steered):
     """Steered's drafts in a tree: of 3 first guesses the right one is guess p % 3 (p the
-    position it guesses; wrong where Steered's pattern says so), the others wrong; an engine
-    of nb branches gets the first nb guesses. Every branch's later steps guess right. So the
+    position it guesses; wrong where Steered's pattern says so), the others wrong; an engine of
+    `branches` branches gets the first that many. Every branch's later steps guess right. So the
     chain alone (branch 0) keeps a round's drafts only where p % 3 == 0, a tree of 3 wherever
     Steered's pattern lets it."""
 
@@ -460,7 +461,7 @@ class SteeredTree(Steered):
     def _draft_first(self, xh, base, slots):
         right = super()._draft_pick(xh, 0, base, slots)  # [S', 1]
         p = (base + 1).clamp(max=self.truth.shape[1] - 1)
-        b = torch.arange(self.nb, device=right.device)[None]
+        b = torch.arange(self.branches, device=right.device)[None]
         return torch.where(b == (p % 3)[:, None], right, (right + 1 + b) % V)  # [S', nb]
 
 

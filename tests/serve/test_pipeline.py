@@ -65,7 +65,7 @@ def test_attention_over_a_key_length_bucket_equals_the_whole_cache(kind, branche
     m = random_model(arch(kind), mix=0.5)
     ref = DecodeEngine(m, slots=4, max_len=64, draft=2, buckets=[1, 2, 4], branches=branches)
     fast = DecodeEngine(m, slots=4, max_len=64, draft=2, buckets=[1, 2, 4], kv_buckets=[16, 24], branches=branches)
-    M = ref.M  # the whole cache: max_len, and a tree's overhang of rows past it
+    M = ref.cache_len  # the whole cache: max_len, and a tree's overhang of rows past it
     assert (ref.kv_sizes, fast.kv_sizes) == ([M], [16, 32, M])  # 16-aligned, the whole cache last
     used = []
     kv_for = fast._kv_for
@@ -88,9 +88,9 @@ def test_attention_over_a_key_length_bucket_equals_the_whole_cache(kind, branche
     # more than 16 positions from the shortest prompt on)
     assert set(used) == ({32, M} if branches > 1 else {16, 32, M})
     for s, n in enumerate(ref.pos.tolist()[:3]):
-        torch.testing.assert_close(fast.K[:, s, :, :n], ref.K[:, s, :, :n], rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(fast.V[:, s, :, :n], ref.V[:, s, :, :n], rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(fast.MK[s, :, :n], ref.MK[s, :, :n], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fast.k_cache[:, s, :, :n], ref.k_cache[:, s, :, :n], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fast.v_cache[:, s, :, :n], ref.v_cache[:, s, :, :n], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fast.mtp_k_cache[s, :, :n], ref.mtp_k_cache[s, :, :n], rtol=1e-6, atol=1e-6)
 
 
 def test_chunked_prefill_equals_the_whole_prompt():
@@ -106,7 +106,8 @@ def test_chunked_prefill_equals_the_whole_prompt():
         assert not parts.active[1]  # the slot is installed by the last chunk only
     assert got == first and runs == [15, 11, 7, 3]
     torch.testing.assert_close(parts.drafts[1], whole.drafts[1])
-    torch.testing.assert_close(parts.MK[1, :, : len(p) + 1], whole.MK[1, :, : len(p) + 1], rtol=1e-5, atol=1e-5)
+    n = len(p) + 1
+    torch.testing.assert_close(parts.mtp_k_cache[1, :, :n], whole.mtp_k_cache[1, :, :n], rtol=1e-5, atol=1e-5)
     for _ in range(5):
         assert parts.spec_step()[0][1].tolist() == whole.spec_step()[0][1].tolist()
 
@@ -129,8 +130,9 @@ def test_staged_prefill_equals_the_reference_prefill(chunk):
             runs += 1
         assert int(got) == first and runs == -(-len(p) // (min(chunk, 8) if chunk else 8))
         n = len(p)
-        torch.testing.assert_close(eng.K[:, slot, :, :n], ref.K[:, slot, :, :n], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(eng.MK[slot, :, : n + 1], ref.MK[slot, :, : n + 1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(eng.k_cache[:, slot, :, :n], ref.k_cache[:, slot, :, :n], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(eng.mtp_k_cache[slot, :, : n + 1], ref.mtp_k_cache[slot, :, : n + 1], rtol=1e-4,
+                                   atol=1e-4)
         assert eng.drafts[slot].tolist() == ref.drafts[slot].tolist() and eng.pos.tolist() == ref.pos.tolist()
     for _ in range(6):
         a, b = eng.spec_step(), ref.spec_step()

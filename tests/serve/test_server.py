@@ -51,9 +51,9 @@ def reference(served_model):
 
 
 def _chat_prompt(messages):
-    from cortiq.serve.chat import render_chat
+    from cortiq.serve.chat import chat_prompt
 
-    return render_chat(CHATML, messages)
+    return chat_prompt(CHATML, messages)
 
 
 def test_models(server):

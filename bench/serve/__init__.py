@@ -1,0 +1,3 @@
+"""Decoding and serving speed (bench/DECODE.md): `decode` (the static-cache engine, plain and speculative,
+against the reference loop and transformers), `attention` (the engine's attention call in every form torch
+offers), `serve` (`cortiq serve` under concurrent streaming clients)."""
