@@ -1,95 +1,35 @@
-"""The pipeline's chains, each written once: the stages in order, run through a runner.
+"""A parameter set's chains, as the flows and `cortiq demo` run them: a line per stage or sub-chain.
 
 A chain calls `runner.run(stage, key=None, **params)` for each stage and passes the
 outputs' paths on; `runner.results` keeps each run's result under its key. The command
-line passes `cortiq.pipeline.LocalRunner` (`cortiq.pipeline.run` in this process), the
-flows their Prefect runner (`flows.common.Stages`: each stage a cached task): one list
-of stages, one cache under the cortiq home's `work/`, whichever runs first.
+line passes `cortiq.runner.LocalRunner`, the flows their Prefect runner
+(`flows.common.Stages`: each stage a cached task): one list of stages, one cache under
+the cortiq home's `work/`, whichever runs first.
 
-One chain per pipeline, beside its stages:
-- `cortiq.compress.compress_chain`: masks → grams (for the repair, an activation ranking or GPTQ) → fold → gptq;
-- `cortiq.heal.stages.heal_chain`: teacher targets → frozen prefix (when the tail trains alone) → train → export;
-- `cortiq.measure.score_chain`: the score stage for each model on each named text;
-- `cortiq.mtp.mtp_chain`: mtp init (a model without a draft) → trunk pass → draft training (→ the draft
-  in other codecs);
-- `reencode_chain` (here): the model in each codec (GPTQ / AWQ from Grams, else round-to-nearest), scored;
-and here a parameter set's chains as the flows and `cortiq demo` run them: `source_and_data`,
-`student` (→ compress), `healed` (→ heal → score), `pipeline` (→ mtp heal → re-encode), `mtp_only`.
+Each package's own chain sits beside its stages, in its stages.py:
+- `compress.stages.compress_chain`: masks → grams (for the repair, an activation ranking or GPTQ) → fold → gptq;
+- `heal.stages.heal_chain`: teacher targets → frozen prefix (when the tail trains alone) → train → export;
+- `mtp.stages.mtp_chain`: mtp init (a model without a draft) → trunk pass → draft training;
+- `quant.stages.quantize_chain`: qgrams → quantize;
+- `data.stages.with_retain`: each retain source (data or selfgen) → mix;
+- `measure.score_chain`: the score stage for each model on each named text.
 
-Adding a stage: declare it beside its function (`cortiq.pipeline.Stage`) and add its line to
-its chain; the command line and every flow run it from then on.
+Adding a stage: declare it in its package's stages.py and add its line to its chain; the
+command line and every flow run it from then on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from .measure import Text, score_chain
-from .pipeline import plain
-
-
-# ── re-encode ──
-
-def reencode_chain(runner, model, tdata, codecs, quant, trained_in: str = "none", texts: list[Text] = ()) -> None:
-    """The model in each codec (`quant`: QuantSettings; block codecs by GPTQ or AWQ from Grams over
-    the data's calibration windows, cached per model, data and settings, else round-to-nearest; a
-    model healed against a codec (`trained_in`) is in it already and is copied), each scored on
-    every text as `score.reencode.<codec>` (the data's) and `score.panel.<name>.reencode.<codec>`."""
-    from .measure import REENCODE, SCORE
-    from .quant import QGRAMS, QUANTIZE, uses_grams
-
-    for codec in codecs:
-        if uses_grams(codec, quant) and codec != trained_in:
-            grams = runner.run(QGRAMS, f"qgrams.{codec}", model=model, tdata=tdata, codec=codec,
-                               settings=plain(quant))["path"]
-            enc = runner.run(QUANTIZE, f"reencode.{codec}", model=model, grams=grams, codec=codec,
-                             settings=plain(quant))["path"]
-        else:
-            enc = runner.run(REENCODE, f"reencode.{codec}", model=model, codec=codec)["path"]
-        for t in texts:
-            at = "score." if t.kind == "data" else f"score.panel.{t.name}."
-            runner.run(SCORE, f"{at}reencode.{codec}", model=enc, tdata=t.tdata, settings=plain(t.settings))
-
-
-# ── a parameter set, as the flows run it ──
-
-def source_and_data(runner, s) -> tuple[str, str]:
-    """(the source as a CMF: a .cmf where it is, anything else converted once; the tdata of the
-    parameter set's sources, tokenized with its tokenizer)."""
-    from .convert import SOURCE, source_kind
-    from .data.builder import DATA
-
-    source = s.source if source_kind(s.source) == "cmf" else runner.run(SOURCE, source=s.source)["path"]
-    tdata = runner.run(DATA, sources=s.extra("data", "sources"), model=source, settings=plain(s.stage("data")))["path"]
-    return source, tdata
-
-
-def _score_settings(s, split: str = "test"):
-    from .measure import ScoreSettings
-
-    return ScoreSettings(split=split, window=s.score_window, max_tokens=s.score_tokens)
-
-
-def data_text(s, tdata: str) -> Text:
-    """The parameter set's data's test split, as its reports name it."""
-    return Text("data", tdata, _score_settings(s), "test split of the parameter set's data (in-domain)", "data")
-
-
-def panel_texts(s, panel: dict[str, str]) -> list[Text]:
-    """Each retain source's test split: the general panel, never trained on."""
-    return [Text(name, d, _score_settings(s), f"the test split of the retain source {name}") for name, d in panel.items()]
-
-
-def eval_text(runner, s, source: str) -> Text | None:
-    """Every record of data.eval_sources (tokenized as the data is), when the parameter set names them."""
-    from .data.builder import DATA
-
-    ev = s.extra("data", "eval_sources")
-    if not ev:
-        return None
-    etd = runner.run(DATA, "data.eval", sources=ev, model=source, settings=plain(s.stage("data")))["path"]
-    return Text("eval", etd, _score_settings(s, "all"), f"held-out text of another source: {', '.join(ev)}",
-                at="score.eval.")
+from .compress.stages import compress_chain
+from .convert.stages import SOURCE, source_kind
+from .data.stages import DATA, with_retain
+from .heal.stages import heal_chain
+from .measure import REENCODE, SCORE, ScoreSettings, Text, score_chain, scored_texts
+from .mtp.stages import mtp_chain
+from .quant.stages import quantize_chain, uses_grams
+from .settings import PipelineSettings
 
 
 @dataclasses.dataclass
@@ -105,52 +45,89 @@ class Made:
     texts: list = dataclasses.field(default_factory=list)
 
 
-def student(runner, s) -> Made:
-    """source → data → retain mix → compress: the opening of every flow that compresses."""
-    from .compress.stages import compress_chain
-    from .data.retain import with_retain
-
-    source, tdata = source_and_data(runner, s)
-    mixed, panel = with_retain(tdata, source, s.stage("retain"), runner.run, None, progress=False)
-    return Made(source, tdata, mixed, panel, compress_chain(runner, source, mixed, s.stage("compress")))
-
-
-def healed(runner, s) -> Made:
-    """`student`, then heal (on the data with the retain sources mixed in) → score source, pruned and
-    healed on the data's test split, on each retain source's test split and on data.eval_sources."""
-    from .heal.stages import heal_chain
-
-    m = student(runner, s)
-    m.healed = heal_chain(runner, m.source, m.student, m.mixed, s.stage("heal"))
-    models = {"source": m.source, "pruned": m.student, "healed": m.healed}
-    m.texts = [data_text(s, m.tdata), *panel_texts(s, m.panel)]
-    score_chain(runner, models, m.texts)
-    ev = eval_text(runner, s, m.source)  # after the others: its data stage runs only now
-    if ev is not None:
-        m.texts.append(ev)
-        score_chain(runner, models, [ev])
-    return m
-
-
-def pipeline(runner, s) -> tuple[str, Made]:
-    """compress-and-heal (what `cortiq demo` runs): `healed`, the MTP draft healed on the healed
-    trunk (when the parameter set asks), then the final model in each codec, each scored on every
-    text. Returns (the final model, what was made)."""
-    from .mtp import mtp_chain
-
-    m = healed(runner, s)
-    final = m.healed
-    if s.mtp_enabled:
-        final = mtp_chain(runner, final, m.tdata, s.stage("mtp"))
-    reencode_chain(runner, final, m.tdata, s.codecs, s.stage("quant"), s.stage("heal").qat_codec, m.texts)
+def compress_and_heal(runner, s: PipelineSettings) -> tuple[str, Made]:
+    """The whole pipeline: returns (the final model, what was made)."""
+    m = student(runner, s)  # source → data → retain mix → masks → grams → fold → gptq
+    m.healed = heal_chain(runner, m.source, m.student, m.mixed, s.heal)  # targets → prefix → train → export
+    m.texts = score_models(runner, s, m)  # source, pruned and healed on the data, the panel, data.eval_sources
+    final = mtp_chain(runner, m.healed, m.tdata, s.mtp) if s.mtp_enabled else m.healed  # mtp init → trunk → mtp
+    reencode_chain(runner, final, m.tdata, s.codecs, s.quant, s.heal.qat_codec, m.texts)  # each codec, scored
     return final, m
 
 
-def mtp_only(runner, s) -> str:
-    """mtp-heal on a parameter set: its source and data, the draft healed, each codec scored on the data."""
-    from .mtp import mtp_chain
-
+def student(runner, s: PipelineSettings) -> Made:
+    """source → data → retain mix → compress: the opening of every flow that compresses."""
     source, tdata = source_and_data(runner, s)
-    final = mtp_chain(runner, source, tdata, s.stage("mtp"))
-    reencode_chain(runner, final, tdata, s.codecs, s.stage("quant"), s.stage("heal").qat_codec, [data_text(s, tdata)])
+    mixed, panel = with_retain(tdata, source, s.retain, runner.run, None, progress=False)
+    return Made(source, tdata, mixed, panel, compress_chain(runner, source, mixed, s.compress))
+
+
+def healed(runner, s: PipelineSettings) -> Made:
+    """`student`, then heal (on the data with the retain sources mixed in) and the scores."""
+    m = student(runner, s)
+    m.healed = heal_chain(runner, m.source, m.student, m.mixed, s.heal)
+    m.texts = score_models(runner, s, m)
+    return m
+
+
+def mtp_only(runner, s: PipelineSettings) -> str:
+    """mtp-heal on a parameter set: its source and data, the draft healed, each codec scored on the data."""
+    source, tdata = source_and_data(runner, s)
+    final = mtp_chain(runner, source, tdata, s.mtp)
+    reencode_chain(runner, final, tdata, s.codecs, s.quant, s.heal.qat_codec, [data_text(s, tdata)])
     return final
+
+
+# ── the sub-chains ───────────────────────────────────────────────────────
+
+
+def source_and_data(runner, s: PipelineSettings) -> tuple[str, str]:
+    """(the source as a CMF: a .cmf where it is, anything else converted once; the tdata of the
+    parameter set's sources, tokenized with its tokenizer)."""
+    source = s.source if source_kind(s.source) == "cmf" else runner.run(SOURCE, source=s.source)["path"]
+    tdata = runner.run(DATA, sources=s.data.sources, model=source, settings=s.data.build_settings())["path"]
+    return source, tdata
+
+
+def score_models(runner, s: PipelineSettings, m: Made) -> list[Text]:
+    """Source, pruned and healed scored on the data's test split and each retain source's (the
+    general panel), then on every record of data.eval_sources when the parameter set names them
+    (their data stage runs after the other scores). Returns the texts scored."""
+    models = {"source": m.source, "pruned": m.student, "healed": m.healed}
+    texts = scored_texts(_score_how(s), data=(m.tdata, DATA_LABEL), panel=m.panel)
+    score_chain(runner, models, texts)
+    ev = s.data.eval_sources
+    if ev:
+        etd = runner.run(DATA, "data.eval", sources=ev, model=m.source, settings=s.data.build_settings())["path"]
+        more = scored_texts(_score_how(s), eval=("eval", etd, f"held-out text of another source: {', '.join(ev)}"))
+        score_chain(runner, models, more)
+        texts += more
+    return texts
+
+
+def reencode_chain(runner, model, tdata, codecs, quant, trained_in: str = "none", texts: list[Text] = ()) -> None:
+    """The model in each codec (`quant`: QuantSettings; block codecs by GPTQ or AWQ from Grams over
+    the data's calibration windows, cached per model, data and settings, else round-to-nearest; a
+    model healed against a codec (`trained_in`) is in it already and is copied), each scored on
+    every text as `score.reencode.<codec>` (the data's) and `score.panel.<name>.reencode.<codec>`."""
+    for codec in codecs:
+        if uses_grams(codec, quant) and codec != trained_in:
+            enc = quantize_chain(runner, model, tdata, codec, quant, key=f"reencode.{codec}")
+        else:
+            enc = runner.run(REENCODE, f"reencode.{codec}", model=model, codec=codec)["path"]
+        for t in texts:
+            at = "score." if t.kind == "data" else f"score.panel.{t.name}."
+            runner.run(SCORE, f"{at}reencode.{codec}", model=enc, tdata=t.tdata, settings=t.settings)
+
+
+#: how the parameter set's own data is named in its reports
+DATA_LABEL = "test split of the parameter set's data (in-domain)"
+
+
+def _score_how(s: PipelineSettings) -> ScoreSettings:
+    return ScoreSettings(split="test", window=s.score_window, max_tokens=s.score_tokens)
+
+
+def data_text(s: PipelineSettings, tdata: str) -> Text:
+    """The parameter set's data's test split, as its reports name it."""
+    return scored_texts(_score_how(s), data=(tdata, DATA_LABEL))[0]

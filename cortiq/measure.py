@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from . import codecs, store
 from .errors import CortiqError
-from .pipeline import Stage
+from .runner import Stage
 from .settings_meta import check, setting
 
 
@@ -139,12 +139,29 @@ class Text:
         self.at = self.at or ("score." if self.kind == "data" else f"score.panel.{self.name}.")
 
 
+def scored_texts(how: ScoreSettings, data: tuple | None = None, panel: dict | None = None, panel_tokens: int = 0,
+                 eval: tuple | None = None) -> list[Text]:
+    """The texts a report scores the models on, each as `how` says: `data` (tdata, label), the
+    data's own `how.split`; `panel` ({name: tdata}), each retain source's test split (capped at
+    `panel_tokens` scored tokens where given); `eval` (name, tdata, label), every record of held-out
+    text of another source."""
+    texts = []
+    if data is not None:
+        texts.append(Text("data", str(data[0]), how, data[1], "data"))
+    for name, d in (panel or {}).items():
+        texts.append(Text(name, str(d), dataclasses.replace(how, split="test", max_tokens=panel_tokens or how.max_tokens),
+                          f"the test split of the retain source {name} (never trained on)"))
+    if eval is not None:
+        texts.append(Text(eval[0], str(eval[1]), dataclasses.replace(how, split="all"), eval[2], at="score.eval."))
+    return texts
+
+
 def score_chain(runner, models: dict[str, str], texts: list[Text]) -> dict:
     """The score stage for each model ({label: CMF}) on each text (run as `text.at` + label);
     returns the named texts every report shows (`named_texts`)."""
     for t in texts:
         for label, model in models.items():
-            runner.run(SCORE, f"{t.at}{label}", model=model, tdata=t.tdata, settings=dataclasses.asdict(t.settings))
+            runner.run(SCORE, f"{t.at}{label}", model=model, tdata=t.tdata, settings=t.settings)
     return named_texts(runner.results, texts, tuple(models))
 
 
@@ -179,17 +196,14 @@ def named_texts(results: dict, texts: list[Text], labels: tuple[str, ...] = ("so
     return out
 
 
-# ── the stages, declared once (cortiq.pipeline runs them for the flows) ──
+# ── the stages, declared once (cortiq.runner runs them for the flows) ──
 
 @dataclass
 class ScoreSettings:
     """What the score stage measures: the NLL per scored token of a tdata split."""
 
-    #: "all": every record, whatever its split
     split: str = setting("test", "the split scored (all: every record)", choices=("train", "val", "test", "all"))
-    #: 0: each record in one pass
     window: int = setting(0, "tokens per scoring pass (0: each record whole)", lo=0)
-    #: 0: every record of the split
     max_tokens: int = setting(0, "scored tokens of the leading records that hold them (0: all)", lo=0)
     loss_on: str = setting("answer", "tokens scored: answer (each record's scored span) or all",
                            choices=("answer", "all"))
@@ -218,8 +232,8 @@ def _reencode(out, ctx, model, codec) -> dict:
     return {"metrics": {"bytes": float(open_cmf(out).nbytes())}, "codec": codec}
 
 
-SCORE = Stage("score", "2", _score, ScoreSettings, ("model", "tdata"),
+SCORE = Stage("score", 2, _score, ScoreSettings, ("model", "tdata"),
               doc="NLL per scored token of a model on a tdata split (\"all\": every record), and its size")
-REENCODE = Stage("reencode", "2", _reencode, None, ("model",), extra=lambda p: {"codec": p["codec"],
+REENCODE = Stage("reencode", 2, _reencode, None, ("model",), extra=lambda p: {"codec": p["codec"],
                  **codecs.rule_key(p["codec"])}, output="cmf",
                  doc="a model in another codec (plain codecs everywhere, quantized ones on matrices)")

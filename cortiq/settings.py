@@ -5,19 +5,19 @@ top-level keys are the groups below. Loading checks every key: an unknown one
 is an error that names the file and suggests the nearest known key
 ("deployments/params/demo.yaml: unknown key heal.lrr (did you mean heal.lr?)").
 
-The stage groups (`data`, `compress`, `heal`, `mtp`, `quant`) are the stages' own
-settings dataclasses (cortiq/<stage>/settings.py); here they are kept as plain
-dicts checked against those dataclasses' fields, so that a stage's defaults
-live in one place and the digest of a stage output depends only on what the
-user set plus that stage's version. This module imports neither prefect nor
-mlflow: the CLI validates a parameter file before anything heavy starts.
+The stage groups (`data`, `compress`, `heal`, `mtp`, `retain`, `quant`) are the
+stages' own settings dataclasses (cortiq/<stage>/settings.py), built once here,
+when the parameter set is loaded: a stage's defaults live in one place, and a
+chain hands each stage its group as it is. Dicts appear only where settings
+leave the process (`to_dict`: a Prefect flow's parameters, the MLflow params).
+This module imports neither prefect nor mlflow: the CLI validates a parameter
+file before anything heavy starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import math
 import os
 import re
@@ -27,29 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .compress.settings import CompressSettings
+from .data.settings import DataSettings, RetainSettings
 from .errors import CortiqError
-from .settings_meta import WINDOW, check, check_value, derived_error, parent_key, setting
-
-#: stage group -> (module, dataclass) holding that stage's settings
-STAGE_SETTINGS = {
-    "data": ("cortiq.data.settings", "BuildSettings"),
-    "compress": ("cortiq.compress.settings", "CompressSettings"),
-    "heal": ("cortiq.heal.settings", "HealSettings"),
-    "mtp": ("cortiq.mtp.settings", "MtpSettings"),
-    "retain": ("cortiq.data.settings", "RetainSettings"),
-    "quant": ("cortiq.quant.settings", "QuantSettings"),
-}
-
-#: keys a stage group holds beside its dataclass's fields (the data group names its sources)
-EXTRA_KEYS = {"data": {"sources": ["corpus:pydoc"], "eval_sources": []}}
-#: what each extra key is for (docs/settings.md)
-EXTRA_HELP = {
-    "data.sources": "what the stage reads (paths or corpus:NAME); on the command line, its positional arguments",
-    "data.eval_sources": "text of another source that no stage trains on (paths or corpus:NAME), tokenized the "
-                         "same way: source, pruned and healed are scored on every record of it and the gap "
-                         "recovered is reported on it; empty: on the data's own test split (in-domain, where "
-                         "adapting to the text counts as recovery)",
-}
+from .heal.settings import HealSettings
+from .mtp.settings import MtpSettings
+from .quant.settings import QuantSettings
+from .settings_meta import WINDOW, check, check_value, derived_error, nested, parent_key, setting
 
 #: codecs a re-encode may write (cortiq.codecs names)
 DEFAULT_CODECS = ["f16", "q8", "q4"]
@@ -72,34 +56,20 @@ MAX_INT = 1 << 53
 DEVICE_RE = re.compile(r"auto|cpu|mps|(cuda|xpu)(:\d{1,3})?")
 
 
-def stage_settings_class(group: str):
-    """The settings dataclass of a stage group, or None while that stage has none."""
-    mod, name = STAGE_SETTINGS[group]
-    try:
-        return getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError):
-        return None
-
-
 @dataclass
 class RunSettings:
     """Where outputs and runs go, and how failures are retried."""
 
     # ── outputs ──
-    #: directory of stage outputs (each in its own digest-named directory); "" = <cortiq home>/work
     out: str = setting("", "directory of stage outputs", show="<cortiq home>/work")
     # ── tracking ──
-    #: MLflow tracking URI; "" = sqlite:///<cortiq home>/mlflow.db
     tracking_uri: str = setting("", "MLflow tracking URI", show="sqlite:///<cortiq home>/mlflow.db")
-    #: MLflow experiment the runs go to
     experiment: str = setting("cortiq", "MLflow experiment the runs go to")
     #: copying a multi-GB model into the tracking store doubles the disk it takes
     artifact_limit_mb: float = setting(200.0, "output CMF files larger than this (MB) are logged as a reference "
                                               "(path + sha256), not copied", lo=0)
     # ── failures ──
-    #: times Prefect retries a failed stage task (training resumes from its checkpoint)
     retries: int = setting(0, "times a failed stage is retried (training resumes from its checkpoint)", lo=0)
-    #: seconds between retries
     retry_delay_s: float = setting(10.0, "seconds between retries", lo=0)
 
     def __post_init__(self):
@@ -122,42 +92,31 @@ class RunSettings:
 class PipelineSettings:
     """compress-and-heal: source → data → compress → heal → score → mtp heal → re-encode."""
 
-    #: the parameter set's name (tags the MLflow run); defaults to the YAML file's stem
     name: str = setting("default", "the parameter set's name (tags the MLflow run)", show="the YAML file's stem")
     # ── the model ──
-    #: a .cmf file, a Hugging Face safetensors directory, a .gguf file, or "smollm2" (the bundled SmolLM2-135M-Instruct)
     source: str = setting("smollm2", "the model: a .cmf file, a Hugging Face directory, a .gguf file, or smollm2 "
                                      "(the bundled SmolLM2-135M-Instruct)")
-    # ── stage settings (the stages' own dataclasses, as dicts of what is set here) ──
-    #: `sources` (files, directories, or corpus:pydoc / corpus:shakespeare) and cortiq.data.settings.BuildSettings
-    data: dict = field(default_factory=dict)
-    #: cortiq.compress.settings.CompressSettings: masks, keep ratio, repair, GPTQ
-    compress: dict = field(default_factory=dict)
-    #: cortiq.heal.settings.HealSettings: distillation
-    heal: dict = field(default_factory=dict)
-    #: cortiq.mtp.settings.MtpSettings: draft head healing
-    mtp: dict = field(default_factory=dict)
-    #: cortiq.data.settings.RetainSettings: retain text mixed into the masks, Grams and heal; its test splits
-    #: are the general panel every report scores
-    retain: dict = field(default_factory=dict)
-    #: cortiq.quant.settings.QuantSettings: how the re-encode writes the block codecs (GPTQ, AWQ or round-to-nearest)
-    quant: dict = field(default_factory=dict)
-    #: run the MTP heal (needs a source with an MTP block, or one is initialised; see cortiq.mtp)
+    # ── the stages' settings ──
+    data: DataSettings = field(default_factory=DataSettings)
+    compress: CompressSettings = field(default_factory=CompressSettings)
+    heal: HealSettings = field(default_factory=HealSettings)
+    mtp: MtpSettings = field(default_factory=MtpSettings)
+    #: its test splits are the general panel every report scores
+    retain: RetainSettings = field(default_factory=RetainSettings)
+    quant: QuantSettings = field(default_factory=QuantSettings)
     mtp_enabled: bool = setting(True, "heal the MTP draft (a source without one gets a fresh one)")
     # ── score and re-encode ──
-    #: test-split tokens the NLL is scored on (0 = the whole test split)
     score_tokens: int = setting(0, "test-split tokens the NLL is scored on (0: the whole test split)", lo=0)
-    #: window length (tokens) the test NLL is scored in
     score_window: int = setting(256, "tokens per window the test NLL is scored in", **WINDOW)
-    #: codecs the final model is re-encoded in and re-measured (cortiq.codecs names)
     codecs: list[str] = setting(factory=lambda: list(DEFAULT_CODECS),
                                 help="codecs the final model is re-encoded in and re-measured")
     # ── outputs, tracking, retries ──
     run: RunSettings = field(default_factory=RunSettings)
 
     def __post_init__(self):
-        if isinstance(self.run, dict):
-            self.run = _build(RunSettings, self.run, "run", "settings")
+        for name, cls in groups().items():  # a group given as a mapping (PipelineSettings(heal={...}))
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, _build(cls, getattr(self, name), name, "settings"))
         if not isinstance(self.source, str) or not self.source:
             raise CortiqError("source must be a model path or 'smollm2'")
         from . import codecs as _codecs
@@ -167,23 +126,35 @@ class PipelineSettings:
         for c in self.codecs:
             _codecs.get(c)
         check(self, "settings")
-        for g in STAGE_SETTINGS:
-            if not isinstance(getattr(self, g), dict):
-                raise CortiqError(f"{g} must be a mapping of settings, not {getattr(self, g)!r}")
-
-    def stage(self, group: str):
-        """The stage's settings dataclass built from this group (the group's dict while the stage has none);
-        the group's extra keys (data.sources) are left out: see `extra`."""
-        cls = stage_settings_class(group)
-        values = {k: v for k, v in getattr(self, group).items() if k not in EXTRA_KEYS.get(group, {})}
-        return values if cls is None else _build(cls, values, group, self.name)
-
-    def extra(self, group: str, key: str):
-        """A group's extra key (e.g. data.sources), or its default."""
-        return getattr(self, group).get(key, EXTRA_KEYS[group][key])
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The parameter set as a parameter file writes it: every key `load_settings` takes (and
+        none that another sets), lists where the settings hold tuples. What leaves the process:
+        a flow's Prefect parameters, the MLflow params, settings.json."""
+        return as_document(self)
+
+
+def groups() -> dict[str, type]:
+    """The groups of a parameter set (`run` and the stage groups): key -> settings dataclass."""
+    return {f.name: nested(PipelineSettings, f) for f in dataclasses.fields(PipelineSettings)
+            if nested(PipelineSettings, f) is not None}
+
+
+def as_document(obj) -> dict:
+    """A settings dataclass as the mapping a parameter file holds (`PipelineSettings.to_dict`)."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        if "set_by" not in f.metadata:
+            out[f.name] = _document_value(getattr(obj, f.name))
+    return out
+
+
+def _document_value(v: Any) -> Any:
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return as_document(v)
+    if isinstance(v, (list, tuple)):
+        return [_document_value(x) for x in v]
+    return v
 
 
 def _unknown(where: str, key: str, known: list[str], elsewhere: dict[str, str] | None = None) -> CortiqError:
@@ -197,10 +168,8 @@ def _unknown(where: str, key: str, known: list[str], elsewhere: dict[str, str] |
     return CortiqError(f"{where}: unknown key {key}{hint}")
 
 
-def _check_keys(cls, values: dict, group: str, where: str, extra: tuple = ()) -> None:
+def _check_keys(cls, values: dict, group: str, where: str) -> None:
     """Every key of `values` is a field of `cls` (nested dataclass groups checked too)."""
-    import typing
-
     fields = {f.name: f for f in dataclasses.fields(cls)}
     known = [k for k, f in fields.items() if "set_by" not in f.metadata]
     try:
@@ -208,13 +177,11 @@ def _check_keys(cls, values: dict, group: str, where: str, extra: tuple = ()) ->
     except Exception:  # an unresolvable annotation: check this level only
         hints = {}
     for k, v in values.items():
-        if k in extra:
-            continue
         if k in fields and k not in known:
             raise CortiqError(f"{where}: {derived_error(f'{group}.', fields[k])}")
         if k not in known:
             elsewhere = {n: parent_key(f"{group}.", f.metadata["set_by"]) for n, f in fields.items() if n not in known}
-            raise _unknown(where, f"{group}.{k}", known + list(extra), elsewhere)
+            raise _unknown(where, f"{group}.{k}", known, elsewhere)
         sub = hints.get(k)
         if isinstance(v, dict) and isinstance(sub, type) and dataclasses.is_dataclass(sub):
             _check_keys(sub, v, f"{group}.{k}", where)
@@ -358,7 +325,7 @@ def _build(cls, values: Any, group: str, where: str):
 
 
 def settings_from_dict(doc: Any, where: str = "settings") -> PipelineSettings:
-    """PipelineSettings from a mapping, every key checked (stage groups against their stage's dataclass)."""
+    """PipelineSettings from a mapping, every key checked (each group against its dataclass)."""
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
@@ -367,44 +334,17 @@ def settings_from_dict(doc: Any, where: str = "settings") -> PipelineSettings:
     for k in doc:
         if k not in known:
             raise _unknown(where, str(k), known)
-    run = doc.get("run", {})
-    if run is None:
-        run = {}
-    if not isinstance(run, dict):
-        raise CortiqError(f"{where}: run must be a mapping, not {run!r}")
-    for k in run:
-        if k not in [f.name for f in dataclasses.fields(RunSettings)]:
-            raise _unknown(where, f"run.{k}", [f.name for f in dataclasses.fields(RunSettings)])
     values = dict(doc)
-    for g in STAGE_SETTINGS:
-        v = values.get(g)
-        if v is None:
-            values[g] = {}
-        elif not isinstance(v, dict):
-            raise CortiqError(f"{where}: {g} must be a mapping, not {_short(v)}")
-    values = check_types(PipelineSettings, {k: v for k, v in values.items() if k != "run"}, "", where)
+    # each group checked and built now, not when its stage starts
+    built = {g: _build(cls, {} if values.get(g) is None else values[g], g, where) for g, cls in groups().items()}
+    values = check_types(PipelineSettings, {k: v for k, v in values.items() if k not in built}, "", where)
     try:
-        s = PipelineSettings(**{**values, "run": _build(RunSettings, run, "run", where)})
+        return PipelineSettings(**values, **built)
     except CortiqError as e:
         msg = str(e)
         raise CortiqError(msg if msg.startswith(where) else f"{where}: {msg}") from None
     except TypeError as e:
         raise CortiqError(f"{where}: {e}") from None
-    # stage groups: checked against the stage's dataclass now, not when the stage starts
-    for g in STAGE_SETTINGS:
-        cls = stage_settings_class(g)
-        extra = EXTRA_KEYS.get(g, {})
-        values = getattr(s, g)
-        if cls is not None:
-            _check_keys(cls, values, g, where, tuple(extra))
-            _build(cls, {k: v for k, v in values.items() if k not in extra}, g, where)
-    srcs = s.extra("data", "sources")
-    if not isinstance(srcs, list) or not srcs or not all(isinstance(x, str) for x in srcs):
-        raise CortiqError(f"{where}: data.sources must be a non-empty list of paths or corpus:NAME, not {srcs!r}")
-    ev = s.extra("data", "eval_sources")
-    if not isinstance(ev, list) or not all(isinstance(x, str) for x in ev):
-        raise CortiqError(f"{where}: data.eval_sources must be a list of paths or corpus:NAME, not {ev!r}")
-    return s
 
 
 def load_settings(params: str | os.PathLike | dict | PipelineSettings | None) -> PipelineSettings:

@@ -8,10 +8,11 @@ drift from the settings it documents.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
-from .settings import EXTRA_HELP, EXTRA_KEYS, STAGE_SETTINGS, PipelineSettings, stage_settings_class
-from .settings_meta import table
+from .settings import PipelineSettings, groups
+from .settings_meta import default_of, table
 
 #: stage group -> the command whose options are that group's settings
 STAGE_COMMANDS = {"data": "cortiq data build", "compress": "cortiq compress", "heal": "cortiq heal",
@@ -45,13 +46,18 @@ def settings_doc() -> str:
            "leaves out keeps the default. The *option* column names the same setting on the stage's own "
            "command.\n",
            "### The pipeline\n",
-           table(PipelineSettings, options=False, skip=tuple(STAGE_SETTINGS))]
-    for group in STAGE_SETTINGS:
-        cls = stage_settings_class(group)
+           table(PipelineSettings, options=False, skip=tuple(STAGE_COMMANDS))]
+    for group, cls in groups().items():
+        if group not in STAGE_COMMANDS:
+            continue
         out.append(f"### `{group}`: `{STAGE_COMMANDS[group]}`\n")
-        for key, default in EXTRA_KEYS.get(group, {}).items():
-            out.append(f"`{group}.{key}` (default `[{', '.join(default)}]`): {EXTRA_HELP[f'{group}.{key}']}.\n")
-        out.append(table(cls, f"{group}."))
+        # a group's keys beyond its stage command's settings (data.sources): a line each above the table
+        base = next((b for b in cls.__mro__[1:] if dataclasses.is_dataclass(b)), None)
+        own = {f.name for f in dataclasses.fields(base)} if base is not None else set()
+        for f in dataclasses.fields(cls):
+            if base is not None and f.name not in own:
+                out.append(f"`{group}.{f.name}` (default `[{', '.join(default_of(f))}]`): {f.metadata['help']}.\n")
+        out.append(table(base or cls, f"{group}."))
     out.append("## Commands\n")
     for command, (mod, name) in COMMAND_SETTINGS.items():
         out.append(f"### `{command}`\n")

@@ -51,7 +51,7 @@ def setting(default: Any = MISSING, help: str = "", *, factory: Any = MISSING, c
     times (a list). text: how a value is written as option text (to_argv). set_by: the field is
     not set on its own: the enclosing settings' field of that name sets it (no option, no key).
 
-    What enters a stage's digest (cortiq.pipeline.Stage applies it, one rule for every stage):
+    What enters a stage's digest (cortiq.runner.Stage applies it, one rule for every stage):
     how: the field says how the output is made, not what it is (device, GPUs, progress, memory
     plans that give the same numbers, output paths): it enters no digest. feeds: the names of the
     stages whose output the field changes (default: the class's FEEDS, else every stage that

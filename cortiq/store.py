@@ -87,6 +87,27 @@ def file_digest(path: str | os.PathLike) -> str:
     return h.hexdigest()[:32]
 
 
+def parse_data_spec(spec: str) -> list[tuple[str, int | None]]:
+    """A data spec, `PATH[@TOKENS],...` (the MTP stages' data: tdata directories, each capped at a
+    token count) → [(path, token cap or None)]."""
+    out = []
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        path, sep, cap = item.rpartition("@")
+        if sep and "/" not in cap:  # an @ inside a folder name is part of the path
+            if not (cap.isascii() and cap.isdigit() and int(cap) > 0):
+                raise CortiqError(f"data spec {item!r}: the token count {cap[:40]!r} is not a positive integer "
+                                  "(PATH@TOKENS)")
+            out.append((path, int(cap)))
+        else:
+            out.append((item, None))
+    if not out:
+        raise CortiqError(f"no data set in the spec {spec!r} (PATH[@TOKENS], comma-separated)")
+    return out
+
+
 def is_complete(d: str | os.PathLike) -> bool:
     return (Path(d) / META).is_file()
 

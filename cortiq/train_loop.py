@@ -111,9 +111,9 @@ def update(opt, loss, grad_norm, set_rate, on_device: bool) -> Update:
 
 @dataclass
 class LoopState:
-    """What a training loop carries from step to step. `plain()` is its checkpoint
+    """What a training loop carries from step to step. `to_checkpoint()` is its checkpoint
     form (plain values and tensors, no classes: a checkpoint never unpickles code),
-    `from_plain` reads it back; a loop's own state adds fields to it."""
+    `from_checkpoint` reads it back; a loop's own state adds fields to it."""
 
     #: updates made (skipped steps do not count)
     done: int = 0
@@ -130,11 +130,11 @@ class LoopState:
     #: the step the run stopped early at (0: it did not)
     stopped: int = 0
 
-    def plain(self) -> dict[str, Any]:
+    def to_checkpoint(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
-    def from_plain(cls, d: dict):
+    def from_checkpoint(cls, d: dict):
         return cls(**{f.name: d[f.name] for f in fields(cls)})
 
     def skip(self, what: str, hint: str) -> None:

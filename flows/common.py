@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from cortiq import pipeline
-from cortiq.pipeline import Stage
+from cortiq import runner
+from cortiq.runner import Stage
 from cortiq.settings import PipelineSettings
 from tasks.stage import stage_task
 
@@ -38,14 +38,16 @@ class Stages:
         """Run `stage` as the task of that name; `key` (default: the stage's name,
         `score.healed` for one of several) is what its metrics are logged under."""
         key = key or stage.name
-        # a plan that cannot be made (a missing input) fails here once, not through the task's retries
-        pipeline.plan(stage, self.out_root, **params)
+        # a run that cannot be keyed (a missing input) fails here once, not through the task's retries
+        runner.cache_entry(stage, self.out_root, **params)
         t = stage_task(stage).with_options(
             retries=self.settings.run.retries,
             retry_delay_seconds=self.settings.run.retry_delay_s,
             task_run_name=key,
         )
-        state = t(self.out_root, params, logger=self.log.child(f"{key}."), return_state=True)
+        # the Prefect edge: the task gets JSON values, and builds the settings back (the same digest)
+        state = t(self.out_root, runner.json_params(stage, params), logger=self.log.child(f"{key}."),
+                  return_state=True)
         result = state.result()  # raises the stage's error when it failed
         self.results[key] = result
         self.states[key] = state.name

@@ -1,10 +1,10 @@
-"""Prefect tasks: thin adapters around cortiq's stage functions.
+"""Prefect tasks: one thin adapter around cortiq's stage runner (tasks.stage).
 
-Each task takes paths and settings, computes its output's digest (the stage's
-name and version, its settings, its inputs' digests), reuses the output when
-it is complete (the task run is then Cached), else makes one cortiq call; it
+The task of a stage takes the root and the stage's parameters as JSON values
+(cortiq.runner.json_params), runs the stage through cortiq.runner.run, which
+reuses a complete output (the task run is then Cached) or makes it, and
 returns the digest, the output path and the stage's report. No task result is
-persisted by Prefect: the outputs are the cache (tasks.common).
+persisted by Prefect: the outputs are the cache.
 """
 
 import os as _os

@@ -1,7 +1,7 @@
 """The one Prefect task: a stage of the pipeline run through cortiq's runner.
 
 `stage_task(stage)` is a task named after the stage that calls
-`cortiq.pipeline.run`; the runner's cache (the stage outputs, named by digest)
+`cortiq.runner.run`; the runner's cache (the stage outputs, named by digest)
 is the only cache, shared with the command line. A reused output puts the task
 run in the Cached state. A stage whose settings say gpus > 1 runs as that many
 processes under torchrun (the runner relaunches it and plays rank 0's metrics
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import functools
 
-from cortiq import pipeline, tracking
-from cortiq.pipeline import Stage
+from cortiq import runner, tracking
+from cortiq.runner import Stage
 
 
 @functools.cache
@@ -27,7 +27,7 @@ def stage_task(stage: Stage):
 
     @task(name=stage.name, description=stage.doc, persist_result=False, cache_policy=NO_CACHE)
     def run_stage(root: str, params: dict, logger=None):
-        r = pipeline.run(stage, root, logger or tracking.NULL, **params)
+        r = runner.run(stage, root, logger or tracking.NULL, **params)
         return Completed(name="Cached", data=r) if r["reused"] else r
 
     return run_stage

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cortiq import pipeline
+from cortiq import runner
 from cortiq.data.settings import BuildSettings
 from cortiq.settings import load_settings
 
@@ -25,9 +25,8 @@ import test_settings_meta
 from test_settings_meta import COMPANIONS, _candidates, _variants
 
 #: the modules that declare stages
-MODULES = ["cortiq.compress.stages", "cortiq.data.builder", "cortiq.data.retain", "cortiq.data.selfgen",
-           "cortiq.heal.targets", "cortiq.heal.prefix", "cortiq.heal.stages", "cortiq.mtp", "cortiq.measure",
-           "cortiq.convert", "cortiq.quant"]
+MODULES = ["cortiq.compress.stages", "cortiq.convert.stages", "cortiq.data.stages", "cortiq.heal.stages",
+           "cortiq.measure", "cortiq.mtp.stages", "cortiq.quant.stages"]
 
 #: computed on main before the rule (the demo's settings; upstream outputs given as {"digest": name})
 PINNED = {
@@ -76,10 +75,10 @@ PINNED_OTHER = {
 }
 
 
-def _stages() -> list[pipeline.Stage]:
+def _stages() -> list[runner.Stage]:
     out = []
     for m in MODULES:
-        out += [v for v in vars(importlib.import_module(m)).values() if isinstance(v, pipeline.Stage)]
+        out += [v for v in vars(importlib.import_module(m)).values() if isinstance(v, runner.Stage)]
     return list({id(s): s for s in out}.values())
 
 
@@ -87,50 +86,46 @@ def D(name):
     return {"digest": name}
 
 
-def demo_chain(s, tok) -> list[tuple[str, pipeline.Stage, dict]]:
+def demo_chain(s, tok) -> list[tuple[str, runner.Stage, dict]]:
     """(node, stage, params) of the demo's chain of stages, every upstream output given by its node's
     name (`digests` replaces it by that node's digest), grams and gptq included."""
     from cortiq.compress import FOLD, GPTQ, GRAMS, MASKS
-    from cortiq.convert import SOURCE
-    from cortiq.data.builder import DATA
-    from cortiq.data.retain import MIX
-    from cortiq.heal.prefix import PREFIX
-    from cortiq.heal.stages import HEAL, TRAIN
-    from cortiq.heal.targets import TARGETS
+    from cortiq.convert.stages import SOURCE
+    from cortiq.data.stages import DATA, MIX
+    from cortiq.heal.stages import EXPORT, PREFIX, TARGETS, TRAIN
     from cortiq.measure import REENCODE, SCORE, ScoreSettings
-    from cortiq.mtp import MTP, MTP_INIT, TRUNK
+    from cortiq.mtp.stages import MTP, MTP_INIT, TRUNK
     from cortiq.quant import QGRAMS, QUANTIZE, uses_grams
 
-    plain = pipeline.plain
-    r, c, h, m, q = (s.stage(g) for g in ("retain", "compress", "heal", "mtp", "quant"))
+    r, c, h, m, q = s.retain, s.compress, s.heal, s.mtp, s.quant
     nodes = [
         ("source", SOURCE, dict(source=s.source)),
-        ("data", DATA, dict(sources=s.extra("data", "sources"), model=str(tok), settings=plain(s.stage("data")))),
+        ("data", DATA, dict(sources=s.data.sources, model=str(tok), settings=s.data.build_settings())),
         ("data.retain", DATA, dict(sources=["corpus:shakespeare"], model=str(tok),
-                                   settings=plain(BuildSettings(max_total_tokens=r.tokens)))),
-        ("mix", MIX, dict(tdata="@data", retain=["@data.retain"], names=["shakespeare"], settings=plain(r))),
-        ("masks", MASKS, dict(model="@source", tdata="@mix", settings=plain(c.masks))),
-        ("grams", GRAMS, dict(model="@source", tdata="@mix", settings=plain(c.grams))),
-        ("fold", FOLD, dict(model="@source", masks="@masks", grams=None, settings=plain(c.fold))),
-        ("gptq", GPTQ, dict(model="@fold", grams="@grams", settings=plain(c.gptq))),
-        ("targets", TARGETS, dict(teacher="@source", tdata="@mix", settings=plain(h))),
-        ("prefix", PREFIX, dict(student="@fold", tdata="@mix", settings=plain(h))),
-        ("train", TRAIN, dict(student="@fold", targets="@targets", prefix="@prefix", tdata="@mix", settings=plain(h))),
-        ("heal", HEAL, dict(student="@fold", teacher="@source", train="@train", prefix="@prefix", settings=plain(h),
+                                   settings=BuildSettings(max_total_tokens=r.tokens))),
+        ("mix", MIX, dict(tdata="@data", retain=["@data.retain"], names=["shakespeare"], settings=r)),
+        ("masks", MASKS, dict(model="@source", tdata="@mix", settings=c.masks)),
+        ("grams", GRAMS, dict(model="@source", tdata="@mix", settings=c.grams)),
+        ("fold", FOLD, dict(model="@source", masks="@masks", grams=None, settings=c.fold)),
+        ("gptq", GPTQ, dict(model="@fold", grams="@grams", settings=c.gptq)),
+        ("targets", TARGETS, dict(teacher="@source", tdata="@mix", settings=h)),
+        ("prefix", PREFIX, dict(student="@fold", tdata="@mix", settings=h)),
+        ("train", TRAIN, dict(student="@fold", targets="@targets", prefix="@prefix", tdata="@mix", settings=h)),
+        ("heal", EXPORT, dict(student="@fold", teacher="@source", train="@train", prefix="@prefix", settings=h,
                             codec=h.export_codec)),
-        ("score", SCORE, dict(model="@heal", tdata="@data", settings=plain(ScoreSettings(
-            window=s.score_window, max_tokens=s.score_tokens)))),
+        ("score", SCORE, dict(model="@heal", tdata="@data", settings=ScoreSettings(
+            window=s.score_window, max_tokens=s.score_tokens))),
         ("mtp_init", MTP_INIT, dict(model="@heal")),
-        ("trunk", TRUNK, dict(model="@mtp_init", tdata="@data", settings=plain(m))),
-        ("mtp", MTP, dict(model="@mtp_init", tdata="@data", trunk="@trunk", settings=plain(m))),
+        ("trunk", TRUNK, dict(model="@mtp_init", tdata="@data", settings=m)),
+        ("mtp", MTP, dict(model="@mtp_init", tdata="@data", trunk="@trunk", settings=m)),
     ]
     for codec in ("q8", "q4"):
         if not uses_grams(codec, q):
             nodes.append((f"reencode.{codec}", REENCODE, dict(model="@mtp", codec=codec)))
             continue
-        nodes += [(f"qgrams.{codec}", QGRAMS, dict(model="@mtp", tdata="@data", codec=codec, settings=plain(q))),
+        nodes += [(f"qgrams.{codec}", QGRAMS, dict(model="@mtp", tdata="@data", codec=codec, settings=q)),
                   (f"quantize.{codec}", QUANTIZE, dict(model="@mtp", grams=f"@qgrams.{codec}", codec=codec,
-                                                       settings=plain(q)))]
+                                                       settings=q))]
     nodes.append(("reencode.f16", REENCODE, dict(model="@mtp", codec="f16")))
     return nodes
 
@@ -157,7 +152,7 @@ def digests(nodes, pinned: bool = False) -> dict[str, str]:
     for name, stage, params in nodes:
         p = {k: ([inp(x[1:]) for x in v] if isinstance(v, list) and v and str(v[0]).startswith("@")
                  else inp(v[1:]) if isinstance(v, str) and v.startswith("@") else v) for k, v in params.items()}
-        out[name] = pipeline.digest_of(stage, **p)
+        out[name] = runner.digest_of(stage, **p)
     return out
 
 
@@ -179,27 +174,35 @@ def test_the_demo_keeps_its_digests_but_the_mtp_stage(demo, tok):
     assert digests(demo_chain(demo, tok), pinned=True) == PINNED
 
 
+def test_the_settings_keep_their_digests_across_an_edge(demo, tok):
+    """A chain hands the stages their settings dataclasses; a Prefect task or a torchrun rank gets
+    them as JSON values (`runner.json_params`) and builds them back: the same digests."""
+    nodes = demo_chain(demo, tok)
+    edged = [(n, stage, runner.json_params(stage, p)) for n, stage, p in nodes]
+    assert all(not dataclasses.is_dataclass(p.get("settings")) for _, _, p in edged)
+    assert digests(edged, pinned=True) == PINNED
+
+
 def test_the_keys_of_their_own_shapes_keep_their_digests():
-    from cortiq.data.selfgen import SELFGEN
+    from cortiq.data.stages import SELFGEN
     from cortiq.data.settings import SelfGenSettings
     from cortiq.heal.settings import HealSettings
-    from cortiq.heal.stages import HEAL, TRAIN
-    from cortiq.heal.targets import TARGETS
+    from cortiq.heal.stages import EXPORT, TARGETS, TRAIN
     from cortiq.quant import QGRAMS
     from cortiq.quant.settings import QuantSettings
 
     got = {}
     for name, h in {"ce1": HealSettings(ce=1.0), "topk": HealSettings(target="topk", seed=3),
                     "qat": HealSettings(qat_codec="q4")}.items():
-        got[f"targets.{name}"] = pipeline.digest_of(TARGETS, teacher=D("src"), tdata=D("mix"), settings=h)
-        got[f"train.{name}"] = pipeline.digest_of(TRAIN, student=D("student"), targets=D("targets"), prefix=None,
+        got[f"targets.{name}"] = runner.digest_of(TARGETS, teacher=D("src"), tdata=D("mix"), settings=h)
+        got[f"train.{name}"] = runner.digest_of(TRAIN, student=D("student"), targets=D("targets"), prefix=None,
                                                   tdata=D("mix"), settings=h)
         if name != "topk":
-            got[f"heal.{name}"] = pipeline.digest_of(HEAL, student=D("student"), teacher=D("src"), train=D("train"),
+            got[f"heal.{name}"] = runner.digest_of(EXPORT, student=D("student"), teacher=D("src"), train=D("train"),
                                                      prefix=None, settings=h, codec=h.export_codec)
-    got["qgrams.awq"] = pipeline.digest_of(QGRAMS, model=D("final"), tdata=D("data"), codec="q4",
+    got["qgrams.awq"] = runner.digest_of(QGRAMS, model=D("final"), tdata=D("data"), codec="q4",
                                            settings=QuantSettings(method="awq"))
-    got["selfgen"] = pipeline.digest_of(SELFGEN, model=D("src"), settings=SelfGenSettings())
+    got["selfgen"] = runner.digest_of(SELFGEN, model=D("src"), settings=SelfGenSettings())
     assert got == PINNED_OTHER
 
 
@@ -243,12 +246,12 @@ def test_every_field_changes_exactly_the_stages_it_feeds(stage, tmp_path, monkey
                   if stage.name in ("qgrams", "quantize", "heal", "mix", "data") else {})
     if stage.name == "heal":
         params["codec"] = "keep"
-    base = pipeline.digest_of(stage, **params, settings=cls())
+    base = runner.digest_of(stage, **params, settings=cls())
     fields = {f.name: f for f in dataclasses.fields(cls)}
     seen = 0
     for name, obj in _all_variants(cls):
         f = fields[name]
-        changed = pipeline.digest_of(stage, **params, settings=obj) != base
+        changed = runner.digest_of(stage, **params, settings=obj) != base
         want = stage.name in WHOLE or _fed(cls, f, stage, obj)
         assert changed == want, f"{stage.name}: {cls.__name__}.{name} {'changed' if changed else 'left'} the digest"
         seen += 1
@@ -306,13 +309,14 @@ def test_over_the_demo_chain_a_field_changes_its_stages_and_those_downstream(dem
 
     walked = 0
     for group in ("data", "retain", "compress", "heal", "mtp", "quant"):
-        mine_before = demo.stage(group)
-        cls = type(mine_before)
+        mine_before = getattr(demo, group)
+        # the data group's stage settings (its sources, like retain.sources, shape the chain: not walked)
+        cls = BuildSettings if group == "data" else type(mine_before)
         for name, obj in _all_variants(cls):
             if (group, name.split(".")[0]) in SHAPE:
                 continue
             values = dataclasses.asdict(obj)
-            mine = {**getattr(demo, group)}
+            mine = demo.to_dict()[group]
             top = name.split(".")[0]
             if "." in name:  # a nested group's field (compress.masks.lr)
                 sub = name.split(".")[1]
@@ -324,7 +328,7 @@ def test_over_the_demo_chain_a_field_changes_its_stages_and_those_downstream(dem
                 s2 = load_settings(doc)
             except Exception:
                 continue  # a value the demo's other settings contradict
-            if s2.stage(group) == mine_before:
+            if getattr(s2, group) == mine_before:
                 continue
             nodes2 = demo_chain(s2, tok)  # one chain per variant: its digests, then its nodes walked
             after = digests(nodes2)
@@ -345,3 +349,14 @@ def test_over_the_demo_chain_a_field_changes_its_stages_and_those_downstream(dem
             assert changed == closure(direct), f"{group}.{name}: changed {sorted(changed)}, fed {sorted(direct)}"
             walked += 1
     assert walked > 60
+
+
+def test_the_mtp_heal_records_the_mtp_stages_key():
+    """mtp heal writes its settings' part of the mtp stage's key into its report and provenance
+    without the stage's declaration (cortiq.mtp.heal sits below cortiq.mtp.stages): the same key."""
+    from cortiq.mtp.heal import settings_key
+    from cortiq.mtp.settings import MtpSettings
+    from cortiq.mtp.stages import MTP
+
+    for _, s in [("defaults", MtpSettings())] + list(_variants(MtpSettings)):
+        assert settings_key(s) == runner.key_of(MTP, s)

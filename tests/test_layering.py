@@ -1,5 +1,7 @@
 """The core library runs without the orchestrator: cortiq/ never imports prefect, mlflow or the
-orchestration packages flows/ and tasks/ (their commands join the CLI through an entry point)."""
+orchestration packages flows/ and tasks/ (their commands join the CLI through an entry point).
+Its modules form no import circle, and each imports only from its own layer and those below
+(`LAYERS`: base < model < data < stages < pipeline < outputs < commands)."""
 
 import ast
 import subprocess
@@ -105,3 +107,50 @@ def test_the_cycle_check_finds_a_cycle(tmp_path):
     (pkg / "a.py").write_text("from . import b\n")
     (pkg / "b.py").write_text("def f():\n    from .a import x\n")  # function-level: still a circle
     assert _cycles(_imports(pkg)) == [["pkg.a", "pkg.b", "pkg.a"]]
+
+
+#: cortiq's layers, lowest first, by a module's first name under cortiq ("" is the package itself): a
+#: module imports from its own layer and the ones below it, never from one above
+LAYERS = (
+    # formats, the stage runner and what every stage shares
+    ("base", {"errors", "exit", "_lazy", "arch", "codecs", "cmf", "store", "tokenizer", "chat", "settings_meta",
+              "tracking", "dist", "devices", "train_loop", "runner", "runner_worker"}),
+    # the decoders, and the fact probe that reads what they know
+    ("model", {"model", "facts"}),
+    # what the stages read: tdata, and models converted to CMF
+    ("data", {"data", "convert"}),
+    ("stages", {"compress", "heal", "mtp", "quant", "measure"}),
+    # a parameter set and its chains
+    ("pipeline", {"settings", "settings_doc", "chains"}),
+    ("outputs", {"export", "serve"}),
+    ("commands", {"commands", "cli", "__main__", ""}),
+)
+
+
+def _layer(module: str) -> int:
+    first = module.split(".")[1] if "." in module else ""
+    return next(i for i, (_, names) in enumerate(LAYERS) if first in names)
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} ({LAYERS[_layer(m)][0]}) imports {n} ({LAYERS[_layer(n)][0]})"
+                  for m, targets in graph.items() for n in targets if _layer(n) > _layer(m))
+
+
+def test_every_core_module_has_a_layer_and_no_import_runs_up_the_layers():
+    graph = _imports(ROOT / "cortiq")
+    unplaced = []
+    for m in graph:
+        try:
+            _layer(m)
+        except StopIteration:
+            unplaced.append(m)
+    assert unplaced == [], "a module outside every layer: give its package a place in LAYERS"
+    assert _cycles(graph) == []
+    assert _upward(graph) == []
+
+
+def test_the_layer_check_finds_an_import_that_runs_up():
+    graph = {"cortiq.runner": {"cortiq.data.windowing"}, "cortiq.data.windowing": {"cortiq.store"},
+             "cortiq.store": set()}
+    assert _upward(graph) == ["cortiq.runner (base) imports cortiq.data.windowing (data)"]

@@ -86,9 +86,9 @@ def test_well_typed_values_pass_and_are_normalised(tmp_path):
                  "data:\n  fractions: [1, 0, 0]\n  category: null\n")
     s = load_settings(p)
     assert s.mtp_enabled is False  # YAML's unquoted `no` is a real boolean
-    h = s.stage("heal")
+    h = s.heal
     assert h.lr == 1.0 and isinstance(h.lr, float) and h.device == "cuda:1" and h.window == 8
-    assert s.stage("data").fractions == (1.0, 0.0, 0.0)
+    assert s.data.fractions == (1.0, 0.0, 0.0)
     # a mapping (a deployment's parameters) is checked the same way
     with pytest.raises(CortiqError, match="settings: heal.window must be a whole number, not 2.5"):
         load_settings({"heal": {"window": 2.5}})
@@ -108,7 +108,7 @@ def test_a_few_aliases_are_fine(tmp_path):
     p = tmp_path / "anchors.yaml"
     p.write_text("heal: &h {window: 64, batch: 2}\ncompress:\n  masks: *h\n")
     s = load_settings(p)
-    assert s.stage("compress").masks.window == s.stage("heal").window == 64
+    assert s.compress.masks.window == s.heal.window == 64
 
 
 @pytest.mark.parametrize("content, message", [

@@ -44,8 +44,8 @@ def test_the_heal_state_plain_form_is_the_checkpoints_state_table():
     # the keys a heal checkpoint's "state" has held since checkpoints began: an older one resumes
     keys = {"done", "cursor", "skipped", "scale", "step_secs", "history", "evals", "stale", "stopped", "mix"}
     st = HealState(done=3, cursor=5, scale=8.0, history=[{"step": 1}], mix={"w": [0.5]})
-    assert set(st.plain()) == keys
-    assert HealState.from_plain(st.plain()) == st
+    assert set(st.to_checkpoint()) == keys
+    assert HealState.from_checkpoint(st.to_checkpoint()) == st
 
 
 def test_best_keeps_only_a_better_value():

@@ -321,7 +321,7 @@ class _Profiled:
 def worker_heal(a) -> int:
     from cortiq import dist
     from cortiq.heal import parallel
-    from cortiq.heal import targets as targets_mod
+    from cortiq.heal import stages as heal_stages
     from cortiq.heal.settings import HealSettings
     from cortiq.heal.stages import train
     from cortiq.tracking import MemoryLogger
@@ -344,10 +344,10 @@ def worker_heal(a) -> int:
     s = HealSettings(window=a.window, batch=a.batch, epochs=epochs, train_from=0, topk=32, loss_on="all",
                      eval_every=a.eval_every, checkpoint_every=0, compile=bool(a.compile), lr=3e-4,
                      device="cpu" if a.cpu else "auto", gpus=n, shard=a.shard)
-    tdir = work / f"targets-{n}gpu-{targets_mod.digest_of(work / 'source.cmf', td, s)}"
+    tdir = work / f"targets-{n}gpu-{heal_stages.targets_digest(work / 'source.cmf', td, s)}"
     t0 = time.perf_counter()
     if not dist.agree((tdir / "meta.json").exists()):
-        targets_mod.teacher_targets(work / "source.cmf", td, s, tdir, progress=False)
+        heal_stages.teacher_targets(work / "source.cmf", td, s, tdir, progress=False)
     teacher_s = time.perf_counter() - t0
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

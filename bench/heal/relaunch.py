@@ -1,5 +1,5 @@
 """A heal stage with gpus: N run from a plain process, as a flow's Prefect task
-runs it: `cortiq.pipeline.run` relaunches the stage under torchrun.
+runs it: `cortiq.runner.run` relaunches the stage under torchrun.
 
     python -m bench.heal.relaunch [--out DIR]     # 2 GPUs (about 4 minutes on 2×H200)
     python -m bench.heal.relaunch --cpu --tiny    # the code paths: 2 gloo ranks on the CPU, no figures
@@ -51,31 +51,30 @@ def parse_args():
     return a
 
 
-def settings(c, n: int) -> dict:
+def settings(c, n: int):
     """The heal settings of both stages at `n` GPUs, as the runner takes them."""
-    from cortiq import pipeline
     from cortiq.heal.settings import HealSettings
 
     a = c.a
-    return pipeline.plain(HealSettings(window=a.window, batch=a.batch, epochs=c.epochs, train_from=0, topk=32,
-                                       loss_on="all", eval_every=a.eval_every, checkpoint_every=a.eval_every,
-                                       lr=3e-4, compile=c.cuda, device="cuda" if c.cuda else "cpu", gpus=n))
+    return HealSettings(window=a.window, batch=a.batch, epochs=c.epochs, train_from=0, topk=32, loss_on="all",
+                        eval_every=a.eval_every, checkpoint_every=a.eval_every, lr=3e-4, compile=c.cuda,
+                        device="cuda" if c.cuda else "cpu", gpus=n)
 
 
 def stages(c, n: int, root: Path) -> dict:
     """The teacher top-k stage and the training stage at `n` GPUs into a fresh stage cache `root`: digests,
     wall times, the step rate, the evaluations and what came back into this process's loggers."""
-    from cortiq import pipeline
+    from cortiq import runner
     from cortiq.heal.stages import TRAIN
-    from cortiq.heal.targets import TARGETS
+    from cortiq.heal.stages import TARGETS
     from cortiq.tracking import MemoryLogger
 
     shutil.rmtree(root, ignore_errors=True)
     lt, lr = MemoryLogger(), MemoryLogger()
     t1 = time.time()
-    tg = pipeline.run(TARGETS, root, lt, progress=False, teacher=c.src, tdata=c.td, settings=settings(c, n))
+    tg = runner.run(TARGETS, root, lt, progress=False, teacher=c.src, tdata=c.td, settings=settings(c, n))
     t2 = time.time()
-    tr = pipeline.run(TRAIN, root, lr, progress=False, student=c.stu, targets=tg["path"], prefix=None, tdata=c.td,
+    tr = runner.run(TRAIN, root, lr, progress=False, student=c.stu, targets=tg["path"], prefix=None, tdata=c.td,
                       settings=settings(c, n))
     t3 = time.time()
     m = tr["report"]["metrics"]
@@ -89,25 +88,25 @@ def stages(c, n: int, root: Path) -> dict:
 
 def failed_rank(c, work: Path) -> dict:
     """A rank that fails ($CORTIQ_FAIL_STAGE=train@1): one error line, the output not complete."""
-    from cortiq import pipeline
+    from cortiq import runner
     from cortiq.errors import CortiqError
     from cortiq.heal.stages import TRAIN
-    from cortiq.heal.targets import TARGETS
+    from cortiq.heal.stages import TARGETS
 
     root = work / "cache-fail"
     shutil.rmtree(root, ignore_errors=True)
-    tg = pipeline.run(TARGETS, root, progress=False, teacher=c.src, tdata=c.td, settings=settings(c, 1))
+    tg = runner.run(TARGETS, root, progress=False, teacher=c.src, tdata=c.td, settings=settings(c, 1))
     params = dict(student=c.stu, targets=tg["path"], prefix=None, tdata=c.td, settings=settings(c, c.a.gpus))
-    os.environ[pipeline.FAIL_ENV] = "train@1"
+    os.environ[runner.FAIL_ENV] = "train@1"
     t1 = time.time()
     try:
-        pipeline.run(TRAIN, root, progress=False, **params)
+        runner.run(TRAIN, root, progress=False, **params)
         fail = {"error": None}
     except CortiqError as e:
         fail = {"error": str(e)}
     finally:
-        del os.environ[pipeline.FAIL_ENV]
-    fail.update({"wall_s": time.time() - t1, "incomplete": not pipeline.plan(TRAIN, root, **params).ready()})
+        del os.environ[runner.FAIL_ENV]
+    fail.update({"wall_s": time.time() - t1, "incomplete": not runner.cache_entry(TRAIN, root, **params).ready()})
     return fail
 
 
@@ -147,7 +146,7 @@ def table(rows, fail, dev, a) -> int:
     one, many = rows
     same = one["targets_digest"] == many["targets_digest"] and one["train_digest"] == many["train_digest"]
     print(f"\n{dev}, torch {torch.__version__}; {a.geom}: window {a.window}, global batch {a.batch}, "
-          f"{one['steps']} steps; the stages run by cortiq.pipeline.run from a plain process")
+          f"{one['steps']} steps; the stages run by cortiq.runner.run from a plain process")
     print("\n| step | held-out loss, gpus 1 | held-out loss, gpus %d | difference |" % a.gpus)
     print("| --- | --- | --- | --- |")
     for e1, e2 in zip(one["evals"], many["evals"]):

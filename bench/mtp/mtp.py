@@ -253,7 +253,7 @@ def q4_variants(c):
     """q4: which tensors are sensitive (all at q4 with the sensitive ones at q8, and eh_proj kept at f16),
     each measured offline. Returns the loaded healed model, which the next part reads its windows with."""
     from cortiq.devices import rank_device
-    from cortiq.mtp import _chain, _draft_tensors, _remeasure, write_draft
+    from cortiq.mtp.heal import _chain, _draft_tensors, _remeasure, write_draft
 
     c.f = f = open_cmf(c.paths["f16"])
     c.dev = rank_device(c.sr.device, "mtp settings")

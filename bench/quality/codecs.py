@@ -249,7 +249,7 @@ def report(c, models, nll, heal_tokens, rep_q, rs) -> str:
 
 
 def main(argv=None) -> int:
-    from cortiq.data.retain import cli_runner, with_retain
+    from cortiq.data.stages import cli_runner, with_retain
     from cortiq.data.settings import RetainSettings
     from cortiq.heal import heal
 

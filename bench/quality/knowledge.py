@@ -75,12 +75,12 @@ def panel_nll(path, sets, device, tiny) -> dict[str, float]:
 
 def facts_of(models: dict, device: str, external: str | None) -> dict:
     """Facts kept on the probe's dev and held parts, and on a fact file kept outside the repository."""
-    from cortiq.facts import probe
+    from cortiq.facts import probe_models
     from cortiq.facts.probe import read_facts
 
-    out = {part: probe(models, part=part, device=device, progress=False)["models"] for part in ("dev", "held")}
+    out = {part: probe_models(models, part=part, device=device, progress=False)["models"] for part in ("dev", "held")}
     if external:
-        out["external"] = probe(models, facts=read_facts(external), device=device, progress=False)["models"]
+        out["external"] = probe_models(models, facts=read_facts(external), device=device, progress=False)["models"]
     return out
 
 

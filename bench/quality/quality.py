@@ -42,8 +42,7 @@ import torch
 
 from bench.common import default_out, finish, log, parser, run_dirs, smollm2_cmf, table, tiny_cmf, write_json
 from cortiq import store
-from cortiq.heal import prefix as prefix_mod
-from cortiq.heal import targets as targets_mod
+from cortiq.heal import stages as heal_stages
 from cortiq.heal.kinds import CHOICES as KINDS
 from cortiq.heal.settings import HealSettings
 from cortiq.heal.stages import healed_model, train
@@ -162,15 +161,15 @@ def heal_row(label: str, s: HealSettings, source: Path, pruned: Path, sets: dict
     heal_dir = cache / "heal"
     heal_dir.mkdir(parents=True, exist_ok=True)
     teacher = None if s.ce >= 1.0 else source
-    tdir = heal_dir / f"targets-{targets_mod.digest_of(teacher, sets['heal'], s)}"
+    tdir = heal_dir / f"targets-{heal_stages.targets_digest(teacher, sets['heal'], s)}"
     t_targets = 0.0
     if not store.is_complete(tdir):
-        t_targets = targets_mod.teacher_targets(teacher, sets["heal"], s, tdir, progress=False)["metrics"].get("teacher_secs", 0.0)
+        t_targets = heal_stages.teacher_targets(teacher, sets["heal"], s, tdir, progress=False)["metrics"].get("teacher_secs", 0.0)
     pdir = None
     if s.train_from > 0:
-        pdir = heal_dir / f"prefix-{prefix_mod.digest_of(pruned, sets['heal'], s)}"
+        pdir = heal_dir / f"prefix-{heal_stages.prefix_digest(pruned, sets['heal'], s)}"
         if not store.is_complete(pdir):
-            prefix_mod.prefix_cache(pruned, sets["heal"], s, pdir, progress=False)
+            heal_stages.prefix_cache(pruned, sets["heal"], s, pdir, progress=False)
     work = heal_dir / f"train-{label}"
     for f in work.glob("*"):
         f.unlink()

@@ -108,7 +108,7 @@ def _self(args) -> int:
     from pathlib import Path
 
     from .. import store
-    from ..data.selfgen import self_tdata
+    from ..data.stages import self_tdata
     from ..data.settings import SelfGenSettings
     from ..data.tdata import Tdata
     from ..settings_meta import from_args

@@ -48,7 +48,7 @@ def run(args) -> int:
 
     from ..cmf import open_cmf
     from ..errors import CortiqError
-    from ..facts import kept_line, load_facts, probe
+    from ..facts import kept_line, load_facts, probe_models
     from ..facts.probe import read_facts
     from ..settings_meta import from_args
     from ..tokenizer import from_doc
@@ -64,7 +64,7 @@ def run(args) -> int:
         if src.tokenizer.get("json") != model.tokenizer.get("json"):
             raise CortiqError(f"{args.against}: its tokenizer is not {args.model}'s: not its source")
         models = {"source": src, "model": model}
-    r = probe(models, source="source" if args.against else None, part=s.part, facts=facts, device=s.device,
+    r = probe_models(models, source="source" if args.against else None, part=s.part, facts=facts, device=s.device,
               batch_tokens=s.batch_tokens)
     c = r["models"]["model"]
     lost = []

@@ -42,9 +42,10 @@ def run(args) -> int:
 
     from tqdm import tqdm
 
-    from .. import cmf, codecs, pipeline, store
+    from .. import cmf, codecs, store
     from ..measure import recode
     from ..quant import QuantSettings, requantize, uses_grams
+    from ..runner import deliver
     from ..settings_meta import from_args
 
     codecs.get(args.codec)  # an unknown codec fails before any work
@@ -55,7 +56,7 @@ def run(args) -> int:
         work = args.work or store.home() / "work"
         with store.locked(args.out):
             r = requantize(args.src, args.data, args.codec, s, work)
-            path = pipeline.deliver({"path": r["path"]}, args.out)
+            path = deliver({"path": r["path"]}, args.out)
         m = r["quantize"]["report"]["metrics"]
         print(f"{s.method_for(args.codec)}: output error under the Grams {m['quant_over_rtn']:.3f}× round-to-nearest's",
               file=sys.stderr)

@@ -9,7 +9,8 @@ Stage functions in the common shape (docs/internals.md, "Stages"):
     compress(source_cmf, tdata_dir, CompressSettings, out_cmf, logger) -> report   (the chain, for the CLI)
 
 `out_dir` is the finished stage directory to write (meta.json last). The
-stages as the runner knows them (cortiq.pipeline): MASKS, GRAMS, FOLD, GPTQ.
+stages as the runner knows them (cortiq.runner): MASKS, GRAMS, FOLD, GPTQ; their chain:
+`compress_chain`.
 """
 
 from .._lazy import exports
@@ -17,7 +18,7 @@ from .settings import CompressSettings, FoldSettings, GptqSettings, GramSettings
 
 # the stage functions load on first use, with torch: the settings above stay importable without it
 # (`cortiq --help` builds every command's options from them)
-_STAGES = ("VERSIONS", "capture_grams", "compress", "compress_chain", "fold", "gptq", "learn_masks", "read_grams", "read_masks",
+_STAGES = ("capture_grams", "compress", "compress_chain", "fold", "gptq", "learn_masks", "read_grams", "read_masks",
            "MASKS", "GRAMS", "FOLD", "GPTQ")
 __getattr__, _, _lazy_all = exports(__name__, {name: "stages" for name in _STAGES})
 __all__ = ["CompressSettings", "FoldSettings", "GptqSettings", "GramSettings", "MaskSettings", *_lazy_all]

@@ -42,7 +42,6 @@ class MaskSettings:
     lr: float = setting(0.05, "Adam learning rate of the gate logits", gt=0)
     #: initial L1 pressure; the pull per neuron is l1/n_all·σ(m)
     l1_init: float = setting(1.0, "initial L1 pressure", lo=0)
-    #: pressure added at every evaluation below the target
     l1_step: float = setting(1.0, "L1 pressure added per evaluation below the target", lo=0)
     #: pressure growth per evaluation below the target (l1 ← l1·grow + step);
     #: a linear rise (grow 1) stalls at ~15 % pruned, ×1.5 reaches 25 %
@@ -54,14 +53,11 @@ class MaskSettings:
     # ── schedule ──
     eval_every: int = setting(10, "steps between hard-mask evaluations", lo=1)
     max_steps: int = setting(200, "most mask training steps", lo=1)
-    #: evaluations past the first one at the target before stopping
     settle: int = setting(2, "evaluations past the first at the target before stopping", lo=0)
     # ── data ──
     window: int = setting(256, "tokens per window", **WINDOW)
     batch: int = setting(4, "windows per step", **BATCH)
-    #: which tokens score the LM loss: "answer" (the tdata's scored span) or "all"
     loss_on: str = setting("answer", "tokens the LM loss scores (answer: each record's scored span)", choices=LOSS_ON)
-    #: at most this many val windows score each evaluation (0: all)
     val_windows: int = setting(32, "most val windows scored per evaluation (0: all)", lo=0)
     seed: int = setting(0, "order of the train windows")
     device: str = _group_device()
@@ -91,7 +87,6 @@ class FoldSettings:
     #: layer at least (the floor then leaves nothing to rank, as per_layer)
     floor: float = setting(0.25, "global scope: the least share of its neurons each layer keeps (at most "
                                  "keep_frac)", lo=0, hi=1)
-    #: least-squares repair of down_proj from the Grams of the MLP activations
     repair: bool = setting(False, "refit down_proj by least squares from the Grams of the MLP activations")
     #: ridge of the repair: λ = damp·mean(diag G[S, S])
     damp: float = setting(0.01, "ridge of the repair, times the mean diagonal of the Gram", lo=0)
@@ -113,7 +108,6 @@ class GramSettings:
 
     window: int = setting(256, "tokens per window", **WINDOW)
     batch: int = setting(4, "windows per forward", **BATCH)
-    #: at most this many windows (0: all train windows)
     max_windows: int = setting(64, "most train windows the Grams see (0: all)", lo=0)
     #: memory room for the accumulators in MB (0: a quarter of the RAM);
     #: CORTIQ_GRAM_ROOM_MB caps it (forces several passes)
@@ -130,9 +124,7 @@ class GptqSettings:
     """GPTQ (Frantar et al.) into a cortiq block codec, from the captured Grams."""
 
     codec: str = setting("q4", "codec GPTQ quantizes into", choices=GPTQ_CODECS)
-    #: columns per lazy-update block
     block: int = setting(128, "columns per lazy-update block", lo=1)
-    #: Hessian dampening: damp·mean(diag H) on the diagonal
     damp: float = setting(0.01, "Hessian dampening, times the mean of its diagonal", gt=0)
     #: quantize columns by decreasing diag(H) (with static groups)
     act_order: bool = setting(False, "quantize columns by decreasing Hessian diagonal")
@@ -156,18 +148,12 @@ class CompressSettings:
     fold: FoldSettings = field(default_factory=FoldSettings)
     grams: GramSettings = field(default_factory=GramSettings)
     gptq: GptqSettings = field(default_factory=GptqSettings)
-    #: learn DTG-MA masks (False: rank by activation score from the Grams)
     learn_masks: bool = setting(True, "learn DTG-MA masks (--no-learn-masks: rank neurons by activation score "
                                       "from the Grams)")
-    #: quantize the student with GPTQ into gptq.codec
     use_gptq: bool = setting(False, "quantize the student with GPTQ into gptq.codec")
     # ── resources (how, not what: outside every stage's digest) ──
-    #: where masks, Grams, the repair and GPTQ compute: "auto" (CUDA when
-    #: present), "cpu", "cuda", "cuda:1", ...
     device: str = setting("auto", "where masks, Grams, the repair and GPTQ compute: auto (CUDA when present), "
                                   "cpu, cuda, cuda:1, ...", how=True)
-    #: forward passes under autocast: "auto" (bf16 on CUDA, f32 on the CPU),
-    #: "f32", "bf16"; Gram accumulators, the repair's and GPTQ's solves stay f64
     compute_dtype: str = setting("auto", "dtype of the forward passes (auto: bf16 on CUDA, f32 on the CPU; "
                                          "Gram accumulators and the solves stay f64)", choices=COMPUTE, how=True)
     # ── target ──

@@ -1,5 +1,10 @@
-"""The compress stage functions (re-exported by cortiq.compress)."""
+"""The compress stages: their functions, their declarations and the compress chain.
 
+`learn_masks`, `capture_grams`, `fold` and `gptq` each make one stage's output
+from paths and their settings group; MASKS, GRAMS, FOLD and GPTQ declare them
+for the runner; `compress_chain` runs them in order, and `compress` is the
+command line's call of that chain.
+"""
 
 from __future__ import annotations
 
@@ -11,21 +16,20 @@ from pathlib import Path
 
 from .. import store, tracking
 from ..errors import CortiqError
-from ..pipeline import Stage
+from ..runner import Stage
 from .settings import CompressSettings, FoldSettings, GptqSettings, GramSettings, MaskSettings
 
 
-VERSIONS = {"masks": "1", "grams": "1", "fold": "1", "gptq": "1"}
 MASKS_FILE = "masks.safetensors"
 GRAMS_FILE = "grams.safetensors"
 
 
-def _meta(stage: str, settings, model, tdata, extra=None) -> dict:
+def _meta(stage: Stage, settings, model, tdata, extra=None) -> dict:
     """A masks/grams directory's meta.json: its digest is the one the stage runner names it by."""
-    from .. import pipeline
+    from ..runner import digest_of
 
-    d = pipeline.digest_of({"masks": MASKS, "grams": GRAMS}[stage], model=model, tdata=tdata, settings=settings)
-    m = {"stage": stage, "version": VERSIONS[stage], "digest": d, "settings": dataclasses.asdict(settings),
+    d = digest_of(stage, model=model, tdata=tdata, settings=settings)
+    m = {"stage": stage.name, "version": stage.version, "digest": d, "settings": dataclasses.asdict(settings),
          "inputs": [str(model), str(tdata)]}
     m.update(extra or {})
     return m
@@ -100,7 +104,7 @@ def learn_masks(source_cmf, tdata_dir, settings: MaskSettings, out_dir, logger: 
     rep["metrics"]["mask_sec_per_step"] = (time.time() - t0) / max(r.steps, 1)
     rep["windows"] = {"train": len(train), "val": len(val)}
     rep["device"], rep["compute_dtype"] = str(dev), str(cdt).removeprefix("torch.")
-    with store.stage_dir(out_dir, _meta("masks", s, source_cmf, tdata_dir, {"report": rep})) as d:
+    with store.stage_dir(out_dir, _meta(MASKS, s, source_cmf, tdata_dir, {"report": rep})) as d:
         save_file({f"layer.{i}": t.detach().float().cpu().contiguous() for i, t in enumerate(r.logits)}, str(d / MASKS_FILE))
     logger.log_metrics({k: v for k, v in rep["metrics"].items()})
     return rep
@@ -164,7 +168,7 @@ def capture_grams(source_cmf, tdata_dir, layers, settings: GramSettings, out_dir
         bar.close()
     rep = {"metrics": {"gram_rows": float(count), "gram_passes": float(passes), "gram_sec": time.time() - t0},
            "layers": layers, "count": count, "device": str(dev), "compute_dtype": str(cdt).removeprefix("torch.")}
-    with store.stage_dir(out_dir, _meta("grams", s, source_cmf, tdata_dir, {"report": rep, "layers": layers})) as d:
+    with store.stage_dir(out_dir, _meta(GRAMS, s, source_cmf, tdata_dir, {"report": rep, "layers": layers})) as d:
         save_file({f"gram.{l}": g.contiguous() for l, g in grams.items()}, str(d / GRAMS_FILE))
     logger.log_metrics(rep["metrics"])
     return rep
@@ -247,29 +251,14 @@ def fold(source_cmf, masks_dir, grams_dir, settings: FoldSettings, out_cmf, logg
 # ── gptq ──────────────────────────────────────────────────────────────────
 
 
-def gptq(student_cmf, grams_dir, settings: GptqSettings, out_cmf, logger: tracking.Logger = tracking.NULL,
-         device: str = "auto") -> dict:
-    """Quantize `student_cmf` into `settings.codec`: every MLP down_proj by
-    GPTQ from the Grams (restricted to the neurons the fold kept), on
-    `device`, the other linear weights of the layers by round-to-nearest;
-    embeddings, head and norms keep their codec. Per layer, the output error
-    ‖(W − Ŵ) X‖ under the Gram is reported for GPTQ and for RTN."""
-    import torch
-
-    from .. import codecs
-    from ..cmf import Stored, copy_specs, open_cmf, with_provenance, write_cmf
+def _gptq_layers(src, grams: dict, grams_dir, student_cmf) -> dict:
+    """layer -> (down_proj name, W [H, I_i], G [I_i, I_i]) on the CPU, each Gram cut to the neurons
+    the fold kept where the Grams were taken before the fold."""
     from .folding import kept_from_b64, mlp_names
-    from .gptq_solver import gptq_quantize_layers
-    from .grams import room_bytes
 
-    s = settings
-    dev = _resources(device, "auto")[0]
-    src = open_cmf(student_cmf)
-    grams, count = read_grams(grams_dir)
     widths = src.arch.intermediate_sizes
     fold_prov = src.provenance.get("fold", {})
-    codec = codecs.get(s.codec)
-    todo = {}  # layer -> (name, W [H, I_i], G [I_i, I_i]) on the CPU
+    todo = {}
     for i, G in sorted(grams.items()):
         if i >= len(widths):
             raise CortiqError(f"{grams_dir}: Gram of layer {i}, but {student_cmf} has {len(widths)} layers")
@@ -283,6 +272,20 @@ def gptq(student_cmf, grams_dir, settings: GptqSettings, out_cmf, logger: tracki
             k = kept_from_b64(fold_prov["kept"][i], src_w[i])
             G = G[k][:, k]
         todo[i] = (name, W, G)
+    return todo
+
+
+def _gptq_solve(todo: dict, s: GptqSettings, dev) -> tuple[dict, dict]:
+    """GPTQ of every layer of `todo`, and round-to-nearest beside it for the report: ({name: (shape,
+    stored getter)}, {layer: its row of errors under the Gram})."""
+    import torch
+
+    from .. import codecs
+    from ..cmf import Stored
+    from .gptq_solver import gptq_quantize_layers
+    from .grams import room_bytes
+
+    codec = codecs.get(s.codec)
     # layers of one shape (all of them after a per-layer fold) share one column
     # loop, in stacks sized to the memory room (U, H and their temporaries, f64)
     shapes: dict = {}
@@ -314,6 +317,25 @@ def gptq(student_cmf, grams_dir, settings: GptqSettings, out_cmf, logger: tracki
                 del Ws, Gs, results, rtn
     finally:
         bar.close()
+    return replace, rows
+
+
+def gptq(student_cmf, grams_dir, settings: GptqSettings, out_cmf, logger: tracking.Logger = tracking.NULL,
+         device: str = "auto") -> dict:
+    """Quantize `student_cmf` into `settings.codec`: every MLP down_proj by
+    GPTQ from the Grams (restricted to the neurons the fold kept), on
+    `device`, the other linear weights of the layers by round-to-nearest;
+    embeddings, head and norms keep their codec. Per layer, the output error
+    ‖(W − Ŵ) X‖ under the Gram is reported for GPTQ and for RTN."""
+    from .. import codecs
+    from ..cmf import copy_specs, open_cmf, with_provenance, write_cmf
+
+    s = settings
+    dev = _resources(device, "auto")[0]
+    src = open_cmf(student_cmf)
+    grams, count = read_grams(grams_dir)
+    codec = codecs.get(s.codec)
+    replace, rows = _gptq_solve(_gptq_layers(src, grams, grams_dir, student_cmf), s, dev)
     rows = [rows[i] for i in sorted(rows)]
 
     def codec_for(n, info):
@@ -335,7 +357,7 @@ def gptq(student_cmf, grams_dir, settings: GptqSettings, out_cmf, logger: tracki
     return rep
 
 
-# ── the stages, declared once (cortiq.pipeline runs them for the CLI and the flows) ──
+# ── the stages, declared once (cortiq.runner runs them for the CLI and the flows) ──
 
 def _masks(out, ctx, model, tdata, settings):
     return learn_masks(Path(model), Path(tdata), settings, out, ctx.logger, settings.device, settings.compute_dtype)
@@ -354,13 +376,13 @@ def _gptq(out, ctx, model, grams, settings):
     return gptq(Path(model), Path(grams), settings, out, ctx.logger, settings.device)
 
 
-MASKS = Stage("masks", VERSIONS["masks"], _masks, MaskSettings, ("model", "tdata"),
+MASKS = Stage("masks", 1, _masks, MaskSettings, ("model", "tdata"),
               doc="DTG-MA: gate logits of every MLP neuron learned under a rising L1 pull")
-GRAMS = Stage("grams", VERSIONS["grams"], _grams, GramSettings, ("model", "tdata"),
+GRAMS = Stage("grams", 1, _grams, GramSettings, ("model", "tdata"),
               doc="Grams of every MLP's down_proj input over the train windows (repair, activation ranking, GPTQ)")
-FOLD = Stage("fold", VERSIONS["fold"], _fold, FoldSettings, ("model", "masks", "grams"), output="cmf",
+FOLD = Stage("fold", 1, _fold, FoldSettings, ("model", "masks", "grams"), output="cmf",
              doc="the student: the MLPs sliced to the kept neurons (down_proj repaired when asked)")
-GPTQ = Stage("gptq", VERSIONS["gptq"], _gptq, GptqSettings, ("model", "grams"), output="cmf",
+GPTQ = Stage("gptq", 1, _gptq, GptqSettings, ("model", "grams"), output="cmf",
              doc="the student quantized into the q4/q8 codecs by GPTQ from the same Grams")
 
 
@@ -370,48 +392,46 @@ GPTQ = Stage("gptq", VERSIONS["gptq"], _gptq, GptqSettings, ("model", "grams"), 
 def compress_chain(runner, source, tdata, settings, say=lambda m: None) -> str:
     """masks → grams (when the fold repairs, ranks without masks, or GPTQ needs them) → fold →
     gptq (`settings`: CompressSettings), on `tdata` (retain text mixed in already): the student."""
-    from .. import pipeline
-
     s = settings
     masks = grams = None
     if s.learn_masks:
-        r = runner.run(MASKS, model=source, tdata=tdata, settings=pipeline.plain(s.masks))
+        r = runner.run(MASKS, model=source, tdata=tdata, settings=s.masks)
         masks, m = r["path"], r["report"]["metrics"]
         say(f"masks: {m['mask_pruned'] * 100:.1f} % pruned at step {m['mask_step']:.0f} of {m['mask_steps']:.0f}; "
             f"val NLL open {m['mask_nll_open']:.4f}, hard {m['mask_nll_hard']:.4f}")
     if s.needs_grams:
-        grams = runner.run(GRAMS, model=source, tdata=tdata, settings=pipeline.plain(s.grams))["path"]
-    r = runner.run(FOLD, model=source, masks=masks, grams=grams, settings=pipeline.plain(s.fold))
+        grams = runner.run(GRAMS, model=source, tdata=tdata, settings=s.grams)["path"]
+    r = runner.run(FOLD, model=source, masks=masks, grams=grams, settings=s.fold)
     student = r["path"]
     say(f"fold: kept {r['report']['metrics']['fold_kept_share'] * 100:.1f} % of the MLP neurons"
         f"{' (repaired)' if s.fold.repair else ''}")
     if s.use_gptq:
-        r = runner.run(GPTQ, model=student, grams=grams, settings=pipeline.plain(s.gptq))
+        r = runner.run(GPTQ, model=student, grams=grams, settings=s.gptq)
         student = r["path"]
         say(f"gptq: {s.gptq.codec}, output error {r['report']['metrics']['gptq_over_rtn']:.3f}× round-to-nearest's")
     return student
 
 
-
 def compress(source_cmf, tdata_dir, settings: CompressSettings, out_cmf, logger: tracking.Logger = tracking.NULL,
              work=None, log=None, retain=None) -> dict:
-    """The compress chain (cortiq.chains.compress_chain: masks → grams → fold → gptq) through
+    """`compress_chain` (masks → grams → fold → gptq) through
     the stage runner, each stage reused when its output under `work` (default: the cortiq
     home's work/, where the flows keep theirs too) is complete; the student is then put at
     `out_cmf`. `retain` (cortiq.data.settings.RetainSettings) mixes retain text into the data
     the masks and Grams see. Returns every stage's report."""
-    from .. import pipeline
-    from ..data.retain import with_retain
+    from ..data.stages import with_retain
+    from ..runner import LocalRunner, deliver
 
     s = settings
     _resources(s.device, s.compute_dtype)  # a bad device fails here, before any stage runs
     say = log or (lambda m: print(m, file=sys.stderr))
-    runner = pipeline.LocalRunner(Path(work) if work else store.home() / "work", logger, say=say)
+    runner = LocalRunner(Path(work) if work else store.home() / "work", logger, say=say)
     if retain is not None and retain.sources:
         tdata_dir, panel = with_retain(tdata_dir, source_cmf, retain, runner.run, None, logger)
         say(f"retain: {', '.join(panel)} mixed in at {retain.share:.0%} -> {tdata_dir}")
     student = compress_chain(runner, source_cmf, tdata_dir, s, say)
-    pipeline.deliver({"path": student}, out_cmf)
+    deliver({"path": student}, out_cmf)
     say(f"student -> {out_cmf}")
-    stages = {r["stage"]: r["report"] for r in runner.results.values() if r["stage"] in VERSIONS}
+    mine = {st.name for st in (MASKS, GRAMS, FOLD, GPTQ)}
+    stages = {r["stage"]: r["report"] for r in runner.results.values() if r["stage"] in mine}
     return {"stages": stages, "metrics": {k: v for st in stages.values() for k, v in st.get("metrics", {}).items()}}

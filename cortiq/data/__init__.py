@@ -3,7 +3,8 @@
 tdata: tokenized records (rid, split, category, ids, first scored position) in
 an Arrow file inside a stage directory; windows: a split as one stream cut
 into windows of T with per-row weights; packed windows: the MTP stage's
-training text.
+training text. The stages that make tdata (data, selfgen, mix) and their chain
+(`with_retain`) are cortiq.data.stages.
 
 Names load on first use, so `cortiq.data.settings` (the CLI's defaults) stays
 free of numpy and Arrow.
@@ -14,8 +15,9 @@ from __future__ import annotations
 from .._lazy import exports
 
 _EXPORTS = {
-    "BuildSettings": "settings", "SelfGenSettings": "settings",
-    "SELFGEN": "selfgen", "self_tdata": "selfgen", "generate_rows": "selfgen",
+    "BuildSettings": "settings", "DataSettings": "settings", "RetainSettings": "settings", "SelfGenSettings": "settings",
+    "DATA": "stages", "MIX": "stages", "SELFGEN": "stages", "self_tdata": "stages", "with_retain": "stages",
+    "generate_rows": "selfgen",
     "build": "builder", "build_digest": "builder", "cut_text": "builder",
     "LOSS_ON": "tdata", "SPLITS": "tdata", "Record": "tdata", "Tdata": "tdata", "fnv1a64": "tdata",
     "tokenizer_digest": "tdata", "write_tdata": "tdata",

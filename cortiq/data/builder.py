@@ -18,7 +18,6 @@ import numpy as np
 
 from .. import store
 from ..errors import CortiqError
-from ..pipeline import Stage
 from .settings import BuildSettings
 from .chats import chat_parts
 from .sources import _LINE_END, _SENT_END, Document, Item, _cut_at, line_parts, read_source
@@ -457,18 +456,3 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
         "bos_id": bos_id,
     }
     return write_tdata(out, records, meta)
-
-
-# ── the stage, declared once (cortiq.pipeline runs it for the flows) ──
-
-def _data(out, ctx, sources, model, settings) -> dict:
-    td = build(list(sources), model, out, settings)
-    counts = {f"records_{sp}": float(len(td.indices(sp))) for sp in ("train", "val", "test")}
-    counts["tokens"] = float(td.n_tokens)
-    return {"metrics": counts}
-
-
-# the data names its own digest (sources by content, the tokenizer by its text)
-DATA = Stage("data", str(VERSION), _data, BuildSettings, (),
-             extra=lambda p: {"build": build_digest(list(p["sources"]), p["model"], p["settings"])},
-             doc="the corpus tokenized with the model's tokenizer into train / val / test records (tdata)")

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import CortiqError
-from ..pipeline import Stage
 from ..settings_meta import check, setting
 from .settings import DEFAULT_SLOTS
 
@@ -136,8 +135,8 @@ def first_line(text: str) -> str:
 
 # ── the stage ────────────────────────────────────────────────────────────
 
+#: the knowledge stage's name, which its tdata's meta names as what generated it
 STAGE_NAME = "knowledge"
-VERSION = "1"
 
 
 def _entities(m, tok, eos, s: KnowledgeSettings, progress: bool) -> dict[str, list[str]]:
@@ -159,7 +158,9 @@ def _entities(m, tok, eos, s: KnowledgeSettings, progress: bool) -> dict[str, li
     return out
 
 
-def _make(out, ctx, model, settings: KnowledgeSettings) -> dict:
+def write_knowledge_tdata(out, digest: str, model, settings: KnowledgeSettings, progress: bool = True) -> dict:
+    """The knowledge stage's output at `out`: the model's answers to relation prompts about the
+    entities it lists, as tdata named by `digest` (cortiq.data.stages declares the stage)."""
     from ..cmf import open_cmf
     from ..devices import resolve_compute, resolve_device
     from ..facts import holds_probe_fact, probe_prompts
@@ -177,7 +178,7 @@ def _make(out, ctx, model, settings: KnowledgeSettings) -> dict:
     eos = list(doc.get("eos_ids") or [f.eos_id])
     dev = resolve_device(s.device, "knowledge")
     m = load_model(f, dtype=resolve_compute("auto", dev), device=dev)
-    ents = _entities(m, tok, eos, s, ctx.progress)
+    ents = _entities(m, tok, eos, s, progress)
     held = probe_prompts()
     prompts = [x for x in fill(ents) if not holds_probe_fact(x[1], held)]
     if not prompts:
@@ -185,7 +186,7 @@ def _make(out, ctx, model, settings: KnowledgeSettings) -> dict:
     p_ids = [e.ids for e in tok.encode_batch([p for _, p, _ in prompts], add_special_tokens=False)]
     budgets = [s.lead_tokens if lead else s.answer_tokens for _, _, lead in prompts]
     new = generate_rows(m, p_ids, budgets, temperature=0.0, eos_ids=eos, slots=s.slots, seed=s.seed,
-                        progress=ctx.progress, desc="knowledge answers")
+                        progress=progress, desc="knowledge answers")
     answers = [first_line(t) for t in tok.decode_batch([g.tolist() for g in new], skip_special_tokens=True)]
     keep = [i for i, a in enumerate(answers) if a.strip() and not holds_probe_fact(prompts[i][1] + a, held)]
     a_ids = [e.ids for e in tok.encode_batch([answers[i] for i in keep], add_special_tokens=False)]
@@ -194,14 +195,10 @@ def _make(out, ctx, model, settings: KnowledgeSettings) -> dict:
     records = [Record(r, sp, f"knowledge-{prompts[i][0]}",
                       np.asarray(p_ids[i] + a, dtype=np.uint32), len(p_ids[i]))
                for r, sp, i, a in zip(rids, splits, keep, a_ids) if a]
-    meta = {"stage": STAGE, "version": TDATA_VERSION, "digest": ctx.digest, "settings": dataclasses.asdict(s),
+    meta = {"stage": STAGE, "version": TDATA_VERSION, "digest": digest, "settings": dataclasses.asdict(s),
             "inputs": {"model": str(model), "generated_by": STAGE_NAME},
             "tokenizer_digest": tokenizer_digest(doc["json"]), "vocab_size": f.arch.vocab_size, "eos_id": f.eos_id,
             "bos_id": doc.get("bos_id")}
     td = write_tdata(out, records, meta)
     return {"metrics": {"records": float(len(td)), "entities": float(sum(len(v) for v in ents.values())),
                         "prompts": float(len(prompts)), "tokens": float(sum(len(r.ids) - r.first for r in records))}}
-
-
-KNOWLEDGE = Stage(STAGE_NAME, VERSION, _make, KnowledgeSettings, ("model",), layout=(("settings", None),),
-                  doc="the source's own knowledge: entities it lists, relation prompts it completes, as tdata")

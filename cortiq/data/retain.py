@@ -4,13 +4,14 @@ A compress or heal on the user's text alone ranks neurons by that text and
 heals on it, and the model loses what everything else needs. The mix puts a
 share of other text into every batch of the masks, the Grams and the heal:
 
-- `retain_tdata` makes one retain source a tdata directory: a bundled corpus
-  (built by the data stage with the source model's tokenizer), any tdata
-  directory, or `self` (the source model's own generations, a cached stage of
-  cortiq.data.selfgen);
-- the `mix` stage writes one tdata directory holding the user's records (all
-  splits) and each retain source's train and val records; its test records
-  stay out, never trained on: they are the general panel a report scores;
+- `retain_tdata` (cortiq.data.stages, with the chain `with_retain`) makes one
+  retain source a tdata directory: a bundled corpus (built by the data stage
+  with the source model's tokenizer), any tdata directory, or `self` (the
+  source model's own generations, the selfgen stage);
+- the `mix` stage (`mix_tdata`, here) writes one tdata directory holding the
+  user's records (all splits) and each retain source's train and val records;
+  its test records stay out, never trained on: they are the general panel a
+  report scores;
 - `mix_windows` (what `cortiq.data.windowing` does with such a directory) cuts
   each source's records into windows on their own, takes every user window
   once and a seeded sample of each retain source's (repeated when it has too
@@ -21,15 +22,12 @@ share of other text into every batch of the masks, the Grams and the heal:
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
-from typing import Callable
 
 from .. import store
 from ..errors import CortiqError
-from ..pipeline import Stage
-from .settings import AUTO, AUTO_CPU, AUTO_GPU, KNOWLEDGE, SELF, BuildSettings, RetainSettings
+from .settings import AUTO, AUTO_CPU, AUTO_GPU, KNOWLEDGE, SELF, RetainSettings
 from .tdata import STAGE, VERSION, Record, Tdata, records_table
 
 
@@ -80,54 +78,7 @@ def mix_tdata(tdata_dir, retain: list, names: list[str], settings: RetainSetting
                         zip(meta["mix"]["names"], starts, starts[1:] + [len(records)])}}
 
 
-def _mix_sources(p: dict) -> dict:
-    from ..pipeline import input_digest
-
-    # the sources by content (their tokens and size enter through their own digests)
-    return {"names": list(p["names"]), "retain": [input_digest(x) for x in p["retain"]]}
-
-
-MIX = Stage("mix", "1", lambda out, ctx, tdata, retain, names, settings:
-            mix_tdata(tdata, list(retain), list(names), settings, out, ctx.digest),
-            RetainSettings, ("tdata",), extra=_mix_sources,
-            doc="the user's data and the retain sources' train and val records in one tdata, drawn at their shares")
-
-
 # ── retain sources ───────────────────────────────────────────────────────
-
-#: run(stage, key, **params) -> the stage's result ({"path": ...}): cortiq.pipeline.run or a flow's task
-Runner = Callable[..., dict]
-
-
-def retain_tdata(spec: str, source_cmf, settings: RetainSettings, run: Runner, root, logger=None,
-                 progress: bool = True) -> str:
-    """The tdata directory of one retain source: `self` (the source model's own
-    generations, cortiq.data.selfgen's cached stage), `corpus:NAME` (the data stage
-    on the bundled corpus, the source's tokenizer), or a tdata directory as it is."""
-    if spec == SELF:
-        from ..pipeline import plain
-        from .selfgen import SELFGEN, SelfGenSettings
-
-        # through the caller's runner, as the corpus sources: a flow's task, or the CLI's cache
-        gen = SelfGenSettings(seed=settings.seed,
-                              tokens=settings.self_tokens or settings.tokens or SelfGenSettings().tokens)
-        return run(SELFGEN, "retain.self", model=str(source_cmf), settings=plain(gen))["path"]
-    if spec == KNOWLEDGE:
-        from ..pipeline import plain
-        from .knowledge import KNOWLEDGE as STAGE, KnowledgeSettings
-
-        return run(STAGE, "retain.knowledge", model=str(source_cmf), settings=plain(KnowledgeSettings(seed=settings.seed)))["path"]
-    if spec.startswith("corpus:"):
-        from .builder import DATA
-        from ..pipeline import plain
-
-        return run(DATA, f"retain.{source_name(spec)}", sources=[spec], model=str(source_cmf),
-                   settings=plain(BuildSettings(max_total_tokens=settings.tokens)))["path"]
-    if not os.path.isdir(spec):
-        raise CortiqError(f"retain source {spec}: not corpus:NAME, self, knowledge or a tdata directory")
-    Tdata.open(spec).check_tokenizer(source_cmf)
-    return spec
-
 
 def resolve_sources(sources: list[str], cuda: bool | None = None) -> list[str]:
     """The sources with `auto` replaced by what it stands for here (AUTO_GPU where the device
@@ -159,28 +110,3 @@ def other_sources(tdata_dir, sources: list[str]) -> list[str]:
         if s not in left:
             print(f"retain: {s} left out: {tdata_dir} is built from it", file=sys.stderr)
     return left
-
-
-def with_retain(tdata_dir, source_cmf, settings: RetainSettings, run: Runner, root, logger=None,
-                progress: bool = True) -> tuple[str, dict[str, str]]:
-    """(the tdata the masks, Grams and heal read: the mix, or `tdata_dir` itself with no
-    retain source; {name: retain tdata}, whose test splits make the general panel)."""
-    sources = other_sources(tdata_dir, settings.sources)
-    if not sources:
-        return str(tdata_dir), {}
-    panel = {source_name(s): retain_tdata(s, source_cmf, settings, run, root, logger, progress)
-             for s in sources}
-    if len(panel) != len(sources):
-        raise CortiqError(f"retain settings: two sources share a name in {sources}")
-    from ..pipeline import plain
-
-    mixed = run(MIX, "mix", tdata=str(tdata_dir), retain=list(panel.values()), names=list(panel),
-                settings=plain(settings))["path"]
-    return mixed, panel
-
-
-def cli_runner(root, logger=None, progress: bool = True) -> Runner:
-    """The Runner of the commands: `run` of a cortiq.pipeline.LocalRunner under `root`."""
-    from .. import pipeline, tracking
-
-    return pipeline.LocalRunner(root, logger or tracking.NULL, progress).run

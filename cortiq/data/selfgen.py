@@ -2,7 +2,7 @@
 decode engine with continuous batching, as one cached stage.
 
 One generator serves every caller that needs the model's own text: the
-`self` retain data (SELFGEN, below: a tdata directory), the draft's
+`self` retain data (the selfgen stage, cortiq.data.stages: a tdata directory), the draft's
 self-generated windows (cortiq.mtp.selfgen) and `data build --generate-with`
 (answers to the data's prompts).
 
@@ -36,16 +36,13 @@ import dataclasses
 import sys
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from pathlib import Path
 
 import numpy as np
 
-from .. import tracking
 from ..errors import CortiqError
-from ..pipeline import Stage
 from .settings import DEFAULT_SLOTS, SelfGenSettings
 
-__all__ = ["SelfGenSettings", "SELFGEN", "self_tdata", "generate_rows", "Openings", "REQUESTS", "DEFAULT_SLOTS",
+__all__ = ["SelfGenSettings", "generate_rows", "Openings", "REQUESTS", "DEFAULT_SLOTS",
            "asked_openings"]
 
 #: steps between two host syncs of the generator
@@ -374,12 +371,13 @@ class Openings:
 
 # ── the stage ────────────────────────────────────────────────────────────
 
+#: the selfgen stage's name, which its tdata's meta names as what generated it
 STAGE_NAME = "selfgen"
-#: 2: a small total decodes on only as many slots as rows can be live (its samples differ from 1's)
-VERSION = "2"
 
 
-def _make(out, ctx, model, settings: SelfGenSettings) -> dict:
+def write_self_tdata(out, digest: str, model, settings: SelfGenSettings, progress: bool = True) -> dict:
+    """The selfgen stage's output at `out`: the model's own text from SELFGEN's openings, as tdata
+    named by `digest` (cortiq.data.stages declares the stage)."""
     from ..cmf import open_cmf
     from ..devices import resolve_compute, resolve_device
     from ..model import load_model
@@ -397,7 +395,7 @@ def _make(out, ctx, model, settings: SelfGenSettings) -> dict:
         # chat rows end at their answer's EOS, often well before max_new: three times the rows
         # the total would make at full length, so that the pool rarely runs out
         want = int(3 * s.tokens / s.max_new * s.mix[1] * s.ask) + 8
-        asked = asked_openings(m, f, want, seed=s.seed, slots=s.slots, progress=ctx.progress)
+        asked = asked_openings(m, f, want, seed=s.seed, slots=s.slots, progress=progress)
     op = Openings(f, s, asked)
     drawn: list[list[int]] = []
 
@@ -408,12 +406,12 @@ def _make(out, ctx, model, settings: SelfGenSettings) -> dict:
 
     eos = list(doc.get("eos_ids") or [f.eos_id])
     new = generate_rows(m, prompts(), s.max_new, temperature=s.temperature, eos_ids=eos, total=s.tokens,
-                        slots=s.slots, max_prompt=op.max_len, seed=s.seed, progress=ctx.progress, desc="selfgen")
+                        slots=s.slots, max_prompt=op.max_len, seed=s.seed, progress=progress, desc="selfgen")
     rids = [f"self:{i}" for i in range(len(new))]
     splits = assign_splits(rids, [None] * len(new), s.fractions)
     records = [Record(r, sp, f"self-{k}", np.concatenate([np.asarray(o, dtype=np.int64), g]).astype(np.uint32), len(o))
                for r, sp, k, o, g in zip(rids, splits, op.kinds, drawn, new)]
-    meta = {"stage": STAGE, "version": TDATA_VERSION, "digest": ctx.digest, "settings": dataclasses.asdict(s),
+    meta = {"stage": STAGE, "version": TDATA_VERSION, "digest": digest, "settings": dataclasses.asdict(s),
             "inputs": {"model": str(model), "generated_by": STAGE_NAME, "corpora": available_corpora()},
             "tokenizer_digest": tokenizer_digest(doc["json"]), "vocab_size": f.arch.vocab_size, "eos_id": f.eos_id,
             "bos_id": doc.get("bos_id")}
@@ -422,20 +420,3 @@ def _make(out, ctx, model, settings: SelfGenSettings) -> dict:
     ended = sum(1 for g in new if len(g) and int(g[-1]) in set(eos))
     return {"metrics": {"records": float(len(td)), "tokens": float(sum(len(g) for g in new)),
                         "ended_at_eos": float(ended), **{f"openings_{k}": float(v) for k, v in kinds.items()}}}
-
-
-def _corpora(p: dict) -> dict:
-    # the corpora present shape the prefix openings: a machine without shakespeare makes other text
-    return {"corpora": available_corpora()}
-
-
-SELFGEN = Stage(STAGE_NAME, VERSION, _make, SelfGenSettings, ("model",), extra=_corpora, layout=(("settings", None),),
-                doc="the model's own text from BOS, chat requests and corpus prefixes, as tdata (generated tokens scored)")
-
-
-def self_tdata(model_cmf, settings: SelfGenSettings, root, logger: tracking.Logger = tracking.NULL,
-               progress: bool = True) -> Path:
-    """SELFGEN run through the pipeline's runner under `root` (reused when made before) -> its tdata directory."""
-    from ..pipeline import run
-
-    return Path(run(SELFGEN, root, logger, progress, model=model_cmf, settings=settings)["path"])

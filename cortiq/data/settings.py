@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from ..errors import CortiqError
@@ -37,20 +37,15 @@ class BuildSettings:
     eos: bool = setting(True, "end every record with the EOS id")
 
     # ── splits ──
-    #: train/val/test fractions for records that name no split: a record goes
-    #: where the sha256 of its rid falls
     fractions: tuple[float, float, float] = setting((0.9, 0.05, 0.05), "split fractions for records that name no "
                                                     "split (by a hash of the record id)", metavar="TRAIN,VAL,TEST")
 
     # ── labels ──
-    #: category of records that name none (default: the source file's stem or the corpus name)
     category: str | None = setting(None, "category of records that name none", show="the file stem or corpus name")
 
     # ── generated answers (self-distillation) ──
-    #: a CMF model that writes the answer of every prompt (greedy)
     generate_with: str | None = setting(None, "answer every prompt with this model (greedy): the teacher's own text",
                                         metavar="MODEL.cmf")
-    #: the most tokens a generated answer has
     max_new: int = setting(256, "most tokens per generated answer", lo=1)
 
     def __post_init__(self):
@@ -62,6 +57,31 @@ class BuildSettings:
         check(self, "data settings")
         if self.max_tokens < self.record_tokens:
             raise CortiqError(f"max_tokens ({self.max_tokens}) must be at least record_tokens ({self.record_tokens})")
+
+
+@dataclass
+class DataSettings(BuildSettings):
+    """A parameter set's data: what it reads, and how its records are built (`BuildSettings`)."""
+
+    sources: list[str] = setting(factory=lambda: ["corpus:pydoc"], help="what the stage reads (paths or "
+                                 "corpus:NAME); on the command line, its positional arguments")
+    eval_sources: list[str] = setting(factory=list, help="text of another source that no stage trains on (paths or "
+                                      "corpus:NAME), tokenized the same way: source, pruned and healed are scored on "
+                                      "every record of it and the gap recovered is reported on it; empty: on the "
+                                      "data's own test split (in-domain, where adapting to the text counts as "
+                                      "recovery)")
+
+    def __post_init__(self):
+        super().__post_init__()
+        srcs, ev = self.sources, self.eval_sources
+        if not isinstance(srcs, list) or not srcs or not all(isinstance(x, str) for x in srcs):
+            raise CortiqError(f"data.sources must be a non-empty list of paths or corpus:NAME, not {srcs!r}")
+        if not isinstance(ev, list) or not all(isinstance(x, str) for x in ev):
+            raise CortiqError(f"data.eval_sources must be a list of paths or corpus:NAME, not {ev!r}")
+
+    def build_settings(self) -> BuildSettings:
+        """The build's own settings, what the data stage takes and keys on (the sources are its own parameter)."""
+        return BuildSettings(**{f.name: getattr(self, f.name) for f in fields(BuildSettings)})
 
 
 #: slots (batch rows) the generator of the model's own text decodes at once when its caller names none
@@ -94,16 +114,13 @@ class SelfGenSettings:
     #: key holds it only when on, so the default's outputs keep their digests
     ask: float = setting(0.0, "share of the chat openings whose request the model writes itself (each used once)",
                          lo=0, hi=1, when=lambda s: s.ask > 0)
-    #: corpus prefixes are this many tokens at most (and at least 4)
     prefix_tokens: int = setting(32, "longest corpus prefix opening, in tokens (at least 4)", lo=4, hi=4096)
-    #: train/val/test fractions of the records (by a hash of the record id)
     fractions: tuple[float, float, float] = setting((0.9, 0.05, 0.05), "split fractions of the records (by a hash of "
                                                     "the record id)", metavar="TRAIN,VAL,TEST")
     #: rows decoded at once: a small model's step costs about the same over a wide range of
     #: rows, so more rows are more tokens a second until memory or compute binds
     #: (bench/MTP.md, "Self-generated text: rows decoded at once")
     slots: int = setting(DEFAULT_SLOTS, "rows decoded at once (engine slots)", lo=1, hi=1 << 16)
-    #: "auto" (CUDA when present: bf16 and CUDA graphs), "cpu", "cuda", ...
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N", how=True)
 
     def __post_init__(self):
@@ -161,7 +178,6 @@ class RetainSettings:
     #: source has too few) so that the counts per source over an epoch are exact
     share: float = setting(0.5, "share of the train and val windows that are retain text (split evenly over "
                                 "the retain sources)", gt=0, lt=1)
-    #: tokens built of each corpus source and generated for self unless self_tokens says (0: the whole corpus)
     tokens: int = setting(1_000_000, "tokens built of each retain corpus, and generated for self unless "
                                      "self_tokens says (0: a whole corpus)", lo=0, metavar="N", feeds=())
     #: tokens generated for a self source, where they should differ from `tokens` (0: `tokens`):
@@ -169,7 +185,6 @@ class RetainSettings:
     #: CPU run wants far fewer of the model's own tokens than of a corpus
     self_tokens: int = setting(0, "tokens generated for a self source (0: as many as tokens)", lo=0, metavar="N",
                                feeds=(), added=True)
-    #: which retain windows are drawn and how they interleave with the user's
     seed: int = setting(0, "which retain windows are drawn (and self's samples)")
 
     def __post_init__(self):

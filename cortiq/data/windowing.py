@@ -21,6 +21,7 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from ..errors import CortiqError
+from ..store import parse_data_spec
 from .tdata import SPLITS, Tdata
 
 
@@ -247,26 +248,6 @@ def xorshift_order(n: int) -> np.ndarray:
     return perm
 
 
-def parse_spec(spec: str) -> list[tuple[str, int | None]]:
-    """`PATH[@TOKENS],...` → [(path, token cap or None)]."""
-    out = []
-    for item in spec.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        path, sep, cap = item.rpartition("@")
-        if sep and "/" not in cap:  # an @ inside a folder name is part of the path
-            if not (cap.isascii() and cap.isdigit() and int(cap) > 0):
-                raise CortiqError(f"data spec {item!r}: the token count {cap[:40]!r} is not a positive integer "
-                                  "(PATH@TOKENS)")
-            out.append((path, int(cap)))
-        else:
-            out.append((item, None))
-    if not out:
-        raise CortiqError(f"no data set in the spec {spec!r} (PATH[@TOKENS], comma-separated)")
-    return out
-
-
 def pack_one(td: Tdata, T: int, cap: int | None, min_len: int, pad_id: int | None = None, name: str | None = None,
              hold_all: bool = False) -> Packed:
     """One data set packed: train records in xorshift order, one stream capped at `cap` tokens, windows of T."""
@@ -295,7 +276,7 @@ def packed_windows(spec: str, T: int, tokens: int | None = None, min_len: int = 
                    hold_all: bool = False) -> list[Packed]:
     """Every data set of `spec` (`PATH[@TOKENS]`, comma-separated; `tokens` caps those without their own)."""
     out = []
-    for path, cap in parse_spec(spec):
+    for path, cap in parse_data_spec(spec):
         td = Tdata.open(path)
         out.append(pack_one(td, T, cap if cap is not None else tokens, min_len, pad_id, Path(path).name.removesuffix(".tdata"), hold_all))
     return out

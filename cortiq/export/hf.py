@@ -222,7 +222,7 @@ def _pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim)
 
 
-def plan(f: CmfFile, width: int) -> list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
+def hf_tensors(f: CmfFile, width: int) -> list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
     """(HF name, shape, getter of f32 values) per tensor of the export, in the file's order."""
     arch = f.arch
     out = []
@@ -298,7 +298,7 @@ def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dt
     width = max(widths + ([mtp] if mtp else []))
     files = tokenizer_files(f.tokenizer, arch, str(f.path))
     cfg = config(arch, f.tokenizer, dtype, widths, mtp)
-    items = plan(f, width)
+    items = hf_tensors(f, width)
     draft = []
     if arch.arch_name not in MTP_IN_CHECKPOINT:
         draft = [it for it in items if it[0].startswith("mtp.")]

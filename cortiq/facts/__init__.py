@@ -1,7 +1,16 @@
-"""The fact-recall probe (see cortiq.facts.probe): bundled cloze facts, for evaluation only."""
+"""The fact-recall probe: bundled cloze facts, for evaluation only (cortiq.facts.probe), and its
+stage (cortiq.facts.stages). Names load on first use."""
 
-from .probe import (Fact, FactScores, compare, encode_facts, holds_probe_fact, kept_line, load_facts, part_of, probe,
-                    probe_prompts, score_facts)
+from __future__ import annotations
 
-__all__ = ["Fact", "FactScores", "compare", "encode_facts", "holds_probe_fact", "kept_line", "load_facts", "part_of",
-           "probe", "probe_prompts", "score_facts"]
+from .._lazy import exports
+
+_EXPORTS = {
+    "Fact": "probe", "FactScores": "probe", "compare": "probe", "encode_facts": "probe", "holds_probe_fact": "probe",
+    "kept_line": "probe", "load_facts": "probe", "part_of": "probe", "probe_models": "probe", "probe_prompts": "probe",
+    "score_facts": "probe",
+    "ProbeSettings": "settings",
+    "FACTS": "stages", "facts_chain": "stages", "facts_line": "stages",
+}
+
+__getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)

@@ -234,7 +234,7 @@ def kept_line(name: str, c: dict) -> str:
             f"{c['mean_logprob_change']:+.2f}")
 
 
-def probe(models: dict, source: str | None = "source", part: str = "held", facts: Sequence[Fact] | None = None,
+def probe_models(models: dict, source: str | None = "source", part: str = "held", facts: Sequence[Fact] | None = None,
           device: str = "auto", batch_tokens: int = 8192, progress: bool = True) -> dict:
     """Score each model ({name: CMF path, CmfFile or loaded CausalLM}; all of one
     tokenizer) on the facts of `part` and compare it with the model named `source`

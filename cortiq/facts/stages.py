@@ -5,37 +5,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .. import store
-from ..pipeline import Stage
-from ..settings_meta import check, setting
+from ..runner import Stage
 from .probe import FactScores, compare
+from .settings import ProbeSettings
 
 #: the file of a facts stage output that holds its per-fact scores
 SCORES = "facts.json"
 
 
-@dataclass
-class ProbeSettings:
-    """What the facts stage scores (cortiq.facts.probe)."""
-
-    part: str = setting("held", "the fact probe's part (held: the one methods are judged by)",
-                        choices=("held", "dev", "all"))
-    device: str = setting("auto", "where the model scores: auto (CUDA when present), cpu, cuda, cuda:N", how=True)
-
-    def __post_init__(self):
-        check(self, "probe settings")
-
-
 def _facts(out, ctx, model, settings: ProbeSettings) -> dict:
-    from .probe import probe
+    from .probe import probe_models
 
     s = settings
-    r = probe({"model": model}, source=None, part=s.part, device=s.device, progress=ctx.progress)
+    r = probe_models({"model": model}, source=None, part=s.part, device=s.device, progress=ctx.progress)
     sc = r["scores"]["model"]
     metrics = {"facts": float(len(sc.known)), "known": float(sc.known.sum())}
     with store.stage_dir(out, {"stage": FACTS.name, "digest": ctx.digest, "metrics": metrics}) as d:
@@ -43,7 +30,7 @@ def _facts(out, ctx, model, settings: ProbeSettings) -> dict:
     return {"metrics": metrics}
 
 
-FACTS = Stage("facts", "1", _facts, ProbeSettings, ("model",),
+FACTS = Stage("facts", 1, _facts, ProbeSettings, ("model",),
               doc="which facts of the fact probe a model knows (per fact: known, the answer's log-prob)")
 
 

@@ -18,8 +18,8 @@ from .._lazy import exports
 _EXPORTS = {
     "HealSettings": "settings",
     "topk_kl": "loss", "topk_kl_reference": "loss",
-    "teacher_targets": "targets", "mix_targets": "kinds",
-    "prefix_cache": "prefix",
+    "teacher_targets": "stages", "mix_targets": "kinds",
+    "prefix_cache": "stages",
     "check_inputs": "stages", "export": "stages", "heal": "stages",
 }
 

@@ -259,13 +259,13 @@ def optim_state(opt: torch.optim.Optimizer) -> dict:
     if optimizer_kind(opt) == "adam":
         return sd
 
-    def plain(v):
+    def unpacked(v):
         if not isinstance(v, torch.Tensor) or type(v) is torch.Tensor:
             return v
         names, (signed, _dtype) = v.__tensor_flatten__()
         return {"q8": {n: getattr(v, n) for n in names}, "signed": bool(signed)}
 
-    return {**sd, "state": {k: {n: plain(v) for n, v in st.items()} for k, st in sd["state"].items()}}
+    return {**sd, "state": {k: {n: unpacked(v) for n, v in st.items()} for k, st in sd["state"].items()}}
 
 
 def load_optim_state(opt: torch.optim.Optimizer, sd: dict) -> None:

@@ -20,19 +20,16 @@ import pyarrow as pa
 import torch
 
 from .. import dist, store, tracking
-from ..pipeline import Stage, key_of, settings_gpus
 from .rows import RowWriter, WindowRows, open_split
 from ..devices import rank_device
 from .settings import HealSettings, mem_budget_bytes
 from .targets import SPLITS, window_sets
 
-STAGE = "prefix"
-VERSION = 1
 #: share of the memory budget the cache may take
 SHARE = 0.3
 
 
-def plan(n_windows: int, T: int, hidden: int, budget_bytes: int, train_from: int) -> str:
+def prefix_dtype(n_windows: int, T: int, hidden: int, budget_bytes: int, train_from: int) -> str:
     """"f32", "f16" or "none" for a cache of n_windows × [T, hidden]."""
     if train_from <= 0 or n_windows == 0:
         return "none"  # the prefix is the embedding: nothing worth caching
@@ -43,21 +40,16 @@ def plan(n_windows: int, T: int, hidden: int, budget_bytes: int, train_from: int
     return "f16" if bytes32 / 2 <= room else "none"
 
 
-def digest_of(student_cmf, tdata_dir, s: HealSettings) -> str:
-    """The digest the stage runner names this prefix by."""
-    from ..pipeline import digest_of as _digest
-
-    return _digest(PREFIX, student=student_cmf, tdata=tdata_dir, settings=s)
-
-
 @torch.no_grad()
 def run_prefix(model, ids: torch.Tensor, train_from: int) -> torch.Tensor:
     """Embedding and layers 0..train_from-1: [B, T] -> [B, T, H]."""
     return model.run_layers(model.embed(ids), 0, train_from)
 
 
-def prefix_cache(student_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,
-                 progress: bool = True, digest: str | None = None) -> dict:
+def write_prefix(student_cmf, tdata_dir, settings: HealSettings, out, record: dict,
+                 logger: tracking.Logger = tracking.NULL, progress: bool = True) -> dict:
+    """The frozen layers' output for every train and val window at `out` (in the dtype the memory
+    budget allows), its meta.json opening with `record` (cortiq.heal.stages.prefix_cache)."""
     from tqdm import tqdm
 
     from ..cmf import open_cmf
@@ -67,9 +59,8 @@ def prefix_cache(student_cmf, tdata_dir, settings: HealSettings, out, logger: tr
     _, wins = window_sets(tdata_dir, s)
     arch = open_cmf(student_cmf).arch
     n = sum(len(w) for w in wins.values())
-    dtype = plan(n, s.window, arch.hidden_size, mem_budget_bytes(s.mem_budget_gb), s.train_from)
-    meta = {"stage": STAGE, "version": VERSION, "digest": digest or digest_of(student_cmf, tdata_dir, s), "settings": key_of(PREFIX, s),
-            "inputs": {"student": str(student_cmf), "tdata": str(tdata_dir)}, "dtype": dtype,
+    dtype = prefix_dtype(n, s.window, arch.hidden_size, mem_budget_bytes(s.mem_budget_gb), s.train_from)
+    meta = {**record, "inputs": {"student": str(student_cmf), "tdata": str(tdata_dir)}, "dtype": dtype,
             "window": s.window, "hidden": arch.hidden_size, "train_from": s.train_from,
             "counts": {sp: len(w) for sp, w in wins.items()}}
     t0 = time.perf_counter()
@@ -100,13 +91,6 @@ def prefix_cache(student_cmf, tdata_dir, settings: HealSettings, out, logger: tr
     report = {"metrics": {"prefix_secs": secs, "prefix_gb": gb}, "dtype": dtype}
     logger.log_metrics(report["metrics"])
     return report
-
-
-PREFIX = Stage("prefix", str(VERSION),
-               lambda out, ctx, student, tdata, settings: prefix_cache(student, tdata, settings, out, ctx.logger,
-                                                                      ctx.progress, ctx.digest),
-               HealSettings, ("student", "tdata"), gpus=settings_gpus,
-               doc="the frozen layers' output, once per window (f32, f16 or not cached, by the memory budget)")
 
 
 class Prefix:

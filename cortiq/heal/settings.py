@@ -34,9 +34,7 @@ class HealSettings:
     FEEDS: ClassVar[tuple[str, ...]] = ("train",)
 
     # ── what trains ──
-    #: lowest trained layer; layers below are frozen (their output is cached once)
     train_from: int = setting(0, "lowest trained layer (the ones below are frozen and cached)", lo=0, feeds=("prefix", "train"))
-    #: train only the MLPs of the trained layers
     ffn_only: bool = setting(False, "train only the MLPs of the trained layers")
     #: Genesis: the trained window widens epoch by epoch from the last layers
     #: down (12/64, 24/64, 40/64, all), per-layer rate decaying with distance
@@ -71,7 +69,6 @@ class HealSettings:
     #: more plays ce > 0 scores higher: ce 1 reached 266 %, adapting to Shakespeare.)
     ce: float = setting(0.0, "weight of the data's own next token (0: KL to the teacher only, 1: plain "
                                "cross-entropy, no teacher)", lo=0, hi=1, feeds=("targets", "train"))
-    #: which tokens are scored: "answer" (from each record's first scored position) or "all"
     loss_on: str = setting("answer", "tokens scored: answer (from each record's first scored position) or all",
                            choices=("answer", "all"), feeds=("targets", "prefix", "train"))
 
@@ -82,7 +79,6 @@ class HealSettings:
                                      "(none: f32 training, the student's codecs)", choices=QAT_CODECS, added=True)
 
     # ── the run ──
-    #: passes over the train windows (fractions allowed); 0: as many as `tokens` takes
     epochs: float = setting(0.0, "passes over the train windows, fractions allowed (0: as many as --tokens "
                                  "takes)", lo=0, **EPOCHS)
     #: the heal's budget in train tokens (steps × batch × window) when `epochs` is 0, the
@@ -94,7 +90,6 @@ class HealSettings:
     #: by `min_improve` of it (0: run the whole budget); the best checkpoint is kept either way
     patience: int = setting(4, "stop after this many held-out evaluations in a row without a better loss "
                                "(0: never stop early)", lo=0)
-    #: the relative drop of the best held-out loss an evaluation must make to count as better
     min_improve: float = setting(0.002, "relative drop of the best held-out loss that counts as better "
                                         "(the plateau stop)", lo=0, lt=1)
     #: with retain data: "fixed" (every batch holds each source at its share), "dynamic" (the
@@ -109,33 +104,23 @@ class HealSettings:
     #: 6e-4 97 % / 36 %, 1.5e-3 103 % / 23 %; 6e-4 gives up 5 points on the
     #: plays for 13 on the other text
     lr: float = setting(6e-4, "peak learning rate (Adam)", gt=0)
-    #: share of the steps the rate ramps up over (then cosine down to 0.1 of the peak)
     warm: float = setting(0.1, "share of the steps the rate ramps up over (then cosine to 0.1 of the peak)", lo=0, lt=1)
-    #: gradient-norm clip
     clip: float = setting(1.0, "gradient-norm clip", gt=0)
     #: tokens per window (512, 16 a step: the measured recipe; on a CPU with
     #: little memory lower both, and the rate with them)
     window: int = setting(512, "tokens per window", **WINDOW, feeds=("targets", "prefix", "train"))
-    #: windows per step
     batch: int = setting(16, "windows per step", **BATCH, feeds=("targets", "prefix", "train"))
-    #: held-out loss every this many steps (and at the end)
     eval_every: int = setting(50, "steps between held-out evaluations", lo=1)
-    #: a resumable checkpoint every this many steps (0 = none)
     checkpoint_every: int = setting(50, "steps between resumable checkpoints (0: none)", lo=0, how=True)
-    #: data order seed; also seeds the "sampled" target's draws
     seed: int = setting(0, "data order seed (also seeds the sampled target's draws)", feeds=("targets", "train"))
 
     # ── resources ──
-    #: "auto" (cuda when available), "cpu", "cuda", "cuda:1", ...
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N", how=True)
     #: "auto" (bf16 on CUDA, f32 on CPU), "f32", "bf16", "f16" (f16 runs a loss scale)
     compute_dtype: str = setting("auto", "compute dtype (auto: bf16 on CUDA, f32 on the CPU)", choices=COMPUTE, how=True)
-    #: host memory the prefix cache may plan with, GB (0 = half of this machine's memory)
     mem_budget_gb: float = setting(0.0, "host memory the prefix cache plans with, GB (0: half of this machine's)",
                                    lo=0, feeds=("prefix",))
-    #: rows per chunk of the fused head + loss
     head_chunk: int = setting(1024, "rows per chunk of the fused head + loss", lo=1, how=True)
-    #: torch.compile each decoder layer on CUDA (teacher and student; the CPU stays eager)
     compile: bool = setting(True, "torch.compile each decoder layer on CUDA (--no-compile: eager)", how=True)
     #: the student step's memory plan: "plain" (every activation kept, f32 Adam
     #: moments), "lean" (all three savings below), "auto" (the plan expected to cost
@@ -153,7 +138,6 @@ class HealSettings:
                           "plain, lean (all of: checkpoint, micro, adam8), or a '+'-joined choice of checkpoint "
                           "(recompute trained layers in the backward: --checkpoint-layers), micro (micro-batches, gradients "
                           "accumulated), adam8 (8-bit Adam moments; pip install 'cortiq[lean]')", how=True)
-    #: windows per micro-batch when micro-batches are on (0: a quarter of the batch, at least 1)
     micro_batch: int = setting(0, "windows per micro-batch with --memory micro/lean (0: a quarter of --batch)", lo=0, how=True)
     #: with checkpoint in the plan: how many trained layers recompute their activations in the
     #: backward, counted from the lowest trained layer (0: all of them when the memory setting names
@@ -169,8 +153,6 @@ class HealSettings:
     #: compiler's and cuBLAS's workspaces)
     device_mem_gb: float = setting(0.0, "device memory the training step may allocate, GiB, that --memory auto "
                                         "plans against (0: 85% of the device's free memory)", lo=0, how=True)
-    #: processes (GPUs) the heal runs on: more than 1 re-runs it under torchrun, one per GPU;
-    #: passes split the windows, training splits each batch (the same steps as one GPU)
     gpus: int = setting(1, "GPUs to run on: more than 1 re-runs the heal under torchrun, one process per GPU "
                            "(the same steps and results as one GPU)", lo=1, how=True)
     #: how training spreads over more than one GPU: "ddp" (each holds the trained layers whole),

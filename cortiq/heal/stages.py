@@ -1,5 +1,11 @@
-"""The heal stages' entry points beyond targets and prefix: train, export,
-score, and `heal` chaining them all."""
+"""The heal stages and their chain: the teacher's targets, the frozen prefix, the
+training and the healed model's export; `heal`, the command line's call of the
+chain, scores source, pruned and healed and puts the healed model at its path.
+
+The work is done in cortiq.heal.targets, cortiq.heal.prefix and cortiq.heal.train;
+the functions here make one stage's output each (`teacher_targets`,
+`prefix_cache`, `train`, `export`), and name it by the digest the runner gives it.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +13,75 @@ import os
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from .. import codecs, dist, pipeline, store, tracking
+from .. import codecs, dist, store, tracking
 from ..devices import rank_device, resolve_compute
 from ..errors import CortiqError
-from ..pipeline import Stage, settings_gpus
+from ..runner import LocalRunner, Stage, deliver, digest_of, key_of, settings_gpus
 from . import prefix as prefix_mod
 from . import qat
 from . import targets as targets_mod
 from .kinds import stored_kind
 from .settings import HealSettings
 
-TRAIN_VERSION = "1"
-#: the healed model's version (the export stage's)
-VERSION = "1"
+#: the trained tensors in a train stage's directory
 TRAINED = "trained.safetensors"
+#: scored tokens of each panel text the heal command scores (the leading records that hold them)
+PANEL_TOKENS = 32768
+
+
+# ── the chain ────────────────────────────────────────────────────────────
+
+
+def heal_chain(runner, teacher, student, tdata, s: HealSettings) -> str | None:
+    """teacher targets → frozen prefix (when layers below `train_from` stay frozen) → train →
+    the healed CMF. Under torchrun every rank runs the passes and the training; rank 0 alone
+    exports (the others return None)."""
+    targets = runner.run(TARGETS, teacher=teacher, tdata=tdata, settings=s)["path"]
+    prefix = None
+    if s.train_from > 0:
+        prefix = runner.run(PREFIX, student=student, tdata=tdata, settings=s)["path"]
+    trained = runner.run(TRAIN, student=student, targets=targets, prefix=prefix, tdata=tdata, settings=s)["path"]
+    if not dist.is_main():
+        return None
+    return runner.run(EXPORT, student=student, teacher=teacher, train=trained, prefix=prefix, settings=s,
+                      codec=s.export_codec)["path"]
+
+
+# ── each stage's output ──────────────────────────────────────────────────
+
+
+def _record(stage: Stage, digest: str | None, **params) -> dict:
+    """How a stage directory's meta.json opens: the stage that made it (name, version), its digest
+    (the runner's, else the one the runner would give it) and the settings' part of its key."""
+    p = stage.params(params)
+    return {"stage": stage.name, "version": stage.version, "digest": digest or digest_of(stage, **params),
+            "settings": key_of(stage, p["settings"])}
+
+
+def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,
+                    progress: bool = True, digest: str | None = None) -> dict:
+    """The targets stage's output at `out` (cortiq.heal.targets.write_targets)."""
+    record = _record(TARGETS, digest, teacher=teacher_cmf, tdata=tdata_dir, settings=settings)
+    return targets_mod.write_targets(teacher_cmf, tdata_dir, settings, out, record, logger, progress)
+
+
+def prefix_cache(student_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,
+                 progress: bool = True, digest: str | None = None) -> dict:
+    """The prefix stage's output at `out` (cortiq.heal.prefix.write_prefix)."""
+    record = _record(PREFIX, digest, student=student_cmf, tdata=tdata_dir, settings=settings)
+    return prefix_mod.write_prefix(student_cmf, tdata_dir, settings, out, record, logger, progress)
+
+
+def targets_digest(teacher_cmf, tdata_dir, s: HealSettings) -> str:
+    """The digest the runner names these targets by."""
+    return digest_of(TARGETS, teacher=teacher_cmf, tdata=tdata_dir, settings=s)
+
+
+def prefix_digest(student_cmf, tdata_dir, s: HealSettings) -> str:
+    """The digest the runner names this prefix by."""
+    return digest_of(PREFIX, student=student_cmf, tdata=tdata_dir, settings=s)
 
 
 def _tok_digest(f) -> str:
@@ -117,7 +175,7 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
         if s.compile and dev.type == "cuda":
             obj.teacher.compile_layers()
     # a checkpoint resumes only the run it was taken in: the digest the stage runner names this training by
-    key = key or pipeline.digest_of(TRAIN, student=student_cmf, targets=targets_dir, prefix=prefix_dir,
+    key = key or digest_of(TRAIN, student=student_cmf, targets=targets_dir, prefix=prefix_dir,
                                     tdata=tdata_dir, settings=s)
     if not dist.is_main():
         logger = tracking.NULL  # rank 0 reports for all
@@ -177,31 +235,14 @@ def export(student_cmf, trained, out, provenance: dict, codec: str = "keep") -> 
     return export_model(model, student_cmf, out, codec=codec, provenance_stage="heal", provenance=provenance)
 
 
-#: scored tokens of each panel text the heal command scores (the leading records that hold them)
-PANEL_TOKENS = 32768
-
-
-def heal_chain(runner, teacher, student, tdata, settings) -> str | None:
-    """teacher targets → frozen prefix (when layers below `train_from` stay frozen) → train →
-    the healed CMF (`settings`: HealSettings). Under torchrun every rank runs the passes and the
-    training; rank 0 alone exports (the others return None)."""
-    h = pipeline.plain(settings)
-    targets = runner.run(targets_mod.TARGETS, teacher=teacher, tdata=tdata, settings=h)["path"]
-    prefix = None
-    if settings.train_from > 0:
-        prefix = runner.run(prefix_mod.PREFIX, student=student, tdata=tdata, settings=h)["path"]
-    trained = runner.run(TRAIN, student=student, targets=targets, prefix=prefix, tdata=tdata, settings=h)["path"]
-    if not dist.is_main():
-        return None
-    return runner.run(HEAL, student=student, teacher=teacher, train=trained, prefix=prefix, settings=h,
-                      codec=settings.export_codec)["path"]
+# ── the command line's heal ──────────────────────────────────────────────
 
 
 def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,
          work_dir=None, progress: bool = True, score_split: str | None = "test", eval_data=None, retain=None) -> dict:
-    """The heal chain (cortiq.chains.heal_chain: targets, prefix, training, export) and the score
-    chain on the healed model, the command line's call; every stage's output under `work_dir` is
-    reused when complete, and training resumes from its last checkpoint.
+    """`heal_chain` (targets, prefix, training, export) and the score chain on the healed model,
+    the command line's call; every stage's output under `work_dir` is reused when complete, and
+    training resumes from its last checkpoint.
 
     Scoring: NLL of source, student and healed on the heal data's `score_split` and, when
     `eval_data` (a tdata directory of other text) is given, on every record of it; the gap
@@ -217,7 +258,7 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
 
     Under torchrun (cortiq.dist) every rank calls it: the passes and training
     split across ranks, rank 0 scores and exports; the others return None."""
-    from ..measure import ScoreSettings, Text, named_texts, score_chain
+    from ..measure import ScoreSettings, scored_texts, score_chain
 
     s = settings
     out = Path(out)
@@ -230,50 +271,74 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
     work = Path(work_dir) if work_dir is not None else store.home() / "work"
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    runner = pipeline.LocalRunner(work, logger, progress)
-    user_data, panel = tdata_dir, {}
-    if retain is not None and retain.sources:
-        from ..data.retain import with_retain
-
-        def mixed():
-            return with_retain(user_data, teacher or student_cmf, retain, runner.run, None)
-
-        if dist.active():  # the data stages run in one process: rank 0 makes them, the others then reuse them
-            if dist.is_main():
-                mixed()
-            dist.barrier()
-        tdata_dir, panel = mixed()
-        check_inputs(student_cmf, teacher, tdata_dir, s)
-    healed = heal_chain(runner, teacher, student_cmf, tdata_dir, s)
+    runner = LocalRunner(work, logger, progress)
+    mixed, panel = _retain_mix(runner, tdata_dir, teacher or student_cmf, retain)
+    if mixed != tdata_dir:
+        check_inputs(student_cmf, teacher, mixed, s)
+    healed = heal_chain(runner, teacher, student_cmf, mixed, s)
     if healed is None:
         return None  # rank 0 scores, exports and reports
-    r = runner.results
-    rep = r["train"]["report"]
-    trep = r["targets"]["report"]
-    prep = r["prefix"]["report"] if "prefix" in r else {"metrics": {}}
-    m = rep["metrics"]
-    report = {"metrics": {**m, **{f"targets.{k}": v for k, v in trep["metrics"].items()},
-                          **{f"prefix.{k}": v for k, v in prep["metrics"].items()}},
-              "history": rep["history"], "evals": rep["evals"], "out": str(out), "work": str(work),
-              "memory": rep["memory"]}
-    how = dict(loss_on=s.loss_on, device=s.device)
-    texts = []
-    if score_split:
-        texts.append(Text("data", str(user_data), ScoreSettings(split=score_split, **how),
-                          f"the {score_split} split of the heal data {user_data} (in-domain)", "data"))
-    texts += [Text(name, d, ScoreSettings(split="test", max_tokens=PANEL_TOKENS, **how),
-                   f"the test split of the retain source {name} (never trained on)") for name, d in panel.items()]
-    if eval_data is not None:
-        texts.append(Text(Path(eval_data).name, str(eval_data), ScoreSettings(split="all", **how),
-                          f"{eval_data} (held-out text of another source)", at="score.eval."))
+    report = _trained_report(runner.results, out, work)
+    how = ScoreSettings(split=score_split or "test", loss_on=s.loss_on, device=s.device)
+    texts = scored_texts(how, panel=panel, panel_tokens=PANEL_TOKENS,
+                         data=(tdata_dir, f"the {score_split} split of the heal data {tdata_dir} (in-domain)")
+                         if score_split else None,
+                         eval=(Path(eval_data).name, eval_data, f"{eval_data} (held-out text of another source)")
+                         if eval_data is not None else None)
     models = {**({"source": teacher} if teacher is not None else {}), "pruned": student_cmf, "healed": healed}
     named = score_chain(runner, models, texts)
+    gap = _scores(report, named, runner.results, texts, tuple(models), logger, score_split, eval_data)
+    facts = _facts(runner, models, s.device, report, logger)
+    if texts or facts:
+        report["gap"], report["texts"] = gap, named
+        deliver_scored(healed, out, {"gap": gap, "texts": named, **({"facts": facts} if facts else {})})
+    else:
+        deliver({"path": healed}, out)
+    logger.log_artifact(str(out))
+    report["metrics"]["secs"] = time.perf_counter() - t0
+    return report
+
+
+def _retain_mix(runner, tdata_dir, source_cmf, retain) -> tuple:
+    """(the data the heal trains on: `tdata_dir` with `retain`'s sources mixed in, {name: each
+    retain source's tdata}: the panel); across ranks rank 0 makes the data stages, the others
+    then reuse them."""
+    if retain is None or not retain.sources:
+        return tdata_dir, {}
+    from ..data.stages import with_retain
+
+    if dist.active():
+        if dist.is_main():
+            with_retain(tdata_dir, source_cmf, retain, runner.run, None)
+        dist.barrier()
+    return with_retain(tdata_dir, source_cmf, retain, runner.run, None)
+
+
+def _trained_report(results: dict, out: Path, work: Path) -> dict:
+    """The heal report of the stages' own: the training's metrics and curves, the targets' and
+    the prefix's metrics."""
+    rep = results["train"]["report"]
+    trep = results["targets"]["report"]
+    prep = results["prefix"]["report"] if "prefix" in results else {"metrics": {}}
+    return {"metrics": {**rep["metrics"], **{f"targets.{k}": v for k, v in trep["metrics"].items()},
+                        **{f"prefix.{k}": v for k, v in prep["metrics"].items()}},
+            "history": rep["history"], "evals": rep["evals"], "out": str(out), "work": str(work),
+            "memory": rep["memory"]}
+
+
+def _scores(report: dict, named: dict, results: dict, texts: list, models: tuple, logger: tracking.Logger,
+            score_split: str | None, eval_data) -> dict | None:
+    """The scores into `report` and `logger` (the NLLs on the data and on `eval_data`, each named
+    text's gap and excess): returns the one gap of earlier reports, the panel's when there is
+    one (recovery, not adaptation)."""
+    from ..measure import named_texts
+
     if score_split:
         nll = report["nll"] = named["data"]["nll"]
         report["metrics"].update({f"nll.{k}": v for k, v in nll.items()})
         logger.log_metrics({f"heal.nll.{k}": v for k, v in nll.items()})
     if eval_data is not None:
-        nll = report["eval_nll"] = named_texts(r, texts[-1:], tuple(models))["panel"]["parts"][texts[-1].name]["nll"]
+        nll = report["eval_nll"] = named_texts(results, texts[-1:], models)["panel"]["parts"][texts[-1].name]["nll"]
         report["metrics"].update({f"eval_nll.{k}": v for k, v in nll.items()})
         logger.log_metrics({f"heal.eval_nll.{k}": v for k, v in nll.items()})
     for name, g in named.items():
@@ -282,20 +347,11 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
         got = {k: v for k, v in got.items() if v is not None}
         report["metrics"].update(got)
         logger.log_metrics({f"heal.{k}": v for k, v in got.items()})
-    # the one gap of earlier reports: the panel's when there is one (recovery, not adaptation)
     gap = named.get("panel") or named.get("data")
     if gap is not None and "gap_recovered" in gap:
         report["metrics"]["gap_recovered"] = gap["gap_recovered"]
         logger.log_metrics({"heal.gap_recovered": gap["gap_recovered"]})
-    facts = _facts(runner, models, s.device, report, logger)
-    if texts or facts:
-        report["gap"], report["texts"] = gap, named
-        deliver_scored(healed, out, {"gap": gap, "texts": named, **({"facts": facts} if facts else {})})
-    else:
-        pipeline.deliver({"path": healed}, out)
-    logger.log_artifact(str(out))
-    report["metrics"]["secs"] = time.perf_counter() - t0
-    return report
+    return gap
 
 
 def _facts(runner, models: dict, device: str, report: dict, logger: tracking.Logger) -> dict:
@@ -326,7 +382,7 @@ def deliver_scored(healed, out, scores: dict) -> Path:
     return write_cmf(out, doc, copy_specs(src))
 
 
-# ── the stages, declared once (cortiq.pipeline runs them for the CLI and the flows) ──
+# ── the stages, declared once (cortiq.runner runs them for the CLI and the flows) ──
 
 def _train(out, ctx, student, targets, prefix, tdata, settings) -> dict:
     # the output directory is the run's work directory: a killed run, started
@@ -347,12 +403,25 @@ def _export(out, ctx, student, teacher, train, prefix, settings, codec) -> dict:
     return {"metrics": {k: rep["metrics"][k] for k in ("heldout_start", "heldout_best", "best_step", "steps")}}
 
 
+# 2: "sampled" draws are seeded per batch of windows (so any number of ranks draws the same)
+TARGETS = Stage("targets", 2,
+                lambda out, ctx, teacher, tdata, settings: teacher_targets(teacher, tdata, settings, out, ctx.logger,
+                                                                          ctx.progress, ctx.digest),
+                HealSettings, ("teacher", "tdata"), normalize=targets_mod.same_targets, gpus=settings_gpus,
+                doc="the teacher's sparse next-token distribution per row (ce-mixed, weight-scaled), train and val")
+PREFIX = Stage("prefix", 1,
+               lambda out, ctx, student, tdata, settings: prefix_cache(student, tdata, settings, out, ctx.logger,
+                                                                      ctx.progress, ctx.digest),
+               HealSettings, ("student", "tdata"), gpus=settings_gpus,
+               doc="the frozen layers' output, once per window (f32, f16 or not cached, by the memory budget)")
 # QAT rounds the frozen embedding and head as the file in its codec stores them (codecs.rule_key)
-TRAIN = Stage("train", TRAIN_VERSION, _train, HealSettings, ("student", "targets", "prefix", "tdata"),
+TRAIN = Stage("train", 1, _train, HealSettings, ("student", "targets", "prefix", "tdata"),
               gpus=settings_gpus, extra=lambda p: codecs.rule_key(p["settings"].qat_codec),
               doc="the student's tail trained on the targets; the best held-out weights kept; resumes from its checkpoint")
-# no heal setting feeds it: the trained weights come in through `train`, the codec as its own parameter
-HEAL = Stage("heal", VERSION, _export, HealSettings, ("student", "train"),
-             extra=lambda p: {"codec": p["codec"], **codecs.rule_key(p["codec"])}, output="cmf",
-             doc="the healed CMF: the student with the trained weights, in its codecs (the QAT codec's when it "
-                 "trained against one), provenance `heal`")
+# The healed model's export. Its stage name, "heal", stands in its outputs' digests and file names
+# (heal-<digest>.cmf) and in the flows' keys: kept, so the healed models made before are reused.
+# No heal setting feeds it: the trained weights come in through `train`, the codec as its own parameter
+EXPORT = Stage("heal", 1, _export, HealSettings, ("student", "train"),
+               extra=lambda p: {"codec": p["codec"], **codecs.rule_key(p["codec"])}, output="cmf",
+               doc="the healed CMF: the student with the trained weights, in its codecs (the QAT codec's when it "
+                   "trained against one), provenance `heal`")

@@ -23,14 +23,10 @@ import torch
 from .. import store, tracking
 from ..errors import CortiqError
 from .. import dist
-from ..pipeline import Stage, key_of, settings_gpus
 from .kinds import KINDS, mix_targets
 from .rows import RowWriter, WindowRows, open_split
 from .settings import HealSettings
 
-STAGE = "targets"
-#: 2: "sampled" draws are seeded per batch of windows (so any number of ranks draws the same)
-VERSION = 2
 SPLITS = ("train", "val")
 
 
@@ -96,23 +92,17 @@ def window_sets(tdata_dir, s: HealSettings):
     return td, {split: windows(td, split, s.window, loss_on=s.loss_on) for split in SPLITS}
 
 
-def digest_of(teacher_cmf, tdata_dir, s: HealSettings) -> str:
-    """The digest the stage runner names these targets by."""
-    from ..pipeline import digest_of as _digest
-
-    return _digest(TARGETS, teacher=teacher_cmf, tdata=tdata_dir, settings=s)
-
-
 def draws(dev, seed: int, split: int, batch: int) -> torch.Generator:
     """The "sampled" draws of one batch of windows: a stream of their own, so a
     batch draws alike whichever rank runs it (and after whatever batches)."""
     return torch.Generator(device=dev).manual_seed(((seed * len(SPLITS) + split) << 32 | batch) & ((1 << 63) - 1))
 
 
-def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,
-                    progress: bool = True, digest: str | None = None) -> dict:
+def write_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, record: dict,
+                  logger: tracking.Logger = tracking.NULL, progress: bool = True) -> dict:
     """Run the teacher over the train and val windows (unless ce = 1 or the
-    target is "full") and write the targets to `out`."""
+    target is "full") and write the targets to `out`, its meta.json opening with
+    `record` (the stage's name, version, digest and key: cortiq.heal.stages.teacher_targets)."""
     import sys
     import time
 
@@ -137,9 +127,7 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
         if teacher.arch.vocab_size < k:
             raise CortiqError(f"{teacher_cmf}: vocabulary of {teacher.arch.vocab_size} is smaller than topk {k}")
     cdt = resolve_compute(s.compute_dtype, dev)
-    digest = digest or digest_of(teacher_cmf, tdata_dir, s)
-    meta = {"stage": STAGE, "version": VERSION, "digest": digest, "settings": key_of(TARGETS, _normalize({"settings": s})["settings"]),
-            "inputs": {"teacher": str(teacher_cmf) if kind.names_teacher else None, "tdata": str(tdata_dir)},
+    meta = {**record, "inputs": {"teacher": str(teacher_cmf) if kind.names_teacher else None, "tdata": str(tdata_dir)},
             "slots": k, "window": s.window, "kind": kind.name, "counts": {sp: len(w) for sp, w in wins.items()}}
     t0 = time.perf_counter()
     T = s.window
@@ -176,7 +164,7 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
     return report
 
 
-def _normalize(p: dict) -> dict:
+def same_targets(p: dict) -> dict:
     """The parameters with what cannot change the targets made alike: with ce = 1 no teacher
     runs, so neither the teacher nor the target kind matters ("full" stores no teacher output,
     but its trainer reads the teacher this stage names); only sampled targets draw from the seed."""
@@ -190,13 +178,6 @@ def _normalize(p: dict) -> dict:
         s.target = "ce"
         return {**p, "settings": s, "teacher": None}
     return {**p, "settings": s}
-
-
-TARGETS = Stage("targets", str(VERSION),
-                lambda out, ctx, teacher, tdata, settings: teacher_targets(teacher, tdata, settings, out, ctx.logger,
-                                                                          ctx.progress, ctx.digest),
-                HealSettings, ("teacher", "tdata"), normalize=_normalize, gpus=settings_gpus,
-                doc="the teacher's sparse next-token distribution per row (ce-mixed, weight-scaled), train and val")
 
 
 class Targets:

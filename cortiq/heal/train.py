@@ -433,7 +433,7 @@ class HealRun:
         ck = self.sharding.resume(self.work_dir, self.key, self.opt)
         if ck is not None:
             self.order.rng, self.order.perm = int(ck["order_rng"]), [int(x) for x in ck["order_perm"]]
-            self.st = HealState.from_plain(ck["state"])
+            self.st = HealState.from_checkpoint(ck["state"])
             self.start = ck["e0"]
             self.best = Best(ck["best_loss"], ck["best_step"], ck["best_state"])
             if self.mixer is not None:
@@ -448,7 +448,7 @@ class HealRun:
         """A resumable checkpoint: the sharding writes weights, optimizer and RNG beside this loop state."""
         self.st.mix = None if self.mixer is None else self.mixer.state()
         self.sharding.save(self.work_dir, {"key": self.key, "order_rng": self.order.rng, "order_perm": list(self.order.perm),
-                                       "state": self.st.plain(), "e0": self.start, "best_loss": self.best.value,
+                                       "state": self.st.to_checkpoint(), "e0": self.start, "best_loss": self.best.value,
                                        "best_step": self.best.step, "best_state": self.best.state}, self.opt)
 
     # ── held-out evaluation ──

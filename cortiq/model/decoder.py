@@ -176,7 +176,7 @@ class MLP(nn.Module):
             a = a * torch.sigmoid(self.neuron_logits).to(a.dtype)
         return self.down_proj(a) if weights is None else F.linear(a, weights[2])
 
-    def plain(self) -> bool:
+    def bare_linears(self) -> bool:
         """Whether its three projections are plain linears (no forward of their own, as QAT
         attaches), so that passing their weights computes what calling them does."""
         return all(type(m) is nn.Linear and "forward" not in m.__dict__ and not m._forward_hooks
@@ -461,7 +461,7 @@ class CausalLM(nn.Module):
             # the body, not the module's call: hooks on the call (FSDP2's) and the
             # layer's checkpoint stay outside the compiled region (DecoderLayer.recompute)
             body = torch.compile(layer._forward, **kw)
-            layer.compiled = _WeightsIn(body, layer.mlp) if ragged and layer.mlp.plain() else body
+            layer.compiled = _WeightsIn(body, layer.mlp) if ragged and layer.mlp.bare_linears() else body
         return self
 
     def new_cache(self) -> Cache:

@@ -91,8 +91,6 @@ class MtpSettings:
     FEEDS: ClassVar[tuple[str, ...]] = ("mtp",)
 
     # ── preset ──
-    #: auto | fresh | retrain: the values of every field left unset (None); auto reads the model's
-    #: provenance: a draft fresh from `mtp init` gets "fresh", any other "retrain"
     preset: str = setting("auto", "the values of every setting left unset: fresh (a draft just made by mtp init), "
                                   "retrain (a working draft), auto (fresh for a draft mtp init made)",
                           choices=PRESET_CHOICES, feeds=("trunk", "mtp"))
@@ -100,10 +98,7 @@ class MtpSettings:
     # ── the chain ──
     #: chain steps trained and measured (the runtime drafts 2–7 deep)
     chain: int = setting(3, "chain steps trained and measured", lo=1)
-    #: training steps between rebuilds of the chain's later inputs from the current weights
     refresh: int = setting(150, "training steps between rebuilds of the chain's later inputs", lo=0)
-    #: 0: every row starts a chain. N: a chain starts every N rows, laid out as a
-    #: decode round sees it (the trunk's rows up to its start, its own after); N >= chain
     stride: int = setting(0, "0: every row starts a chain; N: a chain starts every N rows, laid out as a "
                                 "decode round sees it", lo=0)
     #: new tokens a decode runs after the prompt: the measure (and checkpoint choice) walks
@@ -114,20 +109,16 @@ class MtpSettings:
                              "(0: to the window's end)", lo=0)
 
     # ── data ──
-    #: tokens taken from a data set that names no count of its own (PATH@TOKENS)
     tokens: int = setting(393216, "tokens taken from a data set that names no count (PATH@TOKENS)", lo=1, feeds=("trunk", "mtp"))
     #: tokens per window (a generated sequence fills one); preset: retrain 2048, fresh 320
     window: int | None = setting(None, "tokens per window (a generated sequence fills one)", show="the preset's", **WINDOW, feeds=("trunk", "mtp"))
-    #: trunk top-k entries kept per row (the KL target)
     topk: int = setting(64, "trunk top-k entries kept per row (the KL target)", **TOPK, feeds=("trunk", "mtp"))
-    #: hold out every window (a measure of text no training reads; needs epochs 0)
     hold_all: bool = setting(False, "hold out every window: measure only (needs epochs 0)")
 
     # ── self-generated data ──
     #: train on the model's own continuations of prompts cut from the data (each window's first
     #: gen_prompt tokens, continued to a full window), not on the data's text; preset: fresh on
     generate: bool | None = setting(None, "train on the model's own continuations of prompts cut from the data", show="the preset's", feeds=("trunk", "mtp"))
-    #: prompt tokens cut from the start of each data window (default: a quarter of the window, at most 64)
     gen_prompt: int | None = setting(None, "prompt tokens cut from the start of each data window", lo=1,
                                      show="a quarter of the window, at most 64", feeds=("trunk", "mtp"))
     #: with generate off, the model's own continuations of this share of the data windows' prompts
@@ -158,9 +149,7 @@ class MtpSettings:
                                   "from a fixed list)", lo=0, hi=1, feeds=("trunk", "mtp"))
     #: 0: greedy continuations (what greedy speculative decoding verifies against); > 0: sampled
     gen_temperature: float = setting(0.0, "0: greedy continuations; > 0: sampled", lo=0, feeds=("trunk", "mtp"))
-    #: rows decoded at once
     gen_batch: int = setting(256, "rows decoded at once while generating", lo=1, how=True)
-    #: directory that keeps the generated windows (default: the trunk cache, else <cortiq home>/cache/mtp-gen)
     gen_cache: str | None = setting(None, "keep the generated windows here", metavar="DIR",
                                     show="the trunk cache, else <cortiq home>/cache/mtp-gen", how=True)
 
@@ -179,21 +168,17 @@ class MtpSettings:
     #: evaluations without a new best before stopping (0 = never stop early); preset: retrain 6, fresh 10
     patience: int | None = setting(None, "evaluations without a new best before stopping (0: never early)", show="the preset's",
                                    lo=0)
-    #: stop training after this many seconds (the best checkpoint so far is kept); 0 = no limit
     time_limit: float = setting(0.0, "stop training after this many seconds, keeping the best (0: no limit)", lo=0)
     #: share of a target row's mass put on the trunk's own token (1 = what a greedy verify accepts)
     hard: float = setting(0.0, "share of a target row's mass put on the trunk's own token", lo=0, hi=1)
     #: also train eh_proj, enorm and hnorm (a fresh `mtp init` draft needs it); preset: retrain off, fresh on
     train_input: bool | None = setting(None, "also train eh_proj, enorm and hnorm", show="the preset's")
-    #: gradient-norm clip
     clip: float = setting(1.0, "gradient-norm clip", gt=0)
-    #: training order and sampling seed
     seed: int = setting(0, "training order and sampling seed", feeds=("trunk", "mtp"))
 
     # ── outputs ──
     #: directory that keeps the trunk pass per data set (Arrow, keyed on trunk, data, window, k)
     trunk_cache: str | None = setting(None, "keep the trunk pass per data set here", metavar="DIR", how=True)
-    #: codec of the trained draft's tensors in the output: "keep" (the file's own) or a codec name
     codec: str = setting("keep", "codec of the trained draft's tensors: keep (the file's own) or a codec name")
     #: the same result with the draft in other codecs: [(codec, path)] (CLI: CODEC:PATH)
     also: list = setting(factory=list, help="the result with the draft in another codec (repeatable)",
@@ -206,14 +191,9 @@ class MtpSettings:
                                  text=lambda t: f"{t[0]}:{','.join(map(str, t[1]))}", how=True)
 
     # ── resources ──
-    #: "auto" (cuda when available), "cpu", "cuda", ...
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N", how=True)
-    #: rows per chunk of the fused head + loss, and of the top-k passes
     head_chunk: int = setting(1024, "rows per chunk of the fused head + loss and of the top-k passes", lo=1, how=True)
-    #: windows per trunk forward
     trunk_batch: int = setting(4, "windows per trunk forward", lo=1, how=True)
-    #: processes (GPUs) to run on: more than 1 re-runs the command under torchrun, one per GPU
-    #: (the trunk pass splits the windows, training splits each batch)
     gpus: int = setting(1, "GPUs to run on: more than 1 re-runs this command under torchrun, one process per GPU", lo=1, how=True)
 
     def __post_init__(self):

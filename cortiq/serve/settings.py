@@ -14,17 +14,13 @@ class ServeSettings:
     """The server: where it listens, how it decodes, what it accepts."""
 
     # ── where it listens ──
-    #: address to bind; the default keeps the server on this machine
     host: str = setting("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
-    #: TCP port; 0 picks a free one (the address is printed on start)
     port: int = setting(8000, "TCP port (0: a free one, printed on start)", lo=0, hi=65535)
-    #: the model id clients name; "" = the file's stem
     model_name: str = setting("", "model id served", show="the file name without .cmf")
 
     # ── decoding ──
     #: sequences decoded together; more waiting requests queue for a free slot
     max_batch: int = setting(16, "requests decoded together in one batch", lo=1)
-    #: positions per sequence (prompt + answer); 0 = the model's own limit, capped at 4096
     max_len: int = setting(0, "context per request in tokens (0: the model's, at most 4096)", lo=0)
     #: greedy requests draft with the MTP block and verify in one forward (same tokens, fewer forwards)
     speculative: bool = setting(False, "speculative decoding with the model's MTP draft (greedy requests)")
@@ -56,9 +52,7 @@ class ServeSettings:
     #: "decode" (= auto): static buffers, one batched forward, CUDA graphs on CUDA; "loop": the
     #: model's own cache and one forward per slot (the plain reference)
     engine: str = setting("auto", "decoding engine (auto: decode)", choices=("auto", "decode", "loop"))
-    #: cpu, cuda, cuda:1, ... ("auto": CUDA when present)
     device: str = setting("auto", "device: auto (CUDA when present), cpu, cuda, cuda:N")
-    #: compute dtype; auto = bf16 on CUDA, f32 on CPU
     dtype: str = setting("auto", "compute dtype (auto: bf16 on CUDA, f32 else)", choices=COMPUTE)
 
     # ── profiling ──
@@ -79,7 +73,6 @@ class ServeSettings:
                                     show="32 x the context")
     #: requests that may wait for a slot (429 above)
     max_waiting: int = setting(256, "requests that may wait for a free slot", lo=1)
-    #: seconds in-flight requests get after SIGTERM before they are cut
     shutdown_timeout: float = setting(5.0, "seconds running requests get after SIGTERM", lo=0)
 
     def branches(self, arch, dev) -> int:

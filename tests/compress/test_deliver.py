@@ -3,7 +3,7 @@ leaves only the output (no `.partial` hard-linked to it and the cache entry)."""
 
 import os
 
-from cortiq.pipeline import deliver
+from cortiq.runner import deliver
 
 
 def test_a_second_delivery_leaves_no_partial_link(tmp_path):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from cortiq.data import BuildSettings, Tdata, build, cut_windows, fnv1a64, held_out, packed_windows, windows
-from cortiq.data.windowing import cut_windows_reference, parse_spec, xorshift_order
+from cortiq.data.windowing import cut_windows_reference, xorshift_order
+from cortiq.store import parse_data_spec
 from cortiq.errors import CortiqError
 from cortiq.tokenizer import load_tokenizer
 
@@ -133,14 +134,14 @@ def test_packed_windows(tmp_path, tok_cmf):
     assert held_out(9) and not held_out(8) and held_out(3, hold_all=True)
 
 
-def test_parse_spec():
-    assert parse_spec("a.tdata@100,b") == [("a.tdata", 100), ("b", None)]
-    assert parse_spec("v@2/td") == [("v@2/td", None)]  # an @ in a folder name is the path's
+def test_parse_data_spec():
+    assert parse_data_spec("a.tdata@100,b") == [("a.tdata", 100), ("b", None)]
+    assert parse_data_spec("v@2/td") == [("v@2/td", None)]  # an @ in a folder name is the path's
     with pytest.raises(CortiqError):
-        parse_spec(" , ")
+        parse_data_spec(" , ")
     for bad in ("td@-5", "td@lots", "td@0", "td@", "td@１２"):
         with pytest.raises(CortiqError, match=f"data spec '{bad}': the token count .* is not a positive integer"):
-            parse_spec(bad)
+            parse_data_spec(bad)
 
 
 def test_fnv1a64_known_values_and_the_vectorised_form():

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from cortiq.data import knowledge as K
-from cortiq.data.retain import cli_runner, retain_tdata, source_name
+from cortiq.data.retain import source_name
+from cortiq.data.stages import cli_runner, retain_tdata
 from cortiq.data.settings import RetainSettings
 from cortiq.data.tdata import Tdata
 from cortiq.facts import holds_probe_fact
@@ -37,9 +38,10 @@ def _entities(monkeypatch):
 def test_records_are_the_models_greedy_answers_and_never_a_probe_fact(model_cmf, tmp_path, monkeypatch):
     ents = _entities(monkeypatch)
     s = K.KnowledgeSettings(answer_tokens=6, lead_tokens=9, slots=4, device="cpu", fractions=(1.0, 0.0, 0.0))
-    from cortiq import pipeline
+    from cortiq import runner
+    from cortiq.data.stages import KNOWLEDGE
 
-    res = pipeline.run(K.KNOWLEDGE, tmp_path, progress=False, model=str(model_cmf), settings=s)
+    res = runner.run(KNOWLEDGE, tmp_path, progress=False, model=str(model_cmf), settings=s)
     td = Tdata.open(res["path"])
     tok, m = load_tokenizer(model_cmf), load_model(model_cmf)
     filled = {p: lead for _, p, lead in K.fill(ents)}

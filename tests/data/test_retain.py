@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from cortiq.data import Tdata, build, windows
-from cortiq.data.retain import cli_runner, other_sources, resolve_sources, with_retain
+from cortiq.data.retain import other_sources, resolve_sources
+from cortiq.data.stages import cli_runner, with_retain
 from cortiq.data.windowing import interleave, mix_counts
 from cortiq.data.settings import BuildSettings, RetainSettings
 from cortiq.errors import CortiqError
@@ -137,7 +138,7 @@ def test_self_retain_is_a_cached_tdata_of_the_source_model(tmp_path):
     assert mix == again and panel == panel2
     assert "self" in Tdata.open(mix).meta["mix"]["names"]
     # self_tokens sizes the self source alone (a corpus keeps `tokens`); 0 leaves it at `tokens`
-    from cortiq.data.retain import retain_tdata
+    from cortiq.data.stages import retain_tdata
 
     sized = Tdata.open(retain_tdata("self", model, RetainSettings(sources=["self"], tokens=2000, self_tokens=300),
                                     run, tmp_path / "work", progress=False))

@@ -4,7 +4,8 @@ and the SELFGEN stage (tdata out, reproducible by seed, taken from the cache the
 import numpy as np
 import pytest
 
-from cortiq.data.selfgen import REQUESTS, SELFGEN, SelfGenSettings, generate_rows, self_tdata
+from cortiq.data.selfgen import REQUESTS, SelfGenSettings, generate_rows
+from cortiq.data.stages import SELFGEN, self_tdata
 from cortiq.data.tdata import Tdata
 from cortiq.errors import CortiqError
 from cortiq.model import load_model
@@ -86,9 +87,9 @@ def test_selfgen_writes_tdata_reproducible_by_seed_and_cached(model_cmf, tmp_pat
     other = Tdata.open(self_tdata(model_cmf, SelfGenSettings(**{**s.__dict__, "seed": 2}), tmp_path / "a", progress=False))
     assert [r.ids.tolist() for r in other.records()] != [r.ids.tolist() for r in recs]
     # the second time from the cache: the stage does not run
-    from cortiq import pipeline
+    from cortiq import runner
 
-    res = pipeline.run(SELFGEN, tmp_path / "a", progress=False, model=model_cmf, settings=s)
+    res = runner.run(SELFGEN, tmp_path / "a", progress=False, model=model_cmf, settings=s)
     assert res["reused"] and res["path"] == str(d)
 
 
@@ -120,7 +121,7 @@ def test_selfgen_with_ask_records_the_models_own_requests(tmp_path, monkeypatch)
 
     from functools import partial
 
-    from cortiq import pipeline
+    from cortiq import runner
     from cortiq.data import selfgen
 
     # a random model rarely ends a request within the 64 tokens a real one takes: give it room
@@ -136,6 +137,6 @@ def test_selfgen_with_ask_records_the_models_own_requests(tmp_path, monkeypatch)
         opening = tok.decode(r.ids[: r.first].tolist(), skip_special_tokens=False)
         assert opening.startswith("<user>") and opening.endswith("<a>") and opening[6:-3] not in REQUESTS
     assert len({tuple(r.ids[: r.first].tolist()) for r in asked}) == len(asked)
-    assert pipeline.key_of(SELFGEN, SelfGenSettings()) == pipeline.key_of(SELFGEN, SelfGenSettings(ask=0.0))
-    assert "ask" not in pipeline.key_of(SELFGEN, SelfGenSettings())
-    assert pipeline.key_of(SELFGEN, SelfGenSettings(ask=0.5)) != pipeline.key_of(SELFGEN, SelfGenSettings())
+    assert runner.key_of(SELFGEN, SelfGenSettings()) == runner.key_of(SELFGEN, SelfGenSettings(ask=0.0))
+    assert "ask" not in runner.key_of(SELFGEN, SelfGenSettings())
+    assert runner.key_of(SELFGEN, SelfGenSettings(ask=0.5)) != runner.key_of(SELFGEN, SelfGenSettings())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from cortiq import tracking
-from cortiq.pipeline import LocalRunner
+from cortiq.runner import LocalRunner
 from cortiq.facts import encode_facts, load_facts, score_facts
 from cortiq.facts.stages import ProbeSettings, facts_chain, facts_line
 from cortiq.model import load_model

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from flows.compress_and_heal import compress_and_heal
-from cortiq.pipeline import FAIL_ENV
+from cortiq.runner import FAIL_ENV
 
 
 def out_train_history(out):

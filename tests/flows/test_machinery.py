@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from prefect import flow
 
-from cortiq.data.builder import DATA
+from cortiq.data.stages import DATA
 from cortiq.measure import REENCODE
-from cortiq.pipeline import FAIL_ENV, InjectedFailure
+from cortiq.runner import FAIL_ENV, InjectedFailure
 from cortiq.settings import load_settings
 from cortiq.chains import data_text
 from cortiq.measure import score_chain
-from flows.pipeline import run_tracked
+from flows.flow_run import run_tracked
 from flows.summary import summary
 
 
@@ -30,8 +30,7 @@ from flows.summary import summary
 def machinery(params: dict) -> dict:
     s = load_settings(params)
     with run_tracked(s, "machinery") as st:
-        tdata = st.run(DATA, sources=s.extra("data", "sources"), model=s.source,
-                       settings={k: v for k, v in s.data.items() if k != "sources"})["path"]
+        tdata = st.run(DATA, sources=s.data.sources, model=s.source, settings=s.data.build_settings())["path"]
         score_chain(st, {"source": s.source}, [data_text(s, tdata)])
         for codec in s.codecs:
             enc = st.run(REENCODE, f"reencode.{codec}", model=s.source, codec=codec)["path"]
@@ -139,7 +138,7 @@ def test_failure_in_a_middle_stage_then_rerun_resumes_there(tiny, monkeypatch):
 def test_retries_rerun_a_failing_stage(tiny, monkeypatch):
     # a stage that keeps failing is tried 1 + retries times, then the flow fails
     calls = []
-    import cortiq.pipeline as m
+    import cortiq.runner as m
 
     real = m.run
 

@@ -36,17 +36,17 @@ def test_cli_compress_then_the_flow_reuse_the_same_outputs(tiny, tiny_params):
 
 
 def test_the_cli_runner_then_the_flow_share_every_stage_of_the_one_chain(tiny, tiny_params):
-    """cortiq.chains.pipeline run by the command line's runner, then the compress-and-heal flow on the
+    """cortiq.chains.compress_and_heal run by the command line's runner, then the compress-and-heal flow on the
     same parameters: the flow runs the same stages with the same digests and recomputes none."""
     from cortiq import chains
-    from cortiq.pipeline import LocalRunner
+    from cortiq.runner import LocalRunner
     from cortiq.settings import load_settings
     from flows.compress_and_heal import compress_and_heal
 
     p = tiny_params(tiny)
     s = load_settings(p)
     runner = LocalRunner(s.run.out_dir(), progress=False)
-    final, _ = chains.pipeline(runner, s)
+    final, _ = chains.compress_and_heal(runner, s)
     assert not any(r["reused"] for r in runner.results.values())
     out = compress_and_heal(p)
     assert list(out["states"]) == list(runner.results)

@@ -10,6 +10,7 @@ import torch
 from cortiq import dist, store
 from cortiq.heal import parallel
 from cortiq.heal import prefix as prefix_mod
+from cortiq.heal import stages as heal_stages
 from cortiq.heal import targets as targets_mod
 from cortiq.heal.settings import HealSettings
 from cortiq.heal.train import StudentTail, fit
@@ -34,12 +35,12 @@ def test_shares_cover_the_items_in_order_by_whole_units():
 
 def test_the_digests_do_not_depend_on_the_gpus(tmp_path):
     from cortiq.heal.stages import TRAIN
-    from cortiq.mtp import MTP, TRUNK
+    from cortiq.mtp.stages import MTP, TRUNK
     from cortiq.mtp.settings import MtpSettings
-    from cortiq.pipeline import key_of
+    from cortiq.runner import key_of
 
     one, two = HealSettings(), HealSettings(gpus=2, shard="fsdp")
-    for stage in (targets_mod.TARGETS, prefix_mod.PREFIX, TRAIN):
+    for stage in (heal_stages.TARGETS, heal_stages.PREFIX, TRAIN):
         assert key_of(stage, one) == key_of(stage, two)
     for stage in (TRUNK, MTP):
         assert key_of(stage, MtpSettings()) == key_of(stage, MtpSettings(gpus=2))
@@ -56,8 +57,8 @@ def _pass_settings(**kw):
 
 def _passes(rank, teacher, student, td, out, kw):
     s = _pass_settings(**kw)
-    targets_mod.teacher_targets(teacher, td, s, out / "targets-x", progress=False)
-    prefix_mod.prefix_cache(student, td, s, out / "prefix-x", progress=False)
+    heal_stages.teacher_targets(teacher, td, s, out / "targets-x", progress=False)
+    heal_stages.prefix_cache(student, td, s, out / "prefix-x", progress=False)
 
 
 def _passes_of_kinds(rank, teacher, student, td, root, kinds):

@@ -1,4 +1,4 @@
-"""A stage with gpus: 2 run by `pipeline.run` from a plain process (as the
+"""A stage with gpus: 2 run by `runner.run` from a plain process (as the
 Prefect task runs it) relaunches itself under torchrun (two gloo processes on
 the CPU): the same digest, output and report as one process, rank 0's metrics
 played into the caller's logger; a failed rank is one error naming the stage
@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cortiq import pipeline, store
+from cortiq import runner, store
 from cortiq.errors import CortiqError
 from cortiq.heal.settings import HealSettings
 from cortiq.heal.stages import TRAIN, TRAINED
-from cortiq.heal.targets import TARGETS
+from cortiq.heal.stages import TARGETS
 from cortiq.tracking import MemoryLogger
 
 from heal_models import healing_pair
@@ -33,17 +33,17 @@ def inputs(tmp_path_factory):
     """The student and the teacher's targets, made once: every test only reads them."""
     tmp = tmp_path_factory.mktemp("inputs")
     teacher, student, td = healing_pair(tmp)
-    h = pipeline.plain(HealSettings(**SETTINGS))
+    h = HealSettings(**SETTINGS)
     # conftest's temp home is a test's, set after a module's fixtures: this one gets its own
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CORTIQ_HOME", str(tmp / "cortiq-home"))
-        targets = pipeline.run(TARGETS, tmp / "shared", progress=False, teacher=teacher, tdata=td, settings=h)
+        targets = runner.run(TARGETS, tmp / "shared", progress=False, teacher=teacher, tdata=td, settings=h)
     return {"student": student, "targets": targets["path"], "prefix": None, "tdata": td}
 
 
 def _train(root, inputs, gpus):
     log = MemoryLogger()
-    r = pipeline.run(TRAIN, root, log, progress=False, settings=pipeline.plain(HealSettings(**SETTINGS, gpus=gpus)),
+    r = runner.run(TRAIN, root, log, progress=False, settings=HealSettings(**SETTINGS, gpus=gpus),
                      **inputs)
     return r, log
 
@@ -52,16 +52,16 @@ def test_a_failed_rank_is_one_error_and_the_next_run_equals_one_process(tmp_path
     # each run under torchrun costs a launcher and two ranks that import torch: the run after the
     # failed one is both the failure's recovery and the run compared with one process
     one, log1 = _train(tmp_path / "one", inputs, 1)
-    monkeypatch.setenv(pipeline.FAIL_ENV, "train@1")  # rank 1 fails; rank 0 has started the stage
+    monkeypatch.setenv(runner.FAIL_ENV, "train@1")  # rank 1 fails; rank 0 has started the stage
     with pytest.raises(CortiqError) as e:
         _train(tmp_path / "two", inputs, 2)
     msg = str(e.value)
     # the failed rank's error first (rank 0 may meet the closed connection after it, and says so second)
     assert msg.startswith("train: 2 processes under torchrun exited with status 1 (rank 1: InjectedFailure: train: "
                           "failure injected by $CORTIQ_FAIL_STAGE") and "\n" not in msg
-    pl = pipeline.plan(TRAIN, tmp_path / "two", settings=pipeline.plain(HealSettings(**SETTINGS, gpus=2)), **inputs)
+    pl = runner.cache_entry(TRAIN, tmp_path / "two", settings=HealSettings(**SETTINGS, gpus=2), **inputs)
     assert not pl.ready() and not pl.report.exists() and not (pl.out / store.META).exists()
-    monkeypatch.delenv(pipeline.FAIL_ENV)
+    monkeypatch.delenv(runner.FAIL_ENV)
     # the next run makes it: what an in-process run returns, under the same digest
     two, log2 = _train(tmp_path / "two", inputs, 2)
     assert pl.ready() and two["digest"] == pl.digest
@@ -91,10 +91,10 @@ def test_a_failed_rank_is_one_error_and_the_next_run_equals_one_process(tmp_path
 
 def test_a_bad_input_the_ranks_meet_is_its_one_line_said_once(tmp_path, inputs):
     # targets of another window
-    s = pipeline.plain(HealSettings(**{**SETTINGS, "window": 16}, gpus=2))
-    bad = pipeline.plan(TRAIN, tmp_path / "bad", settings=s, **inputs)
+    s = HealSettings(**{**SETTINGS, "window": 16}, gpus=2)
+    bad = runner.cache_entry(TRAIN, tmp_path / "bad", settings=s, **inputs)
     with pytest.raises(CortiqError) as e:
-        pipeline.run(TRAIN, tmp_path / "bad", progress=False, settings=s, **inputs)
+        runner.run(TRAIN, tmp_path / "bad", progress=False, settings=s, **inputs)
     # the rank that fails second may be stopped before it says so
     assert re.fullmatch(rf"train: 2 processes under torchrun exited with status 1 \((rank 0|rank 1|ranks 0, 1): "
                         rf"{re.escape(inputs['targets'])}: targets of windows of 32 tokens, the settings say 16\); "

@@ -10,6 +10,7 @@ from cortiq.cmf import open_cmf
 from cortiq.errors import CortiqError
 from cortiq.heal import HealSettings, check_inputs, heal
 from cortiq.heal import prefix as prefix_mod
+from cortiq.heal import stages as heal_stages
 from cortiq.heal import targets as targets_mod
 from cortiq.heal.stages import train
 from cortiq.tokenizer import byte_tokenizer_json
@@ -61,9 +62,9 @@ def test_prefix_cache_gives_the_same_losses_as_running_the_prefix(tmp_path, mode
     teacher, student, td = models
     s = _s(train_from=1, epochs=0.5)
     tdir = tmp_path / "targets-x"
-    targets_mod.teacher_targets(teacher, td, s, tdir, progress=False)
+    heal_stages.teacher_targets(teacher, td, s, tdir, progress=False)
     pdir = tmp_path / "prefix-x"
-    assert prefix_mod.prefix_cache(student, td, s, pdir, progress=False)["dtype"] == "f32"
+    assert heal_stages.prefix_cache(student, td, s, pdir, progress=False)["dtype"] == "f32"
     cached = train(student, tdir, pdir, td, s, tmp_path / "w1", progress=False)
     plain = train(student, tdir, None, td, s, tmp_path / "w2", progress=False)
     assert cached["prefix_cached"] and not plain["prefix_cached"]
@@ -76,10 +77,10 @@ def test_prefix_cache_gives_the_same_losses_as_running_the_prefix(tmp_path, mode
 def test_prefix_plan_by_budget():
     n, T, H = 10, 100, 64
     b32 = n * T * H * 4
-    assert prefix_mod.plan(n, T, H, int(b32 / 0.3) + 1, 1) == "f32"
-    assert prefix_mod.plan(n, T, H, int(b32 / 0.3) - 10, 1) == "f16"
-    assert prefix_mod.plan(n, T, H, int(b32 / 2 / 0.3) - 10, 1) == "none"
-    assert prefix_mod.plan(n, T, H, 1 << 40, 0) == "none"
+    assert prefix_mod.prefix_dtype(n, T, H, int(b32 / 0.3) + 1, 1) == "f32"
+    assert prefix_mod.prefix_dtype(n, T, H, int(b32 / 0.3) - 10, 1) == "f16"
+    assert prefix_mod.prefix_dtype(n, T, H, int(b32 / 2 / 0.3) - 10, 1) == "none"
+    assert prefix_mod.prefix_dtype(n, T, H, 1 << 40, 0) == "none"
 
 
 def test_f16_prefix_cache_is_read_back(tmp_path, models):
@@ -88,7 +89,7 @@ def test_f16_prefix_cache_is_read_back(tmp_path, models):
     n = sum(len(w) for w in targets_mod.window_sets(td, s)[1].values())
     s.mem_budget_gb = (n * 32 * 32 * 4 * 0.75) / 0.3 / (1 << 30)  # f32 does not fit, f16 does
     pdir = tmp_path / "prefix-y"
-    assert prefix_mod.prefix_cache(student, td, s, pdir, progress=False)["dtype"] == "f16"
+    assert heal_stages.prefix_cache(student, td, s, pdir, progress=False)["dtype"] == "f16"
     pre = prefix_mod.Prefix(pdir)
     assert pre.h["train"].take([0]).dtype.name == "float16"
     assert store.is_complete(pdir)
@@ -98,7 +99,7 @@ def test_ce_one_runs_no_teacher_and_targets_are_the_next_tokens(tmp_path, models
     _, student, td = models
     s = _s(ce=1.0)
     tdir = tmp_path / "targets-ce"
-    rep = targets_mod.teacher_targets(None, td, s, tdir, progress=False)
+    rep = heal_stages.teacher_targets(None, td, s, tdir, progress=False)
     assert rep["teacher"] is False
     tg = targets_mod.Targets(tdir)
     _, wins = targets_mod.window_sets(td, s)

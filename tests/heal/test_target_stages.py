@@ -11,7 +11,7 @@ import torch
 from cortiq import store
 from cortiq.cmf import open_cmf
 from cortiq.heal import HealSettings, heal
-from cortiq.heal import prefix as prefix_mod
+from cortiq.heal import stages as heal_stages
 from cortiq.heal import targets as targets_mod
 from cortiq.heal.loss import dense_kl_reference
 from cortiq.heal.train import Objective, StudentTail, batch_loss
@@ -39,13 +39,13 @@ def _s(**kw):
 def test_target_enters_the_targets_digest_not_the_prefix_digest(tmp_path, models):
     teacher, student, td = models
     a, b = _s(train_from=1, target="topk"), _s(train_from=1, target="sampled")
-    assert targets_mod.digest_of(teacher, td, a) != targets_mod.digest_of(teacher, td, b)
-    assert prefix_mod.digest_of(student, td, a) == prefix_mod.digest_of(student, td, b)
+    assert heal_stages.targets_digest(teacher, td, a) != heal_stages.targets_digest(teacher, td, b)
+    assert heal_stages.prefix_digest(student, td, a) == heal_stages.prefix_digest(student, td, b)
     # with ce = 1 no teacher takes part: the kind changes nothing
-    assert targets_mod.digest_of(None, td, _s(ce=1.0, target="topk")) == targets_mod.digest_of(None, td, _s(ce=1.0, target="full"))
+    assert heal_stages.targets_digest(None, td, _s(ce=1.0, target="topk")) == heal_stages.targets_digest(None, td, _s(ce=1.0, target="full"))
     # the draws' seed matters to "sampled" only
-    assert targets_mod.digest_of(teacher, td, _s(target="sampled", seed=1)) != targets_mod.digest_of(teacher, td, b)
-    assert targets_mod.digest_of(teacher, td, _s(target="topk", seed=1)) == targets_mod.digest_of(teacher, td, a)
+    assert heal_stages.targets_digest(teacher, td, _s(target="sampled", seed=1)) != heal_stages.targets_digest(teacher, td, b)
+    assert heal_stages.targets_digest(teacher, td, _s(target="topk", seed=1)) == heal_stages.targets_digest(teacher, td, a)
     # heal twice in one work directory: the second run makes new targets, reuses the prefix
     work = tmp_path / "work"
     heal(student, teacher, td, _s(train_from=1, target="topk", epochs=0.3), tmp_path / "a.cmf", work_dir=work,
@@ -78,7 +78,7 @@ def test_full_trainer_loss_is_the_dense_kl_of_the_teacher(tmp_path, models):
     teacher_cmf, student_cmf, td = models
     s = _s(target="full", ce=0.3)
     tdir = tmp_path / "targets-f"
-    targets_mod.teacher_targets(teacher_cmf, td, s, tdir, progress=False)
+    heal_stages.teacher_targets(teacher_cmf, td, s, tdir, progress=False)
     tg = targets_mod.Targets(tdir)
     assert tg.k == 1 and tg.kind == "full" and tg.teacher == str(teacher_cmf)
     _, wins = targets_mod.window_sets(td, s)

@@ -158,9 +158,9 @@ def test_compiled_layers_of_many_widths_share_two_graphs_a_grad_mode():
     assert counter.frame_count <= 4
     # a projection with a forward of its own (QAT's fake quantization) is called, not bypassed
     mlp = m.layers[0].mlp
-    assert mlp.plain()
+    assert mlp.bare_linears()
     mlp.up_proj.forward = types.MethodType(lambda self, x: 2 * F.linear(x, self.weight), mlp.up_proj)
-    assert not mlp.plain()
+    assert not mlp.bare_linears()
     torch._dynamo.reset()
     m.compile_layers(backend="aot_eager")
     assert not isinstance(m.layers[0].compiled, _WeightsIn) and isinstance(m.layers[1].compiled, _WeightsIn)

@@ -108,7 +108,7 @@ def test_chat_windows_are_the_trunks_greedy_answers_in_its_template(tmp_path):
     from cortiq.data.selfgen import REQUESTS
     from cortiq.data.windowing import packed_windows
     from cortiq.model.generate import generate
-    from cortiq.mtp import _prompt_ends
+    from cortiq.mtp.heal import _prompt_ends
     from cortiq.tokenizer import load_tokenizer
 
     tpl = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
@@ -265,7 +265,7 @@ def test_retrain_trains_on_the_data_and_the_trunks_continuations_of_a_share_of_i
     """generate off: the data's windows, and beside them (NAME.gen) the trunk's greedy continuations
     of an even gen_share of their prompts, each keeping its window's held-out flag."""
     from cortiq.model.generate import generate
-    from cortiq.mtp import _sets
+    from cortiq.mtp.heal import _sets
     from cortiq.mtp.selfgen import chat_rows
 
     init, data = fresh

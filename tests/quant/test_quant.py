@@ -136,7 +136,7 @@ def test_down_8bit_writes_those_down_projs_in_q8_as_the_layers_computed(tmp_path
 
 
 def test_recode_gptq_reuses_the_cached_grams(tmp_path, monkeypatch, capsys):
-    import cortiq.quant as quant
+    import cortiq.quant.stages as quant
 
     m, td = model_and_data(tmp_path)
     argv = ["--codec", "q4", "--data", str(td), "--method", "gptq", "--work", str(tmp_path / "work"),
@@ -150,7 +150,7 @@ def test_recode_gptq_reuses_the_cached_grams(tmp_path, monkeypatch, capsys):
         p.unlink()
     capsys.readouterr()
     assert main(["recode", str(m), str(tmp_path / "b.cmf"), *argv]) == 0
-    assert "qgrams: reusing" in capsys.readouterr().err
+    assert "qgrams.q4: reusing" in capsys.readouterr().err
     b = open_cmf(tmp_path / "b.cmf")
     for n in a.names:
         assert bytes(a.raw(n)) == bytes(b.raw(n)), n
@@ -159,7 +159,7 @@ def test_recode_gptq_reuses_the_cached_grams(tmp_path, monkeypatch, capsys):
 
 
 def test_q8_rounds_to_nearest_unless_method_8bit_asks(tmp_path, monkeypatch):
-    import cortiq.quant as quant
+    import cortiq.quant.stages as quant
 
     m, td = model_and_data(tmp_path)
     argv = ["--codec", "q8", "--work", str(tmp_path / "work"), "--window", "64", "--max-windows", "8",

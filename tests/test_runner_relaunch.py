@@ -13,22 +13,22 @@ from pathlib import Path
 
 import pytest
 
-from cortiq import pipeline, pipeline_worker, tracking
+from cortiq import runner, runner_worker, tracking
 from cortiq.errors import CortiqError
 
 from test_settings_meta import _variants
 
 #: the modules that declare the pipeline's stages
-MODULES = ["cortiq.compress.stages", "cortiq.data.builder", "cortiq.heal.targets", "cortiq.heal.prefix",
-           "cortiq.heal.stages", "cortiq.mtp", "cortiq.measure", "cortiq.convert"]
+MODULES = ["cortiq.compress.stages", "cortiq.convert.stages", "cortiq.data.stages", "cortiq.heal.stages",
+           "cortiq.measure", "cortiq.mtp.stages", "cortiq.quant.stages"]
 
 
-def _stages() -> list[pipeline.Stage]:
+def _stages() -> list[runner.Stage]:
     import importlib
 
     out = []
     for m in MODULES:
-        out += [v for v in vars(importlib.import_module(m)).values() if isinstance(v, pipeline.Stage)]
+        out += [v for v in vars(importlib.import_module(m)).values() if isinstance(v, runner.Stage)]
     return out
 
 
@@ -36,7 +36,7 @@ def test_the_stages_that_run_on_several_ranks_say_so():
     many = {s.name for s in _stages() if s.gpus is not None}
     assert many == {"targets", "prefix", "train", "trunk", "mtp"}
     for s in _stages():  # and every stage is found again by the name and module its job gives
-        assert pipeline.find_stage(**pipeline._stage_ref(s)) is s
+        assert runner.find_stage(**runner._stage_ref(s)) is s
 
 
 @pytest.mark.parametrize("stage", [s for s in _stages() if s.settings is not None], ids=lambda s: s.name)
@@ -45,15 +45,15 @@ def test_every_stages_settings_survive_the_job_file_exactly(stage, tmp_path):
     seen = 0
     for name, obj in [("defaults", stage.settings())] + list(_variants(stage.settings)):
         params = {**inputs, "settings": obj, "where": tmp_path / "x"}
-        job = pipeline.write_job(tmp_path, stage, tmp_path, False, params)
-        got, root, progress, back = pipeline.read_job(job)
+        job = runner.write_job(tmp_path, stage, tmp_path, False, params)
+        got, root, progress, back = runner.read_job(job)
         assert got is stage and root == str(tmp_path.resolve()) and progress is False
         assert back["where"] == str(tmp_path / "x")
         built, want = stage.params(back)["settings"], stage.params(params)["settings"]  # normalized alike
         assert type(built) is stage.settings and built == want, name
         assert dataclasses.asdict(built) == dataclasses.asdict(want), name
         if stage.gpus is not None:  # the stages that relaunch: the ranks run the digest this process planned
-            assert pipeline.digest_of(stage, **back) == pipeline.digest_of(stage, **params), name
+            assert runner.digest_of(stage, **back) == runner.digest_of(stage, **params), name
         seen += 1
     assert seen > len(dataclasses.fields(stage.settings)) // 2
 
@@ -63,9 +63,9 @@ def test_a_parameter_that_is_not_json_is_refused_in_one_line():
     from cortiq.heal.stages import TRAIN
 
     with pytest.raises(CortiqError) as e:
-        pipeline.job_params(TRAIN, {"settings": HealSettings(), "student": {"x": [1, object()]}})
-    assert str(e.value) == ("parameter train.student.x[1]: a object cannot be handed to the ranks (paths, settings "
-                            "and plain values only)")
+        runner.json_params(TRAIN, {"settings": HealSettings(), "student": {"x": [1, object()]}})
+    assert str(e.value) == ("parameter train.student.x[1]: a object cannot leave the process (paths, settings and "
+                            "plain values only)")
 
 
 def test_a_stage_not_declared_in_a_module_cannot_be_relaunched():
@@ -73,20 +73,20 @@ def test_a_stage_not_declared_in_a_module_cannot_be_relaunched():
 
     copy = dataclasses.replace(TRAIN, name="train-copy")
     with pytest.raises(CortiqError, match=r"^train-copy: not a module-level stage of cortiq.heal.stages; "):
-        pipeline._stage_ref(copy)
+        runner._stage_ref(copy)
 
 
 def test_a_job_file_of_another_kind_is_one_line(tmp_path):
     bad = tmp_path / "job.json"
     bad.write_text(json.dumps({"version": 99}))
     with pytest.raises(CortiqError, match=rf"^{bad}: not a stage job of version 1$"):
-        pipeline.read_job(bad)
+        runner.read_job(bad)
     bad.write_text("{")
     with pytest.raises(CortiqError, match=rf"^{bad}: not a stage job \("):
-        pipeline.read_job(bad)
+        runner.read_job(bad)
     bad.write_text(json.dumps({"version": 1, "stage": {"module": "cortiq.heal.stages", "name": "nope"}}))
     with pytest.raises(CortiqError, match=rf"^{bad}: no stage 'nope' in cortiq.heal.stages$"):
-        pipeline.read_job(bad)
+        runner.read_job(bad)
 
 
 def _calls(log):
@@ -120,27 +120,27 @@ def test_jsonl_logger_replays_every_call_in_order(tmp_path):
 
 
 def test_the_ranks_errors_read_as_one_line(tmp_path):
-    assert pipeline.rank_errors(tmp_path) == ""
+    assert runner.rank_errors(tmp_path) == ""
     for t, (r, msg) in enumerate([(2, "x.cmf: bad"), (0, "x.cmf: bad"), (1, "RuntimeError: boom"), (10, "x.cmf: bad")]):
-        f = pipeline.error_file(tmp_path, r)
+        f = runner.error_file(tmp_path, r)
         f.write_text(msg)
         os.utime(f, ns=(10**9 * (100 + t),) * 2)  # written one after another, in this order
-    assert pipeline.rank_errors(tmp_path) == "ranks 0, 2, 10: x.cmf: bad; rank 1: RuntimeError: boom"
+    assert runner.rank_errors(tmp_path) == "ranks 0, 2, 10: x.cmf: bad; rank 1: RuntimeError: boom"
     # the first error written comes first: the cause (a rank whose peer failed errs after it)
-    os.utime(pipeline.error_file(tmp_path, 1), ns=(10**9 * 50,) * 2)
-    assert pipeline.rank_errors(tmp_path) == "rank 1: RuntimeError: boom; ranks 0, 2, 10: x.cmf: bad"
+    os.utime(runner.error_file(tmp_path, 1), ns=(10**9 * 50,) * 2)
+    assert runner.rank_errors(tmp_path) == "rank 1: RuntimeError: boom; ranks 0, 2, 10: x.cmf: bad"
 
 
 def test_the_injected_failure_names_a_stage_and_optionally_a_rank(monkeypatch):
-    monkeypatch.setenv(pipeline.FAIL_ENV, "train")
-    assert pipeline._injected("train", 0) and pipeline._injected("train", 1) and not pipeline._injected("heal", 0)
-    monkeypatch.setenv(pipeline.FAIL_ENV, "train@1")
-    assert pipeline._injected("train", 1) and not pipeline._injected("train", 0)
+    monkeypatch.setenv(runner.FAIL_ENV, "train")
+    assert runner._injected("train", 0) and runner._injected("train", 1) and not runner._injected("heal", 0)
+    monkeypatch.setenv(runner.FAIL_ENV, "train@1")
+    assert runner._injected("train", 1) and not runner._injected("train", 0)
 
 
 def test_the_worker_refuses_to_run_outside_torchrun(tmp_path, monkeypatch, capsys):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
-    assert pipeline_worker.main([str(tmp_path / "job.json")]) == 2
-    assert capsys.readouterr().err.startswith("cortiq.pipeline_worker: runs one rank of a stage under torchrun")
+    assert runner_worker.main([str(tmp_path / "job.json")]) == 2
+    assert capsys.readouterr().err.startswith("cortiq.runner_worker: runs one rank of a stage under torchrun")
     assert not Path(tmp_path / "job.json").exists()

@@ -2,7 +2,7 @@
 
 The chains themselves (the stages in order) are written once in cortiq.chains; a flow passes
 its runner (flows.common.Stages: each stage a cached Prefect task), the command line passes
-cortiq.pipeline.LocalRunner: one list of stages, one cache. What a run reports (metrics, the
+cortiq.runner.LocalRunner: one list of stages, one cache. What a run reports (metrics, the
 named texts and their gaps, the summary) is flows.summary.
 """
 

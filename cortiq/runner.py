@@ -1,6 +1,7 @@
 """A pipeline stage, declared once, and the one runner every caller goes through.
 
-A `Stage` names what it makes (`name`, also the folder prefix of its outputs,
+Each stage is declared in its package's stages.py (cortiq/<package>/stages.py;
+the score and re-encode stages in cortiq/measure.py). A `Stage` names what it makes (`name`, also the folder prefix of its outputs,
 the Prefect task's name and the prefix of its metrics), its `version`, its
 settings dataclass, which parameters are inputs (paths digested by content),
 which other parameters its output depends on (`extra`), and the function that
@@ -22,7 +23,7 @@ any device.
 
 More than one GPU: a stage whose settings say `gpus: N > 1` (its `gpus` hook),
 run from a plain process, runs as N processes under torchrun, each rank
-calling `run` itself (cortiq.pipeline_worker); the caller gets back what an
+calling `run` itself (cortiq.runner_worker); the caller gets back what an
 in-process run returns, and the metrics rank 0 logged are played into the
 caller's logger. The digest does not depend on N.
 
@@ -70,11 +71,13 @@ class Stage:
 
     #: the stage's one name: output folder prefix, task name, flow key and metric prefix
     name: str
-    #: bumped when what the stage computes changes (old outputs are then not reused)
-    version: str
+    #: bumped when what the stage computes changes (old outputs are then not reused); the digest
+    #: hashes it as text, as it did when versions were written as strings
+    version: int
     #: make(out, ctx, **params) -> the stage's report ({"metrics": {...}, ...}); writes `out`
     make: Callable[..., dict]
-    #: the settings dataclass the `settings` parameter is built into (a dict from YAML or Prefect)
+    #: the settings dataclass the stage takes (`params` builds it from the dict that arrives at an
+    #: edge: a Prefect task's parameters, a torchrun job)
     settings: type | None = None
     #: parameters that are input paths, digested by content (None: absent, digested as "-")
     inputs: tuple[str, ...] = ()
@@ -98,8 +101,13 @@ class Stage:
     #: (None: a stage that runs in one process only)
     gpus: Callable[[dict], int] | None = None
 
+    def __post_init__(self):
+        if type(self.version) is not int:  # one way to write it: 1, bumped to 2, ...
+            raise TypeError(f"stage {self.name}: version {self.version!r} is not a whole number")
+
     def params(self, params: dict) -> dict:
-        """The parameters with `settings` built into its dataclass and `normalize` applied."""
+        """The parameters with `settings` built into its dataclass (where it came as a dict) and
+        `normalize` applied."""
         p = dict(params)
         if self.settings is not None and isinstance(p.get("settings"), dict):
             p["settings"] = _build(self.settings, p["settings"], self.name)
@@ -178,17 +186,15 @@ def input_digest(value) -> str:
     if isinstance(value, dict):
         return str(value["digest"])
     if isinstance(value, str) and not os.path.lexists(value) and ("," in value or "@" in value):
-        from .data.windowing import parse_spec
-
-        sets = parse_spec(value)
+        sets = store.parse_data_spec(value)
         if len(sets) > 1 or sets[0][1] is not None:
             return ",".join(f"{store.file_digest(p)}@{n if n is not None else ''}" for p, n in sets)
         value = sets[0][0]
     return store.file_digest(value)
 
 
-def plan(stage: Stage, root: str | os.PathLike, **params) -> CacheEntry:
-    """The plan of a stage run: its digest over (name, version, key, named input digests) and its paths."""
+def cache_entry(stage: Stage, root: str | os.PathLike, **params) -> CacheEntry:
+    """Where a stage run's output goes: its digest over (name, version, key, named input digests) and its paths."""
     p = stage.params(params)
     missing = [n for n in stage.inputs if n not in p]
     if missing:
@@ -204,7 +210,7 @@ def plan(stage: Stage, root: str | os.PathLike, **params) -> CacheEntry:
 
 def digest_of(stage: Stage, **params) -> str:
     """The digest `run` names the output by (a stage records it in its meta.json)."""
-    return plan(stage, ".", **params).digest
+    return cache_entry(stage, ".", **params).digest
 
 
 def run(stage: Stage, root: str | os.PathLike, logger: tracking.Logger = tracking.NULL, progress: bool = True,
@@ -220,31 +226,31 @@ def run(stage: Stage, root: str | os.PathLike, logger: tracking.Logger = trackin
     did not start, runs as N processes under torchrun (`_relaunch`)."""
     from . import dist
 
-    pl = plan(stage, root, **params)
+    entry = cache_entry(stage, root, **params)
     p = stage.params(params)
     n = stage.gpus(p) if stage.gpus is not None else 1
     if n > 1 and not dist.under_torchrun():
-        return _relaunch(stage, pl, root, logger, progress, n, params)
-    pl.out.parent.mkdir(parents=True, exist_ok=True)
+        return _relaunch(stage, entry, root, logger, progress, n, params)
+    entry.out.parent.mkdir(parents=True, exist_ok=True)
     # under torchrun every rank runs a stage that splits (each its share of the windows) and
     # rank 0 decides, locks and reports for all: a lock per rank would deadlock the stage's
     # collectives. A stage that runs in one process only (no `gpus` hook) runs in the calling
     # process alone, without a collective: rank 0 exports and scores while the others are done
     alone = stage.gpus is None
     main = dist.is_main() or alone
-    with store.locked(pl.out) if main else contextlib.nullcontext():
-        if (pl.ready() if alone else dist.agree(pl.ready())):
-            return _result(pl, reused=True)
+    with store.locked(entry.out) if main else contextlib.nullcontext():
+        if (entry.ready() if alone else dist.agree(entry.ready())):
+            return _result(entry, reused=True)
         if _injected(stage.name, dist.rank()):
             raise InjectedFailure(f"{stage.name}: failure injected by ${FAIL_ENV}")
-        report = stage.make(pl.out, Context(pl.digest, logger, progress), **p)
+        report = stage.make(entry.out, Context(entry.digest, logger, progress), **p)
         if not alone:
             dist.barrier()
         if main:
-            _finish(stage, pl, report)
+            _finish(stage, entry, report)
         if not alone:
             dist.barrier()
-        return _result(pl, reused=False)
+        return _result(entry, reused=False)
 
 
 def _injected(name: str, rank: int) -> bool:
@@ -253,7 +259,8 @@ def _injected(name: str, rank: int) -> bool:
     return want == name and (not at or r == str(rank))
 
 
-def _relaunch(stage: Stage, pl: CacheEntry, root, logger: tracking.Logger, progress: bool, n: int, params: dict) -> dict:
+def _relaunch(stage: Stage, entry: CacheEntry, root, logger: tracking.Logger, progress: bool, n: int,
+              params: dict) -> dict:
     """`run` as n processes under torchrun on this machine: the stage, root and
     parameters go to the ranks as a JSON job (settings as plain dicts, built
     again by each rank: the same digest), each rank calls `run`, rank 0 writes
@@ -269,25 +276,25 @@ def _relaunch(stage: Stage, pl: CacheEntry, root, logger: tracking.Logger, progr
 
     from . import dist
 
-    if pl.ready():
-        return _result(pl, reused=True)
-    job = Path(tempfile.mkdtemp(prefix=f"cortiq-{stage.name}-{pl.digest[:12]}-"))
+    if entry.ready():
+        return _result(entry, reused=True)
+    job = Path(tempfile.mkdtemp(prefix=f"cortiq-{stage.name}-{entry.digest[:12]}-"))
     try:
         spec = write_job(job, stage, root, progress, params)
-        rc = dist.launch([str(spec)], n, module="cortiq.pipeline_worker")
+        rc = dist.launch([str(spec)], n, module="cortiq.runner_worker")
         tracking.replay(job / LOG, logger)
         if rc != 0:
             why = rank_errors(job)
             raise CortiqError(f"{stage.name}: {n} processes under torchrun exited with status {rc}"
-                              + (f" ({why})" if why else "") + f"; {pl.out} was not completed")
+                              + (f" ({why})" if why else "") + f"; {entry.out} was not completed")
         done = json.loads((job / RESULT).read_text())
     finally:
         shutil.rmtree(job, ignore_errors=True)
-    if done["digest"] != pl.digest:
-        raise CortiqError(f"{stage.name}: the ranks ran digest {done['digest']}, this process planned {pl.digest}")
-    if not pl.ready():
-        raise CortiqError(f"{pl.out}: the {stage.name} stage's ranks exited without completing it")
-    return _result(pl, reused=bool(done["reused"]))
+    if done["digest"] != entry.digest:
+        raise CortiqError(f"{stage.name}: the ranks ran digest {done['digest']}, this process expected {entry.digest}")
+    if not entry.ready():
+        raise CortiqError(f"{entry.out}: the {stage.name} stage's ranks exited without completing it")
+    return _result(entry, reused=bool(done["reused"]))
 
 
 # ── a stage relaunched under torchrun: the job the ranks get, what they hand back ──
@@ -298,19 +305,21 @@ JOB, LOG, RESULT = "job.json", "log.jsonl", "result.json"
 JOB_VERSION = 1
 
 
-def _job_value(x, where: str):
-    """`x` as JSON values: a dataclass as its dict, a path as its string; anything else is refused."""
+def _json_value(x, where: str):
+    """`x` as JSON values: a dataclass as its dict, a path as its string; anything else is refused.
+    The one flattening of settings: `Stage.params` builds the same dataclass back, so the digest
+    a stage gets its parameters from either side of an edge is the same."""
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         x = dataclasses.asdict(x)
     if isinstance(x, os.PathLike):
         return os.fspath(x)
     if isinstance(x, dict):
-        return {str(k): _job_value(v, f"{where}.{k}") for k, v in x.items()}
+        return {str(k): _json_value(v, f"{where}.{k}") for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_job_value(v, f"{where}[{i}]") for i, v in enumerate(x)]
+        return [_json_value(v, f"{where}[{i}]") for i, v in enumerate(x)]
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
-    raise CortiqError(f"parameter {where}: a {type(x).__name__} cannot be handed to the ranks (paths, settings and "
+    raise CortiqError(f"parameter {where}: a {type(x).__name__} cannot leave the process (paths, settings and "
                       f"plain values only)")
 
 
@@ -331,15 +340,16 @@ def find_stage(module: str, name: str) -> Stage | None:
     return None
 
 
-def job_params(stage: Stage, params: dict) -> dict:
-    """The parameters as the job file holds them (what `Stage.params` builds the same settings from)."""
-    return {k: _job_value(v, f"{stage.name}.{k}") for k, v in params.items()}
+def json_params(stage: Stage, params: dict) -> dict:
+    """The parameters as they leave the process, as JSON values: a Prefect task's parameters, a
+    torchrun job (what `Stage.params` builds the same settings from on the other side)."""
+    return {k: _json_value(v, f"{stage.name}.{k}") for k, v in params.items()}
 
 
 def write_job(d: Path, stage: Stage, root, progress: bool, params: dict) -> Path:
     """The job file of one relaunched stage run in the folder `d`."""
     job = {"version": JOB_VERSION, "stage": _stage_ref(stage), "root": os.fspath(Path(root).resolve()),
-           "progress": bool(progress), "params": job_params(stage, params)}
+           "progress": bool(progress), "params": json_params(stage, params)}
     path = Path(d) / JOB
     path.write_text(json.dumps(job, indent=1, allow_nan=True))
     return path
@@ -376,23 +386,23 @@ def rank_errors(d: Path) -> str:
     return "; ".join(f"rank{'s' * (len(r) > 1)} {', '.join(sorted(r, key=int))}: {e}" for e, r in by.items())
 
 
-def _finish(stage: Stage, pl: CacheEntry, report) -> None:
+def _finish(stage: Stage, entry: CacheEntry, report) -> None:
     """Check the stage left a complete output, then write its report (last)."""
     if report is None:
         report = {}
     if not isinstance(report, dict):
         raise CortiqError(f"{stage.name}: the stage returned {type(report).__name__}, not a report dict")
-    if stage.output == "cmf" and not pl.out.is_file():
-        raise CortiqError(f"{pl.out}: the {stage.name} stage returned without writing its model")
-    if stage.output != "cmf" and not store.is_complete(pl.out):
-        raise CortiqError(f"{pl.out}: the {stage.name} stage returned without finishing its output (no meta.json)")
-    pl.report.parent.mkdir(parents=True, exist_ok=True)
-    store.write_text(pl.report, json.dumps(report, indent=1, sort_keys=True, default=_jsonable))
+    if stage.output == "cmf" and not entry.out.is_file():
+        raise CortiqError(f"{entry.out}: the {stage.name} stage returned without writing its model")
+    if stage.output != "cmf" and not store.is_complete(entry.out):
+        raise CortiqError(f"{entry.out}: the {stage.name} stage returned without finishing its output (no meta.json)")
+    entry.report.parent.mkdir(parents=True, exist_ok=True)
+    store.write_text(entry.report, json.dumps(report, indent=1, sort_keys=True, default=_jsonable))
 
 
-def _result(pl: CacheEntry, reused: bool) -> dict:
-    return {"stage": pl.stage, "digest": pl.digest, "path": str(pl.out), "report": json.loads(pl.report.read_text()),
-            "reused": reused}
+def _result(entry: CacheEntry, reused: bool) -> dict:
+    return {"stage": entry.stage, "digest": entry.digest, "path": str(entry.out),
+            "report": json.loads(entry.report.read_text()), "reused": reused}
 
 
 class LocalRunner:
@@ -444,11 +454,6 @@ def deliver(result: dict, out: str | os.PathLike) -> Path:
             raise
     os.replace(tmp, out)
     return out
-
-
-def plain(x):
-    """A settings dataclass as the plain dict Prefect parameters and YAML hold."""
-    return dataclasses.asdict(x) if dataclasses.is_dataclass(x) and not isinstance(x, type) else x
 
 
 def _jsonable(x):
