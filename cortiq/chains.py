@@ -26,6 +26,8 @@ from .compress.stages import compress_chain
 from .convert.stages import SOURCE, source_kind
 from .data.stages import DATA, with_retain
 from .heal.stages import heal_chain
+from .facts.settings import ProbeSettings
+from .facts.stages import facts_chain
 from .measure import REENCODE, SCORE, ScoreSettings, Text, score_chain, scored_texts
 from .mtp.stages import mtp_chain
 from .quant.stages import quantize_chain, uses_grams
@@ -91,11 +93,12 @@ def source_and_data(runner, s: PipelineSettings) -> tuple[str, str]:
 
 def score_models(runner, s: PipelineSettings, m: Made) -> list[Text]:
     """Source, pruned and healed scored on the data's test split and each retain source's (the
-    general panel), then on every record of data.eval_sources when the parameter set names them
+    general panel) and on the fact probe, then on every record of data.eval_sources when the parameter set names them
     (their data stage runs after the other scores). Returns the texts scored."""
     models = {"source": m.source, "pruned": m.student, "healed": m.healed}
     texts = scored_texts(_score_how(s), data=(m.tdata, DATA_LABEL), panel=m.panel)
     score_chain(runner, models, texts)
+    facts_chain(runner, models, ProbeSettings(device=_score_how(s).device))  # facts kept of the source's
     ev = s.data.eval_sources
     if ev:
         etd = runner.run(DATA, "data.eval", sources=ev, model=m.source, settings=s.data.build_settings())["path"]

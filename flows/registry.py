@@ -123,7 +123,7 @@ def register_final(st, model: str | Path) -> dict:
     test NLL is the healed model's (the draft does not change the trunk's
     logits), gap recovered as the flow reports it (flows.summary.gap), drafts
     per round from the MTP stage."""
-    from .summary import codec_rows, gap, metric
+    from .summary import codec_rows, facts, gap, metric
 
     g = gap(st)
     s = st.settings
@@ -132,6 +132,10 @@ def register_final(st, model: str | Path) -> dict:
     for name, t in ((g or {}).get("texts") or {}).items():
         tags.update({f"{name}_text": t["text"], f"{name}_excess_nll": _fmt(t["excess"]["healed"]),
                      f"{name}_gap_recovered": _fmt(t.get("gap_recovered"))})
+    # facts kept of the source's (the fact probe's held part): facts_kept, facts_kept_share
+    kept = facts(st).get("healed") or {}
+    if kept.get("source_known") is not None:
+        tags.update({"facts_kept": f"{kept['kept']}/{kept['source_known']}", "facts_kept_share": _fmt(kept["kept_share"])})
     # each codec's NLL on the test split and on every panel text: codec.<c>.nll, codec.<c>.nll.<text>
     for c, row in codec_rows(st).items():
         tags[f"codec.{c}.nll"] = _fmt(row["nll"])

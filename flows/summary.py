@@ -32,6 +32,13 @@ def gap(st) -> dict | None:
     return {"gap_recovered": None, **g, "texts": t}
 
 
+def facts(st) -> dict:
+    """Facts kept of the source's by the pruned and the healed model (cortiq.facts.stages.facts_from)."""
+    from cortiq.facts.stages import facts_from
+
+    return facts_from(st.results)
+
+
 def log_gap(st) -> None:
     """heal.gap_recovered and the three NLLs it comes from as MLflow metrics, the tag heal.gap_text
     saying on which text; and per named text (data, panel) heal.<text>.gap_recovered and
@@ -48,6 +55,9 @@ def log_gap(st) -> None:
                 **{f"heal.{name}.{p}.excess_nll": q["excess"]["healed"] for p, q in t.get("parts", {}).items()}}
         st.log.log_metrics({k: v for k, v in vals.items() if v is not None})
         st.log.set_tags({f"heal.{name}_text": t["text"]})
+    # the third measure: heal.facts.<model>.kept (and kept_share, known) on the probe's held part
+    st.log.log_metrics({f"heal.facts.{label}.{k}": float(c[k]) for label, c in facts(st).items()
+                        for k in ("kept", "kept_share", "known") if c.get(k) is not None})
 
 
 def codec_rows(st) -> dict:
@@ -73,6 +83,7 @@ def summary(st) -> dict:
         "params": st.settings.name,
         "nll": {k.removeprefix("score."): m(k, "nll") for k in r if k.startswith("score.") and "reencode." not in k},
         "gap": gap(st),
+        "facts": facts(st),
         "bytes": {k.removeprefix("score."): m(k, "bytes") for k in r if k.startswith("score.") and "reencode." not in k},
         "codecs": codec_rows(st),
         "states": dict(st.states),
@@ -111,6 +122,10 @@ def print_summary(s: dict, out=sys.stdout) -> None:
                     w("  " + gap_line(part, t) + "\n")
     elif g and g.get("gap_recovered") is not None:
         w(f"\ngap recovered {g['gap_recovered']:.1%}, on the {g['text']}\n")
+    if s.get("facts"):
+        from cortiq.facts.stages import facts_line
+
+        w(facts_line(s["facts"]) + "\n")
     d = s.get("drafts_per_round")
     if d:
         w(f"\nMTP drafts kept per round: before {_fmt(d.get('before'), '.3f')}, after {_fmt(d.get('after'), '.3f')}\n")

@@ -10,7 +10,7 @@ _EXPORTS = {
     "kept_line": "probe", "load_facts": "probe", "part_of": "probe", "probe_models": "probe", "probe_prompts": "probe",
     "score_facts": "probe",
     "ProbeSettings": "settings",
-    "FACTS": "stages", "facts_chain": "stages", "facts_line": "stages",
+    "FACTS": "stages", "facts_chain": "stages", "facts_from": "stages", "facts_line": "stages",
 }
 
 __getattr__, __dir__, __all__ = exports(__name__, _EXPORTS)

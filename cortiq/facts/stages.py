@@ -42,13 +42,19 @@ def read_scores(path) -> FactScores:
 
 def facts_chain(runner, models: dict[str, str], settings: ProbeSettings | None = None) -> dict[str, dict]:
     """The facts stage on each model ({label: CMF}; one labelled "source" is the others'
-    reference) -> {label: compare(...)} for every label but the source's."""
+    reference, run as `facts.` + label) -> `facts_from` its results."""
     s = settings or ProbeSettings()
-    scores = {label: read_scores(runner.run(FACTS, f"facts.{label}", model=str(m),
-                                            settings=dataclasses.asdict(s))["path"])
-              for label, m in models.items()}
+    for label, m in models.items():
+        runner.run(FACTS, f"facts.{label}", model=str(m), settings=dataclasses.asdict(s))
+    return facts_from(runner.results, tuple(models), s.part)
+
+
+def facts_from(results: dict, labels: tuple[str, ...] = ("source", "pruned", "healed"), part: str = "held") -> dict:
+    """{label: compare(...)} of the facts stages run (results "facts.<label>"), each against the
+    source's when it ran, for every label but the source's; {} when none ran."""
+    scores = {label: read_scores(results[f"facts.{label}"]["path"]) for label in labels if f"facts.{label}" in results}
     base = scores.get("source")
-    return {label: {"part": s.part, **compare(sc, base)} for label, sc in scores.items() if label != "source"}
+    return {label: {"part": part, **compare(sc, base)} for label, sc in scores.items() if label != "source"}
 
 
 def facts_line(facts: dict[str, dict]) -> str:

@@ -18,7 +18,7 @@ def out_train_history(out):
 
 
 STAGES = ["data", "masks", "fold", "targets", "train", "heal", "score.source", "score.pruned", "score.healed",
-          "mtp_init", "trunk", "mtp", "qgrams.q8", "reencode.q8", "score.reencode.q8"]
+          "facts.source", "facts.pruned", "facts.healed", "mtp_init", "trunk", "mtp", "qgrams.q8", "reencode.q8", "score.reencode.q8"]
 
 
 def test_whole_flow_then_failure_in_training_resumes_there(tiny, tiny_params, monkeypatch):
@@ -53,6 +53,11 @@ def test_whole_flow_then_failure_in_training_resumes_there(tiny, tiny_params, mo
     n = out["nll"]
     assert run.data.metrics["heal.gap_recovered"] == pytest.approx((n["pruned"] - n["healed"]) / (n["pruned"] - n["source"]))
     assert run.data.tags["heal.gap_text"].startswith("test split")
+    # facts kept, the third measure: in the summary, the run's metrics and the registered version's tags
+    f = out["facts"]["healed"]
+    assert f["part"] == "held" and 0 <= f["kept"] <= f["source_known"] <= f["facts"]
+    assert run.data.metrics["heal.facts.healed.known"] == f["known"]
+    assert mv.tags["facts_kept"] == f"{f['kept']}/{f['source_known']}"
     plots = {a.path for a in c.list_artifacts(out["mlflow_run_id"], "plots")}
     assert {"plots/nll_per_model.png", "plots/codecs.png", "plots/hold_rate.png", "plots/heldout_loss.png"} <= plots
     # per-step metrics, logged live as training ran: the loss every step, the held-out loss at every evaluation

@@ -64,7 +64,8 @@ def test_a_changed_setting_recomputes_exactly_the_stages_downstream(tiny, tiny_p
     again = heal(p)
     assert again["states"] == {"data": "Cached", "masks": "Cached", "fold": "Cached", "targets": "Cached",
                                "prefix": "Cached", "train": "Completed", "heal": "Completed",
-                               "score.source": "Cached", "score.pruned": "Cached", "score.healed": "Completed"}
+                               "score.source": "Cached", "score.pruned": "Cached", "score.healed": "Completed",
+                               "facts.source": "Cached", "facts.pruned": "Cached", "facts.healed": "Completed"}
 
 
 def test_a_changed_retain_setting_reruns_exactly_the_stages_it_feeds(tiny, tiny_params):
