@@ -20,7 +20,7 @@ import json
 import os
 import time
 
-from bench.common import finish, log, run_dirs
+from bench.common import finish, log, run_dirs, table
 from bench.quality.quality import PANEL_CAP, panel_sets, source_model
 from cortiq import store
 from cortiq.data.settings import RetainSettings
@@ -112,18 +112,20 @@ def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None)
     return row
 
 
-def table(base: dict, rows: list[dict]) -> str:
+def report(base: dict, rows: list[dict]) -> str:
+    """A Markdown table: per row and model, facts kept of the source's on each part, and the
+    excess NLL over the source on each panel text."""
     parts = [p for p in ("dev", "held", "external") if p in rows[0]["facts"]]
-    head = f"{'row':<28}{'model':<8}" + "".join(f"{'facts ' + p:>16}" for p in parts) + "".join(f"{t:>14}" for t in TEXTS) + f"{'s':>6}"
-    lines = [head]
+    head = ["row", "model", *(f"facts {p}" for p in parts), *TEXTS, "s"]
+    out = []
     for r in rows:
         for m in ("pruned", "healed"):
             f = [r["facts"][p][m] for p in parts]
-            lines.append(f"{r['label'] if m == 'pruned' else '':<28}{m:<8}"
-                         + "".join(f"{x['kept']:>8}/{x['source_known']:<3}{(x['kept_share'] or 0):>5.0%}" for x in f)
-                         + "".join(f"{r['nll'][m][t] - base[t]:>+14.3f}" for t in TEXTS)
-                         + (f"{r['compress_s'] + r['heal_s']:>6.0f}" if m == "healed" else ""))
-    return "\n".join(lines)
+            out.append([r["label"] if m == "pruned" else "", m,
+                        *(f"{x['kept']}/{x['source_known']} {(x['kept_share'] or 0):.0%}" for x in f),
+                        *(f"{r['nll'][m][t] - base[t]:+.3f}" for t in TEXTS),
+                        f"{r['compress_s'] + r['heal_s']:.0f}" if m == "healed" else ""])
+    return table(head, out)
 
 
 def main(argv=None) -> int:
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
         if label not in ROWS:
             raise SystemExit(f"--rows: no row {label!r} (rows: {', '.join(ROWS)})")
         rows.append(one_row(label, ROWS[label], src, sets, cache, out, device, args.tiny, args.facts_file))
-        log(table(base, rows[-1:]))
+        log(report(base, rows[-1:]))
         (out / "knowledge.partial.json").write_text(json.dumps({"source_nll": base, "rows": rows}, indent=1))
     import torch
 
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
     (out / "knowledge.json").write_text(json.dumps(res, indent=1))
     (out / "knowledge.partial.json").unlink(missing_ok=True)
     print(f"\nfacts kept of the source's (dev / held parts) and excess NLL over the source, on {res['device']}")
-    print(table(base, rows))
+    print(report(base, rows))
     return 0
 
 

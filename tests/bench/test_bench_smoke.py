@@ -185,6 +185,13 @@ def check_device_check(d):
     assert sum(r["status"] == "PASS" for r in rows) >= 14
 
 
+def check_serve_isolation(d):
+    rows = {r["row"]: r for r in d["rows"]}
+    assert list(rows) == ["alone", "refused", "tokenized"] and all(r["median_s"] > 0 for r in rows.values())
+    # the large prompts: refused unread under the default bound, tokenized (then too long for the context) above it
+    assert rows["refused"]["large_statuses"] == rows["tokenized"]["large_statuses"] == [400]
+
+
 def check_excess(d):
     (m,) = d["models"]
     # the quartiles and the shapes each split every token once: their tokens and shares of the excess add up
@@ -193,6 +200,16 @@ def check_excess(d):
         assert sum(r["tokens"] for r in part) == d["tokens"]
         assert math.isclose(sum(r["share_excess"] for r in part), 1.0, rel_tol=1e-6)
         assert math.isclose(sum(r["excess"] * r["tokens"] for r in part) / d["tokens"], m["excess"], rel_tol=1e-5, abs_tol=1e-6)
+
+
+def check_knowledge(d):
+    (r,) = d["rows"]
+    # facts kept on both parts, for the pruned and the healed model, each within what the source knows
+    for part in ("dev", "held"):
+        for m in ("pruned", "healed"):
+            f = r["facts"][part][m]
+            assert 0 <= f["kept"] <= f["source_known"] <= f["facts"]
+    assert set(r["nll"]["healed"]) == set(d["source_nll"]) and all(math.isfinite(v) for v in r["nll"]["healed"].values())
 
 
 #: script → (extra arguments after --cpu --tiny, the JSON it writes, the check of that JSON), the longest
@@ -230,6 +247,9 @@ BENCHES = {
     "heal.variants": ([], "variants.json", check_variants),
     "pipeline.data_build": ([], "data_build.json", check_data_build),
     "quality.excess": ([], "excess.json", check_excess),
+    "serve.isolation": ([], "serve-isolation.json", check_serve_isolation),
+    # the defaults row alone: the knowledge rows need a model that lists entities, which a tiny random one does not
+    "quality.knowledge": (["--rows", "defaults"], "knowledge.json", check_knowledge),
 }
 
 #: benches run at once: one a core this process may use (pytest-xdist's workers share them out)
