@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import CortiqError
 from ..settings_meta import check, setting
-from .settings import DEFAULT_SLOTS
+from .settings import DEFAULT_SLOTS, split_fractions
 
 #: a category: the opening its lists are sampled from, and the prompts each entity fills
 #: (`{X}`). Relations of common knowledge; the lead `{X} is` is added to every category.
@@ -96,10 +96,7 @@ class KnowledgeSettings:
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N", how=True)
 
     def __post_init__(self):
-        self.fractions = tuple(float(x) for x in self.fractions)
-        if len(self.fractions) != 3 or any(x < 0 for x in self.fractions) or abs(sum(self.fractions) - 1) > 1e-6:
-            raise CortiqError(f"knowledge settings: fractions must be three non-negative numbers summing to 1, "
-                              f"not {self.fractions}")
+        self.fractions = split_fractions(self.fractions, "knowledge settings")
         check(self, "knowledge settings")
 
 

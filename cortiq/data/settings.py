@@ -124,14 +124,25 @@ class SelfGenSettings:
     device: str = setting("auto", "auto (CUDA when present), cpu, cuda, cuda:N", how=True)
 
     def __post_init__(self):
-        self.mix = tuple(float(x) for x in self.mix)
-        self.fractions = tuple(float(x) for x in self.fractions)
-        for name, v in (("mix", self.mix), ("fractions", self.fractions)):
-            if len(v) != 3 or any(x < 0 for x in v) or abs(sum(v) - 1) > 1e-6:
-                raise CortiqError(f"selfgen settings: {name} must be three non-negative numbers summing to 1, not {v}")
-        if self.fractions[0] == 0:
-            raise CortiqError("selfgen settings: the train fraction must be positive")
+        self.mix = three_shares(self.mix, "mix", "selfgen settings")
+        self.fractions = split_fractions(self.fractions, "selfgen settings")
         check(self, "selfgen settings")
+
+
+def three_shares(v, name: str, where: str) -> tuple[float, float, float]:
+    """Three non-negative numbers summing to 1, as floats; else one clear error."""
+    v = tuple(float(x) for x in v)
+    if len(v) != 3 or any(x < 0 for x in v) or abs(sum(v) - 1) > 1e-6:
+        raise CortiqError(f"{where}: {name} must be three non-negative numbers summing to 1, not {v}")
+    return v
+
+
+def split_fractions(v, where: str) -> tuple[float, float, float]:
+    """The train/val/test fractions of generated records: three shares, the train one positive."""
+    v = three_shares(v, "fractions", where)
+    if v[0] == 0:
+        raise CortiqError(f"{where}: the train fraction must be positive")
+    return v
 
 
 #: retain sources that are not paths: the source model's own generations

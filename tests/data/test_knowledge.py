@@ -73,3 +73,12 @@ def test_knowledge_is_a_retain_source_cached_as_a_stage(model_cmf, tmp_path, mon
     c = retain_tdata("knowledge", model_cmf, RetainSettings(sources=["knowledge"], seed=1), run, tmp_path,
                      progress=False)
     assert c != a and len(calls) == 2
+
+
+def test_bad_knowledge_settings_say_so():
+    from cortiq.errors import CortiqError
+
+    with pytest.raises(CortiqError, match=r"knowledge settings: the train fraction must be positive"):
+        K.KnowledgeSettings(fractions=(0.0, 0.5, 0.5))
+    with pytest.raises(CortiqError, match=r"knowledge settings: fractions must be three non-negative numbers"):
+        K.KnowledgeSettings(fractions=(0.5, 0.6, -0.1))
