@@ -116,9 +116,10 @@ def test_gap_is_reported_on_other_text_when_given(tmp_path, models, capsys):
                "--eval-data", str(ev), "--device", "cpu", "--retain-sources", "none", "--quiet"])
     assert rc == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    # the two named texts last: the heal data's own test split, then the general panel (here the other text)
-    assert lines[-2].startswith("your data: gap recovered")
-    assert lines[-1].startswith("general panel: gap recovered") and lines[-1].endswith("never trained on: eval)")
+    # the three measures last: the heal data's own test split, the general panel (here the other text), the facts
+    assert lines[-3].startswith("your data: gap recovered")
+    assert lines[-2].startswith("general panel: gap recovered") and lines[-2].endswith("never trained on: eval)")
+    assert lines[-1].startswith("facts kept (the fact probe's held part, ")
     gap = open_cmf(out).provenance["heal"]["gap"]
     assert gap["text"].startswith("general panel") and gap["parts"]["eval"]["text"].startswith(str(ev))
     # the NLLs recorded are those of the three model files on every record of the other text, as
