@@ -14,7 +14,7 @@ the waiting queue is full.
 Prompts are rendered and tokenized on worker threads, not on the event loop: a
 long prompt's tokenizing would hold up every other request's events meanwhile.
 Long ones take turns on a few threads, so a burst of them leaves cores free
-(bench/serve_isolation.py measures what a small request waits meanwhile).
+(bench/serve/isolation.py measures what a small request waits meanwhile).
 
 The handlers are module-level functions over one `Served` (what the application
 serves), which `build_app` puts on the application's state.

@@ -185,6 +185,13 @@ def check_device_check(d):
     assert sum(r["status"] == "PASS" for r in rows) >= 14
 
 
+def check_isolation(d):
+    rows = {r["row"]: r for r in d["rows"]}
+    assert list(rows) == ["alone", "refused", "tokenized"] and all(r["median_s"] > 0 for r in rows.values())
+    # the large prompts: refused unread under the default bound, tokenized (then too long for the context) above it
+    assert rows["refused"]["large_statuses"] == rows["tokenized"]["large_statuses"] == [400]
+
+
 def check_excess(d):
     (m,) = d["models"]
     # the quartiles and the shapes each split every token once: their tokens and shares of the excess add up
@@ -230,6 +237,7 @@ BENCHES = {
     "heal.variants": ([], "variants.json", check_variants),
     "pipeline.data_build": ([], "data_build.json", check_data_build),
     "quality.excess": ([], "excess.json", check_excess),
+    "serve.isolation": ([], "serve-isolation.json", check_isolation),
 }
 
 #: benches run at once: one a core this process may use (pytest-xdist's workers share them out)

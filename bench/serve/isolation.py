@@ -1,7 +1,8 @@
 """How long a one-token request waits at `cortiq serve` while large prompts arrive.
 
-    python -m bench.serve_isolation --cpu                  # the tiny random model on the CPU (seconds)
-    python -m bench.serve_isolation --model M.cmf --out DIR
+    python -m bench.serve.isolation --cpu                  # the tiny random model on the CPU (minutes)
+    python -m bench.serve.isolation --model M.cmf --out DIR
+    python -m bench.serve.isolation --cpu --tiny           # smoke run: 4 prompts of 40000 characters, seconds
 
 Each row starts a server, sends --prompts concurrent completions of --chars characters
 (max_tokens 1) and, --settle seconds later (their bodies on their way), a one-token completion
@@ -56,7 +57,7 @@ async def _latencies(url: str, model: str, prompts: int, chars: int, reps: int, 
 
 
 def _row(name: str, model: Path, server_args: list[str], prompts: int, args) -> dict:
-    from bench.serve import Server
+    from bench.serve.serve import Server
 
     with tempfile.TemporaryDirectory() as d:
         srv = Server(model, Path(d) / "serve.log", ["--max-batch", "4", "--max-body-kb", str(2 * args.chars // 1024 + 64),
@@ -73,13 +74,16 @@ def _row(name: str, model: Path, server_args: list[str], prompts: int, args) -> 
 
 
 def main() -> int:
-    ap = parser(__doc__, tiny=False, cpu_help="serve on the CPU")
+    ap = parser(__doc__, cpu_help="serve on the CPU")
     ap.add_argument("--model", help="the model (default: the tiny random model of the smoke modes)")
-    ap.add_argument("--prompts", type=int, default=16, help="large prompts sent together")
-    ap.add_argument("--chars", type=int, default=1_000_000, help="characters of each large prompt")
-    ap.add_argument("--reps", type=int, default=5, help="rounds per row")
+    ap.add_argument("--prompts", type=int, help="large prompts sent together (default 16; --tiny 4)")
+    ap.add_argument("--chars", type=int, help="characters of each large prompt (default 1000000; --tiny 40000)")
+    ap.add_argument("--reps", type=int, help="rounds per row (default 5; --tiny 2)")
     ap.add_argument("--settle", type=float, default=0.1, help="seconds between the large prompts and the small one")
     args = ap.parse_args()
+    for k, full, tiny in (("prompts", 16, 4), ("chars", 1_000_000, 40_000), ("reps", 5, 2)):
+        if getattr(args, k) is None:
+            setattr(args, k, tiny if args.tiny else full)
     with tempfile.TemporaryDirectory() as d:
         model = Path(args.model) if args.model else tiny_cmf(Path(d) / "tiny.cmf")
         device = ["--device", "cpu"] if args.cpu or not args.model else []
