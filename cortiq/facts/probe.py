@@ -141,7 +141,7 @@ def encode_facts(facts: Sequence[Fact], tok) -> Encoded:
     empty = [f.answer for f, a in zip(facts, aids) if not a]
     if empty:
         raise CortiqError(f"the answer {empty[0]!r} encodes to no token")
-    flat = np.fromiter((t for p, a in zip(pids, aids) for t in (*p, *a)), dtype=np.int64)
+    flat = np.concatenate([np.asarray(p + a, dtype=np.int64) for p, a in zip(pids, aids)])
     return Encoded(flat, np.array([len(p) for p in pids]), np.array([len(a) for a in aids]))
 
 
@@ -158,11 +158,11 @@ class FactScores:
 def _chunks(lengths: np.ndarray, batch_tokens: int) -> list[np.ndarray]:
     """Fact indices sorted by length, cut into chunks whose padded size stays in budget."""
     order = np.argsort(lengths, kind="stable")
+    ls = lengths[order]
     out, start = [], 0
-    while start < len(order):
-        end = start + 1
-        while end < len(order) and (end - start + 1) * lengths[order[end]] <= batch_tokens:
-            end += 1
+    while start < len(order):  # one turn a chunk: a chunk's padded size only grows with its next fact
+        padded = np.arange(1, len(order) - start + 1) * ls[start:]
+        end = start + max(1, int(np.argmax(padded > batch_tokens)) if (padded > batch_tokens).any() else len(padded))
         out.append(order[start:end])
         start = end
     return out
