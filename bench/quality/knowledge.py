@@ -31,7 +31,9 @@ TEXTS = ("heal test", "unseen plays", "pydoc", "code", "legal", "chat")
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One row: its retain sources ("auto": the default's on this machine) and share, the fold's
-    scope and floor, and the knowledge source's lists and entities per category (0: its defaults)."""
+    scope and floor, the knowledge source's lists and entities per category (0: its defaults),
+    the masks' objective (MaskSettings.objective) and the heal's weight on the teacher's
+    confident rows (HealSettings.confident)."""
 
     sources: tuple[str, ...]
     share: float = 0.5
@@ -39,6 +41,8 @@ class Row:
     floor: float = 0.25
     lists: int = 0
     entities: int = 0
+    objective: str = "data"
+    confident: float = 0.0
 
 
 KNOW = ("self", "knowledge", "corpus:pydoc")
@@ -49,7 +53,13 @@ ROWS = {
     "knowledge share 0.7": Row(KNOW, share=0.7),
     "knowledge only": Row(("knowledge",)),
     "more knowledge": Row(KNOW, lists=16, entities=128),
-    "more knowledge per layer": Row(KNOW, scope="per_layer", lists=16, entities=128),
+    "teacher masks": Row(KNOW, objective="teacher"),
+    "floor 0.5": Row(KNOW, floor=0.5),
+    "confident 2": Row(KNOW, confident=2.0),
+    "confident 8": Row(KNOW, confident=8.0),
+    "teacher masks, confident 2": Row(KNOW, objective="teacher", confident=2.0),
+    "per layer": Row(KNOW, scope="per_layer"),
+    "per layer, teacher masks, confident 2": Row(KNOW, scope="per_layer", objective="teacher", confident=2.0),
 }
 
 
@@ -90,9 +100,11 @@ def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None)
     from cortiq.heal.settings import HealSettings
     from cortiq.heal.stages import heal
 
-    small = dict(masks=MaskSettings(max_steps=12, window=64, batch=2, val_windows=4, eval_every=4)) if tiny else {}
-    c = CompressSettings(**small, device=device, fold=FoldSettings(scope=row.scope, floor=row.floor))
-    h = HealSettings(device=device, **(dict(window=64, batch=4, eval_every=4, tokens=4096) if tiny else {}))
+    small = dict(max_steps=12, window=64, batch=2, val_windows=4, eval_every=4) if tiny else {}
+    c = CompressSettings(masks=MaskSettings(**small, objective=row.objective), device=device,
+                         fold=FoldSettings(scope=row.scope, floor=row.floor))
+    h = HealSettings(device=device, confident=row.confident,
+                     **(dict(window=64, batch=4, eval_every=4, tokens=4096) if tiny else {}))
     rs = RetainSettings(sources=list(row.sources), share=row.share, **(dict(tokens=8000) if tiny else {}))
     knowledge_sizes(row)
     work = cache / "stages"
@@ -105,7 +117,11 @@ def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None)
     rep = heal(pruned, src, sets["heal"], h, healed, work_dir=work, progress=False, score_split=None, retain=rs)
     t_h = time.perf_counter() - t0 - t_c
     facts = facts_of({"source": src, "pruned": pruned, "healed": healed}, device, external)
+    from cortiq.cmf import open_cmf
+
+    widths = list(open_cmf(pruned).arch.intermediate_sizes)
     row = {"label": label, "row": dataclasses.asdict(row), "compress_s": t_c, "heal_s": t_h, "steps": rep["metrics"]["steps"],
+           "widths": widths,
            "facts": facts, "nll": {"pruned": panel_nll(pruned, sets, device, tiny),
                                    "healed": panel_nll(healed, sets, device, tiny)}}
     healed.unlink(missing_ok=True)

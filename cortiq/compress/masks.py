@@ -232,6 +232,37 @@ def weighted_ce(model, ids: torch.Tensor, nxt: torch.Tensor, weight: torch.Tenso
     return (nll * w).sum(), w.sum()
 
 
+def open_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The logits [B, T, V] of `model` with its neuron gates taken out: the source the gated
+    model is pruned from (no grad)."""
+    mlps = [layer.mlp for layer in model.layers]
+    gates = [m.neuron_logits for m in mlps]
+    try:
+        for m in mlps:
+            m.neuron_logits = None
+        with torch.no_grad():
+            return model(ids)
+    finally:
+        for m, g in zip(mlps, gates):
+            m.neuron_logits = g
+
+
+def weighted_kl(model, ids: torch.Tensor, nxt: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ w·KL(source ‖ gated), Σ w) over the next-token distributions: the gated model scored
+    against the same model with its gates taken out, so that neurons count by what they change
+    in every confident prediction, not only in the data's own next token (`nxt` is unused).
+    ids [B, T] int64, weight [B, T]."""
+    t = torch.log_softmax(open_logits(model, ids).float(), -1).flatten(0, 1)  # [B·T, V]
+    s = torch.log_softmax(model(ids).float(), -1).flatten(0, 1)  # [B·T, V]
+    kl = (t.exp() * (t - s)).sum(-1)  # [B·T]
+    w = weight.flatten().to(kl.dtype)
+    return (kl * w).sum(), w.sum()
+
+
+#: the mask loss of each MaskSettings.objective
+OBJECTIVES = {"data": weighted_ce, "teacher": weighted_kl}
+
+
 class _Graphed:
     """The mask step (forward, loss, L1 pull, backward) and the held-out pass,
     each captured once as a CUDA graph and replayed: the step is a few
@@ -245,9 +276,9 @@ class _Graphed:
     evaluation, restored after) are seen by the next replay. Autocast's weight
     cache is off: a graph may not keep a cast made at capture time."""
 
-    def __init__(self, model, params, n_all, compute, train, batch, window, val_batches):
+    def __init__(self, model, params, n_all, compute, train, batch, window, val_batches, loss=weighted_ce):
         dev = params[0].device
-        self.model, self.params, self.n_all, self.compute = model, params, n_all, compute
+        self.model, self.params, self.n_all, self.compute, self.loss = model, params, n_all, compute, loss
         self.train, self.batch = train, batch
         self.ids = torch.zeros(batch, window, dtype=torch.long, device=dev)
         self.nxt = torch.zeros_like(self.ids)
@@ -261,7 +292,7 @@ class _Graphed:
 
     def _step_body(self):
         with self._autocast():
-            tot, w = weighted_ce(self.model, self.ids, self.nxt, self.weight)
+            tot, w = self.loss(self.model, self.ids, self.nxt, self.weight)
         task = tot / w.clamp_min(1e-9)
         (task + l1_pull(self.params, self.l1, self.n_all)).backward()
         return task.detach()
@@ -271,7 +302,7 @@ class _Graphed:
             tot = torch.zeros((), dtype=torch.float64, device=self.l1.device)
             cnt = torch.zeros((), dtype=torch.float64, device=self.l1.device)
             for ids, nxt, weight in self.val_batches:
-                t, w = weighted_ce(self.model, ids, nxt, weight)
+                t, w = self.loss(self.model, ids, nxt, weight)
                 tot += t.double()
                 cnt += w.double()
             return tot / cnt.clamp_min(1e-9)
@@ -316,7 +347,7 @@ class _Graphed:
 def learn_model_masks(model, train, val, settings: MaskSettings, on_eval=None, progress=None,
                       compute: torch.dtype = torch.float32, graph: bool = False) -> MaskResult:
     """DTG-MA on `model` (a cortiq CausalLM, on the device it should run on)
-    with the task's LM loss: `train`, `val` are cortiq.data.Windows. The
+    with the loss of `settings.objective` (OBJECTIVES): `train`, `val` are cortiq.data.Windows. The
     weights stay as loaded (frozen); the forward runs under autocast to
     `compute` when that is not f32 (bf16 on CUDA: the gates' gradients are
     f32, cross-entropy is taken on f32 logits). With `graph` on CUDA the step
@@ -333,6 +364,7 @@ def learn_model_masks(model, train, val, settings: MaskSettings, on_eval=None, p
         p.requires_grad_(False)
     model.set_neuron_gates(True, init=s.mask_init)
     params = [layer.mlp.neuron_logits for layer in model.layers]
+    loss = OBJECTIVES[s.objective]
     n_val_b = val.n_batches(s.batch)
     if s.val_windows:
         n_val_b = min(n_val_b, max(1, s.val_windows // s.batch))
@@ -346,7 +378,7 @@ def learn_model_masks(model, train, val, settings: MaskSettings, on_eval=None, p
     def step_loss(b):
         bt = train.batch(b, s.batch)
         with autocast():
-            tot, w = weighted_ce(model, to(bt.ids), to(bt.next), to(bt.weight))
+            tot, w = loss(model, to(bt.ids), to(bt.next), to(bt.weight))
         return tot / w.clamp_min(1e-9)
 
     # the few held-out batches every evaluation scores live on the device for the whole run
@@ -358,14 +390,14 @@ def learn_model_masks(model, train, val, settings: MaskSettings, on_eval=None, p
             tot = torch.zeros((), dtype=torch.float64, device=dev)
             cnt = torch.zeros((), dtype=torch.float64, device=dev)
             for ids, nxt, weight in val_batches:
-                t, w = weighted_ce(model, ids, nxt, weight)
+                t, w = loss(model, ids, nxt, weight)
                 tot += t.double()
                 cnt += w.double()
             return float(tot / cnt.clamp_min(1e-9))
 
     step = None
     if graph and dev.type == "cuda":
-        g = _Graphed(model, params, sum(p.numel() for p in params), compute, train, s.batch, s.window, val_batches)
+        g = _Graphed(model, params, sum(p.numel() for p in params), compute, train, s.batch, s.window, val_batches, loss)
         step, val_loss = g.step, g.val
     try:
         return train_masks(params, train.n_batches(s.batch), step_loss, val_loss, s, on_eval, progress, step)

@@ -58,6 +58,12 @@ class MaskSettings:
     window: int = setting(256, "tokens per window", **WINDOW)
     batch: int = setting(4, "windows per step", **BATCH)
     loss_on: str = setting("answer", "tokens the LM loss scores (answer: each record's scored span)", choices=LOSS_ON)
+    #: what the gates are trained (and their checkpoints chosen) against: "data", the LM loss of the
+    #: data's next tokens; "teacher", the KL of the gated model's next-token distribution to the
+    #: ungated source's, so a neuron counts by every prediction it changes, the confident ones most
+    #: (bench/QUALITY.md, "Facts kept: the methods")
+    objective: str = setting("data", "mask loss: data (LM loss of the data's next tokens) or teacher (KL to the "
+                                     "source's own next-token distribution)", choices=("data", "teacher"))
     val_windows: int = setting(32, "most val windows scored per evaluation (0: all)", lo=0)
     seed: int = setting(0, "order of the train windows")
     device: str = _group_device()

@@ -71,6 +71,13 @@ class HealSettings:
                                "cross-entropy, no teacher)", lo=0, hi=1, feeds=("targets", "train"))
     loss_on: str = setting("answer", "tokens scored: answer (from each record's first scored position) or all",
                            choices=("answer", "all"), feeds=("targets", "prefix", "train"))
+    #: a row of the target weighs 1 + confident·p_top, p_top the teacher's top probability there (as
+    #: stored: the top entry, or the most drawn id's share of the draws): the predictions the source
+    #: is sure of, facts among them, count more than the ones it hedges (bench/QUALITY.md, "Facts
+    #: kept: the methods")
+    confident: float = setting(0.0, "extra weight of the teacher's confident rows: a row weighs 1 + confident × "
+                                     "the teacher's top probability (0: every scored row alike)", lo=0, hi=100,
+                               feeds=("targets",))
 
     #: quantization-aware distillation: the trained matrices run fake-quantized in this codec (its own
     #: dequantize(quantize(W)), straight-through gradient), the best checkpoint is chosen on that model's
@@ -171,6 +178,9 @@ class HealSettings:
             if unknown or not self.memory:
                 raise CortiqError(f"heal settings: memory {self.memory!r} is not auto, plain, lean or a '+'-joined "
                                   f"choice of {', '.join(MEMORY_PARTS)}")
+        if self.confident and not self.target_kind.teacher_pass:
+            raise CortiqError(f"heal settings: confident {self.confident} weighs stored teacher targets, and target "
+                              f"{self.target_kind.name!r} stores none: use topk, topk+rest or sampled with ce below 1")
         named = self.memory_parts()
         if self.checkpoint_layers and named is not None and "checkpoint" not in named:
             raise CortiqError(f"heal settings: checkpoint_layers {self.checkpoint_layers} needs a memory plan with "

@@ -23,7 +23,7 @@ import torch
 from .. import store, tracking
 from ..errors import CortiqError
 from .. import dist
-from .kinds import KINDS, mix_targets
+from .kinds import KINDS, REST_ID, mix_targets
 from .rows import RowWriter, WindowRows, open_split
 from .settings import HealSettings
 
@@ -82,6 +82,16 @@ def teacher_rows(teacher, h: torch.Tensor, nxt: torch.Tensor, weight: torch.Tens
     """The stored target rows of the teacher's final hidden rows `h` [B, T, H]:
     (ids [B·T, slots], probs [B·T, slots]) of the settings' kind (TargetKind.teacher_rows)."""
     return s.target_kind.teacher_rows(teacher, h, nxt, weight, s.topk, s.ce, s.head_chunk, generator)
+
+
+def weigh_confident(tid: torch.Tensor, tp: torch.Tensor, weight: torch.Tensor, confident: float):
+    """Stored rows reweighted by the teacher's confidence: ids/probs [N, slots] (probs already
+    scaled by the row's `weight` [N]) -> (probs, weight) scaled by 1 + confident·p_top, p_top the
+    largest listed entry over the row's weight (the rest bucket of topk+rest is not a token)."""
+    listed = torch.where(tid == REST_ID, torch.zeros_like(tp), tp)
+    top = (listed.max(1).values / weight.clamp_min(1e-30)).clamp(0, 1)  # [N]
+    f = 1.0 + confident * torch.where(weight > 0, top, torch.zeros_like(top))
+    return tp * f[:, None].to(tp.dtype), weight * f.to(weight.dtype)
 
 
 def window_sets(tdata_dir, s: HealSettings):
@@ -150,12 +160,15 @@ def write_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, record: d
                         with torch.no_grad(), torch.autocast(dev.type, dtype=cdt, enabled=cdt != torch.float32):
                             h, _ = teacher.forward_hidden(ids)
                             tid, tp = teacher_rows(teacher, h, nxt, wt, s, gen)  # [B·T, slots]
+                        if s.confident:
+                            tp, wt = weigh_confident(tid, tp, wt.float(), s.confident)
                     else:
                         tid, tp = mix_targets(nxt[:, None], torch.ones(len(nxt), 1, device=dev), nxt, wt, 1.0)
                     B = ids.shape[0]
                     wr.write(ids=tid.to(torch.int64).cpu().numpy().astype(np.uint32).reshape(B, -1),
                              probs=tp.float().cpu().numpy().reshape(B, -1),
-                             total=w.weight[a : a + s.batch].astype(np.float64).sum(1))
+                             total=(wt.double().reshape(B, -1).sum(1).cpu().numpy() if s.confident else
+                                    w.weight[a : a + s.batch].astype(np.float64).sum(1)))
                     bar.update(B)
     secs = time.perf_counter() - t0
     report = {"metrics": {"teacher_secs": secs, "train_windows": len(wins["train"]), "val_windows": len(wins["val"])},

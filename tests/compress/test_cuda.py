@@ -86,13 +86,14 @@ def test_grams_repair_and_gptq_on_cuda_match_the_cpu(tiny):
         assert rb["err_gptq"] < rb["err_rtn"]
 
 
-def test_graphed_mask_step_equals_the_eager_step(tiny):
+@pytest.mark.parametrize("objective", ["data", "teacher"])
+def test_graphed_mask_step_equals_the_eager_step(tiny, objective):
     from cortiq.compress.masks import learn_model_masks
     from cortiq.data import Tdata, windows
     from cortiq.model import load_model
 
     m, td, _ = tiny
-    s = MaskSettings(**{**MASK, "max_steps": 40})
+    s = MaskSettings(**{**MASK, "max_steps": 40, "objective": objective})
     t = Tdata.open(td)
     train, val = windows(t, "train", s.window, loss_on=s.loss_on), windows(t, "val", s.window, loss_on=s.loss_on)
     for cdt in (torch.float32, torch.bfloat16):

@@ -96,3 +96,65 @@ def test_mask_settings_are_checked():
         MaskSettings(keep_frac=0.0)
     with pytest.raises(CortiqError, match="loss_on"):
         MaskSettings(loss_on="some")
+
+
+# ── the teacher objective on a model ──────────────────────────────────────
+
+
+@pytest.fixture(scope="module")
+def gated(tmp_path_factory):
+    from compress_helpers import tiny_cmf
+
+    from cortiq.model import load_model
+
+    path = tiny_cmf(tmp_path_factory.mktemp("kl") / "m.cmf", width=40)
+    source = load_model(path)
+    model = load_model(path)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.set_neuron_gates(True, init=0.0)
+    g = torch.Generator().manual_seed(3)
+    for layer in model.layers:
+        with torch.no_grad():
+            layer.mlp.neuron_logits.copy_(torch.randn(layer.mlp.neuron_logits.shape, generator=g) * 2)
+    ids = torch.randint(0, source.arch.vocab_size, (3, 7), generator=g)
+    weight = torch.rand(3, 7, generator=g) * (torch.rand(3, 7, generator=g) > 0.3)
+    return source, model, ids, weight
+
+
+def test_teacher_objective_is_the_weighted_kl_to_the_ungated_source(gated):
+    from cortiq.compress.masks import weighted_kl
+
+    source, model, ids, weight = gated
+    gates = [l.mlp.neuron_logits for l in model.layers]
+    tot, w = weighted_kl(model, ids, ids, weight)
+    tot.backward()
+    got = [g.grad.clone() for g in gates]
+    for g in gates:
+        g.grad = None
+    # the plain computation: the source as its own model, torch's kl_div per row
+    with torch.no_grad():
+        t = torch.log_softmax(source(ids).double(), -1)
+    s = torch.log_softmax(model(ids).double(), -1)
+    ref = (torch.nn.functional.kl_div(s, t, log_target=True, reduction="none").sum(-1) * weight.double()).sum()
+    ref.backward()
+    assert float(tot.detach()) == pytest.approx(float(ref.detach()), rel=1e-4, abs=1e-6)
+    assert float(w) == pytest.approx(float(weight.sum()), rel=1e-6)
+    for a, g in zip(got, gates):
+        assert torch.allclose(a.double(), g.grad.double(), rtol=1e-3, atol=1e-6)
+        g.grad = None
+    assert all(l.mlp.neuron_logits is g for l, g in zip(model.layers, gates)), "the gates are back after the source's pass"
+
+
+def test_teacher_objective_is_zero_with_every_gate_open(gated):
+    from cortiq.compress.masks import weighted_kl
+
+    _, model, ids, weight = gated
+    saved = [l.mlp.neuron_logits.detach().clone() for l in model.layers]
+    with torch.no_grad():
+        for l in model.layers:
+            l.mlp.neuron_logits.fill_(1e4)
+        tot, _ = weighted_kl(model, ids, ids, weight)
+        for l, v in zip(model.layers, saved):
+            l.mlp.neuron_logits.copy_(v)
+    assert abs(float(tot)) < 1e-5

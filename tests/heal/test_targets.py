@@ -73,3 +73,37 @@ def test_row_writer_renames_when_done_and_leaves_nothing_when_it_fails(tmp_path)
             wr.write(x=np.zeros((1, 3), dtype=np.float32))
             raise RuntimeError("boom")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.arrow"]
+
+
+@pytest.mark.parametrize("kind", ["topk", "topk+rest", "sampled"])
+def test_confident_rows_weigh_one_plus_the_teachers_top_probability(kind):
+    from cortiq.heal.kinds import KINDS, REST_ID
+    from cortiq.heal.targets import weigh_confident
+
+    g = torch.Generator().manual_seed(5)
+    n, V, k = 13, 50, 8
+    z = torch.randn(n, V, generator=g) * 3
+    nxt = torch.randint(0, V, (n,), generator=g)
+    weight = torch.rand(n, generator=g) * (torch.rand(n, generator=g) > 0.2)
+    tid, tp = KINDS[kind].chunk_rows(z, nxt, weight, k, 0.0, g) if kind != "topk" else \
+        mix_targets(*torch.softmax(z, -1).topk(k, -1)[::-1], nxt, weight, 0.0)
+    p2, w2 = weigh_confident(tid, tp, weight, 2.0)
+    if kind == "sampled":  # the most drawn id's share of the k draws
+        top = torch.stack([tp[r].max() / weight[r] if weight[r] > 0 else torch.tensor(0.0) for r in range(n)])
+    else:  # the teacher's own top probability
+        top = torch.softmax(z, -1).max(-1).values
+    f = 1 + 2.0 * torch.where(weight > 0, top, torch.zeros(n))
+    assert torch.allclose(w2, weight * f, rtol=1e-5)
+    assert torch.allclose(p2, tp * f[:, None], rtol=1e-5)
+    assert (tid[p2 > 0] != REST_ID).any()
+    assert (w2[weight == 0] == 0).all() and (p2[weight == 0] == 0).all()
+
+
+def test_confident_needs_stored_teacher_targets():
+    from cortiq.errors import CortiqError
+    from cortiq.heal.settings import HealSettings
+
+    with pytest.raises(CortiqError, match="heal settings: confident 1.0 weighs stored teacher targets, and target 'full'"):
+        HealSettings(target="full", confident=1.0)
+    with pytest.raises(CortiqError, match="target 'ce' stores none"):
+        HealSettings(ce=1.0, confident=1.0)
