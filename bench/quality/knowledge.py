@@ -57,9 +57,9 @@ ROWS = {
     "floor 0.5": Row(KNOW, floor=0.5),
     "confident 2": Row(KNOW, confident=2.0),
     "confident 8": Row(KNOW, confident=8.0),
-    "teacher masks, confident 2": Row(KNOW, objective="teacher", confident=2.0),
+    "teacher masks + confident 2": Row(KNOW, objective="teacher", confident=2.0),
     "per layer": Row(KNOW, scope="per_layer"),
-    "per layer, teacher masks, confident 2": Row(KNOW, scope="per_layer", objective="teacher", confident=2.0),
+    "per layer + teacher masks + confident 2": Row(KNOW, scope="per_layer", objective="teacher", confident=2.0),
 }
 
 
