@@ -63,7 +63,8 @@ class MaskSettings:
     #: ungated source's, so a neuron counts by every prediction it changes, the confident ones most
     #: (bench/QUALITY.md, "Facts kept: the methods")
     objective: str = setting("data", "mask loss: data (LM loss of the data's next tokens) or teacher (KL to the "
-                                     "source's own next-token distribution)", choices=("data", "teacher"))
+                                     "source's own next-token distribution)", choices=("data", "teacher"),
+                             added=True)
     val_windows: int = setting(32, "most val windows scored per evaluation (0: all)", lo=0)
     seed: int = setting(0, "order of the train windows")
     device: str = _group_device()

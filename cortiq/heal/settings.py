@@ -77,7 +77,7 @@ class HealSettings:
     #: kept: the methods")
     confident: float = setting(0.0, "extra weight of the teacher's confident rows: a row weighs 1 + confident × "
                                      "the teacher's top probability (0: every scored row alike)", lo=0, hi=100,
-                               feeds=("targets",))
+                               feeds=("targets",), added=True)
 
     #: quantization-aware distillation: the trained matrices run fake-quantized in this codec (its own
     #: dequantize(quantize(W)), straight-through gradient), the best checkpoint is chosen on that model's
