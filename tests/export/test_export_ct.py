@@ -205,3 +205,13 @@ def test_convert_refuses_a_quantization_it_does_not_read(tmp_path):
                             "symmetric False) is not one cortiq reads (symmetric pack-quantized int8 in groups of 32, "
                             "int4 in groups of 32 or 64)")
     assert not (tmp_path / "back.cmf").exists()
+
+
+def test_runtimes_line_names_where_the_saving_reaches():
+    from cortiq.export.hf import runtimes_line
+
+    assert runtimes_line([384, 1152, 1536], 1536) == (
+        "MLP widths differ per layer (384..1536 of 1536): smaller in CMF and GGUF (llama.cpp); the Hugging Face "
+        "export pads every MLP to 1536, which transformers and vLLM run in full (--fold-scope per_layer gives "
+        "uniform widths)")
+    assert runtimes_line([1152] * 3, 1536).startswith("uniform MLP widths (1152 of 1536): smaller in every format")
