@@ -44,7 +44,7 @@ class ExportSettings:
     shard_mb: float = setting(5000.0, "hf: safetensors files are cut into numbered shards of at most this size (MB)",
                               gt=0)
     #: compressed-tensors' zero points are whole steps and cortiq's q4 min is not: q4 is re-derived
-    #: (cortiq.export.ct), q8 is exact
+    #: (cortiq.convert.ct), q8 is exact
     quantized: bool = setting(True, "hf: q8 / q4 matrices as compressed-tensors pack-quantized weights that "
                                     "transformers and vLLM load quantized (off: dequantized to --dtype)")
     #: llama.cpp picks its pre-tokenizer by this name; a wrong one splits text differently from training

@@ -17,7 +17,7 @@ the canonical CMF names (docs/internals.md):
 - compressed-tensors pack-quantized modules (`weight_packed`, `weight_scale`,
   `weight_shape`; symmetric int8 in groups of 32, int4 in groups of 32 or 64,
   as `cortiq export` writes them) → q8 / q4 / q4_64 blocks of the same values
-  (`cortiq.export.ct.unpack`), kept as such with codec "keep".
+  (`cortiq.convert.ct.unpack`), kept as such with codec "keep".
 """
 
 from __future__ import annotations
@@ -324,7 +324,7 @@ class _Tensors:
 def _packed_entry(tensors: _Tensors, scheme: dict, module: str, where: Path) -> tuple:
     """(shape, codec, getter of the codec's bytes) of a pack-quantized module."""
     from ..cmf import Stored
-    from ..export import ct
+    from . import ct
 
     key = next((k for t, k in scheme.items() if t == module or t == "Linear"
                 or (t.startswith("re:") and re.match(t[3:], module))), None)
@@ -432,7 +432,7 @@ def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, code
     src = Path(src_dir)
     cfg, cfg_path, arch = _config(src, codec)
     tok = _tokenizer(src, cfg)
-    from ..export.ct import read_scheme
+    from .ct import read_scheme
 
     plan = _plan(src, arch, _Tensors(_weight_files(src)), read_scheme(cfg.get("quantization_config"), str(cfg_path)))
     _mtp_geometry(arch, plan)

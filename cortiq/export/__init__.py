@@ -4,7 +4,7 @@
   family's own `model_type`, generation_config.json, tokenizer files,
   safetensors, sharded with an index over the shard limit),
   `export_hf(model_cmf, out_dir, dtype="f32")`; q8 / q4 matrices as
-  compressed-tensors weights (`cortiq.export.ct`). docs/export.md says what
+  compressed-tensors weights (`cortiq.convert.ct`). docs/export.md says what
   each runtime keeps of a pruned or quantized model.
 - `cortiq.export.gguf`: CMF → a GGUF file llama.cpp runs (Llama, Qwen2,
   Qwen3), `export_gguf(model_cmf, out_file)`; cortiq's q8 and q4 blocks go in

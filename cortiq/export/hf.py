@@ -13,7 +13,7 @@ What is written:
   over the shard limit, in the requested dtype; the decoder layers' q8 / q4 /
   q4_64 matrices (`quantized`) as compressed-tensors pack-quantized weights
   with a `quantization_config` in config.json, which transformers and vLLM load
-  as quantized (`cortiq.export.ct`); other quantized tensors dequantized.
+  as quantized (`cortiq.convert.ct`); other quantized tensors dequantized.
 
 Names are the HF names CMF keeps, except:
 - Qwen3-Next's Gated DeltaNet projections, which CMF keeps split, are fused
@@ -55,7 +55,7 @@ from ..cmf import CmfFile, open_cmf
 from ..errors import CortiqError, is_full, write_error
 from ..model import verify_file
 from ..store import check_output, replace_dir
-from . import ct
+from ..convert import ct
 
 #: cortiq family → (HF model_type, transformers class)
 FAMILIES = {
@@ -239,7 +239,7 @@ def _pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
 
 
 def _packed(f: CmfFile, name: str, shape: tuple[int, ...]) -> list[tuple]:
-    """The pack-quantized items of a q8 / q4 decoder-layer matrix (see `cortiq.export.ct`)."""
+    """The pack-quantized items of a q8 / q4 decoder-layer matrix (see `cortiq.convert.ct`)."""
     codec = f.info(name).codec
     base = hf_name(name)[: -len("weight")]
     cache: dict = {}

@@ -20,7 +20,7 @@ from cortiq.cli import main  # noqa: E402
 from cortiq.cmf import Stored, copy_specs, open_cmf, write_cmf  # noqa: E402
 from cortiq.convert.hf import convert_hf_dir  # noqa: E402
 from cortiq.errors import CortiqError  # noqa: E402
-from cortiq.export import ct  # noqa: E402
+from cortiq.convert import ct  # noqa: E402
 from cortiq.export.hf import export_hf  # noqa: E402
 from cortiq.model import load_model  # noqa: E402
 from cortiq.tokenizer import load_tokenizer  # noqa: E402
