@@ -14,8 +14,8 @@ DESCRIPTION = (
     "qwen3_next, qwen3_5_text), generation_config.json, tokenizer.json and tokenizer_config.json (special tokens, "
     "chat template) and model.safetensors (numbered shards and model.safetensors.index.json over --shard-mb), "
     "the decoder layers' q8 / q4 / q4_64 matrices as compressed-tensors pack-quantized weights with a "
-    "quantization_config (transformers and vLLM load them quantized; q8 exactly, q4 re-derived as symmetric int4: "
-    "docs/export.md), other quantized tensors dequantized to --dtype (all of them with --no-quantized); the MTP draft goes under mtp.* (the Qwen3-Next / Qwen3.5 names "
+    "quantization_config (transformers and vLLM load them quantized; q8 exactly, q4 exactly where its blocks are "
+    "symmetric, else dequantized unless --quantized all re-derives them: docs/export.md), other quantized tensors dequantized to --dtype (all of them with --no-quantized); the MTP draft goes under mtp.* (the Qwen3-Next / Qwen3.5 names "
     "vLLM reads; transformers skips it), for Llama / Qwen2 / Qwen3 (no MTP in transformers or vLLM) into "
     "mtp/model.safetensors beside the checkpoint, which `cortiq convert` reads back. MLP widths that differ per layer (a global fold) are padded to the "
     "widest layer with zero neurons, which add exactly 0: none of these families has a per-layer width field in "
@@ -43,10 +43,14 @@ class ExportSettings:
     #: transformers' own save_pretrained cuts at 5 GB by default
     shard_mb: float = setting(5000.0, "hf: safetensors files are cut into numbered shards of at most this size (MB)",
                               gt=0)
-    #: compressed-tensors' zero points are whole steps and cortiq's q4 min is not: q4 is re-derived
-    #: (cortiq.convert.ct), q8 is exact
-    quantized: bool = setting(True, "hf: q8 / q4 matrices as compressed-tensors pack-quantized weights that "
-                                    "transformers and vLLM load quantized (off: dequantized to --dtype)")
+    #: compressed-tensors' zero points are whole steps and cortiq's q4 min is not: a q4 block travels
+    #: exactly only when it is symmetric; "all" re-derives the others (cortiq.convert.ct), which costs
+    #: (docs/export.md, "Quantized Hugging Face exports")
+    quantized: str = setting("exact", "hf: which q8 / q4 matrices go as compressed-tensors pack-quantized weights that "
+                                      "transformers and vLLM load quantized: exact (q8, and q4 whose blocks are "
+                                      "symmetric: cortiq's values exactly; other q4 dequantized to --dtype), all (q4 "
+                                      "re-derived as symmetric int4 too: smaller, not cortiq's values), none",
+                             choices=("exact", "all", "none"))
     #: llama.cpp picks its pre-tokenizer by this name; a wrong one splits text differently from training
     pre: str | None = setting(None, "gguf: llama.cpp's pre-tokenizer name", choices=("gpt-2", "smollm", "llama-bpe", "qwen2"),
                               show="recognised from the tokenizer")
@@ -92,7 +96,7 @@ def run(args) -> int:
             path = export_hf(f, out, dtype=s.dtype, shard_bytes=int(s.shard_mb * 1e6), progress=progress,
                              force=args.force, quantized=s.quantized)
             left = []
-            for line in hf_notes(path):
+            for line in hf_notes(path, f, s.quantized, s.dtype):
                 print(line, file=sys.stderr)
         else:
             from ..export.gguf import export_gguf
@@ -105,9 +109,11 @@ def run(args) -> int:
     return 0
 
 
-def hf_notes(path: Path) -> list[str]:
-    """What an HF export's reader should know: padded widths, re-derived 4-bit blocks."""
+def hf_notes(path: Path, f, quantized: str, dtype: str) -> list[str]:
+    """What an HF export's reader should know: padded widths, q4 blocks dequantized or re-derived."""
     import json
+
+    from ..convert import ct
 
     cfg = json.loads((path / "config.json").read_text())
     out = []
@@ -116,8 +122,19 @@ def hf_notes(path: Path) -> list[str]:
         out.append(f"widths differ per layer ({min(widths)}..{max(widths)}): every MLP is padded to {max(widths)} with "
                    "zero neurons, which transformers and vLLM run: no saving there; `cortiq compress --fold-scope "
                    "per_layer` gives uniform widths that keep it")
-    groups = (cfg.get("quantization_config") or {}).get("config_groups") or {}
-    if any(g["weights"]["num_bits"] == 4 for g in groups.values()):
-        out.append("q4 blocks written as symmetric int4 (compressed-tensors has no per-block min): their values "
-                   "are re-derived, not cortiq's (docs/export.md, 'Quantized Hugging Face exports')")
+    if quantized == "none":
+        return out
+    def padded(n):  # a narrower layer's MLP goes dense, padded, whatever its codec
+        return bool(widths) and ".mlp." in n and widths[int(n.split(".")[2])] < max(widths)
+
+    q4 = [n for n in f.names if n.startswith("model.layers.") and ct.packable(f.info(n).codec, f.info(n).shape)
+          and ct.SCHEMES[f.info(n).codec][0] == 4 and not padded(n)]
+    odd = sum(not ct.exact(f.info(n).codec, f.stored(n)) for n in q4)
+    if odd and quantized == "exact":
+        out.append(f"{odd} of {len(q4)} q4 matrices written dequantized to {dtype}: their blocks keep a "
+                   "min that compressed-tensors' int4 cannot hold; --quantized all writes them as re-derived 4-bit "
+                   "values, not cortiq's (docs/export.md, 'Quantized Hugging Face exports')")
+    elif odd:
+        out.append(f"{odd} of {len(q4)} q4 matrices written as symmetric int4 (compressed-tensors has no per-block "
+                   "min): their values are re-derived, not cortiq's (docs/export.md, 'Quantized Hugging Face exports')")
     return out

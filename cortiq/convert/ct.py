@@ -44,6 +44,18 @@ def packable(codec: str, shape: tuple[int, ...]) -> bool:
     return codec in SCHEMES and len(shape) == 2 and shape[1] % SCHEMES[codec][1] == 0
 
 
+def exact(codec: str, stored: torch.Tensor) -> bool:
+    """True when a packable matrix's values survive packing exactly: every q8 matrix, and a q4 one whose
+    every block's min is −8 steps (a symmetric block: compressed-tensors' int4 grid)."""
+    if SCHEMES[codec][0] == 8:
+        return True
+    g = SCHEMES[codec][1]
+    raw = stored.reshape(-1, 4 + g // 2)
+    scale = raw[:, :2].contiguous().view(torch.float16).reshape(-1)
+    lo = raw[:, 2:4].contiguous().view(torch.float16).reshape(-1)
+    return bool(torch.equal(lo, (scale.to(torch.float32) * -8.0).to(torch.float16)))
+
+
 def packed_shapes(codec: str, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], str]]:
     """Checkpoint name suffix → (shape, safetensors dtype) of a packed `codec` matrix."""
     bits, g = SCHEMES[codec]

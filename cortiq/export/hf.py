@@ -254,10 +254,23 @@ def _packed(f: CmfFile, name: str, shape: tuple[int, ...]) -> list[tuple]:
     return [(base + sfx, shp, part(sfx), dt) for sfx, (shp, dt) in ct.packed_shapes(codec, shape).items()]
 
 
-def hf_tensors(f: CmfFile, width: int, quantized: bool = False) -> list[tuple]:
+#: what `export_hf(quantized=)` packs: "exact" the q8 matrices and the q4 ones whose blocks are symmetric
+#: (their values survive), "all" every q4 one too (re-derived as symmetric int4), "none" nothing
+QUANTIZED = ("exact", "all", "none")
+
+
+def packs(f: CmfFile, name: str, shape: tuple[int, ...], quantized: str) -> bool:
+    """True when decoder-layer matrix `name` goes pack-quantized under `quantized` (QUANTIZED)."""
+    codec = f.info(name).codec
+    if quantized == "none" or not name.startswith("model.layers.") or not ct.packable(codec, shape):
+        return False
+    return quantized == "all" or ct.exact(codec, f.stored(name))
+
+
+def hf_tensors(f: CmfFile, width: int, quantized: str = "none") -> list[tuple]:
     """(HF name, shape, getter, safetensors dtype) per tensor of the export, in the file's order; the
     getter gives f32 values written in the export's dtype (dtype None) or a tensor written as it is.
-    `quantized`: decoder-layer q8 / q4 matrices that need no padding go pack-quantized."""
+    `quantized` (QUANTIZED): which decoder-layer q8 / q4 matrices that need no padding go pack-quantized."""
     arch = f.arch
     out = []
     fuse = arch.arch_name == "qwen3_next"
@@ -283,7 +296,7 @@ def hf_tensors(f: CmfFile, width: int, quantized: bool = False) -> list[tuple]:
             shape, get = (width, shape[1]), (lambda n=name: _pad(f.tensor(n), width, 0))
         elif name.endswith("mlp.down_proj.weight") and shape[1] < width:
             shape, get = (shape[0], width), (lambda n=name: _pad(f.tensor(n), width, 1))
-        elif quantized and name.startswith("model.layers.") and ct.packable(f.info(name).codec, shape):
+        elif packs(f, name, shape, quantized):
             out += _packed(f, name, shape)
             continue
         out.append((hf_name(name), shape, get, None))
@@ -332,7 +345,7 @@ def _write_safetensors(path: Path, items, st_dtype: str, dtype: torch.dtype, ite
 
 def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dtype: str = "f32",
               shard_bytes: int = SHARD_BYTES, progress: Callable[[str], None] | None = None,
-              force: bool = False, quantized: bool = True) -> Path:
+              force: bool = False, quantized: str = "exact") -> Path:
     """Write the CMF model as a Hugging Face directory `out_dir` (see the module
     doc). `out_dir` must not exist or be empty (with `force`, whatever is there is
     replaced); it is written as `out_dir.partial` and renamed when complete.

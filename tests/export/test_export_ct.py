@@ -137,14 +137,14 @@ def test_q4_export_takes_under_a_third_of_f16_and_a_symmetric_q4_is_exact(tmp_pa
 def test_q4_of_any_min_is_re_derived_once_and_read_back_as_transformers_runs_it(tmp_path):
     src = write_random(tmp_path / "m.cmf", arch_of("qwen3", widths=(64, 64)), seed=5)
     q4 = recode(src, tmp_path / "q4.cmf", _whole("q4"))
-    out = export_hf(q4, tmp_path / "hf")
+    out = export_hf(q4, tmp_path / "hf", quantized="all")
     back = convert_hf_dir(out, tmp_path / "back.cmf")  # q4 blocks of the values written
     ids = torch.randint(0, V, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref, got = load_model(back)(ids), _load(out)(ids).logits
     assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
     b = open_cmf(back)
-    again = open_cmf(convert_hf_dir(export_hf(back, tmp_path / "hf2"), tmp_path / "again.cmf"))
+    again = open_cmf(convert_hf_dir(export_hf(back, tmp_path / "hf2", quantized="all"), tmp_path / "again.cmf"))
     for n in b.names:  # re-derived blocks are symmetric: a second export is exact
         assert torch.equal(again.stored(n), b.stored(n)), n
     assert open_cmf(convert_hf_dir(out, tmp_path / "f16.cmf", codec="f16")).info("model.layers.0.mlp.up_proj.weight").codec == "f16"
@@ -181,11 +181,31 @@ def test_uniform_widths_shrink_the_f16_export_and_unequal_ones_say_why_not(tmp_p
     assert err == [
         "widths differ per layer (32..64): every MLP is padded to 64 with zero neurons, which transformers and vLLM "
         "run: no saving there; `cortiq compress --fold-scope per_layer` gives uniform widths that keep it",
-        "q4 blocks written as symmetric int4 (compressed-tensors has no per-block min): their values are re-derived, "
-        "not cortiq's (docs/export.md, 'Quantized Hugging Face exports')"]
-    _load(tmp_path / "c")  # padded MLPs dense, the rest packed: one checkpoint transformers loads
-    assert main(["export", str(q4), "--to", "hf", str(tmp_path / "d"), "--no-quantized"]) == 0
+        "11 of 11 q4 matrices written dequantized to f32: their blocks keep a min that compressed-tensors' int4 cannot "
+        "hold; --quantized all writes them as re-derived 4-bit values, not cortiq's (docs/export.md, 'Quantized "
+        "Hugging Face exports')"]
+    assert main(["export", str(q4), "--to", "hf", str(tmp_path / "e"), "--quantized", "all"]) == 0
+    assert capsys.readouterr().err.strip().splitlines()[1] == (
+        "11 of 11 q4 matrices written as symmetric int4 (compressed-tensors has no per-block min): their values are "
+        "re-derived, not cortiq's (docs/export.md, 'Quantized Hugging Face exports')")
+    _load(tmp_path / "e")  # padded MLPs dense, the rest packed: one checkpoint transformers loads
+    assert main(["export", str(q4), "--to", "hf", str(tmp_path / "d"), "--quantized", "none"]) == 0
     assert "quantization_config" not in json.loads((tmp_path / "d" / "config.json").read_text())
+
+
+def test_q4_of_any_min_is_exported_exactly_by_default(tmp_path):
+    src = write_random(tmp_path / "m.cmf", arch_of("llama", widths=(64, 64)), seed=8)
+    q4 = recode(src, tmp_path / "q4.cmf", _whole("q4"))
+    f = open_cmf(q4)
+    assert not any(ct.exact("q4", f.stored(n)) for n in f.names if f.info(n).codec == "q4")
+    out = export_hf(q4, tmp_path / "hf")
+    ids = torch.randint(0, V, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref, got = load_model(q4)(ids), _load(out)(ids).logits
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    sym = _symmetric_q4(src, tmp_path / "s.cmf")
+    g = open_cmf(sym)
+    assert all(ct.exact("q4", g.stored(n)) for n in g.names if g.info(n).codec == "q4")
 
 
 def _hf_numel(d: Path, proj: str) -> int:
