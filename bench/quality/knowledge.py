@@ -1,10 +1,11 @@
 """Facts kept against excess NLL: which retain data keeps what the source knows.
 
     python -m bench.quality.knowledge --gguf PATH --out DIR [--rows defaults,knowledge]   # one GPU
+    python -m bench.quality.knowledge --gguf PATH --out DIR --rows curve   # quality for size: keep 0.95 … 0.5
     python -m bench.quality.knowledge --cpu --tiny --out DIR                              # the code paths
 
 Each row is a whole `compress()` (25 % of the MLP neurons, every other setting at its
-default) and `heal()` at its defaults on heal data of one source (the first Shakespeare
+default; the curve rows keep another share) and `heal()` at its defaults on heal data of one source (the first Shakespeare
 plays, as bench.quality's panel), with one set of retain sources. Scored on what no stage
 trains on: the fact probe (cortiq.facts: the facts the source knows that the model keeps,
 on the probe's dev and held parts apart) and the panel of bench.quality (excess NLL over
@@ -32,8 +33,8 @@ TEXTS = ("heal test", "unseen plays", "pydoc", "code", "legal", "chat")
 class Row:
     """One row: its retain sources ("auto": the default's on this machine) and share, the fold's
     scope and floor, the knowledge source's lists and entities per category (0: its defaults),
-    the masks' objective (MaskSettings.objective) and the heal's weight on the teacher's
-    confident rows (HealSettings.confident)."""
+    the masks' objective (MaskSettings.objective), the heal's weight on the teacher's
+    confident rows (HealSettings.confident) and the share of MLP neurons kept."""
 
     sources: tuple[str, ...]
     share: float = 0.5
@@ -43,6 +44,7 @@ class Row:
     entities: int = 0
     objective: str = "data"
     confident: float = 0.0
+    keep: float = 0.75
 
 
 KNOW = ("self", "knowledge", "corpus:pydoc")
@@ -60,7 +62,11 @@ ROWS = {
     "teacher masks + confident 2": Row(KNOW, objective="teacher", confident=2.0),
     "per layer": Row(KNOW, scope="per_layer"),
     "per layer + teacher masks + confident 2": Row(KNOW, scope="per_layer", objective="teacher", confident=2.0),
+    # the quality-for-size curve: every setting at its default but the share kept
+    **{f"keep {k}": Row(("auto",), keep=k) for k in (0.95, 0.9, 0.85, 0.75, 0.65, 0.5)},
 }
+#: the rows of `--rows curve`
+CURVE = ",".join(k for k in ROWS if k.startswith("keep "))
 
 
 def knowledge_sizes(row: Row) -> None:
@@ -101,7 +107,7 @@ def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None)
     from cortiq.heal.stages import heal
 
     small = dict(max_steps=12, window=64, batch=2, val_windows=4, eval_every=4) if tiny else {}
-    c = CompressSettings(masks=MaskSettings(**small, objective=row.objective), device=device,
+    c = CompressSettings(masks=MaskSettings(**small, objective=row.objective), device=device, keep_frac=row.keep,
                          fold=FoldSettings(scope=row.scope, floor=row.floor))
     h = HealSettings(device=device, confident=row.confident,
                      **(dict(window=64, batch=4, eval_every=4, tokens=4096) if tiny else {}))
@@ -121,7 +127,7 @@ def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None)
 
     widths = list(open_cmf(pruned).arch.intermediate_sizes)
     row = {"label": label, "row": dataclasses.asdict(row), "compress_s": t_c, "heal_s": t_h, "steps": rep["metrics"]["steps"],
-           "widths": widths,
+           "widths": widths, "bytes": {"source": src.stat().st_size, "healed": healed.stat().st_size},
            "facts": facts, "nll": {"pruned": panel_nll(pruned, sets, device, tiny),
                                    "healed": panel_nll(healed, sets, device, tiny)}}
     healed.unlink(missing_ok=True)
@@ -132,7 +138,7 @@ def report(base: dict, rows: list[dict]) -> str:
     """A Markdown table: per row and model, facts kept of the source's on each part, and the
     excess NLL over the source on each panel text."""
     parts = [p for p in ("dev", "held", "external") if p in rows[0]["facts"]]
-    head = ["row", "model", *(f"facts {p}" for p in parts), *TEXTS, "s"]
+    head = ["row", "model", *(f"facts {p}" for p in parts), *TEXTS, "MB", "s"]
     out = []
     for r in rows:
         for m in ("pruned", "healed"):
@@ -140,6 +146,7 @@ def report(base: dict, rows: list[dict]) -> str:
             out.append([r["label"] if m == "pruned" else "", m,
                         *(f"{x['kept']}/{x['source_known']} {(x['kept_share'] or 0):.0%}" for x in f),
                         *(f"{r['nll'][m][t] - base[t]:+.3f}" for t in TEXTS),
+                        f"{r['bytes']['healed'] / 1e6:.1f}" if m == "healed" and "bytes" in r else "",
                         f"{r['compress_s'] + r['heal_s']:.0f}" if m == "healed" else ""])
     return table(head, out)
 
@@ -152,7 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default=None, help="models, tdata and stage outputs (default ~/cache/knowledge)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where knowledge.json goes")
     ap.add_argument("--facts-file", default=None, help="a fact TSV kept outside the repository, scored too")
-    ap.add_argument("--rows", default="defaults,knowledge", help=f"rows, comma-separated, of: {', '.join(ROWS)}")
+    ap.add_argument("--rows", default="defaults,knowledge",
+                    help=f"rows, comma-separated, of: {', '.join(ROWS)}; or curve (the keep rows: facts and NLL by size)")
     args = ap.parse_args(argv)
     device, cache, out = run_dirs(args, "knowledge")
     src = cache / "smollm2.cmf"
@@ -165,7 +173,7 @@ def main(argv=None) -> int:
     sets = panel_sets(cache, src, args.tiny)
     base = panel_nll(src, sets, device, args.tiny)
     rows = []
-    for label in [x.strip() for x in args.rows.split(",") if x.strip()]:
+    for label in [x.strip() for x in args.rows.replace("curve", CURVE).split(",") if x.strip()]:
         if label not in ROWS:
             raise SystemExit(f"--rows: no row {label!r} (rows: {', '.join(ROWS)})")
         rows.append(one_row(label, ROWS[label], src, sets, cache, out, device, args.tiny, args.facts_file))

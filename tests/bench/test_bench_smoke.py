@@ -203,13 +203,17 @@ def check_excess(d):
 
 
 def check_knowledge(d):
-    (r,) = d["rows"]
-    # facts kept on both parts, for the pruned and the healed model, each within what the source knows
-    for part in ("dev", "held"):
-        for m in ("pruned", "healed"):
-            f = r["facts"][part][m]
-            assert 0 <= f["kept"] <= f["source_known"] <= f["facts"]
-    assert set(r["nll"]["healed"]) == set(d["source_nll"]) and all(math.isfinite(v) for v in r["nll"]["healed"].values())
+    for r in d["rows"]:
+        # facts kept on both parts, for the pruned and the healed model, each within what the source knows
+        for part in ("dev", "held"):
+            for m in ("pruned", "healed"):
+                f = r["facts"][part][m]
+                assert 0 <= f["kept"] <= f["source_known"] <= f["facts"]
+        assert set(r["nll"]["healed"]) == set(d["source_nll"]) and all(math.isfinite(v) for v in r["nll"]["healed"].values())
+    # the curve's row keeps half of the neurons: its model is the smaller
+    base, half = d["rows"]
+    assert half["row"]["keep"] == 0.5 and sum(half["widths"]) < sum(base["widths"])
+    assert half["bytes"]["healed"] < base["bytes"]["healed"] < base["bytes"]["source"]
 
 
 #: script → (extra arguments after --cpu --tiny, the JSON it writes, the check of that JSON), the longest
@@ -249,7 +253,7 @@ BENCHES = {
     "quality.excess": ([], "excess.json", check_excess),
     "serve.isolation": ([], "serve-isolation.json", check_serve_isolation),
     # the defaults row alone: the knowledge rows need a model that lists entities, which a tiny random one does not
-    "quality.knowledge": (["--rows", "defaults"], "knowledge.json", check_knowledge),
+    "quality.knowledge": (["--rows", "defaults,keep 0.5"], "knowledge.json", check_knowledge),
 }
 
 #: benches run at once: one a core this process may use (pytest-xdist's workers share them out)
