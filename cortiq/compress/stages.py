@@ -428,7 +428,8 @@ def compress(source_cmf, tdata_dir, settings: CompressSettings, out_cmf, logger:
     runner = LocalRunner(Path(work) if work else store.home() / "work", logger, say=say)
     if retain is not None and retain.sources:
         tdata_dir, panel = with_retain(tdata_dir, source_cmf, retain, runner.run, None, logger)
-        say(f"retain: {', '.join(panel)} mixed in at {retain.share:.0%} -> {tdata_dir}")
+        if panel:  # every source may have been left out (other_sources says which, and why)
+            say(f"retain: {', '.join(panel)} mixed in at {retain.share:.0%} -> {tdata_dir}")
     student = compress_chain(runner, source_cmf, tdata_dir, s, say)
     deliver({"path": student}, out_cmf)
     say(f"student -> {out_cmf}")

@@ -216,6 +216,18 @@ def check_knowledge(d):
     assert half["bytes"]["healed"] < base["bytes"]["healed"] < base["bytes"]["source"]
 
 
+def check_sizes(d):
+    src, comp, q8, q4 = d["rows"]
+    assert comp["parameters"] < src["parameters"] and q8["parameters"] == q4["parameters"] == comp["parameters"]
+    for fmt in ("CMF", "HF f16", "GGUF"):  # uniform widths: smaller in every format
+        assert comp["bytes"][fmt] < src["bytes"][fmt]
+    # 4 bits below 8 where the format keeps them; q4's exact export is 16-bit (its blocks keep a min)
+    assert q4["bytes"]["CMF"] < q8["bytes"]["CMF"] < comp["bytes"]["CMF"]
+    assert q4["bytes"]["GGUF"] < q8["bytes"]["GGUF"] < comp["bytes"]["GGUF"]
+    assert q4["bytes"]["HF quantized (all)"] < q8["bytes"]["HF quantized (exact)"] < comp["bytes"]["HF f16"]
+    assert q4["bytes"]["HF quantized (exact)"] == q4["bytes"]["HF f16"]
+
+
 #: script → (extra arguments after --cpu --tiny, the JSON it writes, the check of that JSON), the longest
 #: first: the order the benches start in, so that the last to start are short ones. "{work}" is the row's
 #: own folder (the benches that take --work default to a fixed folder under /tmp)
@@ -254,6 +266,7 @@ BENCHES = {
     "serve.isolation": ([], "serve-isolation.json", check_serve_isolation),
     # the defaults row alone: the knowledge rows need a model that lists entities, which a tiny random one does not
     "quality.knowledge": (["--rows", "defaults,keep 0.5"], "knowledge.json", check_knowledge),
+    "quality.sizes": ([], "sizes.json", check_sizes),
 }
 
 #: benches run at once: one a core this process may use (pytest-xdist's workers share them out)
