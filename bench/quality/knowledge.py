@@ -34,7 +34,8 @@ class Row:
     """One row: its retain sources ("auto": the default's on this machine) and share, the fold's
     scope and floor, the knowledge source's lists and entities per category (0: its defaults),
     the masks' objective (MaskSettings.objective), the heal's weight on the teacher's
-    confident rows (HealSettings.confident) and the share of MLP neurons kept."""
+    confident rows (HealSettings.confident), the share of MLP neurons kept, and a factor on the
+    masks' L1 pressure (l1_init and l1_step: the teacher objective's KL is far smaller than an LM loss)."""
 
     sources: tuple[str, ...]
     share: float = 0.5
@@ -45,6 +46,7 @@ class Row:
     objective: str = "data"
     confident: float = 0.0
     keep: float = 0.75
+    l1: float = 1.0
 
 
 KNOW = ("self", "knowledge", "corpus:pydoc")
@@ -56,6 +58,7 @@ ROWS = {
     "knowledge only": Row(("knowledge",)),
     "more knowledge": Row(KNOW, lists=16, entities=128),
     "teacher masks": Row(KNOW, objective="teacher"),
+    "teacher masks, L1 x0.05": Row(KNOW, objective="teacher", l1=0.05),
     "floor 0.5": Row(KNOW, floor=0.5),
     "confident 2": Row(KNOW, confident=2.0),
     "confident 8": Row(KNOW, confident=8.0),
@@ -107,7 +110,9 @@ def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None)
     from cortiq.heal.stages import heal
 
     small = dict(max_steps=12, window=64, batch=2, val_windows=4, eval_every=4) if tiny else {}
-    c = CompressSettings(masks=MaskSettings(**small, objective=row.objective), device=device, keep_frac=row.keep,
+    pressure = MaskSettings()
+    c = CompressSettings(masks=MaskSettings(**small, objective=row.objective, l1_init=pressure.l1_init * row.l1,
+                                            l1_step=pressure.l1_step * row.l1), device=device, keep_frac=row.keep,
                          fold=FoldSettings(scope=row.scope, floor=row.floor))
     h = HealSettings(device=device, confident=row.confident,
                      **(dict(window=64, batch=4, eval_every=4, tokens=4096) if tiny else {}))
