@@ -64,8 +64,9 @@ def _build(args) -> int:
         raise CortiqError("data build: no sources (give SRC files or --corpus NAME)")
     from ..store import check_output
 
-    check_output(args.out, [*args.sources, args.tokenizer], folder=True, kind="tdata", force=args.force)
     settings = from_args(BuildSettings, args)
+    check_output(args.out, [*args.sources, args.tokenizer, settings.generate_with], folder=True, kind="tdata",
+                 force=args.force)
     bar = tqdm(desc="data build", unit="step", file=sys.stderr, leave=False, disable=None)  # None: off when not a terminal
 
     def progress(msg: str):

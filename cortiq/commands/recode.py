@@ -49,7 +49,7 @@ def run(args) -> int:
     from ..settings_meta import from_args
 
     codecs.get(args.codec)  # an unknown codec fails before any work
-    store.check_output(args.out, [args.src], kind="cmf", force=args.force)
+    store.check_output(args.out, [args.src, args.data], kind="cmf", force=args.force)
     s = from_args(QuantSettings, args)
     src = cmf.open_cmf(args.src)
     if args.data is not None and uses_grams(args.codec, s):
