@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import types
 import typing
 from typing import Any
@@ -151,10 +152,15 @@ def _interval(m: dict) -> str:
 
 def check_value(f: dataclasses.Field, v: Any, label: str) -> None:
     """One value against its field's choices and bounds; CortiqError "<label> <value> ..." on
-    one line. None (unset) passes; so does a value of another kind (the type check says so)."""
+    one line. None (unset) passes; so does a value of another kind (the type check says so).
+    A number that is not finite (nan, inf) is refused whatever the bounds: no setting means
+    "unbounded" by inf, and nan passes no comparison a stage makes later."""
     m = f.metadata
     if v is None:
         return
+    if any(isinstance(x, float) and not math.isfinite(x) for x in (v if isinstance(v, tuple) else (v,))):
+        raise CortiqError(f"{label} {v} is not a finite number" if not isinstance(v, tuple) else
+                          f"{label} {v} holds a number that is not finite")
     if "choices" in m and v not in m["choices"]:
         raise CortiqError(f"{label} {v!r} is not one of {', '.join(map(str, m['choices']))}")
     if not any(k in m for k in ("lo", "hi", "gt", "lt")) or isinstance(v, bool) or not isinstance(v, (int, float)):

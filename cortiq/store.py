@@ -116,7 +116,11 @@ def read_meta(d: str | os.PathLike) -> dict:
     p = Path(d) / META
     try:
         return json.loads(p.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
+        if not os.path.lexists(d):  # a path mistyped, not a run cut short
+            raise CortiqError(f"{d}: no such file or directory") from None
+        if not os.path.isdir(d):
+            raise CortiqError(f"{d}: a file, not a stage output (a directory)") from None
         raise CortiqError(f"{d}: not a finished stage output (no {META}; an interrupted run? delete it and run again)") from None
     except json.JSONDecodeError:
         raise CortiqError(f"{p}: not JSON") from None
@@ -277,6 +281,9 @@ def check_output(out: str | os.PathLike, inputs, folder: bool = False, kind: str
     Then, with `kind` (OUTPUT_KINDS), an existing output is replaced only when it is an output of
     that kind (a command run again), or with `force`; a directory is never replaced by a file."""
     out = Path(out)
+    bad = file_in_way(out.parent)
+    if bad is not None:
+        raise CortiqError(f"{out}: {bad} is a file, not a folder")
     extra = [Path(a) for a in also]
     for i in inputs:
         why = None if i is None else _input_clash(out, Path(i), folder, extra)
@@ -384,6 +391,27 @@ def read_arrow(path: str | os.PathLike) -> pa.Table:
 def home() -> Path:
     """The cortiq home: outputs, caches and the default MLflow store (CORTIQ_HOME, else ~/.cortiq)."""
     return Path(os.environ.get("CORTIQ_HOME", Path.home() / ".cortiq"))
+
+
+def work_root(work: str | os.PathLike | None = None) -> Path:
+    """The folder stage outputs go under: `work` (a command's --work), else the cortiq home's
+    work/. A file where it or a folder above it should be is refused now, in one line, rather
+    than as the first stage's "File exists"."""
+    d = Path(work) if work else home() / "work"
+    bad = file_in_way(d)
+    if bad is not None:
+        label = f"--work {d}" if work else f"the work folder {d}"
+        raise CortiqError(f"{label} is a file, not a folder" if bad == d else f"{label}: {bad} is a file, not a folder")
+    return d
+
+
+def file_in_way(d: Path) -> Path | None:
+    """What keeps the folder `d` from being one or being made: the nearest existing path from it
+    up, where that is not a folder (None: it is)."""
+    for p in (d, *d.parents):
+        if os.path.exists(p):
+            return None if os.path.isdir(p) else p
+    return None
 
 
 def finish_dir(d: str | os.PathLike, meta: dict) -> None:

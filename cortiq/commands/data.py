@@ -106,8 +106,6 @@ def _inspect(args) -> int:
 
 
 def _self(args) -> int:
-    from pathlib import Path
-
     from .. import store
     from ..data.stages import self_tdata
     from ..data.settings import SelfGenSettings
@@ -115,7 +113,7 @@ def _self(args) -> int:
     from ..settings_meta import from_args
 
     s = from_args(SelfGenSettings, args)
-    d = self_tdata(args.model, s, Path(args.work) if args.work else store.home() / "work")
+    d = self_tdata(args.model, s, store.work_root(args.work))
     c = Tdata.open(d).meta["counts"]
     per = ", ".join(f"{k} {v['records']}" for k, v in c["categories"].items())
     print(f"{d}: {c['records']} records, {c['tokens']} tokens, {c['scored']} generated ({per})")

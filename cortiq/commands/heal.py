@@ -51,12 +51,14 @@ def retain_args(args):
 
 def check_io(args, inputs: list, also=()):
     """The output rule (store.check_output) over `inputs` and the retain sources that are folders,
-    and a retain source that is --data itself refused, before any work. -> the retain settings"""
+    a --work that cannot be a folder, and a retain source that is --data itself refused, before
+    any work. -> the retain settings"""
     from ..data.retain import check_not_data, folders
-    from ..store import check_output
+    from ..store import check_output, work_root
 
     retain = retain_args(args)
     check_output(args.out, [*inputs, *folders(retain.sources)], kind="cmf", force=args.force, also=also)
+    work_root(args.work)
     check_not_data(args.data, retain.sources)
     return retain
 

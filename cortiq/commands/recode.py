@@ -53,7 +53,7 @@ def run(args) -> int:
     s = from_args(QuantSettings, args)
     src = cmf.open_cmf(args.src)
     if args.data is not None and uses_grams(args.codec, s):
-        work = args.work or store.home() / "work"
+        work = store.work_root(args.work)
         with store.locked(args.out):
             r = requantize(args.src, args.data, args.codec, s, work)
             path = deliver({"path": r["path"]}, args.out)
