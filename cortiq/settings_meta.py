@@ -257,6 +257,21 @@ def _show(v: Any) -> str:
     return str(v)
 
 
+def named(argv: list[str] | None, command: str, add_arguments, s) -> set[str]:
+    """The fields of the settings `s` that the command line `argv` (from the command's name
+    `command` on) names, whatever their values (an abbreviation counts), for the refusal of an
+    option that acts only with another; without that command line (a call from Python), the
+    fields away from their defaults."""
+    if argv is None or argv[:1] != [command]:
+        return {f.name for f in dataclasses.fields(s) if getattr(s, f.name) != default_of(f)}
+    p = argparse.ArgumentParser(add_help=False)
+    add_arguments(p)
+    unset = object()
+    # argparse sets an option's default only where the namespace lacks it: what stays unset was not given
+    ns = p.parse_args(argv[1:], namespace=argparse.Namespace(**{f.name: unset for f in dataclasses.fields(s)}))
+    return {f.name for f in dataclasses.fields(s) if getattr(ns, f.name, unset) is not unset}
+
+
 def flag(prefix: str, name: str) -> str:
     """The option of a field: --name-with-dashes, a nested group's name in front (--masks-lr)."""
     return "--" + (prefix + name).replace(".", "-").replace("_", "-")

@@ -34,17 +34,9 @@ NEEDS = (("draft", "speculative"), ("draft_branches", "speculative"), ("spec_aut
 def named(argv: list[str] | None, s) -> set[str]:
     """The settings the serve command line `argv` (from the command's name on) names, whatever
     their values; without a command line, those away from their defaults."""
-    import argparse
-    import dataclasses
+    from ..settings_meta import named as named_in
 
-    if argv is None or not argv or argv[0] != "serve":
-        return {f.name for f in dataclasses.fields(s) if getattr(s, f.name) != f.default}
-    p = argparse.ArgumentParser(add_help=False)
-    add_arguments(p)
-    unset = object()
-    # argparse sets an option's default only where the namespace lacks it: what stays unset was not given
-    ns = p.parse_args(argv[1:], namespace=argparse.Namespace(**{f.name: unset for f in dataclasses.fields(s)}))
-    return {k for k, v in vars(ns).items() if v is not unset}
+    return named_in(argv, "serve", add_arguments, s)
 
 
 def check_start(model_path: str, s, f, given: set[str], dev) -> tuple[int, int]:
