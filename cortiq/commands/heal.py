@@ -124,7 +124,6 @@ def run(args) -> int:
               "other sources went unscored, and it can lose far more than your data; --retain-sources (corpus:pydoc, "
               "corpus:shakespeare, self or a tdata directory) mixes some in and scores its held-out part")
     # whole or not at all, and a full disk named (a half-written report would read as finished)
-    write_text(report, json.dumps({"metrics": m, "nll": rep.get("nll"),
-                                                           "eval_nll": rep.get("eval_nll"), "gap": gap, "texts": texts,
-                                                           "facts": rep.get("facts"), "evals": rep["evals"]}, indent=2))
+    write_text(report, json.dumps({"metrics": m, "nll": rep.get("nll"), "eval_nll": rep.get("eval_nll"), "gap": gap,
+                                   "texts": texts, "facts": rep.get("facts"), "evals": rep["evals"]}, indent=2))
     return 0

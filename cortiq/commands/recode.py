@@ -15,7 +15,8 @@ DESCRIPTION = (
     "by layer on the outputs of the layers already quantized; awq: activation-aware scales folded into the op "
     "before, then GPTQ; rtn: round-to-nearest; q8 by --method-8bit, rtn unless asked); the Grams are a cached stage under --work, reused by the next "
     "run on the same model, data and settings; the provenance gains a 'quantize' entry. Without --data the "
-    "blocks are round-to-nearest. Another cortiq process writing the same OUT.cmf is waited for (OUT.cmf.lock)."
+    "blocks are round-to-nearest, and a quantization option (which would change nothing) is refused, as is --data "
+    "where nothing would read it (a codec GPTQ does not write, a method of rtn). Another cortiq process writing the same OUT.cmf is waited for (OUT.cmf.lock)."
 )
 ORDER = 40
 
@@ -53,6 +54,8 @@ def check_start(args, s, given: set[str], arch) -> None:
         for name in (f for f in s.__dataclass_fields__ if f in given):
             if not (name in ("method", "method_8bit") and getattr(s, name) == "rtn"):
                 needs(name, "--data (calibrated quantization)")
+        if args.work is not None:
+            needs("work", "--data (the calibration's cached stages)")
         return
     if args.codec not in BLOCK_CODECS:
         needs("data", f"a codec GPTQ writes ({', '.join(BLOCK_CODECS)}), not --codec {args.codec}")

@@ -188,6 +188,7 @@ def test_q8_rounds_to_nearest_unless_method_8bit_asks(tmp_path, monkeypatch):
     (["--codec", "q4", "--method", "awq"], "recode: --method acts only with --data (calibrated quantization)"),
     (["--codec", "q4", "--window", "64"], "recode: --window acts only with --data (calibrated quantization)"),
     (["--codec", "q4", "--no-act-order"], "recode: --act-order acts only with --data (calibrated quantization)"),
+    (["--codec", "q4", "--work", "{td}"], "recode: --work acts only with --data (the calibration's cached stages)"),
     (["--codec", "f16", "--data", "{td}", "--method", "awq"],
      "recode: --data acts only with a codec GPTQ writes (q4, q4_64, q8), not --codec f16"),
     (["--codec", "q4", "--data", "{td}", "--method", "rtn"], "recode: --data acts only with --method gptq or awq "
