@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 import types
 import typing
 from typing import Any
@@ -151,10 +152,15 @@ def _interval(m: dict) -> str:
 
 def check_value(f: dataclasses.Field, v: Any, label: str) -> None:
     """One value against its field's choices and bounds; CortiqError "<label> <value> ..." on
-    one line. None (unset) passes; so does a value of another kind (the type check says so)."""
+    one line. None (unset) passes; so does a value of another kind (the type check says so).
+    A number that is not finite (nan, inf) is refused whatever the bounds: no setting means
+    "unbounded" by inf, and nan passes no comparison a stage makes later."""
     m = f.metadata
     if v is None:
         return
+    if any(isinstance(x, float) and not math.isfinite(x) for x in (v if isinstance(v, tuple) else (v,))):
+        raise CortiqError(f"{label} {v} is not a finite number" if not isinstance(v, tuple) else
+                          f"{label} {v} holds a number that is not finite")
     if "choices" in m and v not in m["choices"]:
         raise CortiqError(f"{label} {v!r} is not one of {', '.join(map(str, m['choices']))}")
     if not any(k in m for k in ("lo", "hi", "gt", "lt")) or isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -249,6 +255,21 @@ def _show(v: Any) -> str:
     if isinstance(v, list):
         return " ".join(map(str, v))
     return str(v)
+
+
+def named(argv: list[str] | None, command: str, add_arguments, s) -> set[str]:
+    """The fields of the settings `s` that the command line `argv` (from the command's name
+    `command` on) names, whatever their values (an abbreviation counts), for the refusal of an
+    option that acts only with another; without that command line (a call from Python), the
+    fields away from their defaults."""
+    if argv is None or argv[:1] != [command]:
+        return {f.name for f in dataclasses.fields(s) if getattr(s, f.name) != default_of(f)}
+    p = argparse.ArgumentParser(add_help=False)
+    add_arguments(p)
+    unset = object()
+    # argparse sets an option's default only where the namespace lacks it: what stays unset was not given
+    ns = p.parse_args(argv[1:], namespace=argparse.Namespace(**{f.name: unset for f in dataclasses.fields(s)}))
+    return {f.name for f in dataclasses.fields(s) if getattr(ns, f.name, unset) is not unset}
 
 
 def flag(prefix: str, name: str) -> str:

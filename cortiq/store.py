@@ -116,7 +116,11 @@ def read_meta(d: str | os.PathLike) -> dict:
     p = Path(d) / META
     try:
         return json.loads(p.read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
+        if not os.path.lexists(d):  # a path mistyped, not a run cut short
+            raise CortiqError(f"{d}: no such file or directory") from None
+        if not os.path.isdir(d):
+            raise CortiqError(f"{d}: a file, not a stage output (a directory)") from None
         raise CortiqError(f"{d}: not a finished stage output (no {META}; an interrupted run? delete it and run again)") from None
     except json.JSONDecodeError:
         raise CortiqError(f"{p}: not JSON") from None
@@ -190,7 +194,7 @@ def stage_dir(final: str | os.PathLike, meta: dict) -> Iterator[Path]:
             raise
 
 
-def _same_place(a: Path, b: Path) -> bool:
+def same_place(a: Path, b: Path) -> bool:
     """Whether two paths name one file or folder: the same path once `..` and symlinks are
     resolved, or the same inode (a hard link)."""
     if os.path.realpath(a) == os.path.realpath(b):
@@ -202,6 +206,59 @@ def _same_place(a: Path, b: Path) -> bool:
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
+#: the names a writer of PATH uses beside it: the file it fills before the rename, the lock that
+#: keeps a second writer out, and the old output set aside while a folder is replaced
+_SIBLINGS = (".partial", ".lock", ".partial.lock", ".replaced")
+#: the names beside an input that another writer of it may be using (and would remove)
+_INPUT_SIBLINGS = (".partial", ".lock")
+
+
+def _input_files(i: Path) -> list[Path]:
+    """The files an input path stands for: a sharded CMF model's shards beside its first file
+    (named by its header); any other path is itself."""
+    if not i.is_file():
+        return [i]
+    from .cmf import _read_header
+
+    try:
+        meta = _read_header(i)[0].get("__metadata__")
+        shards = json.loads(meta["cmf"]).get("shards") if isinstance(meta, dict) else None
+    except (CortiqError, KeyError, TypeError, ValueError, AttributeError, RecursionError):
+        return [i]
+    if not isinstance(shards, list):
+        return [i]
+    return [i] + [i.with_name(s) for s in shards if isinstance(s, str) and s and "/" not in s]
+
+
+def _inside(path, folder) -> bool:
+    return os.path.realpath(path).startswith(os.path.realpath(folder) + os.sep)
+
+
+def _input_clash(out: Path, i: Path, folder: bool, also: list[Path]) -> str | None:
+    """Why writing `out` (and the files in `also`) would change the input `i`, or None."""
+    if same_place(out, i):
+        return f"the output is the input {i}"
+    if folder and _inside(i, out):
+        return f"the output folder holds the input {i}, which replacing the folder would delete"
+    if i.is_dir() and _inside(out, i):
+        return f"the output is inside the input folder {i}"
+    files = _input_files(i)
+    for f in files[1:]:
+        if same_place(out, f):
+            return f"the output is {f.name}, a shard of the input {i}"
+    used = [out.with_name(out.name + s) for s in _SIBLINGS] + [x for a in also for x in (a, a.with_name(a.name + ".partial"))]
+    for o in used:
+        for f in files:
+            if same_place(o, f):
+                what = "the input" if f == i else f"{f.name}, a shard of the input"
+                return f"writing it uses {o.name}, which is {what} {i}"
+    for f in files:
+        for s in _INPUT_SIBLINGS:
+            if same_place(out, f.with_name(f.name + s)):
+                return f"the output is the {s} file of the input {f}"
+    return None
+
+
 #: what an output of each kind may replace unannounced (re-running a command into its own output):
 #: a CMF file, a tdata directory (or an empty one); "new": nothing (an export is written for
 #: other tools, and whatever is at its path is the user's)
@@ -209,26 +266,29 @@ OUTPUT_KINDS = ("cmf", "tdata", "new")
 
 
 def check_output(out: str | os.PathLike, inputs, folder: bool = False, kind: str | None = None,
-                 force: bool = False) -> None:
-    """The one output rule, checked before any work.
+                 force: bool = False, also=()) -> None:
+    """The one output rule of every writer, checked before any work.
 
-    An output that is one of the command's inputs is refused, `force` or not: every writer
-    replaces its output by a rename, so an output that is an input under another spelling (`..`,
-    a symlink, a hard link) would silently replace that input. With `folder` (the output is a
+    An output that is one of the command's inputs is refused, `force` or not, under any spelling
+    (`..`, a symlink, a hard link): every writer replaces its output by a rename, which would
+    silently replace that input. So is an output that is a shard of a sharded CMF input, inside
+    an input folder, or whose own working names (PATH.partial, PATH.lock: `_SIBLINGS`) or the
+    files in `also` (a report written beside it) are an input's file, and one that is an input's
+    .partial or .lock (another writer of that input uses them). With `folder` (the output is a
     directory that replacing deletes whole), an input inside it is refused too. `inputs` may hold
     None (an optional input not given).
 
     Then, with `kind` (OUTPUT_KINDS), an existing output is replaced only when it is an output of
     that kind (a command run again), or with `force`; a directory is never replaced by a file."""
     out = Path(out)
+    bad = file_in_way(out.parent)
+    if bad is not None:
+        raise CortiqError(f"{out}: {bad} is a file, not a folder")
+    extra = [Path(a) for a in also]
     for i in inputs:
-        if i is None:
-            continue
-        i = Path(i)
-        if _same_place(out, i):
-            raise CortiqError(f"{out}: the output is the input {i}; give another output path")
-        if folder and os.path.realpath(i).startswith(os.path.realpath(out) + os.sep):
-            raise CortiqError(f"{out}: the output folder holds the input {i}; replacing it would delete that input")
+        why = None if i is None else _input_clash(out, Path(i), folder, extra)
+        if why:
+            raise CortiqError(f"{out}: {why}; give another output path")
     if kind is None or not os.path.lexists(out):
         return
     if kind not in OUTPUT_KINDS:
@@ -331,6 +391,27 @@ def read_arrow(path: str | os.PathLike) -> pa.Table:
 def home() -> Path:
     """The cortiq home: outputs, caches and the default MLflow store (CORTIQ_HOME, else ~/.cortiq)."""
     return Path(os.environ.get("CORTIQ_HOME", Path.home() / ".cortiq"))
+
+
+def work_root(work: str | os.PathLike | None = None) -> Path:
+    """The folder stage outputs go under: `work` (a command's --work), else the cortiq home's
+    work/. A file where it or a folder above it should be is refused now, in one line, rather
+    than as the first stage's "File exists"."""
+    d = Path(work) if work else home() / "work"
+    bad = file_in_way(d)
+    if bad is not None:
+        label = f"--work {d}" if work else f"the work folder {d}"
+        raise CortiqError(f"{label} is a file, not a folder" if bad == d else f"{label}: {bad} is a file, not a folder")
+    return d
+
+
+def file_in_way(d: Path) -> Path | None:
+    """What keeps the folder `d` from being one or being made: the nearest existing path from it
+    up, where that is not a folder (None: it is)."""
+    for p in (d, *d.parents):
+        if os.path.exists(p):
+            return None if os.path.isdir(p) else p
+    return None
 
 
 def finish_dir(d: str | os.PathLike, meta: dict) -> None:

@@ -3,14 +3,22 @@
 # of deployments/prefect.yaml, and a worker that runs them. Ctrl-C stops the worker and the server.
 # It makes what it needs on a fresh machine (the Prefect home under the cortiq home); each step's
 # output goes to $PREFECT_HOME/serve.log, and a step that fails is named in one line (exit 1).
-# CORTIQ_SERVE_NO_WORKER=1 stops after deploying (the server with it).
+# CORTIQ_SERVE_NO_WORKER=1 stops after deploying (the server with it); --print-home prints the Prefect
+# home it would use and stops.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export CORTIQ_REPO="$PWD"
 BIN="${BIN:-.venv/bin}"
 PORT="${PREFECT_PORT:-4200}"
 export DO_NOT_TRACK=true PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true
-export PREFECT_HOME="${PREFECT_HOME:-${CORTIQ_HOME:-$HOME/.cortiq}/prefect}"
+# `~` is HOME, or where HOME is unset the user's home from the password database: the same
+# fallback as the cortiq home's in Python (Path.home()), so the server and the flows agree
+user_home=~
+export PREFECT_HOME="${PREFECT_HOME:-${CORTIQ_HOME:-$user_home/.cortiq}/prefect}"
+if [ "${1:-}" = "--print-home" ]; then  # where the server's database and log go, and nothing else
+  echo "$PREFECT_HOME"
+  exit 0
+fi
 export PREFECT_API_URL="http://127.0.0.1:$PORT/api"
 
 fail() {

@@ -45,9 +45,9 @@ PINNED = {
     "heal": "d0dcd7b3376488202408692750440a2c",
     "score": "3d9257ddeafff3a6c1e69592fb7528de",
     "mtp_init": "80c1b2eb229c3e1da7292a990b913bf2",
-    # mtp.gen_ask and mtp.gen_windows (the model's own chat requests, prompts cut at several offsets);
-    # before: 324c4229e18218b05449e13daa49f36e
-    "trunk": "db11a9c91a2ce86ba40f993286c7608f",
+    # trunk version 2 (the generated windows bounded by mtp.tokens); before: db11a9c91a2ce86ba40f993286c7608f,
+    # and 324c4229e18218b05449e13daa49f36e before mtp.gen_ask and mtp.gen_windows
+    "trunk": "ce2e3d962f200102b00fcfdf880e9842",
     # the same two fields; before: 7fb2ed72c889124be5ace33634057188, and 4386060c84355cdb7f186f3aec7dc992
     # with device, gpus, the dump and cache paths in it
     "mtp": "c02bf1b5cf9e533952613aa144375a39",

@@ -36,12 +36,11 @@ def run(args) -> int:
     from ..compress.settings import CompressSettings
     from ..settings_meta import from_args
 
-    from ..store import check_output
-    from .heal import retain_args
+    from .heal import check_io
 
-    check_output(args.out, [args.source, args.data], kind="cmf", force=args.force)
+    retain = check_io(args, [args.source, args.data])
     s = from_args(CompressSettings, args)
-    rep = compress(args.source, args.data, s, args.out, work=args.work, retain=retain_args(args))
+    rep = compress(args.source, args.data, s, args.out, work=args.work, retain=retain)
     print(json.dumps(rep["metrics"], indent=1, sort_keys=True), file=sys.stdout, flush=True)
     from ..cmf import open_cmf
     from ..export.hf import runtimes_line

@@ -64,8 +64,9 @@ def _build(args) -> int:
         raise CortiqError("data build: no sources (give SRC files or --corpus NAME)")
     from ..store import check_output
 
-    check_output(args.out, [*args.sources, args.tokenizer], folder=True, kind="tdata", force=args.force)
     settings = from_args(BuildSettings, args)
+    check_output(args.out, [*args.sources, args.tokenizer, settings.generate_with], folder=True, kind="tdata",
+                 force=args.force)
     bar = tqdm(desc="data build", unit="step", file=sys.stderr, leave=False, disable=None)  # None: off when not a terminal
 
     def progress(msg: str):
@@ -105,8 +106,6 @@ def _inspect(args) -> int:
 
 
 def _self(args) -> int:
-    from pathlib import Path
-
     from .. import store
     from ..data.stages import self_tdata
     from ..data.settings import SelfGenSettings
@@ -114,7 +113,7 @@ def _self(args) -> int:
     from ..settings_meta import from_args
 
     s = from_args(SelfGenSettings, args)
-    d = self_tdata(args.model, s, Path(args.work) if args.work else store.home() / "work")
+    d = self_tdata(args.model, s, store.work_root(args.work))
     c = Tdata.open(d).meta["counts"]
     per = ", ".join(f"{k} {v['records']}" for k, v in c["categories"].items())
     print(f"{d}: {c['records']} records, {c['tokens']} tokens, {c['scored']} generated ({per})")

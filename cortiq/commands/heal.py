@@ -49,6 +49,20 @@ def retain_args(args):
     return from_args(RetainSettings, args, prefix="retain.")
 
 
+def check_io(args, inputs: list, also=()):
+    """The output rule (store.check_output) over `inputs` and the retain sources that are folders,
+    a --work that cannot be a folder, and a retain source that is --data itself refused, before
+    any work. -> the retain settings"""
+    from ..data.retain import check_not_data, folders
+    from ..store import check_output, work_root
+
+    retain = retain_args(args)
+    check_output(args.out, [*inputs, *folders(retain.sources)], kind="cmf", force=args.force, also=also)
+    work_root(args.work)
+    check_not_data(args.data, retain.sources)
+    return retain
+
+
 def run(args) -> int:
     import json
 
@@ -57,9 +71,10 @@ def run(args) -> int:
     from ..heal.settings import HealSettings
     from ..settings_meta import from_args
 
-    from ..store import check_output, write_text
+    from ..store import write_text
 
-    check_output(args.out, [args.student, args.teacher, args.data, args.eval_data], kind="cmf", force=args.force)
+    report = str(args.out) + ".report.json"
+    retain = check_io(args, [args.student, args.teacher, args.data, args.eval_data], also=[report])
     s = from_args(HealSettings, args)
     if args.teacher is None and s.ce < 1.0:
         from ..errors import CortiqError
@@ -74,7 +89,7 @@ def run(args) -> int:
     try:
         rep = heal(args.student, args.teacher, args.data, s, args.out, work_dir=args.work, progress=not args.quiet,
                    score_split=None if args.no_score else "test", eval_data=None if args.no_score else args.eval_data,
-                   retain=retain_args(args))
+                   retain=retain)
     finally:
         dist.finish()
     if rep is None:  # another rank than 0: rank 0 reports
@@ -109,7 +124,6 @@ def run(args) -> int:
               "other sources went unscored, and it can lose far more than your data; --retain-sources (corpus:pydoc, "
               "corpus:shakespeare, self or a tdata directory) mixes some in and scores its held-out part")
     # whole or not at all, and a full disk named (a half-written report would read as finished)
-    write_text(str(args.out) + ".report.json", json.dumps({"metrics": m, "nll": rep.get("nll"),
-                                                           "eval_nll": rep.get("eval_nll"), "gap": gap, "texts": texts,
-                                                           "facts": rep.get("facts"), "evals": rep["evals"]}, indent=2))
+    write_text(report, json.dumps({"metrics": m, "nll": rep.get("nll"), "eval_nll": rep.get("eval_nll"), "gap": gap,
+                                   "texts": texts, "facts": rep.get("facts"), "evals": rep["evals"]}, indent=2))
     return 0

@@ -51,7 +51,7 @@ def run(args) -> int:
 
     from ..mtp import MtpSettings, mtp_init
     from ..settings_meta import from_args
-    from ..store import check_output, parse_data_spec
+    from ..store import check_output, parse_data_spec, work_root
 
     data = [] if args.mtp_command == "init" else [path for path, _ in parse_data_spec(args.data)]
     inputs = [args.model, *data]
@@ -70,18 +70,18 @@ def run(args) -> int:
     from ..mtp.heal import _open
 
     s = from_args(MtpSettings, args)
+    work = work_root(args.work)
     _open(args.model)  # a model without a draft is pointed at `mtp init` (one line here, not one per rank)
     if s.gpus > 1 and not dist.under_torchrun():
         return dist.launch(args._argv, s.gpus)  # this command again, one process per GPU
     from ..runner import LocalRunner, deliver
     from ..mtp.stages import mtp_chain
-    from ..store import home
 
     dist.init()
     try:
         # the chain the flows run, through the same cache: a second run with the same model, data and
         # settings reuses the trunk pass and the trained draft
-        runner = LocalRunner(args.work or home() / "work", say=lambda m: print(m, file=sys.stderr))
+        runner = LocalRunner(work, say=lambda m: print(m, file=sys.stderr))
         made = mtp_chain(runner, args.model, args.data, s, say=lambda m: print(m, file=sys.stderr))
         if not dist.is_main():  # another rank than 0: rank 0 reports
             return 0

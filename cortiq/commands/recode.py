@@ -15,7 +15,8 @@ DESCRIPTION = (
     "by layer on the outputs of the layers already quantized; awq: activation-aware scales folded into the op "
     "before, then GPTQ; rtn: round-to-nearest; q8 by --method-8bit, rtn unless asked); the Grams are a cached stage under --work, reused by the next "
     "run on the same model, data and settings; the provenance gains a 'quantize' entry. Without --data the "
-    "blocks are round-to-nearest. Another cortiq process writing the same OUT.cmf is waited for (OUT.cmf.lock)."
+    "blocks are round-to-nearest, and a quantization option (which would change nothing) is refused, as is --data "
+    "where nothing would read it (a codec GPTQ does not write, a method of rtn). Another cortiq process writing the same OUT.cmf is waited for (OUT.cmf.lock)."
 )
 ORDER = 40
 
@@ -37,6 +38,41 @@ def add_arguments(p):
     add_settings(p, QuantSettings, title="quantization (with --data)")
 
 
+def check_start(args, s, given: set[str], arch) -> None:
+    """Every refusal of recode that needs no work, in one place: a quantization option that acts
+    only with --data (all of them but a method of rtn, which is what happens without data), --data
+    where it would be ignored (a codec GPTQ does not write, a method of rtn), a method named for
+    the other width's codecs, and calibration windows past the model's context."""
+    from ..errors import CortiqError
+    from ..quant.settings import BLOCK_CODECS, EIGHT_BIT
+    from ..settings_meta import flag
+
+    def needs(name: str, what: str):
+        raise CortiqError(f"recode: {flag('', name)} acts only with {what}")
+
+    if args.data is None:
+        for name in (f for f in s.__dataclass_fields__ if f in given):
+            if not (name in ("method", "method_8bit") and getattr(s, name) == "rtn"):
+                needs(name, "--data (calibrated quantization)")
+        if args.work is not None:
+            needs("work", "--data (the calibration's cached stages)")
+        return
+    if args.codec not in BLOCK_CODECS:
+        needs("data", f"a codec GPTQ writes ({', '.join(BLOCK_CODECS)}), not --codec {args.codec}")
+    method, other = ("method_8bit", "method") if args.codec in EIGHT_BIT else ("method", "method_8bit")
+    if getattr(s, method) == "rtn":
+        needs("data", f"{flag('', method)} gptq or awq (rtn takes no data)")
+    if other in given:
+        theirs = EIGHT_BIT if other == "method_8bit" else [c for c in BLOCK_CODECS if c not in EIGHT_BIT]
+        needs(other, f"--codec {' or '.join(theirs)} (--codec {args.codec} takes {flag('', method)})")
+    if "awq_grid" in given and getattr(s, method) != "awq":
+        needs("awq_grid", f"{flag('', method)} awq")
+    ctx = int(arch.max_position_embeddings)
+    if s.window > ctx:
+        raise CortiqError(f"{args.src}: --window {s.window} is past the model's context of {ctx} tokens "
+                          "(max_position_embeddings)")
+
+
 def run(args) -> int:
     import sys
 
@@ -44,16 +80,17 @@ def run(args) -> int:
 
     from .. import cmf, codecs, store
     from ..measure import recode
-    from ..quant import QuantSettings, requantize, uses_grams
+    from ..quant import QuantSettings, requantize
     from ..runner import deliver
-    from ..settings_meta import from_args
+    from ..settings_meta import from_args, named
 
     codecs.get(args.codec)  # an unknown codec fails before any work
-    store.check_output(args.out, [args.src], kind="cmf", force=args.force)
+    store.check_output(args.out, [args.src, args.data], kind="cmf", force=args.force)
     s = from_args(QuantSettings, args)
     src = cmf.open_cmf(args.src)
-    if args.data is not None and uses_grams(args.codec, s):
-        work = args.work or store.home() / "work"
+    check_start(args, s, named(getattr(args, "_argv", None), "recode", add_arguments, s), src.arch)
+    if args.data is not None:
+        work = store.work_root(args.work)
         with store.locked(args.out):
             r = requantize(args.src, args.data, args.codec, s, work)
             path = deliver({"path": r["path"]}, args.out)

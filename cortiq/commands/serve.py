@@ -34,17 +34,9 @@ NEEDS = (("draft", "speculative"), ("draft_branches", "speculative"), ("spec_aut
 def named(argv: list[str] | None, s) -> set[str]:
     """The settings the serve command line `argv` (from the command's name on) names, whatever
     their values; without a command line, those away from their defaults."""
-    import argparse
-    import dataclasses
+    from ..settings_meta import named as named_in
 
-    if argv is None or not argv or argv[0] != "serve":
-        return {f.name for f in dataclasses.fields(s) if getattr(s, f.name) != f.default}
-    p = argparse.ArgumentParser(add_help=False)
-    add_arguments(p)
-    unset = object()
-    # argparse sets an option's default only where the namespace lacks it: what stays unset was not given
-    ns = p.parse_args(argv[1:], namespace=argparse.Namespace(**{f.name: unset for f in dataclasses.fields(s)}))
-    return {k for k, v in vars(ns).items() if v is not unset}
+    return named_in(argv, "serve", add_arguments, s)
 
 
 def check_start(model_path: str, s, f, given: set[str], dev) -> tuple[int, int]:
@@ -69,7 +61,7 @@ def check_start(model_path: str, s, f, given: set[str], dev) -> tuple[int, int]:
         raise CortiqError(f"serve: a round of --draft {s.draft} on {nb} branches verifies {rows} positions, "
                           f"and the context is {max_len}: lower --draft or --draft-branches")
     if s.profile:
-        check_profile(s.profile, s.profile_steps, f.paths)
+        check_profile(s.profile, s.profile_steps, f.path)
     return max_len, nb
 
 
@@ -81,12 +73,13 @@ def profile_paths(profile: str, steps: int) -> list:
     return [out] + ([out.with_suffix(".trace.json")] if steps else [])
 
 
-def check_profile(profile: str, steps: int, inputs: list) -> None:
-    """--profile's folder exists and is writable, and no file it writes (nor its .partial) is
-    one of `inputs` (the served model's files) or their .partial and .lock names."""
+def check_profile(profile: str, steps: int, model) -> None:
+    """--profile's folder exists and is writable, and no file it writes is the served model
+    `model` or one of its files (store.check_output's rule)."""
     import os
 
     from ..errors import CortiqError
+    from ..store import check_output
 
     outs = profile_paths(profile, steps)
     folder = outs[0].parent
@@ -94,20 +87,10 @@ def check_profile(profile: str, steps: int, inputs: list) -> None:
         raise CortiqError(f"serve: --profile {profile}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise CortiqError(f"serve: --profile {profile}: the folder {folder} is not writable")
-    taken = {}
-    for p in inputs:
-        for q in (p, p.with_name(p.name + ".partial"), p.with_name(p.name + ".lock")):
-            taken[os.path.realpath(q)] = p
     for out in outs:
         if out.is_dir():
             raise CortiqError(f"serve: --profile {profile}: {out} is a folder")
-        for o in (out, out.with_name(out.name + ".partial")):
-            hit = taken.get(os.path.realpath(o))
-            if hit is None and o.exists():  # a hard link to one of them
-                hit = next((p for p in inputs if os.path.samefile(o, p)), None)
-            if hit is not None:
-                raise CortiqError(f"serve: --profile {profile} would overwrite the served model ({hit}): "
-                                  "write it elsewhere")
+        check_output(out, [model])
 
 
 def load(model_path: str, s, given: set[str] = frozenset()):

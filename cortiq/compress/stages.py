@@ -425,7 +425,7 @@ def compress(source_cmf, tdata_dir, settings: CompressSettings, out_cmf, logger:
     s = settings
     _resources(s.device, s.compute_dtype)  # a bad device fails here, before any stage runs
     say = log or (lambda m: print(m, file=sys.stderr))
-    runner = LocalRunner(Path(work) if work else store.home() / "work", logger, say=say)
+    runner = LocalRunner(store.work_root(work), logger, say=say)
     if retain is not None and retain.sources:
         tdata_dir, panel = with_retain(tdata_dir, source_cmf, retain, runner.run, None, logger)
         if panel:  # every source may have been left out (other_sources says which, and why)

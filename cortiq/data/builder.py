@@ -434,7 +434,7 @@ def build(sources: list[str], tokenizer: str | os.PathLike, out: str | os.PathLi
     settings = settings or BuildSettings()
     if not sources:
         raise CortiqError("no sources to build data from")
-    store.check_output(out, [], folder=True, kind="tdata", force=force)
+    store.check_output(out, [*sources, tokenizer, settings.generate_with], folder=True, kind="tdata", force=force)
     cmf = open_cmf(tokenizer)
     tdoc = cmf.tokenizer or {}
     tok = from_doc(tdoc, str(tokenizer))

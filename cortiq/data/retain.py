@@ -99,10 +99,32 @@ def resolve_sources(sources: list[str], cuda: bool | None = None) -> list[str]:
     return out
 
 
+def folders(sources: list[str]) -> list[str]:
+    """The retain sources that name tdata directories (not corpus:NAME, self, knowledge or auto):
+    inputs of the command, which no output may replace."""
+    return [s for s in sources if s not in (SELF, KNOWLEDGE, AUTO) and not s.startswith("corpus:")]
+
+
+def check_not_data(tdata_dir, sources: list[str]) -> None:
+    """A retain source that is the data itself (its folder under any spelling, or a copy of the
+    same build) is refused: its test split would be reported as a general panel of other text
+    that was never trained on, when the heal trained on the rest of that very text."""
+    mine = Path(tdata_dir)
+    own = store.read_meta(mine).get("digest") if store.is_complete(mine) else None
+    for s in folders(sources):
+        same = store.same_place(Path(s), mine)
+        if not same and own is not None and store.is_complete(s):
+            same = store.read_meta(s).get("digest") == own
+        if same:
+            raise CortiqError(f"retain source {s}: it is the data {tdata_dir} itself, whose test split would be "
+                              "reported as a general panel never trained on; give a retain source of other text")
+
+
 def other_sources(tdata_dir, sources: list[str]) -> list[str]:
     """The retain sources less the corpora the user's data is built from (the default, pydoc,
     is the flows' default data too): such a source is not other text, and its records, cut
     another way, would put text of the data's test split into the train windows."""
+    check_not_data(tdata_dir, sources)
     sources = resolve_sources(sources)
     built = set(Tdata.open(tdata_dir).meta.get("inputs", {}).get("sources") or ())
     left = [s for s in sources if not (s.startswith("corpus:") and s in built)]

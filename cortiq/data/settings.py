@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
@@ -130,9 +131,9 @@ class SelfGenSettings:
 
 
 def three_shares(v, name: str, where: str) -> tuple[float, float, float]:
-    """Three non-negative numbers summing to 1, as floats; else one clear error."""
+    """Three finite non-negative numbers summing to 1, as floats; else one clear error."""
     v = tuple(float(x) for x in v)
-    if len(v) != 3 or any(x < 0 for x in v) or abs(sum(v) - 1) > 1e-6:
+    if len(v) != 3 or not all(math.isfinite(x) and x >= 0 for x in v) or abs(sum(v) - 1) > 1e-6:
         raise CortiqError(f"{where}: {name} must be three non-negative numbers summing to 1, not {v}")
     return v
 

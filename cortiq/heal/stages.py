@@ -268,7 +268,7 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
         from ..data import Tdata
 
         Tdata.open(eval_data).check_tokenizer(student_cmf)
-    work = Path(work_dir) if work_dir is not None else store.home() / "work"
+    work = store.work_root(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     runner = LocalRunner(work, logger, progress)

@@ -70,7 +70,8 @@ def resolve(f, s: MtpSettings, say=None) -> MtpSettings:
         why = "" if s.preset != "auto" else (" (the draft is fresh from mtp init)" if preset == "fresh" else "")
         given = [k for k in PRESETS[preset] if getattr(s, k) is not None]
         if out.generate:
-            text = "the model's own continuations" + (f" of {out.gen_windows} prompts" if out.gen_windows else "")
+            n = min(out.gen_windows, max(1, out.tokens // out.window))  # (a set's PATH@TOKENS may bound it further)
+            text = "the model's own continuations" + (f" of {n} prompts" if out.gen_windows else "")
         elif out.gen_share > 0:
             text = f"the data's text and the model's own continuations of {out.gen_share:g} of its prompts"
         else:
@@ -111,9 +112,13 @@ def _sets(model, f, data_spec: str, s: MtpSettings, cache=None) -> tuple[list, l
     of them all."""
     from .selfgen import chat_rows, generated_sets
 
+    from ..store import parse_data_spec
+
     packed = _windows(f, data_spec, s)
     if not s.generate and s.gen_share <= 0:
         return packed, []
+    # the windows generated from a data set are bounded by its tokens, as its own windows are
+    most = {p.name: max(1, (cap or s.tokens) // s.window) for p, (_, cap) in zip(packed, parse_data_spec(data_spec))}
     src = packed
     if not s.generate:
         src = []
@@ -125,7 +130,7 @@ def _sets(model, f, data_spec: str, s: MtpSettings, cache=None) -> tuple[list, l
     # across ranks rank 0 generates (and keeps) the windows first; the others read them back
     if not dist.is_main():
         dist.barrier()
-    gen, info = generated_sets(model, f, src, s, root, _say)
+    gen, info = generated_sets(model, f, src, s, root, _say, most)
     if dist.active() and dist.is_main():
         dist.barrier()
     return (gen if s.generate else packed + gen), info

@@ -185,11 +185,14 @@ def _read(d: Path):
     return ids, lens, plens, held, chat
 
 
-def generated_sets(model, f, packed: list, s, cache: str | os.PathLike | None = None, say=None) -> tuple[list, list[dict]]:
+def generated_sets(model, f, packed: list, s, cache: str | os.PathLike | None = None, say=None,
+                   most: dict | None = None) -> tuple[list, list[dict]]:
     """For each packed data set (cortiq.data.windowing.Packed) the model's continuations to
     `s.window` tokens of its windows' first `s.gen_prompt` tokens (and of chat requests in
     place of a `s.gen_chat` share of them), as a Packed set `NAME.gen` with the same held-out
-    windows; cached under `cache` (see default_cache). -> (sets of Generated, per-set info)."""
+    windows; `s.gen_windows` of them where that is more than the set's windows, but at most
+    `most[NAME]` (the set's token budget in windows); cached under `cache` (see default_cache).
+    -> (sets of Generated, per-set info)."""
     from ..data.selfgen import asked_openings, generate_rows
     from .trunk import trunk_key
 
@@ -203,8 +206,9 @@ def generated_sets(model, f, packed: list, s, cache: str | os.PathLike | None = 
         keep = np.asarray(p.lengths) > P  # windows long enough to cut a prompt from
         held = np.asarray(p.held)[keep]
         cuts = np.asarray(p.ids)[keep]
-        if (s.gen_windows or 0) > len(cuts) > 0:
-            cuts, rows = cut_prompts(cuts, np.asarray(p.lengths)[keep], P, s.gen_windows)
+        n = min(s.gen_windows or 0, (most or {}).get(p.name, s.gen_windows or 0))
+        if n > len(cuts) > 0:
+            cuts, rows = cut_prompts(cuts, np.asarray(p.lengths)[keep], P, n)
             held = held[rows]
         asked = []
         if requests and s.gen_ask > 0:

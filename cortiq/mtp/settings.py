@@ -70,11 +70,12 @@ def parse_taps(spec) -> tuple[str, list[int]] | None:
 #: client. At 4096 windows 6 epochs against 3 raised the held-out estimate little: more
 #: distinct windows pay, more passes over the same ones little. A held-out evaluation
 #: walks the held-out windows, so it runs every 200 steps, and 10 without a new best stop.
+#: `tokens` bounds the generated windows too, so the fresh preset's is those 8192 windows' worth.
 PRESETS = {
     "retrain": {"lr": 2e-5, "warm": 0.1, "epochs": 1.0, "train_input": False, "patience": 6, "eval_every": 25,
-                "window": 2048, "batch": 2, "generate": False, "gen_windows": 0},
+                "window": 2048, "batch": 2, "generate": False, "gen_windows": 0, "tokens": 393216},
     "fresh": {"lr": 1e-3, "warm": 0.05, "epochs": 2.0, "train_input": True, "patience": 10, "eval_every": 200,
-              "window": 320, "batch": 8, "generate": True, "gen_windows": 8192},
+              "window": 320, "batch": 8, "generate": True, "gen_windows": 8192, "tokens": 8192 * 320},
 }
 
 #: `preset` values: "auto" picks "fresh" for a draft `mtp init` made and no
@@ -109,7 +110,11 @@ class MtpSettings:
                              "(0: to the window's end)", lo=0)
 
     # ── data ──
-    tokens: int = setting(393216, "tokens taken from a data set that names no count (PATH@TOKENS)", lo=1, feeds=("trunk", "mtp"))
+    #: tokens taken from a data set that names no count, and the bound of the windows generated
+    #: from it (tokens // window, at least one: a small budget is a small run, whatever gen_windows
+    #: asks); preset: retrain 393216, fresh 2621440 (the fresh preset's 8192 windows of 320)
+    tokens: int | None = setting(None, "tokens taken from a data set that names no count (PATH@TOKENS), and "
+                                       "generated from it at most", show="the preset's", lo=1, feeds=("trunk", "mtp"))
     #: tokens per window (a generated sequence fills one); preset: retrain 2048, fresh 320
     window: int | None = setting(None, "tokens per window (a generated sequence fills one)", show="the preset's", **WINDOW, feeds=("trunk", "mtp"))
     topk: int = setting(64, "trunk top-k entries kept per row (the KL target)", **TOPK, feeds=("trunk", "mtp"))

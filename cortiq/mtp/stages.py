@@ -57,7 +57,9 @@ def _mtp_stage(out, ctx, model, tdata, trunk, settings) -> dict:
 MTP_INIT = Stage("mtp_init", 1, _init_stage, None, ("model",), output="cmf",
                  doc="the model plus a fresh draft block (for a source that has none)")
 # the generated data's fields as one list: the layout the trunk's digests were first made with
-TRUNK = Stage("trunk", 1, _trunk_stage, MtpSettings, ("model", "tdata"),
+# version 2: the windows generated from a data set are bounded by its tokens (mtp.tokens or PATH@TOKENS),
+# where gen_windows asked for more; the same settings made more windows before
+TRUNK = Stage("trunk", 2, _trunk_stage, MtpSettings, ("model", "tdata"),
               layout=(("gen", ("gen_prompt", "gen_chat", "gen_temperature", "seed", "gen_share")),),
               doc="the trunk's last hidden rows and next-token top-k per window (what the draft trains on)",
               gpus=settings_gpus)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from cortiq.cli import main
 from cortiq.data import Tdata
 
@@ -31,8 +33,8 @@ def test_bad_input_is_one_line(tmp_path, tok_cmf, capsys):
     rc = main(["data", "build", str(tmp_path / "b.jsonl"), "--tokenizer", str(tok_cmf), "--out", str(tmp_path / "td")])
     err = capsys.readouterr().err
     assert rc == 1 and err.startswith(f"cortiq: {tmp_path / 'b.jsonl'}:2: not JSON") and "Traceback" not in err
-    assert main(["data", "inspect", str(tmp_path / "td")]) == 1
-    assert "not a finished stage output" in capsys.readouterr().err
+    assert main(["data", "inspect", str(tmp_path / "td")]) == 1  # nothing was written
+    assert capsys.readouterr().err == f"cortiq: {tmp_path / 'td'}: no such file or directory\n"
     assert main(["data", "build", "--tokenizer", str(tok_cmf), "--out", str(tmp_path / "td")]) == 1
     assert "no sources" in capsys.readouterr().err
 
@@ -52,3 +54,21 @@ def test_self_generates_tdata_once_and_refuses_a_bad_mix(tmp_path, capsys):
     assert main(argv[:-2] + ["--mix", "0.5,0.5,0.5"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("cortiq: selfgen settings: mix must be three non-negative numbers summing to 1") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("option, line", [
+    (["--mix", "nan,0.5,0.5"], "selfgen settings: mix must be three non-negative numbers summing to 1, not (nan, 0.5, 0.5)"),
+    (["--mix", "inf,0,0"], "selfgen settings: mix must be three non-negative numbers summing to 1, not (inf, 0.0, 0.0)"),
+    (["--temperature", "inf"], "selfgen settings: temperature inf is not a finite number"),
+    (["--temperature", "nan"], "selfgen settings: temperature nan is not a finite number"),
+    (["--ask", "nan"], "selfgen settings: ask nan is not a finite number"),
+])
+def test_self_takes_finite_settings_only(tmp_path, capsys, option, line):
+    # refused before the model is read or anything is generated: one line, nothing written
+    from data_helpers import tiny_model_cmf
+
+    m = tiny_model_cmf(tmp_path / "m.cmf")
+    before = m.read_bytes()
+    assert main(["data", "self", str(m), "--work", str(tmp_path / "work"), "--device", "cpu", *option]) == 1
+    assert capsys.readouterr().err == f"cortiq: {line}\n"
+    assert m.read_bytes() == before and not (tmp_path / "work").exists()

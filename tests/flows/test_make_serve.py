@@ -52,3 +52,18 @@ def test_a_failed_step_is_one_line(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("make serve: starting the Prefect server on 127.0.0.1:"), r.stderr
     assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_an_unset_home_falls_back_as_cortiq_does(tmp_path):
+    # with HOME unset, `make serve` took the Prefect home from the user's home, as Python's
+    # Path.home() does, rather than stopping on bash's "HOME: unbound variable"
+    env = {k: v for k, v in os.environ.items() if k not in ("HOME", "CORTIQ_HOME") and not k.startswith("PREFECT_")}
+    r = subprocess.run(["bash", str(ROOT / "deployments" / "serve.sh"), "--print-home"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    home = subprocess.run([sys.executable, "-c", "from pathlib import Path; print(Path.home())"], env=env,
+                          capture_output=True, text=True, timeout=60).stdout.strip()
+    assert (r.returncode, r.stderr, r.stdout) == (0, "", f"{home}/.cortiq/prefect\n")
+    env["CORTIQ_HOME"] = str(tmp_path / "c")
+    r = subprocess.run(["bash", str(ROOT / "deployments" / "serve.sh"), "--print-home"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (0, f"{tmp_path / 'c'}/prefect\n")

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from cortiq.cli import main
 from cortiq.cmf import open_cmf
 
@@ -72,3 +74,28 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys):
     rc = main(["heal", str(teacher), "--teacher", str(teacher), "--data", str(td), "--out", str(tmp_path / "h.cmf"),
                "--ce", "1.5", "--quiet"])
     assert rc == 1 and capsys.readouterr().err == "cortiq: heal settings: ce 1.5 is outside [0, 1]\n"
+
+
+@pytest.mark.parametrize("cmd", ["heal", "compress"])
+@pytest.mark.parametrize("spelling", ["same", "dot", "slash", "symlink", "copy"])
+def test_the_data_as_a_retain_source_is_refused(tmp_path, capsys, cmd, spelling):
+    # its test split would be reported as a general panel of other text, never trained on
+    import os
+    import shutil
+
+    a = arch()
+    teacher = save(tmp_path / "t.cmf", a, random_weights(a))
+    td = tdata(tmp_path, teacher, chars=2000)
+    if spelling in ("symlink", "copy"):
+        same = tmp_path / "again.tdata"
+        os.symlink(td, same) if spelling == "symlink" else shutil.copytree(td, same)
+    else:
+        same = {"same": str(td), "dot": f"{td.parent}/./{td.name}", "slash": f"{td}/"}[spelling]
+    head = ["heal", teacher, "--teacher", teacher] if cmd == "heal" else ["compress", teacher]
+    argv = [*head, "--data", td, "--out", tmp_path / "o.cmf", "--retain-sources", same]
+    capsys.readouterr()
+    assert main([str(x) for x in argv]) == 1
+    assert capsys.readouterr().err == (f"cortiq: retain source {same}: it is the data {td} itself, whose test split "
+                                       "would be reported as a general panel never trained on; give a retain source "
+                                       "of other text\n")
+    assert not (tmp_path / "o.cmf").exists() and not (tmp_path / "cortiq-home" / "work").exists()

@@ -379,3 +379,24 @@ def test_gen_windows_and_gen_ask_grow_a_small_data_set(tmp_path):
     cuts, rows = cut_prompts(packed[0].ids, packed[0].lengths, s.gen_prompt, 20)
     assert all(g.ids[i, : s.gen_prompt].tolist() == cuts[i].tolist() for i in data_rows)
     assert g.held.tolist() == packed[0].held[rows].tolist() and n < 20
+
+
+def test_tokens_bound_the_generated_windows(tmp_path):
+    """mtp.tokens (or a data set's PATH@TOKENS) bounds the windows generated from it, as it bounds
+    the data's own: tokens // window of them at most, whatever gen_windows asks."""
+    from cortiq.mtp.heal import _sets
+
+    path = write_model(tmp_path / "m.cmf", seed=2)
+    data = write_tdata(tmp_path / "d.tdata", greedy_records(path, 10, 96, seed=2))
+    f = open_cmf(path)
+    m = load_model(f)
+    for spec, tokens, want in ((str(data), 96 * 15, 15), (f"{data}@{96 * 12}", 96 * 15, 12),
+                               (str(data), 96 * 100, 24)):
+        s = resolve(f, tiny_settings(window=96, gen_chat=0.0, gen_windows=24, tokens=tokens, batch=1,
+                                     generate=True))
+        gen, info = _sets(m, f, spec, s, tmp_path / "gen")
+        assert [len(g) for g in gen] == [want] and info[0]["windows"] == want, spec
+    # the presets' own: the fresh preset's 8192 windows of 320 fit its tokens
+    fresh = MtpSettings().resolved("fresh")
+    assert fresh.tokens // fresh.window == fresh.gen_windows == 8192
+    assert MtpSettings().resolved("retrain").tokens == 393216

@@ -162,16 +162,15 @@ def test_q8_rounds_to_nearest_unless_method_8bit_asks(tmp_path, monkeypatch):
     import cortiq.quant.stages as quant
 
     m, td = model_and_data(tmp_path)
-    argv = ["--codec", "q8", "--work", str(tmp_path / "work"), "--window", "64", "--max-windows", "8",
-            "--device", "cpu"]
-    assert main(["recode", str(m), str(tmp_path / "plain.cmf"), *argv]) == 0
+    assert main(["recode", str(m), str(tmp_path / "plain.cmf"), "--codec", "q8"]) == 0
+    assert "quantize" not in open_cmf(tmp_path / "plain.cmf").provenance
+    # --data at the default: nothing it would calibrate, so it is refused rather than ignored
     real = quant.capture
     monkeypatch.setattr(quant, "capture", lambda *a, **k: pytest.fail("q8 took the Grams at the default"))
-    assert main(["recode", str(m), str(tmp_path / "d.cmf"), "--data", str(td), *argv]) == 0
-    a, d = open_cmf(tmp_path / "plain.cmf"), open_cmf(tmp_path / "d.cmf")
-    assert "quantize" not in d.provenance
-    for n in a.names:
-        assert bytes(a.raw(n)) == bytes(d.raw(n)), n
+    argv = ["--codec", "q8", "--work", str(tmp_path / "work"), "--window", "64", "--max-windows", "8",
+            "--device", "cpu"]
+    assert main(["recode", str(m), str(tmp_path / "d.cmf"), "--data", str(td), *argv]) == 1
+    assert not (tmp_path / "d.cmf").exists()
     # --method-8bit gptq: the Grams, and the provenance says so; q4 still takes --method
     monkeypatch.setattr(quant, "capture", real)
     assert main(["recode", str(m), str(tmp_path / "g.cmf"), "--data", str(td), "--method-8bit", "gptq", *argv]) == 0
@@ -179,6 +178,37 @@ def test_q8_rounds_to_nearest_unless_method_8bit_asks(tmp_path, monkeypatch):
     assert g.provenance["quantize"]["settings"]["method_8bit"] == "gptq"
     assert {x["method"] for x in g.provenance["quantize"]["groups"]} == {"gptq"}
     assert QuantSettings(method="gptq").method_for("q4") == "gptq" and QuantSettings().method_for("q8") == "rtn"
+
+
+@pytest.mark.parametrize("argv, line", [
+    # calibration windows past the model's context
+    (["--codec", "q4", "--data", "{td}", "--window", "100000"],
+     "{m}: --window 100000 is past the model's context of {ctx} tokens (max_position_embeddings)"),
+    # options that act only with another: refused, naming it, rather than ignored
+    (["--codec", "q4", "--method", "awq"], "recode: --method acts only with --data (calibrated quantization)"),
+    (["--codec", "q4", "--window", "64"], "recode: --window acts only with --data (calibrated quantization)"),
+    (["--codec", "q4", "--no-act-order"], "recode: --act-order acts only with --data (calibrated quantization)"),
+    (["--codec", "q4", "--work", "{td}"], "recode: --work acts only with --data (the calibration's cached stages)"),
+    (["--codec", "f16", "--data", "{td}", "--method", "awq"],
+     "recode: --data acts only with a codec GPTQ writes (q4, q4_64, q8), not --codec f16"),
+    (["--codec", "q4", "--data", "{td}", "--method", "rtn"], "recode: --data acts only with --method gptq or awq "
+                                                             "(rtn takes no data)"),
+    (["--codec", "q8", "--data", "{td}", "--method-8bit", "awq", "--method", "gptq"],
+     "recode: --method acts only with --codec q4 or q4_64 (--codec q8 takes --method-8bit)"),
+    (["--codec", "q4", "--data", "{td}", "--method", "gptq", "--awq-grid", "5"],
+     "recode: --awq-grid acts only with --method awq"),
+])
+def test_recode_refuses_at_start(tmp_path, capsys, argv, line):
+    from cortiq.cmf import open_cmf as open_
+
+    m, td = model_and_data(tmp_path)
+    before = m.read_bytes()
+    names = {"m": m, "td": td, "ctx": open_(m).arch.max_position_embeddings}
+    capsys.readouterr()
+    assert main(["recode", str(m), str(tmp_path / "o.cmf"), *(a.format(**names) for a in argv)]) == 1
+    assert capsys.readouterr().err == "cortiq: " + line.format(**names) + "\n"
+    assert m.read_bytes() == before and not list(tmp_path.glob("o.cmf*"))
+    assert not (tmp_path / "cortiq-home" / "work").exists()  # no stage ran
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):

@@ -90,7 +90,8 @@ WHY_DRAFT = ("a round's drafts run one after another, and one is kept only where
              "round costs more than it can keep")
 WHY_BRANCHES = ("a round verifies branches x draft + 1 rows a request, and the tree's masks grow with their square: "
                 "more first guesses cost more than they keep")
-OVERWRITE = "cortiq: serve: --profile {} would overwrite the served model ({}): write it elsewhere\n"
+#: the output rule's line (store.check_output), the one every writer of a file gives
+OVERWRITE = "cortiq: {}: {}; give another output path\n"
 
 
 @pytest.mark.parametrize("args, line", [
@@ -109,13 +110,13 @@ OVERWRITE = "cortiq: serve: --profile {} would overwrite the served model ({}): 
     (["--profile", "{d}/missing/p.json"], "cortiq: serve: --profile {d}/missing/p.json: the folder {d}/missing does "
                                           "not exist\n"),
     (["--profile", "{d}"], "cortiq: serve: --profile {d}: {d} is a folder\n"),
-    (["--profile", "{m}"], OVERWRITE.format("{m}", "{m}")),
-    (["--profile", "{d}/./m.cmf"], OVERWRITE.format("{d}/./m.cmf", "{m}")),
-    (["--profile", "{m}.partial"], OVERWRITE.format("{m}.partial", "{m}")),
-    (["--profile", "{m}.lock"], OVERWRITE.format("{m}.lock", "{m}")),
-    (["--profile", "{s}"], OVERWRITE.format("{s}", "{s}")),  # a shard of it
-    (["--profile", "{s}.partial"], OVERWRITE.format("{s}.partial", "{s}")),
-    (["--profile", "{d}/link.cmf"], OVERWRITE.format("{d}/link.cmf", "{m}")),  # a link to it
+    (["--profile", "{m}"], OVERWRITE.format("{m}", "the output is the input {m}")),
+    (["--profile", "{d}/./m.cmf"], OVERWRITE.format("{m}", "the output is the input {m}")),
+    (["--profile", "{m}.partial"], OVERWRITE.format("{m}.partial", "the output is the .partial file of the input {m}")),
+    (["--profile", "{m}.lock"], OVERWRITE.format("{m}.lock", "the output is the .lock file of the input {m}")),
+    (["--profile", "{s}"], OVERWRITE.format("{s}", "the output is {sn}, a shard of the input {m}")),  # a shard of it
+    (["--profile", "{s}.partial"], OVERWRITE.format("{s}.partial", "the output is the .partial file of the input {s}")),
+    (["--profile", "{d}/link.cmf"], OVERWRITE.format("{d}/link.cmf", "the output is the input {m}")),  # a link to it
 ])
 def test_start_up_refusals_are_one_line_and_touch_no_file(tmp_path, capsys, args, line):
     import hashlib
@@ -126,7 +127,7 @@ def test_start_up_refusals_are_one_line_and_touch_no_file(tmp_path, capsys, args
     paths = _sharded(d)
     assert len(paths) > 2
     os.symlink(paths[0], d / "link.cmf")
-    names = {"d": str(d), "m": str(paths[0]), "s": str(paths[1])}
+    names = {"d": str(d), "m": str(paths[0]), "s": str(paths[1]), "sn": paths[1].name}
     before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
     listing = sorted(os.listdir(d))
     assert main(["serve", str(paths[0]), "--device", "cpu", *(a.format(**names) for a in args)]) == 1
