@@ -349,8 +349,10 @@ def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dt
     """Write the CMF model as a Hugging Face directory `out_dir` (see the module
     doc). `out_dir` must not exist or be empty (with `force`, whatever is there is
     replaced); it is written as `out_dir.partial` and renamed when complete.
-    `quantized`: q8 / q4 decoder-layer matrices as compressed-tensors weights
-    (else dequantized to `dtype`)."""
+    `quantized` (QUANTIZED): which q8 / q4 decoder-layer matrices go as compressed-tensors
+    weights (the others dequantized to `dtype`)."""
+    if quantized not in QUANTIZED:
+        raise CortiqError(f"quantized {quantized!r} is not one of {', '.join(QUANTIZED)}")
     f = model if isinstance(model, CmfFile) else open_cmf(model)
     out = Path(out_dir)
     verify_file(f)  # what cortiq would refuse to load is not written out for others to load

@@ -135,7 +135,7 @@ def test_padding_that_is_not_zero_is_refused_by_convert(tmp_path):
 def test_shards_with_an_index_and_quantized_tensors_dequantized_to_the_dtype(tmp_path):
     src = write_random(tmp_path / "m.cmf", arch_of("qwen3", mtp=0), seed=6)
     q8 = recode(src, tmp_path / "q8.cmf", lambda n, i: "q8" if len(i.shape) == 2 else i.codec)
-    out = export_hf(q8, tmp_path / "hf", dtype="bf16", shard_bytes=12_000, quantized=False)
+    out = export_hf(q8, tmp_path / "hf", dtype="bf16", shard_bytes=12_000, quantized="none")
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted({v for v in index["weight_map"].values()})
     assert len(files) > 2 and files == sorted(p.name for p in out.glob("*.safetensors"))
