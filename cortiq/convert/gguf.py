@@ -25,6 +25,9 @@ from ..errors import CortiqError
 
 #: GGUF `general.architecture` values this converter reads
 SUPPORTED = ("llama", "qwen2", "qwen3")
+#: llama.cpp architectures that are a Llama as cortiq reads them: "deci" (a Llama with a width per
+#: layer, as cortiq's GGUF export writes one; its attention-free and linear-attention blocks are not read)
+LLAMA_LIKE = {"deci": "llama"}
 
 _TOP = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -122,9 +125,9 @@ def _permute(w, n_head: int):
 def read_arch(r, src: Path) -> tuple[Arch, dict[str, str]]:
     """The Arch of an opened GGUF file, and the map GGUF tensor name → CMF name."""
     name = _meta(r, "general.architecture")
-    if name not in SUPPORTED:
+    if name not in SUPPORTED and name not in LLAMA_LIKE:
         raise ArchError(
-            f"{src}: unsupported architecture {name or '(none)'!r}; supported: {', '.join(SUPPORTED)}"
+            f"{src}: unsupported architecture {name or '(none)'!r}; supported: {', '.join(SUPPORTED + tuple(LLAMA_LIKE))}"
         )
     tensors = {t.name: t for t in r.tensors}
     names: dict[str, str] = {}
@@ -140,16 +143,24 @@ def read_arch(r, src: Path) -> tuple[Arch, dict[str, str]]:
         else:
             raise CortiqError(f"{src}: tensor {g!r} is not part of a dense {name} model cortiq reads")
 
+    def one(key, v):
+        # a per-layer array (deci's head counts) is read only when every layer has the same value
+        if isinstance(v, list):
+            if len(set(v)) != 1:
+                raise CortiqError(f"{src}: metadata {name}.{key} differs per layer ({min(v)}..{max(v)}): not read")
+            return v[0]
+        return v
+
     def need(key, cast=int):
         v = _meta(r, f"{name}.{key}")
         if v is None:
             raise CortiqError(f"{src}: metadata {name}.{key} is missing")
-        return cast(v)
+        return cast(one(key, v))
 
     n = need("block_count")
     hidden = need("embedding_length")
     heads = need("attention.head_count")
-    kv = int(_meta(r, f"{name}.attention.head_count_kv") or heads)
+    kv = int(one("attention.head_count_kv", _meta(r, f"{name}.attention.head_count_kv")) or heads)
     head_dim = int(_meta(r, f"{name}.attention.key_length") or hidden // heads)
     rot = int(_meta(r, f"{name}.rope.dimension_count") or head_dim)
     widths = []
@@ -168,7 +179,7 @@ def read_arch(r, src: Path) -> tuple[Arch, dict[str, str]]:
             raise CortiqError(f"{src}: rope scaling {stype!r} is not supported (supported: linear)")
         scaling = {"rope_type": "linear", "factor": _f32(_meta(r, f"{name}.rope.scaling.factor", 1.0))}
     arch = Arch(
-        arch_name=name,
+        arch_name=LLAMA_LIKE.get(name, name),
         vocab_size=_logical_shape(emb)[0],
         hidden_size=hidden,
         num_layers=n,

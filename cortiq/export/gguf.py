@@ -4,8 +4,9 @@ Written with the `gguf` package's GGUFWriter, streamed (tensor infos first,
 then each tensor's bytes, one tensor in memory at a time):
 
 - llama.cpp's tensor names (`token_embd`, `blk.{i}.attn_q`, ...) and metadata
-  keys for the family; per-layer MLP widths that differ go in as the
-  `feed_forward_length` array llama.cpp reads per layer;
+  keys for the family; a Llama whose MLP widths differ per layer is written as
+  llama.cpp's `deci` architecture with a `feed_forward_length` array (see
+  PER_LAYER_WIDTHS; a Qwen one is refused: llama.cpp builds its layers at one width);
 - the q_proj / k_proj rows of Llama models in llama.cpp's order (per head,
   the rotary halves interleaved, as its converter permutes them; Qwen2 and
   Qwen3 use the rotate-half rope and stay as they are);
@@ -50,6 +51,18 @@ from ..model import verify_file
 
 #: families llama.cpp runs that cortiq writes (its `general.architecture` names)
 SUPPORTED = ("llama", "qwen2", "qwen3")
+#: llama.cpp's architecture that runs a Llama whose MLP widths differ per layer: its "llama" builds
+#: every layer at the first layer's width, its "deci" (DeciLM / Nemotron-NAS) at each layer's own
+#: (`hparams.n_ff(i)` in src/models/deci.cpp, against one `n_ff` in src/models/llama.cpp); the
+#: tensors, rope and q/k row order are Llama's
+PER_LAYER_WIDTHS = {"llama": "deci"}
+
+
+def gguf_arch(f: CmfFile) -> str:
+    """The `general.architecture` a model is written as: its family's, or PER_LAYER_WIDTHS' where
+    its MLP widths differ per layer."""
+    widths = f.arch.intermediate_sizes
+    return PER_LAYER_WIDTHS[f.arch.arch_name] if len(set(widths)) > 1 else f.arch.arch_name
 
 _TO_GGUF_TOP = {v: k for k, v in _TOP.items()}
 _TO_GGUF_LAYER = {v: k for k, v in _LAYER.items()}
@@ -204,6 +217,11 @@ def _check_exportable(f: CmfFile, out: Path, pre: str | None) -> None:
     if arch.arch_name not in SUPPORTED:
         raise CortiqError(f"{f.path}: llama.cpp does not run {arch.arch_name!r} models as cortiq writes them; "
                           f"GGUF export supports {', '.join(SUPPORTED)} (use --to hf)")
+    widths = arch.intermediate_sizes
+    if len(set(widths)) > 1 and arch.arch_name not in PER_LAYER_WIDTHS:
+        raise CortiqError(f"{f.path}: MLP widths differ per layer ({min(widths)}..{max(widths)}), and llama.cpp's "
+                          f"{arch.arch_name} builds every layer at one width: compress with --fold-scope per_layer "
+                          "for a GGUF, or export --to hf")
     sc = arch.rope_scaling
     kind = (sc or {}).get("rope_type", (sc or {}).get("type"))
     if sc and kind != "linear":
@@ -294,7 +312,7 @@ def export_gguf(model: str | os.PathLike | CmfFile, out_file: str | os.PathLike,
     _check_exportable(f, out, pre)
     tok = tokenizer_meta(f.tokenizer, f.arch.vocab_size, str(f.path), pre)
     plan, left = _tensor_plan(f)
-    w = GGUFWriter(None, f.arch.arch_name)
+    w = GGUFWriter(None, gguf_arch(f))
     conv = next((v for k, v in f.provenance.items() if k.split("#")[0] == "convert"), {})
     _add_metadata(w, f, tok, plan, name or conv.get("name") or out.stem)
     _write(w, plan, out, progress)

@@ -162,14 +162,14 @@ def config(arch: Arch, tok: dict | None, dtype: str, widths: list[int], mtp: int
 
 def runtimes_line(widths: list[int], source: int) -> str:
     """Which runtimes a model of MLP `widths` (per layer) runs smaller than its source's `source` wide MLPs:
-    CMF and GGUF carry per-layer widths, this export pads them to the widest (see the module doc)."""
+    CMF and a Llama's GGUF carry per-layer widths, this export pads them to the widest (see the module doc)."""
     lo, hi = min(widths), max(widths)
     if lo == hi:
         return (f"uniform MLP widths ({hi} of {source}): smaller in every format: CMF, GGUF (llama.cpp) and "
                 "Hugging Face (transformers, vLLM)")
-    return (f"MLP widths differ per layer ({lo}..{hi} of {source}): smaller in CMF and GGUF (llama.cpp); the Hugging "
-            f"Face export pads every MLP to {hi}, which transformers and vLLM run in full "
-            "(--fold-scope per_layer gives uniform widths)")
+    return (f"MLP widths differ per layer ({lo}..{hi} of {source}): smaller in CMF and, for a Llama, GGUF "
+            f"(llama.cpp); the Hugging Face export pads every MLP to {hi}, which transformers and vLLM run in "
+            "full (--fold-scope per_layer gives uniform widths)")
 
 
 def tokenizer_files(tok: dict | None, arch: Arch, where: str) -> dict[str, str]:

@@ -190,7 +190,7 @@ def _cli_fails(capsys, tmp_path, argv, pattern):
 def test_unsupported_architecture(tmp_path, capsys):
     src, _ = make_gguf(tmp_path / "g.gguf", arch="gemma")
     _cli_fails(capsys, tmp_path, ["convert", str(src), str(tmp_path / "g.cmf")],
-               r"^cortiq: .*g\.gguf: unsupported architecture 'gemma'; supported: llama, qwen2, qwen3$")
+               r"^cortiq: .*g\.gguf: unsupported architecture 'gemma'; supported: llama, qwen2, qwen3, deci$")
 
 
 def test_missing_tokenizer(tmp_path, capsys):

@@ -231,7 +231,7 @@ def test_runtimes_line_names_where_the_saving_reaches():
     from cortiq.export.hf import runtimes_line
 
     assert runtimes_line([384, 1152, 1536], 1536) == (
-        "MLP widths differ per layer (384..1536 of 1536): smaller in CMF and GGUF (llama.cpp); the Hugging Face "
-        "export pads every MLP to 1536, which transformers and vLLM run in full (--fold-scope per_layer gives "
-        "uniform widths)")
+        "MLP widths differ per layer (384..1536 of 1536): smaller in CMF and, for a Llama, GGUF (llama.cpp); the "
+        "Hugging Face export pads every MLP to 1536, which transformers and vLLM run in full (--fold-scope "
+        "per_layer gives uniform widths)")
     assert runtimes_line([1152] * 3, 1536).startswith("uniform MLP widths (1152 of 1536): smaller in every format")

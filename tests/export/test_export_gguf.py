@@ -17,6 +17,7 @@ from export_helpers import V, arch_of, recode, write_random  # noqa: E402
 
 from cortiq import codecs  # noqa: E402
 from cortiq.cli import main  # noqa: E402
+from cortiq.errors import CortiqError  # noqa: E402
 from cortiq.cmf import open_cmf  # noqa: E402
 from cortiq.convert.gguf import _permute, convert_gguf  # noqa: E402
 from cortiq.export.gguf import export_gguf, q4_to_q4_1  # noqa: E402
@@ -48,7 +49,8 @@ def _logits(path):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_read_back_to_identical_tensors_and_logits(tmp_path, family):
-    cmf_path = _mixed(tmp_path, family)
+    # widths per layer for a Llama (llama.cpp's deci), one width for Qwen (llama.cpp builds its layers at one)
+    cmf_path = _mixed(tmp_path, family, widths=(64, 96) if family == "llama" else (96, 96))
     f = open_cmf(cmf_path)
     assert {f.info(n).codec for n in f.names} >= {"q8", "q4", "f16", "bf16", "fp8", "q4_64", "f32"}
     out, left = export_gguf(cmf_path, tmp_path / "m.gguf")
@@ -146,8 +148,8 @@ def test_q4_repack_matches_ggufs_own_q4_1_layout():
     assert np.array_equal(q4_to_q4_1(ours), theirs)
 
 
-def test_gguf_reader_sees_llama_cpp_metadata_and_per_layer_widths(tmp_path):
-    src = write_random(tmp_path / "m.cmf", arch_of("qwen3", widths=(64, 40)), seed=1)
+def test_gguf_reader_sees_llama_cpp_metadata(tmp_path):
+    src = write_random(tmp_path / "m.cmf", arch_of("qwen3", widths=(64, 64)), seed=1)
     out, _ = export_gguf(src, tmp_path / "m.gguf", name="tiny")
     r = GGUFReader(out)
 
@@ -156,7 +158,7 @@ def test_gguf_reader_sees_llama_cpp_metadata_and_per_layer_widths(tmp_path):
 
     assert meta("general.architecture") == "qwen3" and meta("general.name") == "tiny"
     assert meta("qwen3.block_count") == 2 and meta("qwen3.embedding_length") == 32
-    assert meta("qwen3.feed_forward_length") == [64, 40]
+    assert meta("qwen3.feed_forward_length") == 64
     assert meta("qwen3.attention.head_count") == 4 and meta("qwen3.attention.head_count_kv") == 2
     assert meta("qwen3.attention.key_length") == 16 and meta("qwen3.rope.freq_base") == 1e6
     assert meta("tokenizer.ggml.model") == "gpt2" and len(meta("tokenizer.ggml.tokens")) == V
@@ -167,7 +169,28 @@ def test_gguf_reader_sees_llama_cpp_metadata_and_per_layer_widths(tmp_path):
     assert {"token_embd.weight", "output_norm.weight", "blk.1.attn_q_norm.weight", "blk.1.ffn_down.weight"} <= names
     assert "output.weight" not in names  # tied head
     back = open_cmf(convert_gguf(out, tmp_path / "back.cmf"))
-    assert back.arch.intermediate_sizes == [64, 40]
+    assert back.arch.intermediate_sizes == [64, 64]
+
+
+def test_a_llama_of_per_layer_widths_is_llama_cpps_deci_and_reads_back_as_a_llama(tmp_path):
+    src = write_random(tmp_path / "m.cmf", arch_of("llama", widths=(64, 40)), seed=1)
+    out, _ = export_gguf(src, tmp_path / "m.gguf")
+    r = GGUFReader(out)
+    assert r.fields["general.architecture"].contents() == "deci"
+    assert r.fields["deci.feed_forward_length"].contents() == [64, 40]
+    assert r.fields["deci.block_count"].contents() == 2
+    back = open_cmf(convert_gguf(out, tmp_path / "back.cmf", codec="f32"))
+    assert back.arch.to_dict() == open_cmf(src).arch.to_dict()
+    assert torch.equal(_logits(back), _logits(src))
+
+
+def test_a_qwen_of_per_layer_widths_is_refused_before_anything_is_written(tmp_path):
+    src = write_random(tmp_path / "m.cmf", arch_of("qwen3", widths=(64, 40)), seed=1)
+    with pytest.raises(CortiqError) as e:
+        export_gguf(src, tmp_path / "m.gguf")
+    assert str(e.value) == (f"{src}: MLP widths differ per layer (40..64), and llama.cpp's qwen3 builds every layer at "
+                            "one width: compress with --fold-scope per_layer for a GGUF, or export --to hf")
+    assert list(tmp_path.iterdir()) == [src]
 
 
 def test_mtp_draft_is_left_out_and_said_so(tmp_path, capsys):
