@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .cmf import open_cmf
 from .compress.stages import compress_chain
 from .convert.stages import SOURCE, source_kind
 from .data.stages import DATA, with_retain
@@ -30,6 +31,7 @@ from .facts.settings import ProbeSettings
 from .facts.stages import facts_chain
 from .measure import REENCODE, SCORE, ScoreSettings, Text, score_chain, scored_texts
 from .mtp.stages import mtp_chain
+from .quant.settings import check_window
 from .quant.stages import quantize_chain, uses_grams
 from .settings import PipelineSettings
 
@@ -60,6 +62,7 @@ def compress_and_heal(runner, s: PipelineSettings) -> tuple[str, Made]:
 def student(runner, s: PipelineSettings) -> Made:
     """source → data → retain mix → compress: the opening of every flow that compresses."""
     source, tdata = source_and_data(runner, s)
+    check_window(s.quant, open_cmf(source).arch, source)  # the re-encode's bound, before hours of compress and heal
     mixed, panel = with_retain(tdata, source, s.retain, runner.run, None, progress=False)
     return Made(source, tdata, mixed, panel, compress_chain(runner, source, mixed, s.compress))
 

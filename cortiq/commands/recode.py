@@ -44,7 +44,7 @@ def check_start(args, s, given: set[str], arch) -> None:
     where it would be ignored (a codec GPTQ does not write, a method of rtn), a method named for
     the other width's codecs, and calibration windows past the model's context."""
     from ..errors import CortiqError
-    from ..quant.settings import BLOCK_CODECS, EIGHT_BIT
+    from ..quant.settings import BLOCK_CODECS, EIGHT_BIT, check_window
     from ..settings_meta import flag
 
     def needs(name: str, what: str):
@@ -67,10 +67,7 @@ def check_start(args, s, given: set[str], arch) -> None:
         needs(other, f"--codec {' or '.join(theirs)} (--codec {args.codec} takes {flag('', method)})")
     if "awq_grid" in given and getattr(s, method) != "awq":
         needs("awq_grid", f"{flag('', method)} awq")
-    ctx = int(arch.max_position_embeddings)
-    if s.window > ctx:
-        raise CortiqError(f"{args.src}: --window {s.window} is past the model's context of {ctx} tokens "
-                          "(max_position_embeddings)")
+    check_window(s, arch, args.src, "--window")
 
 
 def run(args) -> int:

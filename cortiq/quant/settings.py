@@ -78,3 +78,14 @@ class QuantSettings:
     def method_for(self, codec: str) -> str:
         """The method that writes `codec`: `method_8bit` for q8, `method` below 8 bits."""
         return self.method_8bit if codec in EIGHT_BIT else self.method
+
+
+def check_window(s: QuantSettings, arch, model, name: str = "quant.window") -> None:
+    """Calibration windows no longer than `model`'s context (its `arch`): a longer one is
+    positions the model was never trained at, and a layer's Grams cost grows with it."""
+    from ..errors import CortiqError
+
+    ctx = int(arch.max_position_embeddings)
+    if s.window > ctx:
+        raise CortiqError(f"{model}: {name} {s.window} is past the model's context of {ctx} tokens "
+                          "(max_position_embeddings)")
