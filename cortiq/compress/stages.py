@@ -398,7 +398,8 @@ def compress_chain(runner, source, tdata, settings, say=lambda m: None) -> str:
         r = runner.run(MASKS, model=source, tdata=tdata, settings=s.masks)
         masks, m = r["path"], r["report"]["metrics"]
         say(f"masks: {m['mask_pruned'] * 100:.1f} % pruned at step {m['mask_step']:.0f} of {m['mask_steps']:.0f}; "
-            f"val NLL open {m['mask_nll_open']:.4f}, hard {m['mask_nll_hard']:.4f}")
+            f"val {'KL to the source' if s.masks.objective == 'teacher' else 'NLL'} open {m['mask_nll_open']:.4f}, "
+            f"hard {m['mask_nll_hard']:.4f}")
     if s.needs_grams:
         grams = runner.run(GRAMS, model=source, tdata=tdata, settings=s.grams)["path"]
     r = runner.run(FOLD, model=source, masks=masks, grams=grams, settings=s.fold)
