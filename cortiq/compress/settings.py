@@ -61,7 +61,8 @@ class MaskSettings:
     #: what the gates are trained (and their checkpoints chosen) against: "data", the LM loss of the
     #: data's next tokens; "teacher", the KL of the gated model's next-token distribution to the
     #: ungated source's, so a neuron counts by every prediction it changes, the confident ones most
-    #: (bench/QUALITY.md, "Facts kept: the methods")
+    #: (bench/QUALITY.md, "Facts kept: the methods"); the masks' held-out figures (mask_nll_open,
+    #: mask_nll_hard) are then that KL
     objective: str = setting("data", "mask loss: data (LM loss of the data's next tokens) or teacher (KL to the "
                                      "source's own next-token distribution)", choices=("data", "teacher"),
                              added=True)
