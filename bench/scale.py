@@ -68,7 +68,7 @@ GEOMS = {
     "qwen3-4b": dict(hidden=2560, layers=36, heads=32, kv=8, head_dim=128, inter=9728, vocab=151936, tie=True),
     "qwen3-8b": dict(hidden=4096, layers=36, heads=32, kv=8, head_dim=128, inter=12288, vocab=151936, tie=False),
     # a Qwen3.5-like hybrid of ~3B: 3 Gated DeltaNet layers to 1 gated full-attention layer
-    "hybrid-3b": dict(hidden=2560, layers=32, heads=16, kv=4, head_dim=256, inter=9216, vocab=151936, tie=True,
+    "hybrid-3b": dict(hidden=2048, layers=32, heads=16, kv=4, head_dim=256, inter=8192, vocab=151936, tie=True,
                       hybrid=True, lk=16, lv=32, dk=128, dv=128),
     # the smoke's model (byte tokenizer)
     "tiny": dict(hidden=64, layers=2, heads=4, kv=2, head_dim=16, inter=96, vocab=259, tie=True),
@@ -150,11 +150,14 @@ def make_source(name: str, d: Path, a) -> Path:
     return random_cmf(g, d / "source.cmf", tok, "cpu" if a.cpu else "cuda")
 
 
-def text_dir(d: Path, tokens: int, chars_a_token: float = 3.0) -> Path:
-    """The pydoc text as enough files of their own (one record stem each) to give `tokens` tokens."""
+def text_dir(d: Path, tokens: int, model: Path) -> Path:
+    """The pydoc text as enough files of their own (one record stem each) to give `tokens` tokens of
+    `model`'s tokenizer (the data build's cap keeps `tokens` of them)."""
+    from cortiq.tokenizer import load_tokenizer
+
     out = d / "text"
     text = pydoc_text()
-    copies = max(1, math.ceil(1.1 * tokens * chars_a_token / len(text)))
+    copies = math.ceil(tokens / len(load_tokenizer(model).encode(text, add_special_tokens=False).ids)) + 1
     out.mkdir(parents=True, exist_ok=True)
     for i in range(copies):
         p = out / f"pydoc-{i:03d}.txt"
@@ -335,7 +338,11 @@ class Model:
         return self.d / FILES[stage][0]
 
     def size(self, stage: str) -> list[str]:
-        return TINY.get(stage, []) if self.a.tiny else []
+        """The smoke's sizes of a stage, and the options --stage-args gives it (a setting away from its default)."""
+        import shlex
+
+        asked = [shlex.split(v) for k, _, v in (x.partition(":") for x in self.a.stage_args) if k == stage]
+        return (TINY.get(stage, []) if self.a.tiny else []) + [x for xs in asked for x in xs]
 
     def dev(self) -> list[str]:
         return ["--device", "cpu"] if self.a.cpu else []
@@ -345,7 +352,7 @@ class Model:
         f, w, td = self.file, str(self.d / "work"), str(self.td)
         if stage == "data":
             cap = ["--max-total-tokens", str(self.a.tokens)]
-            return "cortiq", ["data", "build", str(text_dir(self.d, self.a.tokens)), "--tokenizer", str(self.src),
+            return "cortiq", ["data", "build", str(text_dir(self.d, self.a.tokens, self.src)), "--tokenizer", str(self.src),
                               "--out", td, *cap, *self.size("data")]
         if stage == "compress":
             return "cortiq", ["compress", str(self.src), "--data", td, "--out", str(f("compress")), "--work", w,
@@ -354,7 +361,7 @@ class Model:
             return "cortiq", ["heal", str(f("compress")), "--teacher", str(self.src), "--data", td, "--out",
                               str(f("heal")), "--work", w, "--quiet", *self.size(stage), *self.dev()]
         if stage == "mtp-init":
-            return "cortiq", ["mtp", "init", str(f("heal")), "--out", str(f("mtp-init"))]
+            return "cortiq", ["mtp", "init", str(f("heal")), "--out", str(f("mtp-init")), *self.size(stage)]
         if stage == "mtp-heal":
             spec = f"{td}@6000" if self.a.tiny else td
             return "cortiq", ["mtp", "heal", str(f("mtp-init")), "--data", spec, "--out", str(f("mtp-heal")), "--work",
@@ -363,11 +370,13 @@ class Model:
             return "cortiq", ["recode", str(f("mtp-heal")), str(f(stage)), "--codec", "q4", "--data", td, "--work", w,
                               *self.size(stage), *self.dev()]
         if stage in ("export-hf", "export-gguf"):
-            return "cortiq", ["export", str(f("mtp-heal")), "--to", stage.removeprefix("export-"), str(f(stage))]
+            return "cortiq", ["export", str(f("mtp-heal")), "--to", stage.removeprefix("export-"), str(f(stage)),
+                              *self.size(stage)]
         # serve's speculative default: a tree of 4 first guesses, 3 drafts a round on CUDA, the chain on a CPU
         mode = "plain" if stage == "serve-plain" else "speculative" if self.a.cpu else "tree"
         return "bench.serve.serve", ["--model", str(f("mtp-heal")), "--modes", mode, "--clients", "1,32", "--no-hf",
-                                     "--no-steps", "--no-offline", "--out", str(self.d / stage), *self.size("serve")]
+                                     "--no-steps", "--no-offline", "--out", str(self.d / stage), *self.size("serve"),
+                                     *self.size(stage)]
 
     def run_stage(self, stage: str) -> dict:
         """One stage: its process under the timeout (or in this process), its row."""
@@ -416,6 +425,10 @@ class Model:
                 os.killpg(p.pid, 9)
                 p.wait()
                 return True
+            except KeyboardInterrupt:  # the bench stopped: its stage's processes too
+                os.killpg(p.pid, 9)
+                p.wait()
+                raise
 
     def source_row(self) -> dict:
         """The source model: SmolLM2 converted once, or the random model written one tensor at a time."""
@@ -427,6 +440,7 @@ class Model:
         n = sum(math.prod(i.shape) for i in f.infos.values())
         note = "real weights" if self.name == "smollm2" else "random bf16, written one tensor at a time"
         return {"stage": "source", "status": "PASS", "seconds": time.perf_counter() - t0, "host_gib": peak_host_gib(),
+                "path": str(self.src),
                 "plan": [f"{n / 1e9:.2f}B parameters, {f.nbytes() / GiB:.1f} GiB, {note}"], "parts": []}
 
     def after(self, stage: str, row: dict) -> None:
@@ -465,29 +479,49 @@ class Model:
                 _remove(self.d / name)
 
     def run(self, stages: list[str], save) -> None:
-        """Every stage asked, in order; one whose inputs failed is SKIPPED; `save()` after each."""
+        """Every stage asked, in order; one whose inputs failed is SKIPPED; `save()` after each. With
+        --resume a stage that passed in an earlier run (MODEL/rows.json) keeps its row; a signal (a call's
+        time limit) ends the stage running as STOPPED and stops the run."""
         done: dict[str, str] = {}
+        before = self.previous()
         for stage in STAGES:
             if stage not in stages:
                 continue
             bad = [n for n in NEEDS.get(stage, []) if done.get(n) != "PASS"]
             if bad:
                 row = {"stage": stage, "status": "SKIPPED", "error": f"needs {', '.join(bad)}", "parts": [], "plan": []}
+            elif before.get(stage, {}).get("status") == "PASS":
+                row = {**before[stage], "resumed": True}
+                self.src = Path(row["path"]) if stage == "source" else self.src
+                self.tokens = row.get("tokens", 0) if stage == "data" else self.tokens
             else:
-                log(f"── {self.name}: {stage}")
-                try:
-                    row = self.run_stage(stage)
-                except Exception as e:  # the bench's own failure at one stage: the row says so, the others run
-                    row = {"stage": stage, "status": "FAILED", "error": f"{type(e).__name__}: {e}"[:240], "parts": [],
-                           "plan": []}
-                self.after(stage, row)
-                self.clean(stage, row)
-                row["disk_gib"] = disk_gib(self.d)
+                row = self.one(stage)
             row["model"] = self.name
             done[stage] = row["status"]
             self.rows.append(row)
-            log(f"   {row['status']} {row.get('seconds', 0):.1f} s {row.get('error', '')}")
+            write_json(self.d, "rows.json", self.rows)
             save()
+            if row["status"] == "STOPPED":
+                raise KeyboardInterrupt
+
+    def one(self, stage: str) -> dict:
+        log(f"── {self.name}: {stage}")
+        try:
+            row = self.run_stage(stage)
+        except KeyboardInterrupt:
+            return {"stage": stage, "status": "STOPPED", "error": "stopped by a signal", "parts": [], "plan": []}
+        except Exception as e:  # the bench's own failure at one stage: the row says so, the others run
+            row = {"stage": stage, "status": "FAILED", "error": f"{type(e).__name__}: {e}"[:240], "parts": [], "plan": []}
+        self.after(stage, row)
+        if row["status"] == "PASS":  # a failed stage's inputs stay, for a --resume
+            self.clean(stage, row)
+        row["disk_gib"] = disk_gib(self.d)
+        log(f"   {row['status']} {row.get('seconds', 0):.1f} s {row.get('error', '')}")
+        return row
+
+    def previous(self) -> dict[str, dict]:
+        p = self.d / "rows.json"
+        return {r["stage"]: r for r in json.loads(p.read_text())} if self.a.resume and p.exists() else {}
 
 
 def heal_shape(argv: list[str]) -> tuple[int, int]:
@@ -588,6 +622,11 @@ def parse_args():
     ap.add_argument("--stage-timeout", type=float, default=1800, help="seconds a stage may take")
     ap.add_argument("--keep-files", action="store_true", help="keep every output (by default what no later stage "
                                                               "reads is deleted, so the 8B row fits a 64 GiB disk)")
+    ap.add_argument("--stage-args", action="append", default=[], metavar="STAGE:ARGS",
+                    help="options added to one stage's command (e.g. 'heal:--checkpoint-every 0'): its row is then "
+                         "not at the defaults, which the row's command shows; repeatable")
+    ap.add_argument("--resume", action="store_true", help="keep the rows of stages that passed in an earlier run "
+                                                          "on this --work (each model's rows.json), run the others")
     ap.add_argument("--in-process", action="store_true", help="run each stage in this process (the smoke's saving of "
                                                               "a torch start a stage; no timeout)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -615,14 +654,22 @@ def main() -> int:
     res = {"device": "CPU" if a.cpu else torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(a),
            "rows": []}
     stages = with_needs([s for s in a.stages.split(",") if s])
-    for name in a.models.split(","):
-        m = Model(name, a)
-        m.run(stages, lambda: write_json(a.out, "scale.partial.json", {**res, "rows": res["rows"] + m.rows}))
-        res["rows"] += m.rows
+    try:
+        for name in a.models.split(","):
+            m = Model(name, a)
+            try:
+                m.run(stages, lambda: write_json(a.out, "scale.partial.json", {**res, "rows": res["rows"] + m.rows}))
+            finally:
+                res["rows"] += m.rows
+    except KeyboardInterrupt:  # SIGTERM (a call's time limit) or ^C: the rows done still make the table
+        res["stopped"] = True
     write_json(a.out, "scale.json", res)
     report(res)
-    return 1 if any(r["status"] == "FAILED" for r in res["rows"]) else 0
+    return 1 if any(r["status"] in ("FAILED", "STOPPED") for r in res["rows"]) or res.get("stopped") else 0
 
 
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped run still writes its rows and tables
     finish(main())
