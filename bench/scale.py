@@ -53,6 +53,7 @@ import os
 import re
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -210,6 +211,8 @@ class Parts:
             if self.depth == 0:
                 self.rows.append({"part": key or stage.name, "stage": stage.name, "seconds": time.perf_counter() - t0,
                                   "reused": res["reused"], "path": res["path"], "gpu_gib": self.peak(),
+                                  "metrics": {k: v for k, v in (res.get("report") or {}).get("metrics", {}).items()
+                                              if isinstance(v, (int, float))},
                                   "host_gib": peak_host_gib(), "disk_gib": disk_gib(Path(res["path"]))})
             return res
 
@@ -422,13 +425,11 @@ class Model:
                 p.wait(timeout=self.a.stage_timeout)
                 return False
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, 9)
-                p.wait()
                 return True
-            except KeyboardInterrupt:  # the bench stopped: its stage's processes too
-                os.killpg(p.pid, 9)
-                p.wait()
-                raise
+            finally:  # timed out, or the bench stopped: the stage's processes (a server too) end with it
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
 
     def source_row(self) -> dict:
         """The source model: SmolLM2 converted once, or the random model written one tensor at a time."""
@@ -448,17 +449,25 @@ class Model:
         if stage == "data" and (self.td / "meta.json").exists():
             self.tokens = json.loads((self.td / "meta.json").read_text())["counts"]["tokens"]
             row["tokens"] = self.tokens
-        for p in row["parts"]:  # the passes over the data: its tokens
-            if p["stage"] in ("targets", "prefix", "trunk") and not p["reused"]:
+        for p in row["parts"]:  # the passes over the data (and the retain data mixed in): the data's tokens
+            if p["stage"] in ("targets", "prefix") and not p["reused"]:
                 p["tokens"] = self.tokens
         if stage == "heal" and Path(f"{self.file('heal')}.report.json").exists():
             m = json.loads(Path(f"{self.file('heal')}.report.json").read_text())["metrics"]
-            window, batch = heal_shape(self.command("heal")[1])
+            from cortiq.heal.settings import HealSettings
+
+            window, batch = step_shape(self.command("heal")[1], HealSettings)
             row["tokens"] = int(m["steps"]) * window * batch
             row["plan"].append(f"{int(m['steps'])} steps of {batch} windows of {window}, {m['sec_per_step']:.2f} s/step")
             for p in row["parts"]:
                 if p["stage"] == "train":
                     p["tokens"] = row["tokens"]
+        for p in row["parts"]:  # the mask steps' tokens
+            if p["stage"] == "masks" and p["metrics"].get("mask_steps"):
+                from cortiq.compress.settings import MaskSettings
+
+                window, batch = step_shape(self.command("compress")[1], MaskSettings, "masks-")
+                p["tokens"] = int(p["metrics"]["mask_steps"]) * window * batch
         if stage.startswith("serve") and (self.d / stage / "serve.json").exists():
             row["levels"] = [{k: r.get(k) for k in ("kind", "clients", "tok_s", "req_s", "ttft_ms", "tokens")}
                              for r in json.loads((self.d / stage / "serve.json").read_text())["rows"]]
@@ -524,16 +533,15 @@ class Model:
         return {r["stage"]: r for r in json.loads(p.read_text())} if self.a.resume and p.exists() else {}
 
 
-def heal_shape(argv: list[str]) -> tuple[int, int]:
-    """(window, batch) of a heal command line: its flags, else HealSettings' defaults."""
-    from cortiq.heal.settings import HealSettings
-
-    s = HealSettings()
+def step_shape(argv: list[str], settings, prefix: str = "") -> tuple[int, int]:
+    """(window, batch) of a command line's steps: its --PREFIXwindow and --PREFIXbatch, else the defaults of
+    `settings` (a settings dataclass)."""
+    s = settings()
 
     def flag(name: str, default: int) -> int:
         return int(argv[argv.index(name) + 1]) if name in argv else default
 
-    return flag("--window", s.window), flag("--batch", s.batch)
+    return flag(f"--{prefix}window", s.window), flag(f"--{prefix}batch", s.batch)
 
 
 def _remove(p: Path) -> None:
@@ -669,7 +677,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    import signal
-
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stopped run still writes its rows and tables
     finish(main())
