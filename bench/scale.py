@@ -137,18 +137,27 @@ def random_cmf(g: dict, path: Path, tok: dict, device: str, seed: int = 0) -> Pa
     return write_cmf(path, new_doc(arch, tok), specs)
 
 
-def make_source(name: str, d: Path, a) -> Path:
-    """The model of row `name` in `d`: SmolLM2 converted once into the cache, else written here."""
+def source_path(name: str, d: Path, cache: str) -> Path:
+    """Where row `name`'s model is: SmolLM2 in the cache (bench.common.smollm2_cmf's), else in `d`."""
+    return Path(cache) / "smollm2.cmf" if name == "smollm2" else d / "source.cmf"
+
+
+def make_source(name: str, d: str, cache: str, gguf: str, device: str) -> int:
+    """The model of row `name` in `d` (the source stage, in its worker): SmolLM2 converted once into the
+    cache, else written here (a file already there is complete: the writer renames it when done)."""
     from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
 
     from bench.common import smollm2_cmf
 
     if name == "smollm2":
-        return smollm2_cmf(a.cache, a.gguf)
-    g = GEOMS[name]
-    tok = (tokenizer_doc(byte_tokenizer_json(), [256], chat_template=CHATML) if name == "tiny"
-           else padded_tokenizer(g["vocab"], Path(a.cache), a.gguf))
-    return random_cmf(g, d / "source.cmf", tok, "cpu" if a.cpu else "cuda")
+        smollm2_cmf(cache, gguf or None)
+        return 0
+    out, g = source_path(name, Path(d), cache), GEOMS[name]
+    if not out.exists():
+        tok = (tokenizer_doc(byte_tokenizer_json(), [256], chat_template=CHATML) if name == "tiny"
+               else padded_tokenizer(g["vocab"], Path(cache), gguf or None))
+        random_cmf(g, out, tok, device)
+    return 0
 
 
 def text_dir(d: Path, tokens: int, model: Path) -> Path:
@@ -227,7 +236,9 @@ class Parts:
 
 
 def call(target: str, argv: list[str]) -> int:
-    """`cortiq.cli.main(argv)`, or a bench script's main() with `argv` as its command line."""
+    """`cortiq.cli.main(argv)`, the source model made, or a bench script's main() with `argv` as its command line."""
+    if target == "source":
+        return make_source(*argv)
     if target == "cortiq":
         from cortiq import cli
 
@@ -353,6 +364,8 @@ class Model:
     def command(self, stage: str) -> tuple[str, list[str]]:
         """(what runs: "cortiq" or a bench module, its arguments) of one stage, at its defaults."""
         f, w, td = self.file, str(self.d / "work"), str(self.td)
+        if stage == "source":
+            return "source", [self.name, str(self.d), self.a.cache, self.a.gguf or "", "cpu" if self.a.cpu else "cuda"]
         if stage == "data":
             cap = ["--max-total-tokens", str(self.a.tokens)]
             return "cortiq", ["data", "build", str(text_dir(self.d, self.a.tokens, self.src)), "--tokenizer", str(self.src),
@@ -383,8 +396,6 @@ class Model:
 
     def run_stage(self, stage: str) -> dict:
         """One stage: its process under the timeout (or in this process), its row."""
-        if stage == "source":
-            return self.source_row()
         target, argv = self.command(stage)
         logf, res = self.d / "logs" / f"{stage}.log", self.d / "logs" / f"{stage}.json"
         logf.parent.mkdir(exist_ok=True)
@@ -431,21 +442,18 @@ class Model:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
 
-    def source_row(self) -> dict:
-        """The source model: SmolLM2 converted once, or the random model written one tensor at a time."""
-        t0 = time.perf_counter()
-        self.src = make_source(self.name, self.d, self.a)
-        from cortiq.cmf import open_cmf
-
-        f = open_cmf(self.src)
-        n = sum(math.prod(i.shape) for i in f.infos.values())
-        note = "real weights" if self.name == "smollm2" else "random bf16, written one tensor at a time"
-        return {"stage": "source", "status": "PASS", "seconds": time.perf_counter() - t0, "host_gib": peak_host_gib(),
-                "path": str(self.src),
-                "plan": [f"{n / 1e9:.2f}B parameters, {f.nbytes() / GiB:.1f} GiB, {note}"], "parts": []}
-
     def after(self, stage: str, row: dict) -> None:
-        """What a stage's outputs say: the data's token count, the heal's tokens and steps, serve's levels."""
+        """What a stage's outputs say: the model's size, the data's token count, the heal's tokens and steps,
+        serve's levels."""
+        if stage == "source" and row["status"] == "PASS":
+            from cortiq.cmf import open_cmf
+
+            self.src = source_path(self.name, self.d, self.a.cache)
+            f = open_cmf(self.src)
+            n = sum(math.prod(i.shape) for i in f.infos.values())
+            row["path"] = str(self.src)
+            row["plan"].append(f"{n / 1e9:.2f}B parameters, {f.nbytes() / GiB:.1f} GiB, "
+                               + ("real weights" if self.name == "smollm2" else "random bf16, one tensor at a time"))
         if stage == "data" and (self.td / "meta.json").exists():
             self.tokens = json.loads((self.td / "meta.json").read_text())["counts"]["tokens"]
             row["tokens"] = self.tokens
@@ -651,6 +659,16 @@ def parse_args():
     return a
 
 
+def gpu_name() -> str:
+    """The GPU's name from nvidia-smi: this process makes no CUDA context, which would hold device memory
+    beside every stage's process."""
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"], capture_output=True,
+                              text=True, timeout=30).stdout.strip() or "CUDA"
+    except (OSError, subprocess.SubprocessError):
+        return "CUDA"
+
+
 def main() -> int:
     a = parse_args()
     if a.worker:
@@ -663,7 +681,7 @@ def main() -> int:
 
     os.environ.update(QUIET)
     os.environ.setdefault("CORTIQ_HOME", str(Path(a.work) / "home"))
-    res = {"device": "CPU" if a.cpu else torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(a),
+    res = {"device": "CPU" if a.cpu else gpu_name(), "torch": torch.__version__, "args": vars(a),
            "rows": []}
     stages = with_needs([s for s in a.stages.split(",") if s])
     try:
