@@ -175,6 +175,18 @@ def check_variants(d):
     assert all(isinstance(d[k], dict) for k in ("step_plain", "step_micro2", "step_micro4", "step_ckpt"))
 
 
+def check_scale(d):
+    rows = d["rows"]
+    # a row per stage, each run (the serve rows too: the load generator runs on the CPU) and timed
+    assert [r["stage"] for r in rows] == ["source", "data", "compress", "heal", "mtp-init", "mtp-heal", "recode-q4",
+                                          "export-hf", "export-gguf", "serve-plain", "serve-speculative"]
+    assert all(r["status"] == "PASS" and r["seconds"] > 0 for r in rows), [(r["stage"], r.get("error")) for r in rows]
+    # heal's cached stages are rows of their own: the teacher pass and the training, timed
+    heal = next(r for r in rows if r["stage"] == "heal")
+    assert {"targets", "train"} <= {p["stage"] for p in heal["parts"]} and all(p["seconds"] >= 0 for p in heal["parts"])
+    assert all(lv["tok_s"] > 0 for r in rows if r["stage"].startswith("serve") for lv in r["levels"])
+
+
 def check_device_check(d):
     rows = _rows(d)
     assert not [r for r in rows if r["status"] == "FAIL"], [r for r in rows if r["status"] == "FAIL"]
@@ -245,6 +257,8 @@ BENCHES = {
     # of the auto and tree modes too), the transformers row, the same code
     "serve.serve": (["--kinds", "chat", "--clients", "2", "--no-hf", "--modes", "plain,speculative,auto-tree"],
                     "serve.json", check_serve),
+    # every stage in the check's own process (a torch start a stage costs more than the tiny model's work)
+    "scale": (["--work", "{work}", "--in-process"], "scale.json", check_scale),
     "quality.codecs": ([], "codecs.json", check_codecs),
     # one target kind at one budget: the same code as every row
     "quality.quality": (["--kinds", "sampled", "--budgets", "0.004", "--default-budget", "0"], "quality.json", check_quality),
