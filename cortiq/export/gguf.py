@@ -6,7 +6,8 @@ then each tensor's bytes, one tensor in memory at a time):
 - llama.cpp's tensor names (`token_embd`, `blk.{i}.attn_q`, ...) and metadata
   keys for the family; a Llama whose MLP widths differ per layer is written as
   llama.cpp's `deci` architecture with a `feed_forward_length` array (see
-  PER_LAYER_WIDTHS; a Qwen one is refused: llama.cpp builds its layers at one width);
+  PER_LAYER_WIDTHS); a Qwen one has every MLP padded to the widest with zero
+  neurons (`padded_width`: llama.cpp builds its layers at one width);
 - the q_proj / k_proj rows of Llama models in llama.cpp's order (per head,
   the rotary halves interleaved, as its converter permutes them; Qwen2 and
   Qwen3 use the rotate-half rope and stay as they are);
@@ -61,8 +62,27 @@ PER_LAYER_WIDTHS = {"llama": "deci"}
 def gguf_arch(f: CmfFile) -> str:
     """The `general.architecture` a model is written as: its family's, or PER_LAYER_WIDTHS' where
     its MLP widths differ per layer."""
+    if len(set(f.arch.intermediate_sizes)) > 1 and f.arch.arch_name in PER_LAYER_WIDTHS:
+        return PER_LAYER_WIDTHS[f.arch.arch_name]
+    return f.arch.arch_name
+
+
+def padded_width(f: CmfFile) -> int | None:
+    """The width every MLP is padded to (the widest) when the widths differ and llama.cpp's model of
+    the family builds its layers at one width (a Qwen); else None. Zero neurons add exactly 0: a zero
+    gate and up row, a zero down column, in any codec's bytes (a block of scale 0 and codes 0)."""
     widths = f.arch.intermediate_sizes
-    return PER_LAYER_WIDTHS[f.arch.arch_name] if len(set(widths)) > 1 else f.arch.arch_name
+    return max(widths) if len(set(widths)) > 1 and f.arch.arch_name not in PER_LAYER_WIDTHS else None
+
+
+def _pad(get, shape: tuple[int, int], dim: int, to: int):
+    """A getter of `get`'s array (of byte shape `shape`) padded with zeros along `dim` to `to`."""
+    def padded():
+        a = get()
+        more = list(a.shape)
+        more[dim] = to - a.shape[dim]
+        return np.ascontiguousarray(np.concatenate([a, np.zeros(more, a.dtype)], dim))
+    return padded
 
 _TO_GGUF_TOP = {v: k for k, v in _TOP.items()}
 _TO_GGUF_LAYER = {v: k for k, v in _LAYER.items()}
@@ -159,6 +179,7 @@ def _tensor_plan(f: CmfFile) -> tuple[list[tuple], list[str]]:
 
     arch = f.arch
     heads = {"q_proj": arch.num_heads, "k_proj": arch.num_kv_heads}
+    wide = padded_width(f)
     out, left = [], []
     for name in f.names:
         if name.startswith("model.mtp."):
@@ -168,7 +189,8 @@ def _tensor_plan(f: CmfFile) -> tuple[list[tuple], list[str]]:
         shape = tuple(info.shape)
         kind = name.rsplit(".", 2)[-2] if name.startswith("model.layers.") else ""
         perm = heads.get(kind) if arch.arch_name == "llama" and name.endswith("_proj.weight") else None
-        blocks = len(shape) == 2 and shape[1] % 32 == 0
+        pad = wide if wide and name.endswith("mlp.down_proj.weight") and shape[1] < wide else None
+        blocks = len(shape) == 2 and shape[1] % 32 == 0 and (pad is None or pad % 32 == 0)
 
         def fix(a, perm=perm):
             return np.ascontiguousarray(_permute(a, perm) if perm else a)
@@ -188,6 +210,13 @@ def _tensor_plan(f: CmfFile) -> tuple[list[tuple], list[str]]:
         else:  # f32, vectors, and codecs GGUF has no block for: their decoded values, exactly
             get = (lambda n=name, fix=fix: fix(f.tensor(n).numpy()))
             out.append((gguf_name(name), shape, np.float32, None, get))
+        if pad:  # a down row's bytes grow in proportion to its columns (whole blocks: pad % 32 == 0)
+            g, bshape, dt, q, get = out[-1]
+            cols = bshape[1] * pad // shape[1]
+            out[-1] = (g, (bshape[0], cols), dt, q, _pad(get, bshape, 1, cols))
+        elif wide and name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")) and shape[0] < wide:
+            g, bshape, dt, q, get = out[-1]
+            out[-1] = (g, (wide, bshape[1]), dt, q, _pad(get, bshape, 0, wide))
     return out, left
 
 
@@ -217,11 +246,6 @@ def _check_exportable(f: CmfFile, out: Path, pre: str | None) -> None:
     if arch.arch_name not in SUPPORTED:
         raise CortiqError(f"{f.path}: llama.cpp does not run {arch.arch_name!r} models as cortiq writes them; "
                           f"GGUF export supports {', '.join(SUPPORTED)} (use --to hf)")
-    widths = arch.intermediate_sizes
-    if len(set(widths)) > 1 and arch.arch_name not in PER_LAYER_WIDTHS:
-        raise CortiqError(f"{f.path}: MLP widths differ per layer ({min(widths)}..{max(widths)}), and llama.cpp's "
-                          f"{arch.arch_name} builds every layer at one width: compress with --fold-scope per_layer "
-                          "for a GGUF, or export --to hf")
     sc = arch.rope_scaling
     kind = (sc or {}).get("rope_type", (sc or {}).get("type"))
     if sc and kind != "linear":
@@ -239,7 +263,7 @@ def _add_metadata(w, f: CmfFile, tok: dict, plan: list[tuple], name: str) -> Non
 
     arch = f.arch
     sc = arch.rope_scaling
-    widths = [f.info(f"model.layers.{i}.mlp.up_proj.weight").shape[0] for i in range(arch.num_layers)]
+    widths = [padded_width(f) or f.info(f"model.layers.{i}.mlp.up_proj.weight").shape[0] for i in range(arch.num_layers)]
     w.add_name(name)
     w.add_block_count(arch.num_layers)
     w.add_context_length(arch.max_position_embeddings)
