@@ -72,17 +72,6 @@ ROWS = {
 CURVE = ",".join(k for k in ROWS if k.startswith("keep "))
 
 
-def knowledge_sizes(row: Row) -> None:
-    """The knowledge source's lists and entities for this row: the retain source builds its
-    settings from the seed alone, so the row sets the class's defaults it is built with."""
-    from cortiq.data import knowledge
-
-    base = getattr(knowledge, "_DEFAULTS", knowledge.KnowledgeSettings)
-    knowledge._DEFAULTS = base
-    over = {k: v for k, v in (("lists", row.lists), ("entities", row.entities)) if v}
-    knowledge.KnowledgeSettings = (lambda seed=0: base(seed=seed, **over)) if over else base
-
-
 def panel_nll(path, sets, device, tiny) -> dict[str, float]:
     out = {}
     for t in TEXTS:
@@ -116,8 +105,8 @@ def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None)
                          fold=FoldSettings(scope=row.scope, floor=row.floor))
     h = HealSettings(device=device, confident=row.confident,
                      **(dict(window=64, batch=4, eval_every=4, tokens=4096) if tiny else {}))
-    rs = RetainSettings(sources=list(row.sources), share=row.share, **(dict(tokens=8000) if tiny else {}))
-    knowledge_sizes(row)
+    rs = RetainSettings(sources=list(row.sources), share=row.share, knowledge_lists=row.lists,
+                        knowledge_entities=row.entities, **(dict(tokens=8000) if tiny else {}))
     work = cache / "stages"
     t0 = time.perf_counter()
     key = store.digest("knowledge-pruned", 1, dataclasses.asdict(c), [dataclasses.asdict(rs), dataclasses.asdict(row)])

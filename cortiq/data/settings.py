@@ -197,6 +197,13 @@ class RetainSettings:
     #: CPU run wants far fewer of the model's own tokens than of a corpus
     self_tokens: int = setting(0, "tokens generated for a self source (0: as many as tokens)", lo=0, metavar="N",
                                feeds=(), added=True)
+    #: the knowledge source's size: lists sampled and entities kept per category (0: the source's
+    #: own defaults, cortiq.data.knowledge.KnowledgeSettings): its lists are sampled and its answers
+    #: decoded, which a CPU does at a few tokens a second
+    knowledge_lists: int = setting(0, "lists the knowledge source samples per category (0: its default)", lo=0,
+                                   feeds=(), added=True)
+    knowledge_entities: int = setting(0, "most entities the knowledge source keeps per category (0: its default)",
+                                      lo=0, feeds=(), added=True)
     seed: int = setting(0, "which retain windows are drawn (and self's samples)")
 
     def __post_init__(self):

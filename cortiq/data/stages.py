@@ -51,9 +51,9 @@ def retain_tdata(spec: str, source_cmf, settings: RetainSettings, run: Runner, r
                               tokens=settings.self_tokens or settings.tokens or SelfGenSettings().tokens)
         return run(SELFGEN, "retain.self", model=str(source_cmf), settings=gen)["path"]
     if spec == KNOWLEDGE_SOURCE:
-        # the class read from its module when called (bench.quality.knowledge sets its defaults there)
+        sizes = {k: v for k, v in (("lists", settings.knowledge_lists), ("entities", settings.knowledge_entities)) if v}
         return run(KNOWLEDGE, "retain.knowledge", model=str(source_cmf),
-                   settings=knowledge.KnowledgeSettings(seed=settings.seed))["path"]
+                   settings=knowledge.KnowledgeSettings(seed=settings.seed, **sizes))["path"]
     if spec.startswith("corpus:"):
         return run(DATA, f"retain.{source_name(spec)}", sources=[spec], model=str(source_cmf),
                    settings=BuildSettings(max_total_tokens=settings.tokens))["path"]

@@ -144,3 +144,22 @@ def test_self_retain_is_a_cached_tdata_of_the_source_model(tmp_path):
                                     run, tmp_path / "work", progress=False))
     assert sized.meta["settings"]["tokens"] == 300 and sum(len(r.ids) - r.first for r in sized.records()) == 300
     assert Tdata.open(retain_tdata("self", model, rs, run, tmp_path / "work", progress=False)).meta["settings"]["tokens"] == 2000
+
+
+def test_the_knowledge_sources_size_travels_from_the_retain_settings_to_its_stage():
+    from cortiq.data import knowledge
+    from cortiq.data.stages import KNOWLEDGE, retain_tdata
+
+    seen = {}
+
+    def run(stage, key=None, **params):
+        seen[key] = (stage, params["settings"])
+        return {"path": "x"}
+
+    retain_tdata("knowledge", "m.cmf", RetainSettings(sources=["knowledge"], seed=3), run, None)
+    stage, default = seen.pop("retain.knowledge")
+    assert stage is KNOWLEDGE and default == knowledge.KnowledgeSettings(seed=3)
+    retain_tdata("knowledge", "m.cmf", RetainSettings(sources=["knowledge"], seed=3, knowledge_lists=2,
+                                                       knowledge_entities=9), run, None)
+    _, small = seen.pop("retain.knowledge")
+    assert small == knowledge.KnowledgeSettings(seed=3, lists=2, entities=9)
