@@ -94,10 +94,8 @@ def run(args) -> int:
             from ..export.hf import export_hf
 
             path = export_hf(f, out, dtype=s.dtype, shard_bytes=int(s.shard_mb * 1e6), progress=progress,
-                             force=args.force, quantized=s.quantized)
+                             force=args.force, quantized=s.quantized, say=lambda m: print(m, file=sys.stderr))
             left = []
-            for line in hf_notes(path, f, s.quantized, s.dtype):
-                print(line, file=sys.stderr)
         else:
             from ..export.gguf import export_gguf
 
@@ -108,33 +106,3 @@ def run(args) -> int:
     print(f"wrote {path}")
     return 0
 
-
-def hf_notes(path: Path, f, quantized: str, dtype: str) -> list[str]:
-    """What an HF export's reader should know: padded widths, q4 blocks dequantized or re-derived."""
-    import json
-
-    from ..convert import ct
-
-    cfg = json.loads((path / "config.json").read_text())
-    out = []
-    widths = cfg.get("cortiq_intermediate_sizes")
-    if widths:
-        out.append(f"widths differ per layer ({min(widths)}..{max(widths)}): every MLP is padded to {max(widths)} with "
-                   "zero neurons, which transformers and vLLM run: no saving there; `cortiq compress --fold-scope "
-                   "per_layer` gives uniform widths that keep it")
-    if quantized == "none":
-        return out
-    def padded(n):  # a narrower layer's MLP goes dense, padded, whatever its codec
-        return bool(widths) and ".mlp." in n and widths[int(n.split(".")[2])] < max(widths)
-
-    q4 = [n for n in f.names if n.startswith("model.layers.") and ct.packable(f.info(n).codec, f.info(n).shape)
-          and ct.SCHEMES[f.info(n).codec][0] == 4 and not padded(n)]
-    odd = sum(not ct.exact(f.info(n).codec, f.stored(n)) for n in q4)
-    if odd and quantized == "exact":
-        out.append(f"{odd} of {len(q4)} q4 matrices written dequantized to {dtype}: their blocks keep a "
-                   "min that compressed-tensors' int4 cannot hold; --quantized all writes them as re-derived 4-bit "
-                   "values, not cortiq's (docs/export.md, 'Quantized Hugging Face exports')")
-    elif odd:
-        out.append(f"{odd} of {len(q4)} q4 matrices written as symmetric int4 (compressed-tensors has no per-block "
-                   "min): their values are re-derived, not cortiq's (docs/export.md, 'Quantized Hugging Face exports')")
-    return out

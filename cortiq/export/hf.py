@@ -259,18 +259,58 @@ def _packed(f: CmfFile, name: str, shape: tuple[int, ...]) -> list[tuple]:
 QUANTIZED = ("exact", "all", "none")
 
 
-def packs(f: CmfFile, name: str, shape: tuple[int, ...], quantized: str) -> bool:
-    """True when decoder-layer matrix `name` goes pack-quantized under `quantized` (QUANTIZED)."""
+def padded(name: str, shape: tuple[int, ...], width: int) -> bool:
+    """True for a narrower layer's MLP matrix, which goes dense, padded to `width` (whatever its codec)."""
+    return (name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")) and shape[0] < width) or \
+        (name.endswith("mlp.down_proj.weight") and shape[1] < width)
+
+
+def q4_symmetric(f: CmfFile, width: int) -> dict[str, bool]:
+    """Each decoder-layer 4-bit matrix that could go pack-quantized (not padded) → whether every block of
+    it is symmetric, so that compressed-tensors' int4 holds its values exactly (one read of each)."""
+    out = {}
+    for name in f.names:
+        codec, shape = f.info(name).codec, tuple(f.info(name).shape)
+        if name.startswith("model.layers.") and ct.packable(codec, shape) and ct.SCHEMES[codec][0] == 4 \
+                and not padded(name, shape, width):
+            out[name] = ct.exact(codec, f.stored(name))
+    return out
+
+
+def packs(f: CmfFile, name: str, shape: tuple[int, ...], quantized: str, symmetric: dict[str, bool]) -> bool:
+    """True when decoder-layer matrix `name` goes pack-quantized under `quantized` (QUANTIZED); `symmetric`
+    is `q4_symmetric`'s (a q8 matrix is always exact)."""
     codec = f.info(name).codec
     if quantized == "none" or not name.startswith("model.layers.") or not ct.packable(codec, shape):
         return False
-    return quantized == "all" or ct.exact(codec, f.stored(name))
+    return quantized == "all" or symmetric.get(name, True)
 
 
-def hf_tensors(f: CmfFile, width: int, quantized: str = "none") -> list[tuple]:
+def export_notes(widths: list[int], symmetric: dict[str, bool], quantized: str, dtype: str) -> list[str]:
+    """What an HF export's reader should know: padded widths, q4 matrices dequantized or re-derived."""
+    out = []
+    if len(set(widths)) > 1:
+        out.append(f"widths differ per layer ({min(widths)}..{max(widths)}): every MLP is padded to {max(widths)} with "
+                   "zero neurons, which transformers and vLLM run: no saving there; `cortiq compress --fold-scope "
+                   "per_layer` gives uniform widths that keep it")
+    odd = sum(not v for v in symmetric.values())
+    if odd and quantized == "exact":
+        out.append(f"{odd} of {len(symmetric)} q4 matrices written dequantized to {dtype}: their blocks keep a "
+                   "min that compressed-tensors' int4 cannot hold; --quantized all writes them as re-derived 4-bit "
+                   "values, not cortiq's (docs/export.md, 'Quantized Hugging Face exports')")
+    elif odd and quantized == "all":
+        out.append(f"{odd} of {len(symmetric)} q4 matrices written as symmetric int4 (compressed-tensors has no per-block "
+                   "min): their values are re-derived, not cortiq's (docs/export.md, 'Quantized Hugging Face exports')")
+    return out
+
+
+def hf_tensors(f: CmfFile, width: int, quantized: str = "none", symmetric: dict[str, bool] | None = None) -> list[tuple]:
     """(HF name, shape, getter, safetensors dtype) per tensor of the export, in the file's order; the
     getter gives f32 values written in the export's dtype (dtype None) or a tensor written as it is.
-    `quantized` (QUANTIZED): which decoder-layer q8 / q4 matrices that need no padding go pack-quantized."""
+    `quantized` (QUANTIZED): which decoder-layer q8 / q4 matrices that need no padding go pack-quantized
+    (`symmetric`: `q4_symmetric`'s, read here when not given)."""
+    if symmetric is None:
+        symmetric = q4_symmetric(f, width) if quantized == "exact" else {}
     arch = f.arch
     out = []
     fuse = arch.arch_name == "qwen3_next"
@@ -292,11 +332,11 @@ def hf_tensors(f: CmfFile, width: int, quantized: str = "none") -> list[tuple]:
             out.append((base + "in_proj_ba.weight", (2 * shape[0], shape[1]),
                         lambda n=name, a=a: _fuse_ba(arch, f.tensor(n), f.tensor(a)), None))
             continue
-        if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")) and shape[0] < width:
-            shape, get = (width, shape[1]), (lambda n=name: _pad(f.tensor(n), width, 0))
-        elif name.endswith("mlp.down_proj.weight") and shape[1] < width:
-            shape, get = (shape[0], width), (lambda n=name: _pad(f.tensor(n), width, 1))
-        elif packs(f, name, shape, quantized):
+        if padded(name, shape, width):
+            dim = 1 if name.endswith("mlp.down_proj.weight") else 0
+            shape = (width, shape[1]) if dim == 0 else (shape[0], width)
+            get = (lambda n=name, dim=dim: _pad(f.tensor(n), width, dim))
+        elif packs(f, name, shape, quantized, symmetric):
             out += _packed(f, name, shape)
             continue
         out.append((hf_name(name), shape, get, None))
@@ -345,12 +385,12 @@ def _write_safetensors(path: Path, items, st_dtype: str, dtype: torch.dtype, ite
 
 def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dtype: str = "f32",
               shard_bytes: int = SHARD_BYTES, progress: Callable[[str], None] | None = None,
-              force: bool = False, quantized: str = "exact") -> Path:
+              force: bool = False, quantized: str = "exact", say: Callable[[str], None] | None = None) -> Path:
     """Write the CMF model as a Hugging Face directory `out_dir` (see the module
     doc). `out_dir` must not exist or be empty (with `force`, whatever is there is
     replaced); it is written as `out_dir.partial` and renamed when complete.
     `quantized` (QUANTIZED): which q8 / q4 decoder-layer matrices go as compressed-tensors
-    weights (the others dequantized to `dtype`)."""
+    weights (the others dequantized to `dtype`); `say` gets `export_notes`' lines once it is written."""
     if quantized not in QUANTIZED:
         raise CortiqError(f"quantized {quantized!r} is not one of {', '.join(QUANTIZED)}")
     f = model if isinstance(model, CmfFile) else open_cmf(model)
@@ -367,7 +407,8 @@ def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dt
     width = max(widths + ([mtp] if mtp else []))
     files = tokenizer_files(f.tokenizer, arch, str(f.path))
     cfg = config(arch, f.tokenizer, dtype, widths, mtp)
-    items = hf_tensors(f, width, quantized)
+    symmetric = q4_symmetric(f, width) if quantized != "none" else {}
+    items = hf_tensors(f, width, quantized, symmetric)
     modules = quantized_modules(f, items)
     if modules:
         cfg["quantization_config"] = ct.quantization_config(modules)
@@ -417,4 +458,6 @@ def export_hf(model: str | os.PathLike | CmfFile, out_dir: str | os.PathLike, dt
         if isinstance(e, OSError) and is_full(e):
             raise write_error(out, e) from None
         raise
+    for line in export_notes(widths, symmetric, quantized, dtype):
+        (say or (lambda m: None))(line)
     return out
