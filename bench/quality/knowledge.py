@@ -58,7 +58,7 @@ ROWS = {
     "knowledge only": Row(("knowledge",)),
     "more knowledge": Row(KNOW, lists=16, entities=128),
     "teacher masks": Row(KNOW, objective="teacher"),
-    "teacher masks, L1 x0.05": Row(KNOW, objective="teacher", l1=0.05),
+    "teacher masks L1 x0.05": Row(KNOW, objective="teacher", l1=0.05),
     "floor 0.5": Row(KNOW, floor=0.5),
     "confident 2": Row(KNOW, confident=2.0),
     "confident 8": Row(KNOW, confident=8.0),
