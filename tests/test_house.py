@@ -34,3 +34,14 @@ def test_every_cited_result_file_exists():
     cited = {m for p in [*(ROOT / "bench").glob("*.md"), ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
              for m in re.findall(r"bench/results/[\w.-]+\.json", p.read_text(encoding="utf-8"))}
     assert cited and not [c for c in sorted(cited) if not (ROOT / c).exists()]
+
+
+def test_no_library_file_over_700_lines_and_no_function_over_80():
+    import ast
+    long_files = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted((ROOT / "cortiq").rglob("*.py"))
+                  if (n := len(p.read_text(encoding="utf-8").splitlines())) > 700]
+    long_funcs = [f"{p.relative_to(ROOT)}:{f.lineno} {f.name}: {f.end_lineno - f.lineno + 1} lines"
+                  for top in ("cortiq", "flows", "tasks", "bench") for p in sorted((ROOT / top).rglob("*.py"))
+                  for f in ast.walk(ast.parse(p.read_text(encoding="utf-8")))
+                  if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.end_lineno - f.lineno + 1 > 80]
+    assert not long_files and not long_funcs, "divide them:\n" + "\n".join(long_files + long_funcs)

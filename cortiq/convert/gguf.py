@@ -130,18 +130,7 @@ def read_arch(r, src: Path) -> tuple[Arch, dict[str, str]]:
             f"{src}: unsupported architecture {name or '(none)'!r}; supported: {', '.join(SUPPORTED + tuple(LLAMA_LIKE))}"
         )
     tensors = {t.name: t for t in r.tensors}
-    names: dict[str, str] = {}
-    for g in tensors:
-        if g in _TOP:
-            names[g] = _TOP[g]
-            continue
-        parts = g.split(".", 2)
-        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
-            names[g] = f"model.layers.{parts[1]}.{_LAYER[parts[2]]}"
-        elif g == "rope_freqs.weight":
-            raise CortiqError(f"{src}: Llama-3 rope frequency factors (rope_freqs.weight) are not supported")
-        else:
-            raise CortiqError(f"{src}: tensor {g!r} is not part of a dense {name} model cortiq reads")
+    names = _cmf_names(tensors, name, src)
 
     def one(key, v):
         # a per-layer array (deci's head counts) is read only when every layer has the same value
@@ -197,6 +186,30 @@ def read_arch(r, src: Path) -> tuple[Arch, dict[str, str]]:
         tie_word_embeddings="output.weight" not in tensors,
         max_position_embeddings=int(_meta(r, f"{name}.context_length", 32768)),
     )
+    _check_complete(arch, names, name, src)
+    return arch, names
+
+
+def _cmf_names(tensors: dict, name: str, src: Path) -> dict[str, str]:
+    """GGUF tensor name → CMF name, for every tensor of a dense `name` model; any other tensor is refused."""
+    names: dict[str, str] = {}
+    for g in tensors:
+        if g in _TOP:
+            names[g] = _TOP[g]
+            continue
+        parts = g.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
+            names[g] = f"model.layers.{parts[1]}.{_LAYER[parts[2]]}"
+        elif g == "rope_freqs.weight":
+            raise CortiqError(f"{src}: Llama-3 rope frequency factors (rope_freqs.weight) are not supported")
+        else:
+            raise CortiqError(f"{src}: tensor {g!r} is not part of a dense {name} model cortiq reads")
+    return names
+
+
+def _check_complete(arch: Arch, names: dict[str, str], name: str, src: Path) -> None:
+    """Refuse a file that lacks a tensor `arch` needs, or holds one past its layers."""
+    n = arch.num_layers
     want = {"model.embed_tokens.weight", "model.norm.weight"} | (set() if arch.tie_word_embeddings else {"lm_head.weight"})
     layer = ["input_layernorm.weight", "post_attention_layernorm.weight"] + [
         f"self_attn.{p}_proj.weight" for p in "qkvo"] + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
@@ -209,7 +222,6 @@ def read_arch(r, src: Path) -> tuple[Arch, dict[str, str]]:
     extra = sorted(g for g, c in names.items() if c not in want)
     if extra:
         raise CortiqError(f"{src}: tensor {extra[0]!r} does not belong to a {n}-layer {name} model")
-    return arch, names
 
 
 def tokenizer_json(r, src: Path) -> tuple[str, dict]:
