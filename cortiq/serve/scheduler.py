@@ -362,12 +362,12 @@ class Scheduler:
             return None
         eng = self.engine
         slots = [r.slot for r in running]
-        key = eng.step_key(max(slots) + 1) if self.policy is not None else None
-        depth, tree = self._depth(running, slots, key)
-        if depth and not eng.fits(slots, depth + 1):
-            depth, tree = 0, None
         if ahead and not eng.fits(slots, 1):
             return None
+        key = eng.step_key(max(slots) + 1) if self.policy is not None else None
+        depth, tree = self._depth(running, slots, key)  # (after the room check: the policy counts what runs)
+        if depth and not eng.fits(slots, depth + 1):
+            depth, tree = 0, None
         t0 = time.perf_counter()
         sample = {r.slot: (r.temperature, r.top_p, r.rng.random()) for r in running if r.temperature > 0}
         step = eng.launch(slots, depth, sample, chain=self.policy is None, tree=tree)
