@@ -395,7 +395,8 @@ class Check:
         return f"{n} tokens {text[:40]!r}; stream first token {ttft * 1e3:.0f} ms, same text"
 
     def serve_spec(self, model: Path) -> str:
-        """`serve --speculative` at its defaults (on CUDA a tree of 4 first guesses, 3 drafts a round)
+        """`serve --speculative` at its defaults (on CUDA a tree of 4 first guesses, 3 drafts a round, or
+        a plain step or a shallower round where the measured times say so)
         and plain `serve`, both in f32, asked one chat question: the same answer, and the speculative
         server's rounds and their tokens from its /metrics."""
         q = [{"role": "user", "content": "Explain what a prime number is."}]

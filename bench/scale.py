@@ -111,9 +111,10 @@ def padded_tokenizer(vocab: int, cache: Path, gguf: str | None = None) -> dict:
     return tokenizer_doc(json.dumps(j), t["eos_ids"], t.get("bos_id"), t.get("chat_template"))
 
 
-def random_cmf(g: dict, path: Path, tok: dict, device: str, seed: int = 0) -> Path:
+def random_cmf(g: dict, path: Path, tok: dict, device: str, seed: int = 0, draft: bool = False) -> Path:
     """A random model of geometry `g` (bf16, matrices N(0, 0.02), vectors 1), written one tensor at a
-    time: each made when the writer asks for it and dropped once written."""
+    time: each made when the writer asks for it and dropped once written. `draft`: with a random MTP
+    draft block (bench.serve.serve --step-cost: a round's cost, whatever its drafts)."""
     import torch
 
     from cortiq.cmf import Spec, new_doc, write_cmf
@@ -122,7 +123,7 @@ def random_cmf(g: dict, path: Path, tok: dict, device: str, seed: int = 0) -> Pa
     from bench.heal.stages import arch_of
 
     arch = arch_of(g)
-    arch.mtp_layers = 0  # mtp init gives it its draft, as a user's model without one
+    arch.mtp_layers = int(draft)  # (without: mtp init gives it its draft, as a user's model without one)
     with torch.device("meta"):
         shapes = [(n, tuple(p.shape)) for n, p in CausalLM(arch).named_parameters()]
 
@@ -388,8 +389,9 @@ class Model:
         if stage in ("export-hf", "export-gguf"):
             return "cortiq", ["export", str(f("mtp-heal")), "--to", stage.removeprefix("export-"), str(f(stage)),
                               *self.size(stage)]
-        # serve's speculative default: a tree of 4 first guesses, 3 drafts a round on CUDA, the chain on a CPU
-        mode = "plain" if stage == "serve-plain" else "speculative" if self.a.cpu else "tree"
+        # serve's speculative default (a tree of 4 first guesses, 3 drafts a round on CUDA, the chain on a
+        # CPU; each step plain or a round as the measured times say)
+        mode = "plain" if stage == "serve-plain" else "default"
         return "bench.serve.serve", ["--model", str(f("mtp-heal")), "--modes", mode, "--clients", "1,32", "--no-hf",
                                      "--no-steps", "--no-offline", "--out", str(self.d / stage), *self.size("serve"),
                                      *self.size(stage)]

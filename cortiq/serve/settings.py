@@ -29,10 +29,12 @@ class ServeSettings:
     draft: int = setting(3, "--speculative: tokens drafted per round", lo=1, hi=16,
                          why="a round's drafts run one after another, and one is kept only where every draft "
                              "before it was: a deeper round costs more than it can keep")
-    #: choose each step between a plain step and a round of 1..draft drafts, from the measured
-    #: step times and each request's recent acceptance (so a large batch or a draft that is
-    #: rarely right runs plain steps); off: every all-greedy step is a round of `draft`
-    spec_auto: bool = setting(False, "--speculative: choose plain or a depth 1..draft each step (measured)")
+    #: choose each step between a plain step and a round of 1..draft drafts (chain or tree), from
+    #: the step times taken at start-up and in service and each request's recent acceptance; a
+    #: round runs only where it is expected to decide more tokens a second than a plain step
+    #: (`cortiq.serve.policy`), so a large batch or a draft that is rarely right runs plain steps;
+    #: off: every all-greedy step is a round of `draft` (bench/DECODE.md, "`--spec-auto` by default")
+    spec_auto: bool = setting(True, "--speculative: choose plain or a depth 1..draft each step (measured)")
     #: a draft tree: the draft's top guesses for a round's first token, each continued to a chain
     #: of `draft`, all verified in one forward (the branch keeping most wins; 1: the chain alone).
     #: A round then verifies branches·draft + 1 rows: nearly free while the step is bound by its

@@ -147,11 +147,23 @@ def check_serve(d):
         t = a["offline_trees"]
         assert len(t) == 9 and t["1"] == a["offline_tokens_a_round"]
         assert t[str(d["branches"])] == a["offline_tree_tokens_a_round"]
-    # the speculative server's steps beside the plain one: the draft-keeping plain step and a round per depth
+    # the speculative server's steps beside the plain one: the plain steps that keep the draft's chain and
+    # skip it (--spec-auto's), and a round per depth
     steps = {(r["step"], r["batch"]) for r in d["step_ms"] if r["how"] == "key-length bucket"}
-    want = ["plain", "plain, draft kept"] + [f"{how} {k}" for k in range(1, d["draft"] + 1)
+    want = ["plain", "plain, draft kept", "plain, chain skipped"] + [f"{how} {k}" for k in range(1, d["draft"] + 1)
                                              for how in ("round, depth", f"tree of {d['branches']}, depth")]
     assert {(w, b) for w in want for b in {r["batch"] for r in d["step_ms"]}} == steps, sorted(steps)
+
+
+def check_step_cost(d):
+    # a chain and a tree round of each depth timed at each slot count, against the plain server's step
+    names = [f"{how} {k}" for k in (1, 2, 3) for how in ("round, depth", "tree of 4, depth")]
+    assert {(r["step"], r["batch"]) for r in d["step_ms"] if r["step"] in names} == {(n, b) for n in names for b in (1, 2)}
+    # the default acceptance: the 135M final table's chain and tree servers, per prompt kind
+    assert set(d["accepted"]) == {"chat", "text"} and all(a["depth"] == 3 and a["chain"] > 1 for a in d["accepted"].values())
+    assert [(r["batch"], r["kind"]) for r in d["speedups"]] == [(1, "chat"), (1, "text"), (2, "chat"), (2, "text")]
+    for r in d["speedups"]:
+        assert set(r["rounds"]) == set(names) and all(v["speedup"] > 0 and 1 <= v["tokens"] <= 4 for v in r["rounds"].values())
 
 
 def check_codecs(d):
@@ -259,6 +271,8 @@ BENCHES = {
                     "serve.json", check_serve),
     # every stage in the check's own process (a torch start a stage costs more than the tiny model's work)
     "scale": (["--work", "{work}", "--in-process"], "scale.json", check_scale),
+    # (a second row of one script: NAME+WHAT) the round's cost table alone, on a random tiny geometry
+    "serve.serve+cost": (["--step-cost", "tiny", "--clients", "1,2"], "step_cost.json", check_step_cost),
     "quality.codecs": ([], "codecs.json", check_codecs),
     # one target kind at one budget: the same code as every row
     "quality.quality": (["--kinds", "sampled", "--budgets", "0.004", "--default-budget", "0"], "quality.json", check_quality),
@@ -308,7 +322,7 @@ class Benches:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(d / "home"), "TMPDIR": str(d / "tmp"),
                "OUT": str(out), "CORTIQ_HOME": str(d / "cortiq-home"), "OMP_NUM_THREADS": "1",
                "PYTHONUNBUFFERED": "1"}
-        cmd = [sys.executable, "-m", f"bench.{name}", "--cpu", "--tiny", "--out", str(out),
+        cmd = [sys.executable, "-m", f"bench.{name.split('+')[0]}", "--cpu", "--tiny", "--out", str(out),
                *(a.replace("{work}", str(d / "work")) for a in args)]
         with self.lock:
             if self.closed:
@@ -361,7 +375,8 @@ def benches(request, tmp_path_factory):
 def test_every_bench_has_a_smoke_row():
     scripts = {".".join(p.relative_to(ROOT / "bench").with_suffix("").parts)
                for p in (ROOT / "bench").rglob("*.py") if p.name != "__init__.py"}
-    assert scripts - MODULES == set(BENCHES), "a bench/**/*.py without a smoke row (or a row without its script)"
+    assert scripts - MODULES == {n.split("+")[0] for n in BENCHES}, \
+        "a bench/**/*.py without a smoke row (or a row without its script)"
 
 
 @pytest.mark.slow

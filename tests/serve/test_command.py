@@ -63,7 +63,7 @@ def test_draft_branches_auto_is_a_tree_where_one_runs():
     attn, mixed = arch(), arch("hybrid")
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     spec = ServeSettings(speculative=True)
-    assert (spec.draft, spec.draft_branches) == (3, 0)
+    assert (spec.draft, spec.draft_branches, spec.spec_auto) == (3, 0, True)
     assert spec.branches(attn, cuda) == 4
     assert spec.branches(attn, cpu) == 1  # (a CPU's verify rows cost compute: the chain)
     assert spec.branches(mixed, cuda) == 1  # a Gated DeltaNet state holds one branch

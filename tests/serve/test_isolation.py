@@ -130,13 +130,13 @@ def _fail_sink(reqs):
     r.sink = gone
 
 
-@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("speculative", [False, True, "auto"])
 @pytest.mark.parametrize("where", ["prefill", "first token", "text", "consumer"])
 def test_a_failure_in_one_requests_work_ends_it_alone(model, where, speculative, monkeypatch, capsys):
     def engine():
         return DecodeAdapter(model, 5, 96, draft=2 if speculative else 0)
 
-    kw = dict(speculative=speculative, prefill_chunk=4)
+    kw = dict(speculative=bool(speculative), spec_auto=speculative == "auto", prefill_chunk=4)
     clean = _serve(engine(), _requests(), **kw)
     assert all(f in ("stop", "length") for _, f, _ in clean)
     eng, reqs = engine(), _requests()

@@ -13,7 +13,7 @@ from cortiq.model.decode import DecodeEngine
 from cortiq.model.generate import generate
 from cortiq.serve.detok import IncrementalText
 from cortiq.serve.engine import DecodeAdapter, LoopEngine, bucket_sizes
-from cortiq.serve.policy import DepthPolicy, expected_tokens
+from cortiq.serve.policy import DepthPolicy
 from cortiq.serve.scheduler import Event, Request, Scheduler, collect, merged
 from cortiq.tokenizer import byte_tokenizer_json
 
@@ -91,6 +91,27 @@ def test_attention_over_a_key_length_bucket_equals_the_whole_cache(kind, branche
         torch.testing.assert_close(fast.k_cache[:, s, :, :n], ref.k_cache[:, s, :, :n], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(fast.v_cache[:, s, :, :n], ref.v_cache[:, s, :, :n], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(fast.mtp_k_cache[s, :, :n], ref.mtp_k_cache[s, :, :n], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("branches", [1, 3])
+def test_every_kind_of_step_is_timed_before_any_slot_runs(branches):
+    """The start-up times the depth policy is seeded with: every batch bucket, key length and kind
+    of step (the plain step that skips the chain, a chain round of each depth, and a tree's), taken
+    while every slot is free; they leave the engine as it was, and once a slot runs, none are taken."""
+    m = random_model(arch("llama"), mix=0.5)
+    eng = DecodeEngine(m, slots=4, max_len=48, draft=2, buckets=[1, 2, 4], kv_buckets=[16], branches=branches)
+    ref = DecodeEngine(m, slots=4, max_len=48, draft=2, buckets=[1, 2, 4], kv_buckets=[16], branches=branches)
+    times = eng.time_steps(reps=1)
+    kinds = [(0, False)] + [(d, t) for d in (1, 2) for t in ((False, True) if branches > 1 else (False,))]
+    assert sorted(times) == sorted((b, n, *k) for b in (1, 2, 4) for n in eng.kv_sizes for k in kinds)
+    assert all(s > 0 for s in times.values())
+    for e in (eng, ref):
+        e.prefill(1, PROMPTS[0])
+    for i in range(4):
+        (pa, na), (pb, nb) = eng.spec_on(2, 1 + i % 2), ref.spec_on(2, 1 + i % 2)
+        assert torch.equal(na, nb) and pa[1, : na[1]].tolist() == pb[1, : nb[1]].tolist()
+    with pytest.raises(Exception, match="timed before any slot is active \\(slot 1 is\\)"):
+        eng.time_steps()
 
 
 def test_chunked_prefill_equals_the_whole_prompt():
@@ -206,74 +227,31 @@ def test_the_scheduler_answers_plain_greedy_decoding(mode, engine):
     draft = 0 if mode.startswith("plain") else 3
     kw = {"branches": 3} if "tree" in mode else {}
     eng = (DecodeAdapter if engine == "decode" else LoopEngine)(m, 4, 64, draft=draft, **kw)
-    sched = _answers_greedy(m, eng, _tok(), speculative=bool(draft), spec_auto=mode.startswith("auto"),
-                            prefill_chunk=3, overlap=mode != "plain-sync")
+    sched = _answers_greedy(m, eng, _tok(), speculative=bool(draft), prefill_chunk=3, overlap=mode != "plain-sync",
+                            policy=_mixing(eng) if mode.startswith("auto") else None)
     if mode == "auto-tree":  # both kinds of round ran
         assert {t for (d, t), n in sched.policy.chosen.items() if d and n} == {False, True}
     if draft:
         assert sched.stats["rounds"] > 0
     if mode.startswith("auto"):
         pol = sched.profile()["policy"]
-        assert sum(sched.policy.chosen.values()) > 0 and pol["step_ms"] and pol["turn_ms"]
+        assert all(sched.policy.chosen.values()) and pol["step_ms"] and pol["turn_ms"]  # every kind ran
+        assert pol["seeded"] == (len(eng.eng.buckets) * len(eng.eng.kv_sizes) * len(sched.policy.actions)
+                                 if engine == "decode" else 0)  # the decode engine timed every kind at start-up
 
 
-def test_depth_policy_takes_what_pays():
-    pol = DepthPolicy(3, explore=1000)
-    tried = []
-    for _ in range(8):  # each depth is timed twice first; cheap verify rounds
-        tried.append(pol.choose(8, [0.9] * 8)[0])
-        pol.record(8, tried[-1], 1.0 + 0.1 * tried[-1])
-    assert tried == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert pol.choose(8, [0.9] * 8)[0] == 3
-    assert pol.choose(8, [0.05] * 8)[0] == 0  # drafts rarely right: plain
-    for d, t in enumerate([1.0, 2.0, 3.0, 4.0]):  # a compute-bound batch: a verify costs its rows
-        for _ in range(10):
-            pol.record(8, d, t)
-    assert pol.choose(8, [0.9] * 8)[0] == 0
-    assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(0.0, 3) == 1.0
+class _Cycling(DepthPolicy):
+    """The policy with its choice taken in turn from every kind of step, whatever the times: every
+    kind, and a change between two kinds at every step, in a short run, on any machine's clock
+    (whatever it chooses, the answers are plain greedy decoding's; its choices on a fake clock:
+    tests/serve/test_policy.py)."""
+
+    def _choose(self, key, n, slots):
+        return self.actions[sum(self.chosen.values()) % len(self.actions)]
 
 
-def test_depth_policy_takes_the_tree_where_it_pays():
-    """With a draft tree, each depth's tree round is timed and chosen apart from the chain's: at a
-    small batch a tree round costs about a chain round and keeps more (0.8 against 0.5 a draft),
-    so it runs; at a large one its rows cost, and the chain runs."""
-    pol = DepthPolicy(2, explore=1000, tree=True)
-    assert pol.actions == [(0, False), (1, False), (2, False), (1, True), (2, True)]
-    cost = {(1, 0, False): 1.0, (1, 1, False): 1.2, (1, 2, False): 1.3, (1, 1, True): 1.25, (1, 2, True): 1.4,
-            (32, 0, False): 2.0, (32, 1, False): 2.6, (32, 2, False): 3.0, (32, 1, True): 4.0, (32, 2, True): 6.5}
-    for b in (1, 32):
-        tried = []
-        for _ in range(10):  # each kind is timed twice first
-            tried.append(pol.choose(b, [0.5] * b, [0.8] * b))
-            pol.record(b, *tried[-1][:1], cost[(b, *tried[-1])], tried[-1][1])
-        assert tried == [a for a in pol.actions for _ in range(2)]
-    assert pol.choose(1, [0.5], [0.8]) == (2, True)
-    assert pol.choose(32, [0.5] * 32, [0.8] * 32) == (2, False)
-    pol.accepted(2, 2, True)  # a tree round keeping both drafts moves the tree's prior, not the chain's
-    assert pol.alpha_tree > 0.5 == pol.alpha
-    assert pol.summary()["chosen"] == {"0": 4, "1": 4, "2": 5, "tree 1": 4, "tree 2": 5}
-
-
-def test_depth_policy_costs_a_step_by_its_turn_where_the_host_is_slower():
-    """Device times alone say a round (2 ms) does not pay over a plain step (1 ms) at 0.4
-    acceptance; turns of 3 ms each, whatever the step, say the host sets the pace and the round's
-    1.78 tokens a request are nearly free."""
-    pol = DepthPolicy(1, explore=1000)
-    for d, t in ((0, 1e-3), (1, 2e-3)):
-        for _ in range(4):
-            pol.record(32, d, t)
-    assert pol.choose(32, [0.4] * 32)[0] == 0 and pol.cost(32, 1) == 2e-3
-    pol.record_period(32, 0, 3e-3)
-    assert pol.choose(32, [0.4] * 32)[0] == 0  # one period is a warm-up run: not yet the cost
-    for d in (0, 0, 1, 1, 1):
-        pol.record_period(32, d, 3e-3)
-    assert pol.cost(32, 0) == pol.cost(32, 1) == 3e-3
-    assert pol.choose(32, [0.4] * 32)[0] == 1
-    for _ in range(20):  # a device-bound batch: the turn waits for the step, device time rules again
-        pol.record_period(32, 0, 1.05e-3)
-        pol.record_period(32, 1, 2.05e-3)
-    assert pol.choose(32, [0.4] * 32)[0] == 0
-    assert set(pol.summary()["turn_ms"]) == {"32x0", "32x1"}
+def _mixing(eng) -> DepthPolicy:
+    return _Cycling(eng.draft, eng.max_batch, tree=eng.branches > 1)
 
 
 def test_add_many_equals_add_and_events_merge():
@@ -304,7 +282,7 @@ def test_the_pipelined_scheduler_with_captured_graphs_answers_greedy(mode):
     draft = 0 if mode == "plain" else 3
     eng = DecodeAdapter(m, 4, 64, draft=draft, branches=3 if mode == "tree" else 1)
     assert eng.eng.graphs and eng.staged.graphs
-    _answers_greedy(m, eng, _tok(), speculative=bool(draft), spec_auto=bool(draft), prefill_chunk=5)
+    _answers_greedy(m, eng, _tok(), speculative=bool(draft), prefill_chunk=5, policy=_mixing(eng) if draft else None)
 
 
 @pytest.mark.parametrize("mode", ["plain", "auto", "tree"])
@@ -323,7 +301,7 @@ def test_graph_capture_warm_ups_on_fresh_buffers_then_replays_answer_greedy(mode
     # past max_len, a tree's its overhang too: 80)
     assert eng.eng.kv_sizes == ([32, 80] if draft else [32, 64])
     assert len(eng.staged.graphs) == 3 and len(eng.eng._bucket_graphs) == 3 * len(eng.eng.kv_sizes) * kinds
-    _answers_greedy(m, eng, _tok(), speculative=bool(draft), spec_auto=bool(draft), prefill_chunk=5)
+    _answers_greedy(m, eng, _tok(), speculative=bool(draft), prefill_chunk=5, policy=_mixing(eng) if draft else None)
     staged = list(eng.staged.graphs.values())
     assert sum(g.replays for g in staged) > 0 and sum(g.replays for g in graphs if g not in staged) > 0
     if draft:  # auto's rounds after plain steps that skipped the chain run the chain's own graph
@@ -360,7 +338,8 @@ def test_answers_that_fill_the_context_end_at_its_last_position(mode):
     draft = 0 if mode == "plain" else 3
     eng = DecodeAdapter(m, 3, 40, draft=draft, branches=3 if "tree" in mode else 1)
     tok = _tok()
-    sched = Scheduler(eng, tok, [], speculative=bool(draft), spec_auto=mode.startswith("auto"), prefill_chunk=5)
+    sched = Scheduler(eng, tok, [], speculative=bool(draft), prefill_chunk=5,
+                      policy=_mixing(eng) if mode.startswith("auto") else None)
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[5], PROMPTS[1]]
     sched.start()
     try:

@@ -22,9 +22,9 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module", params=["plain", "speculative", "auto", "auto-tree"])
 def server(request, served_model, tmp_path_factory):
-    extra = {"plain": [], "speculative": ["--speculative", "--draft", "2"],
-             # speculation chosen per step, prompts prefilled 4 tokens a turn
-             "auto": ["--speculative", "--draft", "2", "--spec-auto", "--prefill-chunk", "4"],
+    extra = {"plain": [], "speculative": ["--speculative", "--draft", "2", "--no-spec-auto"],
+             # speculation chosen per step (serve's default), prompts prefilled 4 tokens a turn
+             "auto": ["--speculative", "--draft", "2", "--prefill-chunk", "4"],
              # chain and tree rounds of 3 first guesses chosen per step
              "auto-tree": ["--speculative", "--draft", "2", "--spec-auto", "--draft-branches", "3"]}[request.param]
     srv = Server(served_model, tmp_path_factory.mktemp("log") / "serve.log", "--max-batch", "3", "--max-len", "200",

@@ -15,6 +15,8 @@ and values to where a chain's would lie (`_spec_tree`)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -602,6 +604,53 @@ class DecodeEngine(StaticForward):
             v._at(key_len, v._spec, d, t)
         self._advance(b, d + 1)
         return self.out_pred, self.out_n
+
+    def key_length(self, b: int, depth: int = 0) -> int:
+        """The key length a step over slots 0..b-1 verifying `depth` drafts (0: a plain step) reads
+        now: which of its graphs it replays, from the host's bound of the slots' lengths."""
+        return self._kv_for(b, depth)
+
+    @torch.no_grad()
+    def time_steps(self, reps: int = 3) -> dict:
+        """Seconds each kind of bucketed step takes at every batch bucket and key length, the median
+        of `reps` runs (on CUDA its captured graph's replay between two events, after one replay
+        untimed; else the eager call): {(b, key length, depth, tree): seconds}, depth 0 the plain
+        step that skips the draft's chain (a server that chooses per step runs that one). Only
+        before any slot is active: then every row a step writes is masked, as in the graphs'
+        warm-ups, and nothing a request will read is touched."""
+        if any(self._live):
+            raise CortiqError(f"decode engine: steps are timed before any slot is active (slot "
+                              f"{self._live.index(True)} is)")
+        kinds = [(0, False)] + [(d, t) for d in range(1, self.draft + 1) for t in sorted({False, self.branches > 1})]
+        out = {}
+        for b in self.buckets:
+            v = self._view(b)
+            for n in self.kv_sizes:
+                for d, t in kinds:
+                    if d:
+                        g, run = self._bucket_graphs.get(("spec", b, d, n, t or self.branches == 1)), (
+                            lambda v=v, n=n, d=d, t=t: v._at(n, v._spec, d, t))
+                    else:
+                        g, run = self._bucket_graphs.get(("plain", b, not self.draft, n)), (
+                            lambda v=v, n=n: v._at(n, v._plain, False))
+                    if g is not None:
+                        run = g.replay
+                        run()
+                    out[(b, n, d, t)] = sorted(self._clock(run) for _ in range(reps))[(reps - 1) // 2]
+        return out
+
+    def _clock(self, run) -> float:
+        """Seconds `run()` takes: on CUDA its device time between two events, else the call's."""
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            run()
+            return time.perf_counter() - t0
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        run()
+        t1.record()
+        t1.synchronize()
+        return t0.elapsed_time(t1) / 1000
 
 
 def _check_args(model, slots: int, max_len: int, draft: int, branches: int) -> None:
