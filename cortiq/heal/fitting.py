@@ -165,8 +165,8 @@ def fit_layers(student_cmf, teacher_cmf, tdata_dir, s: HealSettings, say: bool =
     if say:
         allow, budget = fit.allow(t)
         lean = mem.leanest(fit.shape(t), fit.have)
-        print(f"cortiq: heal: training every layer does not fit the {mem.size(allow)} the step may use{budget} "
-              f"({mem.size(fit.need(t, lean))} with the leanest plan, {mem.plan_option(lean)}); training "
+        print(f"cortiq: heal: training every layer does not fit the {mem.size(allow)} the step may use{budget}: "
+              f"{mem.size(fit.need(t, lean))} with the leanest plan, {mem.plan_option(lean)}; training "
               f"layers {up}-{fit.n - 1} (train_from {up}), plan {fit.fastest(up)}", file=sys.stderr)
     return dataclasses.replace(s, train_from=up)
 

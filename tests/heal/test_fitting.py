@@ -69,8 +69,8 @@ def test_auto_trains_the_most_layers_that_fit_and_says_so(pair, tmp_path, capsys
     fit = _fit(pair, device_mem_gb=gb)
     allow, budget = fit.allow(0)
     lean = mem.leanest(fit.shape(0), fit.have)
-    line = (f"cortiq: heal: training every layer does not fit the {mem.size(allow)} the step may use{budget} "
-            f"({mem.size(fit.need(0, lean))} with the leanest plan, {mem.plan_option(lean)}); training layers 2-3 "
+    line = (f"cortiq: heal: training every layer does not fit the {mem.size(allow)} the step may use{budget}: "
+            f"{mem.size(fit.need(0, lean))} with the leanest plan, {mem.plan_option(lean)}; training layers 2-3 "
             f"(train_from 2), plan {fit.fastest(2)}")
     assert line in err.splitlines(), err
     assert sum(x.startswith("cortiq: heal: training every layer") for x in err.splitlines()) == 1
@@ -159,3 +159,35 @@ def test_named_8bit_moments_without_torchao_are_refused_before_any_work(pair, tm
     err = capsys.readouterr().err
     assert err.startswith("cortiq: heal: memory adam8 needs torchao (pip install 'cortiq[lean]'): ") and err.count("\n") == 1
     assert not list((tmp_path / "work").glob("*-*"))
+
+
+def test_the_caches_spill_to_disk_in_chunks_and_read_back_mapped_with_the_values_made(pair, tmp_path):
+    """The teacher's targets and the frozen prefix are written a pass batch at a time and read
+    back memory-mapped: neither is ever whole in host memory, whatever mem_budget_gb says
+    (that chooses the prefix's precision only), and the rows read are the ones made."""
+    import math
+
+    import pyarrow as pa
+
+    from cortiq import store
+    from cortiq.heal import stages as heal_stages
+    from cortiq.heal.prefix import Prefix, run_prefix
+    from cortiq.heal.targets import Targets
+    from cortiq.model import load_model
+
+    teacher, student, td = pair
+    s = HealSettings(**BASE, train_from=2)
+    heal_stages.teacher_targets(teacher, td, s, tmp_path / "targets", progress=False)
+    assert heal_stages.prefix_cache(student, td, s, tmp_path / "prefix", progress=False)["dtype"] == "f32"
+    _, wins = window_sets(td, s)
+    for d, col in ((tmp_path / "prefix", "h"), (tmp_path / "targets", "probs")):
+        for split, w in wins.items():
+            assert store.read_arrow(d / f"{split}.arrow").column(col).num_chunks == math.ceil(len(w) / s.batch) > 1
+    before = pa.total_allocated_bytes()
+    pre, tg = Prefix(tmp_path / "prefix"), Targets(tmp_path / "targets")
+    on_disk = sum(p.stat().st_size for d in ("prefix", "targets") for p in (tmp_path / d).glob("*.arrow"))
+    assert pa.total_allocated_bytes() - before < on_disk / 50  # mapped, not read into memory (the totals aside)
+    assert not pre.h["train"].parts[0].flags.owndata and not tg.probs["train"].parts[0].flags.owndata
+    model = load_model(student)
+    want = run_prefix(model, torch.from_numpy(wins["train"].ids[: s.batch]), 2)  # the stage's first pass batch
+    assert torch.equal(torch.from_numpy(pre.h["train"].take(range(s.batch))), want)
