@@ -96,6 +96,8 @@ class Fit:
         self.cached = [prefix_dtype(windows, s.window, g.hidden, budget, t) != "none" for t in range(self.n)]
         self.have = mem.adam8_asker(mem.have_adam8)
         self.micro = s.micro_windows()
+        #: measured once: every candidate is judged against the same free memory
+        self.free = mem.free_bytes(device) if device.type == "cuda" else 0
 
     def shape(self, t: int) -> mem.StepShape:
         g, s = self.g, self.s
@@ -110,7 +112,7 @@ class Fit:
         return F32 * (on + (g.teacher if self.s.target_kind.online else 0))
 
     def allow(self, t: int) -> tuple[float | None, str]:
-        return mem.allowance(self.s.device_mem_gb, self.device, self.there(t), loaded=False)
+        return mem.allowance(self.s.device_mem_gb, self.device, self.there(t), loaded=False, free=self.free)
 
     def need(self, t: int, plan: mem.MemoryPlan) -> int:
         return mem.step_bytes(self.shape(t), plan.parts, self.micro, plan.layers)

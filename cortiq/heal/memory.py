@@ -209,15 +209,18 @@ def size(n: float) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
-def allowance(gb: float, device: torch.device, there: int, loaded: bool = True) -> tuple[float | None, str]:
+def allowance(gb: float, device: torch.device, there: int, loaded: bool = True,
+              free: int | None = None) -> tuple[float | None, str]:
     """(bytes the step may use beyond the `there` bytes of weights on `device`, the words
     that say where that figure comes from): `gb` GiB less the weights, else on CUDA
-    STEP_SHARE of the free memory (less the weights when they are not `loaded` yet);
-    (None, "") on a CPU without a budget, where nothing is planned."""
+    STEP_SHARE of the free memory (`free`: as measured once for several estimates; less
+    the weights when they are not `loaded` yet); (None, "") on a CPU without a budget,
+    where nothing is planned."""
     if gb > 0:
         return gb * GiB - there, f" (device_mem_gb {gb:g} less {size(there)} already there)"
     if device.type == "cuda":
-        return STEP_SHARE * (free_bytes(device) - (0 if loaded else there)), f" ({STEP_SHARE:.0%} of the free memory)"
+        free = free_bytes(device) if free is None else free
+        return STEP_SHARE * (free - (0 if loaded else there)), f" ({STEP_SHARE:.0%} of the free memory)"
     return None, ""
 
 
