@@ -13,7 +13,7 @@ from cortiq.heal import memory as hmem
 
 from compress_helpers import tiny_cmf, tiny_tdata
 
-MASK = dict(keep_frac=0.75, lr=0.1, eval_every=5, max_steps=20, settle=1, window=32, batch=4, val_windows=4)
+MASK = dict(keep_frac=0.75, lr=0.1, eval_every=5, max_steps=10, settle=1, window=32, batch=4, val_windows=4)
 
 
 @pytest.fixture(scope="module")
