@@ -125,7 +125,7 @@ def test_generated_defaults_are_the_dataclass_defaults(path):
 
 
 #: values to try for a free-form string field whose grammar no generic candidate meets
-VALUES = {"HealSettings.memory": ["plain", "checkpoint+micro"], "SelfGenSettings.mix": [(0.5, 0.25, 0.25)]}
+VALUES = {"HealSettings.memory": ["plain", "checkpoint+micro"], "HealSettings.train_from": [1], "SelfGenSettings.mix": [(0.5, 0.25, 0.25)]}
 
 
 def _candidates(cls, f: dataclasses.Field) -> list:

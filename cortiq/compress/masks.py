@@ -15,10 +15,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
 from ..errors import CortiqError
+from .memory import MaskPlan
 from .settings import MaskSettings
 
 MAX_NONFINITE = 20
@@ -344,8 +346,30 @@ class _Graphed:
         return float(self.val_out)
 
 
+def _micro_step(params: Sequence[nn.Parameter], batch_loss: Callable, train, batch: int, micro: int, n_all: int):
+    """The step(b, l1) of a batch in micro-batches of `micro` windows: each part's summed loss
+    over the whole batch's weight, backward part by part (the gradients add up to the one
+    batch's), then the L1 pull's; the task loss returned."""
+
+    def step(b: int, l1: float) -> torch.Tensor:
+        for p in params:
+            p.grad = None
+        bt = train.batch(b, batch)
+        den = max(float(bt.weight.sum(dtype=np.float64)), 1e-9)
+        task = None
+        for a in range(0, bt.ids.shape[0], micro):  # micro-batches, a handful
+            part = batch_loss(bt.ids[a : a + micro], bt.next[a : a + micro], bt.weight[a : a + micro]) / den
+            part.backward()
+            task = part.detach() if task is None else task + part.detach()
+        l1_pull(params, l1, n_all).backward()
+        return task
+
+    return step
+
+
 def learn_model_masks(model, train, val, settings: MaskSettings, on_eval=None, progress=None,
-                      compute: torch.dtype = torch.float32, graph: bool = False) -> MaskResult:
+                      compute: torch.dtype = torch.float32, graph: bool = False,
+                      plan: MaskPlan | None = None) -> MaskResult:
     """DTG-MA on `model` (a cortiq CausalLM, on the device it should run on)
     with the loss of `settings.objective` (OBJECTIVES): `train`, `val` are cortiq.data.Windows. The
     weights stay as loaded (frozen); the forward runs under autocast to
@@ -354,8 +378,11 @@ def learn_model_masks(model, train, val, settings: MaskSettings, on_eval=None, p
     and the held-out pass replay CUDA graphs (what `cortiq compress` does on a
     GPU: several times faster a step, bench/RESULTS.md, "The DTG-MA mask step,
     eager against CUDA graphs"; the plain eager step is the reference
-    they are tested against, and the CPU's path). The gates are removed again
-    at the end."""
+    they are tested against, and the CPU's path). `plan` (cortiq.compress.memory)
+    recomputes the lowest layers in the backward and runs micro-batches, for a step
+    that does not fit the device otherwise: the same gradients, run eagerly (graphs
+    pay where kernel launches bound a small model's step; a model that needs the
+    savings is bound by its arithmetic). The gates are removed again at the end."""
     s = settings
     if len(train) == 0 or len(val) == 0:
         raise CortiqError(f"DTG-MA: {len(train)} train / {len(val)} val windows of {s.window} tokens")
@@ -381,6 +408,10 @@ def learn_model_masks(model, train, val, settings: MaskSettings, on_eval=None, p
             tot, w = loss(model, to(bt.ids), to(bt.next), to(bt.weight))
         return tot / w.clamp_min(1e-9)
 
+    def summed(ids, nxt, weight):
+        with autocast():
+            return loss(model, to(ids), to(nxt), to(weight))[0]
+
     # the few held-out batches every evaluation scores live on the device for the whole run
     val_batches = [tuple(to(x) for x in val.batch(b, s.batch)) for b in range(n_val_b)]
 
@@ -395,13 +426,21 @@ def learn_model_masks(model, train, val, settings: MaskSettings, on_eval=None, p
                 cnt += w.double()
             return float(tot / cnt.clamp_min(1e-9))
 
+    plan = plan or MaskPlan()
     step = None
-    if graph and dev.type == "cuda":
-        g = _Graphed(model, params, sum(p.numel() for p in params), compute, train, s.batch, s.window, val_batches, loss)
+    n_all = sum(p.numel() for p in params)
+    if plan.micro:
+        step = _micro_step(params, summed, train, s.batch, plan.micro, n_all)
+    elif graph and dev.type == "cuda" and plan.plain:
+        g = _Graphed(model, params, n_all, compute, train, s.batch, s.window, val_batches, loss)
         step, val_loss = g.step, g.val
+    for i, layer in enumerate(model.layers):
+        layer.recompute = i < plan.checkpoint  # the lowest: see cortiq.heal.train.StudentTail.checkpointed
     try:
         return train_masks(params, train.n_batches(s.batch), step_loss, val_loss, s, on_eval, progress, step)
     finally:
+        for layer in model.layers:
+            layer.recompute = False
         for p in params:
             p.grad = None
         model.set_neuron_gates(False)

@@ -68,6 +68,12 @@ class MaskSettings:
                              added=True)
     val_windows: int = setting(32, "most val windows scored per evaluation (0: all)", lo=0)
     seed: int = setting(0, "order of the train windows")
+    #: the device memory the mask step may allocate, the model's weights included: where the plain
+    #: step's estimate does not fit, the lowest layers are recomputed in the backward and the batch
+    #: runs in micro-batches (the same gates: cortiq.compress.memory). How, not what
+    device_mem_gb: float = setting(0.0, "device memory the mask step may allocate, GiB: past it, layers are "
+                                        "recomputed in the backward and the batch runs in micro-batches (0: 85% "
+                                        "of the free memory on CUDA; on a CPU, no limit)", lo=0, how=True)
     device: str = _group_device()
     compute_dtype: str = _group_compute()
 

@@ -76,6 +76,7 @@ def learn_masks(source_cmf, tdata_dir, settings: MaskSettings, out_dir, logger: 
     from ..data import windows
     from ..model import load_model
     from .masks import learn_model_masks
+    from .memory import mask_plan
 
     s = settings
     td = _open_data(source_cmf, tdata_dir)
@@ -83,6 +84,7 @@ def learn_masks(source_cmf, tdata_dir, settings: MaskSettings, out_dir, logger: 
     val = windows(td, "val", s.window, loss_on=s.loss_on)
     dev, cdt = _resources(device, compute_dtype)
     model = load_model(source_cmf, device=dev)
+    plan = mask_plan(model, s.batch, s.window, s.objective, cdt, s.device_mem_gb)
     t0 = time.time()
     bar = _bar(s.max_steps, "DTG-MA masks", "step")
 
@@ -97,13 +99,13 @@ def learn_masks(source_cmf, tdata_dir, settings: MaskSettings, out_dir, logger: 
     try:
         # CUDA graphs on the GPU: the step is launch-bound at these sizes, and replayed it is several times
         # faster with the same masks (bench/RESULTS.md, "The DTG-MA mask step, eager against CUDA graphs")
-        r = learn_model_masks(model, train, val, s, on_eval, progress, compute=cdt, graph=dev.type == "cuda")
+        r = learn_model_masks(model, train, val, s, on_eval, progress, compute=cdt, graph=dev.type == "cuda", plan=plan)
     finally:
         bar.close()
     rep = r.report()
     rep["metrics"]["mask_sec_per_step"] = (time.time() - t0) / max(r.steps, 1)
     rep["windows"] = {"train": len(train), "val": len(val)}
-    rep["device"], rep["compute_dtype"] = str(dev), str(cdt).removeprefix("torch.")
+    rep["device"], rep["compute_dtype"], rep["memory"] = str(dev), str(cdt).removeprefix("torch."), str(plan)
     with store.stage_dir(out_dir, _meta(MASKS, s, source_cmf, tdata_dir, {"report": rep})) as d:
         save_file({f"layer.{i}": t.detach().float().cpu().contiguous() for i, t in enumerate(r.logits)}, str(d / MASKS_FILE))
     logger.log_metrics({k: v for k, v in rep["metrics"].items()})

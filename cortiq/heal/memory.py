@@ -68,6 +68,13 @@ def shape_of(tail, batch: int, window: int, chunk: int, kind: TargetKind = KINDS
                      head_entry=kind.head_entry)
 
 
+def layer_bytes(tokens: int, hidden: int, inter: int) -> int:
+    """What one decoder layer saves for its backward under bf16 autocast, `tokens` rows:
+    f32 residual inputs of the two norms, bf16 projections, attention output, SwiGLU's
+    gate, up and product (fitted at Qwen3-1.7B: `step_bytes`)."""
+    return tokens * (24 * hidden + 8 * inter)
+
+
 def step_bytes(sh: StepShape, parts: tuple[str, ...], micro_windows: int, layers: int | None = None) -> int:
     """Estimated peak bytes of one step beyond the weights already on the device,
     under `parts`, with `layers` of the trained layers checkpointed (the lowest;
@@ -92,7 +99,7 @@ def step_bytes(sh: StepShape, parts: tuple[str, ...], micro_windows: int, layers
     tok = -(-sh.tokens // n)  # tokens of one (micro-)batch
     L = sh.layers
     k = (L if layers is None else max(0, min(int(layers), L))) if "checkpoint" in parts else 0
-    full = tok * (24 * sh.hidden + 8 * sh.inter)  # one layer's saved activations
+    full = layer_bytes(tok, sh.hidden, sh.inter)  # one layer's saved activations
     kept = tok * 4 * sh.hidden  # a checkpointed layer's saved input
     rows = 8 * tok * sh.hidden  # the normed rows and their gradient
     head = sh.head_entry * min(sh.chunk, tok) * sh.vocab + 2 * sh.vocab * sh.hidden + rows  # chunks + bf16 head
@@ -151,23 +158,18 @@ def _fewest_layers(sh: StepShape, parts: tuple[str, ...], micro_windows: int, al
     return next((k for k in range(1, sh.layers + 1) if step_bytes(sh, parts, micro_windows, k) <= allow), None)
 
 
-def choose_memory(memory: str, parts: tuple[str, ...] | None, sh: StepShape, micro_windows: int, allow: float | None,
-           adam8_available, layers: int = 0, budget: str = "", say: bool = True) -> MemoryPlan:
-    """The plan the step runs with. `parts` is what the settings named (None:
-    auto), `layers` the settings' checkpoint_layers (0: all when named, the
-    fewest that fit under auto). Auto without an allowance (`allow` None: a
-    CPU without a budget) is plain; with one (bytes the step may use beyond
-    what is on the device) it is, of the plans whose estimate fits, the one
-    expected to cost the least time (COST): plain, else checkpoint of the fewest
-    layers, else more savings; when none fits, lean. With `say`, one line to
-    stderr says what auto chose and why (`budget` names the allowance in it).
-    `adam8_available`: a bool, or a function asked only when a plan with
-    8-bit moments would be chosen (importing torchao takes seconds)."""
+def adam8_asker(adam8_available):
+    """`adam8_available` (a bool, or a function asked only when a plan with 8-bit moments
+    would be chosen: importing torchao takes seconds) as a function asked at most once."""
+    return functools.cache(lambda: bool(adam8_available() if callable(adam8_available) else adam8_available))
+
+
+def fastest_fit(sh: StepShape, micro_windows: int, allow: float, have, layers: int = 0) -> MemoryPlan | None:
+    """Of the plans whose estimate fits `allow` bytes, the one expected to cost the least
+    time (COST; with checkpoint, of the fewest layers that fit, or `layers` when set),
+    skipping those with 8-bit moments where `have()` (adam8_asker) says torchao does not
+    load; None when none fits."""
     L = sh.layers
-    if parts is not None:
-        return MemoryPlan(parts, (min(layers, L) if layers else L) if "checkpoint" in parts else 0, L)
-    if allow is None:
-        return MemoryPlan((), 0, L)
     fits = []
     for mask in range(1 << len(MEMORY_PARTS)):  # the 8 combinations of savings
         ps = tuple(p for i, p in enumerate(MEMORY_PARTS) if mask >> i & 1)
@@ -179,40 +181,94 @@ def choose_memory(memory: str, parts: tuple[str, ...] | None, sh: StepShape, mic
         if step_bytes(sh, ps, micro_windows, k) <= allow:
             fits.append(MemoryPlan(ps, k, L))
     fits.sort(key=lambda p: (p.cost(), len(p.parts)))
-    # torchao asked at most once, and only when a plan needs it
-    have = functools.cache(lambda: bool(adam8_available() if callable(adam8_available) else adam8_available))
-    avail = None
-    for plan in fits:
-        if "adam8" in plan:
-            avail = have()
-            if not avail:
-                continue
+    return next((p for p in fits if "adam8" not in p or have()), None)
+
+
+def leanest(sh: StepShape, have) -> MemoryPlan:
+    """Every saving, 8-bit moments only where torchao loads (`have`, adam8_asker)."""
+    return MemoryPlan(tuple(p for p in MEMORY_PARTS if p != "adam8" or have()), sh.layers, sh.layers)
+
+
+def named_plan(parts: tuple[str, ...], sh: StepShape, layers: int = 0) -> MemoryPlan:
+    """The plan the settings name: `parts`, with checkpoint `layers` of the trained ones (0: all)."""
+    L = sh.layers
+    return MemoryPlan(parts, (min(layers, L) if layers else L) if "checkpoint" in parts else 0, L)
+
+
+def plan_option(plan: MemoryPlan) -> str:
+    """The --memory value (and --checkpoint-layers) that names `plan`."""
+    name = "lean" if set(plan.parts) == set(MEMORY_PARTS) else "+".join(plan.parts) or "plain"
+    return name + (f" --checkpoint-layers {plan.layers}" if "checkpoint" in plan and plan.layers < plan.of else "")
+
+
+def size(n: float) -> str:
+    """Bytes in words: GiB from one GiB, else MiB or KiB (a tiny model's step is a few KiB)."""
+    for unit, b in (("GiB", GiB), ("MiB", float(1 << 20))):
+        if abs(n) >= b:
+            return f"{n / b:.1f} {unit}"
+    return f"{n / 1024:.1f} KiB"
+
+
+def allowance(gb: float, device: torch.device, there: int, loaded: bool = True,
+              free: int | None = None) -> tuple[float | None, str]:
+    """(bytes the step may use beyond the `there` bytes of weights on `device`, the words
+    that say where that figure comes from): `gb` GiB less the weights, else on CUDA
+    STEP_SHARE of the free memory (`free`: as measured once for several estimates; less
+    the weights when they are not `loaded` yet); (None, "") on a CPU without a budget,
+    where nothing is planned."""
+    if gb > 0:
+        return gb * GiB - there, f" (device_mem_gb {gb:g} less {size(there)} already there)"
+    if device.type == "cuda":
+        free = free_bytes(device) if free is None else free
+        return STEP_SHARE * (free - (0 if loaded else there)), f" ({STEP_SHARE:.0%} of the free memory)"
+    return None, ""
+
+
+def choose_memory(memory: str, parts: tuple[str, ...] | None, sh: StepShape, micro_windows: int, allow: float | None,
+           adam8_available, layers: int = 0, budget: str = "", say: bool = True) -> MemoryPlan:
+    """The plan the step runs with. `parts` is what the settings named (None:
+    auto), `layers` the settings' checkpoint_layers (0: all when named, the
+    fewest that fit under auto). Auto without an allowance (`allow` None: a
+    CPU without a budget) is plain; with one (bytes the step may use beyond
+    what is on the device) it is, of the plans whose estimate fits, the one
+    expected to cost the least time (`fastest_fit`); when none fits, lean. With
+    `say`, one line to stderr says what auto chose and why (`budget` names the
+    allowance in it). `adam8_available`: a bool, or a function asked only when a
+    plan with 8-bit moments would be chosen (importing torchao takes seconds)."""
+    if parts is not None:
+        return named_plan(parts, sh, layers)
+    if allow is None:
+        return MemoryPlan((), 0, sh.layers)
+    have = adam8_asker(adam8_available)
+    plan = fastest_fit(sh, micro_windows, allow, have, layers)
+    if plan is not None:
         if say:
+            # a cheaper plan with 8-bit moments fitted, but torchao does not load here
+            skipped = fastest_fit(sh, micro_windows, allow, lambda: True, layers) != plan
             _say(plan, sh, micro_windows, allow, budget, True,
-                 "" if avail is None or avail else "; 8-bit Adam moments would cost less time but torchao does not "
-                 "load here (pip install 'cortiq[lean]')")
+                 "; 8-bit Adam moments would cost less time but torchao does not load here "
+                 "(pip install 'cortiq[lean]')" if skipped else "")
         return plan
-    avail = have()
-    plan = MemoryPlan(tuple(p for p in MEMORY_PARTS if p != "adam8" or avail), L, L)
+    plan = leanest(sh, have)
     if say:
         _say(plan, sh, micro_windows, allow, budget, False,
-             "" if avail else " (without 8-bit Adam moments: torchao does not load here: pip install 'cortiq[lean]')")
+             "" if have() else " (without 8-bit Adam moments: torchao does not load here: pip install 'cortiq[lean]')")
     return plan
 
 
 def _say(plan: MemoryPlan, sh: StepShape, micro_windows: int, allow: float, budget: str, fits: bool, note: str) -> None:
     """One line: what auto chose, its estimate against the allowance, and what it is expected to cost."""
-    need = step_bytes(sh, plan.parts, micro_windows, plan.layers) / GiB
-    plain = step_bytes(sh, (), micro_windows) / GiB
+    need = size(step_bytes(sh, plan.parts, micro_windows, plan.layers))
+    plain = size(step_bytes(sh, (), micro_windows))
     what = str(plan).replace(f"checkpoint:{plan.layers}/{plan.of}",
                              f"checkpoint of the lowest {plan.layers} of {plan.of} trained layers")
-    room = f"the {allow / GiB:.1f} GiB the step may use{budget}"
+    room = f"the {size(allow)} the step may use{budget}"
     if not plan.parts:
-        why = f"its estimate, {plain:.1f} GiB, fits {room}"
+        why = f"its estimate, {plain}, fits {room}"
     elif fits:
-        why = f"plain's estimate, {plain:.1f} GiB, does not fit {room}; this plan's, {need:.1f} GiB, does"
+        why = f"plain's estimate, {plain}, does not fit {room}; this plan's, {need}, does"
     else:
-        why = f"no plan's estimate fits {room}: this, the leanest, needs {need:.1f} GiB"
+        why = f"no plan's estimate fits {room}: this, the leanest, needs {need}"
     cost = f"; expected {plan.cost():.2f}x the plain step's time" if plan.parts else ""
     print(f"cortiq: heal memory auto: {what}: {why}{cost}{note}", file=sys.stderr)
 

@@ -7,7 +7,7 @@ and on the pydoc text."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import ClassVar
 
 from ..devices import COMPUTE
@@ -34,7 +34,13 @@ class HealSettings:
     FEEDS: ClassVar[tuple[str, ...]] = ("train",)
 
     # ── what trains ──
-    train_from: int = setting(0, "lowest trained layer (the ones below are frozen and cached)", lo=0, feeds=("prefix", "train"))
+    #: unset ("auto"): every layer where the step fits the device, else the fewest frozen layers from
+    #: which a memory plan fits (cortiq.heal.fitting, decided by the heal chain before its first stage
+    #: and keyed by the value decided); every layer on a CPU without `device_mem_gb`, on more than one
+    #: GPU (FSDP splits the step there), and in a stage run on its own
+    train_from: int | None = setting(None, "lowest trained layer (the ones below are frozen and cached)",
+                                     show="auto: every layer where the step fits the device, else the most "
+                                          "layers that fit", lo=0, feeds=("prefix", "train"))
     ffn_only: bool = setting(False, "train only the MLPs of the trained layers")
     #: Genesis: the trained window widens epoch by epoch from the last layers
     #: down (12/64, 24/64, 40/64, all), per-layer rate decaying with distance
@@ -192,6 +198,12 @@ class HealSettings:
             return None
         named = set(MEMORY_PARTS) if self.memory == "lean" else set() if self.memory == "plain" else set(self.memory.split("+"))
         return tuple(p for p in MEMORY_PARTS if p in named)
+
+    def every_layer_when_unset(self) -> "HealSettings":
+        """These settings with `train_from` 0 where it is unset: what a stage run on its own
+        trains (the heal chain decides it against the device first: cortiq.heal.fitting),
+        and what it keys as."""
+        return self if self.train_from is not None else replace(self, train_from=0)
 
     def micro_windows(self) -> int:
         """Windows per micro-batch when micro-batches are on."""

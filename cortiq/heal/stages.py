@@ -36,8 +36,12 @@ PANEL_TOKENS = 32768
 
 def heal_chain(runner, teacher, student, tdata, s: HealSettings) -> str | None:
     """teacher targets → frozen prefix (when layers below `train_from` stay frozen) → train →
-    the healed CMF. Under torchrun every rank runs the passes and the training; rank 0 alone
-    exports (the others return None)."""
+    the healed CMF. `train_from` unset is decided first, against the device (its value then
+    keys the stages: cortiq.heal.fitting). Under torchrun every rank runs the passes and the
+    training; rank 0 alone exports (the others return None)."""
+    from .fitting import fit_layers
+
+    s = fit_layers(student, teacher, tdata, s)
     targets = runner.run(TARGETS, teacher=teacher, tdata=tdata, settings=s)["path"]
     prefix = None
     if s.train_from > 0:
@@ -70,6 +74,7 @@ def teacher_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, logger:
 def prefix_cache(student_cmf, tdata_dir, settings: HealSettings, out, logger: tracking.Logger = tracking.NULL,
                  progress: bool = True, digest: str | None = None) -> dict:
     """The prefix stage's output at `out` (cortiq.heal.prefix.write_prefix)."""
+    settings = settings.every_layer_when_unset()
     record = _record(PREFIX, digest, student=student_cmf, tdata=tdata_dir, settings=settings)
     return prefix_mod.write_prefix(student_cmf, tdata_dir, settings, out, record, logger, progress)
 
@@ -98,7 +103,7 @@ def check_inputs(student_cmf, teacher_cmf, tdata_dir, s: HealSettings):
     from ..cmf import open_cmf
 
     st = open_cmf(student_cmf)
-    if s.train_from >= st.arch.num_layers:
+    if s.train_from is not None and s.train_from >= st.arch.num_layers:
         raise CortiqError(f"{student_cmf}: train_from {s.train_from} is beyond its {st.arch.num_layers} layers")
     if teacher_cmf is not None:
         te = open_cmf(teacher_cmf)
@@ -130,7 +135,7 @@ def train(student_cmf, targets_dir, prefix_dir, tdata_dir, settings: HealSetting
     from ..data.windowing import batch_indices
     from .train import Objective, SplitData, StudentTail, fit, train_index, val_index_by_source
 
-    s = settings
+    s = settings.every_layer_when_unset()
     work_dir = Path(work_dir)
     dev = rank_device(s.device, "heal settings")
     cdt = resolve_compute(s.compute_dtype, dev)
@@ -268,6 +273,9 @@ def heal(student_cmf, teacher_cmf, tdata_dir, settings: HealSettings, out, logge
         from ..data import Tdata
 
         Tdata.open(eval_data).check_tokenizer(student_cmf)
+    from .fitting import fit_layers
+
+    s = fit_layers(student_cmf, teacher, tdata_dir, s)  # a setting that cannot fit: refused before any work
     work = store.work_root(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -384,6 +392,10 @@ def deliver_scored(healed, out, scores: dict) -> Path:
 
 # ── the stages, declared once (cortiq.runner runs them for the CLI and the flows) ──
 
+def _every_layer_when_unset(p: dict) -> dict:
+    return {**p, "settings": p["settings"].every_layer_when_unset()}
+
+
 def _train(out, ctx, student, targets, prefix, tdata, settings) -> dict:
     # the output directory is the run's work directory: a killed run, started
     # again, finds its checkpoint there and resumes
@@ -412,11 +424,11 @@ TARGETS = Stage("targets", 2,
 PREFIX = Stage("prefix", 1,
                lambda out, ctx, student, tdata, settings: prefix_cache(student, tdata, settings, out, ctx.logger,
                                                                       ctx.progress, ctx.digest),
-               HealSettings, ("student", "tdata"), gpus=settings_gpus,
+               HealSettings, ("student", "tdata"), gpus=settings_gpus, normalize=_every_layer_when_unset,
                doc="the frozen layers' output, once per window (f32, f16 or not cached, by the memory budget)")
 # QAT rounds the frozen embedding and head as the file in its codec stores them (codecs.rule_key)
 TRAIN = Stage("train", 1, _train, HealSettings, ("student", "targets", "prefix", "tdata"),
-              gpus=settings_gpus, extra=lambda p: codecs.rule_key(p["settings"].qat_codec),
+              gpus=settings_gpus, normalize=_every_layer_when_unset, extra=lambda p: codecs.rule_key(p["settings"].qat_codec),
               doc="the student's tail trained on the targets; the best held-out weights kept; resumes from its checkpoint")
 # The healed model's export. Its stage name, "heal", stands in its outputs' digests and file names
 # (heal-<digest>.cmf) and in the flows' keys: kept, so the healed models made before are reused.

@@ -320,21 +320,18 @@ def step_backward(tail: StudentTail, batch: tuple, micro: int, chunk: int, devic
     return loss
 
 
-def memory_plan(tail: StudentTail, s: HealSettings, device) -> mem.MemoryPlan:
+def memory_plan(tail: StudentTail, s: HealSettings, device, obj: Objective | None = None) -> mem.MemoryPlan:
     """The memory savings this run's step uses: what `s.memory` names, or for
     auto the estimate against what the step may use: `s.device_mem_gb` less what
-    is already on the device (the model; on a CPU its weights), else STEP_SHARE of
-    the device's free memory (plain on a CPU without a budget)."""
+    is already on the device (the model and a teacher run online; on a CPU their
+    weights), else STEP_SHARE of the device's free memory (plain on a CPU without a budget)."""
     shape = mem.shape_of(tail, s.batch, s.window, s.head_chunk, s.target_kind)
     allow, budget = None, ""
     if s.memory == "auto":
-        if s.device_mem_gb > 0:
-            there = torch.cuda.memory_allocated(device) if device.type == "cuda" else \
-                sum(t.numel() * t.element_size() for t in (*tail.model.parameters(), *tail.model.buffers()))
-            allow = s.device_mem_gb * mem.GiB - there
-            budget = f" (device_mem_gb {s.device_mem_gb:g} less {there / mem.GiB:.1f} GiB already there)"
-        elif device.type == "cuda":
-            allow, budget = mem.STEP_SHARE * mem.free_bytes(device), f" ({mem.STEP_SHARE:.0%} of the free memory)"
+        models = [tail.model] + ([obj.teacher] if obj is not None and obj.teacher is not None else [])
+        there = torch.cuda.memory_allocated(device) if device.type == "cuda" else \
+            sum(t.numel() * t.element_size() for m in models for t in (*m.parameters(), *m.buffers()))
+        allow, budget = mem.allowance(s.device_mem_gb, device, there)
     return mem.choose_memory(s.memory, s.memory_parts(), shape, s.micro_windows(), allow, mem.have_adam8,
                       s.checkpoint_layers, budget, say=dist.is_main())  # one line, not one per rank
 
@@ -410,7 +407,7 @@ class HealRun:
 
             self.mixer = Mixer(self.whole.source, len(self.whole.names), s.seed, s.mix_lr)
         groups = [{"params": [p for _, p in tail.params[l]], "lr": s.lr, "layer": l} for l in sorted(tail.params)]
-        self.mplan = mplan = memory_plan(tail, s, device)
+        self.mplan = mplan = memory_plan(tail, s, device, obj)
         if "adam8" in mplan and sh.kind != "single":
             raise CortiqError("heal: 8-bit Adam moments (memory adam8) run on one process only; on more than one GPU "
                               "use memory checkpoint+micro (FSDP already splits the Adam state across the GPUs)")
