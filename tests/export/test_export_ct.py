@@ -182,12 +182,13 @@ def test_uniform_widths_shrink_the_f16_export_and_unequal_ones_say_why_not(tmp_p
         "widths differ per layer (32..64): every MLP is padded to 64 with zero neurons, which transformers and vLLM "
         "run: no saving there; `cortiq compress --fold-scope per_layer` gives uniform widths that keep it",
         "11 of 11 q4 matrices written dequantized to f32: their blocks keep a min that compressed-tensors' int4 cannot "
-        "hold; --quantized all writes them as re-derived 4-bit values, not cortiq's (docs/export.md, 'Quantized "
-        "Hugging Face exports')"]
+        "hold; `cortiq recode --codec q4 --q4-grid symmetric` (any --method) writes q4 that exports exactly as 4-bit, "
+        "--quantized all re-derives 4-bit values, not cortiq's (docs/export.md, 'Quantized Hugging Face exports')"]
     assert main(["export", str(q4), "--to", "hf", str(tmp_path / "e"), "--quantized", "all"]) == 0
     assert capsys.readouterr().err.strip().splitlines()[1] == (
         "11 of 11 q4 matrices written as symmetric int4 (compressed-tensors has no per-block min): their values are "
-        "re-derived, not cortiq's (docs/export.md, 'Quantized Hugging Face exports')")
+        "re-derived, not cortiq's; `cortiq recode --codec q4 --q4-grid symmetric` (any --method) writes q4 that "
+        "exports exactly (docs/export.md, 'Quantized Hugging Face exports')")
     _load(tmp_path / "e")  # padded MLPs dense, the rest packed: one checkpoint transformers loads
     assert main(["export", str(q4), "--to", "hf", str(tmp_path / "d"), "--quantized", "none"]) == 0
     assert "quantization_config" not in json.loads((tmp_path / "d" / "config.json").read_text())
