@@ -3,6 +3,7 @@ quantized with cortiq's NLL, the bytes shrink, `cortiq convert` reads them back,
 compressed-tensors' own."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -132,6 +133,47 @@ def test_q4_export_takes_under_a_third_of_f16_and_a_symmetric_q4_is_exact(tmp_pa
     for n in g.names:
         if g.info(n).codec == "q4":
             assert back.info(n).codec == "q4" and torch.equal(back.stored(n), g.stored(n)), n
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_a_q4_on_the_symmetric_grid_exports_as_exact_4_bit_by_every_method(tmp_path, capsys, method):
+    """`cortiq recode --codec q4 --q4-grid symmetric` (round to nearest, or GPTQ / AWQ from data), then
+    `export --to hf`: every decoder q4 matrix packed as int4 with nothing dequantized (no note), the linear
+    layers at most 32 % of their f16 bytes, transformers runs it quantized with cortiq's NLL, and `cortiq
+    convert` reads the same bytes back."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "compress"))
+    from compress_helpers import tiny_tdata
+
+    src = write_random(tmp_path / "m.cmf", arch_of("llama", widths=(64, 64)), seed=9)
+    f16 = export_hf(src, tmp_path / "f16", dtype="f16")
+    argv = ["recode", str(src), str(tmp_path / "q4.cmf"), "--codec", "q4", "--q4-grid", "symmetric"]
+    if method != "rtn":
+        argv += ["--data", str(tiny_tdata(src, tmp_path / "td")), "--method", method, "--window", "64",
+                 "--max-windows", "8", "--device", "cpu", "--work", str(tmp_path / "work")]
+    assert main(argv) == 0
+    capsys.readouterr()
+    out = tmp_path / "hf"
+    assert main(["export", str(tmp_path / "q4.cmf"), "--to", "hf", str(out), "--dtype", "f16"]) == 0
+    assert capsys.readouterr().err == ""  # nothing written dequantized, nothing to say
+    q4 = open_cmf(tmp_path / "q4.cmf")
+    mats = [n for n in q4.names if n.startswith("model.layers.") and len(q4.info(n).shape) == 2]
+    assert sum(q4.info(n).codec == "q4" for n in mats) >= len(mats) - 1  # gptq/awq: down_8bit keeps one at q8
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"].values()
+    int4 = [t.removeprefix("re:") for g in groups if g["weights"]["num_bits"] == 4 for t in g["targets"]]
+    for n in (n for n in mats if q4.info(n).codec == "q4"):  # each a module of the 4-bit group
+        assert any(re.fullmatch(t, n.removesuffix(".weight")) for t in int4), n
+    assert _linear_bytes(out) <= 0.32 * _linear_bytes(f16)
+    hf = _load(out)
+    _check_loaded_quantized(hf)
+    ids = torch.tensor([load_tokenizer(src).encode(TEXT).ids])
+    with torch.no_grad():
+        ref, got = load_model(q4)(ids), hf(ids).logits
+    # the 4-bit matrices are cortiq's values; the q8 embedding and the norms went to f16 (--dtype)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-3
+    assert abs(_nll(got, ids) - _nll(ref, ids)) < 0.01
+    back = open_cmf(convert_hf_dir(out, tmp_path / "back.cmf"))
+    for n in mats:
+        assert back.info(n).codec == q4.info(n).codec and torch.equal(back.stored(n), q4.stored(n)), n
 
 
 def test_q4_of_any_min_is_re_derived_once_and_read_back_as_transformers_runs_it(tmp_path):
