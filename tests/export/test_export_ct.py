@@ -58,6 +58,26 @@ def _check_loaded_quantized(hf, n_layers=2):
             assert getattr(m, "quantization_scheme", None) is not None
 
 
+def _runs_as_cortiq(out: Path, model_cmf: Path, src: Path, rel: float) -> None:
+    """transformers loads `out` quantized, its logits on TEXT within `rel` (of their largest) of `model_cmf`'s
+    and its NLL within 0.01."""
+    hf = _load(out)
+    _check_loaded_quantized(hf)
+    ids = torch.tensor([load_tokenizer(src).encode(TEXT).ids])
+    with torch.no_grad():
+        ref, got = load_model(model_cmf)(ids), hf(ids).logits
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < rel
+    assert abs(_nll(got, ids) - _nll(ref, ids)) < 0.01
+
+
+def _read_back_byte_for_byte(out: Path, model_cmf: Path, back: Path) -> None:
+    """`cortiq convert` of `out` gives every decoder q8 / q4 matrix of `model_cmf` in its codec, byte for byte."""
+    b, f = open_cmf(convert_hf_dir(out, back)), open_cmf(model_cmf)
+    for n in f.names:
+        if n.startswith("model.layers.") and f.info(n).codec in ("q8", "q4"):
+            assert b.info(n).codec == f.info(n).codec and torch.equal(b.stored(n), f.stored(n)), n
+
+
 def _linear_bytes(d: Path) -> int:
     total = 0
     with safe_open(str(d / "model.safetensors"), framework="pt") as f:
@@ -102,18 +122,8 @@ def test_q8_export_is_cortiqs_values_and_loads_quantized(tmp_path, family):
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
     (w,) = [g["weights"] for g in qc["config_groups"].values()]
     assert (w["num_bits"], w["group_size"], w["symmetric"], w["strategy"]) == (8, 32, True, "group")
-    hf = _load(out)
-    _check_loaded_quantized(hf)
-    ids = torch.tensor([load_tokenizer(src).encode(TEXT).ids])
-    with torch.no_grad():
-        ref, got = load_model(q8)(ids), hf(ids).logits
-    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    assert abs(_nll(got, ids) - _nll(ref, ids)) < 0.01
-    back = open_cmf(convert_hf_dir(out, tmp_path / "back.cmf"))  # the same codes and scales, byte for byte
-    f = open_cmf(q8)
-    for n in f.names:
-        if n.startswith("model.layers.") and f.info(n).codec == "q8":
-            assert back.info(n).codec == "q8" and torch.equal(back.stored(n), f.stored(n)), n
+    _runs_as_cortiq(out, q8, src, 1e-5)
+    _read_back_byte_for_byte(out, q8, tmp_path / "back.cmf")  # the same codes and scales
 
 
 def test_q4_export_takes_under_a_third_of_f16_and_a_symmetric_q4_is_exact(tmp_path):
@@ -122,17 +132,8 @@ def test_q4_export_takes_under_a_third_of_f16_and_a_symmetric_q4_is_exact(tmp_pa
     q4 = _symmetric_q4(src, tmp_path / "q4.cmf")
     out = export_hf(q4, tmp_path / "hf", dtype="f16")
     assert _linear_bytes(out) <= 0.32 * _linear_bytes(f16)
-    hf = _load(out)
-    _check_loaded_quantized(hf)
-    ids = torch.tensor([load_tokenizer(src).encode(TEXT).ids])
-    with torch.no_grad():
-        ref, got = load_model(q4)(ids), hf(ids).logits
-    assert abs(_nll(got, ids) - _nll(ref, ids)) < 0.01
-    back = open_cmf(convert_hf_dir(out, tmp_path / "back.cmf"))
-    g = open_cmf(q4)
-    for n in g.names:
-        if g.info(n).codec == "q4":
-            assert back.info(n).codec == "q4" and torch.equal(back.stored(n), g.stored(n)), n
+    _runs_as_cortiq(out, q4, src, 1e-3)  # the q8 embedding and the norms at f16 (--dtype)
+    _read_back_byte_for_byte(out, q4, tmp_path / "back.cmf")
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
@@ -163,17 +164,8 @@ def test_a_q4_on_the_symmetric_grid_exports_as_exact_4_bit_by_every_method(tmp_p
     for n in (n for n in mats if q4.info(n).codec == "q4"):  # each a module of the 4-bit group
         assert any(re.fullmatch(t, n.removesuffix(".weight")) for t in int4), n
     assert _linear_bytes(out) <= 0.32 * _linear_bytes(f16)
-    hf = _load(out)
-    _check_loaded_quantized(hf)
-    ids = torch.tensor([load_tokenizer(src).encode(TEXT).ids])
-    with torch.no_grad():
-        ref, got = load_model(q4)(ids), hf(ids).logits
-    # the 4-bit matrices are cortiq's values; the q8 embedding and the norms went to f16 (--dtype)
-    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-3
-    assert abs(_nll(got, ids) - _nll(ref, ids)) < 0.01
-    back = open_cmf(convert_hf_dir(out, tmp_path / "back.cmf"))
-    for n in mats:
-        assert back.info(n).codec == q4.info(n).codec and torch.equal(back.stored(n), q4.stored(n)), n
+    _runs_as_cortiq(out, q4.path, src, 1e-3)  # the 4-bit matrices cortiq's values; the q8 embedding at f16
+    _read_back_byte_for_byte(out, q4.path, tmp_path / "back.cmf")
 
 
 def test_q4_of_any_min_is_re_derived_once_and_read_back_as_transformers_runs_it(tmp_path):

@@ -29,6 +29,23 @@ def test_roundtrip_is_decode_of_encode(codec):
     assert torch.equal(c.roundtrip(x), c.decode(c.encode(x), (7, 45)))
 
 
+def _check_layer(layer, W0: dict, grams: dict, r, method: str, c) -> None:
+    """`quantize_layer`'s result `r` on `layer` (its weights before: W0): each group's error under its Gram at most
+    the round-to-nearest's by `c`, that one reported as the plain reference computes it (RTN of the original
+    weights; AWQ reports RTN of up's rows as its down scales left them, so gptq only), the blocks decoding to
+    the weights the layer holds."""
+    for row in r.rows:
+        assert row["err"] <= row["err_rtn"], row
+    for gr in groups(layer) if method == "gptq" else ():
+        W = torch.cat([W0[f"{n}.weight"] for n in gr.mods]).double()
+        rtn = gram_error(W - c.roundtrip(W.float()).double(), grams[gr.key])
+        assert abs(float(rtn) - next(x["err_rtn"] for x in r.rows if x["group"] == gr.key)) <= 1e-9 * float(rtn)
+    mods = dict(layer.named_modules())
+    for name, st in r.stored.items():
+        w = mods[name].weight
+        assert torch.equal(c.decode(st, tuple(w.shape)), w.detach()), name
+
+
 def _correlated_grams(layer, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -49,20 +66,9 @@ def test_group_error_at_most_rtn_and_blocks_decode_to_the_layer(tmp_path, codec,
     W0 = {n: p.detach().clone() for n, p in layer.named_parameters()}
     grams = _correlated_grams(layer)
     r = quantize_layer(layer, grams, codec, method, block=32)
-    c = codecs.get(codec)
+    _check_layer(layer, W0, grams, r, method, codecs.get(codec))
     for row in r.rows:
-        assert row["err"] <= row["err_rtn"], row
         assert row["method"] in ("gptq", "awq")
-    # the plain reference: RTN of the original weights under the same Gram (AWQ reports RTN of up's rows
-    # as its down scales left them)
-    for gr in groups(layer) if method == "gptq" else ():
-        W = torch.cat([W0[f"{n}.weight"] for n in gr.mods]).double()
-        rtn = gram_error(W - c.roundtrip(W.float()).double(), grams[gr.key])
-        assert abs(float(rtn) - next(x["err_rtn"] for x in r.rows if x["group"] == gr.key)) <= 1e-9 * float(rtn)
-    mods = dict(layer.named_modules())
-    for name, st in r.stored.items():
-        w = mods[name].weight
-        assert torch.equal(c.decode(st, tuple(w.shape)), w.detach()), name
     if method == "gptq":  # nothing but the matrices moved
         for n, p in layer.named_parameters():
             if p.ndim == 1:
@@ -254,17 +260,9 @@ def test_a_symmetric_grid_lowers_the_gram_error_below_symmetric_rtn(tmp_path, me
     grams = _correlated_grams(layer, seed=1)
     r = quantize_layer(layer, grams, "q4", method, block=32, act_order=True, q4_grid="symmetric")
     sym = codecs.encoder("q4", "symmetric")
-    for row in r.rows:
-        assert row["err"] <= row["err_rtn"], row
+    _check_layer(layer, W0, grams, r, method, sym)
     assert sum(x["err"] for x in r.rows) < 0.9 * sum(x["err_rtn"] for x in r.rows)
-    for gr in groups(layer) if method == "gptq" else ():
-        W = torch.cat([W0[f"{n}.weight"] for n in gr.mods]).double()
-        rtn = gram_error(W - sym.roundtrip(W.float()).double(), grams[gr.key])
-        assert abs(float(rtn) - next(x["err_rtn"] for x in r.rows if x["group"] == gr.key)) <= 1e-9 * float(rtn)
-    mods = dict(layer.named_modules())
-    for name, st in r.stored.items():
-        assert sym.symmetric_blocks(st), name
-        assert torch.equal(codecs.get("q4").decode(st, tuple(mods[name].weight.shape)), mods[name].weight.detach())
+    assert all(sym.symmetric_blocks(st) for st in r.stored.values())
 
 
 def test_every_method_writes_symmetric_q4_blocks_and_q8_as_before(tmp_path):
