@@ -120,7 +120,9 @@ def reencode_chain(runner, model, tdata, codecs, quant, trained_in: str = "none"
         if uses_grams(codec, quant) and codec != trained_in:
             enc = quantize_chain(runner, model, tdata, codec, quant, key=f"reencode.{codec}")
         else:
-            enc = runner.run(REENCODE, f"reencode.{codec}", model=model, codec=codec)["path"]
+            # a model healed against a codec keeps the blocks it trained on
+            grid = {"q4_grid": quant.q4_grid} if codec != trained_in and quant.q4_grid != "asymmetric" else {}
+            enc = runner.run(REENCODE, f"reencode.{codec}", model=model, codec=codec, **grid)["path"]
         for t in texts:
             at = "score." if t.kind == "data" else f"score.panel.{t.name}."
             runner.run(SCORE, f"{at}reencode.{codec}", model=enc, tdata=t.tdata, settings=t.settings)

@@ -646,13 +646,15 @@ def _encode(s: Spec) -> torch.Tensor:
 
 
 def copy_specs(src: CmfFile, codec_for: Callable[[str, TensorInfo], str] | None = None, replace: dict | None = None,
-               verify: bool = True, finite: bool = False) -> list[Spec]:
+               verify: bool = True, finite: bool = False, q4_grid: str = "asymmetric") -> list[Spec]:
     """Specs that stream `src`'s tensors into a new file: each kept as stored
     when its codec does not change, else decoded and re-encoded. `replace`
     maps names to new logical values (or callables giving them). Each copied
     tensor's sha256 is checked as it is read (`verify`), so a damaged tensor is
     not written into a file whose new hashes would vouch for it; `finite`
-    refuses NaN/Inf values too."""
+    refuses NaN/Inf values too. `q4_grid` "symmetric": every q4 tensor written
+    has symmetric blocks (codecs.encoder): one in q4 already is kept when its
+    blocks are, else re-encoded from its values."""
     replace = replace or {}
     out = []
 
@@ -664,13 +666,24 @@ def copy_specs(src: CmfFile, codec_for: Callable[[str, TensorInfo], str] | None 
             check_finite(st if st.is_floating_point() else src.tensor(n), f"{src.path}: tensor {n!r}")
         return Stored(st)
 
+    def regridded(n: str, enc: codecs.Codec, same: bool) -> Stored:
+        if same and enc.symmetric_blocks((st := stored(n)).data):
+            return st
+        try:
+            return Stored(enc.encode(src.checked_tensor(n, verify=verify, finite=finite)))
+        except codecs.CodecError as e:
+            raise CortiqError(f"tensor {n!r}: {e}") from None
+
     for name, info in src.infos.items():
         codec = codec_for(name, info) if codec_for else info.codec
+        enc = codecs.encoder(codec, q4_grid)
         if name in replace:
             v = replace[name]
             shape = tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v[0])
             get = (lambda v=v: v) if isinstance(v, torch.Tensor) else v[1]
             out.append(Spec(name, codec, shape, get))
+        elif enc is not codecs.get(codec):
+            out.append(Spec(name, codec, info.shape, lambda n=name, e=enc, same=codec == info.codec: regridded(n, e, same)))
         elif codec == info.codec:
             out.append(Spec(name, codec, info.shape, lambda n=name: stored(n)))
         else:

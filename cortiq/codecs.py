@@ -22,6 +22,14 @@ q8 is symmetric (x ≈ scale·q, q in [-127, 127]); q4 is asymmetric
 every value stays within half a step, subnormal f16 scales included. The
 registry takes more: subclass :class:`Codec` and call :func:`register`.
 
+A q4 block may also be written on a symmetric grid (:func:`encoder` with
+q4_grid "symmetric"): min = −8·scale exactly in f16, so x = scale·(q − 8),
+the signed int4 of compressed-tensors (what transformers and vLLM load as
+4-bit). The bytes and the decode are q4's; only the encoder's choice of scale
+and min differs. Its scale is the least f16 that holds the block's most
+negative value at −8 steps and its largest at +7, so nothing is clipped
+there either.
+
 A whole model written in one codec (:func:`choose_codec`) has it on its
 matrices; below 8 bits its embedding, head and MTP eh_proj stay at q8
 (:data:`KEEP_8BIT`).
@@ -37,7 +45,8 @@ import torch
 
 from .errors import CortiqError
 
-__all__ = ["Codec", "CodecError", "get", "names", "register", "choose_codec", "rule_key", "KEEP_8BIT", "PLAIN"]
+__all__ = ["Codec", "CodecError", "get", "encoder", "names", "register", "choose_codec", "rule_key", "KEEP_8BIT", "PLAIN",
+           "Q4_GRIDS"]
 
 
 class CodecError(CortiqError, ValueError):
@@ -194,21 +203,37 @@ class _Q8(Codec):
         return per.expand_as(b).reshape(-1)[: x.numel()].reshape(x.shape)
 
 
-class _Q4(Codec):
-    """uint4 blocks with f16 scale and min: x ≈ min + scale·q, q in 0..15."""
+def _minus_8(scale: torch.Tensor, name: str) -> torch.Tensor:
+    """f16 scales → the f16 min −8·scale of a symmetric block (exact: a power of two times an f16)."""
+    lo = scale.to(torch.float16) * -8.0
+    if not bool(torch.isfinite(lo).all()):
+        raise CodecError(f"{name}: values too large for the f16 min of a symmetric block")
+    return lo
 
-    def __init__(self, block: int):
+
+class _Q4(Codec):
+    """uint4 blocks with f16 scale and min: x ≈ min + scale·q, q in 0..15; `symmetric`: an encoder
+    whose every block has min = −8·scale (the same bytes and decode)."""
+
+    def __init__(self, block: int, symmetric: bool = False):
         self.block = block
         self.name = "q4" if block == 32 else f"q4_{block}"
+        self.symmetric = symmetric
 
     def nbytes(self, shape):
         return _n_blocks(shape, self.block) * (4 + self.block // 2)
 
     def quantize(self, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[n, block] f32 → (q uint8 [n, block] in 0..15, scale f16 [n], min f16 [n])."""
-        lo = _f16_down(b.amin(dim=1), self.name)
+        if self.symmetric:
+            # the least scale that holds the most negative value at −8 steps and the largest at +7
+            reach = torch.maximum(b.amax(dim=1).clamp_min(0) / 7.0, b.amin(dim=1).neg().clamp_min(0) / 8.0)
+            scale = _f16_up(reach, self.name)
+            lo = _minus_8(scale, self.name)
+        else:
+            lo = _f16_down(b.amin(dim=1), self.name)
+            scale = _f16_up((b.amax(dim=1) - lo.to(torch.float32)) / 15.0, self.name)
         lo32 = lo.to(torch.float32)
-        scale = _f16_up((b.amax(dim=1) - lo32) / 15.0, self.name)
         s = scale.to(torch.float32)
         inv = torch.where(s > 0, 1.0 / s, 0.0)  # [n]; a constant block codes as zeros
         q = ((b - lo32[:, None]) * inv[:, None]).round_().clamp_(0, 15)
@@ -243,10 +268,23 @@ class _Q4(Codec):
         q = torch.stack([packed & 0xF, packed >> 4], dim=2).reshape(n, self.block).to(torch.float32)
         return (lo + q * scale).reshape(-1)[: math.prod(shape)].reshape(shape)
 
+    def symmetric_blocks(self, stored: torch.Tensor) -> bool:
+        """True when every block of the stored bytes has min = −8·scale (a symmetric encoder's blocks, and
+        the int4 blocks compressed-tensors holds exactly), whichever encoder wrote them."""
+        raw = stored.reshape(-1, 4 + self.block // 2)
+        scale = raw[:, :2].contiguous().view(torch.float16).reshape(-1)
+        lo = raw[:, 2:4].contiguous().view(torch.float16).reshape(-1)
+        return bool(torch.equal(lo, scale * -8.0))
+
     def bound(self, x):
         b = _blocks(x, self.block)
         lo, hi = b.amin(dim=1, keepdim=True), b.amax(dim=1, keepdim=True)
         mag = torch.maximum(lo.abs(), hi.abs())
+        if self.symmetric:
+            # half a step; the step is the larger of max/7 and −min/8, rounded up to f16
+            reach = torch.maximum(hi.clamp_min(0) / 7.0, lo.neg().clamp_min(0) / 8.0)
+            step = reach * (1 + _F16_EPS) + _F16_TINY
+            return (step / 2 + mag * 2.0**-21).expand_as(b).reshape(-1)[: x.numel()].reshape(x.shape)
         # half a step; the step spans [min rounded down to f16, max] in 15, rounded up to f16
         span = hi - lo + lo.abs() * _F16_EPS + _F16_TINY
         step = span / 15.0 * (1 + _F16_EPS) + _F16_TINY
@@ -326,6 +364,32 @@ PLAIN = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 
 def names() -> list[str]:
     return list(_REGISTRY)
+
+
+#: how q4 / q4_64 blocks are placed (QuantSettings.q4_grid): "asymmetric" over each block's [min, max];
+#: "symmetric" with min = −8·scale, the blocks compressed-tensors' int4 holds exactly (docs/export.md,
+#: "Quantized Hugging Face exports")
+Q4_GRIDS = ("asymmetric", "symmetric")
+_SYMMETRIC: dict[str, Codec] = {}
+
+
+def takes_grid(name: str) -> bool:
+    """True for a codec whose blocks a q4 grid places (q4, q4_64); False for every other name ("keep" too)."""
+    return isinstance(_REGISTRY.get(name), _Q4)
+
+
+def encoder(name: str, q4_grid: str = "asymmetric") -> Codec:
+    """The codec that encodes `name` on `q4_grid` (Q4_GRIDS): the registered codec, or for a q4 codec and
+    "symmetric" its twin that writes symmetric blocks (same name, bytes and decode). Other codecs ignore
+    the grid: q8 is symmetric already, plain codecs have none."""
+    if q4_grid not in Q4_GRIDS:
+        raise CodecError(f"q4 grid {q4_grid!r}: one of {', '.join(Q4_GRIDS)}")
+    c = get(name)
+    if q4_grid == "asymmetric" or not takes_grid(name):
+        return c
+    if name not in _SYMMETRIC:
+        _SYMMETRIC[name] = _Q4(c.block, symmetric=True)
+    return _SYMMETRIC[name]
 
 
 def get(name: str) -> Codec:

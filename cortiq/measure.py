@@ -103,10 +103,11 @@ def gap_line(name: str, t: dict) -> str:
 
 
 def recode(src_cmf, out_cmf, codec: str, provenance: dict | None = None, verify: bool = True, finite: bool = True,
-           progress=None) -> Path:
+           progress=None, q4_grid: str = "asymmetric") -> Path:
     """`src_cmf` with every tensor in the codec `codecs.choose_codec` gives it for
     `codec` (plain codecs everywhere, quantized ones on matrices), provenance
-    `recode`. Tensors already in their codec are copied byte for byte."""
+    `recode`. Tensors already in their codec are copied byte for byte (with
+    `q4_grid` "symmetric", q4 ones whose blocks are symmetric: cmf.copy_specs)."""
     from .cmf import copy_specs, open_cmf, with_provenance, write_cmf
 
     codecs.get(codec)  # an unknown codec fails before any work
@@ -115,9 +116,10 @@ def recode(src_cmf, out_cmf, codec: str, provenance: dict | None = None, verify:
     src = open_cmf(src_cmf)
     check_file(src)  # a file load refuses is not re-encoded into one that looks finished
     specs = copy_specs(src, lambda name, info: codecs.choose_codec(codec, info.shape, info.codec, name), verify=verify,
-                       finite=finite)
+                       finite=finite, q4_grid=q4_grid)
+    grid = {"q4_grid": q4_grid} if q4_grid != "asymmetric" else {}
     doc = with_provenance({k: v for k, v in src.doc.items() if k not in ("codecs", "hashes", "shards")}, "recode",
-                          {"codec": codec, **(provenance or {})})
+                          {"codec": codec, **grid, **(provenance or {})})
     return write_cmf(Path(out_cmf), doc, specs, progress=progress)
 
 
@@ -225,15 +227,22 @@ def _score(out, ctx, model, tdata, settings) -> dict:
     return {"metrics": metrics}
 
 
-def _reencode(out, ctx, model, codec) -> dict:
+def _reencode(out, ctx, model, codec, q4_grid="asymmetric") -> dict:
     from .cmf import open_cmf
 
-    recode(model, out, codec, {"from": store.file_digest(model)})
+    recode(model, out, codec, {"from": store.file_digest(model)}, q4_grid=q4_grid)
     return {"metrics": {"bytes": float(open_cmf(out).nbytes())}, "codec": codec}
+
+
+def _grid_key(p: dict) -> dict:
+    """A symmetric q4 grid in REENCODE's key where it changes the output (a q4 codec); nothing otherwise, so
+    every output made before the grid was a parameter keeps its digest."""
+    grid = p.get("q4_grid", "asymmetric")
+    return {"q4_grid": grid} if grid != "asymmetric" and codecs.takes_grid(p["codec"]) else {}
 
 
 SCORE = Stage("score", 2, _score, ScoreSettings, ("model", "tdata"),
               doc="NLL per scored token of a model on a tdata split (\"all\": every record), and its size")
 REENCODE = Stage("reencode", 2, _reencode, None, ("model",), extra=lambda p: {"codec": p["codec"],
-                 **codecs.rule_key(p["codec"])}, output="cmf",
+                 **codecs.rule_key(p["codec"]), **_grid_key(p)}, output="cmf",
                  doc="a model in another codec (plain codecs everywhere, quantized ones on matrices)")

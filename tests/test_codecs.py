@@ -3,6 +3,7 @@ byte layout, the registry."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -198,3 +199,59 @@ def test_rule_key_names_the_rule_only_below_8_bits():
     assert codecs.rule_key("q4") == codecs.rule_key("q4_64") == {"keep_8bit": list(codecs.KEEP_8BIT)}
     for c in ("q8", "fp8", "f16", "f32", "bf16", "keep", "none"):
         assert codecs.rule_key(c) == {}
+
+
+# ── q4 on a symmetric grid (codecs.encoder(name, "symmetric")) ──
+
+def _f16_at_least(v: float) -> np.float16:
+    """The least f16 ≥ v (v ≥ 0), one value at a time."""
+    h = np.float16(v)
+    return np.nextafter(h, np.float16(np.inf)) if float(h) < v else h
+
+
+def _symmetric_reference(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Symmetric q4 by hand, block by block: the least f16 scale with max ≤ 7 steps and −min ≤ 8, min −8
+    steps, each value rounded to the nearest of the 16 levels min + k·scale (computed in f32 as decode does)."""
+    flat = x.reshape(-1).tolist()
+    flat += [0.0] * (-len(flat) % block)
+    out = []
+    for a in range(0, len(flat), block):
+        b = np.array(flat[a : a + block], dtype=np.float32)
+        s = _f16_at_least(max(max(float(b.max()), 0.0) / 7.0, max(-float(b.min()), 0.0) / 8.0))
+        lo, s32 = np.float32(np.float16(-8.0) * s), np.float32(s)
+        for v in b:
+            q = 0 if s32 == 0 else min(max(round(float(np.float32(np.float32(v - lo) * np.float32(1.0 / s32)))), 0), 15)
+            out.append(float(np.float32(lo + np.float32(q) * s32)))
+    return torch.tensor(out[: x.numel()], dtype=torch.float32).reshape(x.shape)
+
+
+@pytest.mark.parametrize("name", ["q4", "q4_64"])
+@pytest.mark.parametrize("shape,scale", [((37, 45), 1.0), ((3, 5, 7), 3e-2), ((130,), 1e-6), ((7, 64), 300.0)])
+def test_symmetric_q4_is_the_plain_reference_and_every_min_is_minus_8_steps(name, shape, scale):
+    torch.manual_seed(hash((name, shape)) % 2**31)
+    x = torch.randn(shape) * scale
+    x.view(-1)[::13] *= 5  # outliers inside blocks
+    x.view(-1)[:32] = x.view(-1)[:32].abs()  # a block of one sign, then of the other
+    x.view(-1)[32:64] = -x.view(-1)[32:64].abs()
+    c, plain = codecs.encoder(name, "symmetric"), codecs.get(name)
+    stored = c.encode(x)
+    assert c.name == name and stored.numel() == plain.nbytes(shape)  # q4's bytes, q4's decode
+    raw = stored.reshape(-1, 4 + c.block // 2)
+    scale16, lo16 = raw[:, :2].contiguous().view(torch.float16), raw[:, 2:4].contiguous().view(torch.float16)
+    assert torch.equal(lo16.float(), scale16.float() * -8.0)
+    assert c.symmetric_blocks(stored) and not plain.symmetric_blocks(plain.encode(x))
+    y = plain.decode(stored, shape)
+    assert torch.equal(y, _symmetric_reference(x, c.block))
+    assert bool(((y - x).abs() <= c.bound(x)).all()) and torch.equal(c.roundtrip(x), y)
+
+
+def test_the_grid_names_one_encoder_per_codec():
+    assert codecs.encoder("q4") is codecs.get("q4")
+    assert codecs.encoder("q8", "symmetric") is codecs.get("q8")  # symmetric already
+    assert codecs.encoder("f16", "symmetric") is codecs.get("f16")
+    assert codecs.encoder("q4", "symmetric") is codecs.encoder("q4", "symmetric") is not codecs.get("q4")
+    assert [n for n in codecs.names() if codecs.takes_grid(n)] == ["q4", "q4_64"] and not codecs.takes_grid("keep")
+    with pytest.raises(CodecError, match="q4 grid 'odd': one of asymmetric, symmetric"):
+        codecs.encoder("q4", "odd")
+    with pytest.raises(CodecError, match="symmetric block"):  # 60000 at +7 steps: −8 steps past f16's largest
+        codecs.encoder("q4", "symmetric").encode(torch.full((32,), 60000.0))

@@ -301,3 +301,7 @@ def test_command_choices_are_the_librarys_own():
     f = ExportSettings.__dataclass_fields__
     assert set(f["dtype"].metadata["choices"]) == set(DTYPES)
     assert tuple(f["pre"].metadata["choices"]) == PRE_NAMES
+    from cortiq.codecs import Q4_GRIDS
+    from cortiq.quant.settings import QuantSettings
+
+    assert tuple(QuantSettings.__dataclass_fields__["q4_grid"].metadata["choices"]) == Q4_GRIDS

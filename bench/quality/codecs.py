@@ -2,6 +2,8 @@
 
     python -m bench.quality.codecs [--gguf PATH] [--out DIR] [--cache DIR]
     python -m bench.quality.codecs --cpu --tiny   # a smoke run of every code path (measures nothing)
+    python -m bench.quality.codecs --cpu --model pruned --texts pydoc,code,legal --score-tokens 8192 \
+        --max-windows 16 --rows f16,'q4 rtn',...   # the cheap CPU version: no heal, a few rows
 
 What runs is the library's own code: SmolLM2-135M-Instruct (the GGUF at
 --gguf, default the bundled one) converted to CMF; the Shakespeare plays split
@@ -16,7 +18,14 @@ model in each codec:
 - q8 and q4 by GPTQ, and q4 by AWQ-style scales then GPTQ (`cortiq recode
   --data`: Grams over calibration windows of the heal corpus, cortiq.quant),
 - q4 QAT-KD: the same heal, at the same tokens, with the trained matrices
-  fake-quantized in q4 (heal qat_codec q4), written in q4 as it trained.
+  fake-quantized in q4 (heal qat_codec q4), written in q4 as it trained;
+- q4 on the symmetric grid (QuantSettings.q4_grid "symmetric": every block's
+  min −8·scale, the int4 an HF export packs exactly) by rtn, gptq and awq.
+
+--model source or pruned quantizes the source as converted (the bundled
+SmolLM2's weights lie on a Q4_1 grid already) or the compress output without
+the heal (no masks learned, uniform widths: its down_proj columns regrouped,
+off that grid), and leaves out the heal and the QAT row: a run the CPU affords.
 
 Every row is scored (NLL per token) on the heal corpus's test split ("own"),
 and on every record of texts no stage saw: the unseen plays, pydoc, Python
@@ -148,6 +157,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--down-8bit", default="none", help="QuantSettings.down_8bit values for the q4 AWQ rows, "
                     "comma-separated (the first is the plain row's; the others add a row each)")
     ap.add_argument("--no-qat", action="store_true", help="leave out the q4 QAT-KD row (its heal)")
+    ap.add_argument("--model", default="healed", choices=("healed", "source", "pruned"),
+                    help="what the codecs quantize: healed (pruned and healed), source (as converted), pruned "
+                         "(compress's fold, no masks learned, no heal)")
+    ap.add_argument("--texts", default=",".join(t for t, _ in TEXTS), help="the texts scored, comma-separated")
+    ap.add_argument("--score-tokens", type=int, default=0, help="most scored tokens per text (0: every record)")
+    ap.add_argument("--max-windows", type=int, default=0, help="GPTQ/AWQ calibration windows (0: QuantSettings')")
+    ap.add_argument("--rows", default="", help="only these rows, comma-separated (default: every row)")
     return ap.parse_args(argv)
 
 
@@ -180,15 +196,22 @@ def heal_qat_row(c, pruned, sets, rs):
     return rep_q
 
 
-def quant_runs(args) -> list[tuple[str, str, int, str]]:
-    """(codec, method, clip grid, down_8bit) of each GPTQ/AWQ row: the plain rows, then a row per further
-    clip grid and per further down_8bit value."""
+def quant_runs(args) -> list[tuple[str, str, int, str, str]]:
+    """(codec, method, clip grid, down_8bit, q4 grid) of each GPTQ/AWQ row: the plain rows, the symmetric q4
+    grid's, then a row per further clip grid and per further down_8bit value."""
     clips = [int(x) for x in args.clip_grids.split(",")]
     downs = args.down_8bit.split(",")
-    runs = [("q8", "gptq", clips[0], downs[0]), ("q4", "gptq", clips[0], downs[0]), ("q4", "awq", clips[0], downs[0])]
-    runs += [(c, m, g, downs[0]) for g in clips[1:] for c, m in (("q4", "gptq"), ("q4", "awq"))]
-    runs += [("q4", "awq", clips[0], d) for d in downs[1:]]
+    a = "asymmetric"
+    runs = [("q8", "gptq", clips[0], downs[0], a), ("q4", "gptq", clips[0], downs[0], a), ("q4", "awq", clips[0], downs[0], a)]
+    runs += [("q4", m, clips[0], downs[0], "symmetric") for m in ("gptq", "awq")]
+    runs += [(c, m, g, downs[0], a) for g in clips[1:] for c, m in (("q4", "gptq"), ("q4", "awq"))]
+    runs += [("q4", "awq", clips[0], d, a) for d in downs[1:]]
     return runs
+
+
+def wanted(args, row: str) -> bool:
+    """Whether --rows asks for `row` (f16 always: the other rows' differences are taken from it)."""
+    return not args.rows or row == "f16" or row in args.rows.split(",")
 
 
 def codec_models(c, healed: Path, calib) -> tuple[dict, dict]:
@@ -197,33 +220,47 @@ def codec_models(c, healed: Path, calib) -> tuple[dict, dict]:
     from cortiq.quant import QuantSettings, requantize
 
     models: dict[str, Path] = {}
-    for codec in ("f16", "q8", "q4"):
-        p = healed.with_name(f"{healed.stem}-{codec}-rtn.cmf")
-        timed(c.times, f"recode {codec}", lambda: recode(healed, p, codec))
-        models[f"{codec} rtn" if codec != "f16" else "f16"] = p
+    for codec, grid in (("f16", "asymmetric"), ("q8", "asymmetric"), ("q4", "asymmetric"), ("q4", "symmetric")):
+        tag = (f"{codec} rtn" if codec != "f16" else "f16") + (" symmetric" if grid == "symmetric" else "")
+        p = healed.with_name(f"{healed.stem}-{tag.replace(' ', '-')}.cmf")
+        if wanted(c.args, tag):
+            timed(c.times, f"recode {tag}", lambda: recode(healed, p, codec, q4_grid=grid))
+            models[tag] = p
     # what a 4-bit file was before cortiq.codecs.KEEP_8BIT: the embedding (SmolLM2's head too) in q4 as well
-    models["q4 rtn, embedding q4"] = timed(c.times, "recode q4, embedding q4", lambda: all_q4(healed))
+    if wanted(c.args, "q4 rtn, embedding q4"):
+        models["q4 rtn, embedding q4"] = timed(c.times, "recode q4, embedding q4", lambda: all_q4(healed))
     quant_rep = {}
     clip0, down0 = int(c.args.clip_grids.split(",")[0]), c.args.down_8bit.split(",")[0]
-    for codec, method, grid, down in quant_runs(c.args):
-        s = QuantSettings(method=method, device=c.device, clip_grid=grid, down_8bit=down,
-                          **({"method_8bit": method} if codec == "q8" else {}),
-                          **({"window": 64, "max_windows": 8} if c.tiny else {}))
+    calib_size = {"window": 64, "max_windows": 8} if c.tiny else {}
+    if c.args.max_windows:
+        calib_size["max_windows"] = c.args.max_windows
+    for codec, method, grid, down, q4_grid in quant_runs(c.args):
+        s = QuantSettings(method=method, device=c.device, clip_grid=grid, down_8bit=down, q4_grid=q4_grid,
+                          **({"method_8bit": method} if codec == "q8" else {}), **calib_size)
         tag = (f"{codec} {method}" + (f" clip {grid}" if grid != clip0 else "")
-               + (f" down q8 {down}" if down != down0 else ""))
+               + (f" down q8 {down}" if down != down0 else "") + (" symmetric" if q4_grid == "symmetric" else ""))
+        if not wanted(c.args, tag):
+            continue
         r = timed(c.times, tag, lambda: requantize(healed, calib, codec, s, c.work, progress=False))
         models[tag] = Path(r["path"])
         quant_rep[tag] = r["quantize"]["report"]["metrics"]
     return models, quant_rep
 
 
+def texts(args) -> list[tuple[str, str | None]]:
+    """The (name, split) of TEXTS that --texts names."""
+    names = args.texts.split(",")
+    return [(t, s) for t, s in TEXTS if t in names]
+
+
 def score_all(c, models: dict, sets: dict) -> dict[str, dict[str, float]]:
     """{row: {text: NLL per token}} of every model on every text."""
     nll: dict[str, dict[str, float]] = {}
-    for text, split in TEXTS:
+    for text, split in texts(c.args):
         got = timed(c.times, f"score {text}", lambda: score({k: str(v) for k, v in models.items()},
                                                             sets["heal" if text == "own" else text], split, "all",
-                                                            c.device, progress=False, window=512))
+                                                            c.device, progress=False, window=512,
+                                                            max_tokens=c.args.score_tokens))
         for k, v in got.items():
             nll.setdefault(k, {})[text] = v
     return nll
@@ -234,28 +271,60 @@ def report(c, models, nll, heal_tokens, rep_q, rs) -> str:
     from cortiq.cmf import open_cmf
 
     base = nll["f16"]
-    names = [t for t, _ in TEXTS]
+    names = [t for t, _ in texts(c.args)]
     rows = [[k, f"{open_cmf(p).nbytes() / 1e6:.1f}"]
             + [f"{nll[k][n]:.4f}" + ("" if k == "f16" else f" ({nll[k][n] - base[n]:+.3f})") for n in names]
             for k, p in models.items()]
-    lines = [f"codecs of the healed SmolLM2-135M ({'tiny smoke run' if c.tiny else torch.cuda.get_device_name()}): "
-             f"25 % of MLP neurons pruned, healed {heal_tokens / 1e6:.2f}M tokens"
-             + (f" (QAT: {rep_q['metrics']['steps']} steps, the same)" if rep_q else "") + f"; clip grids "
-             f"{c.args.clip_grids}; retain {', '.join(rs.sources) or 'none'}; NLL per "
-             f"token, (Δ vs f16)",
+    where = "tiny smoke run" if c.tiny else "CPU" if c.device == "cpu" else torch.cuda.get_device_name()
+    what = {"source": "the source SmolLM2-135M as converted (weights on a Q4_1 grid)",
+            "pruned": "SmolLM2-135M with 25 % of MLP neurons pruned (fold per layer by activation, no heal)",
+            "healed": f"the healed SmolLM2-135M: 25 % of MLP neurons pruned, healed {heal_tokens / 1e6:.2f}M tokens"
+                      + (f" (QAT: {rep_q['metrics']['steps']} steps, the same)" if rep_q else "")}[c.args.model]
+    lines = [f"codecs of {what} ({where}); clip grids {c.args.clip_grids}; retain {', '.join(rs.sources) or 'none'}"
+             + (f"; at most {c.args.score_tokens} tokens a text" if c.args.score_tokens else "")
+             + "; NLL per token, (Δ vs f16)",
              table(["model", "MB", *names], rows)]
     lines.append(f"total {time.perf_counter() - c.t_all:.0f} s")
     return "\n".join(lines)
 
 
+def pruned_uniform(c, tdata: Path) -> Path:
+    """`cortiq compress` of the source without learned masks (neurons ranked by activation), 25 % of the MLP
+    neurons pruned per layer: minutes on a CPU, where learning the masks is hours."""
+    from cortiq.cli import main as cortiq
+
+    out = c.cache / ("tiny-pruned-uniform.cmf" if c.tiny else "smollm2-pruned-uniform.cmf")
+    if not out.exists():
+        argv = ["compress", str(c.source), "--data", str(tdata), "--keep-frac", "0.75", "--fold-scope", "per_layer",
+                "--no-learn-masks", "--device", c.device, "--out", str(out), "--work", str(c.work)]
+        if cortiq(argv + (["--grams-max-windows", "4"] if c.tiny else [])):
+            raise SystemExit(f"cortiq {' '.join(argv)} failed")
+    return out
+
+
+def subject(c, sets, rs, calib) -> tuple[Path, dict | None, dict | None]:
+    """The model the codec rows quantize (--model), the heal's report and the QAT heal's (None where not run)."""
+    from cortiq.heal import heal
+
+    if c.args.model == "source":
+        return c.source, None, None
+    if c.args.model == "pruned":
+        return timed(c.times, "compress", lambda: pruned_uniform(c, sets["heal"])), None, None
+    pruned = timed(c.times, "compress", lambda: compressed(c.cache, c.source, sets["heal"], c.tiny, c.device, rs))
+    healed = c.cache / (f"healed{'-' + Path(calib).name if rs.sources else ''}.cmf")
+    rep = timed(c.times, "heal", lambda: heal(pruned, c.source, sets["heal"], heal_settings(c.tiny, c.device), healed,
+                                              work_dir=c.work, progress=False, score_split=None, retain=rs))
+    c.qat = healed.with_name(healed.stem + "-qat-q4.cmf")
+    return healed, rep, heal_qat_row(c, pruned, sets, rs)
+
+
 def main(argv=None) -> int:
     from cortiq.data.stages import cli_runner, with_retain
     from cortiq.data.settings import RetainSettings
-    from cortiq.heal import heal
 
     args = parse_args(argv)
     device, cache, out = run_dirs(args, "codecs")
-    c = argparse.Namespace(args=args, device=device, tiny=args.tiny, work=cache / "stages", times={},
+    c = argparse.Namespace(args=args, device=device, tiny=args.tiny, cache=cache, work=cache / "stages", times={},
                            t_all=time.perf_counter())
     tiny, work, times = c.tiny, c.work, c.times
     c.source = source = timed(times, "source", lambda: source_model(cache, args.gguf, tiny))
@@ -264,20 +333,16 @@ def main(argv=None) -> int:
     # the calibration reads the same mix the heal trains on (the recode stage's --data is that mix)
     calib = timed(times, "retain", lambda: with_retain(sets["heal"], source, rs, cli_runner(work, progress=False), work,
                                                         progress=False)[0])
-    pruned = timed(times, "compress", lambda: compressed(cache, source, sets["heal"], tiny, device, rs))
-    healed = cache / (f"healed{'-' + Path(calib).name if rs.sources else ''}.cmf")
-    rep = timed(times, "heal", lambda: heal(pruned, source, sets["heal"], heal_settings(tiny, device), healed,
-                                            work_dir=work, progress=False, score_split=None, retain=rs))
-    heal_tokens = rep["metrics"]["steps"] * (64 * 4 if tiny else HealSettings().window * HealSettings().batch)
-    c.qat = healed.with_name(healed.stem + "-qat-q4.cmf")
-    rep_q = heal_qat_row(c, pruned, sets, rs)
+    healed, rep, rep_q = subject(c, sets, rs, calib)
+    heal_tokens = rep["metrics"]["steps"] * (64 * 4 if tiny else HealSettings().window * HealSettings().batch) if rep else 0
     models, quant_rep = codec_models(c, healed, calib)
     if rep_q is not None:
         models["q4 qat-kd"] = c.qat
     nll = score_all(c, models, sets)
     printed = report(c, models, nll, heal_tokens, rep_q, rs)
-    result = {"nll": nll, "times": times, "quant": quant_rep, "heal_tokens": heal_tokens,
-              "heldout": {"f16 heal": rep["metrics"]["heldout_best"], "qat heal": rep_q and rep_q["metrics"]["heldout_best"]},
+    result = {"nll": nll, "times": times, "quant": quant_rep, "heal_tokens": heal_tokens, "model": args.model,
+              "heldout": {"f16 heal": rep and rep["metrics"]["heldout_best"],
+                          "qat heal": rep_q and rep_q["metrics"]["heldout_best"]},
               "models": {k: str(v) for k, v in models.items()}, "table": printed, "tiny": tiny,
               "retain": rs.sources}
     (out / "codecs.json").write_text(json.dumps(result, indent=1))

@@ -15,7 +15,8 @@ DESCRIPTION = (
     "chat template) and model.safetensors (numbered shards and model.safetensors.index.json over --shard-mb), "
     "the decoder layers' q8 / q4 / q4_64 matrices as compressed-tensors pack-quantized weights with a "
     "quantization_config (transformers and vLLM load them quantized; q8 exactly, q4 exactly where its blocks are "
-    "symmetric, else dequantized unless --quantized all re-derives them: docs/export.md), other quantized tensors dequantized to --dtype (all of them with --no-quantized); the MTP draft goes under mtp.* (the Qwen3-Next / Qwen3.5 names "
+    "symmetric, as `cortiq recode --q4-grid symmetric` writes them, else dequantized unless --quantized all "
+    "re-derives them: docs/export.md), other quantized tensors dequantized to --dtype (all of them with --no-quantized); the MTP draft goes under mtp.* (the Qwen3-Next / Qwen3.5 names "
     "vLLM reads; transformers skips it), for Llama / Qwen2 / Qwen3 (no MTP in transformers or vLLM) into "
     "mtp/model.safetensors beside the checkpoint, which `cortiq convert` reads back. MLP widths that differ per layer (a global fold) are padded to the "
     "widest layer with zero neurons, which add exactly 0: none of these families has a per-layer width field in "
@@ -44,8 +45,8 @@ class ExportSettings:
     shard_mb: float = setting(5000.0, "hf: safetensors files are cut into numbered shards of at most this size (MB)",
                               gt=0)
     #: compressed-tensors' zero points are whole steps and cortiq's q4 min is not: a q4 block travels
-    #: exactly only when it is symmetric; "all" re-derives the others (cortiq.convert.ct), which costs
-    #: (docs/export.md, "Quantized Hugging Face exports")
+    #: exactly only when it is symmetric (QuantSettings.q4_grid "symmetric" writes every block so); "all"
+    #: re-derives the others (cortiq.convert.ct), which costs (docs/export.md, "Quantized Hugging Face exports")
     quantized: str = setting("exact", "hf: which q8 / q4 matrices go as compressed-tensors pack-quantized weights that "
                                       "transformers and vLLM load quantized: exact (q8, and q4 whose blocks are "
                                       "symmetric: cortiq's values exactly; other q4 dequantized to --dtype), all (q4 "

@@ -15,7 +15,8 @@ DESCRIPTION = (
     "by layer on the outputs of the layers already quantized; awq: activation-aware scales folded into the op "
     "before, then GPTQ; rtn: round-to-nearest; q8 by --method-8bit, rtn unless asked); the Grams are a cached stage under --work, reused by the next "
     "run on the same model, data and settings; the provenance gains a 'quantize' entry. Without --data the "
-    "blocks are round-to-nearest, and a quantization option (which would change nothing) is refused, as is --data "
+    "blocks are round-to-nearest (--q4-grid symmetric: q4 blocks of min −8·scale, which `cortiq export --to hf` "
+    "packs as exact 4-bit), and any other quantization option (which would change nothing) is refused, as is --data "
     "where nothing would read it (a codec GPTQ does not write, a method of rtn). Another cortiq process writing the same OUT.cmf is waited for (OUT.cmf.lock)."
 )
 ORDER = 40
@@ -39,10 +40,12 @@ def add_arguments(p):
 
 
 def check_start(args, s, given: set[str], arch) -> None:
-    """Every refusal of recode that needs no work, in one place: a quantization option that acts
-    only with --data (all of them but a method of rtn, which is what happens without data), --data
-    where it would be ignored (a codec GPTQ does not write, a method of rtn), a method named for
-    the other width's codecs, and calibration windows past the model's context."""
+    """Every refusal of recode that needs no work, in one place: a q4 grid with a codec it does not
+    place, a quantization option that acts only with --data (all of them but a method of rtn, which
+    is what happens without data, and the q4 grid), --data where it would be ignored (a codec GPTQ
+    does not write, a method of rtn), a method named for the other width's codecs, and calibration
+    windows past the model's context."""
+    from ..codecs import takes_grid
     from ..errors import CortiqError
     from ..quant.settings import BLOCK_CODECS, EIGHT_BIT, check_window
     from ..settings_meta import flag
@@ -50,8 +53,10 @@ def check_start(args, s, given: set[str], arch) -> None:
     def needs(name: str, what: str):
         raise CortiqError(f"recode: {flag('', name)} acts only with {what}")
 
+    if "q4_grid" in given and not takes_grid(args.codec):
+        needs("q4_grid", f"--codec q4 or q4_64, not --codec {args.codec}")
     if args.data is None:
-        for name in (f for f in s.__dataclass_fields__ if f in given):
+        for name in (f for f in s.__dataclass_fields__ if f in given and f != "q4_grid"):
             if not (name in ("method", "method_8bit") and getattr(s, name) == "rtn"):
                 needs(name, "--data (calibrated quantization)")
         if args.work is not None:
@@ -103,6 +108,7 @@ def run(args) -> int:
     with store.locked(args.out), tqdm(total=len(src.infos), desc=f"recode → {args.codec}", unit=" tensors",
                                       file=sys.stderr, leave=False, disable=None) as bar:
         path = recode(args.src, args.out, args.codec, {"source": str(args.src), "from": before},
-                      verify=not args.no_verify, finite=not args.allow_nonfinite, progress=lambda _n: bar.update(1))
+                      verify=not args.no_verify, finite=not args.allow_nonfinite, progress=lambda _n: bar.update(1),
+                      q4_grid=s.q4_grid)
     print(f"wrote {path}")
     return 0

@@ -3,7 +3,9 @@
 The quantization grid is the codec's own: blocks of `g` (32 or 64) values
 along the flattened row-major tensor, i.e. `g` consecutive input columns of
 one output row when `in % g == 0`; q8 is symmetric (one f16 scale per block),
-q4 asymmetric (f16 scale and min). A group's grid is fixed when GPTQ reaches
+q4 asymmetric (f16 scale and min), or symmetric with `q4_grid` "symmetric"
+(min = −8·scale, kept so through every search and refit: the blocks
+compressed-tensors' int4 holds exactly). A group's grid is fixed when GPTQ reaches
 its first column, from the error-compensated weights at that moment (with
 act-order the grids come from the original weights up front: "static
 groups", since a group's columns are then visited out of order).
@@ -51,10 +53,10 @@ def _group(codec_name: str) -> int:
     return int(c.block)
 
 
-def _grid(codec_name: str, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _grid(codec_name: str, w: torch.Tensor, q4_grid: str = "asymmetric") -> tuple[torch.Tensor, torch.Tensor]:
     """The codec's grid for groups w [R, g] → (scale f32 [R], min f32 [R]); min 0 for q8.
     Scale and min pass through f16 exactly as the codec stores them."""
-    c = codecs.get(codec_name)
+    c = codecs.encoder(codec_name, q4_grid)
     b = w.to(torch.float32)
     if codec_name == "q8":
         _, scale = c.quantize(b)
@@ -69,10 +71,18 @@ def clip_factors(clip_grid: int) -> torch.Tensor:
     return torch.linspace(1.0, 0.5, max(clip_grid, 1), dtype=torch.float64)
 
 
-def _fit(codec_name: str, w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lo: torch.Tensor):
+def _fit(codec_name: str, w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, s: torch.Tensor, lo: torch.Tensor,
+         q4_grid: str = "asymmetric"):
     """The (scale, min) [N] that fit w ≈ min + scale·q best under the weights h, codes q fixed (weighted
-    least squares; q8: min 0), through f16 as the codec stores them; rows whose codes cannot
-    determine a fit keep (s, lo)."""
+    least squares; q8: min 0; a symmetric q4 grid: min −8·scale, the scale alone fitted), through f16
+    as the codec stores them; rows whose codes cannot determine a fit keep (s, lo)."""
+    if codec_name != "q8" and q4_grid == "symmetric":
+        c = q - 8.0  # the signed codes: w ≈ scale·c
+        den = (h * c * c).sum(-1)
+        ns = ((h * c * w).sum(-1) / den.clamp_min(1e-30)).to(torch.float16)
+        ok = (den > 0) & torch.isfinite(ns) & (ns > 0) & torch.isfinite(ns * -8.0)
+        ns = torch.where(ok, ns, s.to(torch.float16))  # a kept row's scale is an f16 already
+        return ns.to(torch.float32), (ns * -8.0).to(torch.float32)
     A, B, Cq = h.sum(-1), (h * q).sum(-1), (h * q * q).sum(-1)
     D, E = (h * w).sum(-1), (h * q * w).sum(-1)
     if codec_name == "q8":
@@ -92,7 +102,8 @@ def _fit(codec_name: str, w: torch.Tensor, h: torch.Tensor, q: torch.Tensor, s: 
 REFITS = 2
 
 
-def _searched_grid(codec_name: str, w: torch.Tensor, h: torch.Tensor, clip_grid: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _searched_grid(codec_name: str, w: torch.Tensor, h: torch.Tensor, clip_grid: int,
+                   q4_grid: str = "asymmetric") -> tuple[torch.Tensor, torch.Tensor]:
     """The grid of each group w [N, g] whose rounding error weighted by its inputs' energy h [N, g]
     (diag H: which columns the output feels) is least among: the group's range [min, max] shrunk
     toward 0 by each of `clip_factors(clip_grid)`, each then refitted `REFITS` times to its own
@@ -100,8 +111,8 @@ def _searched_grid(codec_name: str, w: torch.Tensor, h: torch.Tensor, clip_grid:
     min/max grid wastes levels on a group's one or two extreme values, and a fitted grid spends
     them where the weights are). The search of AWQ's clipping and llama.cpp's k-quant fits, with
     the Gram's diagonal as the weights. → (scale, min) [N] as `_grid` gives them; `clip_grid` 1 is
-    `_grid` itself."""
-    s, lo = _grid(codec_name, w)
+    `_grid` itself. On a symmetric q4 grid every candidate and refit stays symmetric."""
+    s, lo = _grid(codec_name, w, q4_grid)
     if clip_grid <= 1:
         return s, lo
     w32, h32 = w.to(torch.float32), h.to(torch.float32)
@@ -113,12 +124,12 @@ def _searched_grid(codec_name: str, w: torch.Tensor, h: torch.Tensor, clip_grid:
 
     best, _ = err(s, lo)
     for f in clip_factors(clip_grid).tolist():  # a handful of candidates, each over every group at once
-        cs, clo = (s, lo) if f == 1.0 else _grid(codec_name, w32.clamp(f * wmin, f * wmax))
+        cs, clo = (s, lo) if f == 1.0 else _grid(codec_name, w32.clamp(f * wmin, f * wmax), q4_grid)
         e, cq = err(cs, clo)
         for _ in range(REFITS + 1):
             take = e < best
             best, s, lo = torch.where(take, e, best), torch.where(take, cs, s), torch.where(take, clo, lo)
-            cs, clo = _fit(codec_name, w32, h32, cq, cs, clo)
+            cs, clo = _fit(codec_name, w32, h32, cq, cs, clo, q4_grid)
             e, cq = err(cs, clo)
     return s, lo
 
@@ -193,11 +204,11 @@ def _few_threads(dev):
     return one()
 
 
-def _columns(codec_name, Wd, U, scale, lo, g, B, act_order, col_group, hd=None, clip_grid=1):
+def _columns(codec_name, Wd, U, scale, lo, g, B, act_order, col_group, hd=None, clip_grid=1, q4_grid="asymmetric"):
     """GPTQ's blocked column loop on Wd [L, R, C] (changed in place) with the
     Cholesky factors U; fills the grids `scale`/`lo` [L, R, C/g] as it reaches
     each group (act-order: they are given; else searched under hd [L, C], diag H, with
-    `clip_grid` candidates). Returns (codes, dequantized) [L, R, C]."""
+    `clip_grid` candidates, on `q4_grid`). Returns (codes, dequantized) [L, R, C]."""
     n, R, C = Wd.shape
     dev = Wd.device
     layer = torch.arange(n, device=dev)
@@ -217,7 +228,7 @@ def _columns(codec_name, Wd, U, scale, lo, g, B, act_order, col_group, hd=None, 
                 gi = col // g
                 if col % g == 0:
                     h = hd[:, None, col : col + g].expand(n, R, g).reshape(n * R, g) if clip_grid > 1 else None
-                    sg, lg = _searched_grid(codec_name, W1[:, :, i : i + g].reshape(n * R, g), h, clip_grid)
+                    sg, lg = _searched_grid(codec_name, W1[:, :, i : i + g].reshape(n * R, g), h, clip_grid, q4_grid)
                     scale[:, :, gi], lo[:, :, gi] = sg.reshape(n, R), lg.reshape(n, R)
                 s_col, lo_col = scale[:, :, gi], lo[:, :, gi]
             w = W1[:, :, i]  # [L, R]
@@ -233,11 +244,12 @@ def _columns(codec_name, Wd, U, scale, lo, g, B, act_order, col_group, hd=None, 
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, codec_name: str = "q4", block: int = 128, damp: float = 0.01,
-                  act_order: bool = False, dtype: torch.dtype = torch.float64, clip_grid: int = 1) -> GptqResult:
+                  act_order: bool = False, dtype: torch.dtype = torch.float64, clip_grid: int = 1,
+                  q4_grid: str = "asymmetric") -> GptqResult:
     """Quantize W [out, in] with the Hessian H = Σ x xᵀ [in, in] of its inputs."""
     if W.ndim != 2 or H.shape != (W.shape[1], W.shape[1]):
         raise CortiqError(f"GPTQ: Hessian {list(H.shape)} does not match weight {list(W.shape)}")
-    return gptq_quantize_layers(W[None], H[None], codec_name, block, damp, act_order, dtype, clip_grid)[0]
+    return gptq_quantize_layers(W[None], H[None], codec_name, block, damp, act_order, dtype, clip_grid, q4_grid)[0]
 
 
 def gptq_quantize_layers(
@@ -249,18 +261,20 @@ def gptq_quantize_layers(
     act_order: bool = False,
     dtype: torch.dtype = torch.float64,
     clip_grid: int = 1,
+    q4_grid: str = "asymmetric",
 ) -> list[GptqResult]:
     """Quantize a stack of layers W [L, out, in], each with its Hessian
     H [L, in, in], in one column loop; results per layer, on W's device
     (the stored bytes on the CPU). `clip_grid` > 1: each group's grid is
-    searched among that many shrunk ranges (`_searched_grid`)."""
+    searched among that many shrunk ranges (`_searched_grid`); `q4_grid`
+    (codecs.Q4_GRIDS): where a q4 codec's blocks are placed."""
     g = _group(codec_name)
     if W.ndim != 3 or H.shape != (W.shape[0], W.shape[2], W.shape[2]):
         raise CortiqError(f"GPTQ: Hessian {list(H.shape[1:])} does not match weight {list(W.shape[1:])}")
     n, R, C = W.shape
     if C % g:
         # the codec's blocks straddle rows: no per-row grid to optimise against
-        c = codecs.get(codec_name)
+        c = codecs.encoder(codec_name, q4_grid)
         out = []
         for w in W:
             st = c.encode(w.cpu())
@@ -279,7 +293,7 @@ def gptq_quantize_layers(
     if act_order:
         # static groups: the grids of the original weights, in original column order
         h0 = hd.float()[:, None, :].expand(n, R, C).reshape(n * R * n_groups, g) if clip_grid > 1 else None
-        s0, l0 = _searched_grid(codec_name, Wd.reshape(n * R * n_groups, g), h0, clip_grid)
+        s0, l0 = _searched_grid(codec_name, Wd.reshape(n * R * n_groups, g), h0, clip_grid, q4_grid)
         scale, lo = s0.reshape(n, R, n_groups), l0.reshape(n, R, n_groups)
         perm = torch.argsort(hd, dim=-1, descending=True, stable=True)  # [L, C]
         Wd = torch.take_along_dim(Wd, perm[:, None, :], 2)
@@ -287,7 +301,7 @@ def gptq_quantize_layers(
         col_group = perm // g  # [L, C]: group of each permuted column, per layer
     U, lam = _prepare(Wd, H, damp, dtype)
     with _few_threads(dev):
-        codes, Q = _columns(codec_name, Wd, U, scale, lo, g, B, act_order, col_group, hd, clip_grid)
+        codes, Q = _columns(codec_name, Wd, U, scale, lo, g, B, act_order, col_group, hd, clip_grid, q4_grid)
     if perm is not None:
         inv = torch.argsort(perm, dim=-1)[:, None, :]
         codes, Q = torch.take_along_dim(codes, inv, 2), torch.take_along_dim(Q, inv, 2)
@@ -298,7 +312,7 @@ def gptq_quantize_layers(
 
 def gptq_reference(
     W: torch.Tensor, H: torch.Tensor, codec_name: str = "q4", damp: float = 0.01, dtype: torch.dtype = torch.float64,
-    clip_grid: int = 1,
+    clip_grid: int = 1, q4_grid: str = "asymmetric",
 ) -> torch.Tensor:
     """The plain algorithm (no blocks, no act-order): each column rounded, its
     error spread at once over all later columns. Returns the dequantized W."""
@@ -310,29 +324,29 @@ def gptq_reference(
     s = lo = None
     for j in range(C):
         if j % g == 0:
-            s, lo = _reference_grid(codec_name, Wd[:, j : j + g], torch.diagonal(H)[j : j + g], clip_grid)
+            s, lo = _reference_grid(codec_name, Wd[:, j : j + g], torch.diagonal(H)[j : j + g], clip_grid, q4_grid)
         _, Q[:, j] = _qdq(codec_name, Wd[:, j], s, lo)
         err = (Wd[:, j] - Q[:, j]) / U[j, j]
         Wd[:, j:] -= err[:, None] * U[j, j:][None, :]
     return Q.to(torch.float32)
 
 
-def _reference_grid(codec_name: str, w: torch.Tensor, h: torch.Tensor, clip_grid: int):
+def _reference_grid(codec_name: str, w: torch.Tensor, h: torch.Tensor, clip_grid: int, q4_grid: str = "asymmetric"):
     """`_searched_grid`'s plain form: row by row, candidate by candidate, refit by refit, the first
     least error kept."""
     w32, h32 = w.to(torch.float32), h.to(torch.float32)
-    s, lo = _grid(codec_name, w32)
+    s, lo = _grid(codec_name, w32, q4_grid)
     if clip_grid <= 1:
         return s, lo
     for r in range(w32.shape[0]):
         row, hr = w32[r : r + 1], h32[None, :]
         best = None
         for f in clip_factors(clip_grid).tolist():
-            cs, clo = _grid(codec_name, row.clamp(f * row.min(), f * row.max()))
+            cs, clo = _grid(codec_name, row.clamp(f * row.min(), f * row.max()), q4_grid)
             for _ in range(REFITS + 1):
                 q, wq = _qdq(codec_name, row, cs[:, None], clo[:, None])
                 e = float((hr * (row - wq) ** 2).sum())
                 if best is None or e < best:
                     best, s[r], lo[r] = e, cs[0], clo[0]
-                cs, clo = _fit(codec_name, row, hr, q, cs, clo)
+                cs, clo = _fit(codec_name, row, hr, q, cs, clo, q4_grid)
     return s, lo

@@ -18,7 +18,8 @@ columns of one output row.
   checkpoints also fail to load in transformers (the zero point's packed shape
   is refused), so a q4 block is written as symmetric int4 (x = scale·c,
   c in -8..7): the block's own grid when its min is −8 steps (a q4 block made
-  symmetric; then it is exact), else the scale, among a few candidates each
+  symmetric, as every quantizer writes them under QuantSettings.q4_grid
+  "symmetric": then it is exact), else the scale, among a few candidates each
   refitted by least squares to its codes, that is nearest cortiq's values.
   docs/export.md gives what that costs in NLL and the way to exact 4-bit files.
   Symmetric int4 values are q4 blocks (min = −8·scale, exact in f16), so
@@ -28,6 +29,8 @@ columns of one output row.
 from __future__ import annotations
 
 import torch
+
+from .. import codecs
 
 #: cortiq codec → (bits, group size); the codecs written as pack-quantized weights
 SCHEMES = {"q8": (8, 32), "q4": (4, 32), "q4_64": (4, 64)}
@@ -47,13 +50,7 @@ def packable(codec: str, shape: tuple[int, ...]) -> bool:
 def exact(codec: str, stored: torch.Tensor) -> bool:
     """True when a packable matrix's values survive packing exactly: every q8 matrix, and a q4 one whose
     every block's min is −8 steps (a symmetric block: compressed-tensors' int4 grid)."""
-    if SCHEMES[codec][0] == 8:
-        return True
-    g = SCHEMES[codec][1]
-    raw = stored.reshape(-1, 4 + g // 2)
-    scale = raw[:, :2].contiguous().view(torch.float16).reshape(-1)
-    lo = raw[:, 2:4].contiguous().view(torch.float16).reshape(-1)
-    return bool(torch.equal(lo, (scale.to(torch.float32) * -8.0).to(torch.float16)))
+    return SCHEMES[codec][0] == 8 or codecs.get(codec).symmetric_blocks(stored)
 
 
 def packed_shapes(codec: str, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], str]]:

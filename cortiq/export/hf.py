@@ -13,7 +13,9 @@ What is written:
   over the shard limit, in the requested dtype; the decoder layers' q8 / q4 /
   q4_64 matrices (`quantized`) as compressed-tensors pack-quantized weights
   with a `quantization_config` in config.json, which transformers and vLLM load
-  as quantized (`cortiq.convert.ct`); other quantized tensors dequantized.
+  as quantized (`cortiq.convert.ct`; a q4 matrix exactly when its blocks are
+  symmetric, as QuantSettings.q4_grid "symmetric" writes them); other
+  quantized tensors dequantized.
 
 Names are the HF names CMF keeps, except:
 - Qwen3-Next's Gated DeltaNet projections, which CMF keeps split, are fused
@@ -286,6 +288,10 @@ def packs(f: CmfFile, name: str, shape: tuple[int, ...], quantized: str, symmetr
     return quantized == "all" or symmetric.get(name, True)
 
 
+#: the quantization whose q4 blocks an HF export packs exactly (QuantSettings.q4_grid)
+SYMMETRIC_HOW = "`cortiq recode --codec q4 --q4-grid symmetric` (any --method)"
+
+
 def export_notes(widths: list[int], symmetric: dict[str, bool], quantized: str, dtype: str) -> list[str]:
     """What an HF export's reader should know: padded widths, q4 matrices dequantized or re-derived."""
     out = []
@@ -296,11 +302,13 @@ def export_notes(widths: list[int], symmetric: dict[str, bool], quantized: str, 
     odd = sum(not v for v in symmetric.values())
     if odd and quantized == "exact":
         out.append(f"{odd} of {len(symmetric)} q4 matrices written dequantized to {dtype}: their blocks keep a "
-                   "min that compressed-tensors' int4 cannot hold; --quantized all writes them as re-derived 4-bit "
-                   "values, not cortiq's (docs/export.md, 'Quantized Hugging Face exports')")
+                   f"min that compressed-tensors' int4 cannot hold; {SYMMETRIC_HOW} writes q4 that exports exactly "
+                   "as 4-bit, --quantized all re-derives 4-bit values, not cortiq's (docs/export.md, 'Quantized "
+                   "Hugging Face exports')")
     elif odd and quantized == "all":
         out.append(f"{odd} of {len(symmetric)} q4 matrices written as symmetric int4 (compressed-tensors has no per-block "
-                   "min): their values are re-derived, not cortiq's (docs/export.md, 'Quantized Hugging Face exports')")
+                   f"min): their values are re-derived, not cortiq's; {SYMMETRIC_HOW} writes q4 that exports exactly "
+                   "(docs/export.md, 'Quantized Hugging Face exports')")
     return out
 
 

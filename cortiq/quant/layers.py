@@ -92,10 +92,11 @@ def _scales(G: torch.Tensor, alphas: torch.Tensor) -> torch.Tensor:
 F16_ROOM = 2.0 ** 15
 
 
-def search_alpha(W: torch.Tensor, G: torch.Tensor, codec_name: str, grid: int) -> tuple[float, torch.Tensor]:
+def search_alpha(W: torch.Tensor, G: torch.Tensor, codec_name: str, grid: int,
+                 q4_grid: str = "asymmetric") -> tuple[float, torch.Tensor]:
     """The exponent of the grid whose round-to-nearest error of W [R, C] scaled
-    by s = diag(G)^α is least under G: (α, s [C])."""
-    c = codecs.get(codec_name)
+    by s = diag(G)^α is least under G (q4 blocks on `q4_grid`): (α, s [C])."""
+    c = codecs.encoder(codec_name, q4_grid)
     alphas = torch.linspace(0, 1, grid, dtype=torch.float64, device=W.device)
     S = _scales(G, alphas)  # [A, C]
     Wd = W.double()
@@ -139,16 +140,17 @@ def _fold_norm(norm, s: torch.Tensor) -> None:
 @torch.no_grad()
 def quantize_layer(layer, grams: dict[str, torch.Tensor], codec_name: str, method: str, block: int = 128,
                    damp: float = 0.01, act_order: bool = False, awq_grid: int = 11, clip_grid: int = 1,
-                   codec_of: dict[str, str] | None = None) -> LayerResult:
+                   codec_of: dict[str, str] | None = None, q4_grid: str = "asymmetric") -> LayerResult:
     """Quantize `layer`'s grouped linear weights in place (each left at its
     dequantized values, folded norms and rows changed with them) from the
     Grams of their inputs; returns each weight's codec bytes. `codec_of`:
-    groups written in another codec than `codec_name` ({group key: codec})."""
+    groups written in another codec than `codec_name` ({group key: codec});
+    `q4_grid` (codecs.Q4_GRIDS): where every q4 block goes, by each method."""
     stored, rows = {}, []
+    grids = {"clip_grid": clip_grid, "q4_grid": q4_grid}
     for g in groups(layer):
         codec = (codec_of or {}).get(g.key, codec_name)
-        row = _quantize_group(layer, g, grams[g.key], codec, method, block, damp, act_order, awq_grid, clip_grid,
-                              stored)
+        row = _quantize_group(layer, g, grams[g.key], codec, method, block, damp, act_order, awq_grid, grids, stored)
         rows.append({**row, "codec": codec})
     return LayerResult(stored, rows)
 
@@ -162,9 +164,10 @@ def _rounded(g: Group, mods, c, err_rtn: float, stored: dict) -> dict:
 
 
 def _quantize_group(layer, g: Group, G: torch.Tensor, codec_name: str, method: str, block: int, damp: float,
-                    act_order: bool, awq_grid: int, clip_grid: int, stored: dict) -> dict:
-    """One group of `quantize_layer`: its weights' bytes into `stored`; its report row."""
-    c = codecs.get(codec_name)
+                    act_order: bool, awq_grid: int, grids: dict, stored: dict) -> dict:
+    """One group of `quantize_layer`: its weights' bytes into `stored`; its report row. `grids`: gptq_quantize's
+    clip_grid and q4_grid."""
+    c = codecs.encoder(codec_name, grids["q4_grid"])
     mods = [_submodule(layer, m) for m in g.mods]
     G = G.to(mods[0].weight.device, torch.float64)
     sizes = [int(m.weight.shape[0]) for m in mods]
@@ -174,13 +177,13 @@ def _quantize_group(layer, g: Group, G: torch.Tensor, codec_name: str, method: s
     if C % c.block:
         # blocks straddle rows: no per-row grid to optimise, each weight round-to-nearest
         return _rounded(g, mods, c, err_rtn, stored)
-    r = gptq_quantize(W, G, codec_name, block, damp, act_order, clip_grid=clip_grid)
+    r = gptq_quantize(W, G, codec_name, block, damp, act_order, **grids)
     best = {"res": r, "s": None, "alpha": 0.0, "err": float(gram_error(W.double() - r.weight.double(), G))}
     if method == "awq" and g.fold is not None:
-        alpha, s = search_alpha(W, G, codec_name, awq_grid)
+        alpha, s = search_alpha(W, G, codec_name, awq_grid, grids["q4_grid"])
         if alpha > 0:
             Gs = G / (s[:, None] * s[None, :])  # the Gram of the inputs scaled by 1/s
-            rs = gptq_quantize((W.double() * s).float(), Gs, codec_name, block, damp, act_order, clip_grid=clip_grid)
+            rs = gptq_quantize((W.double() * s).float(), Gs, codec_name, block, damp, act_order, **grids)
             e = float(gram_error(W.double() - rs.weight.double() / s, G))
             if e < best["err"]:
                 best = {"res": rs, "s": s, "alpha": alpha, "err": e}

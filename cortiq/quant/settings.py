@@ -64,6 +64,16 @@ class QuantSettings:
     #: the min/max grid's with 11, 0.88x with 2 (the refits alone); q8 0.97x
     clip_grid: int = setting(1, "grids: range shrink factors tried per group, from 1 down to 0.5, each refitted "
                                 "by weighted least squares (1: the group's min/max grid)", lo=1, hi=101, added=True)
+    #: "symmetric": every q4 / q4_64 block, whichever the method (the codec's rounding for rtn and for the
+    #: matrices GPTQ does not reach, each group's grid, searched and refitted, for gptq and awq), has
+    #: min = −8·scale exactly in f16: the signed int4 of compressed-tensors, so `cortiq export --to hf` packs
+    #: every such matrix as 4-bit with cortiq's values, where an asymmetric one goes dequantized (docs/export.md,
+    #: "Quantized Hugging Face exports"). The bytes stay q4's (GGUF Q4_1 as before). Asymmetric stays the
+    #: default until a healed model measures what the symmetric grid costs (bench/QUALITY.md, "A symmetric q4
+    #: grid"). q8 is symmetric already: no effect on it
+    q4_grid: str = setting("asymmetric", "where q4 blocks lie: asymmetric (each block's min and max), symmetric "
+                                         "(min −8·scale: the int4 grid an HF export packs exactly, as 4-bit)",
+                           choices=("asymmetric", "symmetric"), added=True)
     # ── AWQ ──
     #: exponents α tried per group of weights sharing an input, s = diag(G)^α (0: no scaling, plain GPTQ)
     awq_grid: int = setting(11, "AWQ: exponents tried in [0, 1] (evenly spaced, 0 included)", lo=2, hi=101,

@@ -47,7 +47,7 @@ def _check(codec: str, s: QuantSettings) -> None:
 
 def _layer_args(codec: str, s: QuantSettings) -> dict:
     return {"method": s.method_for(codec), "block": s.block, "damp": s.damp, "act_order": s.act_order, "awq_grid": s.awq_grid,
-            "clip_grid": s.clip_grid}
+            "clip_grid": s.clip_grid, "q4_grid": s.q4_grid}
 
 
 def _device(s: QuantSettings):
@@ -176,7 +176,7 @@ def quantize(model_cmf, grams_dir, codec: str, s: QuantSettings, out_cmf, progre
     doc = with_provenance({k: v for k, v in src.doc.items() if k not in ("codecs", "hashes", "shards")}, "quantize",
                           {"codec": codec, "settings": dataclasses.asdict(s), "from": store.file_digest(model_cmf),
                            "groups": rep["groups"]})
-    write_cmf(Path(out_cmf), doc, copy_specs(src, codec_for, replace))
+    write_cmf(Path(out_cmf), doc, copy_specs(src, codec_for, replace, q4_grid=s.q4_grid))
     m = {k: rep["metrics"][k] for k in ("quant_err", "quant_err_rtn", "quant_over_rtn")}
     return {"metrics": {**m, "bytes": float(open_cmf(out_cmf).nbytes())}, "codec": codec, "method": s.method_for(codec),
             "groups": rep["groups"]}

@@ -114,3 +114,57 @@ def test_searched_grids_round_with_less_weighted_error(codec):
     # the search lowers each group's own rounding error, and GPTQ's error feedback then moves the weights
     # it rounds: on some random draws the plain grids end a little lower, which is why the default is off)
     assert _err(X, W, r.weight) < _err(X, W, c.decode(c.encode(W), tuple(W.shape)))
+
+
+def _mins_are_minus_8_steps(stored: torch.Tensor, block: int) -> bool:
+    raw = stored.reshape(-1, 4 + block // 2)
+    scale, lo = raw[:, :2].contiguous().view(torch.float16), raw[:, 2:4].contiguous().view(torch.float16)
+    return torch.equal(lo.float(), scale.float() * -8.0)
+
+
+@pytest.mark.parametrize("codec", ["q4", "q4_64"])
+@pytest.mark.parametrize("act_order,clip_grid", [(False, 1), (True, 1), (False, 11), (True, 11)])
+def test_symmetric_grids_stay_symmetric_and_beat_symmetric_rtn(codec, act_order, clip_grid):
+    """On a symmetric q4 grid every block GPTQ writes (min/max grid or searched and refitted, static
+    act-order groups or not) has min −8·scale exactly, its bytes decode to its weights, and its output
+    error is below the symmetric round-to-nearest's on heavy-tailed weights."""
+    _, X = _layer(out=40, inp=128, n=400, seed=7)
+    torch.manual_seed(8)
+    W = torch.distributions.StudentT(3.0).sample((40, 128)) * 0.02 + 0.01  # off-centre: min ≠ −max
+    H = X.T @ X
+    c = codecs.encoder(codec, "symmetric")
+    r = gptq_quantize(W, H, codec, block=64, act_order=act_order, clip_grid=clip_grid, q4_grid="symmetric")
+    assert r.method == "gptq" and _mins_are_minus_8_steps(r.stored, c.block)
+    assert torch.equal(codecs.get(codec).decode(r.stored, tuple(W.shape)), r.weight)
+    assert _err(X, W, r.weight) < 0.9 * _err(X, W, c.roundtrip(W))
+
+
+@pytest.mark.parametrize("clip_grid", [1, 11])
+def test_symmetric_grids_blocked_equal_the_plain_reference(clip_grid):
+    W, X = _layer(out=19, inp=96, n=300, seed=9)
+    W[:, 7] *= 12.0
+    H = X.T @ X
+    fast = gptq_quantize(W, H, "q4", block=64, clip_grid=clip_grid, q4_grid="symmetric").weight
+    ref = gptq_reference(W, H, "q4", clip_grid=clip_grid, q4_grid="symmetric")
+    assert torch.allclose(fast, ref, atol=1e-6)
+
+
+def test_symmetric_searched_grids_round_with_less_weighted_error_and_isotropic_is_rtn():
+    from cortiq.compress.gptq_solver import _grid, _qdq, _searched_grid
+
+    torch.manual_seed(10)
+    w = torch.distributions.StudentT(3.0).sample((400, 32)) * 0.02
+    h = torch.rand(400, 32) + 0.1
+
+    def err(s, lo):
+        return (h * (w - _qdq("q4", w, s[:, None], lo[:, None])[1]) ** 2).sum(-1)
+
+    s, lo = _searched_grid("q4", w, h, 11, "symmetric")
+    assert torch.equal(lo, (s.half() * -8.0).float())  # refits keep the grid symmetric, in f16
+    full = err(*_grid("q4", w, "symmetric"))
+    assert (err(s, lo) <= full).all() and (err(s, lo) < 0.99 * full).any()
+    W, _ = _layer(out=16, inp=64)  # H ∝ I: GPTQ on the symmetric grid is its round-to-nearest, byte for byte
+    r = gptq_quantize(W, torch.eye(64) * 3.0, "q4", q4_grid="symmetric")
+    assert torch.equal(r.stored, codecs.encoder("q4", "symmetric").encode(W))
+    r = gptq_quantize(torch.randn(4, 40), torch.eye(40), "q4", q4_grid="symmetric")  # rows straddle blocks
+    assert r.method == "rtn" and _mins_are_minus_8_steps(r.stored, 32)

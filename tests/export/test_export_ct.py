@@ -3,6 +3,7 @@ quantized with cortiq's NLL, the bytes shrink, `cortiq convert` reads them back,
 compressed-tensors' own."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -57,6 +58,26 @@ def _check_loaded_quantized(hf, n_layers=2):
             assert getattr(m, "quantization_scheme", None) is not None
 
 
+def _runs_as_cortiq(out: Path, model_cmf: Path, src: Path, rel: float) -> None:
+    """transformers loads `out` quantized, its logits on TEXT within `rel` (of their largest) of `model_cmf`'s
+    and its NLL within 0.01."""
+    hf = _load(out)
+    _check_loaded_quantized(hf)
+    ids = torch.tensor([load_tokenizer(src).encode(TEXT).ids])
+    with torch.no_grad():
+        ref, got = load_model(model_cmf)(ids), hf(ids).logits
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < rel
+    assert abs(_nll(got, ids) - _nll(ref, ids)) < 0.01
+
+
+def _read_back_byte_for_byte(out: Path, model_cmf: Path, back: Path) -> None:
+    """`cortiq convert` of `out` gives every decoder q8 / q4 matrix of `model_cmf` in its codec, byte for byte."""
+    b, f = open_cmf(convert_hf_dir(out, back)), open_cmf(model_cmf)
+    for n in f.names:
+        if n.startswith("model.layers.") and f.info(n).codec in ("q8", "q4"):
+            assert b.info(n).codec == f.info(n).codec and torch.equal(b.stored(n), f.stored(n)), n
+
+
 def _linear_bytes(d: Path) -> int:
     total = 0
     with safe_open(str(d / "model.safetensors"), framework="pt") as f:
@@ -101,18 +122,8 @@ def test_q8_export_is_cortiqs_values_and_loads_quantized(tmp_path, family):
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
     (w,) = [g["weights"] for g in qc["config_groups"].values()]
     assert (w["num_bits"], w["group_size"], w["symmetric"], w["strategy"]) == (8, 32, True, "group")
-    hf = _load(out)
-    _check_loaded_quantized(hf)
-    ids = torch.tensor([load_tokenizer(src).encode(TEXT).ids])
-    with torch.no_grad():
-        ref, got = load_model(q8)(ids), hf(ids).logits
-    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    assert abs(_nll(got, ids) - _nll(ref, ids)) < 0.01
-    back = open_cmf(convert_hf_dir(out, tmp_path / "back.cmf"))  # the same codes and scales, byte for byte
-    f = open_cmf(q8)
-    for n in f.names:
-        if n.startswith("model.layers.") and f.info(n).codec == "q8":
-            assert back.info(n).codec == "q8" and torch.equal(back.stored(n), f.stored(n)), n
+    _runs_as_cortiq(out, q8, src, 1e-5)
+    _read_back_byte_for_byte(out, q8, tmp_path / "back.cmf")  # the same codes and scales
 
 
 def test_q4_export_takes_under_a_third_of_f16_and_a_symmetric_q4_is_exact(tmp_path):
@@ -121,17 +132,40 @@ def test_q4_export_takes_under_a_third_of_f16_and_a_symmetric_q4_is_exact(tmp_pa
     q4 = _symmetric_q4(src, tmp_path / "q4.cmf")
     out = export_hf(q4, tmp_path / "hf", dtype="f16")
     assert _linear_bytes(out) <= 0.32 * _linear_bytes(f16)
-    hf = _load(out)
-    _check_loaded_quantized(hf)
-    ids = torch.tensor([load_tokenizer(src).encode(TEXT).ids])
-    with torch.no_grad():
-        ref, got = load_model(q4)(ids), hf(ids).logits
-    assert abs(_nll(got, ids) - _nll(ref, ids)) < 0.01
-    back = open_cmf(convert_hf_dir(out, tmp_path / "back.cmf"))
-    g = open_cmf(q4)
-    for n in g.names:
-        if g.info(n).codec == "q4":
-            assert back.info(n).codec == "q4" and torch.equal(back.stored(n), g.stored(n)), n
+    _runs_as_cortiq(out, q4, src, 1e-3)  # the q8 embedding and the norms at f16 (--dtype)
+    _read_back_byte_for_byte(out, q4, tmp_path / "back.cmf")
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_a_q4_on_the_symmetric_grid_exports_as_exact_4_bit_by_every_method(tmp_path, capsys, method):
+    """`cortiq recode --codec q4 --q4-grid symmetric` (round to nearest, or GPTQ / AWQ from data), then
+    `export --to hf`: every decoder q4 matrix packed as int4 with nothing dequantized (no note), the linear
+    layers at most 32 % of their f16 bytes, transformers runs it quantized with cortiq's NLL, and `cortiq
+    convert` reads the same bytes back."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "compress"))
+    from compress_helpers import tiny_tdata
+
+    src = write_random(tmp_path / "m.cmf", arch_of("llama", widths=(64, 64)), seed=9)
+    f16 = export_hf(src, tmp_path / "f16", dtype="f16")
+    argv = ["recode", str(src), str(tmp_path / "q4.cmf"), "--codec", "q4", "--q4-grid", "symmetric"]
+    if method != "rtn":
+        argv += ["--data", str(tiny_tdata(src, tmp_path / "td")), "--method", method, "--window", "64",
+                 "--max-windows", "8", "--device", "cpu", "--work", str(tmp_path / "work")]
+    assert main(argv) == 0
+    capsys.readouterr()
+    out = tmp_path / "hf"
+    assert main(["export", str(tmp_path / "q4.cmf"), "--to", "hf", str(out), "--dtype", "f16"]) == 0
+    assert capsys.readouterr().err == ""  # nothing written dequantized, nothing to say
+    q4 = open_cmf(tmp_path / "q4.cmf")
+    mats = [n for n in q4.names if n.startswith("model.layers.") and len(q4.info(n).shape) == 2]
+    assert sum(q4.info(n).codec == "q4" for n in mats) >= len(mats) - 1  # gptq/awq: down_8bit keeps one at q8
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"].values()
+    int4 = [t.removeprefix("re:") for g in groups if g["weights"]["num_bits"] == 4 for t in g["targets"]]
+    for n in (n for n in mats if q4.info(n).codec == "q4"):  # each a module of the 4-bit group
+        assert any(re.fullmatch(t, n.removesuffix(".weight")) for t in int4), n
+    assert _linear_bytes(out) <= 0.32 * _linear_bytes(f16)
+    _runs_as_cortiq(out, q4.path, src, 1e-3)  # the 4-bit matrices cortiq's values; the q8 embedding at f16
+    _read_back_byte_for_byte(out, q4.path, tmp_path / "back.cmf")
 
 
 def test_q4_of_any_min_is_re_derived_once_and_read_back_as_transformers_runs_it(tmp_path):
@@ -182,12 +216,13 @@ def test_uniform_widths_shrink_the_f16_export_and_unequal_ones_say_why_not(tmp_p
         "widths differ per layer (32..64): every MLP is padded to 64 with zero neurons, which transformers and vLLM "
         "run: no saving there; `cortiq compress --fold-scope per_layer` gives uniform widths that keep it",
         "11 of 11 q4 matrices written dequantized to f32: their blocks keep a min that compressed-tensors' int4 cannot "
-        "hold; --quantized all writes them as re-derived 4-bit values, not cortiq's (docs/export.md, 'Quantized "
-        "Hugging Face exports')"]
+        "hold; `cortiq recode --codec q4 --q4-grid symmetric` (any --method) writes q4 that exports exactly as 4-bit, "
+        "--quantized all re-derives 4-bit values, not cortiq's (docs/export.md, 'Quantized Hugging Face exports')"]
     assert main(["export", str(q4), "--to", "hf", str(tmp_path / "e"), "--quantized", "all"]) == 0
     assert capsys.readouterr().err.strip().splitlines()[1] == (
         "11 of 11 q4 matrices written as symmetric int4 (compressed-tensors has no per-block min): their values are "
-        "re-derived, not cortiq's (docs/export.md, 'Quantized Hugging Face exports')")
+        "re-derived, not cortiq's; `cortiq recode --codec q4 --q4-grid symmetric` (any --method) writes q4 that "
+        "exports exactly (docs/export.md, 'Quantized Hugging Face exports')")
     _load(tmp_path / "e")  # padded MLPs dense, the rest packed: one checkpoint transformers loads
     assert main(["export", str(q4), "--to", "hf", str(tmp_path / "d"), "--quantized", "none"]) == 0
     assert "quantization_config" not in json.loads((tmp_path / "d" / "config.json").read_text())

@@ -29,6 +29,23 @@ def test_roundtrip_is_decode_of_encode(codec):
     assert torch.equal(c.roundtrip(x), c.decode(c.encode(x), (7, 45)))
 
 
+def _check_layer(layer, W0: dict, grams: dict, r, method: str, c) -> None:
+    """`quantize_layer`'s result `r` on `layer` (its weights before: W0): each group's error under its Gram at most
+    the round-to-nearest's by `c`, that one reported as the plain reference computes it (RTN of the original
+    weights; AWQ reports RTN of up's rows as its down scales left them, so gptq only), the blocks decoding to
+    the weights the layer holds."""
+    for row in r.rows:
+        assert row["err"] <= row["err_rtn"], row
+    for gr in groups(layer) if method == "gptq" else ():
+        W = torch.cat([W0[f"{n}.weight"] for n in gr.mods]).double()
+        rtn = gram_error(W - c.roundtrip(W.float()).double(), grams[gr.key])
+        assert abs(float(rtn) - next(x["err_rtn"] for x in r.rows if x["group"] == gr.key)) <= 1e-9 * float(rtn)
+    mods = dict(layer.named_modules())
+    for name, st in r.stored.items():
+        w = mods[name].weight
+        assert torch.equal(c.decode(st, tuple(w.shape)), w.detach()), name
+
+
 def _correlated_grams(layer, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -49,20 +66,9 @@ def test_group_error_at_most_rtn_and_blocks_decode_to_the_layer(tmp_path, codec,
     W0 = {n: p.detach().clone() for n, p in layer.named_parameters()}
     grams = _correlated_grams(layer)
     r = quantize_layer(layer, grams, codec, method, block=32)
-    c = codecs.get(codec)
+    _check_layer(layer, W0, grams, r, method, codecs.get(codec))
     for row in r.rows:
-        assert row["err"] <= row["err_rtn"], row
         assert row["method"] in ("gptq", "awq")
-    # the plain reference: RTN of the original weights under the same Gram (AWQ reports RTN of up's rows
-    # as its down scales left them)
-    for gr in groups(layer) if method == "gptq" else ():
-        W = torch.cat([W0[f"{n}.weight"] for n in gr.mods]).double()
-        rtn = gram_error(W - c.roundtrip(W.float()).double(), grams[gr.key])
-        assert abs(float(rtn) - next(x["err_rtn"] for x in r.rows if x["group"] == gr.key)) <= 1e-9 * float(rtn)
-    mods = dict(layer.named_modules())
-    for name, st in r.stored.items():
-        w = mods[name].weight
-        assert torch.equal(c.decode(st, tuple(w.shape)), w.detach()), name
     if method == "gptq":  # nothing but the matrices moved
         for n, p in layer.named_parameters():
             if p.ndim == 1:
@@ -197,6 +203,9 @@ def test_q8_rounds_to_nearest_unless_method_8bit_asks(tmp_path, monkeypatch):
      "recode: --method acts only with --codec q4 or q4_64 (--codec q8 takes --method-8bit)"),
     (["--codec", "q4", "--data", "{td}", "--method", "gptq", "--awq-grid", "5"],
      "recode: --awq-grid acts only with --method awq"),
+    # q8 is symmetric already, f16 has no blocks: the grid would change nothing
+    (["--codec", "q8", "--q4-grid", "symmetric"], "recode: --q4-grid acts only with --codec q4 or q4_64, not --codec q8"),
+    (["--codec", "f16", "--q4-grid", "asymmetric"], "recode: --q4-grid acts only with --codec q4 or q4_64, not --codec f16"),
 ])
 def test_recode_refuses_at_start(tmp_path, capsys, argv, line):
     from cortiq.cmf import open_cmf as open_
@@ -234,3 +243,79 @@ def test_awq_search_skips_scales_the_codec_cannot_store():
     alpha, s = search_alpha(W, G, "q4", 11)
     assert torch.isfinite(s).all() and (W.double() * s).abs().max() < F16_ROOM
     assert alpha < 1.0  # the widest candidates were out of range here
+
+
+def _symmetric(f, n) -> bool:
+    return codecs.get(f.info(n).codec).symmetric_blocks(f.stored(n))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_symmetric_grid_lowers_the_gram_error_below_symmetric_rtn(tmp_path, method):
+    """On the symmetric grid each group's GPTQ (or AWQ) error under its Gram is at most the symmetric
+    round-to-nearest's, reported against that (not the asymmetric one), below it in sum, and every
+    block written has min −8·scale and decodes to the layer's weights."""
+    m, _ = model_and_data(tmp_path)
+    layer = load_model(m).layers[0]
+    W0 = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    grams = _correlated_grams(layer, seed=1)
+    r = quantize_layer(layer, grams, "q4", method, block=32, act_order=True, q4_grid="symmetric")
+    sym = codecs.encoder("q4", "symmetric")
+    _check_layer(layer, W0, grams, r, method, sym)
+    assert sum(x["err"] for x in r.rows) < 0.9 * sum(x["err_rtn"] for x in r.rows)
+    assert all(sym.symmetric_blocks(st) for st in r.stored.values())
+
+
+def test_every_method_writes_symmetric_q4_blocks_and_q8_as_before(tmp_path):
+    m, td = model_and_data(tmp_path)
+    assert main(["recode", str(m), str(tmp_path / "rtn.cmf"), "--codec", "q4", "--q4-grid", "symmetric"]) == 0
+    asym = open_cmf(requantize(m, td, "q4", QuantSettings(method="gptq", **S), tmp_path / "work", progress=False,
+                               log=lambda _: None)["path"])
+    files = {"rtn": open_cmf(tmp_path / "rtn.cmf")}
+    assert files["rtn"].provenance["recode"]["q4_grid"] == "symmetric"
+    for method in ("gptq", "awq"):
+        s = QuantSettings(method=method, q4_grid="symmetric", **S)
+        files[method] = open_cmf(requantize(m, td, "q4", s, tmp_path / "work", progress=False, log=lambda _: None)["path"])
+    for method, f in files.items():
+        q4 = [n for n in f.names if f.info(n).codec == "q4"]
+        # 7 matrices a layer, two layers; down_8bit "ends" keeps a down_proj of gptq's and awq's at q8
+        assert len(q4) == 2 * 7 - (method != "rtn") and all(_symmetric(f, n) for n in q4), method
+        for n in f.names:  # q8 (the embedding, the down_proj the default keeps at q8) is symmetric already
+            if f.info(n).codec == "q8" and method != "awq":
+                assert torch.equal(f.stored(n), asym.stored(n)), (method, n)
+    assert not any(_symmetric(asym, n) for n in asym.names if asym.info(n).codec == "q4")
+
+
+def test_the_grid_reaches_the_cache_keys_only_where_it_changes_the_output():
+    from cortiq import runner
+    from cortiq.measure import REENCODE
+    from cortiq.quant import QGRAMS, QUANTIZE
+
+    def d(x):  # an upstream output given by its digest
+        return {"digest": x}
+
+    for stage, params in ((QGRAMS, dict(model=d("1"), tdata=d("2"))), (QUANTIZE, dict(model=d("1"), grams=d("3")))):
+        keys = {g: runner.digest_of(stage, codec="q4", settings=QuantSettings(q4_grid=g), **params)
+                for g in ("asymmetric", "symmetric")}
+        assert keys["asymmetric"] == runner.digest_of(stage, codec="q4", settings=QuantSettings(), **params)
+        assert keys["symmetric"] != keys["asymmetric"], stage.name
+    for codec in ("q4", "q4_64", "q8", "f16"):
+        plain = runner.digest_of(REENCODE, model=d("1"), codec=codec)
+        assert runner.digest_of(REENCODE, model=d("1"), codec=codec, q4_grid="asymmetric") == plain
+        assert (runner.digest_of(REENCODE, model=d("1"), codec=codec, q4_grid="symmetric") != plain) == codec.startswith("q4")
+
+
+def test_recode_on_the_symmetric_grid_keeps_symmetric_q4_and_regrids_the_rest(tmp_path):
+    from cortiq.measure import recode
+
+    m, _ = model_and_data(tmp_path)
+    asym = open_cmf(recode(m, tmp_path / "a.cmf", "q4"))
+    sym = open_cmf(recode(asym.path, tmp_path / "s.cmf", "q4", q4_grid="symmetric"))  # from q4 blocks with a min
+    again = open_cmf(recode(sym.path, tmp_path / "s2.cmf", "q4", q4_grid="symmetric"))  # symmetric already
+    for n in asym.names:
+        if asym.info(n).codec == "q4":
+            assert not _symmetric(asym, n) and _symmetric(sym, n), n
+            assert torch.equal(again.stored(n), sym.stored(n)), n  # kept byte for byte, not rounded again
+            want = codecs.encoder("q4", "symmetric").roundtrip(asym.tensor(n))
+            assert torch.equal(sym.tensor(n), want), n  # the values it had, on the symmetric grid
+        else:
+            assert torch.equal(sym.stored(n), asym.stored(n)), n
