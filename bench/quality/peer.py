@@ -7,8 +7,9 @@ calibration windows: NLL on the codecs bench's panel, bytes and the quantization
 
 The model: --model (a healed CMF, e.g. the codecs or knowledge bench's), else one made here cheaply:
 SmolLM2-135M-Instruct (--gguf, default the bundled one) with 25 % of its MLP neurons pruned by activation
-score (`cortiq compress --no-learn-masks`: widths uniform) and a short heal (--heal-tokens) at the heal's
-other defaults, both on the heal corpus of bench/quality/codecs.py (Shakespeare plays) with the retain mix
+score (`cortiq compress --no-learn-masks`: widths uniform) and a short heal (--heal-tokens, windows of 256,
+8 a step: the teacher's targets cover every train window, so the data is kept small too), both on the heal
+corpus of bench/quality/codecs.py (Shakespeare plays) cut to --heal-data-tokens, with the retain mix
 (--retain, default corpus:pydoc, as a CPU run's `auto`).
 
 The calibration: the leading train windows of that mix, as many and as long as QuantSettings says (64 of
@@ -58,15 +59,33 @@ def parse_args(argv=None):
     ap.add_argument("--cache", default=None, help="models, tdata and stage outputs (default ~/cache/peer)")
     ap.add_argument("--retain", default="corpus:pydoc", help="retain sources of the compress, heal and calibration "
                                                             "mix, comma-separated")
-    ap.add_argument("--heal-tokens", type=int, default=32768, help="the default model's heal budget in tokens")
+    ap.add_argument("--heal-tokens", type=int, default=16384, help="the default model's heal budget in tokens")
+    ap.add_argument("--heal-data-tokens", type=int, default=24000, help="tokens of the heal corpus the heal and the "
+                                                                        "calibration read (the retain mix doubles it)")
     ap.add_argument("--panel-tokens", type=int, default=4096, help="tokens scored of each panel text")
     ap.add_argument("--peer-groups", default="32,64", help="llm-compressor W4A16 group sizes, a row each")
     ap.add_argument("--peer-python", default=str(PEER_PYTHON), help="the python of llm-compressor's venv")
     return ap.parse_args(argv)
 
 
-def healed_model(c, source: Path, sets: dict, rs) -> tuple[Path, str]:
-    """(--model, or a cheap compress + heal of `source`; the line the report names it by)."""
+def heal_data(cache: Path, source: Path, tiny: bool, cap: int) -> Path:
+    """The heal corpus of bench/quality/codecs.py cut to `cap` tokens. A record's split goes by a hash of its
+    id, and the train share here (0.8) is below the whole corpus's (0.94): what trains here is train there,
+    so the whole corpus's test split ("own") stays text nothing here trains on."""
+    from cortiq import store
+    from cortiq.data import BuildSettings, build
+
+    from bench.quality.quality import plays, split_plays
+
+    out = cache / f"tdata-heal-{cap}"
+    if not store.is_complete(out):
+        build([str(p) for p in split_plays(plays(), tiny)[0]], source, out,
+              BuildSettings(record_tokens=512, fractions=(0.8, 0.1, 0.1), max_total_tokens=cap))
+    return out
+
+
+def healed_model(c, source: Path, heal_mix: str) -> tuple[Path, str]:
+    """(--model, or a cheap compress + heal of `source` on `heal_mix`; the line the report names it by)."""
     if c.args.model:
         return Path(c.args.model), f"given: {c.args.model}"
     from cortiq.compress import compress
@@ -74,20 +93,21 @@ def healed_model(c, source: Path, sets: dict, rs) -> tuple[Path, str]:
     from cortiq.heal import heal
     from cortiq.heal.settings import HealSettings
 
-    tokens = 4096 if c.tiny else c.args.heal_tokens
+    tokens = 2048 if c.tiny else c.args.heal_tokens
     pruned, healed = c.cache / "pruned.cmf", c.cache / f"healed-{tokens}.cmf"
     grams = GramSettings(window=64, max_windows=8) if c.tiny else GramSettings()
     if not pruned.exists():
-        timed(c.times, "compress", lambda: compress(source, sets["heal"], CompressSettings(
-            learn_masks=False, grams=grams, device=c.device), pruned, work=c.cache / "stages", retain=rs))
-    hs = (HealSettings(window=64, batch=4, tokens=tokens, eval_every=5, checkpoint_every=0, device=c.device)
-          if c.tiny else HealSettings(tokens=tokens, checkpoint_every=0, device=c.device))
+        timed(c.times, "compress", lambda: compress(source, heal_mix, CompressSettings(
+            learn_masks=False, grams=grams, device=c.device), pruned, work=c.cache / "stages"))
+    # the teacher's targets cover every train window of the data: on the CPU, a few tens of thousands
+    hs = HealSettings(window=64 if c.tiny else 256, batch=4 if c.tiny else 8, tokens=tokens, eval_every=4,
+                      checkpoint_every=0, device=c.device)
     if not healed.exists():
-        timed(c.times, "heal", lambda: heal(pruned, source, sets["heal"], hs, healed, work_dir=c.cache / "stages",
-                                            progress=False, score_split=None, retain=rs))
+        timed(c.times, "heal", lambda: heal(pruned, source, heal_mix, hs, healed, work_dir=c.cache / "stages",
+                                            progress=False, score_split=None))
     return healed, (f"SmolLM2-135M-Instruct{' (tiny: a random model)' if c.tiny else ''}, 25 % of the MLP neurons "
-                    f"pruned by activation score, healed {tokens:,} tokens "
-                    f"(window {hs.window}, batch {hs.batch}); retain {', '.join(rs.sources) or 'none'}")
+                    f"pruned by activation score (uniform widths), healed {tokens:,} tokens (window {hs.window}, "
+                    f"batch {hs.batch}) on the calibration mix")
 
 
 def calibration(model: Path, calib_tdata, qs, out: Path) -> tuple[object, Path]:
@@ -269,13 +289,15 @@ def main(argv=None) -> int:
         if args.tiny else smollm2_cmf(cache, args.gguf)
     sets = timed(c.times, "tdata", lambda: tdata_sets(cache, source, args.tiny))
     rs = RetainSettings(sources=[x for x in args.retain.split(",") if x], **({"tokens": 8000} if args.tiny else {}))
-    calib_tdata = with_retain(sets["heal"], source, rs, cli_runner(cache / "stages", progress=False), cache / "stages",
-                              progress=False)[0]
-    model, what = healed_model(c, source, sets, rs)
+    # the data of the heal and of every calibration: the heal corpus cut to --heal-data-tokens, and the retain mix
+    heal_mix = with_retain(heal_data(cache, source, args.tiny, 30000 if args.tiny else args.heal_data_tokens), source,
+                           rs, cli_runner(cache / "stages", progress=False), cache / "stages", progress=False)[0]
+    model, what = healed_model(c, source, heal_mix)
     qs = QuantSettings(**({"window": 64, "max_windows": 8} if args.tiny else {}))
-    (shape, pads), calib = calibration(model, calib_tdata, qs, c.run)
-    calib_note = f"{shape[0]} windows of {shape[1]} tokens of the heal + retain mix ({pads} padding tokens)"
-    rows = cortiq_rows(c, model, calib_tdata)
+    (shape, pads), calib = calibration(model, heal_mix, qs, c.run)
+    calib_note = (f"{shape[0]} windows of {shape[1]} tokens of the heal corpus + {', '.join(rs.sources) or 'no retain'} "
+                  f"mix ({pads} padding tokens)")
+    rows = cortiq_rows(c, model, heal_mix)
     peer, skipped = peer_rows(c, model, calib)
     rows.update(peer)
     if skipped:
