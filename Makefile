@@ -9,7 +9,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test install serve bench clean
+.PHONY: demo test install serve bench clean peer
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -31,7 +31,20 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.run
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(PEER_VENV) .pytest_cache
+
+# llm-compressor, the peer bench/quality/peer.py compares cortiq's q4 / q8 with, in a venv of its own: its
+# pins conflict with cortiq's, and neither `make install` nor `make test` needs it
+PEER_VENV := .venv-peer
+PEER_STAMP := $(PEER_VENV)/.installed
+
+$(PEER_STAMP): bench/quality/peer-requirements.txt
+	test -d $(PEER_VENV) || $(PY) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install -q --upgrade pip
+	$(PEER_VENV)/bin/pip install -q -r bench/quality/peer-requirements.txt
+	touch $(PEER_STAMP)
+
+peer: $(PEER_STAMP)
 
 # a local Prefect server on 127.0.0.1, the `cortiq` process pool, the deployments and a worker
 serve: $(STAMP)

@@ -27,9 +27,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: bench/**/*.py that are no bench: the packages, the shared helpers, bench.run's stage code, and a tool with
-#: tests of its own (bench.mtp.draft_carry: tests/bench/test_draft_carry.py)
-MODULES = {"common", "heal.stages", "mtp.draft_carry"}
+#: bench/**/*.py that are no bench: the packages, the shared helpers, bench.run's stage code, a tool with
+#: tests of its own (bench.mtp.draft_carry: tests/bench/test_draft_carry.py), and the script bench.quality.peer
+#: runs in llm-compressor's own venv (`make peer`), which the suite does not install
+MODULES = {"common", "heal.stages", "mtp.draft_carry", "quality.peer_gptq"}
 
 
 def _rows(doc, key="rows"):
@@ -252,6 +253,18 @@ def check_sizes(d):
     assert q4["bytes"]["HF quantized (exact)"] == q4["bytes"]["HF f16"]
 
 
+def check_peer(d):
+    rows = d["rows"]
+    # without llm-compressor (the smoke row names no venv of it): cortiq's rows alone, and the note that says so
+    assert list(rows) == ["f16", "cortiq q8 rtn (default)", "cortiq q4 awq (default)", "cortiq q4 gptq",
+                          "cortiq q4 awq, every down_proj q4"], list(rows)
+    assert d["peer_skipped"].startswith("llm-compressor rows skipped: no ") and "make peer" in d["peer_skipped"]
+    assert all(math.isfinite(v) for r in rows.values() for v in r["nll"].values())
+    assert all(set(r["nll"]) == {"own", "unseen", "pydoc", "code", "legal"} for r in rows.values())
+    lin = {k: r["linear_bytes"] for k, r in rows.items()}
+    assert lin["cortiq q4 awq, every down_proj q4"] < lin["cortiq q4 awq (default)"] < lin["cortiq q8 rtn (default)"] < lin["f16"]
+
+
 #: script → (extra arguments after --cpu --tiny, the JSON it writes, the check of that JSON), the longest
 #: first: the order the benches start in, so that the last to start are short ones. "{work}" is the row's
 #: own folder (the benches that take --work default to a fixed folder under /tmp)
@@ -295,6 +308,8 @@ BENCHES = {
     # the defaults row alone: the knowledge rows need a model that lists entities, which a tiny random one does not
     "quality.knowledge": (["--rows", "defaults,keep 0.5"], "knowledge.json", check_knowledge),
     "quality.sizes": ([], "sizes.json", check_sizes),
+    # llm-compressor is not installed by `make install`: the row runs cortiq's side, the peer's rows skipped
+    "quality.peer": (["--peer-python", "{work}/no-llm-compressor/python"], "peer.json", check_peer),
 }
 
 #: benches run at once: one a core this process may use (pytest-xdist's workers share them out)
