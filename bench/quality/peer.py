@@ -159,7 +159,9 @@ def peer_run(c, hf: Path, calib: Path, bits: int, group: int) -> dict:
     cmd = [c.args.peer_python, str(PEER_SCRIPT), "--model", str(hf), "--calib", str(calib), "--bits", str(bits),
            "--group", str(group), "--out", str(out)]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
+    # no stdin: a background child that reads the terminal is stopped (SIGTTIN) and the run waits forever
+    p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                       env={**os.environ, "PYTHONPATH": ""})
     wall = time.perf_counter() - t0
     if p.returncode:
         tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["(no output)"]
