@@ -314,6 +314,10 @@ def main(argv=None) -> int:
     score_rows(c, rows, sets)
     sizes(rows)
     printed = report(c, rows, what, calib_note, skipped)
+    for r in rows.values():  # paths under the cache, named from it (no machine's folders in a result)
+        for k in ("path", "checkpoint"):
+            if k in r:
+                r[k] = f"CACHE/{Path(r[k]).relative_to(cache)}" if Path(r[k]).is_relative_to(cache) else str(r[k])
     write_json(out, "peer.json", {"tiny": args.tiny, "device": c.device_name, "model": what, "calibration": calib_note,
                                   "panel_tokens": 2000 if args.tiny else args.panel_tokens, "rows": rows,
                                   "times": c.times, "peer_skipped": skipped, "table": printed})
