@@ -12,8 +12,8 @@ score (`cortiq compress --no-learn-masks`: widths uniform) and a short heal (--h
 corpus of bench/quality/codecs.py (Shakespeare plays) cut to --heal-data-tokens, with the retain mix
 (--retain, default corpus:pydoc, as a CPU run's `auto`).
 
-The calibration: the leading train windows of that mix, as many and as long as QuantSettings says (64 of
-256 tokens), taken by cortiq.compress.stages.calibration_windows, the function `cortiq recode --data`
+The calibration: the leading train windows of the whole heal corpus and the retain mix, as many and as long
+as QuantSettings says (64 of 256 tokens), taken by cortiq.compress.stages.calibration_windows, the function `cortiq recode --data`
 calibrates on. cortiq's rows quantize from them; their token ids go to a file, and llm-compressor's
 `oneshot` calibrates on the same windows (bench/quality/peer_gptq.py, run by the peer's venv as a
 subprocess: its pins conflict with cortiq's).
@@ -59,19 +59,21 @@ def parse_args(argv=None):
     ap.add_argument("--cache", default=None, help="models, tdata and stage outputs (default ~/cache/peer)")
     ap.add_argument("--retain", default="corpus:pydoc", help="retain sources of the compress, heal and calibration "
                                                             "mix, comma-separated")
-    ap.add_argument("--heal-tokens", type=int, default=16384, help="the default model's heal budget in tokens")
-    ap.add_argument("--heal-data-tokens", type=int, default=24000, help="tokens of the heal corpus the heal and the "
-                                                                        "calibration read (the retain mix doubles it)")
-    ap.add_argument("--panel-tokens", type=int, default=4096, help="tokens scored of each panel text")
+    ap.add_argument("--heal-tokens", type=int, default=8192, help="the default model's heal budget in tokens")
+    ap.add_argument("--heal-data-tokens", type=int, default=8000, help="tokens of the heal corpus the default model's "
+                                                                       "compress and heal read (the retain mix doubles it)")
+    ap.add_argument("--panel-tokens", type=int, default=2048, help="tokens scored of each panel text")
     ap.add_argument("--peer-groups", default="32,64", help="llm-compressor W4A16 group sizes, a row each")
     ap.add_argument("--peer-python", default=str(PEER_PYTHON), help="the python of llm-compressor's venv")
     return ap.parse_args(argv)
 
 
 def heal_data(cache: Path, source: Path, tiny: bool, cap: int) -> Path:
-    """The heal corpus of bench/quality/codecs.py cut to `cap` tokens. A record's split goes by a hash of its
-    id, and the train share here (0.8) is below the whole corpus's (0.94): what trains here is train there,
-    so the whole corpus's test split ("own") stays text nothing here trains on."""
+    """The heal corpus of bench/quality/codecs.py cut to `cap` tokens, for the default model's compress and heal.
+    A record's split goes by a hash of its id, and the train share here (0.8) is below the whole corpus's
+    (0.94): what trains here is train there, so the whole corpus's test split ("own") is never trained on
+    (the rest is held out, for the heal's choice of checkpoint; no test split, which a cut this small
+    could leave empty)."""
     from cortiq import store
     from cortiq.data import BuildSettings, build
 
@@ -80,7 +82,7 @@ def heal_data(cache: Path, source: Path, tiny: bool, cap: int) -> Path:
     out = cache / f"tdata-heal-{cap}"
     if not store.is_complete(out):
         build([str(p) for p in split_plays(plays(), tiny)[0]], source, out,
-              BuildSettings(record_tokens=512, fractions=(0.8, 0.1, 0.1), max_total_tokens=cap))
+              BuildSettings(record_tokens=512, fractions=(0.8, 0.2, 0.0), max_total_tokens=cap))
     return out
 
 
@@ -94,7 +96,8 @@ def healed_model(c, source: Path, heal_mix: str) -> tuple[Path, str]:
     from cortiq.heal.settings import HealSettings
 
     tokens = 2048 if c.tiny else c.args.heal_tokens
-    pruned, healed = c.cache / "pruned.cmf", c.cache / f"healed-{tokens}.cmf"
+    cut = 30000 if c.tiny else c.args.heal_data_tokens
+    pruned, healed = c.cache / f"pruned-{cut}.cmf", c.cache / f"healed-{cut}-{tokens}.cmf"
     grams = GramSettings(window=64, max_windows=8) if c.tiny else GramSettings()
     if not pruned.exists():
         timed(c.times, "compress", lambda: compress(source, heal_mix, CompressSettings(
@@ -107,7 +110,8 @@ def healed_model(c, source: Path, heal_mix: str) -> tuple[Path, str]:
                                             progress=False, score_split=None))
     return healed, (f"SmolLM2-135M-Instruct{' (tiny: a random model)' if c.tiny else ''}, 25 % of the MLP neurons "
                     f"pruned by activation score (uniform widths), healed {tokens:,} tokens (window {hs.window}, "
-                    f"batch {hs.batch}) on the calibration mix")
+                    f"batch {hs.batch}) on {cut:,} tokens of the heal "
+                    f"corpus + retain mix")
 
 
 def calibration(model: Path, calib_tdata, qs, out: Path) -> tuple[object, Path]:
@@ -155,7 +159,9 @@ def peer_run(c, hf: Path, calib: Path, bits: int, group: int) -> dict:
     cmd = [c.args.peer_python, str(PEER_SCRIPT), "--model", str(hf), "--calib", str(calib), "--bits", str(bits),
            "--group", str(group), "--out", str(out)]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
+    # no stdin: a background child that reads the terminal is stopped (SIGTTIN) and the run waits forever
+    p = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                       env={**os.environ, "PYTHONPATH": ""})
     wall = time.perf_counter() - t0
     if p.returncode:
         tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["(no output)"]
@@ -289,15 +295,18 @@ def main(argv=None) -> int:
         if args.tiny else smollm2_cmf(cache, args.gguf)
     sets = timed(c.times, "tdata", lambda: tdata_sets(cache, source, args.tiny))
     rs = RetainSettings(sources=[x for x in args.retain.split(",") if x], **({"tokens": 8000} if args.tiny else {}))
-    # the data of the heal and of every calibration: the heal corpus cut to --heal-data-tokens, and the retain mix
+    runner = cli_runner(cache / "stages", progress=False)
+    # the calibration reads the whole heal corpus and the retain mix (what `cortiq recode --data` is given after
+    # a heal); the default model's compress and heal a cut of it (the teacher's targets cover every train window)
+    calib_mix = with_retain(sets["heal"], source, rs, runner, cache / "stages", progress=False)[0]
     heal_mix = with_retain(heal_data(cache, source, args.tiny, 30000 if args.tiny else args.heal_data_tokens), source,
-                           rs, cli_runner(cache / "stages", progress=False), cache / "stages", progress=False)[0]
+                           rs, runner, cache / "stages", progress=False)[0]
     model, what = healed_model(c, source, heal_mix)
     qs = QuantSettings(**({"window": 64, "max_windows": 8} if args.tiny else {}))
-    (shape, pads), calib = calibration(model, heal_mix, qs, c.run)
+    (shape, pads), calib = calibration(model, calib_mix, qs, c.run)
     calib_note = (f"{shape[0]} windows of {shape[1]} tokens of the heal corpus + {', '.join(rs.sources) or 'no retain'} "
                   f"mix ({pads} padding tokens)")
-    rows = cortiq_rows(c, model, heal_mix)
+    rows = cortiq_rows(c, model, calib_mix)
     peer, skipped = peer_rows(c, model, calib)
     rows.update(peer)
     if skipped:
@@ -305,6 +314,10 @@ def main(argv=None) -> int:
     score_rows(c, rows, sets)
     sizes(rows)
     printed = report(c, rows, what, calib_note, skipped)
+    for r in rows.values():  # paths under the cache, named from it (no machine's folders in a result)
+        for k in ("path", "checkpoint"):
+            if k in r:
+                r[k] = f"CACHE/{Path(r[k]).relative_to(cache)}" if Path(r[k]).is_relative_to(cache) else str(r[k])
     write_json(out, "peer.json", {"tiny": args.tiny, "device": c.device_name, "model": what, "calibration": calib_note,
                                   "panel_tokens": 2000 if args.tiny else args.panel_tokens, "rows": rows,
                                   "times": c.times, "peer_skipped": skipped, "table": printed})
