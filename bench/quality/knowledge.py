@@ -35,7 +35,11 @@ class Row:
     scope and floor, the knowledge source's lists and entities per category (0: its defaults),
     the masks' objective (MaskSettings.objective), the heal's weight on the teacher's
     confident rows (HealSettings.confident), the share of MLP neurons kept, and a factor on the
-    masks' L1 pressure (l1_init and l1_step: the teacher objective's KL is far smaller than an LM loss)."""
+    masks' L1 pressure (l1_init and l1_step: the teacher objective's KL is far smaller than an LM loss),
+    the retain sources of compress alone where they differ from the heal's (`mask_sources`: the
+    neurons ranked on the mix that asks for facts most, the heal on the default mix), and the heal's
+    budget in tokens (0: HealSettings'); the heal's patience is 0 with a budget of its own, so the
+    row trains all of it."""
 
     sources: tuple[str, ...]
     share: float = 0.5
@@ -47,6 +51,8 @@ class Row:
     confident: float = 0.0
     keep: float = 0.75
     l1: float = 1.0
+    mask_sources: tuple[str, ...] | None = None
+    heal_tokens: int = 0
 
 
 KNOW = ("self", "knowledge", "corpus:pydoc")
@@ -65,6 +71,12 @@ ROWS = {
     "teacher masks + confident 2": Row(KNOW, objective="teacher", confident=2.0),
     "per layer": Row(KNOW, scope="per_layer"),
     "per layer + teacher masks + confident 2": Row(KNOW, scope="per_layer", objective="teacher", confident=2.0),
+    "knowledge masks": Row(KNOW, mask_sources=("knowledge",)),
+    "knowledge masks + teacher masks + confident 2": Row(KNOW, mask_sources=("knowledge",), objective="teacher",
+                                                         confident=2.0),
+    "per layer + knowledge masks + teacher masks + confident 2": Row(KNOW, scope="per_layer", objective="teacher",
+                                                                     mask_sources=("knowledge",), confident=2.0),
+    "teacher masks + confident 2 + heal 6M": Row(KNOW, objective="teacher", confident=2.0, heal_tokens=6_000_000),
     # the quality-for-size curve: every setting at its default but the share kept
     **{f"keep {k}": Row(("auto",), keep=k) for k in (0.95, 0.9, 0.85, 0.75, 0.65, 0.5)},
 }
@@ -103,15 +115,17 @@ def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None)
     c = CompressSettings(masks=MaskSettings(**small, objective=row.objective, l1_init=pressure.l1_init * row.l1,
                                             l1_step=pressure.l1_step * row.l1), device=device, keep_frac=row.keep,
                          fold=FoldSettings(scope=row.scope, floor=row.floor))
+    budget = dict(tokens=row.heal_tokens, patience=0) if row.heal_tokens else {}
     h = HealSettings(device=device, confident=row.confident,
-                     **(dict(window=64, batch=4, eval_every=4, tokens=4096) if tiny else {}))
+                     **(dict(window=64, batch=4, eval_every=4, tokens=4096) if tiny else budget))
     rs = RetainSettings(sources=list(row.sources), share=row.share, knowledge_lists=row.lists,
                         knowledge_entities=row.entities, **(dict(tokens=8000) if tiny else {}))
+    rs_masks = dataclasses.replace(rs, sources=list(row.mask_sources)) if row.mask_sources else rs
     work = cache / "stages"
     t0 = time.perf_counter()
     key = store.digest("knowledge-pruned", 1, dataclasses.asdict(c), [dataclasses.asdict(rs), dataclasses.asdict(row)])
     pruned = cache / f"pruned-{key}.cmf"
-    compress(src, sets["heal"], c, pruned, work=work, log=log, retain=rs)
+    compress(src, sets["heal"], c, pruned, work=work, log=log, retain=rs_masks)
     t_c = time.perf_counter() - t0
     healed = out / f"healed-{key}.cmf"
     rep = heal(pruned, src, sets["heal"], h, healed, work_dir=work, progress=False, score_split=None, retain=rs)

@@ -253,6 +253,17 @@ def check_sizes(d):
     assert q4["bytes"]["HF quantized (exact)"] == q4["bytes"]["HF f16"]
 
 
+def check_hf_run(d):
+    rows = d["rows"]
+    assert list(rows) == ["f16", "q8", "q4 symmetric"]
+    for codec, r in rows.items():  # transformers runs each export as cortiq runs the CMF file
+        assert abs(r["nll_transformers"] - r["nll_cortiq"]) < 0.01, (codec, r)
+        n = r["layout"]["packed"] + r["layout"]["dense"]
+        assert r["layout"] == ({"packed": 0, "dense": n} if codec == "f16" else {"packed": n, "dense": 0}), (codec, r)
+    assert rows["q4 symmetric"]["decoder_bytes"] <= 0.32 * rows["f16"]["decoder_bytes"]
+    assert rows["q4 symmetric"]["decoder_bytes"] < rows["q8"]["decoder_bytes"] < rows["f16"]["decoder_bytes"]
+
+
 def check_peer(d):
     rows = d["rows"]
     # without llm-compressor (the smoke row names no venv of it): cortiq's rows alone, and the note that says so
@@ -308,6 +319,7 @@ BENCHES = {
     # the defaults row alone: the knowledge rows need a model that lists entities, which a tiny random one does not
     "quality.knowledge": (["--rows", "defaults,keep 0.5"], "knowledge.json", check_knowledge),
     "quality.sizes": ([], "sizes.json", check_sizes),
+    "quality.hf_run": ([], "hf_run.json", check_hf_run),
     # llm-compressor is not installed by `make install`: the row runs cortiq's side, the peer's rows skipped
     "quality.peer": (["--peer-python", "{work}/no-llm-compressor/python"], "peer.json", check_peer),
 }
