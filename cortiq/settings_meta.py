@@ -40,7 +40,8 @@ def setting(default: Any = MISSING, help: str = "", *, factory: Any = MISSING, c
             lo: float | None = None, hi: float | None = None, gt: float | None = None, lt: float | None = None,
             why: str = "", metavar: str | None = None, show: str | None = None, arg_type: Any = None,
             repeat: bool = False, text: Any = None, set_by: str | None = None, how: bool = False,
-            feeds: tuple[str, ...] | None = None, added: bool = False, when: Any = None) -> Any:
+            feeds: tuple[str, ...] | None = None, added: bool = False, was: Any = MISSING,
+            when: Any = None) -> Any:
     """A dataclass field with its description.
 
     help: what the setting is (one phrase; the option's help and the docs table's).
@@ -57,7 +58,9 @@ def setting(default: Any = MISSING, help: str = "", *, factory: Any = MISSING, c
     plans that give the same numbers, output paths): it enters no digest. feeds: the names of the
     stages whose output the field changes (default: the class's FEEDS, else every stage that
     takes this settings class). added: a field added after outputs were cached under the
-    stage's digest: at its default it enters no digest, so those outputs keep theirs. when: a
+    stage's digest: at its default it enters no digest, so those outputs keep theirs; `was`: where an
+    added field's default changed later, the value those outputs were made with, at which (and not
+    at the new default) it enters no digest, so the new default's outputs are never the old. when: a
     predicate on the settings; where it is false the field changes nothing (awq_grid without
     awq) and enters no digest."""
     meta: dict[str, Any] = {"help": help}
@@ -74,6 +77,8 @@ def setting(default: Any = MISSING, help: str = "", *, factory: Any = MISSING, c
         meta["how"] = True
     if added:
         meta["added"] = True
+        if was is not MISSING:
+            meta["was"] = was
     return dataclasses.field(default=default, default_factory=factory, metadata=meta)
 
 
@@ -117,7 +122,8 @@ def feeds(cls, f: dataclasses.Field, stage: str) -> bool:
 
 def what(obj, stage: str) -> dict:
     """The fields of the settings `obj` that change the output of `stage`, with their values: every
-    field that feeds it, but a field `added` later at its default and one whose `when` is false.
+    field that feeds it, but a field `added` later at its default (or at the value it `was`) and one
+    whose `when` is false.
     A nested settings group is its own such dict (the group's fields that feed the stage)."""
     cls = type(obj)
     out = {}
@@ -125,7 +131,7 @@ def what(obj, stage: str) -> dict:
         if not feeds(cls, f, stage):
             continue
         v = getattr(obj, f.name)
-        if f.metadata.get("added") and v == default_of(f):
+        if f.metadata.get("added") and v == f.metadata.get("was", default_of(f)):
             continue
         if f.metadata.get("when") is not None and not f.metadata["when"](obj):
             continue

@@ -66,8 +66,10 @@ PINNED = {
 #: sampled targets read, a codec only QAT names, AWQ's grid, the generator's nested settings)
 PINNED_OTHER = {
     "targets.ce1": "471c58e93dcc86a34321cd5c1373d4a6", "train.ce1": "ddfece47bfa6dff5da33808889e708c7",
-    "heal.ce1": "d0dcd7b3376488202408692750440a2c", "targets.topk": "779502df2f52e9cc2e70a4353ae09284",
-    "train.topk": "9488d40217fcc8d6bbad5e84b9d2bb66", "targets.qat": "21b598ece685720ab23395d769f455c3",
+    # targets.topk and .qat: heal.confident unset weighs the teacher's rows (2) since the default changed;
+    # before (every row alike): 779502df... and 21b598ec..., which confident 0 keeps
+    "heal.ce1": "d0dcd7b3376488202408692750440a2c", "targets.topk": "b79b95d2a7ce10d08e3b5de1d2199f13",
+    "train.topk": "9488d40217fcc8d6bbad5e84b9d2bb66", "targets.qat": "8e7bfe06b5d8a256e8dcbcf800442d5d",
     # q4 QAT: before f90d73f1... / 79496216..., when its frozen embedding was rounded in q4 (now q8: codecs.rule_key)
     "train.qat": "0e588dfd653c37cb5eabae9d385a62dc", "heal.qat": "e64f9ea016bce49d29e232016fc2989c",
     # qgrams.awq before quant.down_8bit "ends": 773ec719...
@@ -204,6 +206,29 @@ def test_the_keys_of_their_own_shapes_keep_their_digests():
                                            settings=QuantSettings(method="awq"))
     got["selfgen"] = runner.digest_of(SELFGEN, model=D("src"), settings=SelfGenSettings())
     assert got == PINNED_OTHER
+
+
+def test_a_changed_default_changes_the_digest_and_the_old_value_keeps_the_old_one():
+    """masks.objective and heal.confident were added at "data" and 0, then their defaults changed: the
+    outputs of the old value keep their digests, the new default's get new ones (never an old output
+    taken for the new default's)."""
+    from cortiq.compress import MASKS
+    from cortiq.compress.settings import MaskSettings
+    from cortiq.heal.settings import HealSettings
+    from cortiq.heal.stages import TARGETS
+
+    def targets(**kw):
+        return runner.digest_of(TARGETS, teacher=D("src"), tdata=D("mix"), settings=HealSettings(target="topk", seed=3, **kw))
+
+    def masks(**kw):
+        return runner.digest_of(MASKS, model=D("src"), tdata=D("mix"), settings=MaskSettings(**kw))
+
+    assert targets(confident=0.0) == "779502df2f52e9cc2e70a4353ae09284"  # PINNED_OTHER's before the change
+    assert targets() == PINNED_OTHER["targets.topk"] != targets(confident=0.0)
+    assert masks() == masks(objective="teacher") != masks(objective="data")
+    # where the target stores no teacher rows, confident changes nothing and enters no digest
+    ce1 = runner.digest_of(TARGETS, teacher=D("src"), tdata=D("mix"), settings=HealSettings(ce=1.0))
+    assert ce1 == PINNED_OTHER["targets.ce1"]
 
 
 def _fed(cls, f, stage, obj) -> bool:

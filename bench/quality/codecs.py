@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import default_out, finish, log, run_dirs, smollm2_cmf, table, tiny_cmf
+from bench.common import default_out, finish, log, run_dirs, smollm2_cmf, table, tiny_cmf, write_json
 from bench.quality.quality import _on_device, compressed, plays, split_plays
 
 from cortiq import store
@@ -263,6 +263,8 @@ def score_all(c, models: dict, sets: dict) -> dict[str, dict[str, float]]:
                                                             max_tokens=c.args.score_tokens))
         for k, v in got.items():
             nll.setdefault(k, {})[text] = v
+        # each text's NLL as it comes: a run cut short (a lease's end) keeps the texts it scored
+        write_json(c.args.out, "codecs.partial.json", {"nll": nll, "times": c.times})
     return nll
 
 
@@ -346,6 +348,7 @@ def main(argv=None) -> int:
               "models": {k: str(v) for k, v in models.items()}, "table": printed, "tiny": tiny,
               "retain": rs.sources}
     (out / "codecs.json").write_text(json.dumps(result, indent=1))
+    (out / "codecs.partial.json").unlink(missing_ok=True)
     print(printed)
     return 0
 

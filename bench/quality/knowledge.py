@@ -32,7 +32,7 @@ TEXTS = ("heal test", "unseen plays", "pydoc", "code", "legal", "chat")
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One row: its retain sources ("auto": the default's on this machine) and share, the fold's
-    scope and floor, the knowledge source's lists and entities per category (0: its defaults),
+    scope (None, as for the objective and confident: the library's default) and floor, the knowledge source's lists and entities per category (0: its defaults),
     the masks' objective (MaskSettings.objective), the heal's weight on the teacher's
     confident rows (HealSettings.confident), the share of MLP neurons kept, and a factor on the
     masks' L1 pressure (l1_init and l1_step: the teacher objective's KL is far smaller than an LM loss),
@@ -43,12 +43,12 @@ class Row:
 
     sources: tuple[str, ...]
     share: float = 0.5
-    scope: str = "auto"
+    scope: str | None = None  # None: the library's default, as objective and confident
     floor: float = 0.25
     lists: int = 0
     entities: int = 0
-    objective: str = "data"
-    confident: float = 0.0
+    objective: str | None = None
+    confident: float | None = None
     keep: float = 0.75
     l1: float = 1.0
     mask_sources: tuple[str, ...] | None = None
@@ -56,27 +56,40 @@ class Row:
 
 
 KNOW = ("self", "knowledge", "corpus:pydoc")
+#: the defaults before uniform widths (global widths by the data's masks, every teacher row alike): the
+#: rows measured then keep their meaning, each naming what it changes from these
+GLOBAL = dict(scope="auto", objective="data", confident=0.0)
+
+
+def was(**changed) -> dict:
+    """GLOBAL with `changed`."""
+    return {**GLOBAL, **changed}
+
+
 ROWS = {
     "defaults": Row(("auto",)),
-    "knowledge": Row(KNOW),
-    "knowledge+pydoc": Row(("knowledge", "corpus:pydoc")),
-    "knowledge share 0.7": Row(KNOW, share=0.7),
-    "knowledge only": Row(("knowledge",)),
-    "more knowledge": Row(KNOW, lists=16, entities=128),
-    "teacher masks": Row(KNOW, objective="teacher"),
-    "teacher masks L1 x0.05": Row(KNOW, objective="teacher", l1=0.05),
-    "floor 0.5": Row(KNOW, floor=0.5),
-    "confident 2": Row(KNOW, confident=2.0),
-    "confident 8": Row(KNOW, confident=8.0),
-    "teacher masks + confident 2": Row(KNOW, objective="teacher", confident=2.0),
-    "per layer": Row(KNOW, scope="per_layer"),
+    "global widths": Row(("auto",), **GLOBAL),
+    "knowledge": Row(KNOW, **GLOBAL),
+    "knowledge+pydoc": Row(("knowledge", "corpus:pydoc"), **GLOBAL),
+    "knowledge share 0.7": Row(KNOW, share=0.7, **GLOBAL),
+    "knowledge only": Row(("knowledge",), **GLOBAL),
+    "more knowledge": Row(KNOW, lists=16, entities=128, **GLOBAL),
+    "teacher masks": Row(KNOW, **was(objective="teacher")),
+    "teacher masks L1 x0.05": Row(KNOW, l1=0.05, **was(objective="teacher")),
+    "floor 0.5": Row(KNOW, floor=0.5, **GLOBAL),
+    "confident 2": Row(KNOW, **was(confident=2.0)),
+    "confident 8": Row(KNOW, **was(confident=8.0)),
+    "teacher masks + confident 2": Row(KNOW, **was(objective="teacher", confident=2.0)),
+    "per layer": Row(KNOW, **was(scope="per_layer")),
     "per layer + teacher masks + confident 2": Row(KNOW, scope="per_layer", objective="teacher", confident=2.0),
-    "knowledge masks": Row(KNOW, mask_sources=("knowledge",)),
-    "knowledge masks + teacher masks + confident 2": Row(KNOW, mask_sources=("knowledge",), objective="teacher",
-                                                         confident=2.0),
+    "knowledge masks": Row(KNOW, mask_sources=("knowledge",), **GLOBAL),
+    "knowledge masks + teacher masks + confident 2": Row(KNOW, mask_sources=("knowledge",),
+                                                         **was(objective="teacher", confident=2.0)),
     "per layer + knowledge masks + teacher masks + confident 2": Row(KNOW, scope="per_layer", objective="teacher",
                                                                      mask_sources=("knowledge",), confident=2.0),
-    "teacher masks + confident 2 + heal 6M": Row(KNOW, objective="teacher", confident=2.0, heal_tokens=6_000_000),
+    "teacher masks + confident 2 + heal 6M": Row(KNOW, heal_tokens=6_000_000,
+                                                 **was(objective="teacher", confident=2.0)),
+    "defaults + teacher masks L1 x0.05": Row(("auto",), l1=0.05),
     # the quality-for-size curve: every setting at its default but the share kept
     **{f"keep {k}": Row(("auto",), keep=k) for k in (0.95, 0.9, 0.85, 0.75, 0.65, 0.5)},
 }
@@ -112,11 +125,12 @@ def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None)
 
     small = dict(max_steps=12, window=64, batch=2, val_windows=4, eval_every=4) if tiny else {}
     pressure = MaskSettings()
-    c = CompressSettings(masks=MaskSettings(**small, objective=row.objective, l1_init=pressure.l1_init * row.l1,
+    given = lambda **kw: {k: v for k, v in kw.items() if v is not None}  # noqa: E731 (None: the default)
+    c = CompressSettings(masks=MaskSettings(**small, **given(objective=row.objective), l1_init=pressure.l1_init * row.l1,
                                             l1_step=pressure.l1_step * row.l1), device=device, keep_frac=row.keep,
-                         fold=FoldSettings(scope=row.scope, floor=row.floor))
+                         fold=FoldSettings(**given(scope=row.scope), floor=row.floor))
     budget = dict(tokens=row.heal_tokens, patience=0) if row.heal_tokens else {}
-    h = HealSettings(device=device, confident=row.confident,
+    h = HealSettings(device=device, **given(confident=row.confident),
                      **(dict(window=64, batch=4, eval_every=4, tokens=4096) if tiny else budget))
     rs = RetainSettings(sources=list(row.sources), share=row.share, knowledge_lists=row.lists,
                         knowledge_entities=row.entities, **(dict(tokens=8000) if tiny else {}))

@@ -5,7 +5,8 @@
 
 The source (the bundled SmolLM2, converted to CMF) is compressed at the defaults but with uniform widths
 (`--fold-scope per_layer`, 25 % of the MLP neurons pruned, ranked by activation score: the size does
-not depend on which neurons are kept), then re-encoded to q8 and q4 by round to nearest. Each of the
+not depend on which neurons are kept), then re-encoded to q8 and q4 by round to nearest, and q4 on the
+symmetric grid (`--q4-grid symmetric`: the blocks an HF export packs as int4 exactly). Each of the
 four is written as CMF, a Hugging Face directory at f16 (`--quantized none`), a quantized Hugging Face
 directory (`--quantized exact`, then `all`: compressed-tensors pack-quantized; docs/export.md) and a
 GGUF. Per model and format: the bytes on disk and the parameters (weights, not bytes: a q4 weight
@@ -62,9 +63,9 @@ def models(src: Path, work: Path, tiny: bool) -> dict[str, Path]:
     cortiq("compress", src, "--data", td, "--keep-frac", "0.75", "--fold-scope", "per_layer", "--no-learn-masks",
            "--device", "cpu", "--out", student, "--work", work / "stages", *(["--grams-max-windows", "4"] if tiny else []))
     out = {"source": src, "compressed": student}
-    for codec in ("q8", "q4"):
-        out[f"compressed {codec}"] = work / f"student-{codec}.cmf"
-        cortiq("recode", student, out[f"compressed {codec}"], "--codec", codec, "--method", "rtn")
+    for codec, grid in (("q8", []), ("q4", []), ("q4 symmetric", ["--q4-grid", "symmetric"])):
+        out[f"compressed {codec}"] = work / f"student-{codec.replace(' ', '-')}.cmf"
+        cortiq("recode", student, out[f"compressed {codec}"], "--codec", codec.split()[0], "--method", "rtn", *grid)
     return out
 
 

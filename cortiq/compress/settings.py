@@ -62,10 +62,11 @@ class MaskSettings:
     #: data's next tokens; "teacher", the KL of the gated model's next-token distribution to the
     #: ungated source's, so a neuron counts by every prediction it changes, the confident ones most
     #: (bench/QUALITY.md, "Facts kept: the methods"); the masks' held-out figures (mask_nll_open,
-    #: mask_nll_hard) are then that KL
-    objective: str = setting("data", "mask loss: data (LM loss of the data's next tokens) or teacher (KL to the "
-                                     "source's own next-token distribution)", choices=("data", "teacher"),
-                             added=True)
+    #: mask_nll_hard) are then that KL. "teacher" by default: at uniform widths it kept more facts
+    #: than the data's loss (bench/QUALITY.md, "Facts kept: uniform widths with the knowledge methods")
+    objective: str = setting("teacher", "mask loss: teacher (KL to the source's own next-token distribution) or "
+                                        "data (LM loss of the data's next tokens)", choices=("data", "teacher"),
+                             added=True, was="data")
     val_windows: int = setting(32, "most val windows scored per evaluation (0: all)", lo=0)
     seed: int = setting(0, "order of the train windows")
     #: the device memory the mask step may allocate, the model's weights included: where the plain
@@ -90,13 +91,17 @@ class FoldSettings:
     #: "per_layer": every layer keeps keep_frac of its neurons; "global": one
     #: ranking over all layers, each layer keeping at least `floor` of its own; "auto": global
     #: where the masks' gates rank the neurons, per_layer where the activation score does.
-    #: Measured on the panel of texts no stage trains on (bench/QUALITY.md, "Activation score and
-    #: global scope with the default retain source": SmolLM2-135M 25 % pruned): with the gates global
-    #: kept more of every one than per_layer, healed and pruned; with the activation score global was
-    #: far worse: each layer's activations and down-projection norms have their own scale, so one
-    #: ranking of them prunes some layers bare
-    scope: str = setting("auto", "rank neurons per layer or over all layers (auto: global by the masks' gates, "
-                                 "per layer by the activation score)", choices=SCOPES)
+    #: per_layer by default: one MLP width is what a Llama or Qwen config of transformers and vLLM
+    #: holds, so only a uniform model loads smaller there (docs/export.md, "Per-layer MLP widths");
+    #: global widths (auto, with the gates) kept a few more facts and a few hundredths of a nat on
+    #: some texts (bench/QUALITY.md, "Facts kept: uniform widths with the knowledge methods"), and
+    #: CMF and GGUF carry them. With the activation score global was far worse: each layer's
+    #: activations and down-projection norms have their own scale, so one ranking of them prunes
+    #: some layers bare (bench/QUALITY.md, "Activation score and global scope with the default
+    #: retain source")
+    scope: str = setting("per_layer", "rank neurons per layer (one width: smaller in every runtime) or over all "
+                                      "layers (auto: global by the masks' gates, per layer by the activation "
+                                      "score; widths that differ, smaller only in CMF and GGUF)", choices=SCOPES)
     #: at most keep_frac: a fold asked to keep less than the floor keeps that share in every
     #: layer at least (the floor then leaves nothing to rank, as per_layer)
     floor: float = setting(0.25, "global scope: the least share of its neurons each layer keeps (at most "

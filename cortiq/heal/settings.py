@@ -23,6 +23,8 @@ QAT_CODECS = ("none", "q4", "q4_64", "q8")
 SHARDS = ("auto", "ddp", "fsdp")
 #: how a heal with retain data mixes its sources (see `HealSettings.mix`)
 MIXES = ("fixed", "dynamic")
+#: `confident` where it is unset and the target stores the teacher's rows
+AUTO_CONFIDENT = 2.0
 
 
 @dataclass
@@ -80,10 +82,15 @@ class HealSettings:
     #: a row of the target weighs 1 + confident·p_top, p_top the teacher's top probability there (as
     #: stored: the top entry, or the most drawn id's share of the draws): the predictions the source
     #: is sure of, facts among them, count more than the ones it hedges (bench/QUALITY.md, "Facts
-    #: kept: the methods")
-    confident: float = setting(0.0, "extra weight of the teacher's confident rows: a row weighs 1 + confident × "
-                                     "the teacher's top probability (0: every scored row alike)", lo=0, hi=100,
-                               feeds=("targets",), added=True)
+    #: kept: the methods"). Unset: 2 where the target stores the teacher's rows (the default's
+    #: measured recipe with teacher masks: "Facts kept: uniform widths with the knowledge methods"),
+    #: 0 where it stores none (full, ce 1)
+    confident: float | None = setting(None, "extra weight of the teacher's confident rows: a row weighs 1 + "
+                                            "confident × the teacher's top probability (0: every scored row alike)",
+                                      show=f"auto: {AUTO_CONFIDENT:g} where the teacher's rows are stored (topk, "
+                                           "topk+rest, sampled with ce below 1), else 0",
+                                      lo=0, hi=100, feeds=("targets",), added=True, was=0.0,
+                                      when=lambda s: s.target_kind.teacher_pass)
 
     #: quantization-aware distillation: the trained matrices run fake-quantized in this codec (its own
     #: dequantize(quantize(W)), straight-through gradient), the best checkpoint is chosen on that model's
@@ -184,13 +191,21 @@ class HealSettings:
             if unknown or not self.memory:
                 raise CortiqError(f"heal settings: memory {self.memory!r} is not auto, plain, lean or a '+'-joined "
                                   f"choice of {', '.join(MEMORY_PARTS)}")
-        if self.confident and not self.target_kind.teacher_pass:
+        if self.confident and not self.target_kind.teacher_pass:  # set, not left to auto
             raise CortiqError(f"heal settings: confident {self.confident} weighs stored teacher targets, and target "
                               f"{self.target_kind.name!r} stores none: use topk, topk+rest or sampled with ce below 1")
         named = self.memory_parts()
         if self.checkpoint_layers and named is not None and "checkpoint" not in named:
             raise CortiqError(f"heal settings: checkpoint_layers {self.checkpoint_layers} needs a memory plan with "
                               f"checkpoint (auto, lean or one naming checkpoint), not {self.memory!r}")
+
+    @property
+    def confident_weight(self) -> float:
+        """`confident` as the targets apply it: unset, AUTO_CONFIDENT where the target stores the
+        teacher's rows, else 0."""
+        if self.confident is not None:
+            return self.confident
+        return AUTO_CONFIDENT if self.target_kind.teacher_pass else 0.0
 
     def memory_parts(self) -> tuple[str, ...] | None:
         """The savings named by `memory`, in MEMORY_PARTS order; None for "auto" (decided at the step)."""

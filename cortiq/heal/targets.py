@@ -160,14 +160,14 @@ def write_targets(teacher_cmf, tdata_dir, settings: HealSettings, out, record: d
                         with torch.no_grad(), torch.autocast(dev.type, dtype=cdt, enabled=cdt != torch.float32):
                             h, _ = teacher.forward_hidden(ids)
                             tid, tp = teacher_rows(teacher, h, nxt, wt, s, gen)  # [B·T, slots]
-                        if s.confident:
-                            tp, wt = weigh_confident(tid, tp, wt.float(), s.confident)
+                        if s.confident_weight:
+                            tp, wt = weigh_confident(tid, tp, wt.float(), s.confident_weight)
                     else:
                         tid, tp = mix_targets(nxt[:, None], torch.ones(len(nxt), 1, device=dev), nxt, wt, 1.0)
                     B = ids.shape[0]
                     wr.write(ids=tid.to(torch.int64).cpu().numpy().astype(np.uint32).reshape(B, -1),
                              probs=tp.float().cpu().numpy().reshape(B, -1),
-                             total=(wt.double().reshape(B, -1).sum(1).cpu().numpy() if s.confident else
+                             total=(wt.double().reshape(B, -1).sum(1).cpu().numpy() if s.confident_weight else
                                     w.weight[a : a + s.batch].astype(np.float64).sum(1)))
                     bar.update(B)
     secs = time.perf_counter() - t0

@@ -242,7 +242,7 @@ def check_knowledge(d):
 
 
 def check_sizes(d):
-    src, comp, q8, q4 = d["rows"]
+    src, comp, q8, q4, q4s = d["rows"]
     assert comp["parameters"] < src["parameters"] and q8["parameters"] == q4["parameters"] == comp["parameters"]
     for fmt in ("CMF", "HF f16", "GGUF"):  # uniform widths: smaller in every format
         assert comp["bytes"][fmt] < src["bytes"][fmt]
@@ -251,6 +251,9 @@ def check_sizes(d):
     assert q4["bytes"]["GGUF"] < q8["bytes"]["GGUF"] < comp["bytes"]["GGUF"]
     assert q4["bytes"]["HF quantized (all)"] < q8["bytes"]["HF quantized (exact)"] < comp["bytes"]["HF f16"]
     assert q4["bytes"]["HF quantized (exact)"] == q4["bytes"]["HF f16"]
+    # the symmetric grid's blocks go as int4 exactly: what `--quantized all` re-derives, without re-deriving
+    exact = q4s["bytes"]["HF quantized (exact)"]
+    assert exact < q8["bytes"]["HF quantized (exact)"] and abs(exact - q4["bytes"]["HF quantized (all)"]) < 0.01 * exact
 
 
 def check_hf_run(d):

@@ -102,7 +102,7 @@ def test_a_small_device_budget_checkpoints_the_masks_and_learns_the_same_gates(t
     plain = learn_masks(path, td, MaskSettings(**MASK), tmp_path / "plain", device="cpu")
     assert plain["memory"] == "plain" and "masks memory" not in capsys.readouterr().err
     model = _gated(path)
-    sh = shape_of(model, 4, 32, "data", torch.float32)
+    sh = shape_of(model, 4, 32, MaskSettings().objective, torch.float32)
     there = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     L = sh.layers
     # room for the step with its lowest layer recomputed, not for the plain step
