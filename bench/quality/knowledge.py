@@ -39,7 +39,7 @@ class Row:
     the retain sources of compress alone where they differ from the heal's (`mask_sources`: the
     neurons ranked on the mix that asks for facts most, the heal on the default mix), and the heal's
     budget in tokens (0: HealSettings'); the heal's patience is 0 with a budget of its own, so the
-    row trains all of it."""
+    row trains all of it; `repair`: the fold's least-squares refit of down_proj (FoldSettings.repair)."""
 
     sources: tuple[str, ...]
     share: float = 0.5
@@ -53,6 +53,7 @@ class Row:
     l1: float = 1.0
     mask_sources: tuple[str, ...] | None = None
     heal_tokens: int = 0
+    repair: bool = False
 
 
 KNOW = ("self", "knowledge", "corpus:pydoc")
@@ -90,6 +91,9 @@ ROWS = {
     "teacher masks + confident 2 + heal 6M": Row(KNOW, heal_tokens=6_000_000,
                                                  **was(objective="teacher", confident=2.0)),
     "defaults + teacher masks L1 x0.05": Row(("auto",), l1=0.05),
+    # down_proj refit by least squares on the mix's Grams (FoldSettings.repair): the kept neurons take over
+    # what the pruned ones wrote, the fact prompts' rows among them, before the heal
+    "defaults + repair": Row(("auto",), repair=True),
     # the quality-for-size curve: every setting at its default but the share kept
     **{f"keep {k}": Row(("auto",), keep=k) for k in (0.95, 0.9, 0.85, 0.75, 0.65, 0.5)},
 }
@@ -128,7 +132,7 @@ def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None)
     given = lambda **kw: {k: v for k, v in kw.items() if v is not None}  # noqa: E731 (None: the default)
     c = CompressSettings(masks=MaskSettings(**small, **given(objective=row.objective), l1_init=pressure.l1_init * row.l1,
                                             l1_step=pressure.l1_step * row.l1), device=device, keep_frac=row.keep,
-                         fold=FoldSettings(**given(scope=row.scope), floor=row.floor))
+                         fold=FoldSettings(**given(scope=row.scope), floor=row.floor, repair=row.repair))
     budget = dict(tokens=row.heal_tokens, patience=0) if row.heal_tokens else {}
     h = HealSettings(device=device, **given(confident=row.confident),
                      **(dict(window=64, batch=4, eval_every=4, tokens=4096) if tiny else budget))
