@@ -15,23 +15,48 @@ class WindowRows:
     reshaped to `shape`; `take(idx)` gathers windows [len(idx), *shape]."""
 
     def __init__(self, table: pa.Table, column: str, shape: tuple[int, ...]):
-        self.shape = tuple(shape)
-        self.parts: list[np.ndarray] = []
+        parts = []
         for ch in table.column(column).chunks:
             flat = ch.flatten() if ch.offset else ch.values  # sliced chunks carry an offset
-            self.parts.append(flat.to_numpy(zero_copy_only=True).reshape((len(ch), *self.shape)))
+            parts.append(flat.to_numpy(zero_copy_only=True).reshape((len(ch), *shape)))
+        self._set(parts, shape)
+
+    @classmethod
+    def of(cls, parts: list[np.ndarray], shape: tuple[int, ...] | None = None) -> "WindowRows":
+        """Rows over arrays already at hand ([n_i, *shape] each, kept as they are, not copied)."""
+        self = cls.__new__(cls)
+        self._set(list(parts), tuple(parts[0].shape[1:]) if shape is None else shape)
+        return self
+
+    @classmethod
+    def join(cls, rows: list["WindowRows"]) -> "WindowRows":
+        """Several files' rows as one index, in order (their maps shared, nothing copied)."""
+        return cls.of([p for r in rows for p in r.parts], rows[0].shape)
+
+    def _set(self, parts: list[np.ndarray], shape: tuple[int, ...]) -> None:
+        self.shape = tuple(shape)
+        self.parts = parts
         self.starts = np.cumsum([0] + [len(p) for p in self.parts])
         self.n = int(self.starts[-1])
 
     def __len__(self) -> int:
         return self.n
 
+    @property
+    def dtype(self) -> np.dtype:
+        return self.parts[0].dtype if self.parts else np.dtype(np.float32)
+
     def take(self, idx) -> np.ndarray:
-        idx = np.asarray(idx, dtype=np.int64)
-        part = np.searchsorted(self.starts, idx, side="right") - 1
+        """Windows idx gathered [len(idx), *shape]: one fancy index per part they fall in."""
+        idx = np.asarray(idx, dtype=np.int64).reshape(-1)
         if len(self.parts) == 1:
             return self.parts[0][idx]
-        return np.stack([self.parts[p][i - self.starts[p]] for p, i in zip(part, idx)])  # a batch of windows
+        part = np.searchsorted(self.starts, idx, side="right") - 1
+        out = np.empty((len(idx), *self.shape), dtype=self.dtype)
+        for p in np.unique(part):
+            sel = part == p
+            out[sel] = self.parts[p][idx[sel] - self.starts[p]]
+        return out
 
 
 class RowWriter:
@@ -83,11 +108,15 @@ def open_table(path) -> pa.Table:
     return store.read_arrow(path)
 
 
+def open_files(d, names: list[str]) -> pa.Table:
+    """Files `names` of directory `d` (one per rank, in order) as one table, memory-mapped."""
+    from pathlib import Path
+
+    tables = [open_table(Path(d) / n) for n in names]
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+
+
 def open_split(d, split: str, meta: dict) -> pa.Table:
     """A stage directory's `split` rows as one table: `SPLIT.arrow`, or the
     shards meta.json's `files` lists (one per rank), in order, memory-mapped."""
-    from pathlib import Path
-
-    names = (meta.get("files") or {}).get(split) or [f"{split}.arrow"]
-    tables = [open_table(Path(d) / n) for n in names]
-    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+    return open_files(d, (meta.get("files") or {}).get(split) or [f"{split}.arrow"])

@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import torch
 
 from .. import dist
 from ..errors import CortiqError
 from ..heal.loss import topk_kl
+from ..heal.rows import RowWriter, WindowRows, open_table
 from ..train_loop import Best, LoopState, Update, adam, lr_shape, skips_on_device, update
 from . import measures as M
 from .rounds import decode_steps
@@ -41,7 +45,9 @@ KK = 4
 class Chain:
     """Every window of every data set, the trunk's rows and the chain's sources.
 
-    ids [N, T], lens [N], ti/tp [N, T, k], h [N, T, H] (CPU); `held` [N]:
+    ids [N, T], lens [N] (in memory); ti/tp [T, k] and h [T, H] a window: the
+    sets' memory-mapped rows indexed as one (WindowRows.join: a global window
+    index, nothing copied), a batch's windows gathered as it runs; `held` [N]:
     every tenth window (global index % 10 == 9), or all of them. `start` [N]:
     the row of each window's prompt's last token, where a decode's first round
     starts (default 0); `chat` [N] bool: the window answers a chat question (a
@@ -61,10 +67,13 @@ class Chain:
         self.bounds = torch.tensor([0] + [len(s) for s in sets]).cumsum(0)
         self.ids = torch.cat([s.ids for s in sets])
         self.lens = torch.cat([s.lens for s in sets])
-        self.ti = torch.cat([s.ti for s in sets])
-        self.tp = torch.cat([s.tp for s in sets])
-        self.h = torch.cat([s.h for s in sets])
-        self.t1 = self.ti[..., 0]  # [N, T] the trunk's own next token
+        self.ti = WindowRows.join([s.ti for s in sets])
+        self.tp = WindowRows.join([s.tp for s in sets])
+        self.h = WindowRows.join([s.h for s in sets])
+        T = int(self.ids.shape[1])
+        # [N, T] the trunk's own next token: small, read once from the maps
+        self.t1 = torch.from_numpy(np.concatenate([np.zeros((0, T), np.int64)]
+                                                  + [p[..., 0].astype(np.int64) for p in self.ti.parts]))
         n = len(self.ids)
         self.held = torch.ones(n, dtype=torch.bool) if hold_all else (torch.arange(n) % 10 == 9)
         self.start = torch.zeros(n, dtype=torch.int64) if start is None else torch.as_tensor(start, dtype=torch.int64)
@@ -75,10 +84,24 @@ class Chain:
         self.dtype = next(model.parameters()).dtype  # the trunk rows are kept in f32; a bf16 model reads them as bf16
         # sources per training kind; kind 0 is always the trunk's rows with shift 1
         self.kinds: list[tuple[int, int]] = [(0, 1), (1, 1)] if stride > 0 and chain > 1 else [(j - 1, j) for j in range(1, chain + 1)]
-        self.src: list[torch.Tensor] = [self.h]
+        self.src: list[WindowRows] = [self.h]
+        # the spliced sources (stride > 0) go to a file of the trunk cache's layout in a folder of
+        # the system's temporary folder (TMPDIR), removed with the chain
+        self._tmp = None
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
+
+    # ── a batch's rows, gathered from the maps ──
+    def hidden(self, b: torch.Tensor, s: int = 0) -> torch.Tensor:
+        """Source rows of windows b [B, T, H] (CPU): the trunk's (s 0, f32) or the spliced ones (in the model's dtype)."""
+        x = torch.from_numpy(self.src[s].take(b.numpy()))
+        return x if s == 0 else x.to(self.dtype)
+
+    def top(self, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trunk's top-k of windows b: (ids [B, T, k] int64, probs [B, T, k] f32)."""
+        i = b.numpy()
+        return torch.from_numpy(self.ti.take(i).astype(np.int64)), torch.from_numpy(self.tp.take(i))
 
     # ── the draft ──
     def draft(self, src: torch.Tensor, ids: torch.Tensor, j: int) -> torch.Tensor:
@@ -90,22 +113,21 @@ class Chain:
             yield idx[a : a + self.batch]
 
     @torch.no_grad()
-    def spliced(self, idx: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
-        """Source rows laid out as rounds (chains every `stride` rows from `off`) for windows idx. [n, T, H]"""
-        out = []
+    def spliced(self, idx: torch.Tensor, off: torch.Tensor):
+        """Source rows laid out as rounds (chains every `stride` rows from `off`) for windows idx,
+        a batch at a time: yields (the batch's windows, its rows [B, T, H] on the CPU)."""
         for a in range(0, len(idx), self.batch):
             b = idx[a : a + self.batch]
-            x = self.h[b].to(self.dev, self.dtype)
+            x = self.hidden(b).to(self.dev, self.dtype)
             ids, lens, o = self.ids[b].to(self.dev), self.lens[b].to(self.dev), off[a : a + self.batch].to(self.dev)
             for j in range(2, self.chain + 1):
                 y = self.model.mtp_forward(x, M.shifted(ids, 1, self.pad))
                 x = M.splice(x, y, lens, o, self.stride, j)
-            out.append(x.cpu())
-        return torch.cat(out)
+            yield b, x.cpu()
 
     def steps(self, b: torch.Tensor, upto: int, train_step: int | None = None) -> list[torch.Tensor]:
         """Steps 1..upto of every row's chain in windows b, as decode rounds compute them. [B, T, H] each"""
-        return decode_steps(self.model, self.h[b].to(self.dev, self.dtype), self.ids[b].to(self.dev), upto, self.pad,
+        return decode_steps(self.model, self.hidden(b).to(self.dev, self.dtype), self.ids[b].to(self.dev), upto, self.pad,
                             train_step)
 
     @torch.no_grad()
@@ -113,16 +135,18 @@ class Chain:
         """Rebuild the spliced sources (stride > 0) from the current weights; stride 0 computes them per batch."""
         if self.chain == 1 or self.stride == 0:
             return
+        import tempfile
+
         all_ = torch.arange(len(self))
-        if self.stride > 0:
-            off = (all_ * 5 + round_ * 3) % self.stride
-            self.src = [self.h, self.spliced(all_, off)]
-            return
-        srcs = [self.h]
-        for j in range(1, self.chain):
-            outs = [self.draft(srcs[-1][b], self.ids[b], j).cpu() for b in self._batches(all_)]
-            srcs.append(torch.cat(outs))
-        self.src = srcs
+        off = (all_ * 5 + round_ * 3) % self.stride
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="cortiq-chain-")
+        path = Path(self._tmp.name) / "spliced.arrow"  # the last refresh's map outlives its name
+        T, H = self.h.shape
+        with RowWriter(path, {"h": (pa.float32(), T * H)}) as wr:
+            for _, x in self.spliced(all_, off):
+                wr.write(h=x.float().numpy())
+        self.src = [self.h, WindowRows(open_table(path), "h", (T, H))]
 
     # ── one training batch ──
     def rows(self, b: torch.Tensor, kind: int, hard: float, grad: bool = True):
@@ -132,7 +156,7 @@ class Chain:
         if self.stride == 0:
             out = self.steps(b, j, j if torch.is_grad_enabled() else None)[-1]  # [B, T, H] step j
         else:
-            out = self.draft(self.src[s][b], ids, j)  # [B, T, H]
+            out = self.draft(self.hidden(b, s), ids, j)  # [B, T, H]
         T = ids.shape[1]
         pos = torch.arange(T)[None, :]
         valid = pos < (self.lens[b][:, None] - j)  # [B, T] rows whose target exists
@@ -140,8 +164,9 @@ class Chain:
             # chains from a row inside the prompt: a decode never starts one there (the prompt's
             # text is the data's, not the model's); they stay context for the rows after
             valid &= pos >= self.start[b][:, None]
-        ti = torch.roll(self.ti[b], -j, 1)[valid]  # [n, k] the trunk's top-k at p+j
-        tp = torch.roll(self.tp[b], -j, 1)[valid]
+        ti, tp = self.top(b)
+        ti = torch.roll(ti, -j, 1)[valid]  # [n, k] the trunk's top-k at p+j
+        tp = torch.roll(tp, -j, 1)[valid]
         if hard > 0:
             mass = tp.sum(1)  # [n]
             tp = tp * (1 - hard)
@@ -229,9 +254,7 @@ class Chain:
 
     @torch.no_grad()
     def _layout_top1(self, idx: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
-        x = self.spliced(idx, off)
-        outs = [self._top1(self.draft(x[a : a + self.batch], self.ids[idx[a : a + self.batch]], 1))[0][..., 0]
-                for a in range(0, len(idx), self.batch)]
+        outs = [self._top1(self.draft(x, self.ids[b], 1))[0][..., 0] for b, x in self.spliced(idx, off)]
         return torch.cat(outs)  # [n, T]
 
     @torch.no_grad()

@@ -260,7 +260,7 @@ def measure_text(model, seqs, prompt_lens, chain: int = 3, span: int | None = No
         ids[i, : len(x)] = torch.as_tensor(list(x), dtype=torch.int64)
     lens = torch.tensor([len(x) for x in seqs], dtype=torch.int64)
     ti, tp, h = run_trunk(model, ids, 1, batch, chunk)
-    ch = Chain(model, [TrunkSet("text", ids, lens, ti, tp, h)], chain, 0, pad, hold_all=True, batch=batch, chunk=chunk,
+    ch = Chain(model, [TrunkSet.held("text", ids, lens, ti, tp, h)], chain, 0, pad, hold_all=True, batch=batch, chunk=chunk,
                start=torch.as_tensor(list(prompt_lens), dtype=torch.int64) - 1, chat=chat, span=span,
                branches=branches)
     return _report(ch.measure())
@@ -356,8 +356,10 @@ def write_dump(ch, f, d, model) -> None:
         return
     ch.lens.numpy().astype("<u4").tofile(d / "len.u32")
     ch.ids.numpy().astype("<u4").tofile(d / "ids.u32")
-    ch.ti.numpy().astype("<u4").tofile(d / "ti.u32")
-    ch.tp.numpy().astype("<f4").tofile(d / "tp.f32")
+    for name, rows, typ in (("ti.u32", ch.ti, "<u4"), ("tp.f32", ch.tp, "<f4")):
+        with open(d / name, "wb") as out:  # part by part from the maps, never the set whole
+            for part in rows.parts:
+                out.write(part.astype(typ).tobytes())
     f16 = lambda name, t: t.detach().float().cpu().numpy().astype("<f2").tofile(d / name)
     f32 = lambda name, t: t.detach().float().cpu().numpy().astype("<f4").tofile(d / name)
     f16("embed.f16", model.model.embed_tokens.weight)

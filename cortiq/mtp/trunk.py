@@ -7,15 +7,18 @@ Qwen3-Next / DeepSeek MTP modules, and the same role the draft's own (normed)
 output plays at chain steps 2.., so a chain is fed alike at every step.
 
 The cache is one directory per data set, `NAME-wT-kK/` with `trunk.arrow`
-and `meta.json` (written last). Its key is a digest of the trunk (the CMF's
+and `meta.json` (written last). The pass writes one Arrow record batch per
+forward batch as it runs and the set reads back memory-mapped (cortiq.heal.rows,
+as heal's teacher and prefix caches do): host memory holds a batch's rows,
+never the set's. Its key is a digest of the trunk (the CMF's
 per-tensor hashes and geometry less everything under `model.mtp.*`, so a draft
 retrained in the same file keeps the key), the windows' ids, the window and k.
 A directory whose key differs is rebuilt, with a logged warning.
 
 On N ranks (cortiq.dist) each runs the trunk over its share of the windows
 and writes `trunk-R-of-N.arrow`; meta.json's `files` lists the shards in
-order and they read back as one set (a temporary directory stands in for the
-cache when none is given).
+order and they read back as one set. With no cache given, a temporary
+directory (TMPDIR) stands in, removed once the set is mapped.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import pyarrow as pa
 import torch
 
 from .. import dist, store
+from ..heal.rows import RowWriter, WindowRows, open_files
 from ..cmf import CmfFile, open_cmf
 from ..errors import CortiqError
 
@@ -46,17 +50,25 @@ ARROW = "trunk.arrow"
 
 @dataclass
 class TrunkSet:
-    """One data set's windows with the trunk's view of them."""
+    """One data set's windows with the trunk's view of them. The per-window rows
+    are views of the cache's memory map (WindowRows.take gathers a batch of
+    windows), so a set is never whole in host memory; `held` wraps rows that are."""
 
     name: str
     ids: torch.Tensor  # [N, T] int64
     lens: torch.Tensor  # [N] int64
-    ti: torch.Tensor  # [N, T, k] int64 the trunk's top-k ids per row (row p: token p+1)
-    tp: torch.Tensor  # [N, T, k] f32 their probabilities, renormalised over the k
-    h: torch.Tensor  # [N, T, H] f32 the trunk's final hidden rows (after model.norm)
+    ti: WindowRows  # [T, k] a window: the trunk's top-k ids per row (row p: token p+1)
+    tp: WindowRows  # [T, k] f32 their probabilities, renormalised over the k
+    h: WindowRows  # [T, H] f32 the trunk's final hidden rows (after model.norm)
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
+
+    @classmethod
+    def held(cls, name: str, ids: torch.Tensor, lens: torch.Tensor, ti: torch.Tensor, tp: torch.Tensor,
+             h: torch.Tensor) -> "TrunkSet":
+        """A set from tensors in memory (a few windows: measure_text's)."""
+        return cls(name, ids, lens, *(WindowRows.of([x.numpy()]) for x in (ti, tp, h)))
 
 
 def trunk_key(f: CmfFile) -> str:
@@ -77,45 +89,40 @@ def set_key(tkey: str, ids: np.ndarray, lens: np.ndarray, window: int, k: int) -
 
 
 @torch.no_grad()
-def run_trunk(model, ids: torch.Tensor, k: int, batch: int = 4, chunk: int = 1024, progress=None):
-    """The trunk on windows ids [N, T]: (ti [N, T, k], tp [N, T, k], h [N, T, H]) on the CPU."""
+def trunk_batches(model, ids: torch.Tensor, k: int, batch: int = 4, chunk: int = 1024):
+    """The trunk on windows ids [N, T], a forward batch at a time: yields
+    (ti [B, T, k] int64, tp [B, T, k], h [B, T, H] f32) on the CPU."""
     dev = next(model.parameters()).device
-    if ids.shape[0] == 0:  # a rank's empty share
+    for a in range(0, ids.shape[0], batch):
+        h, _ = model.forward_hidden(ids[a : a + batch].to(dev))  # [B, T, H] after model.norm
+        ti, tp = model.topk_next(h, k, chunk)
+        yield ti.cpu(), tp.cpu(), h.float().cpu()
+
+
+def run_trunk(model, ids: torch.Tensor, k: int, batch: int = 4, chunk: int = 1024):
+    """The trunk on a few windows ids [N, T], whole in memory: (ti [N, T, k], tp [N, T, k], h [N, T, H])."""
+    outs = list(trunk_batches(model, ids, k, batch, chunk))
+    if not outs:
         H = model.arch.hidden_size
         return (torch.zeros(0, ids.shape[1], k, dtype=torch.int64), torch.zeros(0, ids.shape[1], k),
                 torch.zeros(0, ids.shape[1], H))
-    outs_i, outs_p, outs_h = [], [], []
-    for a in range(0, ids.shape[0], batch):
-        x = ids[a : a + batch].to(dev)
-        h, _ = model.forward_hidden(x)  # [B, T, H] after model.norm
-        ti, tp = model.topk_next(h, k, chunk)
-        outs_i.append(ti.cpu())
-        outs_p.append(tp.cpu())
-        outs_h.append(h.float().cpu())
-        if progress is not None:
-            progress(int(x.shape[0]))
-    return torch.cat(outs_i), torch.cat(outs_p), torch.cat(outs_h)
+    return tuple(torch.cat(x) for x in zip(*outs))
 
 
-def _fixed(values: np.ndarray, per_row: int, typ) -> pa.Array:
-    return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), typ), per_row)
-
-
-def _table(s: TrunkSet) -> pa.Table:
-    N, T, k = s.ti.shape
-    H = s.h.shape[-1]
-    return pa.table({
-        "length": pa.array(s.lens.numpy().astype(np.int32), pa.int32()),
-        "ids": _fixed(s.ids.numpy().astype(np.uint32), T, pa.uint32()),
-        "ti": _fixed(s.ti.numpy().astype(np.uint32), T * k, pa.uint32()),
-        "tp": _fixed(s.tp.numpy().astype(np.float32), T * k, pa.float32()),
-        "h": _fixed(s.h.numpy().astype(np.float32), T * H, pa.float32()),
-    })
-
-
-def write_set(d: Path, s: TrunkSet, meta: dict) -> None:
-    with store.stage_dir(d, meta) as part:
-        store.write_arrow(part / ARROW, _table(s))
+def write_trunk(path: Path, model, ids: torch.Tensor, lens: torch.Tensor, k: int, batch: int = 4,
+                chunk: int = 1024, progress=None) -> None:
+    """The trunk pass over windows ids [N, T] into the Arrow file `path`, one record batch per
+    forward batch as it runs: host memory holds one batch's rows, never the set's."""
+    T, H = int(ids.shape[1]), int(model.arch.hidden_size)
+    fields = {"ids": (pa.uint32(), T), "ti": (pa.uint32(), T * k), "tp": (pa.float32(), T * k),
+              "h": (pa.float32(), T * H)}
+    with RowWriter(Path(path), fields, {"length": pa.int32()}) as wr:
+        for a, (ti, tp, h) in zip(range(0, len(ids), batch), trunk_batches(model, ids, k, batch, chunk)):
+            n = int(h.shape[0])
+            wr.write(ids=ids[a : a + n].numpy().astype(np.uint32), ti=ti.numpy().astype(np.uint32),
+                     tp=tp.numpy().astype(np.float32), h=h.numpy(), length=lens[a : a + n].numpy().astype(np.int32))
+            if progress is not None:
+                progress(n)
 
 
 def _col(table: pa.Table, name: str) -> np.ndarray:
@@ -124,21 +131,17 @@ def _col(table: pa.Table, name: str) -> np.ndarray:
 
 
 def read_set(d: Path, name: str) -> TrunkSet:
+    """A finished cache directory's set: ids and lengths in memory, the rows memory-mapped
+    (every rank's shard, in order, as one set)."""
     meta = store.read_meta(d)
-    names = meta.get("files") or [ARROW]
-    parts = [store.read_arrow(d / n) for n in names]
-    t = parts[0] if len(parts) == 1 else pa.concat_tables(parts)
+    t = open_files(d, meta.get("files") or [ARROW])
     N, T, k, H = (int(meta[x]) for x in ("windows", "window", "topk", "hidden"))
     if t.num_rows != N:
         raise CortiqError(f"{d / ARROW}: {t.num_rows} windows, meta.json says {N}")
-    return TrunkSet(
-        name,
-        torch.from_numpy(_col(t, "ids").astype(np.int64)).view(N, T),
-        torch.from_numpy(_col(t, "length").astype(np.int64)),
-        torch.from_numpy(_col(t, "ti").astype(np.int64)).view(N, T, k),
-        torch.from_numpy(_col(t, "tp").copy()).view(N, T, k),
-        torch.from_numpy(_col(t, "h").copy()).view(N, T, H),
-    )
+    ids = torch.from_numpy(_col(t, "ids").astype(np.int64)).view(N, T)
+    lens = torch.from_numpy(_col(t, "length").astype(np.int64))
+    return TrunkSet(name, ids, lens, WindowRows(t, "ti", (T, k)), WindowRows(t, "tp", (T, k)),
+                    WindowRows(t, "h", (T, H)))
 
 
 def trunk_sets(model, f: CmfFile, packed: list, window: int, k: int, cache: str | os.PathLike | None = None,
@@ -150,8 +153,9 @@ def trunk_sets(model, f: CmfFile, packed: list, window: int, k: int, cache: str 
     tkey = trunk_key(f)
     sets, info = [], []
     scratch = None
-    if dist.active() and not cache:
-        # the ranks' shards meet on disk: a directory of rank 0's, gone once every rank has read it
+    if not cache:
+        # the rows go to disk as the pass runs (and the ranks' shards meet there): a directory
+        # of rank 0's, gone once every rank has mapped it (a map outlives its file's name)
         import tempfile
 
         scratch = dist.agree(tempfile.mkdtemp(prefix="cortiq-trunk-") if dist.is_main() else None)
@@ -160,8 +164,8 @@ def trunk_sets(model, f: CmfFile, packed: list, window: int, k: int, cache: str 
         ids = torch.as_tensor(np.asarray(p.ids), dtype=torch.int64)
         lens = torch.as_tensor(np.asarray(p.lengths), dtype=torch.int64)
         key = set_key(tkey, ids.numpy(), lens.numpy(), window, k)
-        d = Path(cache) / f"{p.name}-w{window}-k{k}" if cache else None
-        if d is not None and dist.agree(store.is_complete(d)):
+        d = Path(cache) / f"{p.name}-w{window}-k{k}"
+        if dist.agree(store.is_complete(d)):
             old = store.read_meta(d).get("key")
             if old == key and scratch is None:
                 s = read_set(d, p.name)
@@ -173,25 +177,19 @@ def trunk_sets(model, f: CmfFile, packed: list, window: int, k: int, cache: str 
                 shutil.rmtree(d)
             dist.barrier()
         share = dist.shard(len(ids), batch)  # whole forward batches, as one rank runs them
-        bar = tqdm(total=len(share), desc=f"mtp trunk {p.name}", unit="win", file=sys.stderr, dynamic_ncols=True,
-                   disable=not dist.is_main())
-        ti, tp, h = run_trunk(model, ids[share.start:share.stop], k, batch, chunk, bar.update)
-        bar.close()
-        s = TrunkSet(p.name, ids, lens, ti, tp, h)
         meta = {"stage": STAGE, "version": VERSION, "digest": key, "key": key, "trunk": tkey, "set": p.name,
-                "windows": len(ids), "window": window, "topk": k, "hidden": int(h.shape[-1]),
+                "windows": len(ids), "window": window, "topk": k, "hidden": int(model.arch.hidden_size),
                 "tokens": int(lens.sum()), "model": str(f.path)}
         if dist.active():
-            mine = TrunkSet(p.name, ids[share.start:share.stop], lens[share.start:share.stop], ti, tp, h)
             meta["files"] = dist.shard_names("trunk")
-            with dist.stage_dir(d, meta) as part:
-                store.write_arrow(part / dist.shard_name("trunk"), _table(mine))
-            s = read_set(d, p.name)  # every rank: the whole set, in one rank's order
-        elif d is not None:
-            write_set(d, s, meta)
+        with dist.stage_dir(d, meta) as part, \
+                tqdm(total=len(share), desc=f"mtp trunk {p.name}", unit="win", file=sys.stderr, dynamic_ncols=True,
+                     disable=not dist.is_main()) as bar:
+            write_trunk(part / dist.shard_name("trunk"), model, ids[share.start:share.stop],
+                        lens[share.start:share.stop], k, batch, chunk, bar.update)
+        s = read_set(d, p.name)  # every rank: the whole set, in one rank's order
         sets.append(s)
-        info.append({"set": p.name, "windows": len(s), "cache": None if d is None or scratch else str(d),
-                     "read_back": False})
+        info.append({"set": p.name, "windows": len(s), "cache": None if scratch else str(d), "read_back": False})
     if scratch is not None:
         dist.barrier()
         if dist.is_main():
