@@ -229,6 +229,8 @@ class Check:
         self.row("serve --speculative (its default draft; f32: the plain answer)", lambda: self.serve_spec(self.drafted),
                  needs="openai")
         self.row("export --to hf + transformers", lambda: self.export_hf(self.healed, self.td))
+        self.row("export --to hf q8 / symmetric q4 + transformers, packed", lambda: self.export_hf_quantized(self.healed),
+                 needs="compressed_tensors")
         self.row("export --to gguf + read back", lambda: self.export_gguf(self.healed))
         self.row("demo flow (cortiq demo --params)", lambda: self.demo(self.src), needs="prefect")
         return 1 if any(r["status"] == "FAIL" for r in self.rows) else 0
@@ -450,6 +452,24 @@ class Check:
         if not (abs(a - b) < 1e-3 and same_tok):
             raise Failed(fig)
         return fig
+
+    def export_hf_quantized(self, model: Path) -> str:
+        """q8 and q4 on the symmetric grid (round to nearest), each exported to HF and loaded by transformers on
+        the device: every decoder linear layer packed as loaded, the NLL cortiq's (bench.quality.hf_run)."""
+        from bench.quality.hf_run import CODECS, one_codec, windows_of
+
+        batch = windows_of(self.td, 64 if self.tiny else 256, 8, self.device)
+        figs = []
+        for codec in ("q8", "q4 symmetric"):
+            cmf = self.work / f"healed-{codec.replace(' ', '-')}.cmf"
+            self.cortiq("recode", model, cmf, *CODECS[codec], "--force")
+            r = one_codec(cmf, self.work / f"hf-{codec.replace(' ', '-')}", batch, self.device)
+            d = r["nll_transformers"] - r["nll_cortiq"]
+            figs.append(f"{codec}: {r['layout']['packed']} packed, {r['layout']['dense']} dense, "
+                        f"{r['mem_loaded'] / 1e6:.0f} MB loaded, NLL Δ {d:+.1e}")
+            if r["layout"]["dense"] or not abs(d) < 0.01:
+                raise Failed("; ".join(figs))
+        return "; ".join(figs)
 
     def export_gguf(self, model: Path) -> str:
         from bench.common import pydoc_text

@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     for codec, recode in CODECS.items():
         cmf = src if recode is None else work / f"model-{codec.replace(' ', '-')}.cmf"
         if recode is not None:
-            cortiq("recode", src, cmf, *recode)
+            cortiq("recode", src, cmf, *recode, "--force")
         rows[codec] = one_codec(cmf, work / f"hf-{codec.replace(' ', '-')}", batch, device)
         log(f"{codec}: {rows[codec]}")
     import torch
