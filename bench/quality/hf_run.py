@@ -21,6 +21,7 @@ Results: DIR/hf_run.json and a Markdown table.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from bench.common import finish, log, parser, print_table, pydoc_tdata, smollm2_cmf, tiny_cmf, write_json
@@ -44,10 +45,8 @@ def decoder_bytes(folder: Path) -> int:
             for k in st.keys():
                 if k.startswith("model.layers."):
                     t = st.get_slice(k)
-                    size = 1
-                    for d in t.get_shape():
-                        size *= d
-                    n += size * {"I32": 4, "F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I64": 8}[t.get_dtype()]
+                    n += math.prod(t.get_shape()) * {"I32": 4, "F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1,
+                                                     "I64": 8}[t.get_dtype()]
     return n
 
 
