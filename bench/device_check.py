@@ -10,7 +10,8 @@ tree, its own process, its exit status checked. In order:
 - `convert` (the GGUF given) and `data build` (the pydoc corpus);
 - `compress` in each mode: DTG-MA masks (the default), activation score
   (`--no-learn-masks`), the least-squares repair (`--fold-repair`), GPTQ
-  (`--use-gptq`); figure: the share kept, the masks' held-out NLL, the size;
+  (`--use-gptq`); figure: the share kept, the masks' held-out loss (the KL to the source under
+  the default teacher objective), the size;
 - `heal` with `--train-from 0` and with the lowest two thirds frozen (20 of
   30 layers; the tiny model: 1 of 2), with each `--target` kind, and with each
   `--memory` plan (auto is the first row's); figure: the test NLL of source,
@@ -268,7 +269,8 @@ class Check:
             text = self.cortiq("compress", self.src, "--data", self.td, "--keep-frac", "0.75", "--out", out, "--work",
                                self.work / "stages", *self.masks(), *flags, *self.dev)
             m = json.loads(text[text.index("{"):text.index("}") + 1])  # the metrics it prints
-            masks = f", masks' val NLL {m['mask_nll_hard']:.4f}" if "mask_nll_hard" in m else ""
+            # the masks' objective's held-out loss: the KL to the source under the default teacher objective
+            masks = f", masks' val loss {m['mask_nll_hard']:.4f}" if "mask_nll_hard" in m else ""
             return f"kept {m['fold_kept_share']:.0%} of the MLP neurons{masks}; {out.stat().st_size / 1e6:.1f} MB"
         return go
 
