@@ -49,7 +49,7 @@ def run(args) -> int:
     from ..cmf import open_cmf
     from ..errors import CortiqError
     from ..facts import kept_line, load_facts, probe_models
-    from ..facts.probe import read_facts
+    from ..facts.probe import first_tokens, lost_facts, read_facts
     from ..settings_meta import from_args
     from ..tokenizer import from_doc
 
@@ -71,9 +71,7 @@ def run(args) -> int:
     if args.against:
         sc, mc = r["scores"]["source"], r["scores"]["model"]
         tok = from_doc(model.tokenizer, str(args.model))
-        idx = [i for i in range(len(facts)) if sc.known[i] and not mc.known[i]][: s.lost]
-        lost = [{"prompt": facts[i].prompt, "answer": facts[i].answer, "now": tok.decode([int(mc.first_top[i])])}
-                for i in idx]
+        lost = lost_facts(facts, sc, mc, first_tokens(mc, tok), s.lost)
     kinds = Counter(f.kind for f in facts)
     known = Counter(f.kind for f, k in zip(facts, r["scores"]["model"].known) if k)
     if args.json:

@@ -225,6 +225,18 @@ def compare(scores: FactScores, source: FactScores | None) -> dict:
     return out
 
 
+def lost_facts(facts: Sequence[Fact], source: FactScores, model: FactScores, now: Sequence[str], n: int) -> list[dict]:
+    """Up to `n` of the facts `source` knows and `model` does not, in the probe's order: each one's
+    prompt, answer, and `now`, the text of the token the model's answer now begins with."""
+    idx = np.flatnonzero(source.known & ~model.known)[:n]
+    return [{"prompt": facts[i].prompt, "answer": facts[i].answer, "now": now[i]} for i in idx]
+
+
+def first_tokens(scores: FactScores, tok) -> list[str]:
+    """Per fact, the text of the model's top-1 token where the answer begins."""
+    return [tok.decode([int(t)]) for t in scores.first_top]
+
+
 def kept_line(name: str, c: dict) -> str:
     """`facts kept: 150 of the source's 180 (83.3 %), mean change of the answer's log-prob -0.41`."""
     if c.get("kept_share") is None:
