@@ -21,6 +21,8 @@ import json
 import os
 import time
 
+import numpy as np
+
 from bench.common import finish, log, run_dirs, table
 from bench.quality.quality import PANEL_CAP, panel_sets, source_model
 from cortiq import store
@@ -110,15 +112,31 @@ def panel_nll(path, sets, device, tiny) -> dict[str, float]:
     return out
 
 
-def facts_of(models: dict, device: str, external: str | None) -> dict:
-    """Facts kept on the probe's dev and held parts, and on a fact file kept outside the repository."""
+def kept_by_kind(run: dict) -> dict:
+    """{model: {kind: [facts kept, facts the source knows]}} of a probe_models run with a "source"."""
+    kinds = np.array([f.kind for f in run["facts"]])
+    base = run["scores"]["source"].known
+    names, known = np.unique(kinds[base], return_counts=True)
+    out = {}
+    for label, sc in run["scores"].items():
+        if label != "source":
+            kept = dict(zip(*np.unique(kinds[base & sc.known], return_counts=True)))
+            out[label] = {str(k): [int(kept.get(k, 0)), int(n)] for k, n in zip(names, known)}
+    return out
+
+
+def facts_of(models: dict, device: str, external: str | None) -> tuple[dict, dict]:
+    """Facts kept on the probe's dev and held parts, and on a fact file kept outside the repository;
+    and kept_by_kind of the dev part."""
     from cortiq.facts import probe_models
     from cortiq.facts.probe import read_facts
 
-    out = {part: probe_models(models, part=part, device=device, progress=False)["models"] for part in ("dev", "held")}
+    runs = {part: probe_models(models, part=part, device=device, progress=False) for part in ("dev", "held")}
+    out = {part: r["models"] for part, r in runs.items()}
     if external:
         out["external"] = probe_models(models, facts=read_facts(external), device=device, progress=False)["models"]
-    return out
+    # per kind on the dev part only (the part a method may be chosen by): which kinds of fact a row loses
+    return out, kept_by_kind(runs["dev"])
 
 
 def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None) -> dict:
@@ -148,13 +166,13 @@ def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None)
     healed = out / f"healed-{key}.cmf"
     rep = heal(pruned, src, sets["heal"], h, healed, work_dir=work, progress=False, score_split=None, retain=rs)
     t_h = time.perf_counter() - t0 - t_c
-    facts = facts_of({"source": src, "pruned": pruned, "healed": healed}, device, external)
+    facts, dev_kinds = facts_of({"source": src, "pruned": pruned, "healed": healed}, device, external)
     from cortiq.cmf import open_cmf
 
     widths = list(open_cmf(pruned).arch.intermediate_sizes)
     row = {"label": label, "row": dataclasses.asdict(row), "compress_s": t_c, "heal_s": t_h, "steps": rep["metrics"]["steps"],
            "widths": widths, "bytes": {"source": src.stat().st_size, "healed": healed.stat().st_size},
-           "facts": facts, "nll": {"pruned": panel_nll(pruned, sets, device, tiny),
+           "facts": facts, "dev_kinds": dev_kinds, "nll": {"pruned": panel_nll(pruned, sets, device, tiny),
                                    "healed": panel_nll(healed, sets, device, tiny)}}
     healed.unlink(missing_ok=True)
     return row

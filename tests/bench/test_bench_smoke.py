@@ -236,6 +236,11 @@ def check_knowledge(d):
                 f = r["facts"][part][m]
                 assert 0 <= f["kept"] <= f["source_known"] <= f["facts"]
         assert set(r["nll"]["healed"]) == set(d["source_nll"]) and all(math.isfinite(v) for v in r["nll"]["healed"].values())
+        # the dev part by kind adds up to its counts
+        for m in ("pruned", "healed"):
+            by = r["dev_kinds"][m].values()
+            assert [sum(k for k, _ in by), sum(n for _, n in by)] == [r["facts"]["dev"][m]["kept"],
+                                                                     r["facts"]["dev"][m]["source_known"]]
     # the curve's row keeps half of the neurons: its model is the smaller
     base, half = d["rows"]
     assert half["row"]["keep"] == 0.5 and sum(half["widths"]) < sum(base["widths"])
@@ -470,6 +475,24 @@ def test_a_device_check_row_that_exits_is_a_failed_row_and_the_rows_go_on(tmp_pa
     c.in_process = lambda args: (1, "", "cortiq: x.cmf: no such file")
     with pytest.raises(device_check.Failed, match="exit 1: cortiq: x.cmf: no such file"):
         c.cortiq("heal", "x.cmf")
+
+
+def test_knowledge_kept_by_kind_counts_each_kind_of_the_facts_the_source_knows():
+    import numpy as np
+
+    from bench.quality.knowledge import kept_by_kind
+    from cortiq.facts.probe import Fact, FactScores
+
+    kinds = ["capital", "capital", "capital", "animal", "animal", "opposite"]
+    facts = [Fact(k, f"p{i}", f"a{i}") for i, k in enumerate(kinds)]
+
+    def sc(known):
+        return FactScores(np.array(known, bool), np.zeros(len(known)), np.zeros(len(known), np.int64))
+
+    run = {"facts": facts, "scores": {"source": sc([1, 1, 0, 1, 1, 0]), "healed": sc([1, 0, 1, 0, 0, 1])}}
+    # the source knows 2 capitals and 2 animals; the healed model keeps one capital (its other known facts
+    # are ones the source does not know); a kind the source knows none of is not listed
+    assert kept_by_kind(run) == {"healed": {"capital": [1, 2], "animal": [0, 2]}}
 
 
 def test_knowledge_row_labels_can_be_named_in_rows():
