@@ -170,6 +170,14 @@ class Sharding:
             out[f"b/{n}"] = best[n]
         return out
 
+    def drop_checkpoint(self, work_dir: Path) -> None:
+        """Remove the last checkpoint, of either kind: before the next is written where the disk holds
+        only one (cortiq.heal.disk)."""
+        if dist.is_main():
+            (work_dir / CHECKPOINT).unlink(missing_ok=True)
+            shutil.rmtree(work_dir / CHECKPOINT_DIR, ignore_errors=True)
+        dist.barrier()
+
     def resume(self, work_dir: Path, key: str, opt) -> dict | None:
         """The loop's state of the checkpoint under `work_dir` when it was made
         with `key` (its weights, Adam state and RNG loaded in place), else None.

@@ -173,6 +173,10 @@ class HealSettings:
     #: compiler's and cuBLAS's workspaces)
     device_mem_gb: float = setting(0.0, "device memory the training step may allocate, GiB, that --memory auto "
                                         "plans against (0: 85% of the device's free memory)", lo=0, how=True)
+    #: the disk the resumable checkpoints may take (cortiq.heal.disk): where two copies do not fit beside
+    #: the healed model, one at a time; where one does not, none, said in one line
+    disk_gb: float = setting(0.0, "disk the resumable checkpoints may take, GiB (0: the work folder's free space)",
+                             lo=0, how=True)
     gpus: int = setting(1, "GPUs to run on: more than 1 re-runs the heal under torchrun, one process per GPU "
                            "(the same steps and results as one GPU)", lo=1, how=True)
     #: how training spreads over more than one GPU: "ddp" (each holds the trained layers whole),

@@ -28,6 +28,7 @@ from .. import dist, tracking
 from ..data.windowing import batch_indices
 from ..errors import CortiqError
 from . import memory as mem
+from .disk import OFF, REPLACE, plan_checkpoints
 from .kinds import DEFAULT, KINDS, TargetKind
 from .rows import WindowRows
 from ..train_loop import Best, LoopState, Update, lr_shape, skips_on_device, update
@@ -418,6 +419,11 @@ class HealRun:
         self.params = [p for _, p in tail.named()]
         self.lowest = tail.train_from
         self.order = Order(nb, s.seed)
+        # room for the checkpoints beside the healed model (its trained weights in 16 bits); rank 0's
+        # decision on every rank, which must save alike
+        trained = sum(p.numel() for p in self.params)
+        self.checkpoints = dist.agree(plan_checkpoints(s.checkpoint_every, trained, "adam8" in mplan, 2 * trained,
+                                                       self.work_dir, s.disk_gb, say=dist.is_main()))
         self.resume()
         self.bar = tqdm(total=self.total_steps, initial=self.st.done, desc="heal", unit="step", disable=not self.progress,
                         file=sys.stderr, dynamic_ncols=True)
@@ -443,6 +449,10 @@ class HealRun:
 
     def save(self) -> None:
         """A resumable checkpoint: the sharding writes weights, optimizer and RNG beside this loop state."""
+        if self.checkpoints == OFF:
+            return
+        if self.checkpoints == REPLACE:
+            self.sharding.drop_checkpoint(self.work_dir)
         self.st.mix = None if self.mixer is None else self.mixer.state()
         self.sharding.save(self.work_dir, {"key": self.key, "order_rng": self.order.rng, "order_perm": list(self.order.perm),
                                        "state": self.st.to_checkpoint(), "e0": self.start, "best_loss": self.best.value,
