@@ -148,7 +148,7 @@ def _candidates(cls, f: dataclasses.Field) -> list:
     if typing.get_origin(tp) is tuple and d:
         return [tuple(reversed(d))]
     if m.get("repeat"):
-        return [["q8:x.cmf"], ["x"]]
+        return [["q8:x.cmf"], ["x"], ["x=2"]]
     return ["q8", "x1", "cuda:1", "d:1,2"]
 
 

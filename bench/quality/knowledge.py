@@ -41,7 +41,8 @@ class Row:
     the retain sources of compress alone where they differ from the heal's (`mask_sources`: the
     neurons ranked on the mix that asks for facts most, the heal on the default mix), and the heal's
     budget in tokens (0: HealSettings'); the heal's patience is 0 with a budget of its own, so the
-    row trains all of it; `repair`: the fold's least-squares refit of down_proj (FoldSettings.repair)."""
+    row trains all of it; `repair`: the fold's least-squares refit of down_proj (FoldSettings.repair);
+    `weights`: a retain source's weight in the share (RetainSettings.weights; the others weigh 1)."""
 
     sources: tuple[str, ...]
     share: float = 0.5
@@ -56,6 +57,7 @@ class Row:
     mask_sources: tuple[str, ...] | None = None
     heal_tokens: int = 0
     repair: bool = False
+    weights: tuple[str, ...] = ()  # RetainSettings.weights: NAME=W of a retain source in the share
 
 
 KNOW = ("self", "knowledge", "corpus:pydoc")
@@ -96,6 +98,10 @@ ROWS = {
     # down_proj refit by least squares on the mix's Grams (FoldSettings.repair): the kept neurons take over
     # what the pruned ones wrote, the fact prompts' rows among them, before the heal
     "defaults + repair": Row(("auto",), repair=True),
+    # the knowledge source's weight in the retain share: half of it (x2) or two thirds (x4) where the
+    # default split gives it a third beside self and pydoc; the source that asks for facts, more often
+    "defaults + knowledge x2": Row(("auto",), weights=("knowledge=2",)),
+    "defaults + knowledge x4": Row(("auto",), weights=("knowledge=4",)),
     # the quality-for-size curve: every setting at its default but the share kept
     **{f"keep {k}": Row(("auto",), keep=k) for k in (0.95, 0.9, 0.85, 0.75, 0.65, 0.5)},
 }
@@ -154,7 +160,7 @@ def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None)
     budget = dict(tokens=row.heal_tokens, patience=0) if row.heal_tokens else {}
     h = HealSettings(device=device, **given(confident=row.confident),
                      **(dict(window=64, batch=4, eval_every=4, tokens=4096) if tiny else budget))
-    rs = RetainSettings(sources=list(row.sources), share=row.share, knowledge_lists=row.lists,
+    rs = RetainSettings(sources=list(row.sources), share=row.share, weights=list(row.weights), knowledge_lists=row.lists,
                         knowledge_entities=row.entities, **(dict(tokens=8000) if tiny else {}))
     rs_masks = dataclasses.replace(rs, sources=list(row.mask_sources)) if row.mask_sources else rs
     work = cache / "stages"

@@ -53,6 +53,11 @@ def mix_tdata(tdata_dir, retain: list, names: list[str], settings: RetainSetting
     """Write the mix directory `out`: the user's tdata records, then each retain tdata's
     train and val records (rids prefixed by the source's name); meta `mix` says where
     each source's records start, and the share and seed the windows are drawn with."""
+    weight = settings.weight_of()
+    unknown = sorted(set(weight) - set(names))
+    if unknown:
+        raise CortiqError(f"retain settings: a weight for {', '.join(unknown)}, which is not a retain source here "
+                          f"(the sources: {', '.join(names) or 'none'})")
     user = Tdata.open(tdata_dir)
     records = user.records()
     starts = [0]
@@ -69,7 +74,8 @@ def mix_tdata(tdata_dir, retain: list, names: list[str], settings: RetainSetting
     table = records_table(records)
     meta = {k: user.meta[k] for k in ("tokenizer_digest", "vocab_size", "eos_id", "bos_id")}
     meta.update({"stage": STAGE, "version": VERSION, "digest": digest,
-                 "mix": {"names": [USER, *names], "rows": starts, "share": settings.share, "seed": settings.seed},
+                 "mix": {"names": [USER, *names], "rows": starts, "share": settings.share, "seed": settings.seed,
+                         "weights": [weight.get(n, 1.0) for n in names]},
                  "inputs": {"tdata": str(tdata_dir), "retain": [str(p) for p in retain]}})
     with store.stage_dir(Path(out), meta) as part:
         store.write_arrow(part / "tdata.arrow", table)

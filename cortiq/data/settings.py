@@ -185,11 +185,17 @@ class RetainSettings:
                                  "knowledge and pydoc on a GPU, pydoc on a CPU), or none; "
                                  "their test splits make the general panel",
                                  repeat=True, metavar="SOURCE", feeds=())
-    #: the share of the train (and val) windows that are retain windows, split evenly over the
-    #: sources; the user's windows are all taken once, the retain ones sampled (repeated when a
-    #: source has too few) so that the counts per source over an epoch are exact
-    share: float = setting(0.5, "share of the train and val windows that are retain text (split evenly over "
-                                "the retain sources)", gt=0, lt=1)
+    #: the share of the train (and val) windows that are retain windows, split over the sources by
+    #: their `weights` (evenly by default); the user's windows are all taken once, the retain ones
+    #: sampled (repeated when a source has too few) so that the counts per source over an epoch are exact
+    share: float = setting(0.5, "share of the train and val windows that are retain text (split over the "
+                                "retain sources by their weights, evenly by default)", gt=0, lt=1)
+    #: a source's weight in that split, NAME=W by its short name (pydoc, shakespeare, self, knowledge, a
+    #: folder's name); the sources not named weigh 1. The knowledge source is the one that asks for facts,
+    #: and the default split gives it a third of the share beside self and pydoc
+    weights: list[str] = setting(factory=list, help="a retain source's weight in the share, NAME=W (pydoc, "
+                                 "shakespeare, self, knowledge or a folder's name; the others weigh 1)",
+                                 repeat=True, metavar="NAME=W", added=True)
     tokens: int = setting(1_000_000, "tokens built of each retain corpus, and generated for self unless "
                                      "self_tokens says (0: a whole corpus)", lo=0, metavar="N", feeds=())
     #: tokens generated for a self source, where they should differ from `tokens` (0: `tokens`):
@@ -218,3 +224,19 @@ class RetainSettings:
                 raise CortiqError(f"retain settings: a source must be corpus:NAME, a tdata directory or self, not {s!r}")
         if len(set(self.sources)) != len(self.sources):
             raise CortiqError(f"retain settings: a source is named twice in {self.sources}")
+        self.weights = list(self.weights or [])
+        self.weight_of()  # a malformed NAME=W is refused here, not at the mix
+
+    def weight_of(self) -> dict[str, float]:
+        """{source's short name: weight} of `weights` (NAME=W each, W > 0)."""
+        out = {}
+        for w in self.weights:
+            name, eq, v = str(w).partition("=")
+            try:
+                val = float(v) if eq and name else -1.0
+            except ValueError:
+                val = -1.0
+            if not val > 0 or name in out:
+                raise CortiqError(f"retain settings: a weight must be NAME=W with W > 0, each name once, not {w!r}")
+            out[name] = val
+        return out

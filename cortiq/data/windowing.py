@@ -127,17 +127,22 @@ def cut_windows_reference(ids: np.ndarray, weight: np.ndarray, T: int, pad_id: i
 # ── a mix of sources (cortiq.data.retain): counts and order ─────────────────────────────────────────────────────
 
 
-def mix_counts(n_user: int, pools: list[int], share: float, repeat: bool) -> list[int]:
+def mix_counts(n_user: int, pools: list[int], share: float, repeat: bool, weights: list[float] | None = None) -> list[int]:
     """Windows per source: [n_user, c_1, ..., c_k]. The retain sources together get
-    round(n_user·share/(1−share)) (so they are `share` of the whole), split evenly,
-    the first ones taking one more when it does not divide; `repeat` False caps each
-    at its pool (a held-out split is not repeated). With no user windows, every
-    retain window of the split (without repeating)."""
+    round(n_user·share/(1−share)) (so they are `share` of the whole), split in proportion
+    to `weights` (None: evenly) by the largest remainders, the first ones taking one
+    more on a tie; `repeat` False caps each at its pool (a held-out split is not
+    repeated). With no user windows, every retain window of the split (without repeating)."""
     k = len(pools)
     if n_user == 0:
         return [0, *pools] if not repeat else [0] * (k + 1)
     total = int(round(n_user * share / (1.0 - share)))
-    each = [total // k + (i < total % k) for i in range(k)]
+    w = np.ones(k) if weights is None else np.asarray(weights, dtype=np.float64)
+    exact = total * w / w.sum()  # [k]
+    each = np.floor(exact).astype(np.int64)
+    more = np.argsort(-(exact - each), kind="stable")[: total - int(each.sum())]
+    each[more] += 1
+    each = [int(c) for c in each]
     if not repeat:
         each = [min(c, p) for c, p in zip(each, pools)]
     return [n_user, *each]
@@ -178,7 +183,8 @@ def mix_windows(td: Tdata, split: str, T: int, pad_id: int, loss_on: str = "answ
         ids, weight = td.stream_rows(mine, loss_on)
         per.append(cut_windows(ids, weight, T, pad_id))
     train = split == "train"
-    counts = mix_counts(len(per[0]), [len(w) for w in per[1:]], float(mix["share"]), repeat=train)
+    counts = mix_counts(len(per[0]), [len(w) for w in per[1:]], float(mix["share"]), repeat=train,
+                        weights=mix.get("weights"))
     for k in range(1, len(names)):
         if train and counts[k] and not len(per[k]):
             raise CortiqError(f"{td.path}: retain source {names[k]} has no train window of {T} tokens")

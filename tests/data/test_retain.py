@@ -30,8 +30,9 @@ def mixed(tmp_path, tok_cmf):
     other = build([str(_text(tmp_path, "other", "beta", 200))], tok_cmf, tmp_path / "other.tdata",
                   BuildSettings(record_tokens=40, fractions=(0.8, 0.1, 0.1)))
 
-    def make(share=0.4, seed=0, sources=None):
-        rs = RetainSettings(sources=sources or ["corpus:pydoc", str(other.path)], share=share, tokens=6000, seed=seed)
+    def make(share=0.4, seed=0, sources=None, weights=()):
+        rs = RetainSettings(sources=sources or ["corpus:pydoc", str(other.path)], share=share, tokens=6000, seed=seed,
+                            weights=list(weights))
         return user, with_retain(user.path, tok_cmf, rs, cli_runner(tmp_path / "work", progress=False), tmp_path / "work",
                                  progress=False)
     return make
@@ -55,6 +56,32 @@ def test_counts_per_source_are_exact_over_an_epoch_and_every_batch_holds_the_sha
         for k, c in enumerate(want):
             got = (runs == k).sum(1)
             assert got.min() >= np.floor(c * B / N) - 1 and got.max() <= np.ceil(c * B / N) + 1
+
+
+def test_weights_split_the_share_in_proportion(mixed):
+    # by the largest remainders, ties to the first: the even split of before where every weight is 1
+    assert mix_counts(100, [50, 50, 50], 0.5, True, [1, 2, 1]) == [100, 25, 50, 25]
+    assert mix_counts(100, [50, 50, 50], 0.5, True, [1, 1, 1]) == mix_counts(100, [50] * 3, 0.5, True) == [100, 34, 33, 33]
+    assert mix_counts(10, [9, 9], 0.5, True, [2, 1]) == [10, 7, 3]
+    assert mix_counts(10, [4, 9], 0.5, False, [2, 1]) == [10, 4, 3]  # a held-out split is capped at its pool
+    user, (mix_dir, panel) = mixed(share=0.4, weights=["other=3"])
+    w = windows(Tdata.open(mix_dir), "train", T)
+    u = windows(user, "train", T)
+    got = np.bincount(w.source, minlength=3).tolist()
+    pools = [len(windows(Tdata.open(panel[k]), "train", T)) for k in panel]
+    assert got == mix_counts(len(u), pools, 0.4, True, [1, 3]) and abs(3 * got[1] - got[2]) <= 3
+    # a weight's own mix: the even one is another stage output
+    assert mixed(share=0.4)[1][0] != mix_dir
+
+
+def test_bad_weights_say_so(mixed):
+    for bad in ("knowledge", "knowledge=0", "knowledge=x", "=2"):
+        with pytest.raises(CortiqError, match="a weight must be NAME=W"):
+            RetainSettings(weights=[bad])
+    with pytest.raises(CortiqError, match="each name once"):
+        RetainSettings(weights=["self=2", "self=3"])
+    with pytest.raises(CortiqError, match="a weight for shakespeare, which is not a retain source here"):
+        mixed(weights=["shakespeare=2"])
 
 
 def test_retain_windows_are_drawn_by_seed_and_the_panel_is_never_mixed_in(mixed):
