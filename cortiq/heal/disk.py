@@ -25,6 +25,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from .memory import GiB, size
+
 #: bytes a trained weight takes in a checkpoint besides its moments: the f32 weight and the f32 best
 WEIGHT_BYTES = 8
 #: bytes of Adam's two moments a trained weight: f32 each, or 8 bits each with their block scales
@@ -51,7 +53,7 @@ def checkpoint_mode(need: int, free: int, reserve: int) -> str:
 
 def free_bytes(work_dir, disk_gb: float) -> int:
     """The bytes heal's checkpoints may use: `disk_gb` GiB where given (> 0), else the work folder's free space."""
-    return int(disk_gb * (1 << 30)) if disk_gb > 0 else shutil.disk_usage(Path(work_dir)).free
+    return int(disk_gb * GiB) if disk_gb > 0 else shutil.disk_usage(Path(work_dir)).free
 
 
 def plan_checkpoints(every: int, trained: int, adam8: bool, reserve: int, work_dir, disk_gb: float,
@@ -63,10 +65,9 @@ def plan_checkpoints(every: int, trained: int, adam8: bool, reserve: int, work_d
     need, free = checkpoint_bytes(trained, adam8), free_bytes(work_dir, disk_gb)
     mode = checkpoint_mode(need, free, reserve)
     if mode != KEEP and say:
-        gib = 1 << 30
         what = ("one checkpoint at a time (the last removed before the next is written)" if mode == REPLACE else
                 "no resumable checkpoints (a stopped run starts its training again)")
-        print(f"cortiq: heal: a resumable checkpoint of {trained:,} trained weights takes {need / gib:.1f} GiB and "
-              f"{free / gib:.1f} GiB are free at {work_dir} ({reserve / gib:.1f} GiB of them for the healed model): "
+        print(f"cortiq: heal: a resumable checkpoint of {trained:,} trained weights takes {size(need)} and "
+              f"{size(free)} are free at {work_dir} ({size(reserve)} of them for the healed model): "
               f"{what}; --disk-gb or --checkpoint-every 0 say it yourself", file=sys.stderr)
     return mode
