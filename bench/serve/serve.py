@@ -414,7 +414,7 @@ def acceptance(model: Path, prompts: dict, plans: dict, draft: int, max_tokens: 
 
 
 def step_times(model: Path, batches: list[int], max_len: int, context: int, reps: int, cpu: bool,
-               draft: int = 0, branches: int = 1) -> list[dict]:
+               draft: int = 0, branches: int = 1, draft_vocab: int = 0) -> list[dict]:
     """The server's plain decode step alone (its engine, captured graphs on CUDA): device ms a
     step at each batch size with every slot `context` tokens long, attending over the whole
     static cache of max_len positions (the reference) and over the shortest key-length bucket
@@ -423,7 +423,9 @@ def step_times(model: Path, batches: list[int], max_len: int, context: int, reps
     draft's row and chain ready, and the one that skips the chain (`--spec-auto`'s plain step),
     so a round's price over a plain step is read off one table (its drafts are the synthetic
     context's, so only the times mean anything); with `branches` > 1, a tree's round at each depth
-    too. One engine (batch buckets: `batches`) times the kinds it runs."""
+    too; with `draft_vocab` N, each of those again with the draft picking among the first N tokens
+    (the engine's `draft_vocab`: a head of N rows). One engine (batch buckets: `batches`) times the
+    kinds it runs."""
     import torch
 
     from cortiq.cmf import open_cmf
@@ -434,18 +436,21 @@ def step_times(model: Path, batches: list[int], max_len: int, context: int, reps
     m = load_model(f, dtype=torch.float32 if cpu else torch.bfloat16, device="cpu" if cpu else "cuda")
     ids = [(7 * i + 3) % min(f.arch.vocab_size, 256) for i in range(context)]
     k = draft if draft and f.arch.mtp_layers else 0
-    # (how, key lengths, draft, branches) -> the kinds of step one engine of them times: (name, depth, chain)
-    engines = {("whole cache", (), 0, 1): [("plain", 0, True)], ("key-length bucket", None, 0, 1): [("plain", 0, True)]}
-    if k:
-        engines[("key-length bucket", None, k, 1)] = [("plain, draft kept", 0, True), ("plain, chain skipped", 0, False)] + [
-            (f"round, depth {d}", d, True) for d in range(1, k + 1)]
-        if branches > 1:
-            engines[("key-length bucket", None, k, branches)] = [(f"tree of {branches}, depth {d}", d, True)
+    # (how, key lengths, draft, branches, draft head rows) -> the kinds of step one engine of them
+    # times: (name, depth, chain)
+    engines = {("whole cache", (), 0, 1, 0): [("plain", 0, True)], ("key-length bucket", None, 0, 1, 0): [("plain", 0, True)]}
+    for n in ([0, draft_vocab] if k and draft_vocab else [0] if k else []):
+        head = f" (head {n})" if n else ""
+        engines[("key-length bucket", None, k, 1, n)] = [(f"plain{head}, draft kept", 0, True)] + (
+            [] if n else [("plain, chain skipped", 0, False)]) + [(f"round{head}, depth {d}", d, True)
                                                                   for d in range(1, k + 1)]
+        if branches > 1:
+            engines[("key-length bucket", None, k, branches, n)] = [(f"tree of {branches}{head}, depth {d}", d, True)
+                                                                    for d in range(1, k + 1)]
     out = []
-    for (how, kv, dk, nb), kinds in engines.items():
+    for (how, kv, dk, nb, n), kinds in engines.items():
         ad = DecodeAdapter(m, max(batches), max_len, draft=dk, kv_buckets=kv, branches=nb,
-                           buckets=sorted(set(batches)))
+                           buckets=sorted(set(batches)), draft_vocab=torch.arange(n) if n else None)
         for what, d, chain in kinds:
             for b in sorted(batches, reverse=True):
                 ms, L = _time_step(ad.eng, b, d, chain, ids, max(batches), reps, cpu)
@@ -548,6 +553,9 @@ def parse_args() -> argparse.Namespace:
                     help="the round's cost table alone on a random model of this bench.scale geometry (qwen3-8b)")
     ap.add_argument("--acceptance", default=str(ROOT / "bench" / "results" / "serve-2026-12-05-h100-final.json"),
                     help="--step-cost: the result whose tokens a round the speed-ups assume")
+    ap.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                    help="--step-cost: each speculative step again with the draft picking among N tokens (a head of "
+                         "N rows; the speed-ups assume the whole head's tokens a round)")
     ap.add_argument("--tokens-a-round", type=float, default=None,
                     help="--step-cost: tokens a round of the chain and the tree at --draft (instead of --acceptance)")
     ap.add_argument("--out", default=None, help="write the figures (serve.json) and profiles here")
@@ -846,7 +854,7 @@ def step_cost(args) -> int:
                    "cpu" if args.cpu else "cuda", draft=True)
     batches = [int(c) for c in args.clients.split(",")]
     steps = step_times(path, batches, args.max_len, min(args.step_context, args.max_len // 2), 10 if args.cpu else 200,
-                       args.cpu, args.draft, args.branches)
+                       args.cpu, args.draft, args.branches, args.draft_vocab)
     rows = speedups(steps, accept, args.draft)
     import torch
 
@@ -864,6 +872,7 @@ def step_cost(args) -> int:
                  for n in names]
         print(f"| {r['batch']} | {r['kind']} | " + " | ".join(cells) + " |")
     write_json(out, "step_cost.json", {"geometry": args.step_cost, "draft": args.draft, "branches": args.branches,
+                                       "draft_vocab": args.draft_vocab,
                                        "accepted": accept, "step_ms": steps, "speedups": rows})
     print(f"\nbench.serve.serve: figures in {out / 'step_cost.json'}", file=sys.stderr)
     return 0

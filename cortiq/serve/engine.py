@@ -259,7 +259,8 @@ class DecodeAdapter(Engine):
         return max_len + draft
 
     def __init__(self, model, max_batch: int, max_len: int, draft: int = 0, graphs: bool | None = None,
-                 buckets: list[int] | None = None, kv_buckets: list[int] | None = None, branches: int = 1):
+                 buckets: list[int] | None = None, kv_buckets: list[int] | None = None, branches: int = 1,
+                 draft_vocab=None):
         super().__init__(model, max_batch, max_len, draft)
         from ..model.decode import DecodeEngine, StagedPrefill
 
@@ -268,7 +269,7 @@ class DecodeAdapter(Engine):
                                 # (those below max_len: the engine's whole cache is the last,
                                 # max_len and the rows a round writes past it)
                                 kv_buckets=kv_bucket_sizes(max_len)[:-1] if kv_buckets is None else kv_buckets,
-                                branches=branches, keep_rows=True)
+                                branches=branches, keep_rows=True, draft_vocab=draft_vocab)
         self.branches = branches
 
         # prompts by captured chunk graphs where the model allows (attention only)

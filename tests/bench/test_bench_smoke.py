@@ -157,9 +157,13 @@ def check_serve(d):
 
 
 def check_step_cost(d):
-    # a chain and a tree round of each depth timed at each slot count, against the plain server's step
-    names = [f"{how} {k}" for k in (1, 2, 3) for how in ("round, depth", "tree of 4, depth")]
+    # a chain and a tree round of each depth timed at each slot count, against the plain server's step, and
+    # again with the draft picking among the first --draft-vocab tokens
+    n = d["draft_vocab"]
+    names = [f"{how}{head}, depth {k}" for k in (1, 2, 3) for how in ("round", "tree of 4") for head in ("", f" (head {n})")]
     assert {(r["step"], r["batch"]) for r in d["step_ms"] if r["step"] in names} == {(n, b) for n in names for b in (1, 2)}
+    assert {r["step"] for r in d["step_ms"]} == set(names) | {"plain", "plain, draft kept", "plain, chain skipped",
+                                                             f"plain (head {n}), draft kept"}
     # the default acceptance: the 135M final table's chain and tree servers, per prompt kind
     assert set(d["accepted"]) == {"chat", "text"} and all(a["depth"] == 3 and a["chain"] > 1 for a in d["accepted"].values())
     assert [(r["batch"], r["kind"]) for r in d["speedups"]] == [(1, "chat"), (1, "text"), (2, "chat"), (2, "text")]
@@ -305,7 +309,8 @@ BENCHES = {
     # every stage in the check's own process (a torch start a stage costs more than the tiny model's work)
     "scale": (["--work", "{work}", "--in-process"], "scale.json", check_scale),
     # (a second row of one script: NAME+WHAT) the round's cost table alone, on a random tiny geometry
-    "serve.serve+cost": (["--step-cost", "tiny", "--clients", "1,2"], "step_cost.json", check_step_cost),
+    "serve.serve+cost": (["--step-cost", "tiny", "--clients", "1,2", "--draft-vocab", "100"], "step_cost.json",
+                         check_step_cost),
     "quality.codecs": ([], "codecs.json", check_codecs),
     # one target kind at one budget: the same code as every row
     "quality.quality": (["--kinds", "sampled", "--budgets", "0.004", "--default-budget", "0"], "quality.json", check_quality),

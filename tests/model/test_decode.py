@@ -98,10 +98,17 @@ def test_speculative_with_the_models_own_draft(model, draft):
         assert r.drafted == draft * r.rounds
 
 
-def _reference_tree(model, seq, k, nb):
+def _reference_tree(model, seq, k, nb, vocab=None):
     """The drafts the reference loop's MTP block makes from the state after seq (the trunk has
-    seen seq[:-1], seq[-1] pending): its top nb first guesses, each chained greedily. [nb·k]"""
+    seen seq[:-1], seq[-1] pending): its top nb first guesses, each chained greedily. [nb·k]
+    With `vocab` (token ids), every other token's logit is -inf."""
     from cortiq.model.decoder import KVState
+
+    def logits(x):
+        lg = model.logits(x)
+        if vocab is None:
+            return lg
+        return torch.full_like(lg, float("-inf")).index_copy(-1, vocab, lg.index_select(-1, vocab))
 
     with torch.no_grad():
         t = torch.tensor([seq[:-1]])
@@ -112,13 +119,13 @@ def _reference_tree(model, seq, k, nb):
             model.mtp_forward(H[:, :-1], t[:, 1:], 0, ms)
         x0 = model.mtp_forward(H[:, -1:], torch.tensor([[seq[-1]]]), n - 1, ms)
         out = []
-        for first in model.logits(x0[0, -1]).topk(nb).indices.tolist():
+        for first in logits(x0[0, -1]).topk(nb).indices.tolist():
             st = KVState()
             st.k, st.v = ms.k, ms.v
             xh, xt, chain = x0, first, [first]
             for j in range(1, k):
                 xh = model.mtp_forward(xh, torch.tensor([[xt]]), n - 1 + j, st)
-                xt = int(model.logits(xh[0, -1]).argmax())
+                xt = int(logits(xh[0, -1]).argmax())
                 chain.append(xt)
             out += chain
     return out
@@ -274,6 +281,17 @@ def test_cuda_graphs_equal_eager_and_reference(model):
         assert len({a for r in out for a in r.per_round}) >= 3
         plain = decode(m, PROMPTS, max_new=16, graphs=True)
         assert [r.tokens for r in plain] == greedy
+        # a narrow draft head (`draft_vocab`): the captured rounds draft as the eager engine does
+        vocab = torch.arange(1, V, 7, device="cuda")
+        ge, ee = (DecodeEngine(m, slots=2, max_len=64, draft=3, graphs=g, draft_vocab=vocab) for g in (True, False))
+        for e in (ge, ee):
+            e.prefill(1, PROMPTS[0])
+            for _ in range(4):
+                e.spec_step()
+        assert ge.drafts.tolist() == ee.drafts.tolist() and ge.lengths() == ee.lengths()
+        ge = DecodeEngine(m, slots=2, max_len=64, draft=3, graphs=True, draft_vocab=vocab)
+        out = decode(m, PROMPTS[:2], max_new=16, draft=3, engine=ge)
+        assert [r.tokens for r in out] == greedy[:2]
         # sampling draws inside the captured graph from the seeded CUDA generator
         s1 = generate_fast(m, PROMPTS[0], max_new=8, temperature=0.8, seed=1, graphs=True).tokens
         s2 = generate_fast(m, PROMPTS[0], max_new=8, temperature=0.8, seed=1, graphs=True).tokens
@@ -503,9 +521,47 @@ def test_tree_drafts_held_between_rounds_are_the_reference_tree(model, draft):
     assert seq[len(p):] == greedy(model, p, len(seq) - len(p))
 
 
-def test_fused_tree_rounds_equal_eager(fmodel):
-    # rounds of a tree of 3 branches, bucketed, each depth, after a step that skipped the chain
-    ef, ee = _pair(fmodel, slots=2, max_len=64, draft=2, buckets=[1, 2], kv_buckets=[16, 32], branches=3)
+@pytest.mark.parametrize("branches", [1, 3])
+def test_a_narrow_draft_head_drafts_the_masked_reference(model, branches):
+    # the draft picks among 37 of the 259 tokens (`draft_vocab`): after prefill, rounds and plain
+    # steps its drafts are the reference's with every other token's logit at -inf, and the output
+    # stays greedy's
+    if branches > 1 and model.arch.layer_types.count("linear_attention"):
+        pytest.skip("a draft tree runs attention-only models")
+    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(3))[:37]
+    p = PROMPTS[0]
+    eng = DecodeEngine(model, slots=2, max_len=64, draft=3, graphs=False, branches=branches, draft_vocab=vocab)
+    assert eng.d_head.shape == (37, model.arch.hidden_size)
+    seq = p + [eng.prefill(1, p)]
+    assert eng.drafts[1].tolist() == _reference_tree(model, seq, 3, branches, vocab)
+    for r in range(7):
+        if r % 3 == 2:
+            seq.append(eng.step().tolist()[1])
+        else:
+            pred, n = eng.spec_step()
+            seq += pred[1, : n[1]].tolist()
+        assert eng.drafts[1].tolist() == _reference_tree(model, seq, 3, branches, vocab)
+    assert seq[len(p):] == greedy(model, p, len(seq) - len(p))
+    assert set(eng.drafts.flatten().tolist()) <= set(vocab.tolist())
+
+
+def test_a_draft_vocabulary_of_bad_ids_is_a_clear_error(model):
+    kw = dict(slots=1, max_len=16, draft=1, graphs=False)
+    for bad in ([3, 3, 4], [0, V], [-1, 2], [[1, 2]], [1.0, 2.0]):
+        with pytest.raises(CortiqError, match=r"^decode engine: the draft's vocabulary needs "):
+            DecodeEngine(model, draft_vocab=torch.tensor(bad), **kw)
+    if not model.arch.layer_types.count("linear_attention"):  # (a tree runs attention-only models)
+        with pytest.raises(CortiqError, match=r"needs token ids, at least 2 \(one a branch\)"):
+            DecodeEngine(model, draft_vocab=torch.tensor([5]), branches=2, **kw)
+
+
+@pytest.mark.parametrize("narrow", [False, True])
+def test_fused_tree_rounds_equal_eager(fmodel, narrow):
+    # rounds of a tree of 3 branches, bucketed, each depth, after a step that skipped the chain;
+    # `narrow`: the draft picks among 41 of the tokens (`draft_vocab`)
+    vocab = torch.randperm(V, generator=torch.Generator().manual_seed(5))[:41] if narrow else None
+    ef, ee = _pair(fmodel, slots=2, max_len=64, draft=2, buckets=[1, 2], kv_buckets=[16, 32], branches=3,
+                   draft_vocab=vocab)
     for s, p in enumerate(FUSED_PROMPTS):
         assert ef.prefill(s, p) == ee.prefill(s, p)
     for fn in (lambda e: e.spec_on(2, 1), lambda e: e.spec_on(2), lambda e: e.step_on(2, chain=False),

@@ -9,9 +9,11 @@ API (the contract a server builds on; slots are independent requests)
 ---------------------------------------------------------------------
 
     eng = DecodeEngine(model, slots=8, max_len=2048, draft=0, sampling=False, graphs=None,
-                       buckets=None, kv_buckets=None, branches=1, keep_rows=False)
+                       buckets=None, kv_buckets=None, branches=1, keep_rows=False, draft_vocab=None)
         draft: tokens the MTP block drafts a round (0: plain steps only); branches: a draft tree
-        of that many first guesses, each chained to `draft` (attention-only models).
+        of that many first guesses, each chained to `draft` (attention-only models);
+        draft_vocab: token ids [N] the draft picks among (its head narrowed to their rows; None:
+        every token). The trunk verifies every draft, so it changes the drafts, not the output.
         buckets: batch sizes b the bucketed steps (`step_on(b)`, `spec_on(b, depth)`) run slots
         0..b-1 at; kv_buckets: key lengths those steps' attention may read the caches up to
         (each rounded up to a multiple of 16; the whole cache is always one). A bucketed step

@@ -57,8 +57,8 @@ class DecodeEngine(StaticForward):
     def __init__(self, model, slots: int = 1, max_len: int = 1024, draft: int = 0, sampling: bool = False,
                  graphs: bool | None = None, seed: int = 0, buckets: list[int] | None = None,
                  kv_buckets: list[int] | None = None, fused: bool | None = None, branches: int = 1,
-                 keep_rows: bool = False):
-        _check_args(model, slots, max_len, draft, branches)
+                 keep_rows: bool = False, draft_vocab=None):
+        _check_args(model, slots, max_len, draft, branches, draft_vocab)
         w = model.model.embed_tokens.weight
         self.model, self.arch = model, model.arch
         self.device, self.dtype = w.device, w.dtype
@@ -79,6 +79,7 @@ class DecodeEngine(StaticForward):
             self._slot_state(keep_rows)
         self.head = model.head_weight
         self._pick_chunk = _split(self.head.shape[0])  # the picks' chunk width (`_argmax`)
+        self._draft_head(draft_vocab)
         on = (self.device.type == "cuda" and not self.lin_idx) if fused is None else bool(fused)
         self._fns, self._ragged = self._compiled() if on else (None, False)
         self.fused = self._fns is not None
@@ -395,18 +396,41 @@ class DecodeEngine(StaticForward):
         scores = torch.where(t > 0, lf / t.clamp_min(1e-6) - e.log(), lf)
         return _argmax(scores, self._pick_chunk)
 
+    def _draft_head(self, draft_vocab) -> None:
+        """The head the draft picks from: the whole head, or with `draft_vocab` (token ids [N]) only
+        those rows, copied once (`d_head` [N, H]; `d_ids` maps a row back to its token). At a
+        large vocabulary the head is most of what a draft step reads, and the trunk verifies every
+        draft, so a narrower draft head changes which drafts are guessed, never the output."""
+        self.d_ids = self.d_head = None
+        if draft_vocab is not None and self.draft:
+            self.d_ids = torch.as_tensor(draft_vocab, dtype=torch.long, device=self.device)
+            self.d_head = self.head.detach()[self.d_ids].contiguous()  # [N, H]
+            self._d_chunk = _split(self.d_head.shape[0])
+
+    def _draft_top(self, xh, k: int):
+        """The draft's picks over its head: k = 1, the argmax of each row of xh [S', T, H] -> [S', T];
+        k > 1, the top k of each slot's first row -> [S', k], best first."""
+        if self.d_ids is None:
+            head, c = self.head.to(xh.dtype), self._pick_chunk
+        else:
+            head, c = self.d_head.to(xh.dtype), self._d_chunk
+        rows = self._twin(_pick_greedy, _dyn(xh, 0, 1), head, c) if k == 1 else \
+            self._twin(_pick_top, _dyn(xh[:, 0], 0), head, k, c)
+        return rows if self.d_ids is None else self.d_ids[rows]
+
     def _draft_pick(self, xh, j: int, base, slots):
-        """Draft token of chain step j from the draft's row xh [S', 1, H] -> [S', 1]: greedy.
-        (base [S']: position of the round's pending token, so step j guesses token base+1+j;
-        slots [S']: whose rows. The tests override this to steer which drafts are right.)"""
-        return self._pick(xh)
+        """Draft token of chain step j from the draft's row xh [S', 1, H] -> [S', 1]: greedy over the
+        draft's head (`_draft_head`). (base [S']: position of the round's pending token, so step j
+        guesses token base+1+j; slots [S']: whose rows. The tests override this to steer which
+        drafts are right.)"""
+        return self._draft_top(xh, 1)
 
     def _draft_first(self, xh, base, slots):
         """Chain step 0's drafts from the draft's row xh [S', 1, H] -> [S', branches]: the greedy one
         (`_draft_pick`), or with a tree the draft's top `branches`, best first."""
         if self.branches == 1:
             return self._draft_pick(xh, 0, base, slots)
-        return self._twin(_pick_top, _dyn(xh[:, 0], 0), self.head.to(xh.dtype), self.branches, self._pick_chunk)
+        return self._draft_top(xh, self.branches)
 
     def _chain(self, out0, base):
         """The next round's drafts from the draft's row out0 [S, 1, H] at position base-1
@@ -653,7 +677,7 @@ class DecodeEngine(StaticForward):
         return t0.elapsed_time(t1) / 1000
 
 
-def _check_args(model, slots: int, max_len: int, draft: int, branches: int) -> None:
+def _check_args(model, slots: int, max_len: int, draft: int, branches: int, draft_vocab=None) -> None:
     """`DecodeEngine`'s arguments, refused with a message that says why."""
     if slots < 1:
         raise CortiqError(f"decode engine: {slots} slots, need at least 1")
@@ -668,3 +692,11 @@ def _check_args(model, slots: int, max_len: int, draft: int, branches: int) -> N
     if branches > 1 and LINEAR in model.arch.layer_types:
         raise CortiqError("decode engine: a draft tree (branches > 1) runs attention-only models (a Gated "
                           "DeltaNet state cannot hold several branches)")
+    if draft_vocab is not None:
+        ids = torch.as_tensor(draft_vocab)
+        V = model.head_weight.shape[0]
+        if ids.dim() != 1 or ids.numel() < branches or ids.dtype.is_floating_point:
+            raise CortiqError(f"decode engine: the draft's vocabulary needs token ids, at least {branches} "
+                              "(one a branch)")
+        if int(ids.min()) < 0 or int(ids.max()) >= V or ids.unique().numel() != ids.numel():
+            raise CortiqError(f"decode engine: the draft's vocabulary needs distinct token ids below {V}")
