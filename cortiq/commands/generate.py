@@ -46,6 +46,12 @@ class GenerateSettings:
     draft_branches: int = setting(0, "--speculative: verify the draft's top N first guesses, each chained, "
                                            "in one forward (a tree; 0: 4 on CUDA for attention-only models, "
                                            "else 1)", lo=0)
+    #: as serve's: the draft guesses among the N tokens its trunk chose most on its training text
+    #: (mtp heal's ranking, cortiq.mtp.vocab); the static-cache engine alone (the reference loop
+    #: drafts over every token)
+    draft_vocab: int = setting(0, "--speculative: the draft guesses among the N tokens its trunk chose most on "
+                                  "its training text (0: 32768 for vocabularies over 65536 with mtp heal's "
+                                  "ranking, else all)", lo=0)
     #: the plain loop is the reference the static-cache engine is tested against
     reference: bool = setting(False, "decode with the plain reference loop (growing cache, eager) instead of the "
                                      "static-cache engine")
@@ -117,6 +123,7 @@ def run(args) -> int:
     from ..model import load_model
     from ..model.decode import auto_branches
     from ..model.generate import generate, generate_fast, generate_speculative
+    from ..mtp.vocab import engine_ids
     from ..settings_meta import from_args
     from ..tokenizer import from_doc
 
@@ -136,7 +143,11 @@ def run(args) -> int:
     if s.draft_branches > 1 and (s.reference or not s.speculative):
         raise CortiqError("generate: --draft-branches drafts a tree for --speculative on the static-cache engine "
                           "(not with --reference)")
+    if s.draft_vocab and (s.reference or not s.speculative):
+        raise CortiqError("generate: --draft-vocab narrows the draft of --speculative on the static-cache engine "
+                          "(not with --reference)")
     nb = s.draft_branches or (1 if s.reference else auto_branches(model.arch, dev))
+    vocab = engine_ids(f, s.draft_vocab) if s.speculative and not s.reference else None
     sys.stdout.write(args.prompt if not s.chat else "")
     stream = _Stream(tok, sys.stdout)
     if s.speculative:
@@ -144,7 +155,7 @@ def run(args) -> int:
             spec = generate_speculative(model, prompt, s.max_new, draft=s.draft, eos_ids=eos, on_token=stream)
         else:
             spec = generate_fast(model, prompt, s.max_new, draft=s.draft, eos_ids=eos, on_token=stream,
-                                 branches=nb)
+                                 branches=nb, draft_vocab=vocab)
         stream.finish()
         plain = (generate if s.reference else generate_fast)(model, prompt, s.max_new, eos_ids=eos)
         n, first = _differ(spec.tokens, plain.tokens)

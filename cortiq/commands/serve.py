@@ -28,7 +28,7 @@ def add_arguments(p):
 
 #: options that act only with another: (the option's setting, the setting it needs)
 NEEDS = (("draft", "speculative"), ("draft_branches", "speculative"), ("spec_auto", "speculative"),
-         ("profile_steps", "profile"))
+         ("draft_vocab", "speculative"), ("profile_steps", "profile"))
 
 
 def named(argv: list[str] | None, s) -> set[str]:
@@ -39,11 +39,14 @@ def named(argv: list[str] | None, s) -> set[str]:
     return named_in(argv, "serve", add_arguments, s)
 
 
-def check_start(model_path: str, s, f, given: set[str], dev) -> tuple[int, int]:
+def check_start(model_path: str, s, f, given: set[str], dev) -> tuple[int, int, object]:
     """Every refusal of `cortiq serve` that needs no loaded model, in one place, before the
     weights load: an option that acts only with another, a --max-len past the model's context,
-    a round of drafts the context cannot hold, a --profile that cannot be written or would
-    overwrite the served model. -> (max_len, the draft tree's branches)"""
+    a round of drafts the context cannot hold, a --draft-vocab the model has no ranking for, a
+    --profile that cannot be written or would overwrite the served model. -> (max_len, the draft
+    tree's branches, the tokens the draft guesses among: cortiq.mtp.vocab.engine_ids, None for all)"""
+    from ..mtp.vocab import engine_ids
+
     from ..errors import CortiqError
     from ..settings_meta import flag
 
@@ -60,9 +63,11 @@ def check_start(model_path: str, s, f, given: set[str], dev) -> tuple[int, int]:
     if s.speculative and rows >= max_len:
         raise CortiqError(f"serve: a round of --draft {s.draft} on {nb} branches verifies {rows} positions, "
                           f"and the context is {max_len}: lower --draft or --draft-branches")
+    # (auto on the loop engine: the whole head, the one it drafts over)
+    vocab = engine_ids(f, s.draft_vocab) if s.speculative and (s.draft_vocab or s.engine != "loop") else None
     if s.profile:
         check_profile(s.profile, s.profile_steps, f.path)
-    return max_len, nb
+    return max_len, nb, vocab
 
 
 def profile_paths(profile: str, steps: int) -> list:
@@ -110,7 +115,7 @@ def load(model_path: str, s, given: set[str] = frozenset()):
     dev = resolve_device(s.device, "serve")
     dt = resolve_compute(s.dtype, dev)
     f = open_cmf(model_path)
-    max_len, nb = check_start(model_path, s, f, given, dev)
+    max_len, nb, vocab = check_start(model_path, s, f, given, dev)
     tok = from_doc(f.tokenizer, str(model_path))
     model = load_model(f, dtype=dt, device=dev)
     if s.speculative and model.mtp is None:
@@ -118,7 +123,7 @@ def load(model_path: str, s, given: set[str] = frozenset()):
                           "(cortiq mtp init / mtp heal give it one)")
     check_kv_room(model.arch, s.max_batch, max_len, s.draft if s.speculative else 0, dt, dev, nb)
     engine = make_engine(model, s.max_batch, max_len, draft=s.draft if s.speculative else 0, kind=s.engine,
-                         branches=nb)
+                         branches=nb, draft_vocab=vocab)
     doc = f.tokenizer or {}
     eos_ids = [int(i) for i in doc.get("eos_ids") or []]
     bos_id = doc.get("bos_id")

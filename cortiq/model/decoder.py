@@ -409,20 +409,25 @@ class CausalLM(nn.Module):
         return self.logits(self.forward_hidden(ids, cache=cache)[0])
 
     @torch.no_grad()
-    def topk_next(self, h_final, k: int, chunk: int = 1024):
+    def topk_next(self, h_final, k: int, chunk: int = 1024, vocab: torch.Tensor | None = None):
         """Top-k of the next-token distribution per row: (ids int64 [B, T, k],
         probs f32 [B, T, k] renormalised over the k). Rows go `chunk` at a time,
-        so [B·T, V] logits never exist at once."""
+        so [B·T, V] logits never exist at once. `vocab` (token ids [N]): the top-k
+        among those tokens alone (a draft's narrowed head, cortiq.mtp.vocab)."""
         B, T, H = h_final.shape
         rows = h_final.reshape(B * T, H)
+        head = self.head_weight if vocab is None else self.head_weight[vocab.to(self.head_weight.device)]
+        head = head.to(rows.dtype)
         ids = torch.empty(B * T, k, dtype=torch.long, device=rows.device)
         probs = torch.empty(B * T, k, dtype=torch.float32, device=rows.device)
         for s in range(0, B * T, chunk):
             # top-k in the logits' own dtype: a bf16 head's logits are bf16
             # already, and a float copy of [chunk, V] costs more than the head
-            top, idx = self.logits(rows[s : s + chunk]).topk(k, -1)  # [chunk, k]
+            top, idx = F.linear(rows[s : s + chunk], head).topk(k, -1)  # [chunk, k]
             probs[s : s + chunk] = torch.softmax(top.float(), -1)  # renormalised over the k kept
             ids[s : s + chunk] = idx
+        if vocab is not None:
+            ids = vocab.to(ids.device)[ids]
         return ids.view(B, T, k), probs.view(B, T, k)
 
     def compile_layers(self, layers=None, **kw) -> "CausalLM":

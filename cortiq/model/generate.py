@@ -177,10 +177,11 @@ def _room(prompts, max_new: int, draft: int) -> int:
 @torch.no_grad()
 def decode(model, prompts: Sequence[Sequence[int]], max_new: int = 64, draft: int = 0, temperature: float = 0.0,
            eos_ids: Sequence[int] = (), on_token: Callable[[int, int], None] | None = None, seed: int = 0,
-           graphs: bool | None = None, engine=None, branches: int = 1) -> list[GenResult]:
+           graphs: bool | None = None, engine=None, branches: int = 1, draft_vocab=None) -> list[GenResult]:
     """Decode every prompt at once on the static-cache engine (cortiq.model.decode),
     one slot each: plain steps, or speculative rounds with `draft` ≥ 1 (greedy; with
-    `branches` > 1 a draft tree of that many first guesses, each chained).
+    `branches` > 1 a draft tree of that many first guesses, each chained; `draft_vocab`: the
+    token ids the draft guesses among, as the engine's).
     A slot stops at an EOS id or after `max_new` tokens and is released while
     the others go on. `on_token(slot, token)` streams. Greedy output equals
     `generate`'s for each prompt alone (exactly in f32), speculative or not.
@@ -194,7 +195,8 @@ def decode(model, prompts: Sequence[Sequence[int]], max_new: int = 64, draft: in
     if max_new < 1:
         raise CortiqError(f"generate: max_new {max_new}, need at least 1")
     eng = engine or DecodeEngine(model, slots=len(prompts), max_len=_room(prompts, max_new, draft), draft=draft,
-                                 sampling=temperature > 0, graphs=graphs, seed=seed, branches=branches)
+                                 sampling=temperature > 0, graphs=graphs, seed=seed, branches=branches,
+                                 draft_vocab=draft_vocab)
     if eng.slots < len(prompts) or eng.draft != draft:
         raise CortiqError(f"decode: the engine has {eng.slots} slots and draft {eng.draft}; asked {len(prompts)} and "
                           f"{draft}")
@@ -248,8 +250,9 @@ def decode(model, prompts: Sequence[Sequence[int]], max_new: int = 64, draft: in
 
 def generate_fast(model, prompt: Sequence[int], max_new: int = 64, temperature: float = 0.0, draft: int = 0,
                   eos_ids: Sequence[int] = (), on_token: Callable[[int], None] | None = None, seed: int = 0,
-                  graphs: bool | None = None, engine=None, branches: int = 1) -> GenResult:
+                  graphs: bool | None = None, engine=None, branches: int = 1, draft_vocab=None) -> GenResult:
     """`generate` / `generate_speculative` on the static-cache engine (one slot; `branches` > 1: a
-    draft tree of that many first guesses, each chained)."""
+    draft tree of that many first guesses, each chained; `draft_vocab` as `decode`'s)."""
     cb = (lambda s, t: on_token(t)) if on_token else None
-    return decode(model, [prompt], max_new, draft, temperature, eos_ids, cb, seed, graphs, engine, branches)[0]
+    return decode(model, [prompt], max_new, draft, temperature, eos_ids, cb, seed, graphs, engine, branches,
+                  draft_vocab)[0]

@@ -57,8 +57,9 @@ class Chain:
     def __init__(self, model, sets: list[TrunkSet], chain: int, stride: int, pad: int, hold_all: bool = False,
                  batch: int = 4, chunk: int = 1024, start: torch.Tensor | None = None,
                  chat: torch.Tensor | None = None, span: int | None = None,
-                 branches: int | tuple[int, ...] = 1):
+                 branches: int | tuple[int, ...] = 1, vocab: torch.Tensor | None = None):
         self.model, self.chain, self.stride, self.pad = model, chain, stride, pad
+        self.vocab = vocab  # token ids [N] the draft picks among (None: every token), as a serving engine's draft_vocab
         # a draft tree's width at each chain step: an int N, N first guesses each chained (the tree
         # of cortiq.model.decode); a tuple, the draft's top w_j at every node of step j (1 past it)
         self.widths = (branches,) if isinstance(branches, int) else tuple(int(w) for w in branches)
@@ -193,7 +194,7 @@ class Chain:
 
     # ── measures ──
     def _top1(self, out: torch.Tensor, k: int = 1):
-        ti, tp = self.model.topk_next(out, k, self.chunk)
+        ti, tp = self.model.topk_next(out, k, self.chunk, self.vocab)
         return ti.cpu(), tp.cpu()
 
     @torch.no_grad()

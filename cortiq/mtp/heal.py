@@ -237,14 +237,15 @@ def _report(m: dict) -> dict:
 
 
 def measure_text(model, seqs, prompt_lens, chain: int = 3, span: int | None = None, chat=None, pad: int = 0,
-                 batch: int = 4, chunk: int = 1024, branches: int | tuple[int, ...] = 1) -> dict:
+                 batch: int = 4, chunk: int = 1024, branches: int | tuple[int, ...] = 1, vocab=None) -> dict:
     """mtp heal's measure on any token sequences: each a prompt of prompt_lens[i] tokens and
     the text after it (the model's greedy continuation: then "walk" is exactly what greedy
     speculative decoding at depth `chain` accepts a round over `span` new tokens, drafts past
     the sequence's end not counted; with `branches` N > 1, what rounds of a draft tree of N
     first guesses, each chained, accept (`--draft-branches N`); with a tuple (w_1, w_2, ...), a
     tree whose every node at step j has the draft's top w_j as its children, which no engine
-    runs yet: what such a tree would keep). `chat` [n] bool marks chat answers. One trunk pass and
+    runs yet: what such a tree would keep); `vocab` (token ids [N]): the draft picking among those
+    alone (the engine's `draft_vocab`). `chat` [n] bool marks chat answers. One trunk pass and
     one draft pass (cortiq.mtp.draft.Chain, the code mtp heal measures with). -> {kind:
     {"hold", "drafts_per_round", "counted"}} for kinds "walk", "data", "chat", "every_row"."""
     import torch
@@ -262,7 +263,7 @@ def measure_text(model, seqs, prompt_lens, chain: int = 3, span: int | None = No
     ti, tp, h = run_trunk(model, ids, 1, batch, chunk)
     ch = Chain(model, [TrunkSet.held("text", ids, lens, ti, tp, h)], chain, 0, pad, hold_all=True, batch=batch, chunk=chunk,
                start=torch.as_tensor(list(prompt_lens), dtype=torch.int64) - 1, chat=chat, span=span,
-               branches=branches)
+               branches=branches, vocab=None if vocab is None else torch.as_tensor(vocab, dtype=torch.int64))
     return _report(ch.measure())
 
 
@@ -294,13 +295,26 @@ def heldout_windows(model, f, data_spec: str | None = None, settings: MtpSetting
             "chain": s.chain, "data": spec, "settings": s}
 
 
+def draft_ranking(ch, vocab: int, data_spec: str) -> dict:
+    """The document's `draft_vocab` entry (cortiq.mtp.vocab) from the chain's training windows (all
+    of them where every window is held out)."""
+    import torch
+
+    from . import vocab as V
+
+    train = ~ch.held if bool((~ch.held).any()) else torch.ones_like(ch.held)
+    ranked = V.ranking(ch.t1[train].numpy(), ch.ids[train].numpy(), ch.lens[train].numpy(), vocab)
+    return V.entry(ranked, f"the trunk's greedy tokens on {int(train.sum())} windows of {data_spec}")
+
+
 def _draft_tensors(model) -> dict:
     return {f"model.mtp.{n}": p.detach().float().cpu() for n, p in model.mtp.named_parameters()}
 
 
 def write_draft(f, tensors: dict, codec: str, path, stage_block: dict | None = None, sensitive=None,
-                sensitive_codec: str = "q8"):
-    """`f`'s tensors as stored, with model.mtp.* replaced by `tensors` in `codec`
+                sensitive_codec: str = "q8", ranking: dict | None = None):
+    """`f`'s tensors as stored, with model.mtp.* replaced by `tensors` in `codec`, and the draft's
+    token `ranking` (`draft_ranking`) in its document where given
     ("keep": each draft tensor's codec in `f`; a quantized codec only for 2-D weights;
     below 8 bits a weight named in `sensitive` goes to `sensitive_codec`; None: the
     whole-model rule's names, cortiq.codecs.KEEP_8BIT, which hold the draft's eh_proj).
@@ -323,6 +337,10 @@ def write_draft(f, tensors: dict, codec: str, path, stage_block: dict | None = N
     doc = {k: v for k, v in f.doc.items() if k not in ("codecs", "hashes", "shards")}
     if stage_block is not None:
         doc = with_provenance(doc, STAGE, stage_block)
+    if ranking is not None:
+        from .vocab import KEY
+
+        doc[KEY] = ranking
     return write_cmf(Path(path), doc, specs)
 
 
@@ -455,9 +473,10 @@ def mtp_heal(model_cmf, data_spec: str, settings: MtpSettings, out_cmf, logger: 
         if kind in after:
             block[f"drafts_per_round_after_{kind}"] = after[kind]["drafts_per_round"]
     tensors = _draft_tensors(model)
+    ranking = draft_ranking(ch, f.arch.vocab_size, data_spec)
     codecs = {}
     for codec, path in [(s.codec, out_cmf)] + list(s.also):
-        write_draft(f, tensors, codec, path, block)
+        write_draft(f, tensors, codec, path, block, ranking=ranking)
         codecs[codec if path != out_cmf else f"out:{codec}"] = _remeasure(ch, path, s, codec)
     metrics = {"drafts_per_round_before": before["drafts_per_round"], "drafts_per_round_after": after["drafts_per_round"],
                "steps": float(run["steps"]), "best_step": float(run["best_step"]), "skipped": float(run.get("skipped", 0)),

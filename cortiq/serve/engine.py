@@ -170,13 +170,16 @@ class _WholePrefill:
 
 
 def make_engine(model, max_batch: int, max_len: int, draft: int = 0, kind: str = "auto",
-                branches: int = 1) -> Engine:
-    """The decode engine by default; the loop engine when asked (chains only: no draft tree)."""
+                branches: int = 1, draft_vocab=None) -> Engine:
+    """The decode engine by default; the loop engine when asked (chains over the whole head only:
+    no draft tree, no `draft_vocab`)."""
     if kind in ("auto", "decode"):
-        return DecodeAdapter(model, max_batch, max_len, draft, branches=branches)
+        return DecodeAdapter(model, max_batch, max_len, draft, branches=branches, draft_vocab=draft_vocab)
     if kind == "loop":
         if branches > 1:
             raise CortiqError("engine loop: a draft tree (draft_branches > 1) needs the decode engine")
+        if draft_vocab is not None:
+            raise CortiqError("engine loop: a draft among some tokens (--draft-vocab) needs the decode engine")
         return LoopEngine(model, max_batch, max_len, draft)
     raise CortiqError(f"engine kind {kind!r} (choose auto, decode or loop)")
 

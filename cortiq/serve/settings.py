@@ -48,6 +48,14 @@ class ServeSettings:
                                            "else 1)", lo=0, hi=16,
                                   why="a round verifies branches x draft + 1 rows a request, and the tree's "
                                       "masks grow with their square: more first guesses cost more than they keep")
+    #: the draft guesses among the N tokens the trunk chose most often on the draft's training text
+    #: (the ranking `mtp heal` stores, cortiq.mtp.vocab): at a large vocabulary the output head is
+    #: most of what a draft step reads, and the trunk verifies every draft, so the answers do not
+    #: change; 0 (auto): 32768 where the vocabulary has more than 65536 tokens and the model stores
+    #: the ranking, else every token; N at or past the vocabulary: every token
+    draft_vocab: int = setting(0, "--speculative: the draft guesses among the N tokens its trunk chose most on "
+                                  "its training text (0: 32768 for vocabularies over 65536 with mtp heal's "
+                                  "ranking, else all)", lo=0)
     #: prompt tokens run per scheduler turn (a long prompt takes several turns, between the
     #: running requests' steps, so they do not stall); 0 = a whole prompt at once
     prefill_chunk: int = setting(256, "prompt tokens prefilled per step (0: whole prompts)", lo=0)

@@ -201,6 +201,18 @@ def test_training_raises_drafts_per_round(tiny, tmp_path, stride):
         if trained and n.endswith("_proj.weight"):
             assert not same, n
     assert "mtp_heal" in g.provenance
+    # the draft's token ranking (cortiq.mtp.vocab), in every codec's file: the trunk's greedy tokens
+    # counted on the training windows alone (the held-out tenth left out)
+    from cortiq.mtp import vocab as V
+    from cortiq.mtp.heal import _chain, resolve
+
+    s = resolve(f, small(stride=stride))
+    ch, _ = _chain(load_model(f), f, str(data), s)
+    train = ~ch.held
+    want = V.ranking(ch.t1[train].numpy(), ch.ids[train].numpy(), ch.lens[train].numpy(), f.arch.vocab_size)
+    assert bool(ch.held.any()) and V.stored(g).tolist() == want.tolist()
+    assert V.stored(open_cmf(tmp_path / "q8.cmf")).tolist() == want.tolist()
+    assert V.stored(g).tolist() != V.ranking(ch.t1.numpy(), ch.ids.numpy(), ch.lens.numpy(), f.arch.vocab_size).tolist()
     # logged live at every evaluation: the checkpoint written is the best one evaluated, at its step
     evals = dict(log.series("drafts_per_round"))
     assert max(evals.values()) == pytest.approx(mt["drafts_per_round_after"], abs=1e-9)

@@ -101,6 +101,10 @@ OVERWRITE = "cortiq: {}: {}; give another output path\n"
     (["--draft-b", "0"], NEEDS_LINE.format("draft-branches", "speculative")),  # an abbreviation names it too
     (["--no-speculative", "--spec-auto"], NEEDS_LINE.format("spec-auto", "speculative")),
     (["--profile-steps", "4"], NEEDS_LINE.format("profile-steps", "profile")),
+    (["--draft-vocab", "100"], NEEDS_LINE.format("draft-vocab", "speculative")),
+    (["--speculative", "--draft-vocab", "100"], "cortiq: {m}: --draft-vocab 100 needs the draft's token ranking, which "
+                                                "`cortiq mtp heal` writes; this model has none (heal its draft, or give "
+                                                "--draft-vocab 0)\n"),
     (["--speculative", "--draft", "100000"], f"cortiq: serve settings: draft 100000 is outside [1, 16]: {WHY_DRAFT}\n"),
     (["--speculative", "--draft-branches", "100000"],
      f"cortiq: serve settings: draft_branches 100000 is outside [0, 16]: {WHY_BRANCHES}\n"),
