@@ -97,6 +97,15 @@ def check_draft_data(d):
         assert all(1 <= a["offline_tokens_a_round"] <= 4 for a in r["measures"]) and r["steps"] > 0
 
 
+def check_draft_vocab(d):
+    # each prompt kind at each head size; the whole head covers every token, a narrower one no more
+    assert [(r["kind"], r["head_rows"]) for r in d["rows"]] == [(k, n) for k in ("chat", "text") for n in (259, 200, 64)]
+    for k in ("chat", "text"):
+        cov = [r["covered"] for r in d["rows"] if r["kind"] == k]
+        assert cov[0] == 1.0 and cov == sorted(cov, reverse=True)
+    assert all(1 <= r[m] <= 1 + d["draft"] for r in d["rows"] for m in ("chain", "tree"))
+
+
 def check_pipeline(d):
     _no_error(d["pipeline"])
     _no_error(d["memory"])
@@ -322,6 +331,7 @@ BENCHES = {
     "mtp.draft_data": (["--work", "{work}", "--rows", "defaults|asked, 4096 windows"], "draft_data.json", check_draft_data),
     "run": ([], "bench.json", check_run),
     "mtp.selfgen": ([], "selfgen.json", check_selfgen),
+    "mtp.draft_vocab": ([], "draft_vocab.json", check_draft_vocab),
     "pipeline.compress": ([], "compress_bench.json", check_compress),
     "quality.llamacpp": ([], "llamacpp.json", check_llamacpp),
     "heal.profile_step": ([], "profile_step.json", check_profile_step),
