@@ -25,8 +25,10 @@ from ..errors import CortiqError
 #: the model document's key
 KEY = "draft_vocab"
 #: `--draft-vocab 0` (auto): the first AUTO_ROWS of the ranking for a vocabulary of more than
-#: AUTO_ABOVE tokens (where the head outweighs the draft's layer several times: bench/DECODE.md, "What a
-#: round costs at 8B"), the whole head below it (a smaller head costs little beside the layer)
+#: AUTO_ABOVE tokens, those of the large model families, whose decode steps are bound by the bytes they
+#: read and whose draft reads its head more than its layer (bench/DECODE.md, "What a round costs at
+#: 8B"); the whole head below it, where a small model's step is bound by its launches instead
+#: ("A narrower draft head")
 AUTO_ROWS, AUTO_ABOVE = 32768, 65536
 
 
