@@ -35,6 +35,8 @@ def summary(f) -> dict:
             "eos_ids": tok.get("eos_ids"), "bos_id": tok.get("bos_id"),
             "special_ids": len(tok.get("special_ids") or []), "chat_template": bool(tok.get("chat_template")),
         },
+        # what the draft's token ranking (cortiq.mtp.vocab) was counted on, where the file has one
+        "draft_vocab": (f.doc.get("draft_vocab") or {}).get("counted"),
         "provenance": f.provenance,
     }
 
@@ -63,6 +65,8 @@ def run(args) -> int:
     print("tokenizer  " + ("none" if t is None else
                            f"eos {t['eos_ids']}, bos {t['bos_id']}, {t['special_ids']} special tokens, "
                            f"chat template {'yes' if t['chat_template'] else 'no'}"))
+    if s["draft_vocab"]:
+        print(f"draft      tokens ranked by {s['draft_vocab']} (--draft-vocab N)")
     print("provenance" + ("  none" if not s["provenance"] else ""))
     for stage, block in s["provenance"].items():
         print(f"  {stage}: {json.dumps(block)}")

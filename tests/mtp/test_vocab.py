@@ -3,6 +3,7 @@ and refused when damaged, the serving side's choice of rows, and `cortiq generat
 without changing the answer."""
 
 import base64
+import re
 import types
 
 import numpy as np
@@ -81,6 +82,10 @@ def test_generate_with_a_narrow_draft_answers_as_plain(tiny, tmp_path, capsys):
     out = tmp_path / "healed.cmf"
     mtp_heal(model, str(data), MtpSettings(window=32, topk=8, batch=2, chain=2, epochs=0.0, device="cpu",
                                            head_chunk=64), out)
+    assert main(["inspect", str(out)]) == 0
+    # (the windows mtp heal trained on: nine in ten of them)
+    line = rf"draft      tokens ranked by the trunk's greedy tokens on \d+ windows of {re.escape(str(data))} \(--draft-vocab N\)"
+    assert re.search(line, capsys.readouterr().out, re.M)
     args = ["generate", str(out), "ab", "--max-new", "12", "--speculative", "--draft", "2", "--device", "cpu"]
     assert main(args + ["--draft-vocab", "40"]) == 0
     assert "output identical to plain greedy" in capsys.readouterr().err
