@@ -217,7 +217,8 @@ def run(args) -> int:
         raise CortiqError(f"serve: cannot listen on {s.host}:{s.port}: {e.strerror}") from None
     host, port = sock.getsockname()[:2]
     eng = served.scheduler.engine
-    auto = (f", {eng.branches} branches" if eng.branches > 1 else "") + (", auto" if s.spec_auto else "")
+    auto = (f", {eng.branches} branches" if eng.branches > 1 else "") + (
+        f", among {eng.draft_rows} tokens" if eng.draft_rows else "") + (", auto" if s.spec_auto else "")
     print(f"cortiq serve: {served.model_id} on {dev} ({str(dt).removeprefix('torch.')}), "
           f"{type(eng).__name__} x{eng.max_batch}, context {served.max_len}"
           f"{f', speculative (draft {eng.draft}{auto})' if eng.draft else ''}", file=sys.stderr)

@@ -61,6 +61,8 @@ class Engine(ABC):
     picked = None
     #: the draft tree's first guesses a round (1: chain rounds only)
     branches = 1
+    #: the tokens the draft guesses among where its head is narrowed (`draft_vocab`); 0: every token
+    draft_rows = 0
 
     def __init__(self, model, max_batch: int, max_len: int, draft: int = 0):
         if max_batch < 1 or max_len < 2:
@@ -274,6 +276,7 @@ class DecodeAdapter(Engine):
                                 kv_buckets=kv_bucket_sizes(max_len)[:-1] if kv_buckets is None else kv_buckets,
                                 branches=branches, keep_rows=True, draft_vocab=draft_vocab)
         self.branches = branches
+        self.draft_rows = 0 if self.eng.d_ids is None else len(self.eng.d_ids)
 
         # prompts by captured chunk graphs where the model allows (attention only)
         self.staged = None if self.eng.lin_idx else StagedPrefill(self.eng)

@@ -86,6 +86,21 @@ def test_a_draft_tree_answers_greedy():
         make_engine(m, 2, 16, draft=1, kind="loop", branches=2)
 
 
+def test_a_narrow_draft_serves_greedy_answers():
+    # the draft guessing among 3 of the tokens (`draft_vocab`) in the server's engine, joins and all:
+    # the answers stay greedy's; the loop engine drafts over the whole head alone
+    m = random_model(arch("llama"), mix=0.5)
+    prompts = [[1, 2, 3], [0, 3, 1, 2, 2, 1], [3], [2, 0]]
+    eng = make_engine(m, 4, 64, draft=2, draft_vocab=torch.tensor([2, 0, 3]))
+    assert eng.draft_rows == 3 and make_engine(m, 4, 64, draft=2).draft_rows == 0
+    got, _ = drive(eng, prompts, max_new=12, speculative=True, joins=[0, 1, 1, 4])
+    for p, g in zip(prompts, got):
+        assert g == generate(m, p, max_new=12).tokens
+    with pytest.raises(CortiqError, match=r"^engine loop: a draft among some tokens \(--draft-vocab\) needs the "
+                                          r"decode engine$"):
+        make_engine(m, 2, 16, draft=1, kind="loop", draft_vocab=torch.tensor([1, 2]))
+
+
 def test_the_engines_speculate_the_same_rounds():
     m = random_model(arch("llama"), mix=0.5, seed=3)
     prompts = [[1, 2, 3], [0, 3, 1, 2, 2, 1], [3]]
