@@ -35,8 +35,6 @@ def prompts(model: Path, n_text: int, T: int) -> dict:
 def ranked(model: Path, data: str | None, cache: str | None, **settings):
     """The model's stored ranking, or (data) the one mtp heal would store from that data's own
     windows (not the continuations it may generate beside them; `settings`: MtpSettings fields)."""
-    import numpy as np
-
     from cortiq.cmf import open_cmf
     from cortiq.mtp import vocab as V
     from cortiq.mtp.heal import _chain, _load, draft_ranking, resolve
@@ -51,8 +49,7 @@ def ranked(model: Path, data: str | None, cache: str | None, **settings):
     s = resolve(f, MtpSettings(epochs=0, generate=False, gen_share=0.0, **settings))
     ch, _ = _chain(_load(f, s), f, data, s, cache)
     e = draft_ranking(ch, f.arch.vocab_size, data)
-    f2 = type("F", (), {"doc": {V.KEY: e}, "arch": f.arch, "path": f.path})
-    return np.asarray(V.stored(f2)), e["counted"]
+    return V.parse(e, f.arch.vocab_size, data), e["counted"]
 
 
 def run(args) -> dict:

@@ -51,18 +51,21 @@ def entry(ranked: np.ndarray, counted: str) -> dict:
 
 
 def stored(f) -> np.ndarray | None:
-    """The ranking `f` (a CmfFile) stores, checked: a permutation of its vocabulary; None if none."""
+    """The ranking `f` (a CmfFile) stores, checked (`parse`); None if none."""
     e = f.doc.get(KEY)
-    if e is None:
-        return None
-    V = f.arch.vocab_size
+    return None if e is None else parse(e, f.arch.vocab_size, f.path)
+
+
+def parse(e: dict, vocab: int, where) -> np.ndarray:
+    """A document entry's ranking, checked: a permutation of the `vocab` token ids, else one line
+    naming `where`."""
     try:
         ranked = np.frombuffer(base64.b64decode(e["ids"], validate=True), dtype="<i4")
     except (TypeError, KeyError, ValueError) as err:
-        raise CortiqError(f"{f.path}: its draft_vocab entry is not a base64 list of token ids ({err})") from None
-    if len(ranked) != V or np.bincount(ranked.clip(0, V - 1), minlength=V).max(initial=0) != 1 \
-            or ranked.min(initial=0) < 0 or ranked.max(initial=0) >= V:
-        raise CortiqError(f"{f.path}: its draft_vocab entry is not a ranking of its {V} tokens; "
+        raise CortiqError(f"{where}: its draft_vocab entry is not a base64 list of token ids ({err})") from None
+    if len(ranked) != vocab or ranked.min(initial=0) < 0 or ranked.max(initial=0) >= vocab \
+            or np.bincount(ranked.clip(0, vocab - 1), minlength=vocab).max(initial=0) != 1:
+        raise CortiqError(f"{where}: its draft_vocab entry is not a ranking of its {vocab} tokens; "
                           "run `cortiq mtp heal` again to write a new one")
     return ranked
 

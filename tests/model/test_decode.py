@@ -137,22 +137,29 @@ def _reference_drafts(model, seq, k):
     return _reference_tree(model, seq, k, 1)
 
 
-@pytest.mark.parametrize("draft", [1, 3])
-def test_drafts_held_between_rounds_are_the_reference_chain(model, draft):
-    # after prefill, after each speculative round and after plain steps mixed in, the drafts the
-    # engine holds for its next round are the chain the reference loop would draft from that state
+def _held_drafts_follow(eng, model, turns: int, ref) -> None:
+    """Slot 1 prefilled with PROMPTS[0], then `turns` turns (every third a plain step, else a round):
+    after the prefill and every turn the drafts the engine holds are ref(seq), seq the prompt and the
+    tokens so far; the tokens stay greedy's."""
     p = PROMPTS[0]
-    eng = DecodeEngine(model, slots=2, max_len=64, draft=draft, graphs=False)
     seq = p + [eng.prefill(1, p)]
-    assert eng.drafts[1].tolist() == _reference_drafts(model, seq, draft)
-    for r in range(6):
+    assert eng.drafts[1].tolist() == ref(seq)
+    for r in range(turns):
         if r % 3 == 2:
             seq.append(eng.step().tolist()[1])
         else:
             pred, n = eng.spec_step()
             seq += pred[1, : n[1]].tolist()
-        assert eng.drafts[1].tolist() == _reference_drafts(model, seq, draft)
+        assert eng.drafts[1].tolist() == ref(seq)
     assert seq[len(p):] == greedy(model, p, len(seq) - len(p))
+
+
+@pytest.mark.parametrize("draft", [1, 3])
+def test_drafts_held_between_rounds_are_the_reference_chain(model, draft):
+    # after prefill, after each speculative round and after plain steps mixed in, the drafts the
+    # engine holds for its next round are the chain the reference loop would draft from that state
+    eng = DecodeEngine(model, slots=2, max_len=64, draft=draft, graphs=False)
+    _held_drafts_follow(eng, model, 6, lambda seq: _reference_drafts(model, seq, draft))
 
 
 @pytest.mark.parametrize("draft", [0, 2])
@@ -507,18 +514,8 @@ def test_tree_drafts_held_between_rounds_are_the_reference_tree(model, draft):
     # steps are the reference's tree from that state, and the tokens stay greedy's
     if model.arch.layer_types.count("linear_attention"):
         pytest.skip("a draft tree runs attention-only models")
-    p = PROMPTS[0]
     eng = DecodeEngine(model, slots=2, max_len=64, draft=draft, graphs=False, branches=3)
-    seq = p + [eng.prefill(1, p)]
-    assert eng.drafts[1].tolist() == _reference_tree(model, seq, draft, 3)
-    for r in range(7):
-        if r % 3 == 2:
-            seq.append(eng.step().tolist()[1])
-        else:
-            pred, n = eng.spec_step()
-            seq += pred[1, : n[1]].tolist()
-        assert eng.drafts[1].tolist() == _reference_tree(model, seq, draft, 3)
-    assert seq[len(p):] == greedy(model, p, len(seq) - len(p))
+    _held_drafts_follow(eng, model, 7, lambda seq: _reference_tree(model, seq, draft, 3))
 
 
 @pytest.mark.parametrize("branches", [1, 3])
@@ -529,20 +526,10 @@ def test_a_narrow_draft_head_drafts_the_masked_reference(model, branches):
     if branches > 1 and model.arch.layer_types.count("linear_attention"):
         pytest.skip("a draft tree runs attention-only models")
     vocab = torch.randperm(V, generator=torch.Generator().manual_seed(3))[:37]
-    p = PROMPTS[0]
     eng = DecodeEngine(model, slots=2, max_len=64, draft=3, graphs=False, branches=branches, draft_vocab=vocab)
     assert eng.d_head.shape == (37, model.arch.hidden_size)
-    seq = p + [eng.prefill(1, p)]
-    assert eng.drafts[1].tolist() == _reference_tree(model, seq, 3, branches, vocab)
-    for r in range(7):
-        if r % 3 == 2:
-            seq.append(eng.step().tolist()[1])
-        else:
-            pred, n = eng.spec_step()
-            seq += pred[1, : n[1]].tolist()
-        assert eng.drafts[1].tolist() == _reference_tree(model, seq, 3, branches, vocab)
-    assert seq[len(p):] == greedy(model, p, len(seq) - len(p))
-    assert set(eng.drafts.flatten().tolist()) <= set(vocab.tolist())
+    _held_drafts_follow(eng, model, 7, lambda seq: _reference_tree(model, seq, 3, branches, vocab))
+    assert set(eng.drafts[1].tolist()) <= set(vocab.tolist())
 
 
 def test_a_draft_vocabulary_of_bad_ids_is_a_clear_error(model):
