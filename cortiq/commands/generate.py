@@ -137,17 +137,17 @@ def run(args) -> int:
     eos = (f.tokenizer or {}).get("eos_ids") or []
     dev = resolve_device(s.device, "generate")
     dt = resolve_compute(s.dtype, dev)
+    if s.draft_vocab and (s.reference or not s.speculative):
+        raise CortiqError("generate: --draft-vocab narrows the draft of --speculative on the static-cache engine "
+                          "(not with --reference)")
+    vocab = engine_ids(f, s.draft_vocab) if s.speculative and not s.reference else None  # (before the weights load)
     model = load_model(f, dtype=dt, device=dev)
     if s.speculative and model.mtp is None:
         raise CortiqError(f"{args.model}: has no MTP draft block (model.mtp.*): --speculative needs one")
     if s.draft_branches > 1 and (s.reference or not s.speculative):
         raise CortiqError("generate: --draft-branches drafts a tree for --speculative on the static-cache engine "
                           "(not with --reference)")
-    if s.draft_vocab and (s.reference or not s.speculative):
-        raise CortiqError("generate: --draft-vocab narrows the draft of --speculative on the static-cache engine "
-                          "(not with --reference)")
     nb = s.draft_branches or (1 if s.reference else auto_branches(model.arch, dev))
-    vocab = engine_ids(f, s.draft_vocab) if s.speculative and not s.reference else None
     sys.stdout.write(args.prompt if not s.chat else "")
     stream = _Stream(tok, sys.stdout)
     if s.speculative:

@@ -45,9 +45,8 @@ def check_start(model_path: str, s, f, given: set[str], dev) -> tuple[int, int, 
     a round of drafts the context cannot hold, a --draft-vocab the model has no ranking for, a
     --profile that cannot be written or would overwrite the served model. -> (max_len, the draft
     tree's branches, the tokens the draft guesses among: cortiq.mtp.vocab.engine_ids, None for all)"""
-    from ..mtp.vocab import engine_ids
-
     from ..errors import CortiqError
+    from ..mtp.vocab import engine_ids
     from ..settings_meta import flag
 
     for name, needs in NEEDS:

@@ -1,8 +1,8 @@
 """The draft's vocabulary: the tokens a serving engine's draft picks among.
 
 At a large vocabulary the output head is most of what a draft step reads (bench/DECODE.md, "What a
-round costs at 8B"), yet the drafts that are ever accepted are the tokens the trunk itself emits, and
-a few thousand of them carry nearly all of its text. `mtp heal` ranks the vocabulary by how often
+round costs at 8B"), yet a draft is accepted only where it is the token the trunk itself emits, and
+a minority of the vocabulary carries nearly all of what a trunk emits ("A narrower draft head"). `mtp heal` ranks the vocabulary by how often
 the trunk's greedy choice is each token on the windows it trains on (the held-out ones left out),
 ties by the windows' own token counts, then by id, and stores the ranking in the model's document
 under `draft_vocab`. `cortiq serve` and `cortiq generate` give the decode engine its first N

@@ -24,7 +24,7 @@ from ...arch import FULL, LINEAR
 from ...errors import CortiqError
 from .forward import StaticForward
 from .layers import _Attn, _Mlp, _Norm, _dyn, _fuse
-from .picks import _argmax, _pick_greedy, _pick_top, _split
+from .picks import _argmax, _check_draft_vocab, _pick_greedy, _pick_top, _split
 from .prefill import PrefillJob
 from .speculative import _kept, _plain_end, _put_drafts, _round_end, _tree_choice, _tree_tables
 
@@ -398,9 +398,9 @@ class DecodeEngine(StaticForward):
 
     def _draft_head(self, draft_vocab) -> None:
         """The head the draft picks from: the whole head, or with `draft_vocab` (token ids [N]) only
-        those rows, copied once (`d_head` [N, H]; `d_ids` maps a row back to its token). At a
-        large vocabulary the head is most of what a draft step reads, and the trunk verifies every
-        draft, so a narrower draft head changes which drafts are guessed, never the output."""
+        those rows, copied once (`d_head` [N, H]; `d_ids` maps a row back to its token). At a large
+        vocabulary the head is most of what a draft step reads, and the trunk verifies every draft:
+        a narrower head changes which drafts are guessed, never the output."""
         self.d_ids = self.d_head = None
         if draft_vocab is not None and self.draft:
             self.d_ids = torch.as_tensor(draft_vocab, dtype=torch.long, device=self.device)
@@ -410,12 +410,10 @@ class DecodeEngine(StaticForward):
     def _draft_top(self, xh, k: int):
         """The draft's picks over its head: k = 1, the argmax of each row of xh [S', T, H] -> [S', T];
         k > 1, the top k of each slot's first row -> [S', k], best first."""
-        if self.d_ids is None:
-            head, c = self.head.to(xh.dtype), self._pick_chunk
-        else:
-            head, c = self.d_head.to(xh.dtype), self._d_chunk
-        rows = self._twin(_pick_greedy, _dyn(xh, 0, 1), head, c) if k == 1 else \
-            self._twin(_pick_top, _dyn(xh[:, 0], 0), head, k, c)
+        head = self.head if self.d_ids is None else self.d_head
+        c = self._pick_chunk if self.d_ids is None else self._d_chunk
+        rows = self._twin(_pick_greedy, _dyn(xh, 0, 1), head.to(xh.dtype), c) if k == 1 else \
+            self._twin(_pick_top, _dyn(xh[:, 0], 0), head.to(xh.dtype), k, c)
         return rows if self.d_ids is None else self.d_ids[rows]
 
     def _draft_pick(self, xh, j: int, base, slots):
@@ -693,10 +691,4 @@ def _check_args(model, slots: int, max_len: int, draft: int, branches: int, draf
         raise CortiqError("decode engine: a draft tree (branches > 1) runs attention-only models (a Gated "
                           "DeltaNet state cannot hold several branches)")
     if draft_vocab is not None:
-        ids = torch.as_tensor(draft_vocab)
-        V = model.head_weight.shape[0]
-        if ids.dim() != 1 or ids.numel() < branches or ids.dtype.is_floating_point:
-            raise CortiqError(f"decode engine: the draft's vocabulary needs token ids, at least {branches} "
-                              "(one a branch)")
-        if int(ids.min()) < 0 or int(ids.max()) >= V or ids.unique().numel() != ids.numel():
-            raise CortiqError(f"decode engine: the draft's vocabulary needs distinct token ids below {V}")
+        _check_draft_vocab(draft_vocab, model.head_weight.shape[0], branches)

@@ -1,9 +1,12 @@
-"""The picks: a row of logits reduced to its argmax or its top k, in two stages over chunks."""
+"""The picks: a row of logits reduced to its argmax or its top k, in two stages over chunks; the
+token ids a draft picks among, checked."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ...errors import CortiqError
 
 
 def _split(V: int) -> int:
@@ -43,3 +46,13 @@ def _pick_greedy(h, head, c: int):
 def _pick_top(h, head, k: int, c: int):
     """h [S, H] -> the head's top k [S, k], largest first (`_topk`)."""
     return _topk(F.linear(h, head), k, c)
+
+
+def _check_draft_vocab(draft_vocab, V: int, branches: int) -> None:
+    """The token ids a draft picks among (the engine's `draft_vocab`), refused unless they are
+    distinct ids below V, at least one a branch."""
+    ids = torch.as_tensor(draft_vocab)
+    if ids.dim() != 1 or ids.numel() < branches or ids.dtype.is_floating_point:
+        raise CortiqError(f"decode engine: the draft's vocabulary needs token ids, at least {branches} (one a branch)")
+    if int(ids.min()) < 0 or int(ids.max()) >= V or ids.unique().numel() != ids.numel():
+        raise CortiqError(f"decode engine: the draft's vocabulary needs distinct token ids below {V}")
