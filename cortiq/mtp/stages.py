@@ -63,5 +63,6 @@ TRUNK = Stage("trunk", 2, _trunk_stage, MtpSettings, ("model", "tdata"),
               layout=(("gen", ("gen_prompt", "gen_chat", "gen_temperature", "seed", "gen_share")),),
               doc="the trunk's last hidden rows and next-token top-k per window (what the draft trains on)",
               gpus=settings_gpus)
-MTP = Stage("mtp", 1, _mtp_stage, MtpSettings, ("model", "tdata", "trunk"), output="cmf",
+# version 2: the file holds the draft's token ranking (cortiq.mtp.vocab) that serve's --draft-vocab reads
+MTP = Stage("mtp", 2, _mtp_stage, MtpSettings, ("model", "tdata", "trunk"), output="cmf",
             doc="the draft trained on the trunk's own predictions, measured before and after", gpus=settings_gpus)
