@@ -96,4 +96,11 @@ def run(args) -> int:
     m = rep["metrics"]
     print(f"{args.out}: drafts a round {m['drafts_per_round_before']:.3f} -> {m['drafts_per_round_after']:.3f} "
           f"({int(m['steps'])} steps, best at {int(m['best_step'])}, preset {rep['preset']})", file=sys.stderr)
+    from ..cmf import open_cmf
+    from ..mtp.vocab import AUTO_ABOVE, AUTO_ROWS
+
+    f = open_cmf(args.out)
+    narrow = f"{AUTO_ROWS} by default" if f.arch.vocab_size > AUTO_ABOVE else "every token by default"
+    print(f"{args.out}: its tokens ranked for the draft (`serve --speculative --draft-vocab N`: the first N; "
+          f"{narrow})", file=sys.stderr)
     return 0

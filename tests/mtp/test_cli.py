@@ -31,6 +31,8 @@ def test_cli_init_then_heal(tiny, tmp_path, capsys):
     before, after = (float(x) for x in re.search(r"drafts a round ([\d.]+) -> ([\d.]+)", err).groups())
     assert (before, after) == (round(block["drafts_per_round_before"], 3), round(block["drafts_per_round_after"], 3))
     assert block["drafts_per_round_after"] >= block["drafts_per_round_before"]
+    assert err.endswith(f"{out}: its tokens ranked for the draft (`serve --speculative --draft-vocab N`: the first N; "
+                        "every token by default)\n")
     # the same command again goes through the cache the flows share: the trunk pass and the trained draft
     # are reused, nothing is trained, and the model written is the same file's content
     again = tmp_path / "h2.cmf"
