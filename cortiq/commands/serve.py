@@ -120,7 +120,8 @@ def load(model_path: str, s, given: set[str] = frozenset()):
     if s.speculative and model.mtp is None:
         raise CortiqError(f"{model_path}: has no MTP draft block (model.mtp.*): --speculative needs one "
                           "(cortiq mtp init / mtp heal give it one)")
-    check_kv_room(model.arch, s.max_batch, max_len, s.draft if s.speculative else 0, dt, dev, nb)
+    check_kv_room(model.arch, s.max_batch, max_len, s.draft if s.speculative else 0, dt, dev, nb,
+                  0 if vocab is None else len(vocab))
     engine = make_engine(model, s.max_batch, max_len, draft=s.draft if s.speculative else 0, kind=s.engine,
                          branches=nb, draft_vocab=vocab)
     doc = f.tokenizer or {}
@@ -171,13 +172,18 @@ def round_bytes(arch, slots: int, max_len: int, draft: int, branches: int = 1) -
     return 4 * slots * arch.num_heads * rows * m + masks
 
 
-def check_kv_room(arch, slots: int, max_len: int, draft: int, dtype, device, branches: int = 1) -> None:
-    """Refuse a KV cache (and a round's buffers) larger than the memory left on `device`, before
-    they are allocated."""
+def check_kv_room(arch, slots: int, max_len: int, draft: int, dtype, device, branches: int = 1,
+                  draft_rows: int = 0) -> None:
+    """Refuse a KV cache (and a round's buffers, the narrowed draft head's `draft_rows` rows among
+    them) larger than the memory left on `device`, before they are allocated."""
+    import torch
+
     from ..devices import free_memory
     from ..errors import CortiqError
 
-    need = kv_bytes(arch, slots, max_len, draft, dtype, branches) + round_bytes(arch, slots, max_len, draft, branches)
+    head = draft_rows * arch.hidden_size * torch.empty((), dtype=dtype).element_size() if draft else 0
+    need = kv_bytes(arch, slots, max_len, draft, dtype, branches) + round_bytes(arch, slots, max_len, draft,
+                                                                                branches) + head
     free = free_memory(device)
     if need > free:
         what, lower = ((" (with a round's buffers)", ", --max-batch, --draft or --draft-branches") if draft

@@ -217,3 +217,10 @@ def test_the_memory_check_counts_a_rounds_buffers(monkeypatch):
     check_kv_room(a, 4, 200, 3, torch.float32, torch.device("cpu"), 4)
     with pytest.raises(CortiqError, match="needs"):
         check_kv_room(a, 4, 200, 16, torch.float32, torch.device("cpu"), 16)
+    # a narrowed draft head's rows count too (f32: 4 bytes a weight), exactly
+    head = 100 * a.hidden_size * 4
+    room = kv_bytes(a, 4, 200, 3, torch.float32, 4) + round_bytes(a, 4, 200, 3, 4)
+    monkeypatch.setattr(cortiq.devices, "free_memory", lambda dev: room + head)
+    check_kv_room(a, 4, 200, 3, torch.float32, torch.device("cpu"), 4, 100)
+    with pytest.raises(CortiqError, match="needs"):
+        check_kv_room(a, 4, 200, 3, torch.float32, torch.device("cpu"), 4, 101)
