@@ -361,6 +361,9 @@ class Check:
                  self.generate_row(["--speculative", "--draft", "2", "--draft-branches", "1"]))
         self.row("generate --speculative --draft-branches 3", self.generate_row(["--speculative", "--draft", "3",
                                                                                  "--draft-branches", "3"]))
+        # the draft among the 8192 tokens mtp heal's ranking puts first (all of a tiny model's 259)
+        self.row("generate --speculative --draft-vocab 8192", self.generate_row(["--speculative", "--draft-vocab",
+                                                                                 "8192"]))
 
     # ── rows with more than one command ─────────────────────────────────
 

@@ -218,7 +218,7 @@ def check_device_check(d):
     assert not [r for r in rows if r["status"] == "FAIL"], [r for r in rows if r["status"] == "FAIL"]
     names = [r["command"] for r in rows]
     for want in ("data build", "compress --use-gptq", "heal --train-from 1", "nll", "mtp heal",
-                 "generate --speculative", "serve", "serve --speculative", "export --to hf", "export --to hf q8 / symmetric q4",
+                 "generate --speculative", "generate --speculative --draft-vocab", "serve", "serve --speculative", "export --to hf", "export --to hf q8 / symmetric q4",
                  "export --to gguf", "demo"):
         assert any(n.startswith(want) for n in names), (want, names)
     assert sum(r["status"] == "PASS" for r in rows) >= 14
