@@ -42,7 +42,8 @@ class Row:
     neurons ranked on the mix that asks for facts most, the heal on the default mix), and the heal's
     budget in tokens (0: HealSettings'); the heal's patience is 0 with a budget of its own, so the
     row trains all of it; `repair`: the fold's least-squares refit of down_proj (FoldSettings.repair);
-    `weights`: a retain source's weight in the share (RetainSettings.weights; the others weigh 1)."""
+    `weights`: a retain source's weight in the share (RetainSettings.weights; the others weigh 1);
+    `learn`: compress's masks learned (False: the neurons ranked by their activation score on the mix)."""
 
     sources: tuple[str, ...]
     share: float = 0.5
@@ -58,6 +59,7 @@ class Row:
     heal_tokens: int = 0
     repair: bool = False
     weights: tuple[str, ...] = ()  # RetainSettings.weights: NAME=W of a retain source in the share
+    learn: bool = True  # CompressSettings.learn_masks (False: neurons ranked by their activation score)
 
 
 KNOW = ("self", "knowledge", "corpus:pydoc")
@@ -102,6 +104,9 @@ ROWS = {
     # default split gives it a third beside self and pydoc; the source that asks for facts, more often
     "defaults + knowledge x2": Row(("auto",), weights=("knowledge=2",)),
     "defaults + knowledge x4": Row(("auto",), weights=("knowledge=4",)),
+    # uniform widths ranked by each neuron's activation score on the mix (no masks learned): the ranking
+    # per-layer widths were first measured with, now with the retain data that asks for facts
+    "defaults + activation score": Row(("auto",), learn=False),
     # the quality-for-size curve: every setting at its default but the share kept
     **{f"keep {k}": Row(("auto",), keep=k) for k in (0.95, 0.9, 0.85, 0.75, 0.65, 0.5)},
 }
@@ -156,7 +161,8 @@ def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None)
     given = lambda **kw: {k: v for k, v in kw.items() if v is not None}  # noqa: E731 (None: the default)
     c = CompressSettings(masks=MaskSettings(**small, **given(objective=row.objective), l1_init=pressure.l1_init * row.l1,
                                             l1_step=pressure.l1_step * row.l1), device=device, keep_frac=row.keep,
-                         fold=FoldSettings(**given(scope=row.scope), floor=row.floor, repair=row.repair))
+                         fold=FoldSettings(**given(scope=row.scope), floor=row.floor, repair=row.repair),
+                         learn_masks=row.learn)
     budget = dict(tokens=row.heal_tokens, patience=0) if row.heal_tokens else {}
     h = HealSettings(device=device, **given(confident=row.confident),
                      **(dict(window=64, batch=4, eval_every=4, tokens=4096) if tiny else budget))
