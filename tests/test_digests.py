@@ -48,9 +48,10 @@ PINNED = {
     # trunk version 2 (the generated windows bounded by mtp.tokens); before: db11a9c91a2ce86ba40f993286c7608f,
     # and 324c4229e18218b05449e13daa49f36e before mtp.gen_ask and mtp.gen_windows
     "trunk": "ce2e3d962f200102b00fcfdf880e9842",
-    # the same two fields; before: 7fb2ed72c889124be5ace33634057188, and 4386060c84355cdb7f186f3aec7dc992
-    # with device, gpus, the dump and cache paths in it
-    "mtp": "c02bf1b5cf9e533952613aa144375a39",
+    # version 2 (the file holds the draft's token ranking); before: c02bf1b5cf9e533952613aa144375a39, and with
+    # the same two fields 7fb2ed72c889124be5ace33634057188, and 4386060c84355cdb7f186f3aec7dc992 with device,
+    # gpus, the dump and cache paths in it
+    "mtp": "deb688a0deddf7b4cef8e8e5107971e3",
     # q8 by round-to-nearest (quant.method_8bit); before: qgrams.q8 62e0dc85..., quantize.q8 417b895f... (AWQ),
     # and 5d9f1549..., bfe18e3e... (GPTQ)
     "reencode.q8": "6ae6b32bdbb6dc7d1958b6a5b8889cf6",
