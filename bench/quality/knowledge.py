@@ -43,7 +43,8 @@ class Row:
     budget in tokens (0: HealSettings'); the heal's patience is 0 with a budget of its own, so the
     row trains all of it; `repair`: the fold's least-squares refit of down_proj (FoldSettings.repair);
     `weights`: a retain source's weight in the share (RetainSettings.weights; the others weigh 1);
-    `learn`: compress's masks learned (False: the neurons ranked by their activation score on the mix)."""
+    `learn`: compress's masks learned (False: the neurons ranked by their activation score on the mix);
+    `heal`: other HealSettings fields of the row, as (name, value) pairs."""
 
     sources: tuple[str, ...]
     share: float = 0.5
@@ -60,6 +61,7 @@ class Row:
     repair: bool = False
     weights: tuple[str, ...] = ()  # RetainSettings.weights: NAME=W of a retain source in the share
     learn: bool = True  # CompressSettings.learn_masks (False: neurons ranked by their activation score)
+    heal: tuple[tuple[str, object], ...] = ()  # other HealSettings fields: (name, value)
 
 
 KNOW = ("self", "knowledge", "corpus:pydoc")
@@ -107,6 +109,11 @@ ROWS = {
     # uniform widths ranked by each neuron's activation score on the mix (no masks learned): the ranking
     # per-layer widths were first measured with, now with the retain data that asks for facts
     "defaults + activation score": Row(("auto",), learn=False),
+    # the teacher's whole distribution at every row, run online (no stored rows, so no confident weights):
+    # whether the tail of the source's distribution, which a sample of 32 draws rarely reaches, carries facts
+    "defaults + full target": Row(("auto",), heal=(("target", "full"),)),
+    # half the heal's peak rate: the facts the fold left may be kept by a gentler descent
+    "defaults + heal lr 3e-4": Row(("auto",), heal=(("lr", 3e-4),)),
     # the quality-for-size curve: every setting at its default but the share kept
     **{f"keep {k}": Row(("auto",), keep=k) for k in (0.95, 0.9, 0.85, 0.75, 0.65, 0.5)},
 }
@@ -136,18 +143,26 @@ def kept_by_kind(run: dict) -> dict:
     return out
 
 
-def facts_of(models: dict, device: str, external: str | None) -> tuple[dict, dict]:
+def per_fact(run: dict) -> dict:
+    """Each fact of a probe_models run: the source's log-prob of the answer (its confidence) and which
+    models know it, as a string of 0 and 1 per model: what the margin of a fact has to do with keeping it."""
+    sc = run["scores"]
+    return {"source_logprob": [round(float(x), 4) for x in sc["source"].logprob],
+            **{label: "".join("1" if k else "0" for k in s.known) for label, s in sc.items()}}
+
+
+def facts_of(models: dict, device: str, external: str | None) -> tuple[dict, dict, dict]:
     """Facts kept on the probe's dev and held parts, and on a fact file kept outside the repository;
-    and kept_by_kind of the dev part."""
+    kept_by_kind of the dev part; and per_fact of every part."""
     from cortiq.facts import probe_models
     from cortiq.facts.probe import read_facts
 
     runs = {part: probe_models(models, part=part, device=device, progress=False) for part in ("dev", "held")}
-    out = {part: r["models"] for part, r in runs.items()}
     if external:
-        out["external"] = probe_models(models, facts=read_facts(external), device=device, progress=False)["models"]
+        runs["external"] = probe_models(models, facts=read_facts(external), device=device, progress=False)
+    out = {part: r["models"] for part, r in runs.items()}
     # per kind on the dev part only (the part a method may be chosen by): which kinds of fact a row loses
-    return out, kept_by_kind(runs["dev"])
+    return out, kept_by_kind(runs["dev"]), {part: per_fact(r) for part, r in runs.items()}
 
 
 def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None) -> dict:
@@ -164,7 +179,7 @@ def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None)
                          fold=FoldSettings(**given(scope=row.scope), floor=row.floor, repair=row.repair),
                          learn_masks=row.learn)
     budget = dict(tokens=row.heal_tokens, patience=0) if row.heal_tokens else {}
-    h = HealSettings(device=device, **given(confident=row.confident),
+    h = HealSettings(device=device, **given(confident=row.confident), **dict(row.heal),
                      **(dict(window=64, batch=4, eval_every=4, tokens=4096) if tiny else budget))
     rs = RetainSettings(sources=list(row.sources), share=row.share, weights=list(row.weights), knowledge_lists=row.lists,
                         knowledge_entities=row.entities, **(dict(tokens=8000) if tiny else {}))
@@ -178,13 +193,13 @@ def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None)
     healed = out / f"healed-{key}.cmf"
     rep = heal(pruned, src, sets["heal"], h, healed, work_dir=work, progress=False, score_split=None, retain=rs)
     t_h = time.perf_counter() - t0 - t_c
-    facts, dev_kinds = facts_of({"source": src, "pruned": pruned, "healed": healed}, device, external)
+    facts, dev_kinds, each = facts_of({"source": src, "pruned": pruned, "healed": healed}, device, external)
     from cortiq.cmf import open_cmf
 
     widths = list(open_cmf(pruned).arch.intermediate_sizes)
     row = {"label": label, "row": dataclasses.asdict(row), "compress_s": t_c, "heal_s": t_h, "steps": rep["metrics"]["steps"],
            "widths": widths, "bytes": {"source": src.stat().st_size, "healed": healed.stat().st_size},
-           "facts": facts, "dev_kinds": dev_kinds, "nll": {"pruned": panel_nll(pruned, sets, device, tiny),
+           "facts": facts, "dev_kinds": dev_kinds, "per_fact": each, "nll": {"pruned": panel_nll(pruned, sets, device, tiny),
                                    "healed": panel_nll(healed, sets, device, tiny)}}
     healed.unlink(missing_ok=True)
     return row

@@ -510,6 +510,19 @@ def test_knowledge_kept_by_kind_counts_each_kind_of_the_facts_the_source_knows()
     assert kept_by_kind(run) == {"healed": {"capital": [1, 2], "animal": [0, 2]}}
 
 
+def test_knowledge_per_fact_gives_the_source_confidence_and_each_model_known_bits():
+    import numpy as np
+
+    from bench.quality.knowledge import per_fact
+    from cortiq.facts.probe import FactScores
+
+    def sc(known, lp):
+        return FactScores(np.array(known, bool), np.array(lp, float), np.zeros(len(known), np.int64))
+
+    run = {"scores": {"source": sc([1, 0, 1], [-0.123456, -3.0, -0.5]), "healed": sc([0, 1, 1], [-9.0, -1.0, -0.6])}}
+    assert per_fact(run) == {"source_logprob": [-0.1235, -3.0, -0.5], "source": "101", "healed": "011"}
+
+
 def test_knowledge_row_labels_can_be_named_in_rows():
     # --rows splits on commas: a label holding one could never be chosen
     from bench.quality.knowledge import ROWS
