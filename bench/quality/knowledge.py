@@ -222,6 +222,27 @@ def report(base: dict, rows: list[dict]) -> str:
     return table(head, out)
 
 
+#: the source's probability of a fact's whole answer, as bucket edges: how sure it was of what it knows
+SURE = (0.0, 0.5, 0.8, 0.95, 1.0)
+
+
+def by_confidence(rows: list[dict], part: str = "held") -> str:
+    """A Markdown table: of the facts the source knows on `part`, how many each row's healed model keeps,
+    by the source's probability of the answer (SURE's buckets); and the facts it knows that the source
+    does not. Whether the facts a heal loses are the ones its source barely knew."""
+    edges = np.array(SURE)
+    out = []
+    for r in rows:
+        pf = r["per_fact"][part]
+        p = np.exp(np.array(pf["source_logprob"]))
+        src, healed = (np.array([c == "1" for c in pf[m]]) for m in ("source", "healed"))
+        b = np.clip(np.searchsorted(edges, p, side="right") - 1, 0, len(edges) - 2)
+        cells = [f"{int((healed & src & (b == i)).sum())}/{int((src & (b == i)).sum())}" for i in range(len(edges) - 1)]
+        out.append([r["label"], *cells, str(int((healed & ~src).sum()))])
+    head = ["row", *(f"p {lo:g}-{hi:g}" for lo, hi in zip(SURE, SURE[1:])), "known, not by the source"]
+    return table(head, out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="facts kept and excess NLL per retain-data row")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (with --tiny: a smoke test)")
@@ -258,6 +279,9 @@ def main(argv=None) -> int:
     (out / "knowledge.partial.json").unlink(missing_ok=True)
     print(f"\nfacts kept of the source's (dev / held parts) and excess NLL over the source, on {res['device']}")
     print(report(base, rows))
+    if "per_fact" in rows[0]:
+        print("\nfacts kept of the source's, held part, by the source's probability of the answer")
+        print(by_confidence(rows))
     return 0
 
 

@@ -523,6 +523,18 @@ def test_knowledge_per_fact_gives_the_source_confidence_and_each_model_known_bit
     assert per_fact(run) == {"source_logprob": [-0.1235, -3.0, -0.5], "source": "101", "healed": "011"}
 
 
+def test_knowledge_by_confidence_buckets_kept_facts_by_the_source_probability():
+    import math
+
+    from bench.quality.knowledge import by_confidence
+
+    # probabilities 0.3, 0.6, 0.9, 0.99, 1.0 (the last in the top bucket, not past it) and one fact the
+    # source does not know, which the healed model does
+    lp = [math.log(x) for x in (0.3, 0.6, 0.9, 0.99, 1.0, 0.1)]
+    row = {"label": "r", "per_fact": {"held": {"source_logprob": lp, "source": "111110", "healed": "101011"}}}
+    assert by_confidence([row]).splitlines()[-1] == "| r | 1/1 | 0/1 | 1/1 | 1/2 | 1 |"
+
+
 def test_knowledge_row_labels_can_be_named_in_rows():
     # --rows splits on commas: a label holding one could never be chosen
     from bench.quality.knowledge import ROWS
