@@ -211,10 +211,17 @@ def score_facts(model, enc: Encoded, batch_tokens: int = 8192, pad_id: int = 0, 
     return FactScores(known, logprob, first_top)
 
 
+#: a fact the source is *sure of*: its probability of the whole answer is at least this. Many facts a
+#: small model knows it knows by a narrow margin (its greedy answer's probability under one half), and
+#: those flip under any change of the weights; the share kept of the sure ones tells knowledge lost from
+#: near-ties gone either way (bench/QUALITY.md, "How sure the source is of what it knows")
+SURE_P = 0.5
+
+
 def compare(scores: FactScores, source: FactScores | None) -> dict:
     """One model's line of a report: facts known, and against the source: the facts
-    the source knows, how many of those the model keeps, and the mean change of the
-    answer's log-prob over them."""
+    the source knows, how many of those the model keeps, the mean change of the
+    answer's log-prob over them, and the same count over the facts the source is sure of (SURE_P)."""
     out = {"facts": int(len(scores.known)), "known": int(scores.known.sum())}
     if source is not None:
         base = source.known
@@ -222,6 +229,10 @@ def compare(scores: FactScores, source: FactScores | None) -> dict:
         out["kept"] = int((scores.known & base).sum())
         out["kept_share"] = out["kept"] / out["source_known"] if out["source_known"] else None
         out["mean_logprob_change"] = float((scores.logprob - source.logprob)[base].mean()) if base.any() else None
+        sure = base & (source.logprob >= np.log(SURE_P))
+        out["source_sure"] = int(sure.sum())
+        out["sure_kept"] = int((scores.known & sure).sum())
+        out["sure_kept_share"] = out["sure_kept"] / out["source_sure"] if out["source_sure"] else None
     return out
 
 
@@ -238,12 +249,15 @@ def first_tokens(scores: FactScores, tok) -> list[str]:
 
 
 def kept_line(name: str, c: dict) -> str:
-    """`facts kept: 150 of the source's 180 (83.3 %), mean change of the answer's log-prob -0.41`."""
+    """`facts kept: 150 of the source's 180 (83.3 %), ..., mean change of the answer's log-prob -0.41; of the 90
+    the source is sure of (answer p >= 0.5): 86 (95.6 %)`."""
     if c.get("kept_share") is None:
         return f"{name}: knows {c['known']} of {c['facts']} facts"
+    sure = (f"; of the {c['source_sure']} the source is sure of (answer p >= {SURE_P:g}): {c['sure_kept']} "
+            f"({100 * c['sure_kept_share']:.1f} %)" if c.get("sure_kept_share") is not None else "")
     return (f"{name}: facts kept {c['kept']} of the source's {c['source_known']} ({100 * c['kept_share']:.1f} %), "
             f"knows {c['known']} of {c['facts']}, mean change of the answer's log-prob "
-            f"{c['mean_logprob_change']:+.2f}")
+            f"{c['mean_logprob_change']:+.2f}{sure}")
 
 
 def probe_models(models: dict, source: str | None = "source", part: str = "held", facts: Sequence[Fact] | None = None,

@@ -54,7 +54,10 @@ def test_facts_from_names_the_first_facts_the_model_lost(tmp_path):
     assert got["lost"] == [{"prompt": facts[i].prompt, "answer": facts[i].answer, "now": " " + now[i]}
                            for i in (1, 2, 4)][:LOST_SHOWN]
     head, lost = facts_line({"healed": got}).split("\n")
-    assert head.endswith(f"healed {sum(src) - 5} of the source's {sum(src)} ({100 * (sum(src) - 5) / sum(src):.0f} %)")
+    share = f"({100 * (sum(src) - 5) / sum(src):.0f} %)"
+    # every log-prob 0 here: the source is sure of every fact it knows, so the sure part counts the same
+    assert head.endswith(f"healed {sum(src) - 5} of the source's {sum(src)} {share}; of the {sum(src)} the source "
+                         f"is sure of (answer p >= 0.5): healed {sum(src) - 5} {share}")
     assert lost == "  healed lost, among others: " + "; ".join(f"{facts[i].prompt} {facts[i].answer} (now 'w{i}')"
                                                                 for i in (1, 2, 4))
     # a model that lost none: no second line

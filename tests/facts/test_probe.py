@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cortiq.errors import CortiqError
-from cortiq.facts import FactScores, compare, encode_facts, load_facts, score_facts
+from cortiq.facts import FactScores, compare, encode_facts, kept_line, load_facts, score_facts
 from cortiq.facts.probe import Encoded, Fact, bundled_facts, holds_probe_fact, part_of, probe_prompts, read_facts
 from cortiq.model import load_model
 from cortiq.tokenizer import load_tokenizer
@@ -82,9 +82,12 @@ def test_compare_counts_the_sources_facts_kept():
     src = FactScores(np.array([1, 1, 1, 0, 1], bool), np.array([-1.0, -2.0, -0.5, -4.0, -1.0]), np.zeros(5, int))
     mod = FactScores(np.array([1, 0, 1, 1, 0], bool), np.array([-1.5, -3.0, -0.5, -1.0, -2.0]), np.zeros(5, int))
     c = compare(mod, src)
-    # of the source's 4 facts the model keeps 2; its log-probs moved -0.5, -1, 0, -1 on them
+    # of the source's 4 facts the model keeps 2; its log-probs moved -0.5, -1, 0, -1 on them; the source is
+    # sure (answer p >= 0.5, log-prob >= -0.693) of the third alone, which the model keeps
     assert c == {"facts": 5, "known": 3, "source_known": 4, "kept": 2, "kept_share": 0.5,
-                 "mean_logprob_change": pytest.approx(-0.625)}
+                 "mean_logprob_change": pytest.approx(-0.625), "source_sure": 1, "sure_kept": 1, "sure_kept_share": 1.0}
+    assert kept_line("m", c) == ("m: facts kept 2 of the source's 4 (50.0 %), knows 3 of 5, mean change of the "
+                                 "answer's log-prob -0.62; of the 1 the source is sure of (answer p >= 0.5): 1 (100.0 %)")
     assert compare(mod, None) == {"facts": 5, "known": 3}
 
 
