@@ -253,11 +253,18 @@ def kept_line(name: str, c: dict) -> str:
     the source is sure of (answer p >= 0.5): 86 (95.6 %)`."""
     if c.get("kept_share") is None:
         return f"{name}: knows {c['known']} of {c['facts']} facts"
-    sure = (f"; of the {c['source_sure']} the source is sure of (answer p >= {SURE_P:g}): {c['sure_kept']} "
-            f"({100 * c['sure_kept_share']:.1f} %)" if c.get("sure_kept_share") is not None else "")
     return (f"{name}: facts kept {c['kept']} of the source's {c['source_known']} ({100 * c['kept_share']:.1f} %), "
             f"knows {c['known']} of {c['facts']}, mean change of the answer's log-prob "
-            f"{c['mean_logprob_change']:+.2f}{sure}")
+            f"{c['mean_logprob_change']:+.2f}{sure_part(c, digits=1)}")
+
+
+def sure_part(c: dict, who: str = "", digits: int = 0) -> str:
+    """`; of the 90 the source is sure of (answer p >= 0.5): healed 86 (96 %)` of a compare() line (`who`
+    names the model), or "" where the source knows none it is sure of or was not compared."""
+    if c.get("sure_kept_share") is None:
+        return ""
+    return (f"; of the {c['source_sure']} the source is sure of (answer p >= {SURE_P:g}): {who}{c['sure_kept']} "
+            f"({100 * c['sure_kept_share']:.{digits}f} %)")
 
 
 def probe_models(models: dict, source: str | None = "source", part: str = "held", facts: Sequence[Fact] | None = None,

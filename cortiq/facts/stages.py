@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import store
 from ..runner import Stage
-from .probe import SURE_P, FactScores, compare
+from .probe import FactScores, compare, sure_part
 from .settings import ProbeSettings
 
 #: the file of a facts stage output that holds its per-fact scores
@@ -87,7 +87,6 @@ def facts_line(facts: dict[str, dict]) -> str:
              + (f" ({100 * c['kept_share']:.0f} %)" if c["kept_share"] is not None else "")
              for i, (label, c) in enumerate(facts.items())]
     label, last = list(facts.items())[-1]
-    sure = (f"; of the {last['source_sure']} the source is sure of (answer p >= {SURE_P:g}): {label} {last['sure_kept']} "
-            f"({100 * last['sure_kept_share']:.0f} %)" if last.get("sure_kept_share") is not None else "")
+    sure = sure_part(last, f"{label} ")
     lost = "; ".join(f"{x['prompt']} {x['answer']} (now {x['now'].strip()!r})" for x in last.get("lost") or ())
     return head + ", ".join(parts) + sure + (f"\n  {label} lost, among others: {lost}" if lost else "")

@@ -370,8 +370,8 @@ def _facts(runner, models: dict, device: str, report: dict, logger: tracking.Log
     from ..facts.stages import ProbeSettings, facts_chain
 
     facts = report["facts"] = facts_chain(runner, models, ProbeSettings(device=device))
-    got = {f"facts.{label}.{k}": float(c[k]) for label, c in facts.items() for k in ("kept", "kept_share", "known", "sure_kept_share")
-           if c.get(k) is not None}
+    got = {f"facts.{label}.{k}": float(c[k]) for label, c in facts.items()
+           for k in ("kept", "kept_share", "known", "sure_kept_share") if c.get(k) is not None}
     report["metrics"].update(got)
     logger.log_metrics({f"heal.{k}": v for k, v in got.items()})
     return facts
