@@ -260,6 +260,17 @@ def check_knowledge(d):
     assert half["bytes"]["healed"] < base["bytes"]["healed"] < base["bytes"]["source"]
 
 
+def check_noise(d):
+    # no noise: the source itself, no NLL and no fact lost; noise: another NLL (a random model may gain), counts within the source's
+    zero, *noisy = d["rows"]
+    assert zero["alpha"] == 0 and zero["pydoc_excess"] == 0.0
+    assert all(c["kept"] == c["source_known"] and c["sure_kept"] == c["source_sure"] for c in zero["facts"].values())
+    assert [(r["alpha"], r["seed"]) for r in noisy] == [(0.5, 0), (1.0, 0)] and all(r["pydoc_excess"] != 0.0 for r in noisy)
+    for r in d["rows"]:
+        for c in r["facts"].values():
+            assert 0 <= c["sure_kept"] <= c["source_sure"] <= c["source_known"] and c["kept"] <= c["source_known"]
+
+
 def check_sizes(d):
     src, comp, q8, q4, q4s = d["rows"]
     assert comp["parameters"] < src["parameters"] and q8["parameters"] == q4["parameters"] == comp["parameters"]
@@ -343,6 +354,8 @@ BENCHES = {
     # the defaults row alone: the knowledge rows need a model that lists entities, which a tiny random one does not
     "quality.knowledge": (["--rows", "defaults,keep 0.5"], "knowledge.json", check_knowledge),
     "quality.sizes": ([], "sizes.json", check_sizes),
+    # the source unchanged, then two large noises
+    "quality.noise": (["--alphas", "0,0.5,1", "--seeds", "1"], "noise.json", check_noise),
     "quality.hf_run": ([], "hf_run.json", check_hf_run),
     # llm-compressor is not installed by `make install`: the row runs cortiq's side, the peer's rows skipped
     "quality.peer": (["--peer-python", "{work}/no-llm-compressor/python"], "peer.json", check_peer),
