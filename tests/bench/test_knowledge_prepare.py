@@ -1,0 +1,38 @@
+"""bench.quality.knowledge.prepare: processes that share one cache make the source and the panel once;
+the others wait and get the same, complete sets."""
+
+import threading
+
+import cortiq.data
+from bench.quality.knowledge import prepare
+from cortiq import store
+
+
+def test_two_sharing_one_cache_build_each_panel_set_once(tmp_path, monkeypatch):
+    built, real = [], cortiq.data.build
+
+    def counting(src, model, out, settings):
+        built.append(out.name)
+        return real(src, model, out, settings)
+
+    monkeypatch.setattr(cortiq.data, "build", counting)
+    got, errors = [], []
+
+    def run():
+        try:
+            got.append(prepare(tmp_path, None, tiny=True))
+        except BaseException as e:  # noqa: BLE001 (re-raised below, in the test's thread)
+            errors.append(e)
+
+    # flock locks are per open file: two threads contend as two processes do
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    (src_a, sets_a), (src_b, sets_b) = got
+    assert src_a == src_b and sets_a == sets_b
+    assert sorted(built) == sorted(p.name for p in sets_a.values())  # each set built once, by one of them
+    assert all(store.is_complete(d) for d in sets_a.values())
+    assert not list(tmp_path.glob("*.lock"))  # the lock let go
