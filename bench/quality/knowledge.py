@@ -2,10 +2,11 @@
 
     python -m bench.quality.knowledge --gguf PATH --out DIR [--rows defaults,knowledge]   # one GPU
     python -m bench.quality.knowledge --gguf PATH --out DIR --rows curve   # quality for size: keep 0.95 … 0.5
+    python -m bench.quality.knowledge --gguf PATH --out DIR --rows curve --jobs 3         # 3 processes side by side
     python -m bench.quality.knowledge --cpu --tiny --out DIR                              # the code paths
 
-Several processes may run rows side by side on one GPU with one --cache and an --out each: what the
-rows share (the source, the panel, the retain data, the teacher's targets) is made once (`prepare`).
+`--jobs N` runs the rows in N processes on one device and one cache: what the rows share (the source,
+the panel, the retain data, the teacher's targets) is made once (`prepare`, and the runner's locks).
 
 Each row is a whole `compress()` (25 % of the MLP neurons, every other setting at its
 default; the curve rows keep another share) and `heal()` at its defaults on heal data of one source (the first Shakespeare
@@ -22,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -263,6 +265,49 @@ def prepare(cache: Path, gguf: str | None, tiny: bool) -> tuple[Path, dict[str, 
         return src, panel_sets(cache, src, tiny)
 
 
+def child_args(argv: list[str]) -> list[str]:
+    """This call's arguments less the ones each child of `side_by_side` gets its own of (--rows, --out,
+    --jobs, --cache), in either spelling (`--rows X` or `--rows=X`)."""
+    own = {"--rows", "--out", "--jobs", "--cache"}
+    keep, it = [], iter(argv)
+    for a in it:
+        if a.split("=", 1)[0] in own:
+            if "=" not in a:
+                next(it, None)
+            continue
+        keep.append(a)
+    return keep
+
+
+def side_by_side(argv: list[str], labels: list[str], jobs: int, cache: Path, out: Path) -> list[dict]:
+    """The rows run by `jobs` child processes of this bench, row i by child i mod jobs, each with this
+    call's arguments but its own --rows, --out (OUT/job-K) and --jobs 1, all on one --cache; their
+    rows merged in `labels`' order. A child that fails ends the run with its exit status and log."""
+    import subprocess
+
+    from bench.common import env
+
+    keep = child_args(argv)
+    procs = []
+    for k in range(min(jobs, len(labels))):
+        d = out / f"job-{k}"
+        d.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "bench.quality.knowledge", *keep, "--cache", str(cache), "--out", str(d),
+               "--jobs", "1", "--rows", ",".join(labels[k::jobs])]
+        log_file = open(d / "log.txt", "w")
+        procs.append((d, log_file, subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env())))
+    log(f"{len(procs)} processes side by side; their logs: {out}/job-*/log.txt")
+    by_label = {}
+    for d, log_file, p in procs:
+        rc = p.wait()
+        log_file.close()
+        if rc:
+            tail = (d / "log.txt").read_text(errors="replace").splitlines()[-5:]
+            raise SystemExit(f"{d}: exit {rc}: " + " | ".join(tail))
+        by_label.update({r["label"]: r for r in json.loads((d / "knowledge.json").read_text())["rows"]})
+    return [by_label[label] for label in labels]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="facts kept and excess NLL per retain-data row")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (with --tiny: a smoke test)")
@@ -274,17 +319,27 @@ def main(argv=None) -> int:
     ap.add_argument("--facts-file", default=None, help="a fact TSV kept outside the repository, scored too")
     ap.add_argument("--rows", default="defaults,knowledge",
                     help=f"rows, comma-separated, of: {', '.join(ROWS)}; or curve (the keep rows: facts and NLL by size)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="rows side by side: N processes on one device and one cache, the rows dealt out in turn; "
+                         "each writes its rows as they finish under OUT/job-K, and the merged table keeps --rows' order")
     args = ap.parse_args(argv)
+    labels = [x.strip() for x in args.rows.replace("curve", CURVE).split(",") if x.strip()]
+    for label in labels:
+        if label not in ROWS:
+            raise SystemExit(f"--rows: no row {label!r} (rows: {', '.join(ROWS)})")
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs: {args.jobs} is not a number of processes (1 or more)")
     device, cache, out = run_dirs(args, "knowledge")
     src, sets = prepare(cache, args.gguf, args.tiny)
     base = panel_nll(src, sets, device, args.tiny)
-    rows = []
-    for label in [x.strip() for x in args.rows.replace("curve", CURVE).split(",") if x.strip()]:
-        if label not in ROWS:
-            raise SystemExit(f"--rows: no row {label!r} (rows: {', '.join(ROWS)})")
-        rows.append(one_row(label, ROWS[label], src, sets, cache, out, device, args.tiny, args.facts_file))
-        log(report(base, rows[-1:]))
-        (out / "knowledge.partial.json").write_text(json.dumps({"source_nll": base, "rows": rows}, indent=1))
+    if args.jobs > 1:
+        rows = side_by_side(argv if argv is not None else sys.argv[1:], labels, args.jobs, cache, out)
+    else:
+        rows = []
+        for label in labels:
+            rows.append(one_row(label, ROWS[label], src, sets, cache, out, device, args.tiny, args.facts_file))
+            log(report(base, rows[-1:]))
+            (out / "knowledge.partial.json").write_text(json.dumps({"source_nll": base, "rows": rows}, indent=1))
     import torch
 
     res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "tiny": args.tiny,

@@ -351,8 +351,9 @@ BENCHES = {
     "pipeline.data_build": ([], "data_build.json", check_data_build),
     "quality.excess": ([], "excess.json", check_excess),
     "serve.isolation": ([], "serve-isolation.json", check_serve_isolation),
-    # the defaults row alone: the knowledge rows need a model that lists entities, which a tiny random one does not
-    "quality.knowledge": (["--rows", "defaults,keep 0.5"], "knowledge.json", check_knowledge),
+    # the defaults row and one of the curve, side by side in two processes on one cache (merged in order);
+    # the knowledge rows need a model that lists entities, which a tiny random one does not
+    "quality.knowledge": (["--rows", "defaults,keep 0.5", "--jobs", "2"], "knowledge.json", check_knowledge),
     "quality.sizes": ([], "sizes.json", check_sizes),
     # the source unchanged, then two large noises
     "quality.noise": (["--alphas", "0,0.5,1", "--seeds", "1"], "noise.json", check_noise),

@@ -1,5 +1,5 @@
-"""bench.quality.knowledge.prepare: processes that share one cache make the source and the panel once;
-the others wait and get the same, complete sets."""
+"""bench.quality.knowledge side by side: processes that share one cache make the source and the panel once
+(the others wait and get the same, complete sets); each child gets the call's arguments less its own."""
 
 import threading
 
@@ -36,3 +36,11 @@ def test_two_sharing_one_cache_build_each_panel_set_once(tmp_path, monkeypatch):
     assert sorted(built) == sorted(p.name for p in sets_a.values())  # each set built once, by one of them
     assert all(store.is_complete(d) for d in sets_a.values())
     assert not list(tmp_path.glob("*.lock"))  # the lock let go
+
+
+def test_each_child_gets_the_call_s_arguments_less_its_own():
+    from bench.quality.knowledge import child_args
+
+    argv = ["--gguf", "m.gguf", "--rows", "defaults,keep 0.5", "--out=o", "--jobs", "3", "--cache=c",
+            "--facts-file", "x.tsv", "--cpu"]
+    assert child_args(argv) == ["--gguf", "m.gguf", "--facts-file", "x.tsv", "--cpu"]
