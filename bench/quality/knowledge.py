@@ -282,7 +282,8 @@ def child_args(argv: list[str]) -> list[str]:
 def side_by_side(argv: list[str], labels: list[str], jobs: int, cache: Path, out: Path) -> list[dict]:
     """The rows run by `jobs` child processes of this bench, row i by child i mod jobs, each with this
     call's arguments but its own --rows, --out (OUT/job-K) and --jobs 1, all on one --cache; their
-    rows merged in `labels`' order. A child that fails ends the run with its exit status and log."""
+    rows merged in `labels`' order. A child that fails ends the run with its exit status and log, and
+    stops the others."""
     import subprocess
 
     from bench.common import env
@@ -298,13 +299,19 @@ def side_by_side(argv: list[str], labels: list[str], jobs: int, cache: Path, out
         procs.append((d, log_file, subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env())))
     log(f"{len(procs)} processes side by side; their logs: {out}/job-*/log.txt")
     by_label = {}
-    for d, log_file, p in procs:
-        rc = p.wait()
-        log_file.close()
-        if rc:
-            tail = (d / "log.txt").read_text(errors="replace").splitlines()[-5:]
-            raise SystemExit(f"{d}: exit {rc}: " + " | ".join(tail))
-        by_label.update({r["label"]: r for r in json.loads((d / "knowledge.json").read_text())["rows"]})
+    try:
+        for d, log_file, p in procs:
+            rc = p.wait()
+            if rc:
+                tail = (d / "log.txt").read_text(errors="replace").splitlines()[-5:]
+                raise SystemExit(f"{d}: exit {rc}: " + " | ".join(tail))
+            by_label.update({r["label"]: r for r in json.loads((d / "knowledge.json").read_text())["rows"]})
+    finally:  # a failed child or an interrupt stops the others (the rows they finished stay in their folders)
+        for _, log_file, p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait()
+            log_file.close()
     return [by_label[label] for label in labels]
 
 
@@ -329,6 +336,14 @@ def main(argv=None) -> int:
             raise SystemExit(f"--rows: no row {label!r} (rows: {', '.join(ROWS)})")
     if args.jobs < 1:
         raise SystemExit(f"--jobs: {args.jobs} is not a number of processes (1 or more)")
+    if args.facts_file:
+        from cortiq.errors import CortiqError
+        from cortiq.facts.probe import read_facts
+
+        try:  # a bad file is said now, not after the first row's compress and heal
+            read_facts(args.facts_file)
+        except CortiqError as e:
+            raise SystemExit(f"--facts-file: {e}") from None
     device, cache, out = run_dirs(args, "knowledge")
     src, sets = prepare(cache, args.gguf, args.tiny)
     base = panel_nll(src, sets, device, args.tiny)

@@ -44,3 +44,26 @@ def test_each_child_gets_the_call_s_arguments_less_its_own():
     argv = ["--gguf", "m.gguf", "--rows", "defaults,keep 0.5", "--out=o", "--jobs", "3", "--cache=c",
             "--facts-file", "x.tsv", "--cpu"]
     assert child_args(argv) == ["--gguf", "m.gguf", "--facts-file", "x.tsv", "--cpu"]
+
+
+def test_a_child_that_fails_ends_the_run_with_its_status_and_log(tmp_path):
+    import pytest
+
+    from bench.quality.knowledge import side_by_side
+
+    # an option the bench does not know: each child's argparse stops at once with exit 2
+    with pytest.raises(SystemExit, match=r"job-0: exit 2: .*unrecognized arguments: --no-such-option"):
+        side_by_side(["--no-such-option"], ["defaults", "keep 0.5"], 2, tmp_path / "cache", tmp_path / "out")
+    assert (tmp_path / "out" / "job-1" / "log.txt").exists()  # both started, both stopped
+
+
+def test_a_bad_facts_file_is_one_line_before_any_work(tmp_path):
+    import pytest
+
+    from bench.quality.knowledge import main
+
+    bad = tmp_path / "facts.tsv"
+    bad.write_text("capital\tThe capital of France is\n")
+    with pytest.raises(SystemExit, match=r"--facts-file: .*facts.tsv:1: a fact is three tab-separated fields"):
+        main(["--cpu", "--tiny", "--out", str(tmp_path / "out"), "--facts-file", str(bad)])
+    assert not (tmp_path / "out").exists()
