@@ -5,8 +5,8 @@
     python -m bench.quality.noise --cpu --tiny --out DIR               # the code paths
 
 No pruning and no training: every MLP matrix W of the source gets Gaussian noise of standard deviation
-alpha * RMS(W), one draw per seed. Per alpha and seed: the excess NLL over the source on pydoc text,
-and the facts kept of the source's on the probe's dev and held parts (and the fact file), in all and of
+alpha * RMS(W), one draw per seed. Per alpha and seed: the excess NLL over the source on pydoc's test
+split, the tokens and the measure of bench.quality.knowledge's pydoc column, and the facts kept of the source's on the probe's dev and held parts (and the fact file), in all and of
 those the source is sure of (cortiq.facts.probe.SURE_P). A compressed and healed model is then read
 against a change of the same NLL cost: the facts a heal loses beyond what such noise loses went with
 the pruned neurons, not with near-ties that any change of the weights tips. Results: DIR/noise.json
@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import time
 
-from bench.common import finish, log, parser, print_table, pydoc_text, smollm2_cmf, tiny_cmf, write_json
+from bench.common import CACHE, finish, log, parser, print_table, write_json
 
 
 def perturbed(model, alpha: float, seed: int):
@@ -39,28 +39,23 @@ def main(argv=None) -> int:
     ap = parser(__doc__)
     ap.add_argument("--alphas", default="0.02,0.05,0.1", help="noise scales, each a share of a matrix's RMS")
     ap.add_argument("--seeds", type=int, default=2, help="draws per scale")
-    ap.add_argument("--tokens", type=int, default=16384, help="pydoc tokens scored for the NLL")
     ap.add_argument("--facts-file", default=None, help="a fact TSV kept outside the repository, scored too")
     args = ap.parse_args(argv)
     import torch
 
-    from cortiq.cmf import open_cmf
+    from bench.quality.quality import PANEL_CAP, panel_sets, source_model
     from cortiq.facts.probe import load_facts, probe_models, read_facts
+    from cortiq.measure import score
     from cortiq.model import load_model
-    from cortiq.model.nll import score_records, text_windows
-    from cortiq.tokenizer import from_doc
 
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
-    src_path = tiny_cmf(f"{args.out}/tiny.cmf") if args.tiny else smollm2_cmf()
+    cache = CACHE / ("noise-tiny" if args.tiny else "noise")
+    src_path = source_model(cache, args.tiny)
     src = load_model(src_path, dtype=torch.float32, device=device).eval()
-    f = open_cmf(src_path)
-    ids = from_doc(f.tokenizer, str(f.path)).encode(pydoc_text()).ids[: (2048 if args.tiny else args.tokens)]
-    windows = text_windows(ids, 512)
+    pydoc = panel_sets(cache, src_path, args.tiny)["pydoc"]
 
     def nll(m) -> float:
-        with torch.no_grad():
-            total, n = score_records(m, windows)
-        return total / n
+        return score({"m": m}, pydoc, "test", "answer", device, progress=False, max_tokens=PANEL_CAP)["m"]
 
     parts = {"dev": load_facts("dev"), "held": load_facts("held")}
     if args.facts_file:
@@ -78,7 +73,7 @@ def main(argv=None) -> int:
             rows.append(row)
             log(f"alpha {alpha:g} seed {seed}: {time.perf_counter() - t0:.0f} s")
     res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "tiny": args.tiny,
-           "source_pydoc_nll": base, "tokens": len(ids), "rows": rows}
+           "source_pydoc_nll": base, "rows": rows}
     write_json(args.out, "noise.json", res)
 
     def cell(c: dict, sure: bool) -> str:
