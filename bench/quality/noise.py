@@ -6,11 +6,12 @@
 
 No pruning and no training: every MLP matrix W of the source gets Gaussian noise of standard deviation
 alpha * RMS(W), one draw per seed. Per alpha and seed: the excess NLL over the source on pydoc's test
-split, the tokens and the measure of bench.quality.knowledge's pydoc column, and the facts kept of the source's on the probe's dev and held parts (and the fact file), in all and of
-those the source is sure of (cortiq.facts.probe.SURE_P). A compressed and healed model is then read
-against a change of the same NLL cost: the facts a heal loses beyond what such noise loses went with
-the pruned neurons, not with near-ties that any change of the weights tips. Results: DIR/noise.json
-and a Markdown table.
+split (the tokens and the measure of bench.quality.knowledge's pydoc column), and the facts kept of the
+source's on the probe's dev and held parts (and the fact file), in all and of those the source is sure
+of (cortiq.facts.probe.SURE_P). A compressed and healed model is read against noise of the same NLL
+cost: facts it loses beyond what such noise loses went with what the fold removed, not with near-ties
+that any change of the weights tips (bench/QUALITY.md, "Facts kept under random noise of the same NLL
+cost"). Results: DIR/noise.json and a Markdown table.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def perturbed(model, alpha: float, seed: int):
 
 def main(argv=None) -> int:
     ap = parser(__doc__)
-    ap.add_argument("--alphas", default="0.02,0.05,0.1", help="noise scales, each a share of a matrix's RMS")
-    ap.add_argument("--seeds", type=int, default=2, help="draws per scale")
+    ap.add_argument("--alphas", default="0.03,0.05,0.07", help="noise scales, each a share of a matrix's RMS")
+    ap.add_argument("--seeds", type=int, default=3, help="draws per scale")
     ap.add_argument("--facts-file", default=None, help="a fact TSV kept outside the repository, scored too")
     args = ap.parse_args(argv)
     import torch

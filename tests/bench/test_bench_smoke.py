@@ -261,7 +261,8 @@ def check_knowledge(d):
 
 
 def check_noise(d):
-    # no noise: the source itself, no NLL and no fact lost; noise: another NLL (a random model may gain), counts within the source's
+    # no noise: the source itself, its NLL to the last digit; noise: another NLL (a random model may gain); the
+    # fact counts within the source's (the tiny random model knows no facts: the real figures are QUALITY's)
     zero, *noisy = d["rows"]
     assert zero["alpha"] == 0 and zero["pydoc_excess"] == 0.0
     assert all(c["kept"] == c["source_known"] and c["sure_kept"] == c["source_sure"] for c in zero["facts"].values())
