@@ -213,8 +213,9 @@ def score_facts(model, enc: Encoded, batch_tokens: int = 8192, pad_id: int = 0, 
 
 #: a fact the source is *sure of*: its probability of the whole answer is at least this. Many facts a
 #: small model knows it knows by a narrow margin (its greedy answer's probability under one half), and
-#: those flip under any change of the weights; the share kept of the sure ones tells knowledge lost from
-#: near-ties gone either way (bench/QUALITY.md, "How sure the source is of what it knows")
+#: those flip first when the weights change; the share kept of the sure ones tells knowledge lost from
+#: near-ties gone either way (bench/QUALITY.md, "How sure the source is of what it knows", and "Facts kept
+#: under random noise of the same NLL cost": at a heal's NLL cost, random noise keeps most of both)
 SURE_P = 0.5
 
 
