@@ -118,8 +118,17 @@ ROWS = {
     # the teacher's whole distribution at every row, run online (no stored rows, so no confident weights):
     # whether the tail of the source's distribution, which a sample of 32 draws rarely reaches, carries facts
     "defaults + full target": Row(("auto",), heal=(("target", "full"),)),
+    # the teacher's 32 most likely ids at their exact probabilities and a bucket for the rest, where the
+    # default stores 32 draws: a near-tie between two answers (p 0.40 against 0.35) is stored as drawn,
+    # and 32 draws put the wrong one first often enough to teach it on every pass over the row
+    "defaults + topk+rest target": Row(("auto",), heal=(("target", "topk+rest"),)),
     # half the heal's peak rate: the facts the fold left may be kept by a gentler descent
     "defaults + heal lr 3e-4": Row(("auto",), heal=(("lr", 3e-4),)),
+    # the heal trains the MLPs alone: the attention that looks up a fact's subject stays the source's
+    "defaults + heal ffn only": Row(("auto",), heal=(("ffn_only", True),)),
+    # the retain shares move toward the source farthest from the teacher (HealSettings.mix dynamic): the
+    # knowledge source more often where the student has lost most of it
+    "defaults + dynamic mix": Row(("auto",), heal=(("mix", "dynamic"),)),
     # the quality-for-size curve: every setting at its default but the share kept
     **{f"keep {k}": Row(("auto",), keep=k) for k in (0.95, 0.9, 0.85, 0.75, 0.65, 0.5)},
 }
