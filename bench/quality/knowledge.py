@@ -137,10 +137,17 @@ CURVE = ",".join(k for k in ROWS if k.startswith("keep "))
 
 
 def panel_nll(path, sets, device, tiny) -> dict[str, float]:
+    """The model's NLL on each panel text, the model read once for all of them."""
+    import torch
+
+    from cortiq.devices import resolve_device
+    from cortiq.model import load_model
+
+    model = load_model(path, dtype=torch.float32, device=resolve_device(device, "score"))
     out = {}
     for t in TEXTS:
         d, split = (sets["heal"], "test") if t == "heal test" else (sets[t], "test" if t == "pydoc" else None)
-        out[t] = score({"m": path}, d, split, "answer", device, progress=False,
+        out[t] = score({"m": model}, d, split, "answer", device, progress=False,
                        max_tokens=2000 if tiny else PANEL_CAP)["m"]
     return out
 
@@ -298,6 +305,10 @@ def side_by_side(argv: list[str], labels: list[str], jobs: int, cache: Path, out
     from bench.common import env
 
     keep = child_args(argv)
+    # the cores shared out: each child's torch (and inductor's compile workers) sized to its share, where
+    # N children of a thread per core each would run N threads a core through their CPU-bound parts
+    share = str(max(1, (os.cpu_count() or 1) // min(jobs, len(labels))))
+    threads = {"OMP_NUM_THREADS": share, "TORCHINDUCTOR_COMPILE_THREADS": share}
     procs = []
     for k in range(min(jobs, len(labels))):
         d = out / f"job-{k}"
@@ -305,7 +316,7 @@ def side_by_side(argv: list[str], labels: list[str], jobs: int, cache: Path, out
         cmd = [sys.executable, "-m", "bench.quality.knowledge", *keep, "--cache", str(cache), "--out", str(d),
                "--jobs", "1", "--rows", ",".join(labels[k::jobs])]
         log_file = open(d / "log.txt", "w")
-        procs.append((d, log_file, subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env())))
+        procs.append((d, log_file, subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env(**threads))))
     log(f"{len(procs)} processes side by side; their logs: {out}/job-*/log.txt")
     by_label = {}
     try:

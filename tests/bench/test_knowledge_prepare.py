@@ -68,3 +68,30 @@ def test_a_bad_facts_file_is_one_line_before_any_work(tmp_path):
     with pytest.raises(SystemExit, match=r"--facts-file: .*facts.tsv:1: a fact is three tab-separated fields"):
         main(["--cpu", "--tiny", "--out", str(tmp_path / "out"), "--facts-file", str(bad)])
     assert not (tmp_path / "out").exists()
+
+
+def test_the_children_share_the_cores_out(tmp_path, monkeypatch):
+    import subprocess
+
+    import pytest
+
+    from bench.quality.knowledge import side_by_side
+
+    envs = []
+
+    class Child:  # a child that records its environment and fails at once
+        def __init__(self, cmd, env, **kw):
+            envs.append(env)
+
+        def wait(self):
+            return 1
+
+        def poll(self):
+            return 1
+
+    monkeypatch.setattr(subprocess, "Popen", Child)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    with pytest.raises(SystemExit, match="exit 1"):
+        side_by_side([], ["defaults", "keep 0.5", "keep 0.9"], 4, tmp_path / "cache", tmp_path / "out")
+    assert len(envs) == 3  # three rows: three children of the four asked, 16 cores at 5 threads each
+    assert {(e["OMP_NUM_THREADS"], e["TORCHINDUCTOR_COMPILE_THREADS"]) for e in envs} == {("5", "5")}
