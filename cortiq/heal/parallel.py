@@ -67,14 +67,20 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
 
 
+def shard_of(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a sharded one's local shard (a view: writing it writes the
+    parameter), else the tensor itself."""
+    return t.to_local() if is_dtensor(t) else t
+
+
 @torch.no_grad()
 def put(dst: torch.Tensor, whole: torch.Tensor) -> None:
     """Copy a whole tensor into `dst`, which may be this rank's shard of it."""
     if is_dtensor(dst):
         from torch.distributed.tensor import distribute_tensor
 
-        local = dst.to_local()
-        dst.copy_(distribute_tensor(whole.to(local.device, local.dtype), dst.device_mesh, dst.placements))
+        part = dst.to_local()
+        dst.copy_(distribute_tensor(whole.to(part.device, part.dtype), dst.device_mesh, dst.placements))
     else:
         dst.copy_(whole)
 

@@ -365,6 +365,28 @@ class Order:
 # ── the loop ────────────────────────────────────────────────────────────
 
 
+class Anchor:
+    """The student's trained weights (each rank's shard of them under FSDP), and the pull back toward
+    them after an update (HealSettings.anchor): w <- w + rate·strength·(w0 - w), one multi-tensor kernel."""
+
+    def __init__(self, params: list[torch.Tensor], strength: float):
+        from .parallel import shard_of
+
+        self.strength = strength
+        self.weights = [shard_of(p) for p in params]
+        self.start = [w.detach().clone() for w in self.weights]
+
+    @torch.no_grad()
+    def pull(self, rate: float) -> None:
+        torch._foreach_lerp_(self.weights, self.start, rate * self.strength)
+
+    def reference(self, rate: float) -> None:
+        """`pull`, weight by weight: the plain form the test compares it with."""
+        with torch.no_grad():
+            for w, w0 in zip(self.weights, self.start):
+                w.add_(rate * self.strength * (w0 - w))
+
+
 @dataclass
 class HealState(LoopState):
     """The heal loop's state: the shared one, the batch cursor (train batches read,
@@ -408,6 +430,10 @@ class HealRun:
 
             self.mixer = Mixer(self.whole.source, len(self.whole.names), s.seed, s.mix_lr)
         groups = [{"params": [p for _, p in tail.params[l]], "lr": s.lr, "layer": l} for l in sorted(tail.params)]
+        self.params = [p for _, p in tail.named()]
+        # the student's weights as the anchor pulls toward them, taken before a resume loads a checkpoint's
+        # (and before the memory plan, which counts what is on the device)
+        self.anchor = Anchor(self.params, s.anchor) if s.anchor else None
         self.mplan = mplan = memory_plan(tail, s, device, obj)
         if "adam8" in mplan and sh.kind != "single":
             raise CortiqError("heal: 8-bit Adam moments (memory adam8) run on one process only; on more than one GPU "
@@ -416,7 +442,6 @@ class HealRun:
         self.micro = s.micro_windows() if "micro" in mplan else 0
         self.opt = mem.make_optimizer(groups, s.lr, device, adam8="adam8" in mplan)
         self.on_device = skips_on_device(self.opt)
-        self.params = [p for _, p in tail.named()]
         self.lowest = tail.train_from
         self.order = Order(nb, s.seed)
         # room for the checkpoints beside the healed model (its trained weights in 16 bits); rank 0's
@@ -551,6 +576,8 @@ class HealRun:
                 st.scale = max(st.scale / 2, 1.0)
             st.skip("heal", "lower lr or use f32/bf16 compute")
             return up
+        if self.anchor is not None:
+            self.anchor.pull(up.lr)
         dt = time.perf_counter() - t0
         st.counted(up, dt)
         self.logger.log_metrics({"loss": up.loss, "lr": up.lr, "grad_norm": up.grad_norm,

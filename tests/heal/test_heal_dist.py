@@ -125,14 +125,14 @@ def _same_run(a, b, state_b):
 
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory):
-    """One process's run of `_settings()` by genesis (the one setting of the two-rank cases that
-    changes a single process's run), with the student's state: what the ranks' runs must equal."""
+    """One process's run of `_settings()` by genesis or the anchor (the settings of the two-rank cases
+    that change a single process's run), with the student's state: what the ranks' runs must equal."""
     out = {}
-    for genesis in (False, True):
+    for genesis, anchor in ((False, 0.0), (True, 0.0), (False, ANCHOR)):
         tail, tr, va = _setup()
-        out[genesis] = fit(tail, tr, va, _settings(genesis=genesis), tmp_path_factory.mktemp(f"one-{genesis}"), CPU,
-                           torch.float32, key="k", progress=False)
-        out[genesis]["state"] = tail.state()
+        run = fit(tail, tr, va, _settings(genesis=genesis, anchor=anchor), tmp_path_factory.mktemp(f"one-{genesis}"),
+                  CPU, torch.float32, key="k", progress=False)
+        out[genesis if not anchor else "anchor"] = {**run, "state": tail.state()}
     return out
 
 
@@ -140,7 +140,10 @@ def refs(tmp_path_factory):
 TWO_RANK_CASES = [
     ("ddp", False, "plain", 0.1, False), ("ddp", True, "plain", 0.1, False), ("fsdp", False, "plain", 0.1, False),
     ("ddp", False, "micro", 0.1, False), ("fsdp", False, "checkpoint+micro", 0.0, False),
-    ("fsdp", False, "checkpoint", 0.1, True)]
+    ("fsdp", False, "checkpoint", 0.1, True), ("fsdp", "anchor", "plain", 0.1, False)]
+#: the anchor's strength in the case above ("anchor" in genesis' place: genesis off, the weights pulled back
+#: toward the student's after each update, each rank its shard of them)
+ANCHOR = 5.0
 
 #: the checkpoint kinds two ranks write, killed at step 9 (past the checkpoint at step 8 and the epoch boundary at 6)
 SHARDS = ("ddp", "fsdp")
@@ -172,8 +175,9 @@ def ranks(tmp_path_factory):
     # keep 0: FSDP2 frees each layer's gathered weights after its forward, gathers them again in the backward;
     # keep 0.1 (a CPU's memory): the 3 layers are one FSDP2 unit; compiled: each layer's checkpoint around
     # its compiled body, FSDP2's hooks outside both
-    fits = [(root / f"two-{i}", {"shard": shard, "genesis": genesis, "memory": memory, "micro_batch": 1,
-                                 "keep_share": keep, "compiled": compiled}, 0, root / f"two-{i}.pt")
+    fits = [(root / f"two-{i}", {"shard": shard, "genesis": genesis is True, "memory": memory, "micro_batch": 1,
+                                 "keep_share": keep, "compiled": compiled, "anchor": ANCHOR if genesis == "anchor" else 0.0},
+             0, root / f"two-{i}.pt")
             for i, (shard, genesis, memory, keep, compiled) in enumerate(TWO_RANK_CASES)]
     fits += [(root / f"killed-{shard}", {"shard": shard}, 9, None) for shard in SHARDS]
     fits += [(root / "one-resumed", {"shard": "fsdp"}, 0, root / "one-resumed.pt")]

@@ -42,9 +42,9 @@ def test_training_lowers_heldout_kl_and_restores_the_best(tmp_path):
     assert m["best_step"] == next(e["step"] for e in rep["evals"] if e["heldout"] == best)
 
 
-@pytest.mark.parametrize("genesis", [False, True])
-def test_killed_run_resumes_to_identical_weights(tmp_path, genesis):
-    s = _settings(genesis=genesis, epochs=3.0)
+@pytest.mark.parametrize("genesis,anchor", [(False, 0.0), (True, 0.0), (False, 5.0)])
+def test_killed_run_resumes_to_identical_weights(tmp_path, genesis, anchor):
+    s = _settings(genesis=genesis, epochs=3.0, anchor=anchor)
     tail, tr, va = _setup()
     ref = fit(tail, tr, va, s, tmp_path / "a", CPU, torch.float32, key="k", progress=False)
     ref_w = tail.state()
@@ -58,6 +58,39 @@ def test_killed_run_resumes_to_identical_weights(tmp_path, genesis):
         assert torch.equal(w, tail3.state()[n]), n
     assert rep["metrics"]["best_step"] == ref["metrics"]["best_step"]
     assert [h["loss"] for h in rep["history"]] == [h["loss"] for h in ref["history"]]
+
+
+def test_the_anchor_s_pull_equals_its_plain_form():
+    from cortiq.heal.train import Anchor
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7, 13), (1,), (3, 5, 2), (257,)]
+    fast = [torch.randn(*sh, generator=g) for sh in shapes]
+    plain = [w.clone() for w in fast]
+    a, b = Anchor(fast, 3.7), Anchor(plain, 3.7)
+    for w in fast + plain:  # both sets of weights moved alike after the anchors took their start
+        w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(w.numel())))
+    a.pull(0.11)
+    b.reference(0.11)
+    for x, y, w0 in zip(fast, plain, a.start):
+        torch.testing.assert_close(x, y)
+        assert not torch.equal(x, w0)  # pulled toward the start, not onto it
+
+
+def test_the_anchor_holds_each_weight_near_its_start(tmp_path):
+    drift = {}
+    for anchor in (0.0, 20.0):  # lr × anchor = 0.6 of the way back after each update
+        tail, tr, va = _setup()
+        before = tail.state()
+        fit(tail, tr, va, _settings(anchor=anchor, eval_every=100), tmp_path / str(anchor), CPU, torch.float32,
+            progress=False)
+        drift[anchor] = max(float((tail.state()[n] - w).abs().max()) for n, w in before.items())
+    assert drift[20.0] <= 1 / 20.0 < drift[0.0]
+
+
+def test_an_anchor_that_pulls_past_the_start_is_refused():
+    with pytest.raises(CortiqError, match=r"heal settings: anchor 40 at lr 0.03 pulls a weight past its start .*below 33.3"):
+        _settings(anchor=40.0)
 
 
 def test_stale_checkpoint_of_other_settings_is_ignored(tmp_path):
