@@ -129,6 +129,12 @@ ROWS = {
     # the retain shares move toward the source farthest from the teacher (HealSettings.mix dynamic): the
     # knowledge source more often where the student has lost most of it
     "defaults + dynamic mix": Row(("auto",), heal=(("mix", "dynamic"),)),
+    # the heal's weights held near the student's (HealSettings.anchor: within about 1/anchor, where Adam at
+    # the default rate moves a weight by up to 6e-4 a step): what the fold left stays, the heal fills around
+    # it; beside the fold that keeps the most facts before the heal (knowledge masks, global widths)
+    **{f"defaults + anchor {a}": Row(("auto",), heal=(("anchor", float(a)),)) for a in (100, 300)},
+    "knowledge masks + teacher masks + confident 2 + anchor 100": Row(
+        KNOW, mask_sources=("knowledge",), heal=(("anchor", 100.0),), **was(objective="teacher", confident=2.0)),
     # the quality-for-size curve: every setting at its default but the share kept
     **{f"keep {k}": Row(("auto",), keep=k) for k in (0.95, 0.9, 0.85, 0.75, 0.65, 0.5)},
 }
