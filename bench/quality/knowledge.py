@@ -182,9 +182,15 @@ def per_fact(run: dict) -> dict:
 def facts_of(models: dict, device: str, external: str | None) -> tuple[dict, dict, dict]:
     """Facts kept on the probe's dev and held parts, and on a fact file kept outside the repository;
     kept_by_kind of the dev part; and per_fact of every part."""
+    import torch
+
+    from cortiq.devices import resolve_device
     from cortiq.facts import probe_models
     from cortiq.facts.probe import read_facts
+    from cortiq.model import load_model
 
+    dev = resolve_device(device, "facts")  # each model read once for every part
+    models = {name: load_model(path, dtype=torch.float32, device=dev) for name, path in models.items()}
     runs = {part: probe_models(models, part=part, device=device, progress=False) for part in ("dev", "held")}
     if external:
         runs["external"] = probe_models(models, facts=read_facts(external), device=device, progress=False)
