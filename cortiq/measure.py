@@ -9,6 +9,8 @@ records cut into windows of one model pass and capped at a token count.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import sys
 from pathlib import Path
 
@@ -45,7 +47,9 @@ def score(models: dict, tdata_dir, split: str | None = "test", loss_on: str = "a
     dev = resolve_device(device, "score")
     out = {}
     for name, m in models.items():
-        model = m.to(dev) if isinstance(m, torch.nn.Module) else load_model(m, dtype=torch.float32, device=dev)
+        model = m.to(dev) if isinstance(m, torch.nn.Module) else _held(m, dev)
+        if model is None:
+            model = load_model(m, dtype=torch.float32, device=dev)
         bar = tqdm(total=len(recs), desc=f"{split or 'all'} NLL ({name})", unit="rec", disable=not progress,
                    file=sys.stderr)
         s, n = score_records(model, recs, loss_on=loss_on, pad_id=td.eos_id, progress=bar.update)
@@ -55,6 +59,41 @@ def score(models: dict, tdata_dir, split: str | None = "test", loss_on: str = "a
         out[name] = s / n
         del model
     return out
+
+
+#: the model `score` read last inside `reading_once` ((path, size, mtime, device), module), else None
+_LAST: contextvars.ContextVar = contextvars.ContextVar("cortiq_measure_last", default=None)
+
+
+@contextlib.contextmanager
+def reading_once():
+    """Inside it, `score` keeps the last CMF model it read and reuses it while the next text asks for the
+    same file on the same device: a chain that scores one model on several texts reads it once (a read
+    checks every tensor's sha256 and dequantizes it: seconds, where scoring a short text on a GPU is less).
+    One model at a time, so the device holds no more than `score` alone; dropped on leaving."""
+    token = _LAST.set([None])
+    try:
+        yield
+    finally:
+        _LAST.reset(token)
+
+
+def _held(path, device):
+    """The model at `path` on `device` as `score` reads it: inside `reading_once` the last one read when it
+    is the same file, else None (`score` reads it)."""
+    import torch
+
+    from .model import load_model
+
+    slot = _LAST.get()
+    if slot is None:
+        return None
+    st = Path(path).stat()
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, str(device))
+    if slot[0] is None or slot[0][0] != key:
+        slot[0] = None  # the previous model let go before the next is read
+        slot[0] = (key, load_model(path, dtype=torch.float32, device=device))
+    return slot[0][1]
 
 
 def gap_recovered(nll: dict) -> float | None:
@@ -161,9 +200,10 @@ def scored_texts(how: ScoreSettings, data: tuple | None = None, panel: dict | No
 def score_chain(runner, models: dict[str, str], texts: list[Text]) -> dict:
     """The score stage for each model ({label: CMF}) on each text (run as `text.at` + label);
     returns the named texts every report shows (`named_texts`)."""
-    for t in texts:
+    with reading_once():  # model by model: each read once for all of its texts
         for label, model in models.items():
-            runner.run(SCORE, f"{t.at}{label}", model=model, tdata=t.tdata, settings=t.settings)
+            for t in texts:
+                runner.run(SCORE, f"{t.at}{label}", model=model, tdata=t.tdata, settings=t.settings)
     return named_texts(runner.results, texts, tuple(models))
 
 
