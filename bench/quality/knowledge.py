@@ -120,7 +120,8 @@ ROWS = {
     "defaults + full target": Row(("auto",), heal=(("target", "full"),)),
     # the teacher's 32 most likely ids at their exact probabilities and a bucket for the rest, where the
     # default stores 32 draws: a near-tie between two answers (p 0.40 against 0.35) is stored as drawn,
-    # and 32 draws put the wrong one first often enough to teach it on every pass over the row
+    # and 32 draws put the wrong one first often enough to teach it on every pass over the row (it kept
+    # fewer facts, not more: bench/QUALITY.md, "Facts kept: the target's form")
     "defaults + topk+rest target": Row(("auto",), heal=(("target", "topk+rest"),)),
     # half the heal's peak rate: the facts the fold left may be kept by a gentler descent
     "defaults + heal lr 3e-4": Row(("auto",), heal=(("lr", 3e-4),)),
@@ -144,17 +145,14 @@ CURVE = ",".join(k for k in ROWS if k.startswith("keep "))
 
 def panel_nll(path, sets, device, tiny) -> dict[str, float]:
     """The model's NLL on each panel text, the model read once for all of them."""
-    import torch
+    from cortiq.measure import reading_once
 
-    from cortiq.devices import resolve_device
-    from cortiq.model import load_model
-
-    model = load_model(path, dtype=torch.float32, device=resolve_device(device, "score"))
     out = {}
-    for t in TEXTS:
-        d, split = (sets["heal"], "test") if t == "heal test" else (sets[t], "test" if t == "pydoc" else None)
-        out[t] = score({"m": model}, d, split, "answer", device, progress=False,
-                       max_tokens=2000 if tiny else PANEL_CAP)["m"]
+    with reading_once():
+        for t in TEXTS:
+            d, split = (sets["heal"], "test") if t == "heal test" else (sets[t], "test" if t == "pydoc" else None)
+            out[t] = score({"m": path}, d, split, "answer", device, progress=False,
+                           max_tokens=2000 if tiny else PANEL_CAP)["m"]
     return out
 
 
