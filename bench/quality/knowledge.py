@@ -50,7 +50,8 @@ class Row:
     row trains all of it; `repair`: the fold's least-squares refit of down_proj (FoldSettings.repair);
     `weights`: a retain source's weight in the share (RetainSettings.weights; the others weigh 1);
     `learn`: compress's masks learned (False: the neurons ranked by their activation score on the mix);
-    `heal`: other HealSettings fields of the row, as (name, value) pairs."""
+    `heal`: other HealSettings fields of the row, as (name, value) pairs; `soup`: the labels of rows whose
+    healed models, of one pruned model, this row averages weight by weight (its other fields unused)."""
 
     sources: tuple[str, ...]
     share: float = 0.5
@@ -68,6 +69,7 @@ class Row:
     weights: tuple[str, ...] = ()  # RetainSettings.weights: NAME=W of a retain source in the share
     learn: bool = True  # CompressSettings.learn_masks (False: neurons ranked by their activation score)
     heal: tuple[tuple[str, object], ...] = ()  # other HealSettings fields: (name, value)
+    soup: tuple[str, ...] = ()  # rows whose healed models (of one pruned model) are averaged; the rest unused
 
 
 KNOW = ("self", "knowledge", "corpus:pydoc")
@@ -136,6 +138,9 @@ ROWS = {
     **{f"defaults + anchor {a}": Row(("auto",), heal=(("anchor", float(a)),)) for a in (100, 300)},
     "knowledge masks + teacher masks + confident 2 + anchor 100": Row(
         KNOW, mask_sources=("knowledge",), heal=(("anchor", 100.0),), **was(objective="teacher", confident=2.0)),
+    # the three heals of the default's pruned model averaged weight by weight: different heals keep different
+    # facts (bench/QUALITY.md, "Facts kept: the target's form"), and an average keeps what most of them hold
+    "soup of three heals": Row(("auto",), soup=("defaults", "defaults + topk+rest target", "defaults + full target")),
     # the quality-for-size curve: every setting at its default but the share kept
     **{f"keep {k}": Row(("auto",), keep=k) for k in (0.95, 0.9, 0.85, 0.75, 0.65, 0.5)},
 }
@@ -198,6 +203,47 @@ def facts_of(models: dict, device: str, external: str | None) -> tuple[dict, dic
 
 
 def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None) -> dict:
+    """A row's compress and heal (a soup row: its members', averaged), then its facts and panel NLLs."""
+    if row.soup:
+        members = [made(m, ROWS[m], src, sets, cache, out, device, tiny) for m in row.soup]
+        pruned = members[0][0]
+        if len({store.file_digest(m[0]) for m in members}) > 1:
+            raise SystemExit(f"{label}: a soup averages heals of one pruned model; its rows prune differently")
+        healed = average([m[1] for m in members], out / f"healed-soup-{store.digest('soup', 1, list(row.soup))}.cmf")
+        rep, t_c, t_h = members[0][2], sum(m[3] for m in members), sum(m[4] for m in members)
+        for m in members:
+            m[1].unlink(missing_ok=True)
+    else:
+        pruned, healed, rep, t_c, t_h = made(label, row, src, sets, cache, out, device, tiny)
+    facts, dev_kinds, each = facts_of({"source": src, "pruned": pruned, "healed": healed}, device, external)
+    from cortiq.cmf import open_cmf
+
+    widths = list(open_cmf(pruned).arch.intermediate_sizes)
+    out_row = {"label": label, "row": dataclasses.asdict(row), "compress_s": t_c, "heal_s": t_h,
+               "steps": rep["metrics"]["steps"], "widths": widths,
+               "bytes": {"source": src.stat().st_size, "healed": healed.stat().st_size},
+               "facts": facts, "dev_kinds": dev_kinds, "per_fact": each,
+               "nll": {"pruned": panel_nll(pruned, sets, device, tiny), "healed": panel_nll(healed, sets, device, tiny)}}
+    healed.unlink(missing_ok=True)
+    return out_row
+
+
+def average(paths: list[Path], out: Path) -> Path:
+    """The models at `paths` (one architecture) averaged weight by weight, written as `out` in the first
+    one's codecs."""
+    import torch
+
+    from cortiq.model import export_model, load_model
+
+    models = [load_model(p, dtype=torch.float32) for p in paths]
+    with torch.no_grad():
+        for ps in zip(*(m.parameters() for m in models)):
+            ps[0].copy_(torch.stack(ps).mean(0))
+    return export_model(models[0], paths[0], out)
+
+
+def made(label, row: Row, src, sets, cache, out, device, tiny) -> tuple:
+    """(pruned CMF, healed CMF in `out`, heal report, compress s, heal s) of one row, its stages in `cache`."""
     from cortiq.compress import compress
     from cortiq.compress.settings import CompressSettings, FoldSettings, MaskSettings
     from cortiq.heal.settings import HealSettings
@@ -225,16 +271,7 @@ def one_row(label, row: Row, src, sets, cache, out, device, tiny, external=None)
     healed = out / f"healed-{key}.cmf"
     rep = heal(pruned, src, sets["heal"], h, healed, work_dir=work, progress=False, score_split=None, retain=rs)
     t_h = time.perf_counter() - t0 - t_c
-    facts, dev_kinds, each = facts_of({"source": src, "pruned": pruned, "healed": healed}, device, external)
-    from cortiq.cmf import open_cmf
-
-    widths = list(open_cmf(pruned).arch.intermediate_sizes)
-    row = {"label": label, "row": dataclasses.asdict(row), "compress_s": t_c, "heal_s": t_h, "steps": rep["metrics"]["steps"],
-           "widths": widths, "bytes": {"source": src.stat().st_size, "healed": healed.stat().st_size},
-           "facts": facts, "dev_kinds": dev_kinds, "per_fact": each, "nll": {"pruned": panel_nll(pruned, sets, device, tiny),
-                                   "healed": panel_nll(healed, sets, device, tiny)}}
-    healed.unlink(missing_ok=True)
-    return row
+    return pruned, healed, rep, t_c, t_h
 
 
 def report(base: dict, rows: list[dict]) -> str:
