@@ -128,22 +128,21 @@ def refs(tmp_path_factory):
     """One process's run of `_settings()` by genesis or the anchor (the settings of the two-rank cases
     that change a single process's run), with the student's state: what the ranks' runs must equal."""
     out = {}
-    for genesis, anchor in ((False, 0.0), (True, 0.0), (False, ANCHOR)):
+    for genesis, anchor in {(c[1], c[5]) for c in TWO_RANK_CASES}:
         tail, tr, va = _setup()
-        run = fit(tail, tr, va, _settings(genesis=genesis, anchor=anchor), tmp_path_factory.mktemp(f"one-{genesis}"),
+        run = fit(tail, tr, va, _settings(genesis=genesis, anchor=anchor), tmp_path_factory.mktemp(f"one-{genesis}-{anchor:g}"),
                   CPU, torch.float32, key="k", progress=False)
-        out[genesis if not anchor else "anchor"] = {**run, "state": tail.state()}
+        out[genesis, anchor] = {**run, "state": tail.state()}
     return out
 
 
-#: (shard, genesis, memory, keep share, compiled layers): each run on two ranks against one process
+#: (shard, genesis, memory, keep share, compiled layers, anchor): each run on two ranks against one process (the
+#: anchor's case: each rank pulls its shard of the weights back toward the student's)
 TWO_RANK_CASES = [
-    ("ddp", False, "plain", 0.1, False), ("ddp", True, "plain", 0.1, False), ("fsdp", False, "plain", 0.1, False),
-    ("ddp", False, "micro", 0.1, False), ("fsdp", False, "checkpoint+micro", 0.0, False),
-    ("fsdp", False, "checkpoint", 0.1, True), ("fsdp", "anchor", "plain", 0.1, False)]
-#: the anchor's strength in the case above ("anchor" in genesis' place: genesis off, the weights pulled back
-#: toward the student's after each update, each rank its shard of them)
-ANCHOR = 5.0
+    ("ddp", False, "plain", 0.1, False, 0.0), ("ddp", True, "plain", 0.1, False, 0.0),
+    ("fsdp", False, "plain", 0.1, False, 0.0), ("ddp", False, "micro", 0.1, False, 0.0),
+    ("fsdp", False, "checkpoint+micro", 0.0, False, 0.0), ("fsdp", False, "checkpoint", 0.1, True, 0.0),
+    ("fsdp", False, "plain", 0.1, False, 5.0)]
 
 #: the checkpoint kinds two ranks write, killed at step 9 (past the checkpoint at step 8 and the epoch boundary at 6)
 SHARDS = ("ddp", "fsdp")
@@ -175,10 +174,9 @@ def ranks(tmp_path_factory):
     # keep 0: FSDP2 frees each layer's gathered weights after its forward, gathers them again in the backward;
     # keep 0.1 (a CPU's memory): the 3 layers are one FSDP2 unit; compiled: each layer's checkpoint around
     # its compiled body, FSDP2's hooks outside both
-    fits = [(root / f"two-{i}", {"shard": shard, "genesis": genesis is True, "memory": memory, "micro_batch": 1,
-                                 "keep_share": keep, "compiled": compiled, "anchor": ANCHOR if genesis == "anchor" else 0.0},
-             0, root / f"two-{i}.pt")
-            for i, (shard, genesis, memory, keep, compiled) in enumerate(TWO_RANK_CASES)]
+    fits = [(root / f"two-{i}", {"shard": shard, "genesis": genesis, "memory": memory, "micro_batch": 1,
+                                 "keep_share": keep, "compiled": compiled, "anchor": anchor}, 0, root / f"two-{i}.pt")
+            for i, (shard, genesis, memory, keep, compiled, anchor) in enumerate(TWO_RANK_CASES)]
     fits += [(root / f"killed-{shard}", {"shard": shard}, 9, None) for shard in SHARDS]
     fits += [(root / "one-resumed", {"shard": "fsdp"}, 0, root / "one-resumed.pt")]
     # conftest's temp home is a test's, set after a module's fixtures: this one gets its own
@@ -214,7 +212,7 @@ def test_teacher_and_prefix_shards_read_as_one_ranks_rows(ranks, tmp_path):
 def test_two_ranks_train_as_one_with_the_same_global_batch(ranks, refs):
     root = ranks["root"]
     for i, case in enumerate(TWO_RANK_CASES):
-        ref = refs[case[1]]
+        ref = refs[case[1], case[5]]
         two = torch.load(root / f"two-{i}.pt", weights_only=True)
         assert len(two["history"]) == 18, case
         try:
@@ -228,7 +226,7 @@ def test_two_ranks_train_as_one_with_the_same_global_batch(ranks, refs):
 def test_a_two_rank_checkpoint_resumes_on_one(ranks, refs, tmp_path):
     import shutil
 
-    ref = refs[False]
+    ref = refs[False, 0.0]
     for shard in SHARDS:
         w = tmp_path / f"w-{shard}"
         shutil.copytree(ranks["root"] / f"killed-{shard}", w)  # the ranks' checkpoint, left as they wrote it
@@ -247,7 +245,7 @@ def test_a_two_rank_checkpoint_resumes_on_one(ranks, refs, tmp_path):
 
 
 def test_a_one_process_checkpoint_resumes_on_two_ranks(ranks, refs):
-    ref = refs[False]
+    ref = refs[False, 0.0]
     two = torch.load(ranks["root"] / "one-resumed.pt", weights_only=True)
     assert [h["step"] for h in two["history"]] == list(range(1, 19))
     _same_run(two, ref, ref["state"])
