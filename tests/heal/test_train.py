@@ -60,16 +60,21 @@ def test_killed_run_resumes_to_identical_weights(tmp_path, genesis, anchor):
     assert [h["loss"] for h in rep["history"]] == [h["loss"] for h in ref["history"]]
 
 
-def test_the_anchor_s_pull_equals_its_plain_form():
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_the_anchor_s_pull_equals_its_plain_form(device):
     from cortiq.heal.train import Anchor
 
     g = torch.Generator().manual_seed(0)
     shapes = [(7, 13), (1,), (3, 5, 2), (257,)]
-    fast = [torch.randn(*sh, generator=g) for sh in shapes]
+    fast = [torch.randn(*sh, generator=g).to(device) for sh in shapes]
     plain = [w.clone() for w in fast]
     a, b = Anchor(fast, 3.7), Anchor(plain, 3.7)
     for w in fast + plain:  # both sets of weights moved alike after the anchors took their start
-        w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(w.numel())))
+        w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(w.numel())).to(device))
     a.pull(0.11)
     b.reference(0.11)
     for x, y, w0 in zip(fast, plain, a.start):
