@@ -138,6 +138,9 @@ ROWS = {
     **{f"defaults + anchor {a}": Row(("auto",), heal=(("anchor", float(a)),)) for a in (100, 300)},
     "knowledge masks + teacher masks + confident 2 + anchor 100": Row(
         KNOW, mask_sources=("knowledge",), heal=(("anchor", 100.0),), **was(objective="teacher", confident=2.0)),
+    # the weights the heal keeps are a moving average of its path (HealSettings.average): an average within
+    # one heal, of what the soup below averages across three
+    **{f"defaults + average {d}": Row(("auto",), heal=(("average", d),)) for d in (0.99, 0.95)},
     # the three heals of the default's pruned model averaged weight by weight: different heals keep different
     # facts (bench/QUALITY.md, "Facts kept: the target's form"), and an average keeps what most of them hold
     "soup of three heals": Row(("auto",), soup=("defaults", "defaults + topk+rest target", "defaults + full target")),

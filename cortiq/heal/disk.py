@@ -1,7 +1,7 @@
 """Whether heal's resumable checkpoints fit the disk of its work folder.
 
 A checkpoint holds every trained weight twice in f32 (as it is and the best so
-far) and Adam's two moments (f32, or 8 bits with the adam8 memory plan): 16
+far; three times with the heal's moving average) and Adam's two moments (f32, or 8 bits with the adam8 memory plan): 16
 bytes a trained weight, about 10 with adam8. A new one is written beside the
 last and then replaces it, so for a moment the folder holds two. At the
 Qwen3-8B geometry with every layer trained that is over 100 GB a copy, more
@@ -39,9 +39,10 @@ SLACK = 1 << 30
 KEEP, REPLACE, OFF = "keep", "replace", "off"
 
 
-def checkpoint_bytes(trained: int, adam8: bool) -> int:
-    """A checkpoint's size on disk, for `trained` trained weights."""
-    return trained * (WEIGHT_BYTES + MOMENT_BYTES[bool(adam8)]) + OVERHEAD
+def checkpoint_bytes(trained: int, adam8: bool, averaged: bool = False) -> int:
+    """A checkpoint's size on disk, for `trained` trained weights (`averaged`: with their moving
+    average, f32, HealSettings.average)."""
+    return trained * (WEIGHT_BYTES + 4 * bool(averaged) + MOMENT_BYTES[bool(adam8)]) + OVERHEAD
 
 
 def checkpoint_mode(need: int, free: int, reserve: int) -> str:
@@ -57,12 +58,12 @@ def free_bytes(work_dir, disk_gb: float) -> int:
 
 
 def plan_checkpoints(every: int, trained: int, adam8: bool, reserve: int, work_dir, disk_gb: float,
-                     say: bool = True) -> str:
+                     say: bool = True, averaged: bool = False) -> str:
     """The checkpoint mode of a heal that checkpoints every `every` steps (OFF when 0), with a
     line to stderr (with `say`) when the disk makes it other than KEEP."""
     if not every:
         return OFF
-    need, free = checkpoint_bytes(trained, adam8), free_bytes(work_dir, disk_gb)
+    need, free = checkpoint_bytes(trained, adam8, averaged), free_bytes(work_dir, disk_gb)
     mode = checkpoint_mode(need, free, reserve)
     if mode != KEEP and say:
         what = ("one checkpoint at a time (the last removed before the next is written)" if mode == REPLACE else

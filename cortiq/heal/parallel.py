@@ -39,6 +39,10 @@ from .settings import SHARDS
 #: a one-process run's checkpoint (tensors and plain values, torch.save)
 CHECKPOINT = "checkpoint.pt"
 CHECKPOINT_DIR = "checkpoint.dcp"
+#: the sets of trained weights a checkpoint holds beside the weights as they are, by the loop's key for
+#: each (a table by name) and its prefix in a distributed checkpoint: the best so far, and the moving
+#: average where the run keeps one (HealSettings.average)
+WEIGHT_SETS = {"best_state": "b", "average_state": "a"}
 #: share of one device's memory the whole-tail (ddp) sharding may fill with weights, gradients and Adam state
 DDP_SHARE = 0.5
 #: trained weights from which `shard: auto` picks FSDP2 over DDP where both fit. One rank wrapped each
@@ -131,7 +135,7 @@ class Sharding:
     """How `fit` runs the tail on this process, one subclass a kind (SHARDINGS): `Single` for
     one process, `Ddp` and `Fsdp` across ranks. `fit` calls these hooks and is otherwise the
     same for every kind. Each kind gives `local`, `sum_`, `snapshot`, `restore`, `save` and, for
-    reading a one-process checkpoint, `_adopt` and `_best_to_load`; `wrap`, `nosync` and
+    reading a one-process checkpoint, `_adopt` and `_weights_to_load`; `wrap`, `nosync` and
     `following` do nothing where a kind does not say otherwise."""
 
     kind = ""
@@ -155,6 +159,10 @@ class Sharding:
     def following(self) -> None:
         """After Genesis changed which layers train."""
 
+    def written(self) -> None:
+        """After the trained weights were written other than by the optimizer (the heal's average
+        swapped in for an evaluation, or back out)."""
+
     def _requires(self) -> tuple:
         return tuple(p.requires_grad for _, p in self.tail.named())
 
@@ -166,14 +174,16 @@ class Sharding:
         return full(gn)
 
     # ── checkpoints ──
-    def _tensors(self, opt, best: dict) -> dict:
-        """Every tensor of a distributed checkpoint by name (shards stay shards)."""
+    def _tensors(self, opt, sets: dict[str, dict]) -> dict:
+        """Every tensor of a distributed checkpoint by name (shards stay shards); `sets`: the loop's
+        tables of weights by their WEIGHT_SETS key."""
         out = {"rng": torch.get_rng_state()}
         state = adam_state(opt, self.tail.named())
         for n, p in self.tail.named():
             out[f"w/{n}"] = p.detach()
             out[f"m/{n}"], out[f"v/{n}"], out[f"t/{n}"] = state[n]
-            out[f"b/{n}"] = best[n]
+            for key, table in sets.items():
+                out[f"{WEIGHT_SETS[key]}/{n}"] = table[n]
         return out
 
     def drop_checkpoint(self, work_dir: Path) -> None:
@@ -215,12 +225,11 @@ class Sharding:
             raise CortiqError(f"{d / 'loop.json'}: a damaged checkpoint ({e}); delete {d} to start over") from None
         if plain.get("key") != key:
             return None
-        best = self._best_to_load()
-        tensors = self._tensors(opt, best)
-        dcp.load(tensors, checkpoint_id=str(d))  # in place: weights, Adam state, best so far (resharded)
+        sets = {key: self._weights_to_load() for key in plain.get("sets", ["best_state"])}
+        tensors = self._tensors(opt, sets)
+        dcp.load(tensors, checkpoint_id=str(d))  # in place: weights, Adam state, best so far, average (resharded)
         torch.set_rng_state(tensors["rng"])
-        plain["best_state"] = best
-        return plain
+        return {**plain, **sets}
 
 
 class Single(Sharding):
@@ -254,8 +263,8 @@ class Single(Sharding):
         """A one-process checkpoint's Adam state into `opt`."""
         mem.load_optim_state(opt, ck["optim"])
 
-    def _best_to_load(self) -> dict:
-        """Tensors a distributed checkpoint's best weights load into (whole, on the CPU)."""
+    def _weights_to_load(self) -> dict:
+        """Tensors a distributed checkpoint's set of weights (the best, the average) loads into (whole, on the CPU)."""
         return {n: torch.zeros_like(full(p), device="cpu") for n, p in self.tail.named()}
 
 
@@ -302,10 +311,11 @@ class _Ranks(Sharding):
         if dist.is_main():
             shutil.rmtree(part, ignore_errors=True)
         dist.barrier()
-        dcp.save(self._tensors(opt, plain["best_state"]), checkpoint_id=str(part))
+        sets = {k: v for k, v in plain.items() if k in WEIGHT_SETS}
+        dcp.save(self._tensors(opt, sets), checkpoint_id=str(part))
         if dist.is_main():
-            rest = {k: v for k, v in plain.items() if k != "best_state"}
-            (part / "loop.json").write_text(json.dumps({**rest, "world": self.world}))
+            rest = {k: v for k, v in plain.items() if k not in WEIGHT_SETS}
+            (part / "loop.json").write_text(json.dumps({**rest, "world": self.world, "sets": list(sets)}))
             shutil.rmtree(d, ignore_errors=True)
             os.replace(part, d)
             (work_dir / CHECKPOINT).unlink(missing_ok=True)
@@ -323,7 +333,8 @@ class _Ranks(Sharding):
                 put(m, s["exp_avg"])
                 put(v, s["exp_avg_sq"])
                 t.copy_(s["step"])
-        ck["best_state"] = self._spread(ck["best_state"])
+        for key in WEIGHT_SETS.keys() & ck.keys():
+            ck[key] = self._spread(ck[key])
 
     def _spread(self, whole: dict) -> dict:
         out = {}
@@ -332,7 +343,7 @@ class _Ranks(Sharding):
             put(out[n], whole[n])
         return out
 
-    def _best_to_load(self) -> dict:
+    def _weights_to_load(self) -> dict:
         return self.snapshot()
 
 
@@ -402,6 +413,16 @@ class Fsdp(_Ranks):
         self.module = root
         self.tail.wrapped = root
         self.tail.collect()  # fully_shard put new (sharded) parameters in place of the old
+
+    def written(self) -> None:
+        """Each unit's gathered weights dropped: where they are kept from a forward to its backward, an
+        evaluation's forward (no backward) leaves them gathered, and the next forward would run on them
+        rather than on the shards just written."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.module.modules():  # the units and the root, a few dozen
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
     def keep_gathered(self) -> bool:
         """Whether the trained layers' weights in compute precision (2 bytes each

@@ -107,6 +107,17 @@ class HealSettings:
     anchor: float = setting(0.0, "pull of the trained weights back toward the student's after each update "
                                  "(w += lr × anchor × (w0 − w)): each weight stays within about 1/anchor of its "
                                  "start (0: off)", lo=0, added=True)
+    #: the weights the held-out evaluations score, the best checkpoint keeps and the heal writes are a
+    #: moving average of the trained ones, w̄ <- w̄ + (1 - average)·(w - w̄) after each update (Polyak
+    #: averaging, as an EMA of weights in diffusion and self-supervised training). Heals of one pruned
+    #: model that differ only in their target keep different facts (bench/QUALITY.md, "Facts kept: the
+    #: target's form, and what one heal keeps of another's"): an average over one heal's path keeps what
+    #: most of its steps hold rather than what the last batches taught. 0: off; 0.99 weighs about the
+    #: last 100 updates
+    average: float = setting(0.0, "decay of a moving average of the trained weights, which the held-out evaluations "
+                                  "score and the healed model keeps (0: off; 0.99: about the last 100 updates)",
+                             lo=0, lt=1, why="a decay of 1 or more never moves the average off the student",
+                             added=True)
 
     # ── the run ──
     epochs: float = setting(0.0, "passes over the train windows, fractions allowed (0: as many as --tokens "

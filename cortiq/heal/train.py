@@ -387,6 +387,52 @@ class Anchor:
                 w.add_(rate * self.strength * (w0 - w))
 
 
+class Average:
+    """A moving average of the trained weights (HealSettings.average), kept beside them in their own form
+    (each rank's shard under FSDP), and the swap that puts it in their place for an evaluation."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], decay: float):
+        from .parallel import shard_of
+
+        self.decay = decay
+        self.state = {n: p.detach().clone() for n, p in named}  # as a checkpoint saves it: DTensors stay
+        self.weights = [shard_of(p) for _, p in named]
+        self.mean = [shard_of(m) for m in self.state.values()]
+
+    def decay_at(self, done: int) -> float:
+        """The decay of the update after `done` others: short at first (as TensorFlow's moving average
+        with num_updates), so the average leaves the student within a few steps rather than carry
+        decay^steps of it to the end (0.99^245 is 8 %)."""
+        return min(self.decay, (1 + done) / (10 + done))
+
+    @torch.no_grad()
+    def update(self, done: int) -> None:
+        torch._foreach_lerp_(self.mean, self.weights, 1.0 - self.decay_at(done))
+
+    def reference(self, done: int) -> None:
+        """`update`, weight by weight: the plain form the test compares it with."""
+        with torch.no_grad():
+            for m, w in zip(self.mean, self.weights):
+                m.add_((1.0 - self.decay_at(done)) * (w - m))
+
+    @torch.no_grad()
+    def load(self, state: dict) -> None:
+        """A checkpoint's average (same names, this run's form: shards where the weights are) in place."""
+        from .parallel import shard_of
+
+        for m, n in zip(self.mean, self.state):
+            m.copy_(shard_of(state[n]))
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        """The average in the weights' place, and the weights in its. One tensor at a time: the swap
+        needs room for the largest, not a third copy of them all."""
+        for w, m in zip(self.weights, self.mean):  # a few hundred tensors, once an evaluation
+            held = w.clone()
+            w.copy_(m)
+            m.copy_(held)
+
+
 @dataclass
 class HealState(LoopState):
     """The heal loop's state: the shared one, the batch cursor (train batches read,
@@ -434,6 +480,7 @@ class HealRun:
         # the student's weights as the anchor pulls toward them, taken before a resume loads a checkpoint's
         # (and before the memory plan, which counts what is on the device)
         self.anchor = Anchor(self.params, s.anchor) if s.anchor else None
+        self.average = Average(tail.named(), s.average) if s.average else None
         self.mplan = mplan = memory_plan(tail, s, device, obj)
         if "adam8" in mplan and sh.kind != "single":
             raise CortiqError("heal: 8-bit Adam moments (memory adam8) run on one process only; on more than one GPU "
@@ -448,7 +495,8 @@ class HealRun:
         # decision on every rank, which must save alike
         trained = sum(p.numel() for p in self.params)
         self.checkpoints = dist.agree(plan_checkpoints(s.checkpoint_every, trained, "adam8" in mplan, 2 * trained,
-                                                       self.work_dir, s.disk_gb, say=dist.is_main()))
+                                                       self.work_dir, s.disk_gb, say=dist.is_main(),
+                                                       averaged=self.average is not None))
         self.resume()
         self.bar = tqdm(total=self.total_steps, initial=self.st.done, desc="heal", unit="step", disable=not self.progress,
                         file=sys.stderr, dynamic_ncols=True)
@@ -464,6 +512,8 @@ class HealRun:
             self.st = HealState.from_checkpoint(ck["state"])
             self.start = ck["e0"]
             self.best = Best(ck["best_loss"], ck["best_step"], ck["best_state"])
+            if self.average is not None:
+                self.average.load(ck["average_state"])
             if self.mixer is not None:
                 self.mixer.load(self.st.mix)
             return
@@ -481,7 +531,9 @@ class HealRun:
         self.st.mix = None if self.mixer is None else self.mixer.state()
         self.sharding.save(self.work_dir, {"key": self.key, "order_rng": self.order.rng, "order_perm": list(self.order.perm),
                                        "state": self.st.to_checkpoint(), "e0": self.start, "best_loss": self.best.value,
-                                       "best_step": self.best.step, "best_state": self.best.state}, self.opt)
+                                       "best_step": self.best.step, "best_state": self.best.state,
+                                       **({} if self.average is None else {"average_state": self.average.state})},
+                           self.opt)
 
     # ── held-out evaluation ──
     def heldout(self) -> tuple[float, dict]:
@@ -508,12 +560,28 @@ class HealRun:
         self.st.evals.append(row)
         self.logger.log_metrics({k: v for k, v in row.items() if k != "step"}, step=self.st.done)
 
+    @contextlib.contextmanager
+    def averaged(self):
+        """The average in the trained weights' place for the block, where the run keeps one."""
+        if self.average is None:
+            yield
+            return
+        self.average.swap()
+        self.sharding.written()
+        try:
+            yield
+        finally:
+            self.average.swap()
+            self.sharding.written()
+
     def evaluate(self) -> float:
-        """The held-out loss now: the plateau count, the best weights and the mix follow it."""
-        e, per = self.heldout()
-        # an evaluation counts as better when it lowers the best by min_improve of it
-        self.st.stale = 0 if e < self.best.value * (1.0 - self.s.min_improve) else self.st.stale + 1
-        self.best.offer(e, self.st.done, self.sharding.snapshot)
+        """The held-out loss now (of the average, where the run keeps one): the plateau count, the best
+        weights and the mix follow it."""
+        with self.averaged():
+            e, per = self.heldout()
+            # an evaluation counts as better when it lowers the best by min_improve of it
+            self.st.stale = 0 if e < self.best.value * (1.0 - self.s.min_improve) else self.st.stale + 1
+            self.best.offer(e, self.st.done, self.sharding.snapshot)
         self.record_eval(e, per)
         return e
 
@@ -578,6 +646,8 @@ class HealRun:
             return up
         if self.anchor is not None:
             self.anchor.pull(up.lr)
+        if self.average is not None:
+            self.average.update(st.done)
         dt = time.perf_counter() - t0
         st.counted(up, dt)
         self.logger.log_metrics({"loss": up.loss, "lr": up.lr, "grad_norm": up.grad_norm,

@@ -85,6 +85,10 @@ def _settings(**kw):
     return HealSettings(**base)
 
 
+#: the moving average's decay of the cases that keep one (HealSettings.average): short, so that the toy's
+#: 18 steps move it far from the weights
+AVERAGE = 0.7
+
 #: FSDP2's share under which each layer's gathered weights are kept (cortiq's own), restored between jobs
 _KEEP = parallel.KEEP_GATHERED_SHARE
 
@@ -125,24 +129,27 @@ def _same_run(a, b, state_b):
 
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory):
-    """One process's run of `_settings()` by genesis or the anchor (the settings of the two-rank cases
-    that change a single process's run), with the student's state: what the ranks' runs must equal."""
+    """One process's run of `_settings()` by genesis, the anchor and the average (the settings of the
+    two-rank cases that change a single process's run), with the student's state: what the ranks' runs
+    must equal."""
     out = {}
-    for genesis, anchor in {(c[1], c[5]) for c in TWO_RANK_CASES}:
+    for genesis, anchor, average in {(c[1], c[5], c[6]) for c in TWO_RANK_CASES}:
         tail, tr, va = _setup()
-        run = fit(tail, tr, va, _settings(genesis=genesis, anchor=anchor), tmp_path_factory.mktemp(f"one-{genesis}-{anchor:g}"),
-                  CPU, torch.float32, key="k", progress=False)
-        out[genesis, anchor] = {**run, "state": tail.state()}
+        run = fit(tail, tr, va, _settings(genesis=genesis, anchor=anchor, average=average),
+                  tmp_path_factory.mktemp(f"one-{genesis}-{anchor:g}-{average:g}"), CPU, torch.float32, key="k",
+                  progress=False)
+        out[genesis, anchor, average] = {**run, "state": tail.state()}
     return out
 
 
-#: (shard, genesis, memory, keep share, compiled layers, anchor): each run on two ranks against one process (the
-#: anchor's case: each rank pulls its shard of the weights back toward the student's)
+#: (shard, genesis, memory, keep share, compiled layers, anchor, average): each run on two ranks against one
+#: process (the anchor's case: each rank pulls its shard of the weights back toward the student's; the
+#: average's: each rank averages its shard, and the evaluations score the average)
 TWO_RANK_CASES = [
-    ("ddp", False, "plain", 0.1, False, 0.0), ("ddp", True, "plain", 0.1, False, 0.0),
-    ("fsdp", False, "plain", 0.1, False, 0.0), ("ddp", False, "micro", 0.1, False, 0.0),
-    ("fsdp", False, "checkpoint+micro", 0.0, False, 0.0), ("fsdp", False, "checkpoint", 0.1, True, 0.0),
-    ("fsdp", False, "plain", 0.1, False, 5.0)]
+    ("ddp", False, "plain", 0.1, False, 0.0, 0.0), ("ddp", True, "plain", 0.1, False, 0.0, 0.0),
+    ("fsdp", False, "plain", 0.1, False, 0.0, 0.0), ("ddp", False, "micro", 0.1, False, 0.0, 0.0),
+    ("fsdp", False, "checkpoint+micro", 0.0, False, 0.0, 0.0), ("fsdp", False, "checkpoint", 0.1, True, 0.0, 0.0),
+    ("fsdp", False, "plain", 0.1, False, 5.0, 0.0), ("fsdp", False, "plain", 0.1, False, 0.0, AVERAGE)]
 
 #: the checkpoint kinds two ranks write, killed at step 9 (past the checkpoint at step 8 and the epoch boundary at 6)
 SHARDS = ("ddp", "fsdp")
@@ -167,18 +174,20 @@ def ranks(tmp_path_factory):
     # one process's checkpoint, killed at step 9, that two ranks then resume
     tail, tr, va = _setup()
     with pytest.raises(_Kill):
-        fit(tail, tr, va, _settings(), root / "one-resumed", CPU, torch.float32, key="k", logger=_KillAt(9),
-            progress=False)
+        fit(tail, tr, va, _settings(average=AVERAGE), root / "one-resumed", CPU, torch.float32, key="k",
+            logger=_KillAt(9), progress=False)
     assert (root / "one-resumed/checkpoint.pt").is_file()
     # micro: each rank's 2 windows in 2 micro-batches (DDP reduces once, after the second);
     # keep 0: FSDP2 frees each layer's gathered weights after its forward, gathers them again in the backward;
     # keep 0.1 (a CPU's memory): the 3 layers are one FSDP2 unit; compiled: each layer's checkpoint around
     # its compiled body, FSDP2's hooks outside both
     fits = [(root / f"two-{i}", {"shard": shard, "genesis": genesis, "memory": memory, "micro_batch": 1,
-                                 "keep_share": keep, "compiled": compiled, "anchor": anchor}, 0, root / f"two-{i}.pt")
-            for i, (shard, genesis, memory, keep, compiled, anchor) in enumerate(TWO_RANK_CASES)]
-    fits += [(root / f"killed-{shard}", {"shard": shard}, 9, None) for shard in SHARDS]
-    fits += [(root / "one-resumed", {"shard": "fsdp"}, 0, root / "one-resumed.pt")]
+                                 "keep_share": keep, "compiled": compiled, "anchor": anchor, "average": average}, 0,
+             root / f"two-{i}.pt")
+            for i, (shard, genesis, memory, keep, compiled, anchor, average) in enumerate(TWO_RANK_CASES)]
+    # the resumed runs keep an average: a checkpoint carries it across kinds as it carries the best weights
+    fits += [(root / f"killed-{shard}", {"shard": shard, "average": AVERAGE}, 9, None) for shard in SHARDS]
+    fits += [(root / "one-resumed", {"shard": "fsdp", "average": AVERAGE}, 0, root / "one-resumed.pt")]
     # conftest's temp home is a test's, set after a module's fixtures: this one gets its own
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CORTIQ_HOME", str(root / "cortiq-home"))
@@ -212,7 +221,7 @@ def test_teacher_and_prefix_shards_read_as_one_ranks_rows(ranks, tmp_path):
 def test_two_ranks_train_as_one_with_the_same_global_batch(ranks, refs):
     root = ranks["root"]
     for i, case in enumerate(TWO_RANK_CASES):
-        ref = refs[case[1], case[5]]
+        ref = refs[case[1], case[5], case[6]]
         two = torch.load(root / f"two-{i}.pt", weights_only=True)
         assert len(two["history"]) == 18, case
         try:
@@ -226,26 +235,26 @@ def test_two_ranks_train_as_one_with_the_same_global_batch(ranks, refs):
 def test_a_two_rank_checkpoint_resumes_on_one(ranks, refs, tmp_path):
     import shutil
 
-    ref = refs[False, 0.0]
+    ref = refs[False, 0.0, AVERAGE]
     for shard in SHARDS:
         w = tmp_path / f"w-{shard}"
         shutil.copytree(ranks["root"] / f"killed-{shard}", w)  # the ranks' checkpoint, left as they wrote it
         shutil.copytree(w, tmp_path / f"w2-{shard}")  # the same checkpoint, for the run of another key below
         tail2, tr2, va2 = _setup()  # a new process: a fresh student
-        rep = fit(tail2, tr2, va2, _settings(), w, CPU, torch.float32, key="k", progress=False)
+        rep = fit(tail2, tr2, va2, _settings(average=AVERAGE), w, CPU, torch.float32, key="k", progress=False)
         assert [h["step"] for h in rep["history"]] == list(range(1, 19)), shard
         _same_run({**rep, "state": tail2.state()}, ref, ref["state"])
         assert (w / "checkpoint.pt").is_file() and not (w / "checkpoint.dcp").exists(), shard
         # and a checkpoint of another run is not taken for this one's
         assert (tmp_path / f"w2-{shard}/checkpoint.dcp/loop.json").is_file()
         tail3, tr3, va3 = _setup()
-        rep = fit(tail3, tr3, va3, _settings(), tmp_path / f"w2-{shard}", CPU, torch.float32, key="other",
+        rep = fit(tail3, tr3, va3, _settings(average=AVERAGE), tmp_path / f"w2-{shard}", CPU, torch.float32, key="other",
                   progress=False)
         assert len(rep["history"]) == 18 and rep["history"][0]["step"] == 1, shard
 
 
 def test_a_one_process_checkpoint_resumes_on_two_ranks(ranks, refs):
-    ref = refs[False, 0.0]
+    ref = refs[False, 0.0, AVERAGE]
     two = torch.load(ranks["root"] / "one-resumed.pt", weights_only=True)
     assert [h["step"] for h in two["history"]] == list(range(1, 19))
     _same_run(two, ref, ref["state"])

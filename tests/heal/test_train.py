@@ -42,9 +42,10 @@ def test_training_lowers_heldout_kl_and_restores_the_best(tmp_path):
     assert m["best_step"] == next(e["step"] for e in rep["evals"] if e["heldout"] == best)
 
 
-@pytest.mark.parametrize("genesis,anchor", [(False, 0.0), (True, 0.0), (False, 5.0)])
-def test_killed_run_resumes_to_identical_weights(tmp_path, genesis, anchor):
-    s = _settings(genesis=genesis, epochs=3.0, anchor=anchor)
+@pytest.mark.parametrize("genesis,anchor,average", [(False, 0.0, 0.0), (True, 0.0, 0.0), (False, 5.0, 0.0),
+                                                    (False, 0.0, 0.8)])
+def test_killed_run_resumes_to_identical_weights(tmp_path, genesis, anchor, average):
+    s = _settings(genesis=genesis, epochs=3.0, anchor=anchor, average=average)
     tail, tr, va = _setup()
     ref = fit(tail, tr, va, s, tmp_path / "a", CPU, torch.float32, key="k", progress=False)
     ref_w = tail.state()
@@ -91,6 +92,66 @@ def test_the_anchor_holds_each_weight_near_its_start(tmp_path):
             progress=False)
         drift[anchor] = max(float((tail.state()[n] - w).abs().max()) for n, w in before.items())
     assert drift[20.0] <= 1 / 20.0 < drift[0.0]
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_the_average_s_update_equals_its_plain_form(device):
+    from cortiq.heal.train import Average
+
+    g = torch.Generator().manual_seed(1)
+    shapes = [(7, 13), (1,), (3, 5, 2), (257,)]
+    named = [(str(i), torch.randn(*sh, generator=g).to(device)) for i, sh in enumerate(shapes)]
+    fast, plain = Average(named, 0.9), Average([(n, w.clone()) for n, w in named], 0.9)
+    for avg in (fast, plain):  # the same move of the weights after the averages took their start
+        for w in avg.weights:
+            w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(w.numel())).to(device))
+    fast.update(30)
+    plain.reference(30)
+    for x, y, (_, w) in zip(fast.mean, plain.mean, named):
+        torch.testing.assert_close(x, y)
+        assert not torch.equal(x, w)  # a step toward the weights, not onto them
+
+
+class _Trajectory:
+    """A logger that keeps the trained weights after each update (logged after the update)."""
+
+    def __init__(self, tail):
+        self.tail, self.states = tail, []
+
+    def log_metrics(self, metrics, step=None):
+        if "loss" in metrics:
+            self.states.append(self.tail.state())
+
+    def log_params(self, p):
+        pass
+
+
+def test_the_average_is_what_the_evaluations_score_and_the_heal_keeps(tmp_path):
+    decay = 0.6
+    runs = {}
+    for average in (0.0, decay):
+        tail, tr, va = _setup()
+        start = tail.state()
+        traj = _Trajectory(tail)
+        rep = fit(tail, tr, va, _settings(average=average, eval_every=1, patience=0), tmp_path / str(average), CPU,
+                  torch.float32, logger=traj, progress=False)
+        runs[average] = (rep, traj.states, start, tail.state())
+    (plain, plain_path, _, _), (avg, path, start, kept) = runs[0.0], runs[decay]
+    # the average changes what is scored, never the training itself
+    assert [h["loss"] for h in avg["history"]] == [h["loss"] for h in plain["history"]]
+    for a, b in zip(path, plain_path):
+        for n in a:
+            assert torch.equal(a[n], b[n]), n
+    # the kept weights: the average of the path at the best step, computed here from the weights after each update
+    best = avg["metrics"]["best_step"]
+    assert 0 < best and avg["evals"] != plain["evals"]
+    mean = {n: w.clone() for n, w in start.items()}
+    for done, state in enumerate(path[:best]):
+        d = min(decay, (1 + done) / (10 + done))  # short at first: 0.1, 0.18, ...
+        for n in mean:
+            mean[n] = d * mean[n] + (1 - d) * state[n]
+    for n, w in kept.items():
+        torch.testing.assert_close(w, mean[n], rtol=1e-5, atol=1e-6, msg=n)
 
 
 def test_an_anchor_that_pulls_past_the_start_is_refused():
