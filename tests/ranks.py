@@ -59,8 +59,19 @@ def run_ranks(fn, world: int, *args, tmp, timeout: float = 180.0, check_group: b
     port = free_port()
     err = str(tmp / "rank-error")
     procs = [ctx.Process(target=_entry, args=(fn, r, world, port, args, err, check_group)) for r in range(world)]
-    for p in procs:
-        p.start()
+    # each rank its own string hashes, as torchrun's processes may have: code that iterates a set in a
+    # collective's order then fails here on every run, not only where the seeds happen to differ (seeds
+    # 1 and 3 order even a set of the two names of heal's checkpointed weight sets differently)
+    seed = os.environ.get("PYTHONHASHSEED")
+    try:
+        for r, p in enumerate(procs):
+            os.environ["PYTHONHASHSEED"] = str(1 + 2 * r)
+            p.start()
+    finally:
+        if seed is None:
+            os.environ.pop("PYTHONHASHSEED", None)
+        else:
+            os.environ["PYTHONHASHSEED"] = seed
     for p in procs:
         p.join(timeout)
     for p in procs:

@@ -333,7 +333,9 @@ class _Ranks(Sharding):
                 put(m, s["exp_avg"])
                 put(v, s["exp_avg_sq"])
                 t.copy_(s["step"])
-        for key in WEIGHT_SETS.keys() & ck.keys():
+        # in WEIGHT_SETS' order on every rank: each spread is a collective (a set's order is the
+        # process's string hashes', which differ between ranks)
+        for key in (k for k in WEIGHT_SETS if k in ck):
             ck[key] = self._spread(ck[key])
 
     def _spread(self, whole: dict) -> dict:
