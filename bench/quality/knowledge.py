@@ -132,12 +132,6 @@ ROWS = {
     # the retain shares move toward the source farthest from the teacher (HealSettings.mix dynamic): the
     # knowledge source more often where the student has lost most of it
     "defaults + dynamic mix": Row(("auto",), heal=(("mix", "dynamic"),)),
-    # the heal's weights held near the student's (HealSettings.anchor: within about 1/anchor, where Adam at
-    # the default rate moves a weight by up to 6e-4 a step): what the fold left stays, the heal fills around
-    # it; beside the fold that keeps the most facts before the heal (knowledge masks, global widths)
-    **{f"defaults + anchor {a}": Row(("auto",), heal=(("anchor", float(a)),)) for a in (100, 300)},
-    "knowledge masks + teacher masks + confident 2 + anchor 100": Row(
-        KNOW, mask_sources=("knowledge",), heal=(("anchor", 100.0),), **was(objective="teacher", confident=2.0)),
     # the weights the heal keeps are a moving average of its path (HealSettings.average): an average within
     # one heal, of what the soup below averages across three
     **{f"defaults + average {d}": Row(("auto",), heal=(("average", d),)) for d in (0.99, 0.95)},

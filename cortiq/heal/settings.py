@@ -98,15 +98,6 @@ class HealSettings:
     qat_codec: str = setting("none", "train against this codec's rounding and write the healed model in it "
                                      "(none: f32 training, the student's codecs)", choices=QAT_CODECS, added=True)
 
-    #: after each update every trained weight is pulled back toward its value in the student (where the
-    #: fold left it): w <- w + lr·anchor·(w0 - w), lr the schedule's rate, decoupled from Adam as AdamW's
-    #: decay is (L2-SP, Li et al. 2018, toward the start rather than zero). Adam moves a weight by about
-    #: lr a step, so the pull holds each weight within about 1/anchor of its start: what the student
-    #: still knows after the fold stays, where the heal would otherwise write over it (bench/QUALITY.md,
-    #: "Facts kept: the target's form, and what one heal keeps of another's"). 0: no pull
-    anchor: float = setting(0.0, "pull of the trained weights back toward the student's after each update "
-                                 "(w += lr × anchor × (w0 − w)): each weight stays within about 1/anchor of its "
-                                 "start (0: off)", lo=0, added=True)
     #: the weights the held-out evaluations score, the best checkpoint keeps and the heal writes are a
     #: moving average of the trained ones, w̄ <- w̄ + (1 - average)·(w - w̄) after each update (Polyak
     #: averaging, as an EMA of weights in diffusion and self-supervised training). Heals of one pruned
@@ -219,9 +210,6 @@ class HealSettings:
         if self.confident and not self.target_kind.teacher_pass:  # set, not left to auto
             raise CortiqError(f"heal settings: confident {self.confident} weighs stored teacher targets, and target "
                               f"{self.target_kind.name!r} stores none: use topk, topk+rest or sampled with ce below 1")
-        if self.lr * self.anchor >= 1:
-            raise CortiqError(f"heal settings: anchor {self.anchor:g} at lr {self.lr:g} pulls a weight past its start "
-                              f"(lr × anchor must stay below 1): use an anchor below {1 / self.lr:g}")
         named = self.memory_parts()
         if self.checkpoint_layers and named is not None and "checkpoint" not in named:
             raise CortiqError(f"heal settings: checkpoint_layers {self.checkpoint_layers} needs a memory plan with "

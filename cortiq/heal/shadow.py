@@ -1,7 +1,6 @@
-"""Copies of the trained weights kept beside them through a heal, each in the weights' own form (each
-rank's shard under FSDP): the anchor's start, toward which every update is pulled back
-(HealSettings.anchor), and the moving average that the evaluations score and the heal keeps
-(HealSettings.average). Each acts on all the weights in one multi-tensor kernel a step; `reference`
+"""A copy of the trained weights kept beside them through a heal, in the weights' own form (each rank's
+shard under FSDP): the moving average that the evaluations score and the heal keeps
+(HealSettings.average). It moves with all the weights in one multi-tensor kernel a step; `reference`
 is its plain form, weight by weight, that the tests compare it with."""
 
 from __future__ import annotations
@@ -9,26 +8,6 @@ from __future__ import annotations
 import torch
 
 from .parallel import shard_of
-
-
-class Anchor:
-    """The student's trained weights (each rank's shard of them under FSDP), and the pull back toward
-    them after an update (HealSettings.anchor): w <- w + rate·strength·(w0 - w), one multi-tensor kernel."""
-
-    def __init__(self, params: list[torch.Tensor], strength: float):
-        self.strength = strength
-        self.weights = [shard_of(p) for p in params]
-        self.start = [w.detach().clone() for w in self.weights]
-
-    @torch.no_grad()
-    def pull(self, rate: float) -> None:
-        torch._foreach_lerp_(self.weights, self.start, rate * self.strength)
-
-    def reference(self, rate: float) -> None:
-        """`pull`, weight by weight: the plain form the test compares it with."""
-        with torch.no_grad():
-            for w, w0 in zip(self.weights, self.start):
-                w.add_(rate * self.strength * (w0 - w))
 
 
 class Average:

@@ -33,7 +33,7 @@ from .kinds import DEFAULT, KINDS, TargetKind
 from .rows import WindowRows
 from ..train_loop import Best, LoopState, Update, lr_shape, skips_on_device, update
 from .schedule import genesis_decay, genesis_from
-from .shadow import Anchor, Average
+from .shadow import Average
 from .settings import HealSettings
 
 #: the f16 loss scale's start (halved at each non-finite step)
@@ -410,9 +410,7 @@ class HealRun:
             self.mixer = Mixer(self.whole.source, len(self.whole.names), s.seed, s.mix_lr)
         groups = [{"params": [p for _, p in tail.params[l]], "lr": s.lr, "layer": l} for l in sorted(tail.params)]
         self.params = [p for _, p in tail.named()]
-        # the student's weights as the anchor pulls toward them, taken before a resume loads a checkpoint's
-        # (and before the memory plan, which counts what is on the device)
-        self.anchor = Anchor(self.params, s.anchor) if s.anchor else None
+        # before the memory plan, which counts what is on the device; a resume loads its checkpoint's over it
         self.average = Average(tail.named(), s.average) if s.average else None
         self.mplan = mplan = memory_plan(tail, s, device, obj)
         if "adam8" in mplan and sh.kind != "single":
@@ -577,8 +575,6 @@ class HealRun:
                 st.scale = max(st.scale / 2, 1.0)
             st.skip("heal", "lower lr or use f32/bf16 compute")
             return up
-        if self.anchor is not None:
-            self.anchor.pull(up.lr)
         if self.average is not None:
             self.average.update(st.done)
         dt = time.perf_counter() - t0
