@@ -1,11 +1,12 @@
 """Whether heal's resumable checkpoints fit the disk of its work folder.
 
 A checkpoint holds every trained weight twice in f32 (as it is and the best so
-far; three times with the heal's moving average) and Adam's two moments (f32, or 8 bits with the adam8 memory plan): 16
-bytes a trained weight, about 10 with adam8. A new one is written beside the
-last and then replaces it, so for a moment the folder holds two. At the
-Qwen3-8B geometry with every layer trained that is over 100 GB a copy, more
-than the disk of a machine that runs the rest of the pipeline well. The rule
+far; three times with the heal's moving average) and Adam's two moments (f32,
+or 8 bits with the adam8 memory plan): 16 bytes a trained weight, about 10 with
+adam8. A new one is written beside the last and then replaces it, so for a
+moment the folder holds two. At the Qwen3-8B geometry with every layer trained
+that is over 100 GB a copy, more than the disk of a machine that runs the rest
+of the pipeline well. The rule
 (docs/internals.md, "Defaults that fit"):
 
 - room for two copies (after what the run still writes: its healed model):

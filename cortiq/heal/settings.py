@@ -100,11 +100,10 @@ class HealSettings:
 
     #: the weights the held-out evaluations score, the best checkpoint keeps and the heal writes are a
     #: moving average of the trained ones, w̄ <- w̄ + (1 - average)·(w - w̄) after each update (Polyak
-    #: averaging, as an EMA of weights in diffusion and self-supervised training). Heals of one pruned
-    #: model that differ only in their target keep different facts (bench/QUALITY.md, "Facts kept: the
-    #: target's form, and what one heal keeps of another's"): an average over one heal's path keeps what
-    #: most of its steps hold rather than what the last batches taught. 0: off; 0.99 weighs about the
-    #: last 100 updates
+    #: averaging, as an EMA of weights in diffusion and self-supervised training). Built because heals of
+    #: one pruned model that differ only in their target keep different facts; measured, it keeps as many
+    #: facts as one heal, at its NLL (bench/QUALITY.md, "Facts kept: an anchor, a moving average, a soup
+    #: and the size curve"), so it is off by default. 0: off; 0.99 weighs about the last 100 updates
     average: float = setting(0.0, "decay of a moving average of the trained weights, which the held-out evaluations "
                                   "score and the healed model keeps (0: off; 0.99: about the last 100 updates)",
                              lo=0, lt=1, why="a decay of 1 or more never moves the average off the student",

@@ -18,6 +18,7 @@ GIB = 1 << 30
 def test_checkpoint_size_and_mode():
     assert disk.checkpoint_bytes(1000, adam8=False) == 16_000 + disk.OVERHEAD
     assert disk.checkpoint_bytes(1000, adam8=True) == 10_000 + disk.OVERHEAD
+    assert disk.checkpoint_bytes(1000, adam8=False, averaged=True) == 20_000 + disk.OVERHEAD  # the f32 average too
     need, reserve = 10 * GIB, 3 * GIB
     base = reserve + disk.SLACK
     assert disk.checkpoint_mode(need, base + 2 * need, reserve) == disk.KEEP
