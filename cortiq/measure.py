@@ -34,7 +34,6 @@ def score(models: dict, tdata_dir, split: str | None = "test", loss_on: str = "a
 
     from .data import Tdata
     from .devices import resolve_device
-    from .model import load_model
     from .model.nll import first_tokens, score_records, windowed
 
     td = Tdata.open(tdata_dir)
@@ -47,9 +46,7 @@ def score(models: dict, tdata_dir, split: str | None = "test", loss_on: str = "a
     dev = resolve_device(device, "score")
     out = {}
     for name, m in models.items():
-        model = m.to(dev) if isinstance(m, torch.nn.Module) else _held(m, dev)
-        if model is None:
-            model = load_model(m, dtype=torch.float32, device=dev)
+        model = m.to(dev) if isinstance(m, torch.nn.Module) else _read(m, dev)
         bar = tqdm(total=len(recs), desc=f"{split or 'all'} NLL ({name})", unit="rec", disable=not progress,
                    file=sys.stderr)
         s, n = score_records(model, recs, loss_on=loss_on, pad_id=td.eos_id, progress=bar.update)
@@ -78,16 +75,16 @@ def reading_once():
         _LAST.reset(token)
 
 
-def _held(path, device):
+def _read(path, device):
     """The model at `path` on `device` as `score` reads it: inside `reading_once` the last one read when it
-    is the same file, else None (`score` reads it)."""
+    is the same file, else read now."""
     import torch
 
     from .model import load_model
 
     slot = _LAST.get()
     if slot is None:
-        return None
+        return load_model(path, dtype=torch.float32, device=device)
     st = Path(path).stat()
     key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, str(device))
     if slot[0] is None or slot[0][0] != key:
