@@ -51,7 +51,10 @@ class Row:
     `weights`: a retain source's weight in the share (RetainSettings.weights; the others weigh 1);
     `learn`: compress's masks learned (False: the neurons ranked by their activation score on the mix);
     `heal`: other HealSettings fields of the row, as (name, value) pairs; `soup`: the labels of rows whose
-    healed models, of one pruned model, this row averages weight by weight (its other fields unused)."""
+    healed models, of one pruned model, this row averages weight by weight (its other fields unused);
+    `path`: shares of the source's neurons kept on the way to `keep`, each a compress and heal of the
+    model before (the teacher always the source, the retain data always the source's), `keep` the last;
+    `gram_windows`: the Grams' train windows (GramSettings.max_windows; 0: its default)."""
 
     sources: tuple[str, ...]
     share: float = 0.5
@@ -70,6 +73,8 @@ class Row:
     learn: bool = True  # CompressSettings.learn_masks (False: neurons ranked by their activation score)
     heal: tuple[tuple[str, object], ...] = ()  # other HealSettings fields: (name, value)
     soup: tuple[str, ...] = ()  # rows whose healed models (of one pruned model) are averaged; the rest unused
+    path: tuple[float, ...] = ()  # shares of the source's neurons kept by the compress and heals before the last
+    gram_windows: int = 0  # GramSettings.max_windows (0: its default)
 
 
 KNOW = ("self", "knowledge", "corpus:pydoc")
@@ -138,6 +143,14 @@ ROWS = {
     # the three heals of the default's pruned model averaged weight by weight: different heals keep different
     # facts (bench/QUALITY.md, "Facts kept: the target's form"), and an average keeps what most of them hold
     "soup of three heals": Row(("auto",), soup=("defaults", "defaults + topk+rest target", "defaults + full target")),
+    # the repair's least squares from Grams of eight times the windows (a hundred rows a neuron, where the
+    # default's ten left it overfitted): whether a refit that generalises survives the heal
+    "defaults + repair on 512 windows": Row(("auto",), repair=True, gram_windows=512),
+    # the quarter pruned in steps, each healed against the source before the next is ranked and cut: the
+    # heal of 10 % pruned keeps far more facts than the heal of 25 % (the curve below), and the neurons the
+    # next step cuts are ranked on a model whose facts have come back
+    "gradual 0.9 then 0.75": Row(("auto",), path=(0.9,)),
+    "gradual 0.95, 0.85 then 0.75": Row(("auto",), path=(0.95, 0.85)),
     # the quality-for-size curve: every setting at its default but the share kept
     **{f"keep {k}": Row(("auto",), keep=k) for k in (0.95, 0.9, 0.85, 0.75, 0.65, 0.5)},
 }
@@ -240,19 +253,19 @@ def average(paths: list[Path], out: Path) -> Path:
 
 
 def made(label, row: Row, src, sets, cache, out, device, tiny) -> tuple:
-    """(pruned CMF, healed CMF in `out`, heal report, compress s, heal s) of one row, its stages in `cache`."""
+    """(pruned CMF, healed CMF in `out`, heal report, compress s, heal s) of one row, its stages in `cache`:
+    of its last step where the row has a `path` (the seconds of all its steps)."""
+    from cortiq.cmf import open_cmf
     from cortiq.compress import compress
-    from cortiq.compress.settings import CompressSettings, FoldSettings, MaskSettings
+    from cortiq.compress.settings import CompressSettings, FoldSettings, GramSettings, MaskSettings
+    from cortiq.data.stages import with_retain
     from cortiq.heal.settings import HealSettings
     from cortiq.heal.stages import heal
+    from cortiq.runner import LocalRunner
 
     small = dict(max_steps=12, window=64, batch=2, val_windows=4, eval_every=4) if tiny else {}
     pressure = MaskSettings()
     given = lambda **kw: {k: v for k, v in kw.items() if v is not None}  # noqa: E731 (None: the default)
-    c = CompressSettings(masks=MaskSettings(**small, **given(objective=row.objective), l1_init=pressure.l1_init * row.l1,
-                                            l1_step=pressure.l1_step * row.l1), device=device, keep_frac=row.keep,
-                         fold=FoldSettings(**given(scope=row.scope), floor=row.floor, repair=row.repair),
-                         learn_masks=row.learn)
     budget = dict(tokens=row.heal_tokens, patience=0) if row.heal_tokens else {}
     h = HealSettings(device=device, **given(confident=row.confident), **dict(row.heal),
                      **(dict(window=64, batch=4, eval_every=4, tokens=4096) if tiny else budget))
@@ -260,14 +273,28 @@ def made(label, row: Row, src, sets, cache, out, device, tiny) -> tuple:
                         knowledge_entities=row.entities, **(dict(tokens=8000) if tiny else {}))
     rs_masks = dataclasses.replace(rs, sources=list(row.mask_sources)) if row.mask_sources else rs
     work = cache / "stages"
-    t0 = time.perf_counter()
-    key = store.digest("knowledge-pruned", 1, dataclasses.asdict(c), [dataclasses.asdict(rs), dataclasses.asdict(row)])
-    pruned = cache / f"pruned-{key}.cmf"
-    compress(src, sets["heal"], c, pruned, work=work, log=log, retain=rs_masks)
-    t_c = time.perf_counter() - t0
-    healed = out / f"healed-{key}.cmf"
-    rep = heal(pruned, src, sets["heal"], h, healed, work_dir=work, progress=False, score_split=None, retain=rs)
-    t_h = time.perf_counter() - t0 - t_c
+    n_src = sum(open_cmf(src).arch.intermediate_sizes)
+    current, t_c, t_h = src, 0.0, 0.0
+    for step, keep in enumerate((*row.path, row.keep)):
+        n_now = sum(open_cmf(current).arch.intermediate_sizes)
+        c = CompressSettings(masks=MaskSettings(**small, **given(objective=row.objective), l1_init=pressure.l1_init * row.l1,
+                                                l1_step=pressure.l1_step * row.l1), device=device,
+                             keep_frac=min(1.0, keep * n_src / n_now),  # of the model it prunes, the source's share `keep`
+                             fold=FoldSettings(**given(scope=row.scope), floor=row.floor, repair=row.repair),
+                             grams=GramSettings(**given(max_windows=row.gram_windows or None)), learn_masks=row.learn)
+        t0 = time.perf_counter()
+        key = store.digest("knowledge-pruned", 1, dataclasses.asdict(c), [dataclasses.asdict(rs), dataclasses.asdict(row), step])
+        pruned = cache / f"pruned-{key}.cmf"
+        if current == src:
+            compress(src, sets["heal"], c, pruned, work=work, log=log, retain=rs_masks)
+        else:  # a healed step's model ranked on the source's mix, as the source was (the retain data is the source's)
+            mixed, _ = with_retain(sets["heal"], src, rs_masks, LocalRunner(store.work_root(work), say=log).run, None)
+            compress(current, mixed, c, pruned, work=work, log=log)
+        t1 = time.perf_counter()
+        healed = (out if step == len(row.path) else cache) / f"healed-{key}.cmf"
+        rep = heal(pruned, src, sets["heal"], h, healed, work_dir=work, progress=False, score_split=None, retain=rs)
+        t_c, t_h = t_c + t1 - t0, t_h + time.perf_counter() - t1
+        current = healed
     return pruned, healed, rep, t_c, t_h
 
 

@@ -20,7 +20,7 @@ def test_the_average_of_two_models_is_their_mean_weight_by_weight(tmp_path):
 def test_a_soup_row_names_rows_of_one_pruned_model():
     def pruning(r):  # what the pruned model depends on: the members differ in their heal alone
         return (r.sources, r.share, r.scope, r.floor, r.lists, r.entities, r.objective, r.keep, r.l1, r.mask_sources,
-                r.repair, r.weights, r.learn)
+                r.repair, r.weights, r.learn, r.path, r.gram_windows)
 
     soups = {label: row.soup for label, row in ROWS.items() if row.soup}
     assert soups
