@@ -4,10 +4,12 @@
 # That machine (python3.12, x86-64, no package index) has torch, transformers, numpy, pyarrow,
 # safetensors, tokenizers, jinja2, pyyaml, httpx, anyio, click, rich, pandas, scipy, matplotlib ...
 # (the image's list: the device README's KINDS.md), but not what the serve, export, lean and
-# flow rows import: openai, fastapi, uvicorn, gguf, torchao, prefect, mlflow. The list below is
-# their dependency closure at the versions this project's venv resolved (pyproject.toml's pins),
-# less the packages the image already holds. Wheels for CPython 3.12 manylinux, no dependencies
-# resolved (the list is the closure), split by size into .whl/a and .whl/b so that each travels
+# flow rows import: openai, fastapi, uvicorn, gguf, torchao, prefect, mlflow and compressed-tensors
+# (transformers loads the packed q8/q4 HF export through it: without it that row failed on an H100 on
+# 2026-12-07). The list below is their dependency closure at the versions this project's venv
+# resolved (pyproject.toml's pins), less the packages the image already holds. Wheels for CPython
+# 3.12 manylinux, no dependencies resolved (the list is the closure), split by size into .whl/a
+# and .whl/b so that each travels
 # in one device call beside the working tree (64 MiB a call). On the device, in two calls: copy
 # each half to /root/whl, then install them all in ONE pip command (an install into a --target that
 # already holds a top-level folder replaces it, and opentelemetry's namespace package is spread over
@@ -24,14 +26,14 @@ PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 PKGS=(
   aiosqlite==0.22.1 alembic==1.20.1 amplitude-analytics==1.3.0 annotated-types==0.8.0 apprise==2.0.1
   asgi-lifespan==2.1.0 asyncpg==0.32.0 beartype==0.23.1 blinker==1.9.0 burner-redis==0.1.7 cachetools==7.3.3
-  cffi==2.1.1 coolname==5.0.0 cronsim==2.8 cryptography==50.0.2 cyclopts==5.5.2 databricks-sdk==0.162.0
+  cffi==2.1.1 compressed-tensors==0.20.1 coolname==5.0.0 cronsim==2.8 cryptography==50.0.2 cyclopts==5.5.2 databricks-sdk==0.162.0
   dateparser==1.5.0 docker==7.2.0 docstring-parser==0.18.0 exceptiongroup==1.3.2 fastapi==0.150.0 flask==3.1.3
   flask-cors==6.0.5 gguf==0.19.0 gitdb==4.0.12 gitpython==3.2.1 google-auth==2.63.0 graphene==3.4.3
   graphql-core==3.2.14 graphql-relay==3.2.0 graphviz==0.21 greenlet==3.5.6 griffe==2.4.1 griffecli==2.4.1
   griffelib==2.4.1 gunicorn==26.2.0 h2==4.4.1 hpack==4.2.0 httpcore2==2.16.2 httpx2==2.16.2 huey==3.5.4
   hyperframe==6.1.0 importlib-metadata==9.1.0
   itsdangerous==2.2.0 jinja2-humanize-extension==0.4.0 jiter==0.19.0 jsonpatch==1.48 jsonpointer==3.12
-  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 mako==1.4.3 mlflow==3.17.2 mlflow-skinny==3.17.2
+  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 loguru==0.7.3 mako==1.4.3 mlflow==3.17.2 mlflow-skinny==3.17.2
   mlflow-tracing==3.17.2 oauthlib==4.0.1 openai==3.57.0 opentelemetry-api==1.45.2 opentelemetry-proto==1.45.2
   opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2 orjson==3.13.0 pendulum==3.3.0
   prefect==3.9.1 prettytable==3.18.0 py-key-value-aio==0.5.0 pyasn1==0.6.5 pyasn1-modules==0.4.2 pycparser==3.12

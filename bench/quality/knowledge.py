@@ -150,7 +150,7 @@ ROWS = {
     # heal of 10 % pruned keeps far more facts than the heal of 25 % (the curve below), and the neurons the
     # next step cuts are ranked on a model whose facts have come back
     "gradual 0.9 then 0.75": Row(("auto",), path=(0.9,)),
-    "gradual 0.95, 0.85 then 0.75": Row(("auto",), path=(0.95, 0.85)),
+    "gradual 0.95 0.85 then 0.75": Row(("auto",), path=(0.95, 0.85)),
     # the quality-for-size curve: every setting at its default but the share kept
     **{f"keep {k}": Row(("auto",), keep=k) for k in (0.95, 0.9, 0.85, 0.75, 0.65, 0.5)},
 }
