@@ -8,6 +8,7 @@ persisted by Prefect: the outputs are the cache.
 """
 
 import os as _os
+import sys as _sys
 
 from cortiq.store import home as _home
 
@@ -19,5 +20,22 @@ for _k, _v in (("DO_NOT_TRACK", "true"), ("PREFECT_SERVER_ANALYTICS_ENABLED", "f
                ("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")):
     _os.environ.setdefault(_k, _v)
 
-# prefect creates its home without parents: a fresh machine has no cortiq home yet
-_os.makedirs(_os.environ["PREFECT_HOME"], exist_ok=True)
+
+
+class _HomeBeforePrefect:
+    """Makes PREFECT_HOME as prefect is first imported: prefect creates its home without parents (a fresh
+    machine has no cortiq home yet), and importing this package alone must write nothing (`cortiq run`
+    is found through `flows`, and a bad parameter file is refused before any flow is imported)."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "prefect":
+            _os.makedirs(_os.environ["PREFECT_HOME"], exist_ok=True)
+            _sys.meta_path.remove(_HomeBeforePrefect)
+        return None  # the import itself is the next finder's
+
+
+if "prefect" in _sys.modules:
+    _os.makedirs(_os.environ["PREFECT_HOME"], exist_ok=True)
+elif _HomeBeforePrefect not in _sys.meta_path:
+    _sys.meta_path.insert(0, _HomeBeforePrefect)
