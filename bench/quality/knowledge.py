@@ -132,6 +132,9 @@ ROWS = {
     "defaults + topk+rest target": Row(("auto",), heal=(("target", "topk+rest"),)),
     # half the heal's peak rate: the facts the fold left may be kept by a gentler descent
     "defaults + heal lr 3e-4": Row(("auto",), heal=(("lr", 3e-4),)),
+    # twice and four times the rate: half of it kept fewer facts than the default (bench/QUALITY.md, "Facts kept:
+    # an anchor, a moving average, a soup and the size curve"), so the other side of the default
+    **{f"defaults + heal lr {lr}": Row(("auto",), heal=(("lr", float(lr)),)) for lr in ("1.2e-3", "2.4e-3")},
     # the heal trains the MLPs alone: the attention that looks up a fact's subject stays the source's
     "defaults + heal ffn only": Row(("auto",), heal=(("ffn_only", True),)),
     # the retain shares move toward the source farthest from the teacher (HealSettings.mix dynamic): the
