@@ -21,7 +21,6 @@ for _k, _v in (("DO_NOT_TRACK", "true"), ("PREFECT_SERVER_ANALYTICS_ENABLED", "f
     _os.environ.setdefault(_k, _v)
 
 
-
 class _HomeBeforePrefect:
     """Makes PREFECT_HOME as prefect is first imported: prefect creates its home without parents (a fresh
     machine has no cortiq home yet), and importing this package alone must write nothing (`cortiq run`
