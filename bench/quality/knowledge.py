@@ -146,8 +146,8 @@ ROWS = {
     # the three heals of the default's pruned model averaged weight by weight: different heals keep different
     # facts (bench/QUALITY.md, "Facts kept: the target's form"), and an average keeps what most of them hold
     "soup of three heals": Row(("auto",), soup=("defaults", "defaults + topk+rest target", "defaults + full target")),
-    # the repair's least squares from Grams of eight times the windows, where the default's saw fewer rows
-    # than a layer has neurons and overfitted: whether a refit that generalises survives the heal
+    # the repair's least squares from Grams of eight times the windows: whether a refit from more rows a
+    # neuron, less fitted to the few it saw, leaves the heal a better start
     "defaults + repair on 512 windows": Row(("auto",), repair=True, gram_windows=512),
     # the quarter pruned in steps, each healed against the source before the next is ranked and cut: the
     # heal of 10 % pruned keeps far more facts than the heal of 25 % (the curve below), and the neurons the
